@@ -1,0 +1,31 @@
+//! boxoffice's HTTP API (axum). Handlers are thin: they authenticate, validate and call the
+//! ledger ([`boxoffice_store`]); every error leaves through [`problem::Problem`] as an
+//! RFC 9457 `application/problem+json` body with the right status code.
+//!
+//! Routes:
+//! - `POST /events/{event_id}/admission` — admission token for the authenticated user;
+//! - `POST /events/{event_id}/holds` — the hold transaction (invariants 1 and 3);
+//! - `GET  /orders/{order_id}` — the owner's view of the workflow (404 for anyone else);
+//! - `GET  /events/{event_id}/seats` — availability map, cached ≤ 1 s (a hint, never a promise);
+//! - `POST /webhooks/stripe` — signature-verified, deduplicated webhook ingress (invariant 4);
+//! - `GET  /healthz`, `GET /readyz`, `GET /metrics`.
+
+pub mod auth;
+pub mod problem;
+pub mod routes;
+pub mod state;
+pub mod webhooks;
+
+pub use routes::router;
+pub use state::{ApiSettings, AppState};
+
+/// Serves `router` on `listener` until `shutdown`, letting in-flight requests finish.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    app: axum::Router,
+    shutdown: tokio_util::sync::CancellationToken,
+) -> std::io::Result<()> {
+    axum::serve(listener, app)
+        .with_graceful_shutdown(async move { shutdown.cancelled().await })
+        .await
+}

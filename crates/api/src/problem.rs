@@ -1,0 +1,209 @@
+//! RFC 9457 problem details: the single way errors leave the API, and the single mapping from
+//! domain and storage errors to HTTP status codes. The client sees a stable `code` and a
+//! human `detail`; internal causes are logged with their source chain and never sent.
+
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use boxoffice_store::holds::ReserveError;
+use serde_json::{json, Value};
+
+/// A problem+json response.
+#[derive(Debug)]
+pub struct Problem {
+    /// HTTP status.
+    pub status: StatusCode,
+    /// Stable machine-readable code; the `type` URI is `urn:boxoffice:problem:{code}`.
+    pub code: &'static str,
+    /// Short summary, the same for every occurrence of `code`.
+    pub title: &'static str,
+    /// Occurrence-specific explanation, safe to show to the client.
+    pub detail: String,
+    /// Extension members merged into the body.
+    pub extra: Option<Value>,
+    /// Seconds for a `Retry-After` header.
+    pub retry_after: Option<u64>,
+}
+
+impl Problem {
+    /// A problem with no extensions.
+    pub fn new(
+        status: StatusCode,
+        code: &'static str,
+        title: &'static str,
+        detail: impl Into<String>,
+    ) -> Self {
+        Self {
+            status,
+            code,
+            title,
+            detail: detail.into(),
+            extra: None,
+            retry_after: None,
+        }
+    }
+
+    /// Adds extension members.
+    pub fn with(mut self, extra: Value) -> Self {
+        self.extra = Some(extra);
+        self
+    }
+
+    /// 400 for malformed requests.
+    pub fn bad_request(code: &'static str, detail: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, code, "Bad request", detail)
+    }
+
+    /// 404.
+    pub fn not_found(what: &str) -> Self {
+        Self::new(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            "Not found",
+            format!("{what} not found"),
+        )
+    }
+
+    /// 503 with `Retry-After`, logging the cause.
+    pub fn unavailable(cause: &dyn std::error::Error) -> Self {
+        tracing::warn!(error = %ErrorChain(cause), "dependency unavailable");
+        let mut p = Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "unavailable",
+            "Service unavailable",
+            "a dependency is unavailable; retry with the same Idempotency-Key",
+        );
+        p.retry_after = Some(1);
+        p
+    }
+
+    /// 500, logging the cause.
+    pub fn internal(cause: &dyn std::error::Error) -> Self {
+        tracing::error!(error = %ErrorChain(cause), "internal error");
+        Self::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            "Internal error",
+            "an internal error occurred",
+        )
+    }
+
+    /// 500 or 503 for a database error, depending on whether it is transient.
+    pub fn database(e: &sqlx::Error) -> Self {
+        if boxoffice_store::is_retryable(e) {
+            Self::unavailable(e)
+        } else {
+            Self::internal(e)
+        }
+    }
+}
+
+/// Displays an error with its whole source chain.
+pub struct ErrorChain<'a>(pub &'a dyn std::error::Error);
+
+impl std::fmt::Display for ErrorChain<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut s = self.0.source();
+        while let Some(e) = s {
+            write!(f, ": {e}")?;
+            s = e.source();
+        }
+        Ok(())
+    }
+}
+
+impl IntoResponse for Problem {
+    fn into_response(self) -> Response {
+        let mut body = json!({
+            "type": format!("urn:boxoffice:problem:{}", self.code),
+            "title": self.title,
+            "status": self.status.as_u16(),
+            "detail": self.detail,
+            "code": self.code,
+        });
+        if let (Some(Value::Object(extra)), Value::Object(b)) = (self.extra, &mut body) {
+            b.extend(extra);
+        }
+        let mut resp = (self.status, body.to_string()).into_response();
+        resp.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        if let Some(s) = self.retry_after {
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        resp
+    }
+}
+
+impl From<ReserveError> for Problem {
+    fn from(e: ReserveError) -> Self {
+        match e {
+            ReserveError::SeatUnavailable { seat_ids } => Problem::new(
+                StatusCode::CONFLICT,
+                "seat_unavailable",
+                "Seat unavailable",
+                "at least one requested seat is held or sold; nothing was held",
+            )
+            .with(json!({ "unavailable_seat_ids": seat_ids })),
+            ReserveError::IdempotencyConflict => Problem::new(
+                StatusCode::CONFLICT,
+                "idempotency_key_conflict",
+                "Idempotency-Key reused",
+                "this Idempotency-Key was already used with a different request body",
+            ),
+            ReserveError::InProgress => {
+                let mut p = Problem::new(
+                    StatusCode::CONFLICT,
+                    "idempotency_key_in_use",
+                    "Request in progress",
+                    "a request with this Idempotency-Key is still being processed; retry shortly",
+                );
+                p.retry_after = Some(1);
+                p
+            }
+            ReserveError::UnknownSeats { seat_ids } => Problem::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "unknown_seats",
+                "Unknown seats",
+                "some seat ids do not belong to this event",
+            )
+            .with(json!({ "unknown_seat_ids": seat_ids })),
+            ReserveError::EventNotFound => Problem::not_found("event"),
+            ReserveError::SeatCount(n) => Problem::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "seat_count",
+                "Invalid seat count",
+                format!("a hold takes 1 to 8 distinct seats, got {n}"),
+            ),
+            ReserveError::Db(e) => Problem::database(&e),
+        }
+    }
+}
+
+impl From<boxoffice_store::StoreError> for Problem {
+    fn from(e: boxoffice_store::StoreError) -> Self {
+        match &e {
+            boxoffice_store::StoreError::Db(db) => Problem::database(db),
+            _ => Problem::internal(&e),
+        }
+    }
+}
+
+impl From<sqlx::Error> for Problem {
+    fn from(e: sqlx::Error) -> Self {
+        Problem::database(&e)
+    }
+}
+
+impl From<boxoffice_admission::AdmissionError> for Problem {
+    fn from(e: boxoffice_admission::AdmissionError) -> Self {
+        Problem::new(
+            StatusCode::FORBIDDEN,
+            e.code(),
+            "Admission refused",
+            e.to_string(),
+        )
+    }
+}

@@ -1,0 +1,260 @@
+//! Route table and handlers. Handlers authenticate, validate and delegate to the ledger;
+//! they contain no SQL beyond readiness probes.
+
+use crate::auth::{ApiJson, IdPath, IdempotencyKey, User};
+use crate::problem::{ErrorChain, Problem};
+use crate::state::AppState;
+use crate::webhooks;
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use boxoffice_admission::AdmissionError;
+use boxoffice_domain::{EventId, OrderId, SeatId};
+use boxoffice_store::holds::{self, ReserveOutcome, ReserveRequest};
+use boxoffice_store::{orders, venue};
+use serde::Deserialize;
+use serde_json::json;
+use std::time::Instant;
+use uuid::Uuid;
+
+/// The whole API.
+pub fn router(state: AppState) -> Router {
+    let limit = state.settings.max_body_bytes;
+    Router::new()
+        .route("/events/{event_id}/admission", post(admit))
+        .route("/events/{event_id}/holds", post(create_hold))
+        .route("/events/{event_id}/seats", get(seat_map))
+        .route("/orders/{order_id}", get(get_order))
+        .route("/webhooks/stripe", post(stripe_webhook))
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .fallback(|| async { Problem::not_found("route") })
+        .layer(DefaultBodyLimit::max(limit))
+        .layer(tower_http::trace::TraceLayer::new_for_http())
+        .with_state(state)
+}
+
+/// `POST /events/{event_id}/admission` → 201 `{admission_token, expires_at, purchase_cell}`.
+/// Until the waiting room admits buyers, any authenticated user is admitted at once.
+async fn admit(
+    State(st): State<AppState>,
+    user: User,
+    IdPath(event): IdPath<Uuid>,
+) -> Result<Response, Problem> {
+    let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM events WHERE id = $1)")
+        .bind(event)
+        .fetch_one(&st.pool)
+        .await?;
+    if !exists {
+        return Err(Problem::not_found("event"));
+    }
+    let (token, claims) = st
+        .admission
+        .issue(user.0, EventId(event), st.settings.admission_ttl_s);
+    let expires_at = chrono::DateTime::from_timestamp(claims.exp, 0);
+    Ok((
+        StatusCode::CREATED,
+        Json(json!({"admission_token": token, "expires_at": expires_at, "purchase_cell": claims.purchase_cell})),
+    )
+        .into_response())
+}
+
+/// Body of `POST /events/{event_id}/holds`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct HoldBody {
+    /// 1–8 seat ids of the event.
+    seat_ids: Vec<SeatId>,
+}
+
+/// `POST /events/{event_id}/holds` → 202 + `Location: /orders/{id}` with the hold receipt;
+/// the same key and body again → the original 202; errors as problem+json.
+async fn create_hold(
+    State(st): State<AppState>,
+    user: User,
+    IdPath(event): IdPath<Uuid>,
+    key: IdempotencyKey,
+    headers: HeaderMap,
+    body: ApiJson<HoldBody>,
+) -> Result<Response, Problem> {
+    let started = Instant::now();
+    let token = headers
+        .get("x-admission-token")
+        .and_then(|v| v.to_str().ok())
+        .ok_or(AdmissionError::Missing)?;
+    st.admission.verify(token, user.0, EventId(event))?;
+    let ApiJson(body) = body;
+    let correlation_id = headers
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(Uuid::new_v4);
+    let req = ReserveRequest {
+        user_id: user.0,
+        event_id: EventId(event),
+        seat_ids: body.seat_ids,
+        idempotency_key: key.0,
+        correlation_id,
+        ttl: st.settings.hold_ttl,
+    };
+    let outcome = holds::reserve(&st.pool, &req).await;
+    let label = match &outcome {
+        Ok(ReserveOutcome::Created(_)) => "created",
+        Ok(ReserveOutcome::Replayed(_)) => "replayed",
+        Err(holds::ReserveError::SeatUnavailable { .. }) => "seat_unavailable",
+        Err(_) => "error",
+    };
+    metrics::histogram!("boxoffice_hold_seconds", "outcome" => label)
+        .record(started.elapsed().as_secs_f64());
+    let outcome = outcome?;
+    let receipt = outcome.receipt();
+    let mut resp = (StatusCode::ACCEPTED, Json(receipt)).into_response();
+    let location = format!("/orders/{}", receipt.order_id);
+    resp.headers_mut().insert(
+        header::LOCATION,
+        HeaderValue::from_str(&location).expect("uuid path"),
+    );
+    if matches!(outcome, ReserveOutcome::Replayed(_)) {
+        resp.headers_mut()
+            .insert("idempotent-replayed", HeaderValue::from_static("true"));
+    }
+    Ok(resp)
+}
+
+/// `GET /orders/{order_id}` → 200 order view, 404 when missing or not the caller's.
+async fn get_order(
+    State(st): State<AppState>,
+    user: User,
+    IdPath(order): IdPath<Uuid>,
+) -> Result<Response, Problem> {
+    match orders::view(&st.pool, OrderId(order), user.0).await? {
+        Some(v) => {
+            let mut resp = Json(v).into_response();
+            // Carries the client secret while payment is pending: never cache.
+            resp.headers_mut()
+                .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+            Ok(resp)
+        }
+        None => Err(Problem::not_found("order")),
+    }
+}
+
+/// `GET /events/{event_id}/seats` → `{event_id, generated_at, seats: [...]}`; rendered at most
+/// once per `seat_map_max_age_ms` per event. A hint: only the hold transaction decides.
+async fn seat_map(
+    State(st): State<AppState>,
+    IdPath(event): IdPath<Uuid>,
+) -> Result<Response, Problem> {
+    let max_age = std::time::Duration::from_millis(st.settings.seat_map_max_age_ms);
+    let cached = |st: &AppState| {
+        st.seat_maps
+            .lock()
+            .expect("seat map cache poisoned")
+            .get(&event)
+            .filter(|(at, _)| at.elapsed() < max_age)
+            .map(|(_, b)| b.clone())
+    };
+    let body = match cached(&st) {
+        Some(b) => b,
+        None => {
+            let _render = st.seat_map_render.lock().await;
+            match cached(&st) {
+                Some(b) => b,
+                None => {
+                    let Some(seats) = venue::seat_map(&st.pool, EventId(event)).await? else {
+                        return Err(Problem::not_found("event"));
+                    };
+                    let body = Bytes::from(
+                        serde_json::to_vec(&json!({"event_id": event, "generated_at": chrono::Utc::now(), "seats": seats}))
+                            .expect("seat map serializes"),
+                    );
+                    st.seat_maps
+                        .lock()
+                        .expect("seat map cache poisoned")
+                        .insert(event, (Instant::now(), body.clone()));
+                    body
+                }
+            }
+        }
+    };
+    Ok((
+        [
+            (header::CONTENT_TYPE, "application/json"),
+            (header::CACHE_CONTROL, "max-age=1"),
+        ],
+        body,
+    )
+        .into_response())
+}
+
+/// `POST /webhooks/stripe`: 400 on a missing/bad signature (nothing written), 200 once the
+/// event and its continuation are committed, 503 if the database is unavailable (Stripe
+/// retries).
+async fn stripe_webhook(
+    State(st): State<AppState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, Problem> {
+    let sig = headers
+        .get("stripe-signature")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    let event = boxoffice_payments::webhook::verify(
+        &body,
+        sig,
+        &st.settings.webhook_secret,
+        st.settings.webhook_tolerance_s,
+        chrono::Utc::now().timestamp(),
+    )
+    .map_err(|e| {
+        metrics::counter!("boxoffice_stripe_webhooks_total", "outcome" => "bad_signature")
+            .increment(1);
+        tracing::warn!(error = %ErrorChain(&e), "webhook rejected");
+        Problem::bad_request(
+            "invalid_signature",
+            "the Stripe-Signature header does not verify",
+        )
+    })?;
+    let outcome = webhooks::ingest(&st.pool, &event).await?;
+    Ok(
+        Json(json!({"received": true, "duplicate": outcome == webhooks::Ingested::Duplicate}))
+            .into_response(),
+    )
+}
+
+/// `GET /readyz`: 200 when the database answers (and the producer reaches a broker, when
+/// this process runs one); 503 otherwise.
+async fn readyz(State(st): State<AppState>) -> Response {
+    let db = sqlx::query("SELECT 1").execute(&st.pool).await.is_ok();
+    let broker = match &st.producer {
+        Some(p) => {
+            let p = p.clone();
+            tokio::task::spawn_blocking(move || boxoffice_bus::producer::healthy(&p))
+                .await
+                .unwrap_or(false)
+        }
+        None => true,
+    };
+    let status = if db && broker {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (status, Json(json!({"database": db, "broker": broker}))).into_response()
+}
+
+/// `GET /metrics`: Prometheus text exposition.
+async fn metrics(State(st): State<AppState>) -> Response {
+    match &st.metrics {
+        Some(h) => (
+            [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+            h.render(),
+        )
+            .into_response(),
+        None => Problem::not_found("metrics").into_response(),
+    }
+}

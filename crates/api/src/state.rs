@@ -1,0 +1,85 @@
+//! Shared state of the API role.
+
+use boxoffice_admission::{AdmissionTokens, UserTokens};
+use bytes::Bytes;
+use metrics_exporter_prometheus::PrometheusHandle;
+use rdkafka::producer::FutureProducer;
+use sqlx::PgPool;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use uuid::Uuid;
+
+/// API tuning.
+#[derive(Debug, Clone)]
+pub struct ApiSettings {
+    /// Hold time to live.
+    pub hold_ttl: Duration,
+    /// Admission token lifetime (the admission slot), seconds.
+    pub admission_ttl_s: i64,
+    /// How long a rendered seat map may be served, ms.
+    pub seat_map_max_age_ms: u64,
+    /// Stripe webhook endpoint secret (`whsec_…`).
+    pub webhook_secret: String,
+    /// Allowed clock skew for webhook timestamps, seconds.
+    pub webhook_tolerance_s: i64,
+    /// Largest accepted request body, bytes (→ 413 beyond).
+    pub max_body_bytes: usize,
+}
+
+impl Default for ApiSettings {
+    fn default() -> Self {
+        Self {
+            hold_ttl: Duration::from_secs(300),
+            admission_ttl_s: 900,
+            seat_map_max_age_ms: 1_000,
+            webhook_secret: String::new(),
+            webhook_tolerance_s: 300,
+            max_body_bytes: 64 * 1024,
+        }
+    }
+}
+
+/// Everything a handler needs; cheap to clone.
+#[derive(Clone)]
+pub struct AppState {
+    /// The ledger.
+    pub pool: PgPool,
+    /// Bearer-token verification.
+    pub users: UserTokens,
+    /// Admission-token signing and verification.
+    pub admission: AdmissionTokens,
+    /// Tuning.
+    pub settings: Arc<ApiSettings>,
+    /// The producer whose health `/readyz` reports (absent when no relay runs here).
+    pub producer: Option<FutureProducer>,
+    /// Prometheus exposition for `/metrics`.
+    pub metrics: Option<PrometheusHandle>,
+    /// Rendered seat maps per event, with the instant they were rendered.
+    pub seat_maps: Arc<Mutex<HashMap<Uuid, (Instant, Bytes)>>>,
+    /// Serializes seat-map rendering so a cache miss under load renders once.
+    pub seat_map_render: Arc<tokio::sync::Mutex<()>>,
+}
+
+impl AppState {
+    /// Builds the state.
+    pub fn new(
+        pool: PgPool,
+        users: UserTokens,
+        admission: AdmissionTokens,
+        settings: ApiSettings,
+        producer: Option<FutureProducer>,
+        metrics: Option<PrometheusHandle>,
+    ) -> Self {
+        Self {
+            pool,
+            users,
+            admission,
+            settings: Arc::new(settings),
+            producer,
+            metrics,
+            seat_maps: Arc::default(),
+            seat_map_render: Arc::default(),
+        }
+    }
+}

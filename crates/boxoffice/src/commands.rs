@@ -1,0 +1,186 @@
+//! The binary's commands other than `onsale`: migrate, serve, seed-venue, stripe-sim, audit
+//! and topics create. Each returns the process exit code or an error with context.
+
+use crate::config::Config;
+use crate::runtime::{self, Role};
+use anyhow::Context;
+use boxoffice_store::venue::{self, VenueSpec};
+use secrecy::ExposeSecret;
+use sqlx::migrate::MigrateDatabase;
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+
+/// Creates the database if it does not exist and applies every migration (idempotent).
+pub async fn migrate_db(cfg: &Config) -> anyhow::Result<PgPool> {
+    let url = cfg.database_url.expose_secret();
+    if !sqlx::Postgres::database_exists(url)
+        .await
+        .context("connecting to PostgreSQL")?
+    {
+        sqlx::Postgres::create_database(url)
+            .await
+            .context("creating the database")?;
+    }
+    let pool = boxoffice_store::connect(
+        cfg.pg_options()?,
+        cfg.db_max_connections,
+        cfg.db_acquire_timeout_ms,
+    )
+    .await?;
+    boxoffice_store::MIGRATOR
+        .run(&pool)
+        .await
+        .context("applying migrations")?;
+    Ok(pool)
+}
+
+/// `boxoffice migrate`: database migrations, then topics when a broker is configured.
+pub async fn migrate(cfg: &Config) -> anyhow::Result<()> {
+    migrate_db(cfg).await?;
+    tracing::info!("migrations applied");
+    if let Some(k) = cfg.kafka() {
+        let created = boxoffice_bus::topics::create_all(&k).await?;
+        tracing::info!(?created, partitions = k.partitions, "topics ready");
+    }
+    Ok(())
+}
+
+/// `boxoffice topics create`.
+pub async fn topics_create(cfg: &Config) -> anyhow::Result<()> {
+    let k = cfg
+        .kafka()
+        .context("set BOXOFFICE_KAFKA_BROKERS to create topics")?;
+    let created = boxoffice_bus::topics::create_all(&k).await?;
+    println!("created: {created:?} (existing topics left as they are)");
+    Ok(())
+}
+
+/// `boxoffice serve --roles …`: runs until SIGTERM / ctrl-c, then shuts down gracefully.
+pub async fn serve(cfg: &Config, roles: &[Role]) -> anyhow::Result<()> {
+    let pool = boxoffice_store::connect(
+        cfg.pg_options()?,
+        cfg.db_max_connections,
+        cfg.db_acquire_timeout_ms,
+    )
+    .await?;
+    let shutdown = CancellationToken::new();
+    let running = runtime::start(cfg, roles, pool, shutdown.clone()).await?;
+    if let Some(addr) = running.api_addr {
+        tracing::info!(%addr, "api listening");
+    }
+    tracing::info!(?roles, "roles started");
+    wait_for_signal().await;
+    tracing::info!("shutting down");
+    shutdown.cancel();
+    running.join().await;
+    Ok(())
+}
+
+/// Resolves on SIGTERM or ctrl-c.
+pub async fn wait_for_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("signal handler");
+        tokio::select! { _ = ctrl_c => {}, _ = term.recv() => {} }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}
+
+/// `boxoffice seed-venue`: creates the event and its arena (idempotent); prints the event id.
+pub async fn seed_venue(
+    cfg: &Config,
+    name: &str,
+    small: Option<(u32, u32, u32)>,
+) -> anyhow::Result<uuid::Uuid> {
+    let pool = migrate_db(cfg).await?;
+    let spec = match small {
+        Some((s, r, n)) => VenueSpec::small(s, r, n),
+        None => VenueSpec::arena(),
+    };
+    let starts = chrono::Utc::now() + chrono::Duration::days(30);
+    let (event, seats) = venue::seed(&pool, name, &spec, starts, &cfg.purchase_cell).await?;
+    println!("event {event} \"{name}\" at {}: {seats} seats", spec.name);
+    Ok(event.0)
+}
+
+/// `boxoffice stripe-sim`: serves the Stripe simulator until SIGTERM / ctrl-c.
+pub async fn stripe_sim(
+    cfg: &Config,
+    bind: &str,
+    webhook_url: Option<String>,
+) -> anyhow::Result<()> {
+    let sim = boxoffice_stripe_sim::StripeSim::new(boxoffice_stripe_sim::SimConfig {
+        webhook_url,
+        webhook_secret: cfg.stripe_webhook_secret.expose_secret().to_owned(),
+        ..Default::default()
+    });
+    let listener = tokio::net::TcpListener::bind(bind)
+        .await
+        .with_context(|| format!("binding {bind}"))?;
+    tracing::info!(addr = %listener.local_addr()?, "stripe simulator listening");
+    let shutdown = CancellationToken::new();
+    let s2 = shutdown.clone();
+    tokio::spawn(async move {
+        wait_for_signal().await;
+        s2.cancel();
+    });
+    sim.serve(listener, shutdown).await?;
+    Ok(())
+}
+
+/// `boxoffice audit`: prints the invariant checks (text or JSON); exit code 1 on any
+/// violation.
+pub async fn audit(
+    cfg: &Config,
+    json: bool,
+    stuck_after_ms: i64,
+    event: Option<uuid::Uuid>,
+) -> anyhow::Result<i32> {
+    let pool = boxoffice_store::connect(cfg.pg_options()?, 4, cfg.db_acquire_timeout_ms).await?;
+    let v = boxoffice_store::audit::violations(&pool, stuck_after_ms, event).await?;
+    let t = boxoffice_store::audit::totals(&pool, event).await?;
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({"violations": v, "totals": t}))?
+        );
+    } else {
+        println!("{}", render_audit(&v));
+        println!("totals: {}", serde_json::to_string(&t)?);
+    }
+    Ok(if v.total() == 0 { 0 } else { 1 })
+}
+
+/// Text table of the invariant checks.
+pub fn render_audit(v: &boxoffice_store::audit::Violations) -> String {
+    let rows = [
+        ("oversold seats", v.oversold),
+        (
+            "seats with more than one active hold",
+            v.double_active_holds,
+        ),
+        (
+            "tickets without captured payment",
+            v.tickets_without_capture,
+        ),
+        (
+            "captured payments without ticket or refund",
+            v.captured_without_ticket_or_refund,
+        ),
+        ("orders stuck in a non-final state", v.stuck_orders),
+        ("unpublished outbox rows", v.unpublished_outbox),
+    ];
+    let mut out = String::from("invariant checks\n");
+    for (name, n) in rows {
+        out.push_str(&format!(
+            "  {:<46} {:>6}  {}\n",
+            name,
+            n,
+            if n == 0 { "ok" } else { "VIOLATION" }
+        ));
+    }
+    out
+}

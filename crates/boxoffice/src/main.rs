@@ -1,0 +1,138 @@
+//! `boxoffice`: one binary, every role. See `boxoffice --help`.
+
+use boxoffice::commands;
+use boxoffice::config::Config;
+use boxoffice::runtime::Role;
+use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+
+#[derive(Parser)]
+#[command(
+    name = "boxoffice",
+    version,
+    about = "Event-driven reserved-seat ticketing backend"
+)]
+struct Cli {
+    /// TOML configuration file (defaults, then this file, then BOXOFFICE_* variables).
+    #[arg(long, global = true, env = "BOXOFFICE_CONFIG")]
+    config: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Create the database if needed, apply migrations, and create topics when a broker is configured.
+    Migrate,
+    /// Run roles until SIGTERM / ctrl-c.
+    Serve {
+        /// Comma-separated roles: api, relay, saga, payments, expiry, tickets.
+        #[arg(
+            long,
+            value_delimiter = ',',
+            default_value = "api,relay,saga,payments,expiry,tickets"
+        )]
+        roles: Vec<Role>,
+    },
+    /// Create an event with a reserved-seating venue (idempotent).
+    SeedVenue {
+        /// Event name; the event id is derived from it.
+        #[arg(long, default_value = "Arena Onsale")]
+        name: String,
+        /// A small venue `SECTIONS,ROWS,SEATS` instead of the 18,000-seat arena.
+        #[arg(long, value_delimiter = ',', num_args = 3)]
+        small: Option<Vec<u32>>,
+    },
+    /// Run the Stripe simulator.
+    StripeSim {
+        /// Listen address.
+        #[arg(long, default_value = "127.0.0.1:12111")]
+        bind: String,
+        /// Where to deliver signed webhooks, e.g. http://127.0.0.1:8080/webhooks/stripe.
+        #[arg(long)]
+        webhook_url: Option<String>,
+    },
+    /// Run a whole onsale with simulated buyers and print the report (the main job).
+    Onsale(boxoffice::onsale::OnsaleArgs),
+    /// Check every invariant against the ledger; exit 1 on any violation.
+    Audit {
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+        /// Orders in a non-final state longer than this count as stuck, ms.
+        #[arg(long, default_value_t = 600_000)]
+        stuck_after_ms: i64,
+        /// Restrict the checks to one event.
+        #[arg(long)]
+        event: Option<uuid::Uuid>,
+    },
+    /// Topic management.
+    Topics {
+        #[command(subcommand)]
+        action: TopicsAction,
+    },
+}
+
+#[derive(Subcommand)]
+enum TopicsAction {
+    /// Create every topic with the configured partition count (existing ones are left alone).
+    Create,
+}
+
+fn init_logging(cfg: &Config, quiet: bool) {
+    let default = if quiet {
+        "warn"
+    } else {
+        "info,sqlx=warn,rdkafka=warn"
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_env("BOXOFFICE_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if cfg.log_format == "json" {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+}
+
+#[tokio::main]
+async fn main() {
+    let cli = Cli::parse();
+    let cfg = match Config::load(cli.config.as_deref()) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::exit(2);
+        }
+    };
+    init_logging(&cfg, matches!(cli.command, Command::Onsale(_)));
+    let result: anyhow::Result<i32> = match cli.command {
+        Command::Migrate => commands::migrate(&cfg).await.map(|_| 0),
+        Command::Serve { roles } => commands::serve(&cfg, &roles).await.map(|_| 0),
+        Command::SeedVenue { name, small } => {
+            let small = small.map(|v| (v[0], v[1], v[2]));
+            commands::seed_venue(&cfg, &name, small).await.map(|_| 0)
+        }
+        Command::StripeSim { bind, webhook_url } => commands::stripe_sim(&cfg, &bind, webhook_url)
+            .await
+            .map(|_| 0),
+        Command::Onsale(args) => boxoffice::onsale::run(cfg, args).await,
+        Command::Audit {
+            json,
+            stuck_after_ms,
+            event,
+        } => commands::audit(&cfg, json, stuck_after_ms, event).await,
+        Command::Topics {
+            action: TopicsAction::Create,
+        } => commands::topics_create(&cfg).await.map(|_| 0),
+    };
+    match result {
+        Ok(code) => std::process::exit(code),
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::exit(1);
+        }
+    }
+}

@@ -1,0 +1,791 @@
+//! The simulated buyers of `boxoffice onsale`: N concurrent tokio tasks that walk the
+//! purchase path over HTTP only (admission → seat map → hold → pay at the Stripe simulator
+//! like Stripe.js → poll the order to a final state), and the statistics they produce.
+//!
+//! Owns: one shared reqwest client, a semaphore capping in-flight requests, ONE shared seat
+//! map refreshed single-flight at most every ~1 s (plus the seats this generator saw taken
+//! since, greyed out like a real client would), and the counters/histograms of the report.
+//!
+//! Retries follow the API's contract: transport errors, 5xx and 429 retry the *same* request
+//! (same Idempotency-Key and body) with bounded jittered backoff; a 409 `seat_unavailable`
+//! leads to a new pick with a new key. Nothing here panics: every unexpected answer is
+//! counted in `http_errors` and ends or continues the buyer's journey.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use hdrhistogram::Histogram;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use reqwest::{RequestBuilder, StatusCode};
+use serde::{Deserialize, Serialize};
+use tokio::sync::Semaphore;
+use uuid::Uuid;
+
+use super::seatpick::{SeatMap, SeatMapBody};
+
+/// How often the shared seat map is refreshed at most (the server caches it for 1 s).
+const MAP_REFRESH: Duration = Duration::from_millis(1_000);
+/// Attempts per request (first try included) on transport errors, 5xx, 429 or a busy key.
+const MAX_TRIES: u32 = 6;
+/// Per-request timeout of the shared HTTP client.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// Order states after which nothing changes any more.
+const FINAL_STATES: [&str; 5] = ["ticketed", "expired", "failed", "canceled", "refunded"];
+
+/// What `drive` needs to know. Times in ms; shares in `0.0..=1.0`.
+#[derive(Clone)]
+pub struct BuyerConfig {
+    /// boxoffice API base URL without trailing slash, e.g. `http://127.0.0.1:8080`.
+    pub api_url: String,
+    /// Stripe simulator base URL, e.g. `http://127.0.0.1:12111`.
+    pub stripe_api_base: String,
+    /// Publishable key (`pk_test_…`) used to confirm intents like Stripe.js does.
+    pub stripe_publishable_key: String,
+    /// The event on sale.
+    pub event_id: Uuid,
+    /// Number of buyers (default 20 000).
+    pub buyers: usize,
+    /// Cap on concurrent HTTP requests from the generator (default 256).
+    pub max_in_flight: usize,
+    /// Share of buyers paying with `pm_card_chargeDeclined`, then abandoning (default 0.05).
+    pub decline_share: f64,
+    /// Share of buyers that never pay, so their hold expires (default 0.05).
+    pub abandon_share: f64,
+    /// Each buyer wants 1..=max_seats adjacent seats, uniformly (default 4, at most 8).
+    pub max_seats: usize,
+    /// Different seat picks a buyer tries after 409 `seat_unavailable` (default 5).
+    pub hold_attempts: usize,
+    /// Order polling interval in ms (default 250).
+    pub poll_interval_ms: u64,
+    /// Per-buyer deadline in ms, from the hold, to see a final order state (default 180 000).
+    pub final_timeout_ms: u64,
+    /// Seed of the buyers' random choices (seat counts, picks, pay/decline/abandon).
+    pub seed: u64,
+    /// Mints a bearer JWT for a user id.
+    pub user_token: Arc<dyn Fn(Uuid) -> String + Send + Sync>,
+    /// Show a progress bar on stderr (hidden when stderr is not a terminal).
+    pub progress: bool,
+}
+
+impl BuyerConfig {
+    /// A config with the documented defaults and seed 0.
+    pub fn new(
+        api_url: impl Into<String>,
+        stripe_api_base: impl Into<String>,
+        stripe_publishable_key: impl Into<String>,
+        event_id: Uuid,
+        user_token: Arc<dyn Fn(Uuid) -> String + Send + Sync>,
+    ) -> Self {
+        Self {
+            api_url: api_url.into(),
+            stripe_api_base: stripe_api_base.into(),
+            stripe_publishable_key: stripe_publishable_key.into(),
+            event_id,
+            buyers: 20_000,
+            max_in_flight: 256,
+            decline_share: 0.05,
+            abandon_share: 0.05,
+            max_seats: 4,
+            hold_attempts: 5,
+            poll_interval_ms: 250,
+            final_timeout_ms: 180_000,
+            seed: 0,
+            user_token,
+            progress: false,
+        }
+    }
+
+    fn validate(&self) -> anyhow::Result<()> {
+        let share = |s: f64| (0.0..=1.0).contains(&s);
+        anyhow::ensure!(
+            share(self.decline_share)
+                && share(self.abandon_share)
+                && self.decline_share + self.abandon_share <= 1.0,
+            "decline_share and abandon_share must be in 0..=1 and sum to at most 1"
+        );
+        anyhow::ensure!((1..=8).contains(&self.max_seats), "max_seats must be 1..=8");
+        anyhow::ensure!(self.max_in_flight >= 1, "max_in_flight must be at least 1");
+        anyhow::ensure!(self.hold_attempts >= 1, "hold_attempts must be at least 1");
+        Ok(())
+    }
+}
+
+/// Latency percentiles in ms over `count` samples (all zero when there are none).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Percentiles {
+    /// Median, ms.
+    pub p50: f64,
+    /// 95th percentile, ms.
+    pub p95: f64,
+    /// 99th percentile, ms.
+    pub p99: f64,
+    /// Maximum, ms.
+    pub max: f64,
+    /// Number of samples.
+    pub count: u64,
+}
+
+impl Percentiles {
+    /// Reads a histogram recorded in µs.
+    fn from_us(h: &Histogram<u64>) -> Self {
+        let ms = |us: u64| us as f64 / 1_000.0;
+        Self {
+            p50: ms(h.value_at_quantile(0.50)),
+            p95: ms(h.value_at_quantile(0.95)),
+            p99: ms(h.value_at_quantile(0.99)),
+            max: ms(h.max()),
+            count: h.len(),
+        }
+    }
+}
+
+/// Counts and latencies aggregated over all buyers (counts are events, not unique buyers,
+/// except where noted).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct BuyerStats {
+    /// Buyers that finished their journey (all of them once `drive` returns).
+    pub buyers: u64,
+    /// Hold requests made with a new Idempotency-Key (same-key retries excluded).
+    pub hold_attempts: u64,
+    /// Successful holds (202).
+    pub holds: u64,
+    /// 409 `seat_unavailable` answers.
+    pub conflicts_409: u64,
+    /// Buyers who found no free seat on the map.
+    pub sold_out: u64,
+    /// Orders seen in `confirming`, `paid` or `ticketed`.
+    pub authorized: u64,
+    /// Card declines (402 `card_error`) at the simulator.
+    pub declined: u64,
+    /// Buyers who held seats and chose never to pay.
+    pub abandoned: u64,
+    /// Orders that ended `expired`.
+    pub expired: u64,
+    /// Orders that ended `ticketed`.
+    pub ticketed_orders: u64,
+    /// Orders that ended `failed`.
+    pub failed_orders: u64,
+    /// Orders that ended `canceled`.
+    pub canceled_orders: u64,
+    /// Orders that ended `refunded`.
+    pub refunded_orders: u64,
+    /// Orders that ended in a state this generator does not know.
+    pub other_final: u64,
+    /// Orders with no final state before `final_timeout_ms`.
+    pub timed_out: u64,
+    /// 5xx answers, transport errors and unexpected statuses (each occurrence).
+    pub http_errors: u64,
+    /// Hold latency: first send (after the in-flight permit) to 202, same-key retries included.
+    pub hold_latency_ms: Percentiles,
+    /// 202 received → `ticketed` observed (resolution: the polling interval).
+    pub hold_to_ticket_ms: Percentiles,
+    /// Wall time of the whole run, ms.
+    pub elapsed_ms: u64,
+    /// Successful holds per second over the hold phase (start → last successful hold).
+    pub holds_per_s: f64,
+}
+
+/// Live counters, shared by all buyer tasks.
+#[derive(Default)]
+struct Counters {
+    buyers: AtomicU64,
+    hold_attempts: AtomicU64,
+    holds: AtomicU64,
+    conflicts_409: AtomicU64,
+    sold_out: AtomicU64,
+    authorized: AtomicU64,
+    declined: AtomicU64,
+    abandoned: AtomicU64,
+    expired: AtomicU64,
+    ticketed_orders: AtomicU64,
+    failed_orders: AtomicU64,
+    canceled_orders: AtomicU64,
+    refunded_orders: AtomicU64,
+    other_final: AtomicU64,
+    timed_out: AtomicU64,
+    http_errors: AtomicU64,
+    /// ms since start of the latest successful hold.
+    last_hold_ms: AtomicU64,
+}
+
+fn inc(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+fn get(c: &AtomicU64) -> u64 {
+    c.load(Ordering::Relaxed)
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// One seat map snapshot and when its fetch started.
+struct Snapshot {
+    map: SeatMap,
+    fetched_at: Instant,
+}
+
+/// The generator's single copy of the seat map, and the seats it saw taken since.
+struct SharedMap {
+    current: RwLock<Arc<Snapshot>>,
+    /// Single-flight guard; holds when the last refresh attempt started.
+    refreshing: tokio::sync::Mutex<Instant>,
+    /// Seat id → when this generator saw it taken (409 or its own hold).
+    taken: Mutex<HashMap<Uuid, Instant>>,
+}
+
+/// An HTTP answer read in full.
+struct Reply {
+    status: StatusCode,
+    body: Vec<u8>,
+}
+
+/// A problem+json error body (only the members the buyers act on).
+#[derive(Deserialize, Default)]
+struct Problem {
+    code: Option<String>,
+    #[serde(default)]
+    unavailable_seat_ids: Vec<Uuid>,
+}
+
+#[derive(Deserialize)]
+struct Admission {
+    admission_token: String,
+}
+
+#[derive(Deserialize)]
+struct HoldReceipt {
+    order_id: Uuid,
+}
+
+#[derive(Deserialize)]
+struct OrderView {
+    status: String,
+    payment_intent_id: Option<String>,
+    client_secret: Option<String>,
+}
+
+/// Everything the buyer tasks share.
+struct Ctx {
+    cfg: BuyerConfig,
+    http: reqwest::Client,
+    in_flight: Semaphore,
+    map: SharedMap,
+    stats: Counters,
+    hold_latency_us: Mutex<Histogram<u64>>,
+    hold_to_ticket_us: Mutex<Histogram<u64>>,
+    started: Instant,
+}
+
+/// Runs `cfg.buyers` buyers at once against the API and the Stripe simulator and returns
+/// their aggregated statistics once every buyer has reached a final state, timed out or
+/// given up. Errors only when the config is invalid or the seat map cannot be loaded at
+/// start; everything later is counted, not returned.
+pub async fn drive(cfg: BuyerConfig) -> anyhow::Result<BuyerStats> {
+    cfg.validate()?;
+    let http = reqwest::Client::builder()
+        .pool_max_idle_per_host(cfg.max_in_flight)
+        .timeout(REQUEST_TIMEOUT)
+        .connect_timeout(Duration::from_secs(5))
+        .build()
+        .context("building the HTTP client")?;
+    let hist = || Histogram::<u64>::new_with_bounds(1, 3_600_000_000, 3);
+    let started = Instant::now();
+    let mut ctx = Ctx {
+        in_flight: Semaphore::new(cfg.max_in_flight),
+        cfg,
+        http,
+        map: SharedMap {
+            current: RwLock::new(Arc::new(Snapshot {
+                map: SeatMap::default(),
+                fetched_at: started,
+            })),
+            refreshing: tokio::sync::Mutex::new(started),
+            taken: Mutex::new(HashMap::new()),
+        },
+        stats: Counters::default(),
+        hold_latency_us: Mutex::new(hist()?),
+        hold_to_ticket_us: Mutex::new(hist()?),
+        started,
+    };
+    let first = ctx
+        .fetch_map()
+        .await
+        .context("loading the seat map before the onsale")?;
+    ctx.map.current = RwLock::new(Arc::new(first));
+    let ctx = Arc::new(ctx);
+
+    let bar = progress_bar(&ctx);
+    let ticker = bar.clone().map(|bar| {
+        let ctx = ctx.clone();
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(Duration::from_millis(200));
+            loop {
+                every.tick().await;
+                bar.set_position(get(&ctx.stats.buyers));
+                bar.set_message(progress_message(&ctx.stats));
+            }
+        })
+    });
+
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..ctx.cfg.buyers {
+        let ctx = ctx.clone();
+        // Distinct, reproducible stream per buyer.
+        let seed = ctx.cfg.seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        tasks.spawn(async move {
+            let mut buyer = Buyer::new(&ctx, StdRng::seed_from_u64(seed));
+            buyer.run(&ctx).await;
+            inc(&ctx.stats.buyers);
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        if let Err(e) = done {
+            tracing::error!(error = %e, "buyer task died");
+        }
+    }
+    if let Some(t) = ticker {
+        t.abort();
+    }
+    if let Some(bar) = bar {
+        bar.set_position(get(&ctx.stats.buyers));
+        bar.finish_with_message(progress_message(&ctx.stats));
+    }
+    Ok(ctx.report())
+}
+
+fn progress_bar(ctx: &Ctx) -> Option<ProgressBar> {
+    if !ctx.cfg.progress {
+        return None;
+    }
+    let bar =
+        ProgressBar::with_draw_target(Some(ctx.cfg.buyers as u64), ProgressDrawTarget::stderr());
+    if let Ok(style) =
+        ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} buyers done  {msg}")
+    {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar.enable_steady_tick(Duration::from_millis(200));
+    Some(bar)
+}
+
+fn progress_message(s: &Counters) -> String {
+    format!(
+        "holds {}  ticketed {}  409s {}  errors {}",
+        get(&s.holds),
+        get(&s.ticketed_orders),
+        get(&s.conflicts_409),
+        get(&s.http_errors)
+    )
+}
+
+impl Ctx {
+    fn api(&self, path: &str) -> String {
+        format!("{}{path}", self.cfg.api_url)
+    }
+
+    /// Sends one request under an in-flight permit and reads the whole answer.
+    async fn send(&self, req: RequestBuilder) -> Result<Reply, reqwest::Error> {
+        // The semaphore is never closed; without a permit we would merely exceed the cap.
+        let _permit = self.in_flight.acquire().await.ok();
+        let resp = req.send().await?;
+        let status = resp.status();
+        let body = resp.bytes().await?.to_vec();
+        Ok(Reply { status, body })
+    }
+
+    /// Sends `build()` until it gets a definite answer: transport errors, 5xx and 429 (each
+    /// counted in `http_errors`) and answers for which `busy` holds are retried unchanged
+    /// with jittered exponential backoff, at most `MAX_TRIES` times. Returns the answer and
+    /// when the first try was sent, or `None` when every try failed.
+    async fn call(
+        &self,
+        build: impl Fn() -> RequestBuilder,
+        busy: impl Fn(&Reply) -> bool,
+    ) -> Option<(Reply, Instant)> {
+        let mut first_sent = None;
+        for attempt in 0..MAX_TRIES {
+            let sent = Instant::now();
+            let result = self.send(build()).await;
+            // Measured once the permit was granted, not while queued behind other buyers.
+            first_sent.get_or_insert(sent);
+            match result {
+                Ok(r)
+                    if r.status.is_server_error() || r.status == StatusCode::TOO_MANY_REQUESTS =>
+                {
+                    inc(&self.stats.http_errors);
+                    tracing::debug!(status = %r.status, "retrying after server error");
+                }
+                Ok(r) if busy(&r) => {}
+                Ok(r) => return Some((r, first_sent.unwrap_or(sent))),
+                Err(e) => {
+                    inc(&self.stats.http_errors);
+                    tracing::debug!(error = %e, "retrying after transport error");
+                }
+            }
+            if attempt + 1 < MAX_TRIES {
+                let base = 50u64 << attempt.min(5);
+                let jitter = rand::thread_rng().gen_range(0.5..1.0);
+                tokio::time::sleep(Duration::from_millis((base as f64 * jitter) as u64)).await;
+            }
+        }
+        None
+    }
+
+    /// Counts an answer this generator did not expect.
+    fn unexpected(&self, what: &str, r: &Reply) {
+        inc(&self.stats.http_errors);
+        tracing::debug!(status = %r.status, body = %String::from_utf8_lossy(&r.body), "unexpected answer to {what}");
+    }
+
+    async fn fetch_map(&self) -> anyhow::Result<Snapshot> {
+        let fetched_at = Instant::now();
+        let url = self.api(&format!("/events/{}/seats", self.cfg.event_id));
+        let (r, _) = self
+            .call(|| self.http.get(&url), |_| false)
+            .await
+            .context("GET seats: no answer")?;
+        anyhow::ensure!(r.status == StatusCode::OK, "GET seats: {}", r.status);
+        let body: SeatMapBody = serde_json::from_slice(&r.body).context("GET seats: bad body")?;
+        Ok(Snapshot {
+            map: SeatMap::from_seats(body.seats),
+            fetched_at,
+        })
+    }
+
+    /// The current snapshot; refreshes it first (one caller at a time, the others keep using
+    /// the stale copy) when it is older than `MAP_REFRESH`.
+    async fn snapshot(&self) -> Arc<Snapshot> {
+        let current = || {
+            self.map
+                .current
+                .read()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone()
+        };
+        let snap = current();
+        if snap.fetched_at.elapsed() < MAP_REFRESH {
+            return snap;
+        }
+        let Ok(mut last_try) = self.map.refreshing.try_lock() else {
+            return snap;
+        };
+        if last_try.elapsed() < MAP_REFRESH {
+            return current(); // refreshed (or failed) just before we got the guard
+        }
+        *last_try = Instant::now();
+        match self.fetch_map().await {
+            Ok(fresh) => {
+                // Seats seen taken before the map was rendered (it is cached up to 1 s
+                // server-side) are in it; later sightings must stay greyed out.
+                let cutoff = fresh
+                    .fetched_at
+                    .checked_sub(MAP_REFRESH)
+                    .unwrap_or(self.started);
+                lock(&self.map.taken).retain(|_, seen| *seen >= cutoff);
+                let fresh = Arc::new(fresh);
+                *self
+                    .map
+                    .current
+                    .write()
+                    .unwrap_or_else(PoisonError::into_inner) = fresh.clone();
+                fresh
+            }
+            Err(e) => {
+                inc(&self.stats.http_errors);
+                tracing::warn!(error = %format!("{e:#}"), "seat map refresh failed; using the stale copy");
+                snap
+            }
+        }
+    }
+
+    fn mark_taken(&self, seats: &[Uuid]) {
+        let now = Instant::now();
+        let mut taken = lock(&self.map.taken);
+        for id in seats {
+            taken.insert(*id, now);
+        }
+    }
+
+    fn report(&self) -> BuyerStats {
+        let s = &self.stats;
+        let holds = get(&s.holds);
+        let hold_phase_s = get(&s.last_hold_ms) as f64 / 1_000.0;
+        BuyerStats {
+            buyers: get(&s.buyers),
+            hold_attempts: get(&s.hold_attempts),
+            holds,
+            conflicts_409: get(&s.conflicts_409),
+            sold_out: get(&s.sold_out),
+            authorized: get(&s.authorized),
+            declined: get(&s.declined),
+            abandoned: get(&s.abandoned),
+            expired: get(&s.expired),
+            ticketed_orders: get(&s.ticketed_orders),
+            failed_orders: get(&s.failed_orders),
+            canceled_orders: get(&s.canceled_orders),
+            refunded_orders: get(&s.refunded_orders),
+            other_final: get(&s.other_final),
+            timed_out: get(&s.timed_out),
+            http_errors: get(&s.http_errors),
+            hold_latency_ms: Percentiles::from_us(&lock(&self.hold_latency_us)),
+            hold_to_ticket_ms: Percentiles::from_us(&lock(&self.hold_to_ticket_us)),
+            elapsed_ms: self.started.elapsed().as_millis() as u64,
+            holds_per_s: if hold_phase_s > 0.0 {
+                holds as f64 / hold_phase_s
+            } else {
+                0.0
+            },
+        }
+    }
+}
+
+/// What a buyer does once seats are held.
+enum Intent {
+    Pay,
+    Decline,
+    Abandon,
+}
+
+/// One buyer's identity and random stream.
+struct Buyer {
+    user_id: Uuid,
+    bearer: String,
+    rng: StdRng,
+    saw_authorized: bool,
+}
+
+impl Buyer {
+    fn new(ctx: &Ctx, rng: StdRng) -> Self {
+        let user_id = Uuid::new_v4();
+        Self {
+            user_id,
+            bearer: format!("Bearer {}", (ctx.cfg.user_token)(user_id)),
+            rng,
+            saw_authorized: false,
+        }
+    }
+
+    async fn run(&mut self, ctx: &Ctx) {
+        let Some(admission) = self.admit(ctx).await else {
+            return;
+        };
+        let Some((order_id, held_at)) = self.hold(ctx, &admission).await else {
+            return;
+        };
+        let deadline = held_at + Duration::from_millis(ctx.cfg.final_timeout_ms);
+        let roll: f64 = self.rng.gen();
+        let intent = if roll < ctx.cfg.abandon_share {
+            Intent::Abandon
+        } else if roll < ctx.cfg.abandon_share + ctx.cfg.decline_share {
+            Intent::Decline
+        } else {
+            Intent::Pay
+        };
+        match intent {
+            Intent::Abandon => inc(&ctx.stats.abandoned),
+            Intent::Decline => {
+                self.pay(ctx, order_id, "pm_card_chargeDeclined", deadline)
+                    .await
+            }
+            Intent::Pay => self.pay(ctx, order_id, "pm_card_visa", deadline).await,
+        }
+        // Everyone, paying or not, watches the order to its end so the report can count it.
+        match self.poll(ctx, order_id, deadline, |_| false).await {
+            Some(view) => {
+                let counter = match view.status.as_str() {
+                    "ticketed" => {
+                        let us = held_at.elapsed().as_micros() as u64;
+                        let _ = lock(&ctx.hold_to_ticket_us).record(us.max(1));
+                        &ctx.stats.ticketed_orders
+                    }
+                    "expired" => &ctx.stats.expired,
+                    "failed" => &ctx.stats.failed_orders,
+                    "canceled" => &ctx.stats.canceled_orders,
+                    "refunded" => &ctx.stats.refunded_orders,
+                    _ => &ctx.stats.other_final,
+                };
+                inc(counter);
+            }
+            None => inc(&ctx.stats.timed_out),
+        }
+        if self.saw_authorized {
+            inc(&ctx.stats.authorized);
+        }
+    }
+
+    /// `POST /events/{id}/admission` → the admission token.
+    async fn admit(&self, ctx: &Ctx) -> Option<String> {
+        let url = ctx.api(&format!("/events/{}/admission", ctx.cfg.event_id));
+        let (r, _) = ctx
+            .call(
+                || ctx.http.post(&url).header("authorization", &self.bearer),
+                |_| false,
+            )
+            .await?;
+        if r.status != StatusCode::CREATED {
+            ctx.unexpected("admission", &r);
+            return None;
+        }
+        match serde_json::from_slice::<Admission>(&r.body) {
+            Ok(a) => Some(a.admission_token),
+            Err(_) => {
+                ctx.unexpected("admission", &r);
+                None
+            }
+        }
+    }
+
+    /// Picks and holds seats, trying new picks after 409 `seat_unavailable`. Returns the
+    /// order id and when the 202 arrived.
+    async fn hold(&mut self, ctx: &Ctx, admission: &str) -> Option<(Uuid, Instant)> {
+        let url = ctx.api(&format!("/events/{}/holds", ctx.cfg.event_id));
+        let want = self.rng.gen_range(1..=ctx.cfg.max_seats);
+        for _ in 0..ctx.cfg.hold_attempts {
+            let snap = ctx.snapshot().await;
+            let pick = {
+                let taken = lock(&ctx.map.taken);
+                snap.map
+                    .pick(&mut self.rng, want, |id| taken.contains_key(id))
+            };
+            let Some(seats) = pick else {
+                inc(&ctx.stats.sold_out);
+                return None;
+            };
+            inc(&ctx.stats.hold_attempts);
+            let key = Uuid::new_v4().to_string();
+            let body = serde_json::json!({ "seat_ids": seats });
+            let build = || {
+                ctx.http
+                    .post(&url)
+                    .header("authorization", &self.bearer)
+                    .header("idempotency-key", &key)
+                    .header("x-admission-token", admission)
+                    .json(&body)
+            };
+            let busy = |r: &Reply| {
+                r.status == StatusCode::CONFLICT
+                    && problem(r).code.as_deref() == Some("idempotency_key_in_use")
+            };
+            let (r, first_sent) = ctx.call(build, busy).await?;
+            match r.status {
+                StatusCode::ACCEPTED => {
+                    let Ok(receipt) = serde_json::from_slice::<HoldReceipt>(&r.body) else {
+                        ctx.unexpected("hold", &r);
+                        return None;
+                    };
+                    let held_at = Instant::now();
+                    let us = (held_at - first_sent).as_micros() as u64;
+                    let _ = lock(&ctx.hold_latency_us).record(us.max(1));
+                    inc(&ctx.stats.holds);
+                    let since_start = (held_at - ctx.started).as_millis() as u64;
+                    ctx.stats
+                        .last_hold_ms
+                        .fetch_max(since_start, Ordering::Relaxed);
+                    ctx.mark_taken(&seats);
+                    return Some((receipt.order_id, held_at));
+                }
+                StatusCode::CONFLICT if problem(&r).code.as_deref() == Some("seat_unavailable") => {
+                    inc(&ctx.stats.conflicts_409);
+                    let unavailable = problem(&r).unavailable_seat_ids;
+                    ctx.mark_taken(if unavailable.is_empty() {
+                        &seats
+                    } else {
+                        &unavailable
+                    });
+                }
+                _ => {
+                    ctx.unexpected("hold", &r);
+                    return None;
+                }
+            }
+        }
+        None
+    }
+
+    /// Waits for the order's client secret, then confirms the PaymentIntent at the simulator
+    /// with the publishable key, as Stripe.js does. Counts a 402 as `declined`.
+    async fn pay(&mut self, ctx: &Ctx, order_id: Uuid, card: &str, deadline: Instant) {
+        let ready = |v: &OrderView| v.client_secret.is_some() && v.payment_intent_id.is_some();
+        let Some(view) = self.poll(ctx, order_id, deadline, ready).await else {
+            return;
+        };
+        let (Some(pi), Some(secret)) = (view.payment_intent_id, view.client_secret) else {
+            return; // final before payment was possible (e.g. expired)
+        };
+        let url = format!(
+            "{}/v1/payment_intents/{pi}/confirm",
+            ctx.cfg.stripe_api_base
+        );
+        let key = format!("confirm:{order_id}");
+        let form = [("payment_method", card), ("client_secret", secret.as_str())];
+        let build = || {
+            ctx.http
+                .post(&url)
+                .bearer_auth(&ctx.cfg.stripe_publishable_key)
+                .header("idempotency-key", &key)
+                .form(&form)
+        };
+        let Some((r, _)) = ctx.call(build, |_| false).await else {
+            return;
+        };
+        match r.status {
+            StatusCode::OK => {}
+            StatusCode::PAYMENT_REQUIRED => inc(&ctx.stats.declined),
+            _ => ctx.unexpected("confirm", &r),
+        }
+    }
+
+    /// Polls `GET /orders/{id}` every `poll_interval_ms` until the order is final or `done`
+    /// holds; `None` at the deadline. Notes whether payment was ever seen authorized.
+    async fn poll(
+        &mut self,
+        ctx: &Ctx,
+        order_id: Uuid,
+        deadline: Instant,
+        done: impl Fn(&OrderView) -> bool,
+    ) -> Option<OrderView> {
+        let url = ctx.api(&format!("/orders/{order_id}"));
+        let interval = Duration::from_millis(ctx.cfg.poll_interval_ms);
+        loop {
+            let answer = ctx
+                .call(
+                    || ctx.http.get(&url).header("authorization", &self.bearer),
+                    |_| false,
+                )
+                .await;
+            match answer {
+                Some((r, _)) if r.status == StatusCode::OK => {
+                    match serde_json::from_slice::<OrderView>(&r.body) {
+                        Ok(view) => {
+                            if matches!(view.status.as_str(), "confirming" | "paid" | "ticketed") {
+                                self.saw_authorized = true;
+                            }
+                            if FINAL_STATES.contains(&view.status.as_str()) || done(&view) {
+                                return Some(view);
+                            }
+                        }
+                        Err(_) => ctx.unexpected("order poll", &r),
+                    }
+                }
+                Some((r, _)) => ctx.unexpected("order poll", &r),
+                None => {} // already counted by `call`
+            }
+            if Instant::now() + interval > deadline {
+                return None;
+            }
+            tokio::time::sleep(interval).await;
+        }
+    }
+}
+
+/// Parses a problem+json body; an unparsable body yields an empty problem.
+fn problem(r: &Reply) -> Problem {
+    serde_json::from_slice(&r.body).unwrap_or_default()
+}

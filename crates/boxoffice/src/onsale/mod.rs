@@ -1,0 +1,347 @@
+//! `boxoffice onsale`, the main job: a real onsale driven through the HTTP API as buyers
+//! would. It migrates, seeds a fresh arena event (or uses `--event`), starts every role
+//! in-process (with an embedded Kafka-protocol broker when none is configured, and the Stripe
+//! simulator) unless `--api-url` points at a running deployment, drives the simulated buyers
+//! ([`buyers`]), waits for the saga to drain, runs the audit and prints the report. The exit
+//! code is non-zero when any invariant check is non-zero.
+
+pub mod buyers;
+pub mod seatpick;
+
+use crate::commands;
+use crate::config::Config;
+use crate::runtime::{self, Role};
+use anyhow::Context;
+use boxoffice_store::{audit, outbox, venue};
+use secrecy::ExposeSecret;
+use serde_json::json;
+use sqlx::PgPool;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+
+/// Options of `boxoffice onsale`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct OnsaleArgs {
+    /// Simulated buyers.
+    #[arg(long, default_value_t = 20_000)]
+    pub buyers: usize,
+    /// Sell this existing event instead of seeding a fresh arena.
+    #[arg(long)]
+    pub event: Option<uuid::Uuid>,
+    /// Drive a running deployment at this URL instead of starting the roles in-process.
+    #[arg(long)]
+    pub api_url: Option<String>,
+    /// Kafka bootstrap servers (default: BOXOFFICE_KAFKA_BROKERS, else an embedded broker).
+    #[arg(long)]
+    pub kafka_brokers: Option<String>,
+    /// Stripe API base of a running simulator (default: one started in-process).
+    #[arg(long)]
+    pub stripe_api_base: Option<String>,
+    /// Hold time to live for this run, ms (short, so abandoned holds expire within the run).
+    #[arg(long, default_value_t = 20_000)]
+    pub hold_ttl_ms: u64,
+    /// Share of buyers whose card is declined.
+    #[arg(long, default_value_t = 0.05)]
+    pub decline_share: f64,
+    /// Share of buyers who never pay (their holds expire).
+    #[arg(long, default_value_t = 0.05)]
+    pub abandon_share: f64,
+    /// Most adjacent seats one buyer asks for (1–8).
+    #[arg(long, default_value_t = 4)]
+    pub max_seats: usize,
+    /// Concurrent HTTP requests the generator keeps in flight.
+    #[arg(long, default_value_t = 256)]
+    pub max_in_flight: usize,
+    /// Seed for buyers' choices.
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    /// A small venue `SECTIONS,ROWS,SEATS` instead of the 18,000-seat arena.
+    #[arg(long, value_delimiter = ',', num_args = 3)]
+    pub small_venue: Option<Vec<u32>>,
+    /// How long to wait for the saga to drain after the last buyer, seconds.
+    #[arg(long, default_value_t = 300)]
+    pub drain_timeout_s: u64,
+    /// Also write the report as JSON to this path.
+    #[arg(long)]
+    pub report_json: Option<PathBuf>,
+    /// No progress bar.
+    #[arg(long)]
+    pub no_progress: bool,
+}
+
+/// Runs the onsale; returns the exit code (0 when every invariant check is 0).
+pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
+    anyhow::ensure!(args.buyers > 0, "--buyers must be at least 1");
+    anyhow::ensure!(
+        (1..=8).contains(&args.max_seats),
+        "--max-seats must be 1..=8"
+    );
+    cfg.hold_ttl_ms = args.hold_ttl_ms;
+    cfg.validate()?;
+    if let Some(b) = &args.kafka_brokers {
+        cfg.kafka_brokers = Some(b.clone());
+    }
+    let shutdown = CancellationToken::new();
+    let pool = commands::migrate_db(&cfg).await?;
+
+    let event = match args.event {
+        Some(e) => e,
+        None => {
+            let spec = match &args.small_venue {
+                Some(v) => venue::VenueSpec::small(v[0], v[1], v[2]),
+                None => venue::VenueSpec::arena(),
+            };
+            let name = format!(
+                "Arena Onsale {}",
+                chrono::Utc::now().format("%Y-%m-%d %H:%M:%S%.3f")
+            );
+            let (id, seats) = venue::seed(
+                &pool,
+                &name,
+                &spec,
+                chrono::Utc::now() + chrono::Duration::days(30),
+                &cfg.purchase_cell,
+            )
+            .await?;
+            eprintln!("seeded \"{name}\" ({id}) at {}: {seats} seats", spec.name);
+            id.0
+        }
+    };
+
+    // In-process deployment unless --api-url is given.
+    let mut _embedded = None;
+    let mut sim = None;
+    let mut running = None;
+    let (api_url, stripe_base) = match &args.api_url {
+        Some(url) => (
+            url.trim_end_matches('/').to_owned(),
+            args.stripe_api_base
+                .clone()
+                .unwrap_or(cfg.stripe_api_base.clone()),
+        ),
+        None => {
+            if cfg.kafka_brokers.is_none() {
+                let broker = boxoffice_bus::embedded::EmbeddedBroker::start(1)?;
+                cfg.kafka_brokers = Some(broker.bootstrap_servers());
+                broker.create_topics(&cfg.kafka().expect("just set"))?;
+                eprintln!(
+                    "embedded Kafka-protocol broker at {}",
+                    cfg.kafka_brokers.as_deref().unwrap_or_default()
+                );
+                _embedded = Some(broker);
+            } else {
+                boxoffice_bus::topics::create_all(&cfg.kafka().expect("set")).await?;
+            }
+            let stripe_base = match &args.stripe_api_base {
+                Some(b) => b.clone(),
+                None => {
+                    let s = boxoffice_stripe_sim::StripeSim::new(boxoffice_stripe_sim::SimConfig {
+                        webhook_secret: cfg.stripe_webhook_secret.expose_secret().to_owned(),
+                        ..Default::default()
+                    });
+                    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+                    let base = format!("http://{}", l.local_addr()?);
+                    tokio::spawn(s.clone().serve(l, shutdown.clone()));
+                    sim = Some(s);
+                    base
+                }
+            };
+            cfg.stripe_api_base = stripe_base.clone();
+            cfg.http_bind = "127.0.0.1:0".into();
+            let r = runtime::start(&cfg, &Role::ALL, pool.clone(), shutdown.clone()).await?;
+            let addr = r.api_addr.context("api did not start")?;
+            if let Some(s) = &sim {
+                s.set_webhook_url(Some(format!("http://{addr}/webhooks/stripe")));
+            }
+            running = Some(r);
+            (format!("http://{addr}"), stripe_base)
+        }
+    };
+
+    // Sample the outbox age while the onsale runs.
+    let max_outbox_age = Arc::new(AtomicI64::new(0));
+    let sampler = {
+        let (pool, max, sd) = (pool.clone(), max_outbox_age.clone(), shutdown.child_token());
+        let h = tokio::spawn({
+            let sd = sd.clone();
+            async move {
+                while !sd.is_cancelled() {
+                    if let Ok(b) = outbox::backlog(&pool).await {
+                        max.fetch_max(b.oldest_age_ms, Ordering::Relaxed);
+                    }
+                    tokio::select! { _ = sd.cancelled() => {}, _ = tokio::time::sleep(Duration::from_millis(200)) => {} }
+                }
+            }
+        });
+        (h, sd)
+    };
+
+    let users = runtime::user_tokens(&cfg);
+    let started = Instant::now();
+    let stats = buyers::drive(buyers::BuyerConfig {
+        api_url: api_url.clone(),
+        stripe_api_base: stripe_base,
+        stripe_publishable_key: cfg.stripe_publishable_key.clone(),
+        event_id: event,
+        buyers: args.buyers,
+        max_in_flight: args.max_in_flight,
+        decline_share: args.decline_share,
+        abandon_share: args.abandon_share,
+        max_seats: args.max_seats,
+        hold_attempts: 5,
+        poll_interval_ms: 250,
+        final_timeout_ms: (args.hold_ttl_ms + 120_000).max(180_000),
+        seed: args.seed,
+        user_token: Arc::new(move |u| users.issue(boxoffice_domain::UserId(u), 3_600)),
+        progress: !args.no_progress,
+    })
+    .await?;
+
+    let drained = drain(&pool, event, Duration::from_secs(args.drain_timeout_s)).await?;
+    let elapsed = started.elapsed();
+    sampler.1.cancel();
+    let _ = sampler.0.await;
+
+    let violations = audit::violations(&pool, 0, Some(event)).await?;
+    let totals = audit::totals(&pool, Some(event)).await?;
+    let report = json!({
+        "event_id": event,
+        "buyers": stats.buyers,
+        "hold_attempts": stats.hold_attempts,
+        "holds": stats.holds,
+        "conflicts_409": stats.conflicts_409,
+        "sold_out_buyers": stats.sold_out,
+        "authorized": stats.authorized,
+        "declined": stats.declined,
+        "abandoned": stats.abandoned,
+        "expired": stats.expired,
+        "captured": totals.captured,
+        "ticketed_orders": totals.orders_by_status.get("ticketed").copied().unwrap_or(0),
+        "tickets": totals.tickets,
+        "seats_sold": totals.seats_sold,
+        "refunds": totals.refunds,
+        "incidents": totals.incidents,
+        "http_errors": stats.http_errors,
+        "buyers_timed_out": stats.timed_out,
+        "orders_by_status": totals.orders_by_status,
+        "oversold": violations.oversold,
+        "double_active_holds": violations.double_active_holds,
+        "tickets_without_capture": violations.tickets_without_capture,
+        "captured_without_ticket_or_refund": violations.captured_without_ticket_or_refund,
+        "stuck_orders": violations.stuck_orders,
+        "unpublished_outbox": violations.unpublished_outbox,
+        "hold_p50_ms": stats.hold_latency_ms.p50,
+        "hold_p95_ms": stats.hold_latency_ms.p95,
+        "hold_p99_ms": stats.hold_latency_ms.p99,
+        "hold_to_ticket_p50_ms": stats.hold_to_ticket_ms.p50,
+        "hold_to_ticket_p95_ms": stats.hold_to_ticket_ms.p95,
+        "hold_to_ticket_p99_ms": stats.hold_to_ticket_ms.p99,
+        "holds_per_s": stats.holds_per_s,
+        "max_outbox_age_ms": max_outbox_age.load(Ordering::Relaxed),
+        "drained": drained,
+        "elapsed_s": elapsed.as_secs_f64(),
+    });
+    print_report(&report, &violations);
+    if let Some(path) = &args.report_json {
+        std::fs::write(path, serde_json::to_vec_pretty(&report)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+
+    shutdown.cancel();
+    if let Some(r) = running {
+        r.join().await;
+    }
+    Ok(if violations.total() == 0 && stats.http_errors == 0 {
+        0
+    } else {
+        1
+    })
+}
+
+/// Waits until every order of `event` is final and the outbox is empty, or `timeout`.
+async fn drain(pool: &PgPool, event: uuid::Uuid, timeout: Duration) -> anyhow::Result<bool> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let open: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM orders WHERE event_id = $1
+                AND status NOT IN ('ticketed', 'expired', 'failed', 'canceled', 'refunded')",
+        )
+        .bind(event)
+        .fetch_one(pool)
+        .await?;
+        let backlog = outbox::backlog(pool).await?;
+        if open == 0 && backlog.unpublished == 0 {
+            return Ok(true);
+        }
+        if Instant::now() >= deadline {
+            eprintln!(
+                "drain timed out: {open} open orders, {} unpublished outbox rows",
+                backlog.unpublished
+            );
+            return Ok(false);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+fn print_report(r: &serde_json::Value, v: &audit::Violations) {
+    let g = |k: &str| r.get(k).cloned().unwrap_or_default();
+    println!();
+    println!("boxoffice onsale report");
+    println!("  event                      {}", g("event_id"));
+    println!(
+        "  elapsed                    {:.1} s",
+        g("elapsed_s").as_f64().unwrap_or(0.0)
+    );
+    for k in [
+        "buyers",
+        "hold_attempts",
+        "holds",
+        "conflicts_409",
+        "sold_out_buyers",
+        "authorized",
+        "declined",
+        "abandoned",
+        "expired",
+        "captured",
+        "ticketed_orders",
+        "tickets",
+        "seats_sold",
+        "refunds",
+        "incidents",
+        "http_errors",
+        "buyers_timed_out",
+    ] {
+        println!("  {:<26} {}", k, g(k));
+    }
+    println!(
+        "  holds/s                    {:.1}",
+        g("holds_per_s").as_f64().unwrap_or(0.0)
+    );
+    println!(
+        "  hold latency ms            p50 {:.1}  p95 {:.1}  p99 {:.1}",
+        g("hold_p50_ms").as_f64().unwrap_or(0.0),
+        g("hold_p95_ms").as_f64().unwrap_or(0.0),
+        g("hold_p99_ms").as_f64().unwrap_or(0.0)
+    );
+    println!(
+        "  hold→ticket ms             p50 {:.0}  p95 {:.0}  p99 {:.0}",
+        g("hold_to_ticket_p50_ms").as_f64().unwrap_or(0.0),
+        g("hold_to_ticket_p95_ms").as_f64().unwrap_or(0.0),
+        g("hold_to_ticket_p99_ms").as_f64().unwrap_or(0.0)
+    );
+    println!("  largest outbox age         {} ms", g("max_outbox_age_ms"));
+    println!("  orders by status           {}", g("orders_by_status"));
+    print!("{}", commands::render_audit(v));
+    println!(
+        "result: {}",
+        if v.total() == 0 {
+            "OK — every invariant holds"
+        } else {
+            "FAILED — invariant violations above"
+        }
+    );
+}

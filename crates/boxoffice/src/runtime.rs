@@ -1,0 +1,271 @@
+//! Starts any set of roles in one process, each a long-running task stopped through one
+//! `CancellationToken` (SIGTERM / ctrl-c in `serve`): the API finishes in-flight requests,
+//! consumers stop after the message in hand (uncommitted offsets replay into the inbox), the
+//! relay finishes its batch, and the producer is flushed last.
+
+use crate::config::Config;
+use anyhow::Context;
+use boxoffice_admission::{AdmissionTokens, UserTokens};
+use boxoffice_api::{ApiSettings, AppState};
+use boxoffice_bus::run_consumers;
+use boxoffice_payments::{PaymentGateway, StripeClient, StripeConfig};
+use boxoffice_workers::{expiry, payment::PaymentWorker, relay, saga::Saga, tickets::TicketWorker};
+use metrics_exporter_prometheus::PrometheusHandle;
+use rdkafka::producer::{FutureProducer, Producer};
+use secrecy::ExposeSecret;
+use sqlx::PgPool;
+use std::net::SocketAddr;
+use std::str::FromStr;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+/// A role this process can run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Role {
+    /// HTTP API (holds, status, seat map, webhooks, health).
+    Api,
+    /// Outbox relay.
+    Relay,
+    /// Saga orchestrator.
+    Saga,
+    /// Payment worker (Stripe calls).
+    Payments,
+    /// Hold expiry.
+    Expiry,
+    /// Ticket issuance.
+    Tickets,
+}
+
+impl Role {
+    /// Every role, the default of `serve`.
+    pub const ALL: [Role; 6] = [
+        Role::Api,
+        Role::Relay,
+        Role::Saga,
+        Role::Payments,
+        Role::Expiry,
+        Role::Tickets,
+    ];
+
+    /// Whether the role needs a Kafka broker.
+    pub fn needs_kafka(self) -> bool {
+        matches!(
+            self,
+            Role::Relay | Role::Saga | Role::Payments | Role::Tickets
+        )
+    }
+}
+
+impl FromStr for Role {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> anyhow::Result<Self> {
+        Ok(match s.trim() {
+            "api" => Role::Api,
+            "relay" => Role::Relay,
+            "saga" => Role::Saga,
+            "payments" => Role::Payments,
+            "expiry" => Role::Expiry,
+            "tickets" => Role::Tickets,
+            other => anyhow::bail!(
+                "unknown role {other:?} (api, relay, saga, payments, expiry, tickets)"
+            ),
+        })
+    }
+}
+
+/// The process-wide Prometheus recorder (installed once).
+pub fn metrics_handle() -> Option<PrometheusHandle> {
+    static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
+    HANDLE
+        .get_or_init(|| {
+            metrics_exporter_prometheus::PrometheusBuilder::new()
+                .install_recorder()
+                .ok()
+        })
+        .clone()
+}
+
+/// Running roles.
+pub struct Running {
+    /// Where the API listens, when it runs here.
+    pub api_addr: Option<SocketAddr>,
+    tasks: Vec<(&'static str, JoinHandle<()>)>,
+    producer: Option<FutureProducer>,
+}
+
+impl Running {
+    /// Waits for every role to stop (after the shutdown token fired), then flushes the
+    /// producer.
+    pub async fn join(self) {
+        for (name, t) in self.tasks {
+            if let Err(e) = t.await {
+                tracing::error!(role = name, error = %e, "role task ended abnormally");
+            }
+        }
+        if let Some(p) = self.producer {
+            let _ = tokio::task::spawn_blocking(move || p.flush(Duration::from_secs(10))).await;
+        }
+    }
+}
+
+/// The Stripe client configured by `cfg`.
+pub fn gateway(cfg: &Config) -> anyhow::Result<Arc<dyn PaymentGateway>> {
+    Ok(Arc::new(StripeClient::new(StripeConfig {
+        api_base: cfg.stripe_api_base.clone(),
+        secret_key: cfg.stripe_secret_key.clone(),
+        timeout_ms: cfg.stripe_timeout_ms,
+    })?))
+}
+
+/// Starts `roles` on `pool`. The API listens on `cfg.http_bind` (port 0 picks a free port;
+/// see [`Running::api_addr`]).
+pub async fn start(
+    cfg: &Config,
+    roles: &[Role],
+    pool: PgPool,
+    shutdown: CancellationToken,
+) -> anyhow::Result<Running> {
+    let kafka = cfg.kafka();
+    if kafka.is_none() && roles.iter().any(|r| r.needs_kafka()) {
+        anyhow::bail!("roles {roles:?} need a Kafka broker: set BOXOFFICE_KAFKA_BROKERS");
+    }
+    let producer = match &kafka {
+        Some(k) => Some(boxoffice_bus::producer::build(k)?),
+        None => None,
+    };
+    let mut tasks: Vec<(&'static str, JoinHandle<()>)> = Vec::new();
+    let mut api_addr = None;
+    let consumers = cfg.consumers_per_role;
+    for role in roles {
+        match role {
+            Role::Api => {
+                let state = AppState::new(
+                    pool.clone(),
+                    UserTokens::new(cfg.user_jwt_secret.expose_secret().as_bytes()),
+                    admission_tokens(cfg),
+                    ApiSettings {
+                        hold_ttl: Duration::from_millis(cfg.hold_ttl_ms),
+                        admission_ttl_s: cfg.admission_ttl_s,
+                        webhook_secret: cfg.stripe_webhook_secret.expose_secret().to_owned(),
+                        ..ApiSettings::default()
+                    },
+                    producer.clone(),
+                    metrics_handle(),
+                );
+                tasks.push((
+                    "api",
+                    spawn_api(state, shutdown.clone(), &mut api_addr, cfg).await?,
+                ));
+            }
+            Role::Relay => {
+                let (pool, producer, k, sd) = (
+                    pool.clone(),
+                    producer.clone().expect("kafka"),
+                    kafka.clone().expect("kafka"),
+                    shutdown.clone(),
+                );
+                let id = format!(
+                    "relay-{}-{}",
+                    std::process::id(),
+                    uuid::Uuid::new_v4().simple()
+                );
+                let settings = relay::RelaySettings {
+                    batch: cfg.relay_batch,
+                    lease_ms: cfg.relay_lease_ms,
+                    ..Default::default()
+                };
+                tasks.push((
+                    "relay",
+                    tokio::spawn(relay::run(pool, producer, k, id, settings, sd)),
+                ));
+            }
+            Role::Saga => {
+                for t in run_consumers(
+                    kafka.as_ref().expect("kafka"),
+                    pool.clone(),
+                    Arc::new(Saga),
+                    producer.clone().expect("kafka"),
+                    consumers,
+                    shutdown.clone(),
+                )? {
+                    tasks.push(("saga", t));
+                }
+            }
+            Role::Payments => {
+                let worker = Arc::new(PaymentWorker::new(gateway(cfg)?, pool.clone()));
+                for t in run_consumers(
+                    kafka.as_ref().expect("kafka"),
+                    pool.clone(),
+                    worker,
+                    producer.clone().expect("kafka"),
+                    consumers,
+                    shutdown.clone(),
+                )? {
+                    tasks.push(("payments", t));
+                }
+            }
+            Role::Tickets => {
+                for t in run_consumers(
+                    kafka.as_ref().expect("kafka"),
+                    pool.clone(),
+                    Arc::new(TicketWorker),
+                    producer.clone().expect("kafka"),
+                    consumers,
+                    shutdown.clone(),
+                )? {
+                    tasks.push(("tickets", t));
+                }
+            }
+            Role::Expiry => {
+                let settings = expiry::ExpirySettings {
+                    batch: cfg.expiry_batch,
+                    interval_ms: cfg.expiry_interval_ms,
+                };
+                tasks.push((
+                    "expiry",
+                    tokio::spawn(expiry::run(pool.clone(), settings, shutdown.clone())),
+                ));
+            }
+        }
+    }
+    Ok(Running {
+        api_addr,
+        tasks,
+        producer,
+    })
+}
+
+async fn spawn_api(
+    state: AppState,
+    shutdown: CancellationToken,
+    addr: &mut Option<SocketAddr>,
+    cfg: &Config,
+) -> anyhow::Result<JoinHandle<()>> {
+    let listener = tokio::net::TcpListener::bind(&cfg.http_bind)
+        .await
+        .with_context(|| format!("binding {}", cfg.http_bind))?;
+    *addr = Some(listener.local_addr()?);
+    let app = boxoffice_api::router(state);
+    Ok(tokio::spawn(async move {
+        if let Err(e) = boxoffice_api::serve(listener, app, shutdown).await {
+            tracing::error!(error = %e, "api server failed");
+        }
+    }))
+}
+
+/// The admission-token keys of `cfg`.
+pub fn admission_tokens(cfg: &Config) -> AdmissionTokens {
+    let keys: Vec<(String, Vec<u8>)> = cfg
+        .admission_keys
+        .iter()
+        .map(|k| (k.kid.clone(), k.secret.expose_secret().as_bytes().to_vec()))
+        .collect();
+    AdmissionTokens::new(&keys, &cfg.purchase_cell)
+}
+
+/// The bearer-token keys of `cfg`.
+pub fn user_tokens(cfg: &Config) -> UserTokens {
+    UserTokens::new(cfg.user_jwt_secret.expose_secret().as_bytes())
+}

@@ -1,0 +1,323 @@
+//! The versioned event envelope (design §6) and every purchase-saga payload.
+//!
+//! Every fact and command travels as an [`Envelope`]: a stable `event_id` (the inbox key that
+//! makes redelivery harmless, invariant 4), the order as aggregate (and as Kafka key, so one
+//! order's saga stays ordered within a partition), a schema version, trace context
+//! (`correlation_id` = one buyer journey, `causation_id` = the event that caused this one),
+//! and the payload. Payloads never carry card data or Stripe client secrets.
+//!
+//! Compatibility: fields are only ever added within `schema_version` 1 and consumers ignore
+//! unknown fields; a breaking change publishes version 2 beside version 1.
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use crate::ids::{EventId, HoldId, OrderId, SeatId};
+
+/// The schema version this build writes and reads.
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// Logical topics. The physical name is `{prefix}{name}` so that several deployments (or
+/// tests) can share one cluster.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Topic {
+    /// `ticketing.purchase.v1`: every saga fact and command, keyed by order id.
+    Purchase,
+    /// `ticketing.purchase.dlq.v1`: messages a consumer could not apply permanently.
+    DeadLetter,
+}
+
+impl Topic {
+    /// Every topic `boxoffice migrate` / `topics create` provisions.
+    pub const ALL: [Topic; 2] = [Topic::Purchase, Topic::DeadLetter];
+
+    /// The logical (unprefixed) topic name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Topic::Purchase => "ticketing.purchase.v1",
+            Topic::DeadLetter => "ticketing.purchase.dlq.v1",
+        }
+    }
+}
+
+/// The wire form of every message on the purchase topics (JSON).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Envelope {
+    /// Unique id of this message; consumers dedupe on `(consumer, event_id)`.
+    pub event_id: Uuid,
+    /// The payload's type name, e.g. `"HoldCreated"`.
+    pub event_type: String,
+    /// Payload schema version, currently [`SCHEMA_VERSION`].
+    pub schema_version: u32,
+    /// Always `"order"` for purchase events.
+    pub aggregate_type: String,
+    /// The order id; also the Kafka message key.
+    pub aggregate_id: Uuid,
+    /// When the fact was recorded (UTC).
+    pub occurred_at: DateTime<Utc>,
+    /// One buyer journey: the hold request's correlation id, copied onto every later event.
+    pub correlation_id: Uuid,
+    /// The event that caused this one (absent for events caused by an HTTP request).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub causation_id: Option<Uuid>,
+    /// The type-specific payload (see [`PurchaseEvent`]).
+    pub payload: serde_json::Value,
+}
+
+/// Why an envelope could not be decoded: a permanent error (dead-letter material).
+#[derive(Debug, thiserror::Error)]
+pub enum DecodeError {
+    /// The bytes are not a JSON envelope.
+    #[error("malformed envelope: {0}")]
+    Envelope(#[source] serde_json::Error),
+    /// The schema version is not one this build reads.
+    #[error("unsupported schema_version {0}")]
+    Version(u32),
+    /// The payload does not match its declared event type.
+    #[error("payload does not match event_type {event_type}: {source}")]
+    Payload {
+        /// Declared type.
+        event_type: String,
+        /// Underlying serde error.
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+impl Envelope {
+    /// Wraps `event` for `order`, caused by `cause` (copying its correlation id) or starting
+    /// a new journey under `correlation_id` when there is no cause.
+    pub fn new(
+        order: OrderId,
+        event: &PurchaseEvent,
+        correlation_id: Uuid,
+        causation_id: Option<Uuid>,
+    ) -> Self {
+        let tagged = serde_json::to_value(event).expect("payloads serialize");
+        let (event_type, payload) = match tagged {
+            serde_json::Value::Object(mut m) => (
+                m.remove("event_type")
+                    .and_then(|v| v.as_str().map(str::to_owned))
+                    .expect("tagged"),
+                m.remove("payload").unwrap_or(serde_json::Value::Null),
+            ),
+            _ => unreachable!("adjacently tagged enums serialize to objects"),
+        };
+        Self {
+            event_id: Uuid::new_v4(),
+            event_type,
+            schema_version: SCHEMA_VERSION,
+            aggregate_type: "order".into(),
+            aggregate_id: order.0,
+            occurred_at: Utc::now(),
+            correlation_id,
+            causation_id,
+            payload,
+        }
+    }
+
+    /// An event caused by `self`: same order and correlation, `causation_id = self.event_id`.
+    pub fn follow(&self, event: &PurchaseEvent) -> Self {
+        Self::new(
+            OrderId(self.aggregate_id),
+            event,
+            self.correlation_id,
+            Some(self.event_id),
+        )
+    }
+
+    /// Parses an envelope from message bytes.
+    pub fn from_slice(bytes: &[u8]) -> Result<Self, DecodeError> {
+        let env: Envelope = serde_json::from_slice(bytes).map_err(DecodeError::Envelope)?;
+        if env.schema_version != SCHEMA_VERSION {
+            return Err(DecodeError::Version(env.schema_version));
+        }
+        Ok(env)
+    }
+
+    /// The typed payload. Unknown event types decode as [`DecodeError::Payload`].
+    pub fn decode(&self) -> Result<PurchaseEvent, DecodeError> {
+        serde_json::from_value(serde_json::json!({
+            "event_type": self.event_type,
+            "payload": self.payload,
+        }))
+        .map_err(|source| DecodeError::Payload {
+            event_type: self.event_type.clone(),
+            source,
+        })
+    }
+
+    /// The order this event belongs to.
+    pub fn order_id(&self) -> OrderId {
+        OrderId(self.aggregate_id)
+    }
+}
+
+/// Every fact and command of the purchase saga (design §6, §9). Amounts are minor units.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "event_type", content = "payload")]
+pub enum PurchaseEvent {
+    /// Fact: the hold transaction committed an order, a hold and its seats.
+    HoldCreated {
+        order_id: OrderId,
+        hold_id: HoldId,
+        event_id: EventId,
+        seat_ids: Vec<SeatId>,
+        expires_at: DateTime<Utc>,
+        amount_minor: i64,
+        currency: String,
+    },
+    /// Command to the payment worker: create the manual-capture PaymentIntent.
+    PaymentAuthorizationRequested {
+        order_id: OrderId,
+        hold_id: HoldId,
+        amount_minor: i64,
+        currency: String,
+    },
+    /// Fact: a PaymentIntent exists for the order.
+    PaymentIntentCreated {
+        order_id: OrderId,
+        payment_intent_id: String,
+        status: String,
+    },
+    /// Fact: Stripe reserved the funds (`requires_capture`).
+    PaymentAuthorized {
+        order_id: OrderId,
+        payment_intent_id: String,
+        amount_capturable_minor: i64,
+        #[serde(default)]
+        capture_before: Option<DateTime<Utc>>,
+    },
+    /// Fact: an authorization attempt failed (e.g. card declined); the buyer may retry
+    /// within the hold.
+    PaymentFailed {
+        order_id: OrderId,
+        payment_intent_id: String,
+        reason: String,
+    },
+    /// Fact: the saga froze the hold after authorization.
+    OrderConfirmed { order_id: OrderId, hold_id: HoldId },
+    /// Command to the payment worker: capture the authorized PaymentIntent.
+    CaptureRequested {
+        order_id: OrderId,
+        payment_intent_id: String,
+        amount_minor: i64,
+    },
+    /// Fact: the money was captured.
+    PaymentCaptured {
+        order_id: OrderId,
+        payment_intent_id: String,
+        amount_captured_minor: i64,
+    },
+    /// Fact: the capture was refused permanently by the provider.
+    CaptureFailed {
+        order_id: OrderId,
+        payment_intent_id: String,
+        reason: String,
+    },
+    /// Command to the ticket worker.
+    TicketIssueRequested { order_id: OrderId, hold_id: HoldId },
+    /// Fact: one ticket exists per held seat.
+    TicketIssued {
+        order_id: OrderId,
+        ticket_ids: Vec<Uuid>,
+    },
+    /// Fact: the hold timed out and its seats were released.
+    HoldExpired { order_id: OrderId, hold_id: HoldId },
+    /// Command to the payment worker: cancel the uncaptured PaymentIntent (compensation).
+    AuthorizationCancelRequested {
+        order_id: OrderId,
+        payment_intent_id: String,
+        reason: String,
+    },
+    /// Fact: the PaymentIntent is canceled at the provider.
+    PaymentCanceled {
+        order_id: OrderId,
+        payment_intent_id: String,
+    },
+    /// Command to the payment worker: refund captured money (compensation).
+    RefundRequested {
+        order_id: OrderId,
+        payment_intent_id: String,
+        amount_minor: i64,
+        reason: String,
+    },
+    /// Fact: the refund succeeded.
+    PaymentRefunded {
+        order_id: OrderId,
+        payment_intent_id: String,
+        amount_refunded_minor: i64,
+    },
+}
+
+impl PurchaseEvent {
+    /// The order the event belongs to.
+    pub fn order_id(&self) -> OrderId {
+        use PurchaseEvent::*;
+        match self {
+            HoldCreated { order_id, .. }
+            | PaymentAuthorizationRequested { order_id, .. }
+            | PaymentIntentCreated { order_id, .. }
+            | PaymentAuthorized { order_id, .. }
+            | PaymentFailed { order_id, .. }
+            | OrderConfirmed { order_id, .. }
+            | CaptureRequested { order_id, .. }
+            | PaymentCaptured { order_id, .. }
+            | CaptureFailed { order_id, .. }
+            | TicketIssueRequested { order_id, .. }
+            | TicketIssued { order_id, .. }
+            | HoldExpired { order_id, .. }
+            | AuthorizationCancelRequested { order_id, .. }
+            | PaymentCanceled { order_id, .. }
+            | RefundRequested { order_id, .. }
+            | PaymentRefunded { order_id, .. } => *order_id,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn envelope_round_trips_and_carries_type() {
+        let order = OrderId::new();
+        let ev = PurchaseEvent::OrderConfirmed {
+            order_id: order,
+            hold_id: HoldId::new(),
+        };
+        let env = Envelope::new(order, &ev, Uuid::new_v4(), None);
+        assert_eq!(env.event_type, "OrderConfirmed");
+        let bytes = serde_json::to_vec(&env).unwrap();
+        let back = Envelope::from_slice(&bytes).unwrap();
+        assert_eq!(back.decode().unwrap(), ev);
+        let next = back.follow(&ev);
+        assert_eq!(next.causation_id, Some(env.event_id));
+        assert_eq!(next.correlation_id, env.correlation_id);
+    }
+
+    #[test]
+    fn unknown_fields_are_ignored_and_bad_payloads_rejected() {
+        let order = OrderId::new();
+        let mut env = Envelope::new(
+            order,
+            &PurchaseEvent::HoldExpired {
+                order_id: order,
+                hold_id: HoldId::new(),
+            },
+            Uuid::new_v4(),
+            None,
+        );
+        env.payload["added_later"] = serde_json::json!(true);
+        assert!(env.decode().is_ok());
+        env.payload = serde_json::json!({"nope": 1});
+        assert!(matches!(env.decode(), Err(DecodeError::Payload { .. })));
+        let mut v = serde_json::to_value(&env).unwrap();
+        v["schema_version"] = 2.into();
+        assert!(matches!(
+            Envelope::from_slice(&serde_json::to_vec(&v).unwrap()),
+            Err(DecodeError::Version(2))
+        ));
+    }
+}

@@ -1,0 +1,428 @@
+//! [`PaymentGateway`] and its Stripe implementation [`StripeClient`].
+//!
+//! Owns the wire format: `application/x-www-form-urlencoded` bodies with Stripe's bracket
+//! syntax, `Authorization: Bearer`, `Idempotency-Key` on every mutating call, JSON responses,
+//! and Stripe's error envelope (<https://docs.stripe.com/api>).
+//!
+//! Invariant: a mutating call is only ever sent with the caller's idempotency key, so a retry
+//! after a timeout, a 409 or a 5xx replays Stripe's stored result instead of moving money
+//! twice. Keys, client secrets and bodies are never logged; logs carry method, path (object
+//! ids only), status, Stripe's `Request-Id` and duration.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use reqwest::{Method, Url};
+use secrecy::{ExposeSecret, SecretString};
+use serde::de::DeserializeOwned;
+
+use crate::types::{push_metadata, List};
+use crate::{CreatePaymentIntent, PaymentIntent, Refund, StripeError};
+
+/// Stripe caps idempotency keys at 255 characters.
+const MAX_IDEMPOTENCY_KEY_LEN: usize = 255;
+/// Page size for auto-pagination (Stripe's maximum).
+const LIST_PAGE_LIMIT: &str = "100";
+
+/// What the payment worker and saga may ask of a payment provider.
+///
+/// Every method maps to one Stripe request; none retries by itself. On error, consult
+/// [`StripeError::is_retryable`] and retry with the *same* `idempotency_key` (design §10 uses
+/// `authorize:{event_id}`, `capture:{order_id}`, `cancel:{order_id}`, `refund:{order_id}`).
+/// Idempotency keys must be 1..=255 characters ([`StripeError::Config`] otherwise).
+#[async_trait::async_trait]
+pub trait PaymentGateway: Send + Sync + 'static {
+    /// `POST /v1/payment_intents` with `amount`, `currency`, `capture_method=manual`,
+    /// `automatic_payment_methods[enabled]=true` and `metadata[k]=v`
+    /// (<https://docs.stripe.com/api/payment_intents/create>). The new intent is in
+    /// `requires_payment_method`; its `client_secret` goes to the buyer's browser.
+    async fn create_payment_intent(
+        &self,
+        req: &CreatePaymentIntent,
+        idempotency_key: &str,
+    ) -> Result<PaymentIntent, StripeError>;
+
+    /// `GET /v1/payment_intents/{id}`. Unknown id: `Api { status: 404, code: "resource_missing" }`.
+    async fn retrieve_payment_intent(&self, id: &str) -> Result<PaymentIntent, StripeError>;
+
+    /// `POST /v1/payment_intents/{id}/capture`: captures the full authorized amount
+    /// (<https://docs.stripe.com/api/payment_intents/capture>). Only from `requires_capture`;
+    /// otherwise (including an expired authorization) Stripe answers 400
+    /// `payment_intent_unexpected_state`.
+    async fn capture_payment_intent(
+        &self,
+        id: &str,
+        idempotency_key: &str,
+    ) -> Result<PaymentIntent, StripeError>;
+
+    /// `POST /v1/payment_intents/{id}/cancel` (<https://docs.stripe.com/api/payment_intents/cancel>):
+    /// releases an authorization. From `succeeded` or `canceled` Stripe answers 400
+    /// `payment_intent_unexpected_state` (refund instead).
+    async fn cancel_payment_intent(
+        &self,
+        id: &str,
+        idempotency_key: &str,
+    ) -> Result<PaymentIntent, StripeError>;
+
+    /// `POST /v1/refunds` with `payment_intent` and `metadata[k]=v`: refunds everything not yet
+    /// refunded (<https://docs.stripe.com/api/refunds/create>). The intent must be `succeeded`.
+    async fn create_refund(
+        &self,
+        payment_intent_id: &str,
+        metadata: &[(String, String)],
+        idempotency_key: &str,
+    ) -> Result<Refund, StripeError>;
+}
+
+/// How to reach Stripe.
+#[derive(Clone, Debug)]
+pub struct StripeConfig {
+    /// Scheme, host and port, no trailing path: `https://api.stripe.com` in production,
+    /// `http://127.0.0.1:12111` for the simulator.
+    pub api_base: String,
+    /// `sk_live_…`/`sk_test_…` (or a restricted `rk_…` key).
+    pub secret_key: SecretString,
+    /// Whole-request timeout in milliseconds (connect + send + full body); must be > 0.
+    /// A timed-out request may still have been applied: retry with the same idempotency key.
+    pub timeout_ms: u64,
+}
+
+/// Production [`PaymentGateway`]: a cheap-to-clone handle (one connection pool, `Arc` inside).
+#[derive(Clone)]
+pub struct StripeClient {
+    inner: Arc<Inner>,
+}
+
+#[derive(Clone)]
+struct Inner {
+    http: reqwest::Client,
+    base: Url,
+    secret_key: SecretString,
+    stripe_version: Option<String>,
+}
+
+impl std::fmt::Debug for StripeClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StripeClient")
+            .field("api_base", &self.inner.base.as_str())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Who signs a request: the server's secret key, or a browser's publishable key.
+enum Auth<'a> {
+    Secret,
+    Publishable(&'a str),
+}
+
+impl StripeClient {
+    /// Validates `cfg` and builds the HTTP client.
+    ///
+    /// Errors with [`StripeError::Config`] when `api_base` is not an absolute `http(s)` URL,
+    /// the key is not an `sk_`/`rk_` key, or `timeout_ms` is 0.
+    pub fn new(cfg: StripeConfig) -> Result<Self, StripeError> {
+        let base = Url::parse(&cfg.api_base)
+            .map_err(|e| StripeError::Config(format!("api_base is not a URL: {e}")))?;
+        if !matches!(base.scheme(), "http" | "https") || base.cannot_be_a_base() {
+            return Err(StripeError::Config(
+                "api_base must be an http(s) URL".into(),
+            ));
+        }
+        let key = cfg.secret_key.expose_secret();
+        if !(key.starts_with("sk_") || key.starts_with("rk_")) {
+            return Err(StripeError::Config(
+                "secret_key must be an sk_… or rk_… key".into(),
+            ));
+        }
+        if cfg.timeout_ms == 0 {
+            return Err(StripeError::Config("timeout_ms must be > 0".into()));
+        }
+        let timeout = Duration::from_millis(cfg.timeout_ms);
+        let http = reqwest::Client::builder()
+            .timeout(timeout)
+            .connect_timeout(timeout.min(Duration::from_secs(5)))
+            .user_agent(concat!("boxoffice-payments/", env!("CARGO_PKG_VERSION")))
+            .build()
+            .map_err(|e| StripeError::Config(format!("cannot build HTTP client: {e}")))?;
+        Ok(Self {
+            inner: Arc::new(Inner {
+                http,
+                base,
+                secret_key: cfg.secret_key,
+                stripe_version: None,
+            }),
+        })
+    }
+
+    /// Pins the API version with a `Stripe-Version` header on every request
+    /// (<https://docs.stripe.com/api/versioning>); without it the account default applies.
+    pub fn with_stripe_version(mut self, version: impl Into<String>) -> Self {
+        Arc::make_mut(&mut self.inner).stripe_version = Some(version.into());
+        self
+    }
+
+    /// Confirms as a browser would (Stripe.js): `POST /v1/payment_intents/{id}/confirm` with
+    /// `payment_method` (e.g. `pm_card_visa`) and `client_secret`, authorized by the
+    /// *publishable* key (`pk_…`), no idempotency key
+    /// (<https://docs.stripe.com/api/payment_intents/confirm>).
+    ///
+    /// With `capture_method=manual` a good card leaves the intent in `requires_capture`.
+    /// A decline is `Api { status: 402, error_type: "card_error", code: "card_declined",
+    /// decline_code, .. }`. Used by the load generator and tests; the server never confirms.
+    pub async fn confirm_with_client_secret(
+        &self,
+        publishable_key: &str,
+        id: &str,
+        client_secret: &str,
+        payment_method: &str,
+    ) -> Result<PaymentIntent, StripeError> {
+        if !publishable_key.starts_with("pk_") {
+            return Err(StripeError::Config(
+                "publishable_key must be a pk_… key".into(),
+            ));
+        }
+        let form = [
+            ("payment_method".to_owned(), payment_method.to_owned()),
+            ("client_secret".to_owned(), client_secret.to_owned()),
+        ];
+        self.send(
+            Method::POST,
+            &["payment_intents", id, "confirm"],
+            Auth::Publishable(publishable_key),
+            &[],
+            Some(&form),
+            None,
+        )
+        .await
+    }
+
+    /// Every PaymentIntent created at or after `created_gte_unix` (unix seconds), newest first,
+    /// fetched with `GET /v1/payment_intents?created[gte]=…&limit=100&starting_after=…` until
+    /// `has_more` is false (<https://docs.stripe.com/api/pagination/auto>). For reconciliation.
+    pub async fn list_payment_intents(
+        &self,
+        created_gte_unix: i64,
+    ) -> Result<Vec<PaymentIntent>, StripeError> {
+        let mut all: Vec<PaymentIntent> = Vec::new();
+        loop {
+            let mut query = vec![
+                ("created[gte]".to_owned(), created_gte_unix.to_string()),
+                ("limit".to_owned(), LIST_PAGE_LIMIT.to_owned()),
+            ];
+            if let Some(last) = all.last() {
+                query.push(("starting_after".to_owned(), last.id.clone()));
+            }
+            let page: List<PaymentIntent> = self
+                .send(
+                    Method::GET,
+                    &["payment_intents"],
+                    Auth::Secret,
+                    &query,
+                    None,
+                    None,
+                )
+                .await?;
+            let done = !page.has_more || page.data.is_empty();
+            all.extend(page.data);
+            if done {
+                return Ok(all);
+            }
+        }
+    }
+
+    /// Sends one request and decodes a 2xx JSON body as `T`; non-2xx becomes
+    /// [`StripeError::Api`]. `path` segments after `/v1` are percent-encoded individually.
+    async fn send<T: DeserializeOwned>(
+        &self,
+        method: Method,
+        path: &[&str],
+        auth: Auth<'_>,
+        query: &[(String, String)],
+        form: Option<&[(String, String)]>,
+        idempotency_key: Option<&str>,
+    ) -> Result<T, StripeError> {
+        let inner = &*self.inner;
+        let mut url = inner.base.clone();
+        url.path_segments_mut()
+            .map_err(|()| StripeError::Config("api_base cannot be a base URL".into()))?
+            .pop_if_empty()
+            .push("v1")
+            .extend(path);
+        if !query.is_empty() {
+            url.query_pairs_mut().extend_pairs(query);
+        }
+        let log_path = url.path().to_owned();
+        let mut req = inner.http.request(method.clone(), url);
+        req = match auth {
+            Auth::Secret => req.bearer_auth(inner.secret_key.expose_secret()),
+            Auth::Publishable(pk) => req.bearer_auth(pk),
+        };
+        if let Some(version) = &inner.stripe_version {
+            req = req.header("Stripe-Version", version);
+        }
+        if let Some(key) = idempotency_key {
+            if key.is_empty() || key.len() > MAX_IDEMPOTENCY_KEY_LEN {
+                return Err(StripeError::Config(
+                    "idempotency key must be 1..=255 characters".into(),
+                ));
+            }
+            req = req.header("Idempotency-Key", key);
+        }
+        if let Some(form) = form {
+            let body = serde_urlencoded::to_string(form)
+                .map_err(|e| StripeError::Config(format!("cannot encode form: {e}")))?;
+            req = req
+                .header(
+                    reqwest::header::CONTENT_TYPE,
+                    "application/x-www-form-urlencoded",
+                )
+                .body(body);
+        }
+
+        let started = Instant::now();
+        let outcome = async {
+            let resp = req.send().await.map_err(StripeError::Transport)?;
+            let status = resp.status();
+            let request_id = resp
+                .headers()
+                .get("request-id")
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("")
+                .to_owned();
+            let body = resp.bytes().await.map_err(StripeError::Transport)?;
+            Ok::<_, StripeError>((status, request_id, body))
+        }
+        .await;
+        let duration_ms = started.elapsed().as_millis() as u64;
+        let (status, request_id, body) = match outcome {
+            Ok(ok) => ok,
+            Err(e) => {
+                tracing::warn!(http.method = %method, stripe.path = %log_path, duration_ms, error = %e, "stripe request got no answer");
+                return Err(e);
+            }
+        };
+        tracing::debug!(
+            http.method = %method,
+            stripe.path = %log_path,
+            http.status = status.as_u16(),
+            stripe.request_id = %request_id,
+            duration_ms,
+            "stripe request"
+        );
+        if status.is_success() {
+            serde_json::from_slice(&body).map_err(StripeError::Decode)
+        } else {
+            Err(StripeError::from_response(status.as_u16(), &body))
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl PaymentGateway for StripeClient {
+    async fn create_payment_intent(
+        &self,
+        req: &CreatePaymentIntent,
+        idempotency_key: &str,
+    ) -> Result<PaymentIntent, StripeError> {
+        let form = req.to_form();
+        self.send(
+            Method::POST,
+            &["payment_intents"],
+            Auth::Secret,
+            &[],
+            Some(&form),
+            Some(idempotency_key),
+        )
+        .await
+    }
+
+    async fn retrieve_payment_intent(&self, id: &str) -> Result<PaymentIntent, StripeError> {
+        self.send(
+            Method::GET,
+            &["payment_intents", id],
+            Auth::Secret,
+            &[],
+            None,
+            None,
+        )
+        .await
+    }
+
+    async fn capture_payment_intent(
+        &self,
+        id: &str,
+        idempotency_key: &str,
+    ) -> Result<PaymentIntent, StripeError> {
+        self.send(
+            Method::POST,
+            &["payment_intents", id, "capture"],
+            Auth::Secret,
+            &[],
+            Some(&[]),
+            Some(idempotency_key),
+        )
+        .await
+    }
+
+    async fn cancel_payment_intent(
+        &self,
+        id: &str,
+        idempotency_key: &str,
+    ) -> Result<PaymentIntent, StripeError> {
+        self.send(
+            Method::POST,
+            &["payment_intents", id, "cancel"],
+            Auth::Secret,
+            &[],
+            Some(&[]),
+            Some(idempotency_key),
+        )
+        .await
+    }
+
+    async fn create_refund(
+        &self,
+        payment_intent_id: &str,
+        metadata: &[(String, String)],
+        idempotency_key: &str,
+    ) -> Result<Refund, StripeError> {
+        let mut form = vec![("payment_intent".to_owned(), payment_intent_id.to_owned())];
+        push_metadata(&mut form, metadata);
+        self.send(
+            Method::POST,
+            &["refunds"],
+            Auth::Secret,
+            &[],
+            Some(&form),
+            Some(idempotency_key),
+        )
+        .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(base: &str, key: &str, timeout_ms: u64) -> StripeConfig {
+        StripeConfig {
+            api_base: base.into(),
+            secret_key: SecretString::from(key),
+            timeout_ms,
+        }
+    }
+
+    #[test]
+    fn new_validates_config_without_echoing_the_key() {
+        assert!(StripeClient::new(cfg("http://127.0.0.1:1", "sk_test_x", 1000)).is_ok());
+        assert!(StripeClient::new(cfg("ftp://x", "sk_test_x", 1000)).is_err());
+        assert!(StripeClient::new(cfg("http://127.0.0.1:1", "sk_test_x", 0)).is_err());
+        let err = StripeClient::new(cfg("http://127.0.0.1:1", "pk_test_leaky", 1000)).unwrap_err();
+        assert!(!err.to_string().contains("leaky"));
+        let dbg = format!(
+            "{:?}",
+            StripeClient::new(cfg("http://127.0.0.1:1", "sk_test_hidden", 1)).unwrap()
+        );
+        assert!(!dbg.contains("hidden"), "{dbg}");
+    }
+}

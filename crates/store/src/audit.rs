@@ -1,0 +1,139 @@
+//! Invariant checks over the ledger, shared by `boxoffice audit` and the onsale report.
+//! Every count must be zero on a healthy system.
+
+use serde::Serialize;
+use sqlx::PgPool;
+use std::collections::BTreeMap;
+
+/// Violations of the invariants, each a count of offending rows.
+#[derive(Debug, Clone, Default, Serialize, PartialEq, Eq)]
+pub struct Violations {
+    /// Seats with more than one ticket, or with a ticket and another order's unreleased hold
+    /// (invariant 1).
+    pub oversold: i64,
+    /// Seats with more than one unreleased hold row (invariant 1).
+    pub double_active_holds: i64,
+    /// Tickets whose order has no captured payment (invariant 2).
+    pub tickets_without_capture: i64,
+    /// Payments captured for orders with neither tickets nor a full refund (invariant 6).
+    pub captured_without_ticket_or_refund: i64,
+    /// Orders in a non-final state for longer than the bound.
+    pub stuck_orders: i64,
+    /// Outbox rows not yet published (invariant 5).
+    pub unpublished_outbox: i64,
+}
+
+impl Violations {
+    /// Sum of all counts.
+    pub fn total(&self) -> i64 {
+        self.oversold
+            + self.double_active_holds
+            + self.tickets_without_capture
+            + self.captured_without_ticket_or_refund
+            + self.stuck_orders
+            + self.unpublished_outbox
+    }
+}
+
+/// Business totals for a report.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Totals {
+    /// Orders per status.
+    pub orders_by_status: BTreeMap<String, i64>,
+    /// Tickets issued.
+    pub tickets: i64,
+    /// Distinct seats with a ticket.
+    pub seats_sold: i64,
+    /// Payments with a refund.
+    pub refunds: i64,
+    /// Payments captured.
+    pub captured: i64,
+    /// Incidents recorded.
+    pub incidents: i64,
+}
+
+/// Runs every invariant check. `stuck_after_ms` bounds how long an order may sit in a
+/// non-final state; `event` restricts the checks to one event when given.
+pub async fn violations(
+    pool: &PgPool,
+    stuck_after_ms: i64,
+    event: Option<uuid::Uuid>,
+) -> Result<Violations, sqlx::Error> {
+    let q = |sql: &'static str| sqlx::query_scalar::<_, i64>(sql).bind(event);
+    Ok(Violations {
+        oversold: q("SELECT
+                (SELECT count(*) FROM (SELECT seat_id FROM tickets WHERE $1::uuid IS NULL OR event_id = $1
+                                        GROUP BY seat_id HAVING count(*) > 1) d)
+              + (SELECT count(DISTINCT t.seat_id) FROM tickets t
+                   JOIN hold_seats hs ON hs.seat_id = t.seat_id AND hs.released_at IS NULL
+                   JOIN holds h ON h.id = hs.hold_id
+                  WHERE h.order_id <> t.order_id AND ($1::uuid IS NULL OR t.event_id = $1))")
+        .fetch_one(pool)
+        .await?,
+        double_active_holds: q("SELECT count(*) FROM (
+                SELECT hs.seat_id FROM hold_seats hs JOIN seats s ON s.id = hs.seat_id
+                 WHERE hs.released_at IS NULL AND ($1::uuid IS NULL OR s.event_id = $1)
+                 GROUP BY hs.seat_id HAVING count(*) > 1) d")
+        .fetch_one(pool)
+        .await?,
+        tickets_without_capture: q("SELECT count(*) FROM tickets t
+                LEFT JOIN payments p ON p.order_id = t.order_id
+               WHERE (p.order_id IS NULL OR p.amount_captured_minor <= 0)
+                 AND ($1::uuid IS NULL OR t.event_id = $1)")
+        .fetch_one(pool)
+        .await?,
+        captured_without_ticket_or_refund: q("SELECT count(*) FROM payments p JOIN orders o ON o.id = p.order_id
+               WHERE p.amount_captured_minor > 0
+                 AND p.amount_refunded_minor < p.amount_captured_minor
+                 AND NOT EXISTS (SELECT 1 FROM tickets t WHERE t.order_id = p.order_id)
+                 AND ($1::uuid IS NULL OR o.event_id = $1)")
+        .fetch_one(pool)
+        .await?,
+        stuck_orders: sqlx::query_scalar(
+            "SELECT count(*) FROM orders
+              WHERE status NOT IN ('ticketed', 'expired', 'failed', 'canceled', 'refunded')
+                AND updated_at < clock_timestamp() - make_interval(secs => $2::double precision / 1000.0)
+                AND ($1::uuid IS NULL OR event_id = $1)",
+        )
+        .bind(event)
+        .bind(stuck_after_ms as f64)
+        .fetch_one(pool)
+        .await?,
+        unpublished_outbox: sqlx::query_scalar("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+            .fetch_one(pool)
+            .await?,
+    })
+}
+
+/// Business totals, optionally for one event.
+pub async fn totals(pool: &PgPool, event: Option<uuid::Uuid>) -> Result<Totals, sqlx::Error> {
+    let rows: Vec<(String, i64)> =
+        sqlx::query_as("SELECT status, count(*) FROM orders WHERE $1::uuid IS NULL OR event_id = $1 GROUP BY status")
+            .bind(event)
+            .fetch_all(pool)
+            .await?;
+    let (tickets, seats_sold): (i64, i64) = sqlx::query_as(
+        "SELECT count(*), count(DISTINCT seat_id) FROM tickets WHERE $1::uuid IS NULL OR event_id = $1",
+    )
+    .bind(event)
+    .fetch_one(pool)
+    .await?;
+    let (captured, refunds): (i64, i64) = sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE p.amount_captured_minor > 0), count(*) FILTER (WHERE p.amount_refunded_minor > 0)
+           FROM payments p JOIN orders o ON o.id = p.order_id WHERE $1::uuid IS NULL OR o.event_id = $1",
+    )
+    .bind(event)
+    .fetch_one(pool)
+    .await?;
+    let incidents: i64 = sqlx::query_scalar("SELECT count(*) FROM incidents")
+        .fetch_one(pool)
+        .await?;
+    Ok(Totals {
+        orders_by_status: rows.into_iter().collect(),
+        tickets,
+        seats_sold,
+        refunds,
+        captured,
+        incidents,
+    })
+}

@@ -1,0 +1,52 @@
+//! Storage errors and the one place that decides which of them are worth retrying.
+
+/// A storage failure. `Db` keeps the sqlx error as its source.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The database answered with an error or could not be reached.
+    #[error("database error")]
+    Db(#[from] sqlx::Error),
+    /// A stored value could not be read back (a bug or a manual edit).
+    #[error("corrupt row: {0}")]
+    Corrupt(String),
+}
+
+impl StoreError {
+    /// Whether repeating the whole transaction may succeed (serialization failure, deadlock,
+    /// lost connection, pool exhaustion).
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            StoreError::Db(e) => is_retryable(e),
+            StoreError::Corrupt(_) => false,
+        }
+    }
+}
+
+/// SQLSTATE 40001 (serialization_failure), 40P01 (deadlock_detected), 55P03
+/// (lock_not_available), 57P01 (admin_shutdown), class 08 (connection) and pool/IO errors
+/// are transient; constraint violations and the rest are not.
+pub fn is_retryable(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Database(db) => {
+            let code = db.code().unwrap_or_default();
+            matches!(
+                code.as_ref(),
+                "40001" | "40P01" | "55P03" | "57P01" | "57P02" | "57P03"
+            ) || code.starts_with("08")
+        }
+        sqlx::Error::Io(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed
+        | sqlx::Error::Protocol(_) => true,
+        _ => false,
+    }
+}
+
+/// The name of the violated constraint, if `e` is a unique/check violation.
+pub fn constraint(e: &sqlx::Error) -> Option<&str> {
+    match e {
+        sqlx::Error::Database(db) => db.constraint(),
+        _ => None,
+    }
+}

@@ -1,0 +1,50 @@
+//! The PostgreSQL ledger: migrations plus one module per aggregate.
+//!
+//! PostgreSQL is the authority for seat ownership (invariant 1, the partial unique index
+//! `hold_seat_active_uq` and `ticket_seat_uq`), for order state (invariant 2, row locks taken
+//! in the fixed order *seats → hold → order*), for idempotent HTTP requests (invariant 3),
+//! for consumer dedupe (invariant 4, `inbox` / `stripe_events`) and for the transactional
+//! outbox (invariant 5). No function here makes a network call inside a transaction.
+//!
+//! Lock order, everywhere: seat rows (ascending id) before hold rows before order rows. The
+//! hold transaction takes all three; the saga, expiry and ticket workers take hold → order.
+//! Keeping one order means two of them can wait on each other but never deadlock.
+
+pub mod audit;
+pub mod error;
+pub mod holds;
+pub mod inbox;
+pub mod orders;
+pub mod outbox;
+pub mod payments;
+pub mod stripe_events;
+pub mod tickets;
+pub mod venue;
+
+pub use error::{is_retryable, StoreError};
+
+use sqlx::migrate::Migrator;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::PgPool;
+use std::time::Duration;
+
+/// Every migration, embedded in the binary (`boxoffice migrate` applies them).
+pub static MIGRATOR: Migrator = sqlx::migrate!("./migrations");
+
+/// A transaction on the ledger.
+pub type Tx<'a> = sqlx::Transaction<'a, sqlx::Postgres>;
+
+/// Opens a pool of at most `max_connections` with a bounded acquire wait (`acquire_timeout_ms`)
+/// so that an overloaded database answers 503 instead of queueing requests forever.
+pub async fn connect(
+    options: PgConnectOptions,
+    max_connections: u32,
+    acquire_timeout_ms: u64,
+) -> Result<PgPool, sqlx::Error> {
+    PgPoolOptions::new()
+        .max_connections(max_connections)
+        .min_connections(0)
+        .acquire_timeout(Duration::from_millis(acquire_timeout_ms))
+        .connect_with(options)
+        .await
+}

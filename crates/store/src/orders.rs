@@ -1,0 +1,262 @@
+//! Orders: row locks and status writes for the saga, and the owner's read model for
+//! `GET /orders/{id}`.
+//!
+//! Every status write goes through [`set_status`], which refuses transitions that
+//! [`OrderStatus::can_transition_to`] does not list (invariant 2).
+
+use crate::Tx;
+use boxoffice_domain::{OrderId, OrderStatus, UserId};
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use sqlx::PgPool;
+use uuid::Uuid;
+
+/// An order row as locked by the saga.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct OrderRow {
+    /// Order id.
+    pub id: Uuid,
+    /// Owner.
+    pub user_id: Uuid,
+    /// Event.
+    pub event_id: Uuid,
+    /// Stored status text (see [`OrderStatus`]).
+    pub status: String,
+    /// Total in minor units.
+    pub amount_minor: i64,
+    /// Currency.
+    pub currency: String,
+    /// The buyer journey's correlation id.
+    pub correlation_id: Uuid,
+}
+
+impl OrderRow {
+    /// The parsed status.
+    pub fn status(&self) -> Result<OrderStatus, crate::StoreError> {
+        self.status
+            .parse()
+            .map_err(|e: boxoffice_domain::status::UnknownStatus| {
+                crate::StoreError::Corrupt(e.to_string())
+            })
+    }
+}
+
+/// Locks order `id` (`FOR UPDATE`). Callers lock the hold first.
+pub async fn lock(tx: &mut Tx<'_>, id: OrderId) -> Result<Option<OrderRow>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT id, user_id, event_id, status, amount_minor, currency, correlation_id
+           FROM orders WHERE id = $1 FOR UPDATE",
+    )
+    .bind(id.0)
+    .fetch_optional(&mut **tx)
+    .await
+}
+
+/// An illegal transition was attempted: a bug or a stale event, never applied.
+#[derive(Debug, thiserror::Error)]
+#[error("illegal order transition {from} -> {to}")]
+pub struct IllegalTransition {
+    /// Current status.
+    pub from: OrderStatus,
+    /// Requested status.
+    pub to: OrderStatus,
+}
+
+/// Moves a locked order to `to` if the state machine allows it from its current status;
+/// records `reason` for failure states. Returns the previous status.
+pub async fn transition(
+    tx: &mut Tx<'_>,
+    order: &OrderRow,
+    to: OrderStatus,
+    reason: Option<&str>,
+) -> Result<Result<OrderStatus, IllegalTransition>, crate::StoreError> {
+    let from = order.status()?;
+    if !from.can_transition_to(to) {
+        return Ok(Err(IllegalTransition { from, to }));
+    }
+    set_status(tx, OrderId(order.id), to, reason).await?;
+    Ok(Ok(from))
+}
+
+/// Writes a status without checking the state machine (callers have checked it under the
+/// row lock). Bumps `version`.
+pub async fn set_status(
+    tx: &mut Tx<'_>,
+    id: OrderId,
+    to: OrderStatus,
+    reason: Option<&str>,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "UPDATE orders SET status = $2, failure_reason = COALESCE($3, failure_reason),
+                version = version + 1, updated_at = clock_timestamp()
+          WHERE id = $1",
+    )
+    .bind(id.0)
+    .bind(to.as_str())
+    .bind(reason)
+    .execute(&mut **tx)
+    .await?;
+    metrics::counter!("boxoffice_order_transitions_total", "to" => to.as_str()).increment(1);
+    Ok(())
+}
+
+/// A ticket as shown to its owner.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct TicketView {
+    /// Stable ticket id (uuid v5 of order and seat).
+    pub ticket_id: Uuid,
+    /// Seat id.
+    pub seat_id: Uuid,
+    /// Seat label, e.g. `S104-R12-S7`.
+    pub seat_label: String,
+    /// When it was issued.
+    pub issued_at: DateTime<Utc>,
+}
+
+/// The owner's view of an order (`GET /orders/{id}`).
+#[derive(Debug, Clone, Serialize)]
+pub struct OrderView {
+    /// Order id.
+    pub order_id: Uuid,
+    /// Event id.
+    pub event_id: Uuid,
+    /// Client-visible workflow state.
+    pub status: OrderStatus,
+    /// Why the order failed, expired or was canceled, when it did.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub failure_reason: Option<String>,
+    /// Total in minor units.
+    pub amount_minor: i64,
+    /// Lower-case ISO 4217 currency.
+    pub currency: String,
+    /// Hold id.
+    pub hold_id: Option<Uuid>,
+    /// Hold status (`active`, `confirmed`, `expired`, `released`).
+    pub hold_status: Option<String>,
+    /// When the hold lapses unless payment is authorized.
+    pub hold_expires_at: Option<DateTime<Utc>>,
+    /// Seats of the hold, sorted by label.
+    pub seats: Vec<SeatRef>,
+    /// The Stripe PaymentIntent id, once created.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub payment_intent_id: Option<String>,
+    /// The PaymentIntent client secret: only while payment is pending, only to the owner.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub client_secret: Option<String>,
+    /// Tickets, once issued.
+    pub tickets: Vec<TicketView>,
+    /// Creation time.
+    pub created_at: DateTime<Utc>,
+    /// Last status change.
+    pub updated_at: DateTime<Utc>,
+}
+
+/// A seat reference in an order view.
+#[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+pub struct SeatRef {
+    /// Seat id.
+    pub seat_id: Uuid,
+    /// Label.
+    pub label: String,
+    /// Price in minor units.
+    pub price_minor: i64,
+}
+
+#[derive(sqlx::FromRow)]
+struct ViewRow {
+    id: Uuid,
+    user_id: Uuid,
+    event_id: Uuid,
+    status: String,
+    failure_reason: Option<String>,
+    amount_minor: i64,
+    currency: String,
+    created_at: DateTime<Utc>,
+    updated_at: DateTime<Utc>,
+    hold_id: Option<Uuid>,
+    hold_status: Option<String>,
+    hold_expires_at: Option<DateTime<Utc>>,
+    payment_intent_id: Option<String>,
+    client_secret: Option<String>,
+    payment_status: Option<String>,
+}
+
+/// Reads the order for its owner; `None` when it does not exist *or* belongs to someone
+/// else (the API answers 404 for both, so order ids cannot be probed).
+pub async fn view(
+    pool: &PgPool,
+    id: OrderId,
+    owner: UserId,
+) -> Result<Option<OrderView>, crate::StoreError> {
+    let row: Option<ViewRow> = sqlx::query_as(
+        "SELECT o.id, o.user_id, o.event_id, o.status, o.failure_reason, o.amount_minor, o.currency,
+                o.created_at, o.updated_at, h.id AS hold_id, h.status AS hold_status,
+                h.expires_at AS hold_expires_at, p.payment_intent_id, p.client_secret,
+                p.status AS payment_status
+           FROM orders o
+           LEFT JOIN holds h ON h.order_id = o.id
+           LEFT JOIN payments p ON p.order_id = o.id
+          WHERE o.id = $1",
+    )
+    .bind(id.0)
+    .fetch_optional(pool)
+    .await?;
+    let Some(r) = row else { return Ok(None) };
+    if r.user_id != owner.0 {
+        return Ok(None);
+    }
+    let mut status: OrderStatus =
+        r.status
+            .parse()
+            .map_err(|e: boxoffice_domain::status::UnknownStatus| {
+                crate::StoreError::Corrupt(e.to_string())
+            })?;
+    if status.awaits_authorization() && r.payment_status.as_deref() == Some("requires_capture") {
+        status = OrderStatus::Authorized;
+    }
+    let payment_pending = matches!(status, OrderStatus::PaymentRequired | OrderStatus::Held)
+        && matches!(
+            r.payment_status.as_deref(),
+            Some("requires_payment_method" | "requires_confirmation" | "requires_action")
+        );
+    let seats: Vec<SeatRef> = match r.hold_id {
+        Some(h) => {
+            sqlx::query_as(
+                "SELECT s.id AS seat_id, s.label, s.price_minor FROM hold_seats hs
+                   JOIN seats s ON s.id = hs.seat_id WHERE hs.hold_id = $1 ORDER BY s.label",
+            )
+            .bind(h)
+            .fetch_all(pool)
+            .await?
+        }
+        None => vec![],
+    };
+    let tickets: Vec<TicketView> = sqlx::query_as(
+        "SELECT t.id AS ticket_id, t.seat_id, s.label AS seat_label, t.issued_at FROM tickets t
+           JOIN seats s ON s.id = t.seat_id WHERE t.order_id = $1 ORDER BY s.label",
+    )
+    .bind(id.0)
+    .fetch_all(pool)
+    .await?;
+    Ok(Some(OrderView {
+        order_id: r.id,
+        event_id: r.event_id,
+        status,
+        failure_reason: r.failure_reason,
+        amount_minor: r.amount_minor,
+        currency: r.currency,
+        hold_id: r.hold_id,
+        hold_status: r.hold_status,
+        hold_expires_at: r.hold_expires_at,
+        seats,
+        payment_intent_id: r.payment_intent_id,
+        client_secret: if payment_pending {
+            r.client_secret
+        } else {
+            None
+        },
+        tickets,
+        created_at: r.created_at,
+        updated_at: r.updated_at,
+    }))
+}

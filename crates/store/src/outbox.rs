@@ -1,0 +1,140 @@
+//! The transactional outbox (design §7, invariant 5): business writes insert their events here
+//! in the same transaction; the relay claims rows with a lease (`FOR UPDATE SKIP LOCKED`),
+//! commits the claim, publishes outside any transaction, and marks only rows still leased to
+//! it as published. A relay that dies mid-batch leaves rows whose lease expires and another
+//! relay publishes them again: at-least-once, made harmless by the consumers' inbox.
+
+use crate::Tx;
+use boxoffice_domain::{Envelope, Topic};
+use chrono::{DateTime, Utc};
+use sqlx::PgPool;
+use uuid::Uuid;
+
+/// Adds `envelope` to the outbox for `topic` inside the caller's transaction; the message key
+/// is the envelope's aggregate (order) id.
+pub async fn insert(tx: &mut Tx<'_>, topic: Topic, envelope: &Envelope) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO outbox (id, topic, message_key, event_type, payload)
+         VALUES ($1, $2, $3, $4, $5)",
+    )
+    .bind(envelope.event_id)
+    .bind(topic.name())
+    .bind(envelope.aggregate_id.to_string())
+    .bind(&envelope.event_type)
+    .bind(sqlx::types::Json(envelope))
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+/// Adds several envelopes for the purchase topic.
+pub async fn insert_all(tx: &mut Tx<'_>, envelopes: &[Envelope]) -> Result<(), sqlx::Error> {
+    for e in envelopes {
+        insert(tx, Topic::Purchase, e).await?;
+    }
+    Ok(())
+}
+
+/// A claimed outbox row: the logical topic, key and serialized envelope.
+#[derive(Debug, sqlx::FromRow)]
+pub struct OutboxRow {
+    /// The envelope's event id.
+    pub id: Uuid,
+    /// Logical topic name (unprefixed), e.g. `ticketing.purchase.v1`.
+    pub topic: String,
+    /// Kafka key (the order id).
+    pub message_key: String,
+    /// The envelope's type, sent as a header.
+    pub event_type: String,
+    /// The envelope as JSON text.
+    pub payload: sqlx::types::Json<serde_json::Value>,
+    /// When the business write committed.
+    pub created_at: DateTime<Utc>,
+}
+
+/// Claims up to `limit` unpublished rows whose lease is free or expired, oldest first, for
+/// `relay` for `lease_ms` milliseconds, and commits the claim before returning.
+pub async fn claim_batch(
+    pool: &PgPool,
+    relay: &str,
+    limit: i64,
+    lease_ms: i64,
+) -> Result<Vec<OutboxRow>, sqlx::Error> {
+    sqlx::query_as(
+        "WITH picked AS (
+            SELECT id FROM outbox
+            WHERE published_at IS NULL
+              AND (claim_expires_at IS NULL OR claim_expires_at < clock_timestamp())
+            ORDER BY created_at
+            LIMIT $2
+            FOR UPDATE SKIP LOCKED
+         )
+         UPDATE outbox o
+            SET claimed_by = $1,
+                claim_expires_at = clock_timestamp() + make_interval(secs => $3::double precision / 1000.0),
+                publish_attempts = o.publish_attempts + 1
+           FROM picked
+          WHERE o.id = picked.id
+         RETURNING o.id, o.topic, o.message_key, o.event_type, o.payload, o.created_at",
+    )
+    .bind(relay)
+    .bind(limit)
+    .bind(lease_ms as f64)
+    .fetch_all(pool)
+    .await
+    .map(|mut rows: Vec<OutboxRow>| {
+        rows.sort_by_key(|r| r.created_at);
+        rows
+    })
+}
+
+/// Marks `ids` published, but only those still leased to `relay` (a relay whose lease ran
+/// out must not overwrite another relay's claim). Returns how many rows were marked.
+pub async fn mark_published(pool: &PgPool, relay: &str, ids: &[Uuid]) -> Result<u64, sqlx::Error> {
+    let r = sqlx::query(
+        "UPDATE outbox SET published_at = clock_timestamp(), claimed_by = NULL, claim_expires_at = NULL
+          WHERE id = ANY($1) AND claimed_by = $2 AND published_at IS NULL",
+    )
+    .bind(ids)
+    .bind(relay)
+    .execute(pool)
+    .await?;
+    Ok(r.rows_affected())
+}
+
+/// Gives back the lease on `ids` (publish failed) so another attempt can start at once.
+pub async fn release_claim(pool: &PgPool, relay: &str, ids: &[Uuid]) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "UPDATE outbox SET claimed_by = NULL, claim_expires_at = NULL
+          WHERE id = ANY($1) AND claimed_by = $2 AND published_at IS NULL",
+    )
+    .bind(ids)
+    .bind(relay)
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// Backlog figures: unpublished rows and the age of the oldest one in milliseconds (0 when
+/// empty). The age is the business's event-delivery latency (design §7, §16).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Backlog {
+    /// Rows not yet published.
+    pub unpublished: i64,
+    /// Age of the oldest unpublished row, ms.
+    pub oldest_age_ms: i64,
+}
+
+/// Reads the current [`Backlog`].
+pub async fn backlog(pool: &PgPool) -> Result<Backlog, sqlx::Error> {
+    let (unpublished, oldest_age_ms): (i64, Option<f64>) = sqlx::query_as(
+        "SELECT count(*), (EXTRACT(EPOCH FROM clock_timestamp() - min(created_at)) * 1000)::float8
+           FROM outbox WHERE published_at IS NULL",
+    )
+    .fetch_one(pool)
+    .await?;
+    Ok(Backlog {
+        unpublished,
+        oldest_age_ms: oldest_age_ms.unwrap_or(0.0).max(0.0) as i64,
+    })
+}

@@ -1,0 +1,129 @@
+//! The local mirror of each order's Stripe PaymentIntent (design §10).
+//!
+//! One payment row per order (`order_id` primary key, `payment_intent_id` unique). The
+//! client secret is stored for the owner's status endpoint only and is cleared once payment
+//! is no longer pending; it never leaves this table except through that endpoint.
+
+use boxoffice_domain::OrderId;
+use chrono::{DateTime, Utc};
+use sqlx::{Executor, Postgres};
+use uuid::Uuid;
+
+/// A payment row.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct PaymentRow {
+    /// Order.
+    pub order_id: Uuid,
+    /// Stripe PaymentIntent id (`pi_…`).
+    pub payment_intent_id: String,
+    /// Last known PaymentIntent status (Stripe's vocabulary).
+    pub status: String,
+    /// Authorized amount, minor units.
+    pub amount_minor: i64,
+    /// Currency.
+    pub currency: String,
+    /// Captured so far, minor units.
+    pub amount_captured_minor: i64,
+    /// Refunded so far, minor units.
+    pub amount_refunded_minor: i64,
+    /// Stripe's capture deadline for the authorization, when known.
+    pub capture_before: Option<DateTime<Utc>>,
+}
+
+/// The payment of `order`, if a PaymentIntent was recorded.
+pub async fn get<'e, E: Executor<'e, Database = Postgres>>(
+    ex: E,
+    order: OrderId,
+) -> Result<Option<PaymentRow>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT order_id, payment_intent_id, status, amount_minor, currency, amount_captured_minor,
+                amount_refunded_minor, capture_before
+           FROM payments WHERE order_id = $1",
+    )
+    .bind(order.0)
+    .fetch_optional(ex)
+    .await
+}
+
+/// The order that owns PaymentIntent `pi`.
+pub async fn order_for_intent<'e, E: Executor<'e, Database = Postgres>>(
+    ex: E,
+    pi: &str,
+) -> Result<Option<OrderId>, sqlx::Error> {
+    let id: Option<Uuid> =
+        sqlx::query_scalar("SELECT order_id FROM payments WHERE payment_intent_id = $1")
+            .bind(pi)
+            .fetch_optional(ex)
+            .await?;
+    Ok(id.map(OrderId))
+}
+
+/// Records a newly created PaymentIntent. Idempotent: a replay (same order, same intent)
+/// leaves the row as it is and returns `false`.
+pub async fn insert_created<'e, E: Executor<'e, Database = Postgres>>(
+    ex: E,
+    order: OrderId,
+    payment_intent_id: &str,
+    client_secret: Option<&str>,
+    status: &str,
+    amount_minor: i64,
+    currency: &str,
+) -> Result<bool, sqlx::Error> {
+    let r = sqlx::query(
+        "INSERT INTO payments (order_id, payment_intent_id, client_secret, status, amount_minor, currency)
+         VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (order_id) DO NOTHING",
+    )
+    .bind(order.0)
+    .bind(payment_intent_id)
+    .bind(client_secret)
+    .bind(status)
+    .bind(amount_minor)
+    .bind(currency)
+    .execute(ex)
+    .await?;
+    Ok(r.rows_affected() == 1)
+}
+
+/// Updates the mirrored status (and amounts where given) of the payment for PaymentIntent
+/// `pi`; clears the client secret once payment is no longer pending.
+pub async fn update_status<'e, E: Executor<'e, Database = Postgres>>(
+    ex: E,
+    pi: &str,
+    status: &str,
+    amount_captured_minor: Option<i64>,
+    amount_refunded_minor: Option<i64>,
+    last_error_code: Option<&str>,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "UPDATE payments SET status = $2,
+                amount_captured_minor = COALESCE($3, amount_captured_minor),
+                amount_refunded_minor = COALESCE($4, amount_refunded_minor),
+                last_error_code = COALESCE($5, last_error_code),
+                client_secret = CASE WHEN $2 IN ('requires_payment_method', 'requires_confirmation', 'requires_action')
+                                     THEN client_secret ELSE NULL END,
+                updated_at = clock_timestamp()
+          WHERE payment_intent_id = $1",
+    )
+    .bind(pi)
+    .bind(status)
+    .bind(amount_captured_minor)
+    .bind(amount_refunded_minor)
+    .bind(last_error_code)
+    .execute(ex)
+    .await?;
+    Ok(())
+}
+
+/// Records Stripe's capture deadline for the authorization.
+pub async fn set_capture_before<'e, E: Executor<'e, Database = Postgres>>(
+    ex: E,
+    pi: &str,
+    capture_before: DateTime<Utc>,
+) -> Result<(), sqlx::Error> {
+    sqlx::query("UPDATE payments SET capture_before = $2 WHERE payment_intent_id = $1")
+        .bind(pi)
+        .bind(capture_before)
+        .execute(ex)
+        .await?;
+    Ok(())
+}

@@ -1,0 +1,36 @@
+//! Ticket issuance (design §11): one ticket per held seat, id derived from (order, seat), so a
+//! replay inserts nothing new (invariant 1: `ticket_seat_uq` makes a second ticket for a seat
+//! impossible whatever the path).
+
+use crate::Tx;
+use boxoffice_domain::{ids::ticket_id, HoldId, OrderId, SeatId};
+use uuid::Uuid;
+
+/// Inserts the tickets of `hold` for `order` (insert-or-nothing) and returns every ticket id
+/// of the order's seats. Fails with a unique violation on `ticket_seat_uq` only if another
+/// order holds a ticket for one of these seats — an invariant breach the caller must surface.
+pub async fn issue(
+    tx: &mut Tx<'_>,
+    order: OrderId,
+    hold: HoldId,
+    event: Uuid,
+) -> Result<Vec<Uuid>, sqlx::Error> {
+    let seats: Vec<Uuid> =
+        sqlx::query_scalar("SELECT seat_id FROM hold_seats WHERE hold_id = $1 ORDER BY seat_id")
+            .bind(hold.0)
+            .fetch_all(&mut **tx)
+            .await?;
+    let ids: Vec<Uuid> = seats.iter().map(|s| ticket_id(order, SeatId(*s))).collect();
+    sqlx::query(
+        "INSERT INTO tickets (id, order_id, seat_id, event_id)
+         SELECT unnest($1::uuid[]), $2, unnest($3::uuid[]), $4
+         ON CONFLICT (order_id, seat_id) DO NOTHING",
+    )
+    .bind(&ids)
+    .bind(order.0)
+    .bind(&seats)
+    .bind(event)
+    .execute(&mut **tx)
+    .await?;
+    Ok(ids)
+}

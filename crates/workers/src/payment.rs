@@ -1,0 +1,325 @@
+//! The payment worker (design §10): every call to the payment provider happens here, outside
+//! any database transaction, each with a stable idempotency key so a replayed command repeats
+//! the same logical operation instead of a new one (invariant 4):
+//!
+//! | command                        | Stripe call                         | idempotency key          |
+//! |--------------------------------|-------------------------------------|--------------------------|
+//! | PaymentAuthorizationRequested  | create PaymentIntent (manual capture)| `authorize:{event_id}`  |
+//! | CaptureRequested               | capture                              | `capture:{order_id}`    |
+//! | AuthorizationCancelRequested   | cancel                               | `cancel:{order_id}`     |
+//! | RefundRequested                | refund                               | `refund:{order_id}`     |
+//!
+//! The provider's answer is then recorded (payment row + the resulting fact in the outbox) in
+//! the consumer's inbox transaction. If the worker crashes after the provider succeeded but
+//! before that commit, the replay sends the same key and gets the same answer.
+//!
+//! Capture is only sent for an order whose hold is confirmed (case C06); a cancel that finds
+//! the money already captured turns into a refund (invariant 6).
+
+use async_trait::async_trait;
+use boxoffice_bus::{Handler, HandlerError};
+use boxoffice_domain::{Envelope, OrderId, OrderStatus, PurchaseEvent};
+use boxoffice_payments::{CreatePaymentIntent, PaymentGateway, PaymentIntent, StripeError};
+use boxoffice_store::{outbox, payments, Tx};
+use sqlx::PgPool;
+use std::sync::Arc;
+
+/// Consumer name (inbox key, consumer group `ticketing-payments`).
+pub const NAME: &str = "payments";
+
+/// The payment consumer.
+#[derive(Clone)]
+pub struct PaymentWorker {
+    gateway: Arc<dyn PaymentGateway>,
+    pool: PgPool,
+}
+
+impl PaymentWorker {
+    /// A worker calling `gateway`; `pool` is used for read-only pre-checks outside the
+    /// transaction.
+    pub fn new(gateway: Arc<dyn PaymentGateway>, pool: PgPool) -> Self {
+        Self { gateway, pool }
+    }
+}
+
+/// What the provider said, carried from `prepare` to `apply`.
+#[derive(Debug)]
+pub enum Prepared {
+    /// Nothing was sent (the order no longer needs the operation).
+    Skipped(&'static str),
+    /// The PaymentIntent after the call.
+    Intent(PaymentIntent),
+    /// A capture refused permanently.
+    CaptureRefused {
+        payment_intent_id: String,
+        reason: String,
+        intent: Option<PaymentIntent>,
+    },
+    /// A refund went through.
+    Refunded {
+        payment_intent_id: String,
+        amount_minor: i64,
+    },
+}
+
+fn stripe_err(e: StripeError) -> HandlerError {
+    if e.is_retryable() {
+        HandlerError::Transient(e.into())
+    } else {
+        HandlerError::permanent("stripe_rejected", e)
+    }
+}
+
+#[async_trait]
+impl Handler for PaymentWorker {
+    type Prepared = Prepared;
+
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn wants(&self, event_type: &str) -> bool {
+        matches!(
+            event_type,
+            "PaymentAuthorizationRequested"
+                | "CaptureRequested"
+                | "AuthorizationCancelRequested"
+                | "RefundRequested"
+        )
+    }
+
+    async fn prepare(
+        &self,
+        env: &Envelope,
+        event: &PurchaseEvent,
+    ) -> Result<Prepared, HandlerError> {
+        let g = &*self.gateway;
+        match event {
+            PurchaseEvent::PaymentAuthorizationRequested {
+                order_id,
+                hold_id,
+                amount_minor,
+                currency,
+            } => {
+                let status = order_status(&self.pool, *order_id).await?;
+                if status != Some(OrderStatus::Held) {
+                    return Ok(Prepared::Skipped("order_not_held"));
+                }
+                let req = CreatePaymentIntent {
+                    amount_minor: *amount_minor,
+                    currency: currency.clone(),
+                    metadata: vec![
+                        ("order_id".into(), order_id.to_string()),
+                        ("hold_id".into(), hold_id.to_string()),
+                    ],
+                };
+                let pi = g
+                    .create_payment_intent(&req, &format!("authorize:{}", env.event_id))
+                    .await
+                    .map_err(stripe_err)?;
+                Ok(Prepared::Intent(pi))
+            }
+            PurchaseEvent::CaptureRequested {
+                order_id,
+                payment_intent_id,
+                ..
+            } => {
+                // Case C06: never capture without a confirmed hold.
+                let confirmed: Option<(String, String)> = sqlx::query_as(
+                    "SELECT o.status, h.status FROM orders o JOIN holds h ON h.order_id = o.id WHERE o.id = $1",
+                )
+                .bind(order_id.0)
+                .fetch_optional(&self.pool)
+                .await?;
+                match confirmed.as_ref().map(|(o, h)| (o.as_str(), h.as_str())) {
+                    Some(("confirming", "confirmed")) => {}
+                    _ => return Ok(Prepared::Skipped("hold_not_confirmed")),
+                }
+                match g
+                    .capture_payment_intent(payment_intent_id, &format!("capture:{order_id}"))
+                    .await
+                {
+                    Ok(pi) => Ok(Prepared::Intent(pi)),
+                    Err(e) if !e.is_retryable() && matches!(e, StripeError::Api { .. }) => {
+                        // Already captured or no longer capturable: ask Stripe what is true.
+                        let pi = g
+                            .retrieve_payment_intent(payment_intent_id)
+                            .await
+                            .map_err(stripe_err)?;
+                        if pi.status == "succeeded" {
+                            Ok(Prepared::Intent(pi))
+                        } else {
+                            Ok(Prepared::CaptureRefused {
+                                payment_intent_id: payment_intent_id.clone(),
+                                reason: e.code().unwrap_or("capture_failed").to_owned(),
+                                intent: Some(pi),
+                            })
+                        }
+                    }
+                    Err(e) => Err(stripe_err(e)),
+                }
+            }
+            PurchaseEvent::AuthorizationCancelRequested {
+                order_id,
+                payment_intent_id,
+                ..
+            } => {
+                match g
+                    .cancel_payment_intent(payment_intent_id, &format!("cancel:{order_id}"))
+                    .await
+                {
+                    Ok(pi) => Ok(Prepared::Intent(pi)),
+                    Err(e) if !e.is_retryable() && matches!(e, StripeError::Api { .. }) => {
+                        let pi = g
+                            .retrieve_payment_intent(payment_intent_id)
+                            .await
+                            .map_err(stripe_err)?;
+                        Ok(Prepared::Intent(pi))
+                    }
+                    Err(e) => Err(stripe_err(e)),
+                }
+            }
+            PurchaseEvent::RefundRequested {
+                order_id,
+                payment_intent_id,
+                ..
+            } => {
+                let meta = vec![("order_id".to_owned(), order_id.to_string())];
+                let refund = g
+                    .create_refund(payment_intent_id, &meta, &format!("refund:{order_id}"))
+                    .await
+                    .map_err(stripe_err)?;
+                Ok(Prepared::Refunded {
+                    payment_intent_id: payment_intent_id.clone(),
+                    amount_minor: refund.amount,
+                })
+            }
+            _ => Ok(Prepared::Skipped("not_a_payment_command")),
+        }
+    }
+
+    async fn apply(
+        &self,
+        tx: &mut Tx<'_>,
+        env: &Envelope,
+        event: &PurchaseEvent,
+        prepared: Prepared,
+    ) -> Result<(), HandlerError> {
+        let order_id = event.order_id();
+        let mut emit = Vec::new();
+        match (event, prepared) {
+            (_, Prepared::Skipped(why)) => {
+                tracing::info!(order.id = %order_id, event.type = %env.event_type, reason = why, "payment command skipped");
+            }
+            (
+                PurchaseEvent::PaymentAuthorizationRequested {
+                    amount_minor,
+                    currency,
+                    ..
+                },
+                Prepared::Intent(pi),
+            ) => {
+                let inserted = payments::insert_created(
+                    &mut **tx,
+                    order_id,
+                    &pi.id,
+                    pi.client_secret.as_deref(),
+                    &pi.status,
+                    *amount_minor,
+                    currency,
+                )
+                .await?;
+                if inserted {
+                    emit.push(PurchaseEvent::PaymentIntentCreated {
+                        order_id,
+                        payment_intent_id: pi.id.clone(),
+                        status: pi.status.clone(),
+                    });
+                }
+            }
+            (
+                PurchaseEvent::CaptureRequested { .. }
+                | PurchaseEvent::AuthorizationCancelRequested { .. },
+                Prepared::Intent(pi),
+            ) => {
+                emit.extend(facts_from_intent(tx, order_id, &pi).await?);
+            }
+            (
+                PurchaseEvent::CaptureRequested { .. },
+                Prepared::CaptureRefused {
+                    payment_intent_id,
+                    reason,
+                    intent,
+                },
+            ) => {
+                if let Some(pi) = &intent {
+                    payments::update_status(
+                        &mut **tx,
+                        &pi.id,
+                        &pi.status,
+                        None,
+                        None,
+                        Some(&reason),
+                    )
+                    .await?;
+                }
+                emit.push(PurchaseEvent::CaptureFailed {
+                    order_id,
+                    payment_intent_id,
+                    reason,
+                });
+            }
+            (
+                PurchaseEvent::RefundRequested { .. },
+                Prepared::Refunded {
+                    payment_intent_id,
+                    amount_minor,
+                },
+            ) => {
+                emit.push(PurchaseEvent::PaymentRefunded {
+                    order_id,
+                    payment_intent_id,
+                    amount_refunded_minor: amount_minor,
+                });
+            }
+            (e, p) => {
+                return Err(HandlerError::permanent(
+                    "unexpected_outcome",
+                    anyhow::anyhow!("{e:?} -> {p:?}"),
+                ));
+            }
+        }
+        let envelopes: Vec<Envelope> = emit.iter().map(|e| env.follow(e)).collect();
+        outbox::insert_all(tx, &envelopes).await?;
+        Ok(())
+    }
+}
+
+/// Turns the provider's view of a PaymentIntent into the fact the saga needs.
+async fn facts_from_intent(
+    tx: &mut Tx<'_>,
+    order_id: OrderId,
+    pi: &PaymentIntent,
+) -> Result<Vec<PurchaseEvent>, HandlerError> {
+    payments::update_status(&mut **tx, &pi.id, &pi.status, None, None, None).await?;
+    Ok(match pi.status.as_str() {
+        "succeeded" => vec![PurchaseEvent::PaymentCaptured {
+            order_id,
+            payment_intent_id: pi.id.clone(),
+            amount_captured_minor: pi.amount_received,
+        }],
+        "canceled" => vec![PurchaseEvent::PaymentCanceled {
+            order_id,
+            payment_intent_id: pi.id.clone(),
+        }],
+        _ => vec![],
+    })
+}
+
+async fn order_status(pool: &PgPool, order: OrderId) -> Result<Option<OrderStatus>, HandlerError> {
+    let s: Option<String> = sqlx::query_scalar("SELECT status FROM orders WHERE id = $1")
+        .bind(order.0)
+        .fetch_optional(pool)
+        .await?;
+    Ok(s.and_then(|s| s.parse().ok()))
+}

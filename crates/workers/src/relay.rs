@@ -1,0 +1,165 @@
+//! The outbox relay (design §7, invariant 5): claim a batch of unpublished rows with a lease
+//! (`FOR UPDATE SKIP LOCKED`, claim committed before publishing), publish them with the
+//! idempotent producer, await every delivery report, then mark published only the rows
+//! still leased to this relay. Several relays may run at once; a relay that dies after the
+//! broker acknowledged but before marking leaves rows whose lease expires and that another
+//! relay publishes again — a duplicate the consumers' inbox absorbs, never a loss.
+
+use boxoffice_bus::KafkaConfig;
+use boxoffice_store::outbox;
+use rdkafka::error::KafkaError;
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::types::RDKafkaErrorCode;
+use sqlx::PgPool;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+/// Relay tuning.
+#[derive(Debug, Clone)]
+pub struct RelaySettings {
+    /// Rows claimed per batch.
+    pub batch: i64,
+    /// Lease on claimed rows, ms; must exceed the producer's delivery timeout.
+    pub lease_ms: i64,
+    /// Pause when the outbox is empty, ms.
+    pub idle_ms: u64,
+}
+
+impl Default for RelaySettings {
+    fn default() -> Self {
+        Self {
+            batch: 500,
+            lease_ms: 45_000,
+            idle_ms: 20,
+        }
+    }
+}
+
+/// Runs the relay until `shutdown`; the in-flight batch is finished first.
+pub async fn run(
+    pool: PgPool,
+    producer: FutureProducer,
+    kafka: KafkaConfig,
+    relay_id: String,
+    settings: RelaySettings,
+    shutdown: CancellationToken,
+) {
+    let mut failures = 0u32;
+    let mut last_gauge = std::time::Instant::now() - Duration::from_secs(5);
+    while !shutdown.is_cancelled() {
+        if last_gauge.elapsed() >= Duration::from_secs(1) {
+            last_gauge = std::time::Instant::now();
+            if let Ok(b) = outbox::backlog(&pool).await {
+                metrics::gauge!("boxoffice_outbox_unpublished").set(b.unpublished as f64);
+                metrics::gauge!("boxoffice_outbox_oldest_unpublished_age_ms")
+                    .set(b.oldest_age_ms as f64);
+            }
+        }
+        match publish_batch(&pool, &producer, &kafka, &relay_id, &settings).await {
+            Ok(n) => {
+                failures = 0;
+                if n < settings.batch as usize {
+                    tokio::select! {
+                        _ = shutdown.cancelled() => {}
+                        _ = tokio::time::sleep(Duration::from_millis(settings.idle_ms)) => {}
+                    }
+                }
+            }
+            Err(e) => {
+                failures += 1;
+                metrics::counter!("boxoffice_relay_errors_total").increment(1);
+                tracing::warn!(relay = %relay_id, error = %format!("{e:#}"), failures, "relay batch failed");
+                tokio::select! {
+                    _ = shutdown.cancelled() => {}
+                    _ = tokio::time::sleep(crate::backoff(failures, 50, 2_000)) => {}
+                }
+            }
+        }
+    }
+    tracing::info!(relay = %relay_id, "relay stopped");
+}
+
+/// Claims, publishes and marks one batch; returns how many rows were claimed.
+pub async fn publish_batch(
+    pool: &PgPool,
+    producer: &FutureProducer,
+    kafka: &KafkaConfig,
+    relay_id: &str,
+    settings: &RelaySettings,
+) -> anyhow::Result<usize> {
+    let rows = outbox::claim_batch(pool, relay_id, settings.batch, settings.lease_ms).await?;
+    if rows.is_empty() {
+        return Ok(0);
+    }
+    let claimed = rows.len();
+    let encoded: Vec<(String, Vec<u8>)> = rows
+        .iter()
+        .map(|row| Ok((kafka.topic(&row.topic), serde_json::to_vec(&row.payload.0)?)))
+        .collect::<Result<_, serde_json::Error>>()?;
+    let mut pending = Vec::with_capacity(rows.len());
+    for (row, (topic, payload)) in rows.iter().zip(&encoded) {
+        let id = row.id.to_string();
+        let headers = OwnedHeaders::new()
+            .insert(Header {
+                key: "event-id",
+                value: Some(id.as_str()),
+            })
+            .insert(Header {
+                key: "event-type",
+                value: Some(row.event_type.as_str()),
+            });
+        let mut record = FutureRecord::to(topic)
+            .key(&row.message_key)
+            .payload(payload)
+            .headers(headers);
+        // Enqueue in order; all delivery futures are awaited before anything is marked.
+        let fut = loop {
+            match producer.send_result(record) {
+                Ok(f) => break f,
+                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), r)) => {
+                    record = r;
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                Err((e, _)) => return Err(e.into()),
+            }
+        };
+        pending.push((row.id, row.created_at, fut));
+    }
+    let mut delivered = Vec::with_capacity(pending.len());
+    let mut failed = Vec::new();
+    let now = chrono::Utc::now();
+    for (id, created_at, fut) in pending {
+        match fut.await {
+            Ok(Ok(_)) => {
+                delivered.push(id);
+                metrics::histogram!("boxoffice_outbox_publish_delay_seconds")
+                    .record((now - created_at).num_milliseconds().max(0) as f64 / 1000.0);
+            }
+            Ok(Err((e, _))) => {
+                tracing::warn!(relay = relay_id, outbox.id = %id, error = %e, "publish failed");
+                failed.push(id);
+            }
+            Err(_canceled) => failed.push(id),
+        }
+    }
+    if !delivered.is_empty() {
+        let marked = outbox::mark_published(pool, relay_id, &delivered).await?;
+        metrics::counter!("boxoffice_outbox_published_total").increment(marked);
+        if marked < delivered.len() as u64 {
+            // Our lease ran out and another relay owns these rows now: it will publish them
+            // again, and the consumers' inbox makes the duplicate harmless.
+            metrics::counter!("boxoffice_outbox_lease_lost_total")
+                .increment(delivered.len() as u64 - marked);
+        }
+    }
+    if !failed.is_empty() {
+        outbox::release_claim(pool, relay_id, &failed).await?;
+        anyhow::bail!(
+            "{} of {} messages were not delivered",
+            failed.len(),
+            claimed
+        );
+    }
+    Ok(claimed)
+}

@@ -1,0 +1,86 @@
+//! The ticket worker (design §11): on TicketIssueRequested, inserts one ticket per held seat
+//! with an id derived from (order, seat) — insert-or-nothing, so a replay changes nothing —
+//! releases the hold rows (the ticket now owns the seats), moves the order to `ticketed` and
+//! emits TicketIssued. A confirmed hold is never released because issuance is slow: a failed
+//! attempt rolls back and is retried (invariant 1: one ticket per seat).
+
+use async_trait::async_trait;
+use boxoffice_bus::{Handler, HandlerError};
+use boxoffice_domain::{Envelope, HoldStatus, OrderStatus, PurchaseEvent};
+use boxoffice_store::{holds, orders, outbox, tickets, Tx};
+
+/// The ticket consumer.
+#[derive(Debug, Default, Clone)]
+pub struct TicketWorker;
+
+/// Consumer name (inbox key, consumer group `ticketing-tickets`).
+pub const NAME: &str = "tickets";
+
+#[async_trait]
+impl Handler for TicketWorker {
+    type Prepared = ();
+
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn wants(&self, event_type: &str) -> bool {
+        event_type == "TicketIssueRequested"
+    }
+
+    async fn prepare(&self, _: &Envelope, _: &PurchaseEvent) -> Result<(), HandlerError> {
+        Ok(())
+    }
+
+    async fn apply(
+        &self,
+        tx: &mut Tx<'_>,
+        env: &Envelope,
+        event: &PurchaseEvent,
+        _: (),
+    ) -> Result<(), HandlerError> {
+        let PurchaseEvent::TicketIssueRequested { order_id, hold_id } = event else {
+            return Err(HandlerError::permanent(
+                "unexpected_event",
+                anyhow::anyhow!("{}", env.event_type),
+            ));
+        };
+        let hold = holds::lock(tx, *hold_id).await?;
+        let Some(order) = orders::lock(tx, *order_id).await? else {
+            return Err(HandlerError::permanent(
+                "unknown_order",
+                anyhow::anyhow!("order {order_id}"),
+            ));
+        };
+        let status = order.status()?;
+        if status != OrderStatus::Paid {
+            tracing::info!(order.id = %order_id, status = %status, "ticket issue requested for an order that is not paid; nothing to do");
+            return Ok(());
+        }
+        let Some(hold) = hold else {
+            return Err(HandlerError::permanent(
+                "missing_hold",
+                anyhow::anyhow!("hold {hold_id}"),
+            ));
+        };
+        if hold.status != HoldStatus::Confirmed.as_str() {
+            return Err(HandlerError::permanent(
+                "hold_not_confirmed",
+                anyhow::anyhow!("hold {hold_id} is {}", hold.status),
+            ));
+        }
+        let ids = tickets::issue(tx, *order_id, *hold_id, order.event_id).await?;
+        holds::set_status(tx, hold.id, HoldStatus::Released).await?;
+        orders::set_status(tx, *order_id, OrderStatus::Ticketed, None).await?;
+        outbox::insert_all(
+            tx,
+            &[env.follow(&PurchaseEvent::TicketIssued {
+                order_id: *order_id,
+                ticket_ids: ids.clone(),
+            })],
+        )
+        .await?;
+        metrics::counter!("boxoffice_tickets_issued_total").increment(ids.len() as u64);
+        Ok(())
+    }
+}
