@@ -40,8 +40,8 @@ enum Command {
         #[arg(long, default_value = "Arena Onsale")]
         name: String,
         /// A small venue `SECTIONS,ROWS,SEATS` instead of the 18,000-seat arena.
-        #[arg(long, value_delimiter = ',', num_args = 3)]
-        small: Option<Vec<u32>>,
+        #[arg(long)]
+        small: Option<boxoffice::onsale::VenueSize>,
     },
     /// Run the Stripe simulator.
     StripeSim {
@@ -112,7 +112,7 @@ async fn main() {
         Command::Migrate => commands::migrate(&cfg).await.map(|_| 0),
         Command::Serve { roles } => commands::serve(&cfg, &roles).await.map(|_| 0),
         Command::SeedVenue { name, small } => {
-            let small = small.map(|v| (v[0], v[1], v[2]));
+            let small = small.map(|v| (v.sections, v.rows, v.seats_per_row));
             commands::seed_venue(&cfg, &name, small).await.map(|_| 0)
         }
         Command::StripeSim { bind, webhook_url } => commands::stripe_sim(&cfg, &bind, webhook_url)

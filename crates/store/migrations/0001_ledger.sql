@@ -73,6 +73,9 @@ CREATE TABLE payments (
     amount_refunded_minor bigint NOT NULL DEFAULT 0,
     capture_before    timestamptz,
     last_error_code   text,
+    -- Set once when the saga first asks to cancel this authorization: one cancel suffices,
+    -- whichever of expiry or a late authorization asks first.
+    cancel_requested_at timestamptz,
     created_at        timestamptz NOT NULL DEFAULT now(),
     updated_at        timestamptz NOT NULL DEFAULT now()
 );

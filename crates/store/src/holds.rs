@@ -452,14 +452,12 @@ pub async fn expire_locked(tx: &mut Tx<'_>, hold: &HoldRow) -> Result<(), sqlx::
         None,
     );
     let mut events = vec![cause.clone()];
-    if let Some(p) = crate::payments::get(&mut **tx, order).await? {
-        if p.status != "canceled" && p.status != "succeeded" {
-            events.push(cause.follow(&PurchaseEvent::AuthorizationCancelRequested {
-                order_id: order,
-                payment_intent_id: p.payment_intent_id,
-                reason: "hold_expired".into(),
-            }));
-        }
+    if let Some(pi) = crate::payments::request_cancel(&mut **tx, order).await? {
+        events.push(cause.follow(&PurchaseEvent::AuthorizationCancelRequested {
+            order_id: order,
+            payment_intent_id: pi,
+            reason: "hold_expired".into(),
+        }));
     }
     outbox::insert_all(tx, &events).await?;
     metrics::counter!("boxoffice_holds_expired_total").increment(1);

@@ -127,3 +127,21 @@ pub async fn set_capture_before<'e, E: Executor<'e, Database = Postgres>>(
         .await?;
     Ok(())
 }
+
+/// Marks the payment of `order` as having a cancel requested. Returns the PaymentIntent id
+/// the first time (the caller emits AuthorizationCancelRequested), `None` if a cancel was
+/// already requested or no payment is recorded. One cancel with key `cancel:{order_id}`
+/// covers the intent whatever its state when it runs (invariant 6).
+pub async fn request_cancel<'e, E: Executor<'e, Database = Postgres>>(
+    ex: E,
+    order: OrderId,
+) -> Result<Option<String>, sqlx::Error> {
+    sqlx::query_scalar(
+        "UPDATE payments SET cancel_requested_at = clock_timestamp()
+          WHERE order_id = $1 AND cancel_requested_at IS NULL AND status NOT IN ('canceled', 'succeeded')
+          RETURNING payment_intent_id",
+    )
+    .bind(order.0)
+    .fetch_optional(ex)
+    .await
+}

@@ -110,7 +110,7 @@ pub async fn apply(
             if status == OrderStatus::Held {
                 orders::set_status(tx, order_id, OrderStatus::PaymentRequired, None).await?;
             } else if status.is_final() && !matches!(status, OrderStatus::Ticketed) {
-                emit.push(cancel(order_id, payment_intent_id, "order_already_ended"));
+                emit.extend(cancel_once(tx, order_id, payment_intent_id, "order_already_ended").await?);
             }
         }
         PurchaseEvent::PaymentAuthorized {
@@ -160,18 +160,11 @@ pub async fn apply(
                 } else {
                     // Expiry won the race (or is due and has not run yet): one legal end
                     // state, the seats released and the authorization cancelled.
-                    let recorded = payments::get(&mut **tx, order_id).await?.is_some();
                     if hold.status == HoldStatus::Active.as_str() {
-                        // Emits HoldExpired, and the cancel request when the payment row exists.
+                        // Emits HoldExpired (and the cancel request, once per payment).
                         holds::expire_locked(tx, &hold).await?;
                     }
-                    if hold.status != HoldStatus::Active.as_str() || !recorded {
-                        emit.push(cancel(
-                            order_id,
-                            payment_intent_id,
-                            "authorization_after_expiry",
-                        ));
-                    }
+                    emit.extend(cancel_once(tx, order_id, payment_intent_id, "authorization_after_expiry").await?);
                     orders::set_status(
                         tx,
                         order_id,
@@ -182,11 +175,7 @@ pub async fn apply(
                     metrics::counter!("boxoffice_late_authorizations_total").increment(1);
                 }
             } else if matches!(status, OrderStatus::Expired | OrderStatus::Failed) {
-                emit.push(cancel(
-                    order_id,
-                    payment_intent_id,
-                    "authorization_after_expiry",
-                ));
+                emit.extend(cancel_once(tx, order_id, payment_intent_id, "authorization_after_expiry").await?);
                 orders::set_status(
                     tx,
                     order_id,
@@ -284,7 +273,7 @@ pub async fn apply(
                     holds::set_status(tx, h.id, HoldStatus::Released).await?;
                 }
                 orders::set_status(tx, order_id, OrderStatus::Failed, Some(reason)).await?;
-                emit.push(cancel(order_id, payment_intent_id, "capture_failed"));
+                emit.extend(cancel_once(tx, order_id, payment_intent_id, "capture_failed").await?);
             }
         }
         PurchaseEvent::PaymentCanceled {
@@ -344,6 +333,23 @@ fn cancel(order_id: OrderId, payment_intent_id: &str, reason: &str) -> PurchaseE
         order_id,
         payment_intent_id: payment_intent_id.to_owned(),
         reason: reason.to_owned(),
+    }
+}
+
+/// The cancel command for the order's authorization, unless one was already requested. When
+/// the payment row is not recorded yet (the webhook overtook the payment worker), the cancel
+/// is emitted anyway: Stripe's idempotency key `cancel:{order_id}` makes repeats harmless.
+async fn cancel_once(
+    tx: &mut Tx<'_>,
+    order_id: OrderId,
+    pi: &str,
+    reason: &str,
+) -> Result<Option<PurchaseEvent>, sqlx::Error> {
+    match payments::get(&mut **tx, order_id).await? {
+        Some(p) if p.payment_intent_id == pi => Ok(payments::request_cancel(&mut **tx, order_id)
+            .await?
+            .map(|pi| cancel(order_id, &pi, reason))),
+        _ => Ok(Some(cancel(order_id, pi, reason))),
     }
 }
 

@@ -190,28 +190,44 @@ pub struct BuyerStats {
     pub holds_per_s: f64,
 }
 
-/// Live counters, shared by all buyer tasks.
-#[derive(Default)]
-struct Counters {
-    buyers: AtomicU64,
-    hold_attempts: AtomicU64,
-    holds: AtomicU64,
-    conflicts_409: AtomicU64,
-    sold_out: AtomicU64,
-    authorized: AtomicU64,
-    declined: AtomicU64,
-    abandoned: AtomicU64,
-    expired: AtomicU64,
-    ticketed_orders: AtomicU64,
-    failed_orders: AtomicU64,
-    canceled_orders: AtomicU64,
-    refunded_orders: AtomicU64,
-    other_final: AtomicU64,
-    timed_out: AtomicU64,
-    http_errors: AtomicU64,
-    /// ms since start of the latest successful hold.
-    last_hold_ms: AtomicU64,
+/// Defines the live counters, one `AtomicU64` per plain count of [`BuyerStats`], and their
+/// copy into it.
+macro_rules! counters {
+    ($($name:ident),* $(,)?) => {
+        /// Live counters, shared by all buyer tasks.
+        #[derive(Default)]
+        struct Counters {
+            $($name: AtomicU64,)*
+            /// ms since start of the latest successful hold.
+            last_hold_ms: AtomicU64,
+        }
+
+        impl Counters {
+            fn copy_into(&self, stats: &mut BuyerStats) {
+                $(stats.$name = get(&self.$name);)*
+            }
+        }
+    };
 }
+
+counters!(
+    buyers,
+    hold_attempts,
+    holds,
+    conflicts_409,
+    sold_out,
+    authorized,
+    declined,
+    abandoned,
+    expired,
+    ticketed_orders,
+    failed_orders,
+    canceled_orders,
+    refunded_orders,
+    other_final,
+    timed_out,
+    http_errors,
+);
 
 fn inc(c: &AtomicU64) {
     c.fetch_add(1, Ordering::Relaxed);
@@ -302,10 +318,7 @@ pub async fn drive(cfg: BuyerConfig) -> anyhow::Result<BuyerStats> {
         cfg,
         http,
         map: SharedMap {
-            current: RwLock::new(Arc::new(Snapshot {
-                map: SeatMap::default(),
-                fetched_at: started,
-            })),
+            current: RwLock::new(Arc::new(Snapshot { map: SeatMap::default(), fetched_at: started })),
             refreshing: tokio::sync::Mutex::new(started),
             taken: Mutex::new(HashMap::new()),
         },
@@ -314,10 +327,7 @@ pub async fn drive(cfg: BuyerConfig) -> anyhow::Result<BuyerStats> {
         hold_to_ticket_us: Mutex::new(hist()?),
         started,
     };
-    let first = ctx
-        .fetch_map()
-        .await
-        .context("loading the seat map before the onsale")?;
+    let first = ctx.fetch_map().await.context("loading the seat map before the onsale")?;
     ctx.map.current = RwLock::new(Arc::new(first));
     let ctx = Arc::new(ctx);
 
@@ -364,8 +374,7 @@ fn progress_bar(ctx: &Ctx) -> Option<ProgressBar> {
     if !ctx.cfg.progress {
         return None;
     }
-    let bar =
-        ProgressBar::with_draw_target(Some(ctx.cfg.buyers as u64), ProgressDrawTarget::stderr());
+    let bar = ProgressBar::with_draw_target(Some(ctx.cfg.buyers as u64), ProgressDrawTarget::stderr());
     if let Ok(style) =
         ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} buyers done  {msg}")
     {
@@ -390,14 +399,19 @@ impl Ctx {
         format!("{}{path}", self.cfg.api_url)
     }
 
-    /// Sends one request under an in-flight permit and reads the whole answer.
-    async fn send(&self, req: RequestBuilder) -> Result<Reply, reqwest::Error> {
+    /// Sends one request under an in-flight permit and reads the whole answer; also returns
+    /// when the permit was granted (the request left the generator's queue).
+    async fn send(&self, req: RequestBuilder) -> (Result<Reply, reqwest::Error>, Instant) {
         // The semaphore is never closed; without a permit we would merely exceed the cap.
         let _permit = self.in_flight.acquire().await.ok();
-        let resp = req.send().await?;
-        let status = resp.status();
-        let body = resp.bytes().await?.to_vec();
-        Ok(Reply { status, body })
+        let sent = Instant::now();
+        let reply = async {
+            let resp = req.send().await?;
+            let status = resp.status();
+            let body = resp.bytes().await?.to_vec();
+            Ok(Reply { status, body })
+        };
+        (reply.await, sent)
     }
 
     /// Sends `build()` until it gets a definite answer: transport errors, 5xx and 429 (each
@@ -411,19 +425,16 @@ impl Ctx {
     ) -> Option<(Reply, Instant)> {
         let mut first_sent = None;
         for attempt in 0..MAX_TRIES {
-            let sent = Instant::now();
-            let result = self.send(build()).await;
-            // Measured once the permit was granted, not while queued behind other buyers.
-            first_sent.get_or_insert(sent);
+            let (result, sent) = self.send(build()).await;
+            // From the first permit, not while queued behind other buyers.
+            let first = *first_sent.get_or_insert(sent);
             match result {
-                Ok(r)
-                    if r.status.is_server_error() || r.status == StatusCode::TOO_MANY_REQUESTS =>
-                {
+                Ok(r) if r.status.is_server_error() || r.status == StatusCode::TOO_MANY_REQUESTS => {
                     inc(&self.stats.http_errors);
                     tracing::debug!(status = %r.status, "retrying after server error");
                 }
                 Ok(r) if busy(&r) => {}
-                Ok(r) => return Some((r, first_sent.unwrap_or(sent))),
+                Ok(r) => return Some((r, first)),
                 Err(e) => {
                     inc(&self.stats.http_errors);
                     tracing::debug!(error = %e, "retrying after transport error");
@@ -447,28 +458,16 @@ impl Ctx {
     async fn fetch_map(&self) -> anyhow::Result<Snapshot> {
         let fetched_at = Instant::now();
         let url = self.api(&format!("/events/{}/seats", self.cfg.event_id));
-        let (r, _) = self
-            .call(|| self.http.get(&url), |_| false)
-            .await
-            .context("GET seats: no answer")?;
+        let (r, _) = self.call(|| self.http.get(&url), |_| false).await.context("GET seats: no answer")?;
         anyhow::ensure!(r.status == StatusCode::OK, "GET seats: {}", r.status);
         let body: SeatMapBody = serde_json::from_slice(&r.body).context("GET seats: bad body")?;
-        Ok(Snapshot {
-            map: SeatMap::from_seats(body.seats),
-            fetched_at,
-        })
+        Ok(Snapshot { map: SeatMap::from_seats(body.seats), fetched_at })
     }
 
     /// The current snapshot; refreshes it first (one caller at a time, the others keep using
     /// the stale copy) when it is older than `MAP_REFRESH`.
     async fn snapshot(&self) -> Arc<Snapshot> {
-        let current = || {
-            self.map
-                .current
-                .read()
-                .unwrap_or_else(PoisonError::into_inner)
-                .clone()
-        };
+        let current = || self.map.current.read().unwrap_or_else(PoisonError::into_inner).clone();
         let snap = current();
         if snap.fetched_at.elapsed() < MAP_REFRESH {
             return snap;
@@ -484,17 +483,10 @@ impl Ctx {
             Ok(fresh) => {
                 // Seats seen taken before the map was rendered (it is cached up to 1 s
                 // server-side) are in it; later sightings must stay greyed out.
-                let cutoff = fresh
-                    .fetched_at
-                    .checked_sub(MAP_REFRESH)
-                    .unwrap_or(self.started);
+                let cutoff = fresh.fetched_at.checked_sub(MAP_REFRESH).unwrap_or(self.started);
                 lock(&self.map.taken).retain(|_, seen| *seen >= cutoff);
                 let fresh = Arc::new(fresh);
-                *self
-                    .map
-                    .current
-                    .write()
-                    .unwrap_or_else(PoisonError::into_inner) = fresh.clone();
+                *self.map.current.write().unwrap_or_else(PoisonError::into_inner) = fresh.clone();
                 fresh
             }
             Err(e) => {
@@ -514,35 +506,17 @@ impl Ctx {
     }
 
     fn report(&self) -> BuyerStats {
-        let s = &self.stats;
-        let holds = get(&s.holds);
-        let hold_phase_s = get(&s.last_hold_ms) as f64 / 1_000.0;
-        BuyerStats {
-            buyers: get(&s.buyers),
-            hold_attempts: get(&s.hold_attempts),
-            holds,
-            conflicts_409: get(&s.conflicts_409),
-            sold_out: get(&s.sold_out),
-            authorized: get(&s.authorized),
-            declined: get(&s.declined),
-            abandoned: get(&s.abandoned),
-            expired: get(&s.expired),
-            ticketed_orders: get(&s.ticketed_orders),
-            failed_orders: get(&s.failed_orders),
-            canceled_orders: get(&s.canceled_orders),
-            refunded_orders: get(&s.refunded_orders),
-            other_final: get(&s.other_final),
-            timed_out: get(&s.timed_out),
-            http_errors: get(&s.http_errors),
+        let holds = get(&self.stats.holds);
+        let hold_phase_s = get(&self.stats.last_hold_ms) as f64 / 1_000.0;
+        let mut stats = BuyerStats {
             hold_latency_ms: Percentiles::from_us(&lock(&self.hold_latency_us)),
             hold_to_ticket_ms: Percentiles::from_us(&lock(&self.hold_to_ticket_us)),
             elapsed_ms: self.started.elapsed().as_millis() as u64,
-            holds_per_s: if hold_phase_s > 0.0 {
-                holds as f64 / hold_phase_s
-            } else {
-                0.0
-            },
-        }
+            holds_per_s: if hold_phase_s > 0.0 { holds as f64 / hold_phase_s } else { 0.0 },
+            ..BuyerStats::default()
+        };
+        self.stats.copy_into(&mut stats);
+        stats
     }
 }
 
@@ -555,7 +529,6 @@ enum Intent {
 
 /// One buyer's identity and random stream.
 struct Buyer {
-    user_id: Uuid,
     bearer: String,
     rng: StdRng,
     saw_authorized: bool,
@@ -563,10 +536,8 @@ struct Buyer {
 
 impl Buyer {
     fn new(ctx: &Ctx, rng: StdRng) -> Self {
-        let user_id = Uuid::new_v4();
         Self {
-            user_id,
-            bearer: format!("Bearer {}", (ctx.cfg.user_token)(user_id)),
+            bearer: format!("Bearer {}", (ctx.cfg.user_token)(Uuid::new_v4())),
             rng,
             saw_authorized: false,
         }
@@ -590,10 +561,7 @@ impl Buyer {
         };
         match intent {
             Intent::Abandon => inc(&ctx.stats.abandoned),
-            Intent::Decline => {
-                self.pay(ctx, order_id, "pm_card_chargeDeclined", deadline)
-                    .await
-            }
+            Intent::Decline => self.pay(ctx, order_id, "pm_card_chargeDeclined", deadline).await,
             Intent::Pay => self.pay(ctx, order_id, "pm_card_visa", deadline).await,
         }
         // Everyone, paying or not, watches the order to its end so the report can count it.
@@ -623,12 +591,8 @@ impl Buyer {
     /// `POST /events/{id}/admission` → the admission token.
     async fn admit(&self, ctx: &Ctx) -> Option<String> {
         let url = ctx.api(&format!("/events/{}/admission", ctx.cfg.event_id));
-        let (r, _) = ctx
-            .call(
-                || ctx.http.post(&url).header("authorization", &self.bearer),
-                |_| false,
-            )
-            .await?;
+        let (r, _) =
+            ctx.call(|| ctx.http.post(&url).header("authorization", &self.bearer), |_| false).await?;
         if r.status != StatusCode::CREATED {
             ctx.unexpected("admission", &r);
             return None;
@@ -651,8 +615,7 @@ impl Buyer {
             let snap = ctx.snapshot().await;
             let pick = {
                 let taken = lock(&ctx.map.taken);
-                snap.map
-                    .pick(&mut self.rng, want, |id| taken.contains_key(id))
+                snap.map.pick(&mut self.rng, want, |id| taken.contains_key(id))
             };
             let Some(seats) = pick else {
                 inc(&ctx.stats.sold_out);
@@ -685,20 +648,14 @@ impl Buyer {
                     let _ = lock(&ctx.hold_latency_us).record(us.max(1));
                     inc(&ctx.stats.holds);
                     let since_start = (held_at - ctx.started).as_millis() as u64;
-                    ctx.stats
-                        .last_hold_ms
-                        .fetch_max(since_start, Ordering::Relaxed);
+                    ctx.stats.last_hold_ms.fetch_max(since_start, Ordering::Relaxed);
                     ctx.mark_taken(&seats);
                     return Some((receipt.order_id, held_at));
                 }
                 StatusCode::CONFLICT if problem(&r).code.as_deref() == Some("seat_unavailable") => {
                     inc(&ctx.stats.conflicts_409);
                     let unavailable = problem(&r).unavailable_seat_ids;
-                    ctx.mark_taken(if unavailable.is_empty() {
-                        &seats
-                    } else {
-                        &unavailable
-                    });
+                    ctx.mark_taken(if unavailable.is_empty() { &seats } else { &unavailable });
                 }
                 _ => {
                     ctx.unexpected("hold", &r);
@@ -719,10 +676,7 @@ impl Buyer {
         let (Some(pi), Some(secret)) = (view.payment_intent_id, view.client_secret) else {
             return; // final before payment was possible (e.g. expired)
         };
-        let url = format!(
-            "{}/v1/payment_intents/{pi}/confirm",
-            ctx.cfg.stripe_api_base
-        );
+        let url = format!("{}/v1/payment_intents/{pi}/confirm", ctx.cfg.stripe_api_base);
         let key = format!("confirm:{order_id}");
         let form = [("payment_method", card), ("client_secret", secret.as_str())];
         let build = || {
@@ -754,12 +708,8 @@ impl Buyer {
         let url = ctx.api(&format!("/orders/{order_id}"));
         let interval = Duration::from_millis(ctx.cfg.poll_interval_ms);
         loop {
-            let answer = ctx
-                .call(
-                    || ctx.http.get(&url).header("authorization", &self.bearer),
-                    |_| false,
-                )
-                .await;
+            let answer =
+                ctx.call(|| ctx.http.get(&url).header("authorization", &self.bearer), |_| false).await;
             match answer {
                 Some((r, _)) if r.status == StatusCode::OK => {
                     match serde_json::from_slice::<OrderView>(&r.body) {

@@ -59,8 +59,8 @@ pub struct OnsaleArgs {
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
     /// A small venue `SECTIONS,ROWS,SEATS` instead of the 18,000-seat arena.
-    #[arg(long, value_delimiter = ',', num_args = 3)]
-    pub small_venue: Option<Vec<u32>>,
+    #[arg(long)]
+    pub small_venue: Option<VenueSize>,
     /// How long to wait for the saga to drain after the last buyer, seconds.
     #[arg(long, default_value_t = 300)]
     pub drain_timeout_s: u64,
@@ -72,13 +72,35 @@ pub struct OnsaleArgs {
     pub no_progress: bool,
 }
 
+/// A small venue size, `SECTIONS,ROWS,SEATS` on the command line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VenueSize {
+    /// Sections.
+    pub sections: u32,
+    /// Rows per section.
+    pub rows: u32,
+    /// Seats per row.
+    pub seats_per_row: u32,
+}
+
+impl std::str::FromStr for VenueSize {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let v: Vec<u32> = s
+            .split(',')
+            .map(|p| p.trim().parse::<u32>().map_err(|e| format!("{p:?}: {e}")))
+            .collect::<Result<_, _>>()?;
+        match v.as_slice() {
+            [a, b, c] if *a > 0 && *b > 0 && *c > 0 => Ok(Self { sections: *a, rows: *b, seats_per_row: *c }),
+            _ => Err("expected SECTIONS,ROWS,SEATS, three positive numbers".into()),
+        }
+    }
+}
+
 /// Runs the onsale; returns the exit code (0 when every invariant check is 0).
 pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
     anyhow::ensure!(args.buyers > 0, "--buyers must be at least 1");
-    anyhow::ensure!(
-        (1..=8).contains(&args.max_seats),
-        "--max-seats must be 1..=8"
-    );
+    anyhow::ensure!((1..=8).contains(&args.max_seats), "--max-seats must be 1..=8");
     cfg.hold_ttl_ms = args.hold_ttl_ms;
     cfg.validate()?;
     if let Some(b) = &args.kafka_brokers {
@@ -91,13 +113,10 @@ pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
         Some(e) => e,
         None => {
             let spec = match &args.small_venue {
-                Some(v) => venue::VenueSpec::small(v[0], v[1], v[2]),
+                Some(v) => venue::VenueSpec::small(v.sections, v.rows, v.seats_per_row),
                 None => venue::VenueSpec::arena(),
             };
-            let name = format!(
-                "Arena Onsale {}",
-                chrono::Utc::now().format("%Y-%m-%d %H:%M:%S%.3f")
-            );
+            let name = format!("Arena Onsale {}", chrono::Utc::now().format("%Y-%m-%d %H:%M:%S%.3f"));
             let (id, seats) = venue::seed(
                 &pool,
                 &name,
@@ -118,9 +137,7 @@ pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
     let (api_url, stripe_base) = match &args.api_url {
         Some(url) => (
             url.trim_end_matches('/').to_owned(),
-            args.stripe_api_base
-                .clone()
-                .unwrap_or(cfg.stripe_api_base.clone()),
+            args.stripe_api_base.clone().unwrap_or(cfg.stripe_api_base.clone()),
         ),
         None => {
             if cfg.kafka_brokers.is_none() {
@@ -254,11 +271,7 @@ pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
     if let Some(r) = running {
         r.join().await;
     }
-    Ok(if violations.total() == 0 && stats.http_errors == 0 {
-        0
-    } else {
-        1
-    })
+    Ok(if violations.total() == 0 && stats.http_errors == 0 { 0 } else { 1 })
 }
 
 /// Waits until every order of `event` is final and the outbox is empty, or `timeout`.
@@ -277,10 +290,7 @@ async fn drain(pool: &PgPool, event: uuid::Uuid, timeout: Duration) -> anyhow::R
             return Ok(true);
         }
         if Instant::now() >= deadline {
-            eprintln!(
-                "drain timed out: {open} open orders, {} unpublished outbox rows",
-                backlog.unpublished
-            );
+            eprintln!("drain timed out: {open} open orders, {} unpublished outbox rows", backlog.unpublished);
             return Ok(false);
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -292,10 +302,7 @@ fn print_report(r: &serde_json::Value, v: &audit::Violations) {
     println!();
     println!("boxoffice onsale report");
     println!("  event                      {}", g("event_id"));
-    println!(
-        "  elapsed                    {:.1} s",
-        g("elapsed_s").as_f64().unwrap_or(0.0)
-    );
+    println!("  elapsed                    {:.1} s", g("elapsed_s").as_f64().unwrap_or(0.0));
     for k in [
         "buyers",
         "hold_attempts",
@@ -317,10 +324,7 @@ fn print_report(r: &serde_json::Value, v: &audit::Violations) {
     ] {
         println!("  {:<26} {}", k, g(k));
     }
-    println!(
-        "  holds/s                    {:.1}",
-        g("holds_per_s").as_f64().unwrap_or(0.0)
-    );
+    println!("  holds/s                    {:.1}", g("holds_per_s").as_f64().unwrap_or(0.0));
     println!(
         "  hold latency ms            p50 {:.1}  p95 {:.1}  p99 {:.1}",
         g("hold_p50_ms").as_f64().unwrap_or(0.0),
@@ -338,10 +342,6 @@ fn print_report(r: &serde_json::Value, v: &audit::Violations) {
     print!("{}", commands::render_audit(v));
     println!(
         "result: {}",
-        if v.total() == 0 {
-            "OK — every invariant holds"
-        } else {
-            "FAILED — invariant violations above"
-        }
+        if v.total() == 0 { "OK — every invariant holds" } else { "FAILED — invariant violations above" }
     );
 }

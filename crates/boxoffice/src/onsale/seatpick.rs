@@ -53,9 +53,7 @@ impl SeatMap {
     pub fn from_seats(seats: impl IntoIterator<Item = Seat>) -> Self {
         let mut rows: BTreeMap<(String, String), Vec<(i32, Uuid)>> = BTreeMap::new();
         for s in seats.into_iter().filter(|s| s.status == "available") {
-            rows.entry((s.section, s.row))
-                .or_default()
-                .push((s.number, s.seat_id));
+            rows.entry((s.section, s.row)).or_default().push((s.number, s.seat_id));
         }
         let rows: Vec<Row> = rows
             .into_values()
@@ -150,10 +148,7 @@ mod tests {
 
     /// (section, row, number) of every seat id, to check what was picked.
     fn index(seats: &[Seat]) -> BTreeMap<Uuid, (String, String, i32)> {
-        seats
-            .iter()
-            .map(|s| (s.seat_id, (s.section.clone(), s.row.clone(), s.number)))
-            .collect()
+        seats.iter().map(|s| (s.seat_id, (s.section.clone(), s.row.clone(), s.number))).collect()
     }
 
     fn assert_adjacent(picked: &[Uuid], idx: &BTreeMap<Uuid, (String, String, i32)>) {
@@ -192,9 +187,8 @@ mod tests {
     #[test]
     fn a_gap_in_numbers_breaks_adjacency() {
         // Seat 3 is sold: 1-2 and 4-5 are runs of two, there is no run of three.
-        let seats: Vec<Seat> = (1..=5)
-            .map(|n| seat("S1", "R1", n, if n == 3 { "sold" } else { "available" }))
-            .collect();
+        let seats: Vec<Seat> =
+            (1..=5).map(|n| seat("S1", "R1", n, if n == 3 { "sold" } else { "available" })).collect();
         let idx = index(&seats);
         let map = SeatMap::from_seats(seats);
         let mut rng = StdRng::seed_from_u64(1);
@@ -214,11 +208,8 @@ mod tests {
         let seats: Vec<Seat> = (1..=6).map(|n| seat("S1", "R1", n, "available")).collect();
         let idx = index(&seats);
         // Seats 2 and 4 were seen taken (e.g. in a 409): only 5-6 is a pair.
-        let taken: HashSet<Uuid> = seats
-            .iter()
-            .filter(|s| s.number == 2 || s.number == 4)
-            .map(|s| s.seat_id)
-            .collect();
+        let taken: HashSet<Uuid> =
+            seats.iter().filter(|s| s.number == 2 || s.number == 4).map(|s| s.seat_id).collect();
         let map = SeatMap::from_seats(seats);
         let mut rng = StdRng::seed_from_u64(3);
         for _ in 0..50 {
@@ -232,9 +223,8 @@ mod tests {
 
     #[test]
     fn sold_out_when_nothing_is_free() {
-        let seats: Vec<Seat> = (1..=4)
-            .map(|n| seat("S1", "R1", n, if n % 2 == 0 { "held" } else { "sold" }))
-            .collect();
+        let seats: Vec<Seat> =
+            (1..=4).map(|n| seat("S1", "R1", n, if n % 2 == 0 { "held" } else { "sold" })).collect();
         let map = SeatMap::from_seats(seats);
         assert_eq!(map.available(), 0);
         let mut rng = StdRng::seed_from_u64(5);

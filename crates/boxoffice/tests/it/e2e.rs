@@ -1,0 +1,44 @@
+//! The main job end to end: `boxoffice onsale` as a process (the compiled binary) on its own
+//! database against the test broker, checking the report's invariants.
+
+use crate::helpers::test_brokers;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::ConnectOptions;
+use std::process::Command;
+
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn small_onsale_through_the_binary_has_no_violations(_: PgPoolOptions, opts: PgConnectOptions) {
+    let url = opts.to_url_lossy().to_string();
+    let dir = std::env::temp_dir().join(format!("boxoffice-e2e-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let report = dir.join("report.json");
+    let out = tokio::task::spawn_blocking({
+        let report = report.clone();
+        move || {
+            Command::new(env!("CARGO_BIN_EXE_boxoffice"))
+                .args(["onsale", "--buyers", "400", "--small-venue", "2,10,20", "--hold-ttl-ms", "3000", "--no-progress"])
+                .arg("--report-json")
+                .arg(&report)
+                .env("BOXOFFICE_DATABASE_URL", url)
+                .env("BOXOFFICE_KAFKA_BROKERS", test_brokers())
+                .env("BOXOFFICE_KAFKA_TOPIC_PREFIX", format!("e2e{}.", uuid::Uuid::new_v4().simple()))
+                .env("BOXOFFICE_KAFKA_PARTITIONS", "4")
+                .output()
+                .unwrap()
+        }
+    })
+    .await
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "onsale failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    for key in ["oversold", "double_active_holds", "tickets_without_capture", "captured_without_ticket_or_refund", "stuck_orders", "unpublished_outbox"] {
+        assert_eq!(r[key], 0, "{key} in {r}");
+    }
+    assert!(r["tickets"].as_i64().unwrap() > 0, "{r}");
+    assert!(r["ticketed_orders"].as_i64().unwrap() > 0);
+    assert_eq!(r["seats_sold"], r["tickets"]);
+    assert!(r["expired"].as_i64().unwrap() > 0, "abandoned holds expired within the run: {r}");
+    assert!(stdout.contains("every invariant holds"));
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -1,0 +1,221 @@
+//! Test harness: spawns the roles on a per-test database (API on port 0), an in-process
+//! Stripe simulator whose webhooks reach that API, and per-test Kafka topics (a unique prefix
+//! on the shared broker), plus small HTTP helpers for buyers.
+
+use boxoffice::config::Config;
+use boxoffice::runtime::{self, Role, Running};
+use boxoffice_domain::{EventId, UserId};
+use boxoffice_store::venue::{self, VenueSpec};
+use boxoffice_stripe_sim::{SimConfig, StripeSim};
+use secrecy::ExposeSecret;
+use serde_json::{json, Value};
+use sqlx::postgres::PgConnectOptions;
+use sqlx::PgPool;
+use std::future::Future;
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+/// Bootstrap servers of the test broker; the suite needs one (scripts/test starts it).
+pub fn test_brokers() -> String {
+    std::env::var("BOXOFFICE_TEST_KAFKA_BROKERS")
+        .expect("BOXOFFICE_TEST_KAFKA_BROKERS must name the test broker: run the suite with scripts/test")
+}
+
+pub struct TestApp {
+    pub pool: PgPool,
+    pub cfg: Config,
+    pub api: String,
+    pub http: reqwest::Client,
+    pub sim: StripeSim,
+    pub event: Uuid,
+    pub shutdown: CancellationToken,
+    running: Option<Running>,
+}
+
+pub struct Buyer {
+    pub user: Uuid,
+    pub token: String,
+}
+
+impl TestApp {
+    /// Roles `roles` on a fresh database seeded with `venue`. Kafka (topics with a unique
+    /// prefix on the test broker) is configured only when a role needs it.
+    pub async fn spawn(opts: PgConnectOptions, roles: &[Role], venue_spec: VenueSpec) -> TestApp {
+        Self::spawn_with(opts, roles, venue_spec, |_| {}).await
+    }
+
+    pub async fn spawn_with(
+        opts: PgConnectOptions,
+        roles: &[Role],
+        venue_spec: VenueSpec,
+        tweak: impl FnOnce(&mut Config),
+    ) -> TestApp {
+        let pool = boxoffice_store::connect(opts, 24, 10_000).await.expect("pool");
+        let mut cfg = Config::default();
+        cfg.http_bind = "127.0.0.1:0".into();
+        cfg.consumers_per_role = 1;
+        cfg.kafka_partitions = 3;
+        cfg.expiry_interval_ms = 50;
+        if roles.iter().any(|r| r.needs_kafka()) {
+            cfg.kafka_brokers = Some(test_brokers());
+            cfg.kafka_topic_prefix = format!("t{}.", Uuid::new_v4().simple());
+        }
+        let shutdown = CancellationToken::new();
+        let sim = StripeSim::new(SimConfig {
+            webhook_secret: cfg.stripe_webhook_secret.expose_secret().to_owned(),
+            webhook_initial_backoff_ms: 20,
+            ..Default::default()
+        });
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        cfg.stripe_api_base = format!("http://{}", l.local_addr().unwrap());
+        tokio::spawn(sim.clone().serve(l, shutdown.clone()));
+        tweak(&mut cfg);
+        if let Some(k) = cfg.kafka() {
+            boxoffice_bus::topics::create_all(&k).await.expect("topics");
+        }
+        let (event, _) = venue::seed(&pool, "Test Event", &venue_spec, chrono::Utc::now(), &cfg.purchase_cell)
+            .await
+            .expect("seed");
+        let running = runtime::start(&cfg, roles, pool.clone(), shutdown.clone()).await.expect("roles");
+        let api = running.api_addr.map(|a| format!("http://{a}")).unwrap_or_default();
+        if !api.is_empty() {
+            sim.set_webhook_url(Some(format!("{api}/webhooks/stripe")));
+        }
+        TestApp {
+            pool,
+            cfg,
+            api,
+            http: reqwest::Client::builder().timeout(Duration::from_secs(30)).build().unwrap(),
+            sim,
+            event: event.0,
+            shutdown,
+            running: Some(running),
+        }
+    }
+
+    /// Stops every role and waits for them.
+    pub async fn stop(mut self) {
+        self.shutdown.cancel();
+        if let Some(r) = self.running.take() {
+            r.join().await;
+        }
+    }
+
+    pub fn buyer(&self) -> Buyer {
+        let user = Uuid::new_v4();
+        Buyer { user, token: runtime::user_tokens(&self.cfg).issue(UserId(user), 3_600) }
+    }
+
+    /// Seat ids of the event in label order (`S101-R1-S1`, …).
+    pub async fn seats(&self) -> Vec<Uuid> {
+        sqlx::query_scalar(
+            "SELECT id FROM seats WHERE event_id = $1 ORDER BY section, length(row_label), row_label, seat_number",
+        )
+        .bind(self.event)
+        .fetch_all(&self.pool)
+        .await
+        .unwrap()
+    }
+
+    pub fn admission_token(&self, b: &Buyer) -> String {
+        runtime::admission_tokens(&self.cfg).issue(UserId(b.user), EventId(self.event), 600).0
+    }
+
+    pub async fn hold(&self, b: &Buyer, admission: &str, key: &str, seats: &[Uuid]) -> reqwest::Response {
+        self.http
+            .post(format!("{}/events/{}/holds", self.api, self.event))
+            .bearer_auth(&b.token)
+            .header("Idempotency-Key", key)
+            .header("X-Admission-Token", admission)
+            .json(&json!({ "seat_ids": seats }))
+            .send()
+            .await
+            .expect("request")
+    }
+
+    pub async fn order(&self, b: &Buyer, order: Uuid) -> (u16, Value) {
+        let r = self
+            .http
+            .get(format!("{}/orders/{order}", self.api))
+            .bearer_auth(&b.token)
+            .send()
+            .await
+            .expect("request");
+        (r.status().as_u16(), r.json().await.unwrap_or(Value::Null))
+    }
+
+    /// Polls the order until `pred` holds (or panics after `timeout`).
+    pub async fn await_order(&self, b: &Buyer, order: Uuid, timeout: Duration, pred: impl Fn(&Value) -> bool) -> Value {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let (_, v) = self.order(b, order).await;
+            if pred(&v) {
+                return v;
+            }
+            assert!(Instant::now() < deadline, "order {order} never satisfied the condition; last: {v}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Pays the order's PaymentIntent as a browser would (publishable key + client secret).
+    pub async fn pay(&self, b: &Buyer, order: Uuid, payment_method: &str) -> Result<boxoffice_payments::PaymentIntent, boxoffice_payments::StripeError> {
+        let v = self
+            .await_order(b, order, Duration::from_secs(30), |v| v.get("client_secret").is_some())
+            .await;
+        let client = boxoffice_payments::StripeClient::new(boxoffice_payments::StripeConfig {
+            api_base: self.cfg.stripe_api_base.clone(),
+            secret_key: self.cfg.stripe_secret_key.clone(),
+            timeout_ms: 10_000,
+        })
+        .unwrap();
+        client
+            .confirm_with_client_secret(
+                &self.cfg.stripe_publishable_key,
+                v["payment_intent_id"].as_str().unwrap(),
+                v["client_secret"].as_str().unwrap(),
+                payment_method,
+            )
+            .await
+    }
+
+    pub async fn count(&self, sql: &str) -> i64 {
+        sqlx::query_scalar(sql).fetch_one(&self.pool).await.unwrap()
+    }
+
+    /// Outbox rows of `event_type` for `order`.
+    pub async fn outbox_count(&self, event_type: &str, order: Uuid) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM outbox WHERE event_type = $1 AND message_key = $2")
+            .bind(event_type)
+            .bind(order.to_string())
+            .fetch_one(&self.pool)
+            .await
+            .unwrap()
+    }
+}
+
+/// Awaits `cond` (re-evaluated every 25 ms) for at most `timeout`.
+pub async fn eventually<F, Fut>(timeout: Duration, what: &str, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    while !cond().await {
+        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+/// `n` racers released together.
+pub fn barrier(n: usize) -> std::sync::Arc<tokio::sync::Barrier> {
+    std::sync::Arc::new(tokio::sync::Barrier::new(n))
+}
+
+pub async fn problem(resp: reqwest::Response) -> (u16, String, Value) {
+    let status = resp.status().as_u16();
+    let ct = resp.headers().get("content-type").and_then(|v| v.to_str().ok()).unwrap_or("").to_owned();
+    let body: Value = resp.json().await.unwrap_or(Value::Null);
+    assert!(status < 400 || ct.starts_with("application/problem+json"), "error {status} is not problem+json: {ct}");
+    (status, body["code"].as_str().unwrap_or("").to_owned(), body)
+}

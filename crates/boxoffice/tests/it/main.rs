@@ -1,0 +1,11 @@
+//! boxoffice's integration tests: one binary, real PostgreSQL (a fresh database per test via
+//! `#[sqlx::test]`), the real Kafka-protocol broker started by `scripts/test`
+//! (`BOXOFFICE_TEST_KAFKA_BROKERS`), and the Stripe simulator in-process.
+
+mod helpers;
+
+mod e2e;
+mod holds;
+mod purchase;
+mod saga;
+mod webhooks;

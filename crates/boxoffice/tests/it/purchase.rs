@@ -1,0 +1,156 @@
+//! The whole purchase path through every role, against the real broker and the Stripe
+//! simulator: hold → PaymentIntent → buyer confirms → authorization webhook → confirm →
+//! capture → tickets; the decline-then-expire branch; and a relay that republishes after a
+//! crash (duplicate delivery, one effect).
+
+use crate::helpers::{eventually, TestApp};
+use boxoffice::runtime::Role;
+use boxoffice_domain::{Envelope, PurchaseEvent, SeatId, UserId};
+use boxoffice_store::holds::{self, ReserveRequest};
+use boxoffice_store::venue::VenueSpec;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use std::time::Duration;
+use uuid::Uuid;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn hold_to_ticket_through_every_role(_: PgPoolOptions, opts: PgConnectOptions) {
+    let app = TestApp::spawn(opts, &Role::ALL, VenueSpec::small(1, 2, 6)).await;
+    let s = app.seats().await;
+    let b = app.buyer();
+    let r = app.hold(&b, &app.admission_token(&b), "buy-1", &[s[0], s[1]]).await;
+    assert_eq!(r.status(), 202);
+    let receipt: serde_json::Value = r.json().await.unwrap();
+    let order: Uuid = receipt["order_id"].as_str().unwrap().parse().unwrap();
+    assert_eq!(receipt["amount_minor"], 2 * 18_500);
+
+    let pi = app.pay(&b, order, "pm_card_visa").await.expect("authorized");
+    assert_eq!(pi.status, "requires_capture");
+    let view = app.await_order(&b, order, WAIT, |v| v["status"] == "ticketed").await;
+    assert_eq!(view["tickets"].as_array().unwrap().len(), 2);
+    assert!(view.get("client_secret").is_none(), "no client secret once paid");
+    assert_eq!(app.sim.captures_for(&pi.id), 1);
+    let expected: Vec<Uuid> = [s[0], s[1]]
+        .iter()
+        .map(|seat| boxoffice_domain::ids::ticket_id(boxoffice_domain::OrderId(order), SeatId(*seat)))
+        .collect();
+    let mut issued: Vec<Uuid> = sqlx::query_scalar("SELECT id FROM tickets WHERE order_id = $1")
+        .bind(order)
+        .fetch_all(&app.pool)
+        .await
+        .unwrap();
+    issued.sort();
+    let mut expected_sorted = expected.clone();
+    expected_sorted.sort();
+    assert_eq!(issued, expected_sorted, "ticket ids are derived from (order, seat)");
+
+    // The sold seats are refused to the next buyer; the audit is clean once the outbox drains.
+    let c = app.buyer();
+    assert_eq!(app.hold(&c, &app.admission_token(&c), "late", &[s[1]]).await.status(), 409);
+    let pool = app.pool.clone();
+    eventually(WAIT, "outbox drained", || {
+        let pool = pool.clone();
+        async move { boxoffice_store::outbox::backlog(&pool).await.unwrap().unpublished == 0 }
+    })
+    .await;
+    let v = boxoffice_store::audit::violations(&app.pool, 600_000, None).await.unwrap();
+    assert_eq!(v.total(), 0, "{v:?}");
+    app.stop().await;
+}
+
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn declined_card_then_hold_expiry_releases_seats_and_cancels(_: PgPoolOptions, opts: PgConnectOptions) {
+    let app = TestApp::spawn_with(opts, &Role::ALL, VenueSpec::small(1, 1, 4), |c| c.hold_ttl_ms = 2_000).await;
+    let s = app.seats().await;
+    let b = app.buyer();
+    let r = app.hold(&b, &app.admission_token(&b), "decline", &[s[2]]).await;
+    let order: Uuid = r.json::<serde_json::Value>().await.unwrap()["order_id"].as_str().unwrap().parse().unwrap();
+    let err = app.pay(&b, order, "pm_card_chargeDeclined").await.expect_err("declined");
+    assert_eq!(err.status(), Some(402));
+    let view = app.await_order(&b, order, WAIT, |v| v["status"] == "expired").await;
+    let pi = view["payment_intent_id"].as_str().unwrap().to_owned();
+    let sim = app.sim.clone();
+    eventually(WAIT, "PaymentIntent cancelled at the provider", || {
+        let sim = sim.clone();
+        let pi = pi.clone();
+        async move { sim.payment_intent(&pi).map(|p| p["status"] == "canceled").unwrap_or(false) }
+    })
+    .await;
+    let c = app.buyer();
+    assert_eq!(app.hold(&c, &app.admission_token(&c), "next", &[s[2]]).await.status(), 202);
+    app.stop().await;
+}
+
+/// Design §17 / C11: the relay crashes after the broker acknowledged but before it marked
+/// the row; the lease expires, the message is published again, and the saga applies it once.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn republished_message_is_applied_once(_: PgPoolOptions, opts: PgConnectOptions) {
+    let app = TestApp::spawn(opts, &[Role::Relay, Role::Saga], VenueSpec::small(1, 1, 4)).await;
+    let seat = app.seats().await[0];
+    let req = ReserveRequest {
+        user_id: UserId::new(),
+        event_id: boxoffice_domain::EventId(app.event),
+        seat_ids: vec![SeatId(seat)],
+        idempotency_key: "k".into(),
+        correlation_id: Uuid::new_v4(),
+        ttl: Duration::from_secs(600),
+    };
+    let receipt = holds::reserve(&app.pool, &req).await.unwrap().receipt().clone();
+    let order = receipt.order_id.0;
+    let pool = app.pool.clone();
+    let requested = move |pool: sqlx::PgPool| async move {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM outbox WHERE event_type = 'PaymentAuthorizationRequested' AND message_key = $1",
+        )
+        .bind(order.to_string())
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    };
+    eventually(WAIT, "saga consumed HoldCreated", || {
+        let f = requested(pool.clone());
+        async move { f.await == 1 }
+    })
+    .await;
+
+    // The crash: the row looks claimed by a dead relay whose lease has run out.
+    sqlx::query(
+        "UPDATE outbox SET published_at = NULL, claimed_by = 'dead-relay', claim_expires_at = now() - interval '1 second'
+          WHERE event_type = 'HoldCreated'",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    // A later fact for the same order (same partition, so consumed after the duplicate).
+    let marker = Envelope::new(
+        receipt.order_id,
+        &PurchaseEvent::PaymentIntentCreated {
+            order_id: receipt.order_id,
+            payment_intent_id: "pi_marker".into(),
+            status: "requires_payment_method".into(),
+        },
+        Uuid::new_v4(),
+        None,
+    );
+    let mut tx = app.pool.begin().await.unwrap();
+    boxoffice_store::outbox::insert(&mut tx, boxoffice_domain::Topic::Purchase, &marker).await.unwrap();
+    tx.commit().await.unwrap();
+    let p2 = app.pool.clone();
+    eventually(WAIT, "marker applied", || {
+        let p2 = p2.clone();
+        async move {
+            sqlx::query_scalar::<_, String>("SELECT status FROM orders WHERE id = $1")
+                .bind(order)
+                .fetch_one(&p2)
+                .await
+                .unwrap()
+                == "payment_required"
+        }
+    })
+    .await;
+    let republished: i64 = app.count("SELECT count(*) FROM outbox WHERE event_type = 'HoldCreated' AND publish_attempts = 2").await;
+    assert_eq!(republished, 1, "the row was published a second time");
+    assert_eq!(requested(app.pool.clone()).await, 1, "the duplicate had no second effect");
+    app.stop().await;
+}

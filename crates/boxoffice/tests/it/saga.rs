@@ -1,0 +1,274 @@
+//! Saga transitions applied through the consumer runner's `handle_once` on a real database:
+//! the design's named tests (duplicate event applied once, authorization after expiry
+//! compensated), case C07 (one fact, many deliveries, racing), case C04 (late authorization
+//! after the seat was resold) and case C03 (expiry racing authorization under row locks).
+
+use crate::helpers::barrier;
+use boxoffice_bus::consumer::{handle_once, Disposition};
+use boxoffice_domain::{Envelope, EventId, OrderId, PurchaseEvent, SeatId, UserId};
+use boxoffice_store::holds::{self, HoldReceipt, ReserveRequest};
+use boxoffice_store::venue::{self, VenueSpec};
+use boxoffice_workers::saga::Saga;
+use boxoffice_workers::tickets::TicketWorker;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::PgPool;
+use std::time::Duration;
+use uuid::Uuid;
+
+struct Ledger {
+    pool: PgPool,
+    event: EventId,
+    seats: Vec<Uuid>,
+}
+
+async fn ledger(opts: PgConnectOptions) -> Ledger {
+    let pool = boxoffice_store::connect(opts, 24, 10_000).await.unwrap();
+    let (event, _) = venue::seed(&pool, "Saga Event", &VenueSpec::small(1, 4, 10), chrono::Utc::now(), "cell-1")
+        .await
+        .unwrap();
+    let seats = sqlx::query_scalar("SELECT id FROM seats WHERE event_id = $1 ORDER BY label")
+        .bind(event.0)
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    Ledger { pool, event, seats }
+}
+
+impl Ledger {
+    async fn hold(&self, seats: &[Uuid], ttl: Duration) -> HoldReceipt {
+        let req = ReserveRequest {
+            user_id: UserId::new(),
+            event_id: self.event,
+            seat_ids: seats.iter().map(|s| SeatId(*s)).collect(),
+            idempotency_key: Uuid::new_v4().to_string(),
+            correlation_id: Uuid::new_v4(),
+            ttl,
+        };
+        holds::reserve(&self.pool, &req).await.unwrap().receipt().clone()
+    }
+
+    /// Records a PaymentIntent for the order as the payment worker would.
+    async fn payment(&self, order: OrderId) -> String {
+        let pi = format!("pi_test_{}", Uuid::new_v4().simple());
+        boxoffice_store::payments::insert_created(&self.pool, order, &pi, Some("secret"), "requires_payment_method", 1, "usd")
+            .await
+            .unwrap();
+        pi
+    }
+
+    async fn status(&self, order: OrderId) -> String {
+        sqlx::query_scalar("SELECT status FROM orders WHERE id = $1").bind(order.0).fetch_one(&self.pool).await.unwrap()
+    }
+
+    async fn hold_status(&self, order: OrderId) -> String {
+        sqlx::query_scalar("SELECT status FROM holds WHERE order_id = $1").bind(order.0).fetch_one(&self.pool).await.unwrap()
+    }
+
+    async fn outbox(&self, event_type: &str, order: OrderId) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM outbox WHERE event_type = $1 AND message_key = $2")
+            .bind(event_type)
+            .bind(order.to_string())
+            .fetch_one(&self.pool)
+            .await
+            .unwrap()
+    }
+
+    async fn active_rows(&self, seat: Uuid) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM hold_seats WHERE seat_id = $1 AND released_at IS NULL")
+            .bind(seat)
+            .fetch_one(&self.pool)
+            .await
+            .unwrap()
+    }
+
+    async fn lapse(&self, order: OrderId) {
+        sqlx::query("UPDATE holds SET expires_at = now() - interval '1 second' WHERE order_id = $1")
+            .bind(order.0)
+            .execute(&self.pool)
+            .await
+            .unwrap();
+    }
+}
+
+fn authorized(order: OrderId, pi: &str) -> Envelope {
+    Envelope::new(
+        order,
+        &PurchaseEvent::PaymentAuthorized {
+            order_id: order,
+            payment_intent_id: pi.to_owned(),
+            amount_capturable_minor: 100,
+            capture_before: None,
+        },
+        Uuid::new_v4(),
+        None,
+    )
+}
+
+/// Design §17: the same Kafka message delivered twice has one effect.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn duplicate_kafka_event_is_applied_once(_: PgPoolOptions, opts: PgConnectOptions) {
+    let l = ledger(opts).await;
+    let r = l.hold(&l.seats[..2], Duration::from_secs(60)).await;
+    let pi = l.payment(r.order_id).await;
+    let env = authorized(r.order_id, &pi);
+    assert_eq!(handle_once(&l.pool, &Saga, &env).await.unwrap(), Disposition::Applied);
+    assert_eq!(handle_once(&l.pool, &Saga, &env).await.unwrap(), Disposition::Duplicate);
+    assert_eq!(l.outbox("CaptureRequested", r.order_id).await, 1);
+    assert_eq!(l.outbox("OrderConfirmed", r.order_id).await, 1);
+    assert_eq!(l.status(r.order_id).await, "confirming");
+    assert_eq!(l.hold_status(r.order_id).await, "confirmed");
+}
+
+/// C07: the same authorization fact in ten different messages (webhook + re-fetch paths),
+/// all racing: one transition, one OrderConfirmed, one CaptureRequested.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn c07_concurrent_copies_of_one_fact_transition_once(_: PgPoolOptions, opts: PgConnectOptions) {
+    let l = ledger(opts).await;
+    let r = l.hold(&l.seats[..1], Duration::from_secs(60)).await;
+    let pi = l.payment(r.order_id).await;
+    let gate = barrier(10);
+    let mut tasks = vec![];
+    for _ in 0..10 {
+        let (pool, env, gate) = (l.pool.clone(), authorized(r.order_id, &pi), gate.clone());
+        tasks.push(tokio::spawn(async move {
+            gate.wait().await;
+            handle_once(&pool, &Saga, &env).await
+        }));
+    }
+    for t in tasks {
+        assert_eq!(t.await.unwrap().unwrap(), Disposition::Applied);
+    }
+    assert_eq!(l.outbox("OrderConfirmed", r.order_id).await, 1);
+    assert_eq!(l.outbox("CaptureRequested", r.order_id).await, 1);
+    assert_eq!(l.status(r.order_id).await, "confirming");
+}
+
+/// Design §17: an authorization after the hold expired is compensated, never attached.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn authorization_after_expiry_is_compensated(_: PgPoolOptions, opts: PgConnectOptions) {
+    let l = ledger(opts).await;
+    let seat = l.seats[0];
+    let r = l.hold(&[seat], Duration::from_secs(60)).await;
+    let pi = l.payment(r.order_id).await;
+    l.lapse(r.order_id).await;
+    assert_eq!(holds::expire_due(&l.pool, 100).await.unwrap().0, 1);
+    assert_eq!(l.status(r.order_id).await, "expired");
+
+    handle_once(&l.pool, &Saga, &authorized(r.order_id, &pi)).await.unwrap();
+    assert_eq!(l.status(r.order_id).await, "canceled");
+    assert_eq!(l.outbox("AuthorizationCancelRequested", r.order_id).await, 1);
+    assert_eq!(l.outbox("CaptureRequested", r.order_id).await, 0);
+    assert_eq!(l.active_rows(seat).await, 0);
+}
+
+/// C04: hold A expires, B holds and is ticketed for the same seat, then A's authorization
+/// arrives: A is cancelled and visible as such; B's order and ticket are untouched.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn c04_late_authorization_after_resale(_: PgPoolOptions, opts: PgConnectOptions) {
+    let l = ledger(opts).await;
+    let seat = l.seats[3];
+    let a = l.hold(&[seat], Duration::from_secs(60)).await;
+    let a_pi = l.payment(a.order_id).await;
+    l.lapse(a.order_id).await;
+
+    // B's hold reclaims the lapsed seat inside its own transaction.
+    let b = l.hold(&[seat], Duration::from_secs(60)).await;
+    assert_eq!(l.status(a.order_id).await, "expired");
+    let b_pi = l.payment(b.order_id).await;
+    handle_once(&l.pool, &Saga, &authorized(b.order_id, &b_pi)).await.unwrap();
+    let captured = Envelope::new(
+        b.order_id,
+        &PurchaseEvent::PaymentCaptured { order_id: b.order_id, payment_intent_id: b_pi.clone(), amount_captured_minor: 100 },
+        Uuid::new_v4(),
+        None,
+    );
+    handle_once(&l.pool, &Saga, &captured).await.unwrap();
+    let issue = Envelope::new(
+        b.order_id,
+        &PurchaseEvent::TicketIssueRequested { order_id: b.order_id, hold_id: b.hold_id },
+        Uuid::new_v4(),
+        None,
+    );
+    handle_once(&l.pool, &TicketWorker, &issue).await.unwrap();
+    assert_eq!(l.status(b.order_id).await, "ticketed");
+
+    handle_once(&l.pool, &Saga, &authorized(a.order_id, &a_pi)).await.unwrap();
+    assert_eq!(l.status(a.order_id).await, "canceled");
+    assert_eq!(l.outbox("AuthorizationCancelRequested", a.order_id).await, 1);
+    let cancel: serde_json::Value = sqlx::query_scalar(
+        "SELECT payload FROM outbox WHERE event_type = 'AuthorizationCancelRequested' AND message_key = $1",
+    )
+    .bind(a.order_id.to_string())
+    .fetch_one(&l.pool)
+    .await
+    .unwrap();
+    assert_eq!(cancel["payload"]["payment_intent_id"], a_pi);
+    assert_eq!(l.status(b.order_id).await, "ticketed");
+    let owner: Uuid = sqlx::query_scalar("SELECT order_id FROM tickets WHERE seat_id = $1")
+        .bind(seat)
+        .fetch_one(&l.pool)
+        .await
+        .unwrap();
+    assert_eq!(owner, b.order_id.0);
+    let audit = boxoffice_store::audit::violations(&l.pool, 600_000, None).await.unwrap();
+    assert_eq!((audit.oversold, audit.double_active_holds), (0, 0));
+}
+
+/// C03 / design §17: expiry and authorization race under the row locks; every order ends in
+/// exactly one legal state.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn c03_expiry_racing_authorization_picks_one_legal_state(_: PgPoolOptions, opts: PgConnectOptions) {
+    let l = ledger(opts).await;
+    let mut orders = vec![];
+    for seat in &l.seats[..20] {
+        // Lapsing right around the race.
+        let r = l.hold(&[*seat], Duration::from_millis(1_000)).await;
+        let pi = l.payment(r.order_id).await;
+        orders.push((r, pi, *seat));
+    }
+    sqlx::query("UPDATE holds SET expires_at = clock_timestamp() + (random() * interval '40 milliseconds') - interval '20 milliseconds'")
+        .execute(&l.pool)
+        .await
+        .unwrap();
+    let gate = barrier(orders.len() + 2);
+    let mut tasks = vec![];
+    for (r, pi, _) in &orders {
+        let (pool, env, gate) = (l.pool.clone(), authorized(r.order_id, pi), gate.clone());
+        tasks.push(tokio::spawn(async move {
+            gate.wait().await;
+            handle_once(&pool, &Saga, &env).await.map(|_| ())
+        }));
+    }
+    for _ in 0..2 {
+        let (pool, gate) = (l.pool.clone(), gate.clone());
+        tasks.push(tokio::spawn(async move {
+            gate.wait().await;
+            for _ in 0..5 {
+                holds::expire_due(&pool, 50).await.map_err(|e| boxoffice_bus::HandlerError::from(e))?;
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            Ok(())
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap().unwrap();
+    }
+    let (mut confirmed, mut compensated) = (0, 0);
+    for (r, _, seat) in &orders {
+        let (status, hold) = (l.status(r.order_id).await, l.hold_status(r.order_id).await);
+        let cancels = l.outbox("AuthorizationCancelRequested", r.order_id).await;
+        let captures = l.outbox("CaptureRequested", r.order_id).await;
+        match (status.as_str(), hold.as_str()) {
+            ("confirming", "confirmed") => {
+                confirmed += 1;
+                assert_eq!((cancels, captures, l.active_rows(*seat).await), (0, 1, 1));
+            }
+            ("canceled", "expired") => {
+                compensated += 1;
+                assert_eq!((cancels, captures, l.active_rows(*seat).await), (1, 0, 0));
+            }
+            other => panic!("illegal end state {other:?} for {}", r.order_id),
+        }
+    }
+    assert_eq!(confirmed + compensated, orders.len());
+}

@@ -1,0 +1,80 @@
+//! Stripe webhook ingress (case C08): signature first, dedupe on Stripe's event id, the outbox
+//! continuation in the same transaction, 2xx only after commit.
+
+use crate::helpers::{barrier, problem, TestApp};
+use boxoffice::runtime::Role;
+use boxoffice_store::venue::VenueSpec;
+use secrecy::ExposeSecret;
+use serde_json::json;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use uuid::Uuid;
+
+fn event_body(evt: &str, order: Uuid, pi: &str) -> Vec<u8> {
+    serde_json::to_vec(&json!({
+        "id": evt, "object": "event", "type": "payment_intent.amount_capturable_updated",
+        "created": chrono::Utc::now().timestamp(), "livemode": false, "api_version": "2024-06-20",
+        "pending_webhooks": 1, "request": null,
+        "data": {"object": {"id": pi, "object": "payment_intent", "status": "requires_capture", "amount": 18500,
+                 "amount_capturable": 18500, "amount_received": 0, "currency": "usd", "capture_method": "manual",
+                 "metadata": {"order_id": order.to_string()}}}
+    }))
+    .unwrap()
+}
+
+/// C08: the same event id ten times (concurrent and after completion) → one stripe_events
+/// row, one outbox continuation, 2xx every time; a bad signature → 400 and nothing written.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn c08_duplicate_webhooks_have_one_effect(_: PgPoolOptions, opts: PgConnectOptions) {
+    let app = TestApp::spawn(opts, &[Role::Api], VenueSpec::small(1, 1, 4)).await;
+    let seat = app.seats().await[0];
+    let b = app.buyer();
+    let r = app.hold(&b, &app.admission_token(&b), "k", &[seat]).await;
+    let order: Uuid = r.json::<serde_json::Value>().await.unwrap()["order_id"].as_str().unwrap().parse().unwrap();
+    let pi = "pi_webhook_test";
+    boxoffice_store::payments::insert_created(&app.pool, boxoffice_domain::OrderId(order), pi, Some("s"), "requires_payment_method", 18500, "usd")
+        .await
+        .unwrap();
+    let secret = app.cfg.stripe_webhook_secret.expose_secret().to_owned();
+    let body = event_body("evt_dup_1", order, pi);
+    let url = format!("{}/webhooks/stripe", app.api);
+    let send = |body: Vec<u8>, sig: String| {
+        app.http.post(&url).header("Stripe-Signature", sig).header("content-type", "application/json").body(body).send()
+    };
+
+    // A forged signature and a missing one write nothing.
+    let forged = boxoffice_payments::webhook::sign(&body, "whsec_not_ours", chrono::Utc::now().timestamp());
+    assert_eq!(problem(send(body.clone(), forged).await.unwrap()).await.0, 400);
+    assert_eq!(problem(app.http.post(&url).body(body.clone()).send().await.unwrap()).await.0, 400);
+    let mut tampered = body.clone();
+    let pos = tampered.iter().position(|c| *c == b'8').unwrap();
+    tampered[pos] = b'9';
+    let sig = boxoffice_payments::webhook::sign(&body, &secret, chrono::Utc::now().timestamp());
+    assert_eq!(problem(send(tampered, sig).await.unwrap()).await.0, 400);
+    assert_eq!(app.count("SELECT count(*) FROM stripe_events").await, 0);
+
+    // Six concurrent deliveries, then four after the first ones finished.
+    let gate = barrier(6);
+    let mut tasks = vec![];
+    for _ in 0..6 {
+        let (gate, http, url, body) = (gate.clone(), app.http.clone(), url.clone(), body.clone());
+        let sig = boxoffice_payments::webhook::sign(&body, &secret, chrono::Utc::now().timestamp());
+        tasks.push(tokio::spawn(async move {
+            gate.wait().await;
+            http.post(url).header("Stripe-Signature", sig).body(body).send().await.unwrap().status().as_u16()
+        }));
+    }
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), 200);
+    }
+    for _ in 0..4 {
+        let sig = boxoffice_payments::webhook::sign(&body, &secret, chrono::Utc::now().timestamp());
+        assert_eq!(send(body.clone(), sig).await.unwrap().status(), 200);
+    }
+    assert_eq!(app.count("SELECT count(*) FROM stripe_events WHERE stripe_event_id = 'evt_dup_1'").await, 1);
+    assert_eq!(app.outbox_count("PaymentAuthorized", order).await, 1);
+    // The provider's state is mirrored for the owner: authorized, no client secret any more.
+    let (_, view) = app.order(&b, order).await;
+    assert_eq!(view["status"], "authorized");
+    assert!(view.get("client_secret").is_none());
+    app.stop().await;
+}

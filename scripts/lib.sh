@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Shared set-up for boxoffice's scripts: installs what is missing and starts local services.
+# Every step is idempotent: it checks first and does nothing when the thing is already there.
+set -euo pipefail
+
+BOXOFFICE_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+NISSHI_VERSION="0.8.1"
+TEST_BROKER_ADDR="${BOXOFFICE_TEST_BROKER_ADDR:-127.0.0.1:19092}"
+STATE_DIR="$BOXOFFICE_ROOT/.boxoffice"
+
+log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
+
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+
+# Debian packages the Kafka client (librdkafka, built from source by rdkafka's cmake-build).
+ensure_build_deps() {
+  local missing=()
+  command -v cmake >/dev/null 2>&1 || missing+=(cmake)
+  dpkg -s libcurl4-openssl-dev >/dev/null 2>&1 || missing+=(libcurl4-openssl-dev)
+  command -v pg_isready >/dev/null 2>&1 || missing+=(postgresql-client)
+  if [ ${#missing[@]} -gt 0 ]; then
+    log "installing ${missing[*]}"
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+  fi
+  command -v cargo >/dev/null 2>&1 || { echo "cargo (Rust stable) is required" >&2; exit 1; }
+}
+
+# PostgreSQL on 127.0.0.1:5432 (trust auth), started if it is installed but stopped.
+ensure_postgres() {
+  if pg_isready -h 127.0.0.1 -p 5432 -q 2>/dev/null; then return; fi
+  log "starting PostgreSQL"
+  if command -v pg_ctlcluster >/dev/null 2>&1; then
+    local v; v=$(ls /etc/postgresql | sort -V | tail -1)
+    as_root pg_ctlcluster --skip-systemctl-redirect "$v" main start || as_root pg_ctlcluster "$v" main start
+  else
+    echo "PostgreSQL is not installed: install PostgreSQL 15 (trust auth on 127.0.0.1:5432)" >&2; exit 1
+  fi
+  for _ in $(seq 1 50); do pg_isready -h 127.0.0.1 -p 5432 -q && return; sleep 0.2; done
+  echo "PostgreSQL did not become ready" >&2; exit 1
+}
+
+# The Kafka-protocol broker used by the integration tests (nisshi, pinned; built once into
+# ~/.cargo/bin — about 20 minutes on 2 cores the first time, skipped afterwards).
+ensure_nisshi() {
+  if command -v nisshi >/dev/null 2>&1 && nisshi --version 2>/dev/null | grep -q "$NISSHI_VERSION"; then return; fi
+  if [ -x "$HOME/.cargo/bin/nisshi" ] && "$HOME/.cargo/bin/nisshi" --version 2>/dev/null | grep -q "$NISSHI_VERSION"; then return; fi
+  log "installing the nisshi $NISSHI_VERSION broker (first time only; ~20 min on 2 cores)"
+  cargo install nisshi --version "$NISSHI_VERSION" --locked --ignore-rust-version
+}
+
+nisshi_bin() { command -v nisshi 2>/dev/null || echo "$HOME/.cargo/bin/nisshi"; }
+
+port_open() { (exec 3<>"/dev/tcp/${1%:*}/${1##*:}") 2>/dev/null; }
+
+# Starts a broker on $TEST_BROKER_ADDR with in-memory storage unless one already listens.
+# Prints the PID it started (empty when it reused a running broker).
+start_test_broker() {
+  if port_open "$TEST_BROKER_ADDR"; then return; fi
+  mkdir -p "$STATE_DIR"
+  log "starting nisshi on $TEST_BROKER_ADDR"
+  ( cd "$STATE_DIR" && exec "$(nisshi_bin)" broker \
+      --listener-url "tcp://$TEST_BROKER_ADDR" --advertised-listener-url "tcp://$TEST_BROKER_ADDR" \
+      --storage-engine memory://nisshi/ ) >"$STATE_DIR/nisshi.log" 2>&1 &
+  local pid=$!
+  for _ in $(seq 1 100); do
+    if port_open "$TEST_BROKER_ADDR"; then echo "$pid"; return; fi
+    kill -0 "$pid" 2>/dev/null || { cat "$STATE_DIR/nisshi.log" >&2; echo "nisshi exited" >&2; exit 1; }
+    sleep 0.1
+  done
+  echo "nisshi did not open $TEST_BROKER_ADDR" >&2; exit 1
+}
