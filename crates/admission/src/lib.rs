@@ -13,8 +13,7 @@
 use boxoffice_domain::{EventId, UserId};
 use chrono::Utc;
 use jsonwebtoken::{
-    decode, decode_header, encode, errors::ErrorKind, Algorithm, DecodingKey, EncodingKey, Header,
-    Validation,
+    decode, decode_header, encode, errors::ErrorKind, Algorithm, DecodingKey, EncodingKey, Header, Validation,
 };
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -52,10 +51,7 @@ pub struct UserTokens {
 impl UserTokens {
     /// Keys from a shared secret (at least 32 bytes recommended).
     pub fn new(secret: &[u8]) -> Self {
-        Self {
-            enc: EncodingKey::from_secret(secret),
-            dec: DecodingKey::from_secret(secret),
-        }
+        Self { enc: EncodingKey::from_secret(secret), dec: DecodingKey::from_secret(secret) }
     }
 
     /// A token for `user` valid for `ttl_s` seconds.
@@ -63,11 +59,7 @@ impl UserTokens {
         let now = Utc::now().timestamp();
         encode(
             &Header::new(Algorithm::HS256),
-            &UserClaims {
-                sub: user.0,
-                iat: now,
-                exp: now + ttl_s,
-            },
+            &UserClaims { sub: user.0, iat: now, exp: now + ttl_s },
             &self.enc,
         )
         .expect("HS256 signing cannot fail")
@@ -77,12 +69,10 @@ impl UserTokens {
     pub fn verify(&self, token: &str) -> Result<UserId, UserTokenError> {
         let mut v = Validation::new(Algorithm::HS256);
         v.leeway = 0;
-        decode::<UserClaims>(token, &self.dec, &v)
-            .map(|d| UserId(d.claims.sub))
-            .map_err(|e| match e.kind() {
-                ErrorKind::ExpiredSignature => UserTokenError::Expired,
-                _ => UserTokenError::Invalid,
-            })
+        decode::<UserClaims>(token, &self.dec, &v).map(|d| UserId(d.claims.sub)).map_err(|e| match e.kind() {
+            ErrorKind::ExpiredSignature => UserTokenError::Expired,
+            _ => UserTokenError::Invalid,
+        })
     }
 }
 
@@ -166,10 +156,7 @@ impl AdmissionTokens {
         Self {
             signing_kid: kid.clone(),
             enc: EncodingKey::from_secret(secret),
-            verify: keys
-                .iter()
-                .map(|(k, s)| (k.clone(), DecodingKey::from_secret(s)))
-                .collect(),
+            verify: keys.iter().map(|(k, s)| (k.clone(), DecodingKey::from_secret(s))).collect(),
             cell: cell.to_owned(),
         }
     }
@@ -208,20 +195,14 @@ impl AdmissionTokens {
         event: EventId,
     ) -> Result<AdmissionClaims, AdmissionError> {
         let header = decode_header(token).map_err(|_| AdmissionError::Malformed)?;
-        let key = header
-            .kid
-            .as_ref()
-            .and_then(|k| self.verify.get(k))
-            .ok_or(AdmissionError::BadSignature)?;
+        let key = header.kid.as_ref().and_then(|k| self.verify.get(k)).ok_or(AdmissionError::BadSignature)?;
         let mut v = Validation::new(Algorithm::HS256);
         v.leeway = 0;
         v.required_spec_claims = ["exp".to_owned()].into_iter().collect();
         let claims = decode::<AdmissionClaims>(token, key, &v)
             .map_err(|e| match e.kind() {
                 ErrorKind::ExpiredSignature => AdmissionError::Expired,
-                ErrorKind::InvalidSignature | ErrorKind::InvalidAlgorithm => {
-                    AdmissionError::BadSignature
-                }
+                ErrorKind::InvalidSignature | ErrorKind::InvalidAlgorithm => AdmissionError::BadSignature,
                 _ => AdmissionError::Malformed,
             })?
             .claims;
@@ -257,17 +238,13 @@ mod tests {
 
     #[test]
     fn old_key_still_verifies_after_rotation() {
-        let old = AdmissionTokens::new(
-            &[("k1".into(), b"old-secret-old-secret-old-secret".to_vec())],
-            "cell-1",
-        );
+        let old =
+            AdmissionTokens::new(&[("k1".into(), b"old-secret-old-secret-old-secret".to_vec())], "cell-1");
         let (u, e) = (UserId::new(), EventId::new());
         let (t, _) = old.issue(u, e, 60);
         assert!(keys().verify(&t, u, e).is_ok());
-        let gone = AdmissionTokens::new(
-            &[("k2".into(), b"new-secret-new-secret-new-secret".to_vec())],
-            "cell-1",
-        );
+        let gone =
+            AdmissionTokens::new(&[("k2".into(), b"new-secret-new-secret-new-secret".to_vec())], "cell-1");
         assert_eq!(gone.verify(&t, u, e), Err(AdmissionError::BadSignature));
     }
 

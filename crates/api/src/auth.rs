@@ -19,17 +19,9 @@ pub struct User(pub UserId);
 impl FromRequestParts<AppState> for User {
     type Rejection = Problem;
 
-    async fn from_request_parts(
-        parts: &mut Parts,
-        state: &AppState,
-    ) -> Result<Self, Self::Rejection> {
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, Self::Rejection> {
         let unauthorized = |detail: &str| {
-            Problem::new(
-                StatusCode::UNAUTHORIZED,
-                "unauthenticated",
-                "Authentication required",
-                detail,
-            )
+            Problem::new(StatusCode::UNAUTHORIZED, "unauthenticated", "Authentication required", detail)
         };
         let header = parts
             .headers
@@ -39,14 +31,10 @@ impl FromRequestParts<AppState> for User {
         let token = header
             .strip_prefix("Bearer ")
             .ok_or_else(|| unauthorized("the Authorization header must use the Bearer scheme"))?;
-        state
-            .users
-            .verify(token.trim())
-            .map(User)
-            .map_err(|e| match e {
-                UserTokenError::Expired => unauthorized("the bearer token has expired"),
-                UserTokenError::Invalid => unauthorized("the bearer token is invalid"),
-            })
+        state.users.verify(token.trim()).map(User).map_err(|e| match e {
+            UserTokenError::Expired => unauthorized("the bearer token has expired"),
+            UserTokenError::Invalid => unauthorized("the bearer token is invalid"),
+        })
     }
 }
 
@@ -59,10 +47,7 @@ impl<S: Send + Sync> FromRequestParts<S> for IdempotencyKey {
 
     async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
         let v = parts.headers.get("idempotency-key").ok_or_else(|| {
-            Problem::bad_request(
-                "idempotency_key_missing",
-                "an Idempotency-Key header is required",
-            )
+            Problem::bad_request("idempotency_key_missing", "an Idempotency-Key header is required")
         })?;
         let s = v
             .to_str()
@@ -95,24 +80,18 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
 fn json_problem(r: JsonRejection) -> Problem {
     let detail = r.body_text();
     match r.status() {
-        StatusCode::PAYLOAD_TOO_LARGE => Problem::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "body_too_large",
-            "Request body too large",
-            detail,
-        ),
+        StatusCode::PAYLOAD_TOO_LARGE => {
+            Problem::new(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", "Request body too large", detail)
+        }
         StatusCode::UNSUPPORTED_MEDIA_TYPE => Problem::new(
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
             "unsupported_media_type",
             "Unsupported media type",
             "the body must be application/json",
         ),
-        StatusCode::UNPROCESSABLE_ENTITY => Problem::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "invalid_body",
-            "Invalid request body",
-            detail,
-        ),
+        StatusCode::UNPROCESSABLE_ENTITY => {
+            Problem::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_body", "Invalid request body", detail)
+        }
         _ => Problem::bad_request("malformed_json", detail),
     }
 }

@@ -25,7 +25,5 @@ pub async fn serve(
     app: axum::Router,
     shutdown: tokio_util::sync::CancellationToken,
 ) -> std::io::Result<()> {
-    axum::serve(listener, app)
-        .with_graceful_shutdown(async move { shutdown.cancelled().await })
-        .await
+    axum::serve(listener, app).with_graceful_shutdown(async move { shutdown.cancelled().await }).await
 }

@@ -32,14 +32,7 @@ impl Problem {
         title: &'static str,
         detail: impl Into<String>,
     ) -> Self {
-        Self {
-            status,
-            code,
-            title,
-            detail: detail.into(),
-            extra: None,
-            retry_after: None,
-        }
+        Self { status, code, title, detail: detail.into(), extra: None, retry_after: None }
     }
 
     /// Adds extension members.
@@ -55,12 +48,7 @@ impl Problem {
 
     /// 404.
     pub fn not_found(what: &str) -> Self {
-        Self::new(
-            StatusCode::NOT_FOUND,
-            "not_found",
-            "Not found",
-            format!("{what} not found"),
-        )
+        Self::new(StatusCode::NOT_FOUND, "not_found", "Not found", format!("{what} not found"))
     }
 
     /// 503 with `Retry-After`, logging the cause.
@@ -125,13 +113,9 @@ impl IntoResponse for Problem {
             b.extend(extra);
         }
         let mut resp = (self.status, body.to_string()).into_response();
-        resp.headers_mut().insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/problem+json"),
-        );
+        resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
         if let Some(s) = self.retry_after {
-            resp.headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from(s));
+            resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(s));
         }
         resp
     }
@@ -199,11 +183,6 @@ impl From<sqlx::Error> for Problem {
 
 impl From<boxoffice_admission::AdmissionError> for Problem {
     fn from(e: boxoffice_admission::AdmissionError) -> Self {
-        Problem::new(
-            StatusCode::FORBIDDEN,
-            e.code(),
-            "Admission refused",
-            e.to_string(),
-        )
+        Problem::new(StatusCode::FORBIDDEN, e.code(), "Admission refused", e.to_string())
     }
 }

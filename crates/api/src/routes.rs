@@ -52,9 +52,7 @@ async fn admit(
     if !exists {
         return Err(Problem::not_found("event"));
     }
-    let (token, claims) = st
-        .admission
-        .issue(user.0, EventId(event), st.settings.admission_ttl_s);
+    let (token, claims) = st.admission.issue(user.0, EventId(event), st.settings.admission_ttl_s);
     let expires_at = chrono::DateTime::from_timestamp(claims.exp, 0);
     Ok((
         StatusCode::CREATED,
@@ -82,10 +80,8 @@ async fn create_hold(
     body: ApiJson<HoldBody>,
 ) -> Result<Response, Problem> {
     let started = Instant::now();
-    let token = headers
-        .get("x-admission-token")
-        .and_then(|v| v.to_str().ok())
-        .ok_or(AdmissionError::Missing)?;
+    let token =
+        headers.get("x-admission-token").and_then(|v| v.to_str().ok()).ok_or(AdmissionError::Missing)?;
     st.admission.verify(token, user.0, EventId(event))?;
     let ApiJson(body) = body;
     let correlation_id = headers
@@ -108,19 +104,14 @@ async fn create_hold(
         Err(holds::ReserveError::SeatUnavailable { .. }) => "seat_unavailable",
         Err(_) => "error",
     };
-    metrics::histogram!("boxoffice_hold_seconds", "outcome" => label)
-        .record(started.elapsed().as_secs_f64());
+    metrics::histogram!("boxoffice_hold_seconds", "outcome" => label).record(started.elapsed().as_secs_f64());
     let outcome = outcome?;
     let receipt = outcome.receipt();
     let mut resp = (StatusCode::ACCEPTED, Json(receipt)).into_response();
     let location = format!("/orders/{}", receipt.order_id);
-    resp.headers_mut().insert(
-        header::LOCATION,
-        HeaderValue::from_str(&location).expect("uuid path"),
-    );
+    resp.headers_mut().insert(header::LOCATION, HeaderValue::from_str(&location).expect("uuid path"));
     if matches!(outcome, ReserveOutcome::Replayed(_)) {
-        resp.headers_mut()
-            .insert("idempotent-replayed", HeaderValue::from_static("true"));
+        resp.headers_mut().insert("idempotent-replayed", HeaderValue::from_static("true"));
     }
     Ok(resp)
 }
@@ -135,8 +126,7 @@ async fn get_order(
         Some(v) => {
             let mut resp = Json(v).into_response();
             // Carries the client secret while payment is pending: never cache.
-            resp.headers_mut()
-                .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+            resp.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
             Ok(resp)
         }
         None => Err(Problem::not_found("order")),
@@ -145,10 +135,7 @@ async fn get_order(
 
 /// `GET /events/{event_id}/seats` → `{event_id, generated_at, seats: [...]}`; rendered at most
 /// once per `seat_map_max_age_ms` per event. A hint: only the hold transaction decides.
-async fn seat_map(
-    State(st): State<AppState>,
-    IdPath(event): IdPath<Uuid>,
-) -> Result<Response, Problem> {
+async fn seat_map(State(st): State<AppState>, IdPath(event): IdPath<Uuid>) -> Result<Response, Problem> {
     let max_age = std::time::Duration::from_millis(st.settings.seat_map_max_age_ms);
     let cached = |st: &AppState| {
         st.seat_maps
@@ -169,8 +156,10 @@ async fn seat_map(
                         return Err(Problem::not_found("event"));
                     };
                     let body = Bytes::from(
-                        serde_json::to_vec(&json!({"event_id": event, "generated_at": chrono::Utc::now(), "seats": seats}))
-                            .expect("seat map serializes"),
+                        serde_json::to_vec(
+                            &json!({"event_id": event, "generated_at": chrono::Utc::now(), "seats": seats}),
+                        )
+                        .expect("seat map serializes"),
                     );
                     st.seat_maps
                         .lock()
@@ -181,13 +170,7 @@ async fn seat_map(
             }
         }
     };
-    Ok((
-        [
-            (header::CONTENT_TYPE, "application/json"),
-            (header::CACHE_CONTROL, "max-age=1"),
-        ],
-        body,
-    )
+    Ok(([(header::CONTENT_TYPE, "application/json"), (header::CACHE_CONTROL, "max-age=1")], body)
         .into_response())
 }
 
@@ -199,10 +182,7 @@ async fn stripe_webhook(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, Problem> {
-    let sig = headers
-        .get("stripe-signature")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("");
+    let sig = headers.get("stripe-signature").and_then(|v| v.to_str().ok()).unwrap_or("");
     let event = boxoffice_payments::webhook::verify(
         &body,
         sig,
@@ -211,19 +191,12 @@ async fn stripe_webhook(
         chrono::Utc::now().timestamp(),
     )
     .map_err(|e| {
-        metrics::counter!("boxoffice_stripe_webhooks_total", "outcome" => "bad_signature")
-            .increment(1);
+        metrics::counter!("boxoffice_stripe_webhooks_total", "outcome" => "bad_signature").increment(1);
         tracing::warn!(error = %ErrorChain(&e), "webhook rejected");
-        Problem::bad_request(
-            "invalid_signature",
-            "the Stripe-Signature header does not verify",
-        )
+        Problem::bad_request("invalid_signature", "the Stripe-Signature header does not verify")
     })?;
     let outcome = webhooks::ingest(&st.pool, &event).await?;
-    Ok(
-        Json(json!({"received": true, "duplicate": outcome == webhooks::Ingested::Duplicate}))
-            .into_response(),
-    )
+    Ok(Json(json!({"received": true, "duplicate": outcome == webhooks::Ingested::Duplicate})).into_response())
 }
 
 /// `GET /readyz`: 200 when the database answers (and the producer reaches a broker, when
@@ -233,28 +206,18 @@ async fn readyz(State(st): State<AppState>) -> Response {
     let broker = match &st.producer {
         Some(p) => {
             let p = p.clone();
-            tokio::task::spawn_blocking(move || boxoffice_bus::producer::healthy(&p))
-                .await
-                .unwrap_or(false)
+            tokio::task::spawn_blocking(move || boxoffice_bus::producer::healthy(&p)).await.unwrap_or(false)
         }
         None => true,
     };
-    let status = if db && broker {
-        StatusCode::OK
-    } else {
-        StatusCode::SERVICE_UNAVAILABLE
-    };
+    let status = if db && broker { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
     (status, Json(json!({"database": db, "broker": broker}))).into_response()
 }
 
 /// `GET /metrics`: Prometheus text exposition.
 async fn metrics(State(st): State<AppState>) -> Response {
     match &st.metrics {
-        Some(h) => (
-            [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-            h.render(),
-        )
-            .into_response(),
+        Some(h) => ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], h.render()).into_response(),
         None => Problem::not_found("metrics").into_response(),
     }
 }

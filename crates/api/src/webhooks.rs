@@ -69,19 +69,12 @@ pub async fn ingest(pool: &PgPool, event: &Event) -> Result<Ingested, sqlx::Erro
 }
 
 fn payment_intent_id(event_type: &str, object: &Value) -> Option<String> {
-    let field = if event_type.starts_with("payment_intent.") {
-        "id"
-    } else {
-        "payment_intent"
-    };
+    let field = if event_type.starts_with("payment_intent.") { "id" } else { "payment_intent" };
     object.get(field).and_then(Value::as_str).map(str::to_owned)
 }
 
 fn order_id(object: &Value) -> Option<OrderId> {
-    object
-        .pointer("/metadata/order_id")
-        .and_then(Value::as_str)
-        .and_then(|s| s.parse().ok())
+    object.pointer("/metadata/order_id").and_then(Value::as_str).and_then(|s| s.parse().ok())
 }
 
 fn amount(object: &Value, field: &str) -> i64 {
@@ -89,12 +82,7 @@ fn amount(object: &Value, field: &str) -> i64 {
 }
 
 /// Maps a Stripe event type to the saga fact it reports.
-pub fn map_event(
-    event_type: &str,
-    object: &Value,
-    order_id: OrderId,
-    pi: &str,
-) -> Option<PurchaseEvent> {
+pub fn map_event(event_type: &str, object: &Value, order_id: OrderId, pi: &str) -> Option<PurchaseEvent> {
     let payment_intent_id = pi.to_owned();
     Some(match event_type {
         "payment_intent.amount_capturable_updated" => PurchaseEvent::PaymentAuthorized {
@@ -118,10 +106,7 @@ pub fn map_event(
                 .unwrap_or("payment_failed")
                 .to_owned(),
         },
-        "payment_intent.canceled" => PurchaseEvent::PaymentCanceled {
-            order_id,
-            payment_intent_id,
-        },
+        "payment_intent.canceled" => PurchaseEvent::PaymentCanceled { order_id, payment_intent_id },
         "charge.refunded" => PurchaseEvent::PaymentRefunded {
             order_id,
             payment_intent_id,

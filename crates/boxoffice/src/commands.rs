@@ -13,24 +13,12 @@ use tokio_util::sync::CancellationToken;
 /// Creates the database if it does not exist and applies every migration (idempotent).
 pub async fn migrate_db(cfg: &Config) -> anyhow::Result<PgPool> {
     let url = cfg.database_url.expose_secret();
-    if !sqlx::Postgres::database_exists(url)
-        .await
-        .context("connecting to PostgreSQL")?
-    {
-        sqlx::Postgres::create_database(url)
-            .await
-            .context("creating the database")?;
+    if !sqlx::Postgres::database_exists(url).await.context("connecting to PostgreSQL")? {
+        sqlx::Postgres::create_database(url).await.context("creating the database")?;
     }
-    let pool = boxoffice_store::connect(
-        cfg.pg_options()?,
-        cfg.db_max_connections,
-        cfg.db_acquire_timeout_ms,
-    )
-    .await?;
-    boxoffice_store::MIGRATOR
-        .run(&pool)
-        .await
-        .context("applying migrations")?;
+    let pool = boxoffice_store::connect(cfg.pg_options()?, cfg.db_max_connections, cfg.db_acquire_timeout_ms)
+        .await?;
+    boxoffice_store::MIGRATOR.run(&pool).await.context("applying migrations")?;
     Ok(pool)
 }
 
@@ -47,9 +35,7 @@ pub async fn migrate(cfg: &Config) -> anyhow::Result<()> {
 
 /// `boxoffice topics create`.
 pub async fn topics_create(cfg: &Config) -> anyhow::Result<()> {
-    let k = cfg
-        .kafka()
-        .context("set BOXOFFICE_KAFKA_BROKERS to create topics")?;
+    let k = cfg.kafka().context("set BOXOFFICE_KAFKA_BROKERS to create topics")?;
     let created = boxoffice_bus::topics::create_all(&k).await?;
     println!("created: {created:?} (existing topics left as they are)");
     Ok(())
@@ -57,12 +43,8 @@ pub async fn topics_create(cfg: &Config) -> anyhow::Result<()> {
 
 /// `boxoffice serve --roles …`: runs until SIGTERM / ctrl-c, then shuts down gracefully.
 pub async fn serve(cfg: &Config, roles: &[Role]) -> anyhow::Result<()> {
-    let pool = boxoffice_store::connect(
-        cfg.pg_options()?,
-        cfg.db_max_connections,
-        cfg.db_acquire_timeout_ms,
-    )
-    .await?;
+    let pool = boxoffice_store::connect(cfg.pg_options()?, cfg.db_max_connections, cfg.db_acquire_timeout_ms)
+        .await?;
     let shutdown = CancellationToken::new();
     let running = runtime::start(cfg, roles, pool, shutdown.clone()).await?;
     if let Some(addr) = running.api_addr {
@@ -107,19 +89,13 @@ pub async fn seed_venue(
 }
 
 /// `boxoffice stripe-sim`: serves the Stripe simulator until SIGTERM / ctrl-c.
-pub async fn stripe_sim(
-    cfg: &Config,
-    bind: &str,
-    webhook_url: Option<String>,
-) -> anyhow::Result<()> {
+pub async fn stripe_sim(cfg: &Config, bind: &str, webhook_url: Option<String>) -> anyhow::Result<()> {
     let sim = boxoffice_stripe_sim::StripeSim::new(boxoffice_stripe_sim::SimConfig {
         webhook_url,
         webhook_secret: cfg.stripe_webhook_secret.expose_secret().to_owned(),
         ..Default::default()
     });
-    let listener = tokio::net::TcpListener::bind(bind)
-        .await
-        .with_context(|| format!("binding {bind}"))?;
+    let listener = tokio::net::TcpListener::bind(bind).await.with_context(|| format!("binding {bind}"))?;
     tracing::info!(addr = %listener.local_addr()?, "stripe simulator listening");
     let shutdown = CancellationToken::new();
     let s2 = shutdown.clone();
@@ -143,10 +119,7 @@ pub async fn audit(
     let v = boxoffice_store::audit::violations(&pool, stuck_after_ms, event).await?;
     let t = boxoffice_store::audit::totals(&pool, event).await?;
     if json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&serde_json::json!({"violations": v, "totals": t}))?
-        );
+        println!("{}", serde_json::to_string_pretty(&serde_json::json!({"violations": v, "totals": t}))?);
     } else {
         println!("{}", render_audit(&v));
         println!("totals: {}", serde_json::to_string(&t)?);
@@ -158,29 +131,15 @@ pub async fn audit(
 pub fn render_audit(v: &boxoffice_store::audit::Violations) -> String {
     let rows = [
         ("oversold seats", v.oversold),
-        (
-            "seats with more than one active hold",
-            v.double_active_holds,
-        ),
-        (
-            "tickets without captured payment",
-            v.tickets_without_capture,
-        ),
-        (
-            "captured payments without ticket or refund",
-            v.captured_without_ticket_or_refund,
-        ),
+        ("seats with more than one active hold", v.double_active_holds),
+        ("tickets without captured payment", v.tickets_without_capture),
+        ("captured payments without ticket or refund", v.captured_without_ticket_or_refund),
         ("orders stuck in a non-final state", v.stuck_orders),
         ("unpublished outbox rows", v.unpublished_outbox),
     ];
     let mut out = String::from("invariant checks\n");
     for (name, n) in rows {
-        out.push_str(&format!(
-            "  {:<46} {:>6}  {}\n",
-            name,
-            n,
-            if n == 0 { "ok" } else { "VIOLATION" }
-        ));
+        out.push_str(&format!("  {:<46} {:>6}  {}\n", name, n, if n == 0 { "ok" } else { "VIOLATION" }));
     }
     out
 }

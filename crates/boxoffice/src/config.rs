@@ -48,6 +48,10 @@ pub struct Config {
     pub kafka_replication: i32,
     /// Members per consumer group in one process (each takes a share of the partitions).
     pub consumers_per_role: usize,
+    /// Concurrent lanes per member: messages are spread over lanes by order id, so one
+    /// order's events stay ordered while different orders are applied in parallel. Each
+    /// busy lane holds one database connection.
+    pub consumer_lanes: usize,
     /// HTTP listen address of the API role.
     pub http_bind: String,
     /// This deployment's purchase cell (bound into admission tokens).
@@ -96,7 +100,8 @@ impl Default for Config {
             kafka_topic_prefix: String::new(),
             kafka_partitions: 12,
             kafka_replication: 1,
-            consumers_per_role: 2,
+            consumers_per_role: 1,
+            consumer_lanes: 8,
             http_bind: "127.0.0.1:8080".into(),
             purchase_cell: "cell-1".into(),
             user_jwt_secret: "dev-user-secret-change-me-0123456789".into(),
@@ -127,22 +132,10 @@ impl Config {
         // Serialized defaults carry "[redacted]" for secrets: put the real defaults back.
         let d = Config::default();
         fig = fig
-            .merge(Serialized::default(
-                "database_url",
-                d.database_url.expose_secret(),
-            ))
-            .merge(Serialized::default(
-                "user_jwt_secret",
-                d.user_jwt_secret.expose_secret(),
-            ))
-            .merge(Serialized::default(
-                "stripe_secret_key",
-                d.stripe_secret_key.expose_secret(),
-            ))
-            .merge(Serialized::default(
-                "stripe_webhook_secret",
-                d.stripe_webhook_secret.expose_secret(),
-            ))
+            .merge(Serialized::default("database_url", d.database_url.expose_secret()))
+            .merge(Serialized::default("user_jwt_secret", d.user_jwt_secret.expose_secret()))
+            .merge(Serialized::default("stripe_secret_key", d.stripe_secret_key.expose_secret()))
+            .merge(Serialized::default("stripe_webhook_secret", d.stripe_webhook_secret.expose_secret()))
             .merge(Serialized::default(
                 "admission_keys",
                 d.admission_keys
@@ -153,10 +146,8 @@ impl Config {
         if let Some(f) = file {
             fig = fig.merge(Toml::file_exact(f));
         }
-        let cfg: Config = fig
-            .merge(Env::prefixed("BOXOFFICE_"))
-            .extract()
-            .context("invalid configuration")?;
+        let cfg: Config =
+            fig.merge(Env::prefixed("BOXOFFICE_")).extract().context("invalid configuration")?;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -169,14 +160,14 @@ impl Config {
         if self.kafka_partitions < 1 || self.kafka_replication < 1 {
             bail!("kafka_partitions and kafka_replication must be at least 1");
         }
+        if self.consumer_lanes < 1 || self.consumer_lanes > 256 || self.consumers_per_role < 1 {
+            bail!("consumer_lanes must be 1..=256 and consumers_per_role at least 1");
+        }
         if self.db_max_connections < 2 {
             bail!("db_max_connections must be at least 2");
         }
         if self.admission_keys.is_empty()
-            || self
-                .admission_keys
-                .iter()
-                .any(|k| k.secret.expose_secret().len() < 16)
+            || self.admission_keys.iter().any(|k| k.secret.expose_secret().len() < 16)
         {
             bail!("admission_keys needs at least one key with a secret of 16+ bytes");
         }
@@ -199,22 +190,17 @@ impl Config {
 
     /// The Kafka settings, if a broker is configured.
     pub fn kafka(&self) -> Option<boxoffice_bus::KafkaConfig> {
-        self.kafka_brokers
-            .as_ref()
-            .map(|b| boxoffice_bus::KafkaConfig {
-                brokers: b.clone(),
-                prefix: self.kafka_topic_prefix.clone(),
-                partitions: self.kafka_partitions,
-                replication: self.kafka_replication,
-            })
+        self.kafka_brokers.as_ref().map(|b| boxoffice_bus::KafkaConfig {
+            brokers: b.clone(),
+            prefix: self.kafka_topic_prefix.clone(),
+            partitions: self.kafka_partitions,
+            replication: self.kafka_replication,
+        })
     }
 
     /// The PostgreSQL connect options.
     pub fn pg_options(&self) -> anyhow::Result<sqlx::postgres::PgConnectOptions> {
-        self.database_url
-            .expose_secret()
-            .parse()
-            .context("invalid database_url")
+        self.database_url.expose_secret().parse().context("invalid database_url")
     }
 }
 
@@ -234,10 +220,7 @@ mod tests {
     #[test]
     fn load_applies_defaults() {
         let c = Config::load(None).unwrap();
-        assert_eq!(
-            c.stripe_webhook_secret.expose_secret(),
-            "whsec_boxoffice_dev"
-        );
+        assert_eq!(c.stripe_webhook_secret.expose_secret(), "whsec_boxoffice_dev");
         assert_eq!(c.kafka_partitions, 12);
     }
 }

@@ -7,11 +7,7 @@ use clap::{Parser, Subcommand};
 use std::path::PathBuf;
 
 #[derive(Parser)]
-#[command(
-    name = "boxoffice",
-    version,
-    about = "Event-driven reserved-seat ticketing backend"
-)]
+#[command(name = "boxoffice", version, about = "Event-driven reserved-seat ticketing backend")]
 struct Cli {
     /// TOML configuration file (defaults, then this file, then BOXOFFICE_* variables).
     #[arg(long, global = true, env = "BOXOFFICE_CONFIG")]
@@ -27,11 +23,7 @@ enum Command {
     /// Run roles until SIGTERM / ctrl-c.
     Serve {
         /// Comma-separated roles: api, relay, saga, payments, expiry, tickets.
-        #[arg(
-            long,
-            value_delimiter = ',',
-            default_value = "api,relay,saga,payments,expiry,tickets"
-        )]
+        #[arg(long, value_delimiter = ',', default_value = "api,relay,saga,payments,expiry,tickets")]
         roles: Vec<Role>,
     },
     /// Create an event with a reserved-seating venue (idempotent).
@@ -80,16 +72,10 @@ enum TopicsAction {
 }
 
 fn init_logging(cfg: &Config, quiet: bool) {
-    let default = if quiet {
-        "warn"
-    } else {
-        "info,sqlx=warn,rdkafka=warn"
-    };
+    let default = if quiet { "warn" } else { "info,sqlx=warn,rdkafka=warn" };
     let filter = tracing_subscriber::EnvFilter::try_from_env("BOXOFFICE_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
     if cfg.log_format == "json" {
         builder.json().init();
     } else {
@@ -115,18 +101,14 @@ async fn main() {
             let small = small.map(|v| (v.sections, v.rows, v.seats_per_row));
             commands::seed_venue(&cfg, &name, small).await.map(|_| 0)
         }
-        Command::StripeSim { bind, webhook_url } => commands::stripe_sim(&cfg, &bind, webhook_url)
-            .await
-            .map(|_| 0),
+        Command::StripeSim { bind, webhook_url } => {
+            commands::stripe_sim(&cfg, &bind, webhook_url).await.map(|_| 0)
+        }
         Command::Onsale(args) => boxoffice::onsale::run(cfg, args).await,
-        Command::Audit {
-            json,
-            stuck_after_ms,
-            event,
-        } => commands::audit(&cfg, json, stuck_after_ms, event).await,
-        Command::Topics {
-            action: TopicsAction::Create,
-        } => commands::topics_create(&cfg).await.map(|_| 0),
+        Command::Audit { json, stuck_after_ms, event } => {
+            commands::audit(&cfg, json, stuck_after_ms, event).await
+        }
+        Command::Topics { action: TopicsAction::Create } => commands::topics_create(&cfg).await.map(|_| 0),
     };
     match result {
         Ok(code) => std::process::exit(code),

@@ -40,21 +40,26 @@ pub enum Role {
 
 impl Role {
     /// Every role, the default of `serve`.
-    pub const ALL: [Role; 6] = [
-        Role::Api,
-        Role::Relay,
-        Role::Saga,
-        Role::Payments,
-        Role::Expiry,
-        Role::Tickets,
-    ];
+    pub const ALL: [Role; 6] =
+        [Role::Api, Role::Relay, Role::Saga, Role::Payments, Role::Expiry, Role::Tickets];
 
     /// Whether the role needs a Kafka broker.
     pub fn needs_kafka(self) -> bool {
-        matches!(
-            self,
-            Role::Relay | Role::Saga | Role::Payments | Role::Tickets
-        )
+        matches!(self, Role::Relay | Role::Saga | Role::Payments | Role::Tickets)
+    }
+}
+
+impl Role {
+    /// The role's name on the command line and in logs.
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Api => "api",
+            Role::Relay => "relay",
+            Role::Saga => "saga",
+            Role::Payments => "payments",
+            Role::Expiry => "expiry",
+            Role::Tickets => "tickets",
+        }
     }
 }
 
@@ -68,9 +73,7 @@ impl FromStr for Role {
             "payments" => Role::Payments,
             "expiry" => Role::Expiry,
             "tickets" => Role::Tickets,
-            other => anyhow::bail!(
-                "unknown role {other:?} (api, relay, saga, payments, expiry, tickets)"
-            ),
+            other => anyhow::bail!("unknown role {other:?} (api, relay, saga, payments, expiry, tickets)"),
         })
     }
 }
@@ -79,11 +82,7 @@ impl FromStr for Role {
 pub fn metrics_handle() -> Option<PrometheusHandle> {
     static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
     HANDLE
-        .get_or_init(|| {
-            metrics_exporter_prometheus::PrometheusBuilder::new()
-                .install_recorder()
-                .ok()
-        })
+        .get_or_init(|| metrics_exporter_prometheus::PrometheusBuilder::new().install_recorder().ok())
         .clone()
 }
 
@@ -93,9 +92,24 @@ pub struct Running {
     pub api_addr: Option<SocketAddr>,
     tasks: Vec<(&'static str, JoinHandle<()>)>,
     producer: Option<FutureProducer>,
+    groups: Vec<Arc<boxoffice_bus::consumer::Assignment>>,
+    partitions: i64,
 }
 
 impl Running {
+    /// Waits until every consumer group run here has all partitions assigned (a new member
+    /// takes a few seconds to join); `false` on timeout.
+    pub async fn wait_ready(&self, timeout: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + timeout;
+        while self.groups.iter().any(|g| g.partitions() < self.partitions) {
+            if tokio::time::Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        true
+    }
+
     /// Waits for every role to stop (after the shutdown token fired), then flushes the
     /// producer.
     pub async fn join(self) {
@@ -137,6 +151,7 @@ pub async fn start(
     };
     let mut tasks: Vec<(&'static str, JoinHandle<()>)> = Vec::new();
     let mut api_addr = None;
+    let mut groups = Vec::new();
     let consumers = cfg.consumers_per_role;
     for role in roles {
         match role {
@@ -154,10 +169,7 @@ pub async fn start(
                     producer.clone(),
                     metrics_handle(),
                 );
-                tasks.push((
-                    "api",
-                    spawn_api(state, shutdown.clone(), &mut api_addr, cfg).await?,
-                ));
+                tasks.push(("api", spawn_api(state, shutdown.clone(), &mut api_addr, cfg).await?));
             }
             Role::Relay => {
                 let (pool, producer, k, sd) = (
@@ -166,75 +178,38 @@ pub async fn start(
                     kafka.clone().expect("kafka"),
                     shutdown.clone(),
                 );
-                let id = format!(
-                    "relay-{}-{}",
-                    std::process::id(),
-                    uuid::Uuid::new_v4().simple()
-                );
+                let id = format!("relay-{}-{}", std::process::id(), uuid::Uuid::new_v4().simple());
                 let settings = relay::RelaySettings {
                     batch: cfg.relay_batch,
                     lease_ms: cfg.relay_lease_ms,
                     ..Default::default()
                 };
-                tasks.push((
-                    "relay",
-                    tokio::spawn(relay::run(pool, producer, k, id, settings, sd)),
-                ));
+                tasks.push(("relay", tokio::spawn(relay::run(pool, producer, k, id, settings, sd))));
             }
-            Role::Saga => {
-                for t in run_consumers(
-                    kafka.as_ref().expect("kafka"),
-                    pool.clone(),
-                    Arc::new(Saga),
-                    producer.clone().expect("kafka"),
-                    consumers,
-                    shutdown.clone(),
-                )? {
-                    tasks.push(("saga", t));
-                }
-            }
-            Role::Payments => {
-                let worker = Arc::new(PaymentWorker::new(gateway(cfg)?, pool.clone()));
-                for t in run_consumers(
-                    kafka.as_ref().expect("kafka"),
-                    pool.clone(),
-                    worker,
-                    producer.clone().expect("kafka"),
-                    consumers,
-                    shutdown.clone(),
-                )? {
-                    tasks.push(("payments", t));
-                }
-            }
-            Role::Tickets => {
-                for t in run_consumers(
-                    kafka.as_ref().expect("kafka"),
-                    pool.clone(),
-                    Arc::new(TicketWorker),
-                    producer.clone().expect("kafka"),
-                    consumers,
-                    shutdown.clone(),
-                )? {
-                    tasks.push(("tickets", t));
-                }
+            Role::Saga | Role::Payments | Role::Tickets => {
+                let (k, p) = (kafka.as_ref().expect("kafka"), producer.clone().expect("kafka"));
+                let (lanes, sd) = (cfg.consumer_lanes, shutdown.clone());
+                let (handles, assignment) = match role {
+                    Role::Saga => run_consumers(k, pool.clone(), Arc::new(Saga), p, consumers, lanes, sd)?,
+                    Role::Tickets => {
+                        run_consumers(k, pool.clone(), Arc::new(TicketWorker), p, consumers, lanes, sd)?
+                    }
+                    _ => {
+                        let worker = Arc::new(PaymentWorker::new(gateway(cfg)?, pool.clone()));
+                        run_consumers(k, pool.clone(), worker, p, consumers, lanes, sd)?
+                    }
+                };
+                groups.push(assignment);
+                tasks.extend(handles.into_iter().map(|h| (role.name(), h)));
             }
             Role::Expiry => {
-                let settings = expiry::ExpirySettings {
-                    batch: cfg.expiry_batch,
-                    interval_ms: cfg.expiry_interval_ms,
-                };
-                tasks.push((
-                    "expiry",
-                    tokio::spawn(expiry::run(pool.clone(), settings, shutdown.clone())),
-                ));
+                let settings =
+                    expiry::ExpirySettings { batch: cfg.expiry_batch, interval_ms: cfg.expiry_interval_ms };
+                tasks.push(("expiry", tokio::spawn(expiry::run(pool.clone(), settings, shutdown.clone()))));
             }
         }
     }
-    Ok(Running {
-        api_addr,
-        tasks,
-        producer,
-    })
+    Ok(Running { api_addr, tasks, producer, groups, partitions: cfg.kafka_partitions as i64 })
 }
 
 async fn spawn_api(

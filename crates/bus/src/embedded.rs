@@ -16,9 +16,7 @@ pub struct EmbeddedBroker {
 impl EmbeddedBroker {
     /// Starts `brokers` mock brokers on loopback.
     pub fn start(brokers: i32) -> anyhow::Result<Self> {
-        Ok(Self {
-            cluster: MockCluster::new(brokers)?,
-        })
+        Ok(Self { cluster: MockCluster::new(brokers)? })
     }
 
     /// Bootstrap servers of the cluster.
@@ -29,8 +27,7 @@ impl EmbeddedBroker {
     /// Creates every topic (the mock cluster does not implement CreateTopics over the wire).
     pub fn create_topics(&self, cfg: &KafkaConfig) -> anyhow::Result<()> {
         for t in Topic::ALL {
-            self.cluster
-                .create_topic(&cfg.topic(t.name()), cfg.partitions, 1)?;
+            self.cluster.create_topic(&cfg.topic(t.name()), cfg.partitions, 1)?;
         }
         Ok(())
     }

@@ -30,10 +30,7 @@ pub async fn send(
 ) -> anyhow::Result<()> {
     let mut h = OwnedHeaders::new();
     for (k, v) in headers {
-        h = h.insert(Header {
-            key: k,
-            value: Some(*v),
-        });
+        h = h.insert(Header { key: k, value: Some(*v) });
     }
     let record = FutureRecord::to(topic).key(key).payload(payload).headers(h);
     producer
@@ -45,8 +42,5 @@ pub async fn send(
 
 /// Whether the producer can reach a broker (for `/readyz`): fetches cluster metadata.
 pub fn healthy(producer: &FutureProducer) -> bool {
-    producer
-        .client()
-        .fetch_metadata(None, Duration::from_millis(1500))
-        .is_ok()
+    producer.client().fetch_metadata(None, Duration::from_millis(1500)).is_ok()
 }

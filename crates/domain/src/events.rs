@@ -97,9 +97,7 @@ impl Envelope {
         let tagged = serde_json::to_value(event).expect("payloads serialize");
         let (event_type, payload) = match tagged {
             serde_json::Value::Object(mut m) => (
-                m.remove("event_type")
-                    .and_then(|v| v.as_str().map(str::to_owned))
-                    .expect("tagged"),
+                m.remove("event_type").and_then(|v| v.as_str().map(str::to_owned)).expect("tagged"),
                 m.remove("payload").unwrap_or(serde_json::Value::Null),
             ),
             _ => unreachable!("adjacently tagged enums serialize to objects"),
@@ -119,12 +117,7 @@ impl Envelope {
 
     /// An event caused by `self`: same order and correlation, `causation_id = self.event_id`.
     pub fn follow(&self, event: &PurchaseEvent) -> Self {
-        Self::new(
-            OrderId(self.aggregate_id),
-            event,
-            self.correlation_id,
-            Some(self.event_id),
-        )
+        Self::new(OrderId(self.aggregate_id), event, self.correlation_id, Some(self.event_id))
     }
 
     /// Parses an envelope from message bytes.
@@ -142,10 +135,7 @@ impl Envelope {
             "event_type": self.event_type,
             "payload": self.payload,
         }))
-        .map_err(|source| DecodeError::Payload {
-            event_type: self.event_type.clone(),
-            source,
-        })
+        .map_err(|source| DecodeError::Payload { event_type: self.event_type.clone(), source })
     }
 
     /// The order this event belongs to.
@@ -169,18 +159,9 @@ pub enum PurchaseEvent {
         currency: String,
     },
     /// Command to the payment worker: create the manual-capture PaymentIntent.
-    PaymentAuthorizationRequested {
-        order_id: OrderId,
-        hold_id: HoldId,
-        amount_minor: i64,
-        currency: String,
-    },
+    PaymentAuthorizationRequested { order_id: OrderId, hold_id: HoldId, amount_minor: i64, currency: String },
     /// Fact: a PaymentIntent exists for the order.
-    PaymentIntentCreated {
-        order_id: OrderId,
-        payment_intent_id: String,
-        status: String,
-    },
+    PaymentIntentCreated { order_id: OrderId, payment_intent_id: String, status: String },
     /// Fact: Stripe reserved the funds (`requires_capture`).
     PaymentAuthorized {
         order_id: OrderId,
@@ -191,64 +172,29 @@ pub enum PurchaseEvent {
     },
     /// Fact: an authorization attempt failed (e.g. card declined); the buyer may retry
     /// within the hold.
-    PaymentFailed {
-        order_id: OrderId,
-        payment_intent_id: String,
-        reason: String,
-    },
+    PaymentFailed { order_id: OrderId, payment_intent_id: String, reason: String },
     /// Fact: the saga froze the hold after authorization.
     OrderConfirmed { order_id: OrderId, hold_id: HoldId },
     /// Command to the payment worker: capture the authorized PaymentIntent.
-    CaptureRequested {
-        order_id: OrderId,
-        payment_intent_id: String,
-        amount_minor: i64,
-    },
+    CaptureRequested { order_id: OrderId, payment_intent_id: String, amount_minor: i64 },
     /// Fact: the money was captured.
-    PaymentCaptured {
-        order_id: OrderId,
-        payment_intent_id: String,
-        amount_captured_minor: i64,
-    },
+    PaymentCaptured { order_id: OrderId, payment_intent_id: String, amount_captured_minor: i64 },
     /// Fact: the capture was refused permanently by the provider.
-    CaptureFailed {
-        order_id: OrderId,
-        payment_intent_id: String,
-        reason: String,
-    },
+    CaptureFailed { order_id: OrderId, payment_intent_id: String, reason: String },
     /// Command to the ticket worker.
     TicketIssueRequested { order_id: OrderId, hold_id: HoldId },
     /// Fact: one ticket exists per held seat.
-    TicketIssued {
-        order_id: OrderId,
-        ticket_ids: Vec<Uuid>,
-    },
+    TicketIssued { order_id: OrderId, ticket_ids: Vec<Uuid> },
     /// Fact: the hold timed out and its seats were released.
     HoldExpired { order_id: OrderId, hold_id: HoldId },
     /// Command to the payment worker: cancel the uncaptured PaymentIntent (compensation).
-    AuthorizationCancelRequested {
-        order_id: OrderId,
-        payment_intent_id: String,
-        reason: String,
-    },
+    AuthorizationCancelRequested { order_id: OrderId, payment_intent_id: String, reason: String },
     /// Fact: the PaymentIntent is canceled at the provider.
-    PaymentCanceled {
-        order_id: OrderId,
-        payment_intent_id: String,
-    },
+    PaymentCanceled { order_id: OrderId, payment_intent_id: String },
     /// Command to the payment worker: refund captured money (compensation).
-    RefundRequested {
-        order_id: OrderId,
-        payment_intent_id: String,
-        amount_minor: i64,
-        reason: String,
-    },
+    RefundRequested { order_id: OrderId, payment_intent_id: String, amount_minor: i64, reason: String },
     /// Fact: the refund succeeded.
-    PaymentRefunded {
-        order_id: OrderId,
-        payment_intent_id: String,
-        amount_refunded_minor: i64,
-    },
+    PaymentRefunded { order_id: OrderId, payment_intent_id: String, amount_refunded_minor: i64 },
 }
 
 impl PurchaseEvent {
@@ -283,10 +229,7 @@ mod tests {
     #[test]
     fn envelope_round_trips_and_carries_type() {
         let order = OrderId::new();
-        let ev = PurchaseEvent::OrderConfirmed {
-            order_id: order,
-            hold_id: HoldId::new(),
-        };
+        let ev = PurchaseEvent::OrderConfirmed { order_id: order, hold_id: HoldId::new() };
         let env = Envelope::new(order, &ev, Uuid::new_v4(), None);
         assert_eq!(env.event_type, "OrderConfirmed");
         let bytes = serde_json::to_vec(&env).unwrap();
@@ -302,10 +245,7 @@ mod tests {
         let order = OrderId::new();
         let mut env = Envelope::new(
             order,
-            &PurchaseEvent::HoldExpired {
-                order_id: order,
-                hold_id: HoldId::new(),
-            },
+            &PurchaseEvent::HoldExpired { order_id: order, hold_id: HoldId::new() },
             Uuid::new_v4(),
             None,
         );

@@ -15,9 +15,6 @@ pub struct Money {
 impl Money {
     /// Builds an amount; the currency is lower-cased.
     pub fn new(amount_minor: i64, currency: &str) -> Self {
-        Self {
-            amount_minor,
-            currency: currency.to_ascii_lowercase(),
-        }
+        Self { amount_minor, currency: currency.to_ascii_lowercase() }
     }
 }

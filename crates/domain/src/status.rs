@@ -75,10 +75,7 @@ impl OrderStatus {
 
     /// Final states: the saga has nothing left to do for the order.
     pub fn is_final(self) -> bool {
-        matches!(
-            self,
-            Self::Ticketed | Self::Expired | Self::Failed | Self::Canceled | Self::Refunded
-        )
+        matches!(self, Self::Ticketed | Self::Expired | Self::Failed | Self::Canceled | Self::Refunded)
     }
 
     /// States in which the hold may still be live and a payment may still be authorized.
@@ -95,10 +92,7 @@ impl OrderStatus {
                 | (Held | PaymentRequired | Authorized, Confirming)
                 | (Held | PaymentRequired | Authorized, Expired)
                 | (Held | PaymentRequired | Authorized, Failed)
-                | (
-                    Held | PaymentRequired | Authorized | Expired | Failed,
-                    Canceled
-                )
+                | (Held | PaymentRequired | Authorized | Expired | Failed, Canceled)
                 | (Confirming, Paid)
                 | (Confirming, Failed)
                 | (Paid, Ticketed)
@@ -122,10 +116,7 @@ pub struct UnknownStatus(pub String);
 impl FromStr for OrderStatus {
     type Err = UnknownStatus;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Self::ALL
-            .into_iter()
-            .find(|x| x.as_str() == s)
-            .ok_or_else(|| UnknownStatus(s.to_owned()))
+        Self::ALL.into_iter().find(|x| x.as_str() == s).ok_or_else(|| UnknownStatus(s.to_owned()))
     }
 }
 
@@ -186,10 +177,7 @@ mod tests {
         for from in OrderStatus::ALL.into_iter().filter(|s| s.is_final()) {
             for to in OrderStatus::ALL {
                 if from.can_transition_to(to) {
-                    assert!(
-                        matches!(to, Refunding | Canceled),
-                        "{from} -> {to} must not be legal"
-                    );
+                    assert!(matches!(to, Refunding | Canceled), "{from} -> {to} must not be legal");
                 }
             }
         }

@@ -103,9 +103,7 @@ struct Inner {
 
 impl std::fmt::Debug for StripeClient {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("StripeClient")
-            .field("api_base", &self.inner.base.as_str())
-            .finish_non_exhaustive()
+        f.debug_struct("StripeClient").field("api_base", &self.inner.base.as_str()).finish_non_exhaustive()
     }
 }
 
@@ -124,15 +122,11 @@ impl StripeClient {
         let base = Url::parse(&cfg.api_base)
             .map_err(|e| StripeError::Config(format!("api_base is not a URL: {e}")))?;
         if !matches!(base.scheme(), "http" | "https") || base.cannot_be_a_base() {
-            return Err(StripeError::Config(
-                "api_base must be an http(s) URL".into(),
-            ));
+            return Err(StripeError::Config("api_base must be an http(s) URL".into()));
         }
         let key = cfg.secret_key.expose_secret();
         if !(key.starts_with("sk_") || key.starts_with("rk_")) {
-            return Err(StripeError::Config(
-                "secret_key must be an sk_… or rk_… key".into(),
-            ));
+            return Err(StripeError::Config("secret_key must be an sk_… or rk_… key".into()));
         }
         if cfg.timeout_ms == 0 {
             return Err(StripeError::Config("timeout_ms must be > 0".into()));
@@ -144,14 +138,7 @@ impl StripeClient {
             .user_agent(concat!("boxoffice-payments/", env!("CARGO_PKG_VERSION")))
             .build()
             .map_err(|e| StripeError::Config(format!("cannot build HTTP client: {e}")))?;
-        Ok(Self {
-            inner: Arc::new(Inner {
-                http,
-                base,
-                secret_key: cfg.secret_key,
-                stripe_version: None,
-            }),
-        })
+        Ok(Self { inner: Arc::new(Inner { http, base, secret_key: cfg.secret_key, stripe_version: None }) })
     }
 
     /// Pins the API version with a `Stripe-Version` header on every request
@@ -177,9 +164,7 @@ impl StripeClient {
         payment_method: &str,
     ) -> Result<PaymentIntent, StripeError> {
         if !publishable_key.starts_with("pk_") {
-            return Err(StripeError::Config(
-                "publishable_key must be a pk_… key".into(),
-            ));
+            return Err(StripeError::Config("publishable_key must be a pk_… key".into()));
         }
         let form = [
             ("payment_method".to_owned(), payment_method.to_owned()),
@@ -212,16 +197,8 @@ impl StripeClient {
             if let Some(last) = all.last() {
                 query.push(("starting_after".to_owned(), last.id.clone()));
             }
-            let page: List<PaymentIntent> = self
-                .send(
-                    Method::GET,
-                    &["payment_intents"],
-                    Auth::Secret,
-                    &query,
-                    None,
-                    None,
-                )
-                .await?;
+            let page: List<PaymentIntent> =
+                self.send(Method::GET, &["payment_intents"], Auth::Secret, &query, None, None).await?;
             let done = !page.has_more || page.data.is_empty();
             all.extend(page.data);
             if done {
@@ -262,33 +239,22 @@ impl StripeClient {
         }
         if let Some(key) = idempotency_key {
             if key.is_empty() || key.len() > MAX_IDEMPOTENCY_KEY_LEN {
-                return Err(StripeError::Config(
-                    "idempotency key must be 1..=255 characters".into(),
-                ));
+                return Err(StripeError::Config("idempotency key must be 1..=255 characters".into()));
             }
             req = req.header("Idempotency-Key", key);
         }
         if let Some(form) = form {
             let body = serde_urlencoded::to_string(form)
                 .map_err(|e| StripeError::Config(format!("cannot encode form: {e}")))?;
-            req = req
-                .header(
-                    reqwest::header::CONTENT_TYPE,
-                    "application/x-www-form-urlencoded",
-                )
-                .body(body);
+            req = req.header(reqwest::header::CONTENT_TYPE, "application/x-www-form-urlencoded").body(body);
         }
 
         let started = Instant::now();
         let outcome = async {
             let resp = req.send().await.map_err(StripeError::Transport)?;
             let status = resp.status();
-            let request_id = resp
-                .headers()
-                .get("request-id")
-                .and_then(|v| v.to_str().ok())
-                .unwrap_or("")
-                .to_owned();
+            let request_id =
+                resp.headers().get("request-id").and_then(|v| v.to_str().ok()).unwrap_or("").to_owned();
             let body = resp.bytes().await.map_err(StripeError::Transport)?;
             Ok::<_, StripeError>((status, request_id, body))
         }
@@ -325,27 +291,12 @@ impl PaymentGateway for StripeClient {
         idempotency_key: &str,
     ) -> Result<PaymentIntent, StripeError> {
         let form = req.to_form();
-        self.send(
-            Method::POST,
-            &["payment_intents"],
-            Auth::Secret,
-            &[],
-            Some(&form),
-            Some(idempotency_key),
-        )
-        .await
+        self.send(Method::POST, &["payment_intents"], Auth::Secret, &[], Some(&form), Some(idempotency_key))
+            .await
     }
 
     async fn retrieve_payment_intent(&self, id: &str) -> Result<PaymentIntent, StripeError> {
-        self.send(
-            Method::GET,
-            &["payment_intents", id],
-            Auth::Secret,
-            &[],
-            None,
-            None,
-        )
-        .await
+        self.send(Method::GET, &["payment_intents", id], Auth::Secret, &[], None, None).await
     }
 
     async fn capture_payment_intent(
@@ -388,15 +339,7 @@ impl PaymentGateway for StripeClient {
     ) -> Result<Refund, StripeError> {
         let mut form = vec![("payment_intent".to_owned(), payment_intent_id.to_owned())];
         push_metadata(&mut form, metadata);
-        self.send(
-            Method::POST,
-            &["refunds"],
-            Auth::Secret,
-            &[],
-            Some(&form),
-            Some(idempotency_key),
-        )
-        .await
+        self.send(Method::POST, &["refunds"], Auth::Secret, &[], Some(&form), Some(idempotency_key)).await
     }
 }
 
@@ -405,11 +348,7 @@ mod tests {
     use super::*;
 
     fn cfg(base: &str, key: &str, timeout_ms: u64) -> StripeConfig {
-        StripeConfig {
-            api_base: base.into(),
-            secret_key: SecretString::from(key),
-            timeout_ms,
-        }
+        StripeConfig { api_base: base.into(), secret_key: SecretString::from(key), timeout_ms }
     }
 
     #[test]
@@ -419,10 +358,7 @@ mod tests {
         assert!(StripeClient::new(cfg("http://127.0.0.1:1", "sk_test_x", 0)).is_err());
         let err = StripeClient::new(cfg("http://127.0.0.1:1", "pk_test_leaky", 1000)).unwrap_err();
         assert!(!err.to_string().contains("leaky"));
-        let dbg = format!(
-            "{:?}",
-            StripeClient::new(cfg("http://127.0.0.1:1", "sk_test_hidden", 1)).unwrap()
-        );
+        let dbg = format!("{:?}", StripeClient::new(cfg("http://127.0.0.1:1", "sk_test_hidden", 1)).unwrap());
         assert!(!dbg.contains("hidden"), "{dbg}");
     }
 }

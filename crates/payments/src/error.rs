@@ -133,19 +133,8 @@ mod tests {
 
     #[test]
     fn retryable_statuses() {
-        for (s, r) in [
-            (409, true),
-            (429, true),
-            (500, true),
-            (503, true),
-            (400, false),
-            (404, false),
-        ] {
-            assert_eq!(
-                StripeError::from_response(s, b"<html>").is_retryable(),
-                r,
-                "{s}"
-            );
+        for (s, r) in [(409, true), (429, true), (500, true), (503, true), (400, false), (404, false)] {
+            assert_eq!(StripeError::from_response(s, b"<html>").is_retryable(), r, "{s}");
         }
     }
 }

@@ -77,10 +77,7 @@ impl fmt::Debug for PaymentIntent {
             .field("amount_received", &self.amount_received)
             .field("currency", &self.currency)
             .field("capture_method", &self.capture_method)
-            .field(
-                "client_secret",
-                &self.client_secret.as_ref().map(|_| "[redacted]"),
-            )
+            .field("client_secret", &self.client_secret.as_ref().map(|_| "[redacted]"))
             .field("metadata", &self.metadata)
             .field("created", &self.created)
             .field("latest_charge", &self.latest_charge)
@@ -130,11 +127,7 @@ pub(crate) struct List<T> {
 
 /// Appends `metadata[key]=value` pairs in Stripe's bracket syntax.
 pub(crate) fn push_metadata(form: &mut Vec<(String, String)>, metadata: &[(String, String)]) {
-    form.extend(
-        metadata
-            .iter()
-            .map(|(k, v)| (format!("metadata[{k}]"), v.clone())),
-    );
+    form.extend(metadata.iter().map(|(k, v)| (format!("metadata[{k}]"), v.clone())));
 }
 
 impl CreatePaymentIntent {
@@ -144,10 +137,7 @@ impl CreatePaymentIntent {
             ("amount".to_owned(), self.amount_minor.to_string()),
             ("currency".to_owned(), self.currency.clone()),
             ("capture_method".to_owned(), "manual".to_owned()),
-            (
-                "automatic_payment_methods[enabled]".to_owned(),
-                "true".to_owned(),
-            ),
+            ("automatic_payment_methods[enabled]".to_owned(), "true".to_owned()),
         ];
         push_metadata(&mut form, &self.metadata);
         form

@@ -67,18 +67,9 @@ impl EventData {
 
 impl fmt::Debug for EventData {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let field = |k: &str| {
-            self.object
-                .get(k)
-                .and_then(|v| v.as_str())
-                .unwrap_or("?")
-                .to_owned()
-        };
+        let field = |k: &str| self.object.get(k).and_then(|v| v.as_str()).unwrap_or("?").to_owned();
         f.debug_struct("EventData")
-            .field(
-                "object",
-                &format_args!("{}({})", field("object"), field("id")),
-            )
+            .field("object", &format_args!("{}({})", field("object"), field("id")))
             .finish_non_exhaustive()
     }
 }
@@ -157,10 +148,7 @@ pub fn verify(
         return Err(WebhookError::NoMatchingSignature);
     }
     if now_unix.abs_diff(ts) > tolerance_s.max(0).unsigned_abs() {
-        return Err(WebhookError::TimestampOutsideTolerance {
-            timestamp: ts,
-            now: now_unix,
-        });
+        return Err(WebhookError::TimestampOutsideTolerance { timestamp: ts, now: now_unix });
     }
     serde_json::from_slice(payload).map_err(WebhookError::BadPayload)
 }
@@ -175,8 +163,7 @@ pub fn sign(payload: &[u8], secret: &str, timestamp: i64) -> String {
 
 /// HMAC-SHA256 over `"<t>.<payload>"`, with `t` exactly as it appears in the header.
 fn mac_for(payload: &[u8], secret: &str, t: &str) -> HmacSha256 {
-    let mut mac =
-        HmacSha256::new_from_slice(secret.as_bytes()).expect("HMAC accepts any key length");
+    let mut mac = HmacSha256::new_from_slice(secret.as_bytes()).expect("HMAC accepts any key length");
     mac.update(t.as_bytes());
     mac.update(b".");
     mac.update(payload);
@@ -197,22 +184,17 @@ mod tests {
         assert_eq!(ev.id, "evt_1");
         assert_eq!(ev.r#type, "payment_intent.succeeded");
         let dbg = format!("{ev:?}");
-        assert!(
-            dbg.contains("payment_intent(pi_1)") && !dbg.contains("zzz"),
-            "{dbg}"
-        );
+        assert!(dbg.contains("payment_intent(pi_1)") && !dbg.contains("zzz"), "{dbg}");
     }
 
     #[test]
     fn known_vector() {
         // HMAC-SHA256(key "whsec_test", "1.{}"), computed with Python's hmac module.
         let header = sign(b"{}", SECRET, 1);
-        assert_eq!(
-            header,
-            "t=1,v1=7500d5d4be4b3ef07af1fe56f7d522d135cdaa7530de557e67cc1049c52de094"
+        assert_eq!(header, "t=1,v1=7500d5d4be4b3ef07af1fe56f7d522d135cdaa7530de557e67cc1049c52de094");
+        assert!(
+            verify(b"{}", &header, SECRET, 10, 1).is_err_and(|e| matches!(e, WebhookError::BadPayload(_)))
         );
-        assert!(verify(b"{}", &header, SECRET, 10, 1)
-            .is_err_and(|e| matches!(e, WebhookError::BadPayload(_))));
     }
 
     #[test]
@@ -238,36 +220,18 @@ mod tests {
         ));
         assert!(matches!(
             verify(BODY, &header, SECRET, 300, 1301),
-            Err(WebhookError::TimestampOutsideTolerance {
-                timestamp: 1000,
-                now: 1301
-            })
+            Err(WebhookError::TimestampOutsideTolerance { timestamp: 1000, now: 1301 })
         ));
         assert!(matches!(
             verify(BODY, &header, SECRET, 300, 699),
             Err(WebhookError::TimestampOutsideTolerance { .. })
         ));
-        assert!(matches!(
-            verify(BODY, "", SECRET, 300, 1000),
-            Err(WebhookError::MissingHeader)
-        ));
-        assert!(matches!(
-            verify(BODY, "t=1000", SECRET, 300, 1000),
-            Err(WebhookError::BadHeader)
-        ));
-        assert!(matches!(
-            verify(BODY, "v1=00", SECRET, 300, 1000),
-            Err(WebhookError::BadHeader)
-        ));
-        assert!(matches!(
-            verify(BODY, "t=x,v1=00", SECRET, 300, 1000),
-            Err(WebhookError::BadHeader)
-        ));
+        assert!(matches!(verify(BODY, "", SECRET, 300, 1000), Err(WebhookError::MissingHeader)));
+        assert!(matches!(verify(BODY, "t=1000", SECRET, 300, 1000), Err(WebhookError::BadHeader)));
+        assert!(matches!(verify(BODY, "v1=00", SECRET, 300, 1000), Err(WebhookError::BadHeader)));
+        assert!(matches!(verify(BODY, "t=x,v1=00", SECRET, 300, 1000), Err(WebhookError::BadHeader)));
         // Re-signing with a new timestamp but the old signature fails.
         let replayed = header.replace("t=1000", "t=2000");
-        assert!(matches!(
-            verify(BODY, &replayed, SECRET, 300, 2000),
-            Err(WebhookError::NoMatchingSignature)
-        ));
+        assert!(matches!(verify(BODY, &replayed, SECRET, 300, 2000), Err(WebhookError::NoMatchingSignature)));
     }
 }

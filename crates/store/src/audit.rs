@@ -82,11 +82,13 @@ pub async fn violations(
                  AND ($1::uuid IS NULL OR t.event_id = $1)")
         .fetch_one(pool)
         .await?,
-        captured_without_ticket_or_refund: q("SELECT count(*) FROM payments p JOIN orders o ON o.id = p.order_id
+        captured_without_ticket_or_refund: q(
+            "SELECT count(*) FROM payments p JOIN orders o ON o.id = p.order_id
                WHERE p.amount_captured_minor > 0
                  AND p.amount_refunded_minor < p.amount_captured_minor
                  AND NOT EXISTS (SELECT 1 FROM tickets t WHERE t.order_id = p.order_id)
-                 AND ($1::uuid IS NULL OR o.event_id = $1)")
+                 AND ($1::uuid IS NULL OR o.event_id = $1)",
+        )
         .fetch_one(pool)
         .await?,
         stuck_orders: sqlx::query_scalar(
@@ -107,11 +109,12 @@ pub async fn violations(
 
 /// Business totals, optionally for one event.
 pub async fn totals(pool: &PgPool, event: Option<uuid::Uuid>) -> Result<Totals, sqlx::Error> {
-    let rows: Vec<(String, i64)> =
-        sqlx::query_as("SELECT status, count(*) FROM orders WHERE $1::uuid IS NULL OR event_id = $1 GROUP BY status")
-            .bind(event)
-            .fetch_all(pool)
-            .await?;
+    let rows: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT status, count(*) FROM orders WHERE $1::uuid IS NULL OR event_id = $1 GROUP BY status",
+    )
+    .bind(event)
+    .fetch_all(pool)
+    .await?;
     let (tickets, seats_sold): (i64, i64) = sqlx::query_as(
         "SELECT count(*), count(DISTINCT seat_id) FROM tickets WHERE $1::uuid IS NULL OR event_id = $1",
     )
@@ -125,9 +128,7 @@ pub async fn totals(pool: &PgPool, event: Option<uuid::Uuid>) -> Result<Totals, 
     .bind(event)
     .fetch_one(pool)
     .await?;
-    let incidents: i64 = sqlx::query_scalar("SELECT count(*) FROM incidents")
-        .fetch_one(pool)
-        .await?;
+    let incidents: i64 = sqlx::query_scalar("SELECT count(*) FROM incidents").fetch_one(pool).await?;
     Ok(Totals {
         orders_by_status: rows.into_iter().collect(),
         tickets,

@@ -29,10 +29,8 @@ pub fn is_retryable(e: &sqlx::Error) -> bool {
     match e {
         sqlx::Error::Database(db) => {
             let code = db.code().unwrap_or_default();
-            matches!(
-                code.as_ref(),
-                "40001" | "40P01" | "55P03" | "57P01" | "57P02" | "57P03"
-            ) || code.starts_with("08")
+            matches!(code.as_ref(), "40001" | "40P01" | "55P03" | "57P01" | "57P02" | "57P03")
+                || code.starts_with("08")
         }
         sqlx::Error::Io(_)
         | sqlx::Error::PoolTimedOut

@@ -10,9 +10,7 @@
 
 use crate::error::constraint;
 use crate::{outbox, Tx};
-use boxoffice_domain::{
-    Envelope, EventId, HoldId, OrderId, OrderStatus, PurchaseEvent, SeatId, UserId,
-};
+use boxoffice_domain::{Envelope, EventId, HoldId, OrderId, OrderStatus, PurchaseEvent, SeatId, UserId};
 use chrono::{DateTime, Utc};
 use rand::Rng;
 use serde::{Deserialize, Serialize};
@@ -232,11 +230,7 @@ async fn reserve_once(
         }
         let found: std::collections::HashSet<Uuid> = locked.iter().map(|r| r.0).collect();
         return Err(ReserveError::UnknownSeats {
-            seat_ids: seats
-                .iter()
-                .filter(|s| !found.contains(&s.0))
-                .copied()
-                .collect(),
+            seat_ids: seats.iter().filter(|s| !found.contains(&s.0)).copied().collect(),
         });
     }
 
@@ -264,9 +258,7 @@ async fn reserve_once(
     .fetch_all(&mut *tx)
     .await?;
     if !taken.is_empty() {
-        return Err(ReserveError::SeatUnavailable {
-            seat_ids: taken.into_iter().map(SeatId).collect(),
-        });
+        return Err(ReserveError::SeatUnavailable { seat_ids: taken.into_iter().map(SeatId).collect() });
     }
 
     // 6. Order, hold, seats, HoldCreated and the stored response, all in this transaction.
@@ -288,28 +280,23 @@ async fn reserve_once(
     .bind(req.ttl.as_millis() as f64)
     .fetch_one(&mut *tx)
     .await?;
-    sqlx::query(
-        "INSERT INTO holds (id, order_id, status, expires_at) VALUES ($1, $2, 'active', $3)",
-    )
-    .bind(hold_id.0)
-    .bind(order_id.0)
-    .bind(expires_at)
-    .execute(&mut *tx)
-    .await?;
-    let inserted =
-        sqlx::query("INSERT INTO hold_seats (hold_id, seat_id) SELECT $1, unnest($2::uuid[])")
-            .bind(hold_id.0)
-            .bind(&seat_uuids)
-            .execute(&mut *tx)
-            .await;
+    sqlx::query("INSERT INTO holds (id, order_id, status, expires_at) VALUES ($1, $2, 'active', $3)")
+        .bind(hold_id.0)
+        .bind(order_id.0)
+        .bind(expires_at)
+        .execute(&mut *tx)
+        .await?;
+    let inserted = sqlx::query("INSERT INTO hold_seats (hold_id, seat_id) SELECT $1, unnest($2::uuid[])")
+        .bind(hold_id.0)
+        .bind(&seat_uuids)
+        .execute(&mut *tx)
+        .await;
     if let Err(e) = inserted {
         // Only reachable if some path took a seat without its row lock: the index is the
         // last guard, and we report it as the conflict it is.
         if constraint(&e) == Some("hold_seat_active_uq") {
             metrics::counter!("boxoffice_hold_unique_index_rejections_total").increment(1);
-            return Err(ReserveError::SeatUnavailable {
-                seat_ids: seats.to_vec(),
-            });
+            return Err(ReserveError::SeatUnavailable { seat_ids: seats.to_vec() });
         }
         return Err(e.into());
     }
@@ -369,10 +356,7 @@ pub struct HoldRow {
 
 /// Locks the hold of `order` (`FOR UPDATE`); first step of every saga transition (lock order
 /// hold → order).
-pub async fn lock_for_order(
-    tx: &mut Tx<'_>,
-    order: OrderId,
-) -> Result<Option<HoldRow>, sqlx::Error> {
+pub async fn lock_for_order(tx: &mut Tx<'_>, order: OrderId) -> Result<Option<HoldRow>, sqlx::Error> {
     sqlx::query_as(
         "SELECT id, order_id, status, expires_at, expires_at <= clock_timestamp() AS lapsed
            FROM holds WHERE order_id = $1 FOR UPDATE",
@@ -404,10 +388,7 @@ pub async fn set_status(
         .bind(status.as_str())
         .execute(&mut **tx)
         .await?;
-    if matches!(
-        status,
-        boxoffice_domain::HoldStatus::Expired | boxoffice_domain::HoldStatus::Released
-    ) {
+    if matches!(status, boxoffice_domain::HoldStatus::Expired | boxoffice_domain::HoldStatus::Released) {
         sqlx::query("UPDATE hold_seats SET released_at = clock_timestamp() WHERE hold_id = $1 AND released_at IS NULL")
             .bind(hold)
             .execute(&mut **tx)
@@ -430,37 +411,75 @@ pub async fn expire_if_due(tx: &mut Tx<'_>, hold: HoldId) -> Result<bool, sqlx::
     Ok(true)
 }
 
-/// Expires a hold the caller has locked and found lapsed (shared by the expiry worker, the
-/// hold transaction's reclaim and the saga's late-authorization branch).
+/// Expires a hold the caller has locked and found lapsed (the hold transaction's reclaim
+/// and the saga's late-authorization branch).
 pub async fn expire_locked(tx: &mut Tx<'_>, hold: &HoldRow) -> Result<(), sqlx::Error> {
-    set_status(tx, hold.id, boxoffice_domain::HoldStatus::Expired).await?;
-    let order = OrderId(hold.order_id);
-    let Some(o) = crate::orders::lock(tx, order).await? else {
+    expire_batch(tx, &[(hold.id, hold.order_id)]).await
+}
+
+/// Expires locked, lapsed holds `(hold_id, order_id)` set-wise, in a handful of statements
+/// whatever the batch size: holds → `expired` and their seats released, still-unpaid orders
+/// → `expired`, one `HoldExpired` per hold and one `AuthorizationCancelRequested` per
+/// PaymentIntent not yet asked to cancel. Orders are locked in id order.
+pub async fn expire_batch(tx: &mut Tx<'_>, holds: &[(Uuid, Uuid)]) -> Result<(), sqlx::Error> {
+    if holds.is_empty() {
         return Ok(());
-    };
-    let status: OrderStatus = o.status.parse().unwrap_or(OrderStatus::Failed);
-    if status.awaits_authorization() {
-        crate::orders::set_status(tx, order, OrderStatus::Expired, Some("hold_expired")).await?;
     }
-    let cause = Envelope::new(
-        order,
-        &PurchaseEvent::HoldExpired {
-            order_id: order,
-            hold_id: HoldId(hold.id),
-        },
-        o.correlation_id,
-        None,
-    );
-    let mut events = vec![cause.clone()];
-    if let Some(pi) = crate::payments::request_cancel(&mut **tx, order).await? {
-        events.push(cause.follow(&PurchaseEvent::AuthorizationCancelRequested {
-            order_id: order,
+    let hold_ids: Vec<Uuid> = holds.iter().map(|h| h.0).collect();
+    let order_ids: Vec<Uuid> = holds.iter().map(|h| h.1).collect();
+    sqlx::query("UPDATE holds SET status = 'expired' WHERE id = ANY($1)")
+        .bind(&hold_ids)
+        .execute(&mut **tx)
+        .await?;
+    sqlx::query("UPDATE hold_seats SET released_at = clock_timestamp() WHERE hold_id = ANY($1) AND released_at IS NULL")
+        .bind(&hold_ids)
+        .execute(&mut **tx)
+        .await?;
+    let correlations: Vec<(Uuid, Uuid)> =
+        sqlx::query_as("SELECT id, correlation_id FROM orders WHERE id = ANY($1) ORDER BY id FOR UPDATE")
+            .bind(&order_ids)
+            .fetch_all(&mut **tx)
+            .await?;
+    sqlx::query(
+        "UPDATE orders SET status = 'expired', failure_reason = 'hold_expired', version = version + 1,
+                updated_at = clock_timestamp()
+          WHERE id = ANY($1) AND status IN ('held', 'payment_required')",
+    )
+    .bind(&order_ids)
+    .execute(&mut **tx)
+    .await?;
+    let cancels: Vec<(Uuid, String)> = sqlx::query_as(
+        "UPDATE payments SET cancel_requested_at = clock_timestamp()
+          WHERE order_id = ANY($1) AND cancel_requested_at IS NULL AND status NOT IN ('canceled', 'succeeded')
+          RETURNING order_id, payment_intent_id",
+    )
+    .bind(&order_ids)
+    .fetch_all(&mut **tx)
+    .await?;
+    let correlation: std::collections::HashMap<Uuid, Uuid> = correlations.into_iter().collect();
+    let mut events = Vec::with_capacity(holds.len() + cancels.len());
+    let mut cause_of = std::collections::HashMap::new();
+    for (hold, order) in holds {
+        let order_id = OrderId(*order);
+        let env = Envelope::new(
+            order_id,
+            &PurchaseEvent::HoldExpired { order_id, hold_id: HoldId(*hold) },
+            correlation.get(order).copied().unwrap_or_else(Uuid::new_v4),
+            None,
+        );
+        cause_of.insert(*order, env.clone());
+        events.push(env);
+    }
+    for (order, pi) in cancels {
+        let order_id = OrderId(order);
+        events.push(cause_of[&order].follow(&PurchaseEvent::AuthorizationCancelRequested {
+            order_id,
             payment_intent_id: pi,
             reason: "hold_expired".into(),
         }));
     }
     outbox::insert_all(tx, &events).await?;
-    metrics::counter!("boxoffice_holds_expired_total").increment(1);
+    metrics::counter!("boxoffice_holds_expired_total").increment(holds.len() as u64);
     Ok(())
 }
 
@@ -469,20 +488,17 @@ pub async fn expire_locked(tx: &mut Tx<'_>, hold: &HoldRow) -> Result<(), sqlx::
 /// largest delay between a hold's expiry and its release, in ms.
 pub async fn expire_due(pool: &PgPool, limit: i64) -> Result<(usize, i64), sqlx::Error> {
     let mut tx = pool.begin().await?;
-    let rows: Vec<HoldRow> = sqlx::query_as(
-        "SELECT id, order_id, status, expires_at, true AS lapsed FROM holds
+    let rows: Vec<(Uuid, Uuid, f64)> = sqlx::query_as(
+        "SELECT id, order_id, (EXTRACT(EPOCH FROM clock_timestamp() - expires_at) * 1000)::float8 FROM holds
           WHERE status = 'active' AND expires_at < clock_timestamp()
           ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED",
     )
     .bind(limit)
     .fetch_all(&mut *tx)
     .await?;
-    let now = Utc::now();
-    let mut max_delay = 0;
-    for row in &rows {
-        max_delay = max_delay.max((now - row.expires_at).num_milliseconds());
-        expire_locked(&mut tx, row).await?;
-    }
+    let max_delay = rows.iter().map(|r| r.2 as i64).max().unwrap_or(0);
+    let pairs: Vec<(Uuid, Uuid)> = rows.iter().map(|r| (r.0, r.1)).collect();
+    expire_batch(&mut tx, &pairs).await?;
     tx.commit().await?;
     Ok((rows.len(), max_delay))
 }

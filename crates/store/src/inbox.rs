@@ -7,12 +7,10 @@ use uuid::Uuid;
 /// Records `event_id` for `consumer`; `true` on first delivery, `false` for a duplicate.
 /// Must run in the transaction that applies the effect.
 pub async fn record(tx: &mut Tx<'_>, consumer: &str, event_id: Uuid) -> Result<bool, sqlx::Error> {
-    let r = sqlx::query(
-        "INSERT INTO inbox (consumer, event_id) VALUES ($1, $2) ON CONFLICT DO NOTHING",
-    )
-    .bind(consumer)
-    .bind(event_id)
-    .execute(&mut **tx)
-    .await?;
+    let r = sqlx::query("INSERT INTO inbox (consumer, event_id) VALUES ($1, $2) ON CONFLICT DO NOTHING")
+        .bind(consumer)
+        .bind(event_id)
+        .execute(&mut **tx)
+        .await?;
     Ok(r.rows_affected() == 1)
 }

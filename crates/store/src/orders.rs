@@ -35,9 +35,7 @@ impl OrderRow {
     pub fn status(&self) -> Result<OrderStatus, crate::StoreError> {
         self.status
             .parse()
-            .map_err(|e: boxoffice_domain::status::UnknownStatus| {
-                crate::StoreError::Corrupt(e.to_string())
-            })
+            .map_err(|e: boxoffice_domain::status::UnknownStatus| crate::StoreError::Corrupt(e.to_string()))
     }
 }
 
@@ -183,11 +181,7 @@ struct ViewRow {
 
 /// Reads the order for its owner; `None` when it does not exist *or* belongs to someone
 /// else (the API answers 404 for both, so order ids cannot be probed).
-pub async fn view(
-    pool: &PgPool,
-    id: OrderId,
-    owner: UserId,
-) -> Result<Option<OrderView>, crate::StoreError> {
+pub async fn view(pool: &PgPool, id: OrderId, owner: UserId) -> Result<Option<OrderView>, crate::StoreError> {
     let row: Option<ViewRow> = sqlx::query_as(
         "SELECT o.id, o.user_id, o.event_id, o.status, o.failure_reason, o.amount_minor, o.currency,
                 o.created_at, o.updated_at, h.id AS hold_id, h.status AS hold_status,
@@ -205,12 +199,10 @@ pub async fn view(
     if r.user_id != owner.0 {
         return Ok(None);
     }
-    let mut status: OrderStatus =
-        r.status
-            .parse()
-            .map_err(|e: boxoffice_domain::status::UnknownStatus| {
-                crate::StoreError::Corrupt(e.to_string())
-            })?;
+    let mut status: OrderStatus = r
+        .status
+        .parse()
+        .map_err(|e: boxoffice_domain::status::UnknownStatus| crate::StoreError::Corrupt(e.to_string()))?;
     if status.awaits_authorization() && r.payment_status.as_deref() == Some("requires_capture") {
         status = OrderStatus::Authorized;
     }
@@ -250,11 +242,7 @@ pub async fn view(
         hold_expires_at: r.hold_expires_at,
         seats,
         payment_intent_id: r.payment_intent_id,
-        client_secret: if payment_pending {
-            r.client_secret
-        } else {
-            None
-        },
+        client_secret: if payment_pending { r.client_secret } else { None },
         tickets,
         created_at: r.created_at,
         updated_at: r.updated_at,

@@ -27,12 +27,33 @@ pub async fn insert(tx: &mut Tx<'_>, topic: Topic, envelope: &Envelope) -> Resul
     Ok(())
 }
 
-/// Adds several envelopes for the purchase topic.
+/// Adds several envelopes for the purchase topic in one statement, in order.
 pub async fn insert_all(tx: &mut Tx<'_>, envelopes: &[Envelope]) -> Result<(), sqlx::Error> {
-    for e in envelopes {
-        insert(tx, Topic::Purchase, e).await?;
+    match envelopes {
+        [] => Ok(()),
+        [one] => insert(tx, Topic::Purchase, one).await,
+        many => {
+            let ids: Vec<Uuid> = many.iter().map(|e| e.event_id).collect();
+            let keys: Vec<String> = many.iter().map(|e| e.aggregate_id.to_string()).collect();
+            let types: Vec<&str> = many.iter().map(|e| e.event_type.as_str()).collect();
+            let payloads: Vec<serde_json::Value> =
+                many.iter().map(|e| serde_json::to_value(e).expect("envelopes serialize")).collect();
+            // clock_timestamp() + ordinality keeps created_at (the relay's order) as given.
+            sqlx::query(
+                "INSERT INTO outbox (id, topic, message_key, event_type, payload, created_at)
+                 SELECT u.id, $1, u.k, u.t, u.p, clock_timestamp() + u.n * interval '1 microsecond'
+                   FROM unnest($2::uuid[], $3::text[], $4::text[], $5::jsonb[]) WITH ORDINALITY AS u(id, k, t, p, n)",
+            )
+            .bind(Topic::Purchase.name())
+            .bind(&ids)
+            .bind(&keys)
+            .bind(&types)
+            .bind(&payloads)
+            .execute(&mut **tx)
+            .await?;
+            Ok(())
+        }
     }
-    Ok(())
 }
 
 /// A claimed outbox row: the logical topic, key and serialized envelope.
@@ -133,8 +154,5 @@ pub async fn backlog(pool: &PgPool) -> Result<Backlog, sqlx::Error> {
     )
     .fetch_one(pool)
     .await?;
-    Ok(Backlog {
-        unpublished,
-        oldest_age_ms: oldest_age_ms.unwrap_or(0.0).max(0.0) as i64,
-    })
+    Ok(Backlog { unpublished, oldest_age_ms: oldest_age_ms.unwrap_or(0.0).max(0.0) as i64 })
 }

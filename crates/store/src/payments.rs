@@ -50,11 +50,10 @@ pub async fn order_for_intent<'e, E: Executor<'e, Database = Postgres>>(
     ex: E,
     pi: &str,
 ) -> Result<Option<OrderId>, sqlx::Error> {
-    let id: Option<Uuid> =
-        sqlx::query_scalar("SELECT order_id FROM payments WHERE payment_intent_id = $1")
-            .bind(pi)
-            .fetch_optional(ex)
-            .await?;
+    let id: Option<Uuid> = sqlx::query_scalar("SELECT order_id FROM payments WHERE payment_intent_id = $1")
+        .bind(pi)
+        .fetch_optional(ex)
+        .await?;
     Ok(id.map(OrderId))
 }
 

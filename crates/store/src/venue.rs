@@ -72,11 +72,7 @@ impl VenueSpec {
                 price_for_row: upper_bowl,
             });
         }
-        Self {
-            name: "Harbour Arena".into(),
-            sections,
-            currency: "usd".into(),
-        }
+        Self { name: "Harbour Arena".into(), sections, currency: "usd".into() }
     }
 
     /// A small venue for tests and demos: `sections` × `rows` × `seats_per_row`.
@@ -97,10 +93,7 @@ impl VenueSpec {
 
     /// Number of seats.
     pub fn seat_count(&self) -> usize {
-        self.sections
-            .iter()
-            .map(|s| (s.rows * s.seats_per_row) as usize)
-            .sum()
+        self.sections.iter().map(|s| (s.rows * s.seats_per_row) as usize).sum()
     }
 }
 
@@ -229,10 +222,7 @@ pub struct SeatAvailability {
 
 /// The availability of every seat of `event`, ordered by section, row and number; `None`
 /// if the event does not exist.
-pub async fn seat_map(
-    pool: &PgPool,
-    event: EventId,
-) -> Result<Option<Vec<SeatAvailability>>, sqlx::Error> {
+pub async fn seat_map(pool: &PgPool, event: EventId) -> Result<Option<Vec<SeatAvailability>>, sqlx::Error> {
     let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM events WHERE id = $1)")
         .bind(event.0)
         .fetch_one(pool)

@@ -28,31 +28,18 @@ pub(crate) struct ApiError {
 }
 
 impl ApiError {
-    pub fn new(
-        status: StatusCode,
-        error_type: &str,
-        code: Option<&str>,
-        message: impl Into<String>,
-    ) -> Self {
+    pub fn new(status: StatusCode, error_type: &str, code: Option<&str>, message: impl Into<String>) -> Self {
         let mut error = Map::new();
         error.insert("type".into(), error_type.into());
         if let Some(code) = code {
             error.insert("code".into(), code.into());
             error.insert(
                 "doc_url".into(),
-                format!(
-                    "https://stripe.com/docs/error-codes/{}",
-                    code.replace('_', "-")
-                )
-                .into(),
+                format!("https://stripe.com/docs/error-codes/{}", code.replace('_', "-")).into(),
             );
         }
         error.insert("message".into(), message.into().into());
-        Self {
-            status,
-            error,
-            replayable: true,
-        }
+        Self { status, error, replayable: true }
     }
 
     /// Adds a field to the error object (`param`, `payment_intent`, `decline_code`, …).
@@ -69,22 +56,13 @@ impl ApiError {
 
     /// 400 `invalid_request_error` about one parameter, not replayable.
     pub fn invalid(code: Option<&str>, param: &str, message: impl Into<String>) -> Self {
-        Self::new(
-            StatusCode::BAD_REQUEST,
-            "invalid_request_error",
-            code,
-            message,
-        )
-        .with("param", param)
-        .not_replayable()
+        Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", code, message)
+            .with("param", param)
+            .not_replayable()
     }
 
     pub fn missing(param: &str) -> Self {
-        Self::invalid(
-            Some("parameter_missing"),
-            param,
-            format!("Missing required param: {param}."),
-        )
+        Self::invalid(Some("parameter_missing"), param, format!("Missing required param: {param}."))
     }
 
     pub fn invalid_integer(param: &str) -> Self {
@@ -113,22 +91,14 @@ impl ApiError {
             StatusCode::BAD_REQUEST,
             "invalid_request_error",
             Some("payment_intent_unexpected_state"),
-            format!(
-                "This PaymentIntent could not be {action} because it has a status of {status}."
-            ),
+            format!("This PaymentIntent could not be {action} because it has a status of {status}."),
         )
         .with("payment_intent", pi)
     }
 
     /// 401 for a missing, malformed or wrong-kind API key.
     pub fn unauthorized(message: impl Into<String>) -> Self {
-        Self::new(
-            StatusCode::UNAUTHORIZED,
-            "invalid_request_error",
-            None,
-            message,
-        )
-        .not_replayable()
+        Self::new(StatusCode::UNAUTHORIZED, "invalid_request_error", None, message).not_replayable()
     }
 
     /// 500 `api_error`, as Stripe answers when something broke on its side.
@@ -196,24 +166,17 @@ impl Params {
     }
 
     pub fn get(&self, key: &str) -> Option<&str> {
-        self.0
-            .iter()
-            .find(|(k, _)| k == key)
-            .map(|(_, v)| v.as_str())
+        self.0.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
     }
 
     /// A required, non-empty string parameter.
     pub fn require(&self, key: &str) -> Result<&str, ApiError> {
-        self.get(key)
-            .filter(|v| !v.is_empty())
-            .ok_or_else(|| ApiError::missing(key))
+        self.get(key).filter(|v| !v.is_empty()).ok_or_else(|| ApiError::missing(key))
     }
 
     /// An optional integer parameter; present but not an integer → `parameter_invalid_integer`.
     pub fn int(&self, key: &str) -> Result<Option<i64>, ApiError> {
-        self.get(key)
-            .map(|v| v.parse::<i64>().map_err(|_| ApiError::invalid_integer(key)))
-            .transpose()
+        self.get(key).map(|v| v.parse::<i64>().map_err(|_| ApiError::invalid_integer(key))).transpose()
     }
 
     /// An optional strictly positive integer (amounts in minor units).
@@ -243,16 +206,10 @@ impl Params {
     pub fn metadata(&self) -> Result<BTreeMap<String, String>, ApiError> {
         let mut out = BTreeMap::new();
         for (k, v) in &self.0 {
-            let Some(key) = k
-                .strip_prefix("metadata[")
-                .and_then(|k| k.strip_suffix(']'))
-            else {
+            let Some(key) = k.strip_prefix("metadata[").and_then(|k| k.strip_suffix(']')) else {
                 continue;
             };
-            if key.is_empty()
-                || key.len() > METADATA_MAX_KEY_LEN
-                || v.len() > METADATA_MAX_VALUE_LEN
-            {
+            if key.is_empty() || key.len() > METADATA_MAX_KEY_LEN || v.len() > METADATA_MAX_VALUE_LEN {
                 return Err(ApiError::invalid(
                     None,
                     k,
@@ -262,11 +219,7 @@ impl Params {
             out.insert(key.to_owned(), v.clone());
         }
         if out.len() > METADATA_MAX_KEYS {
-            return Err(ApiError::invalid(
-                None,
-                "metadata",
-                "Metadata can have at most 50 keys.",
-            ));
+            return Err(ApiError::invalid(None, "metadata", "Metadata can have at most 50 keys."));
         }
         Ok(out)
     }
@@ -278,28 +231,16 @@ mod tests {
 
     #[test]
     fn params_decode_brackets_and_validate() {
-        let p = Params::parse(b"amount=100&metadata%5Border_id%5D=o+1&metadata[x]=y&automatic_payment_methods[enabled]=true")
-            .unwrap();
+        let p = Params::parse(
+            b"amount=100&metadata%5Border_id%5D=o+1&metadata[x]=y&automatic_payment_methods[enabled]=true",
+        )
+        .unwrap();
         assert_eq!(p.positive_int("amount").unwrap(), Some(100));
-        assert_eq!(
-            p.metadata().unwrap().get("order_id").map(String::as_str),
-            Some("o 1")
-        );
-        assert!(p
-            .only(&["amount", "metadata[", "automatic_payment_methods[enabled]"])
-            .is_ok());
-        assert_eq!(
-            p.only(&["amount"]).unwrap_err().error["code"],
-            "parameter_unknown"
-        );
+        assert_eq!(p.metadata().unwrap().get("order_id").map(String::as_str), Some("o 1"));
+        assert!(p.only(&["amount", "metadata[", "automatic_payment_methods[enabled]"]).is_ok());
+        assert_eq!(p.only(&["amount"]).unwrap_err().error["code"], "parameter_unknown");
         let neg = Params::parse(b"amount=-5").unwrap();
-        assert_eq!(
-            neg.positive_int("amount").unwrap_err().error["code"],
-            "parameter_invalid_integer"
-        );
-        assert_eq!(
-            neg.require("currency").unwrap_err().error["code"],
-            "parameter_missing"
-        );
+        assert_eq!(neg.positive_int("amount").unwrap_err().error["code"], "parameter_invalid_integer");
+        assert_eq!(neg.require("currency").unwrap_err().error["code"], "parameter_missing");
     }
 }

@@ -52,12 +52,7 @@ impl RequestFaults {
     /// Parses the header value; unknown entries are an error so typos do not silently pass.
     pub fn parse(value: Option<&str>) -> Result<Self, String> {
         let mut out = Self::default();
-        for item in value
-            .unwrap_or("")
-            .split(',')
-            .map(str::trim)
-            .filter(|s| !s.is_empty())
-        {
+        for item in value.unwrap_or("").split(',').map(str::trim).filter(|s| !s.is_empty()) {
             match item {
                 "fail-after-apply" => out.fail_after_apply = true,
                 "drop-response" => out.drop_response = true,
@@ -107,10 +102,7 @@ impl FaultState {
 
     /// Decides the fate of a mutating request's answer.
     pub fn after_apply(&mut self, req: RequestFaults) -> AfterApply {
-        let (drop_rate, fail_rate) = (
-            self.faults.drop_response_rate,
-            self.faults.fail_after_apply_rate,
-        );
+        let (drop_rate, fail_rate) = (self.faults.drop_response_rate, self.faults.fail_after_apply_rate);
         if req.drop_response || self.draw(drop_rate) {
             AfterApply::DropResponse
         } else if req.fail_after_apply || self.draw(fail_rate) {
@@ -151,16 +143,9 @@ mod tests {
 
     #[test]
     fn rates_are_seeded() {
-        let faults = Faults {
-            fail_after_apply_rate: 0.5,
-            seed: 7,
-            ..Faults::default()
-        };
-        let draws = |mut s: FaultState| {
-            (0..64)
-                .map(|_| s.after_apply(RequestFaults::default()))
-                .collect::<Vec<_>>()
-        };
+        let faults = Faults { fail_after_apply_rate: 0.5, seed: 7, ..Faults::default() };
+        let draws =
+            |mut s: FaultState| (0..64).map(|_| s.after_apply(RequestFaults::default())).collect::<Vec<_>>();
         let a = draws(FaultState::new(faults.clone()));
         assert_eq!(a, draws(FaultState::new(faults)));
         assert!(a.contains(&AfterApply::Fail500) && a.contains(&AfterApply::Answer));

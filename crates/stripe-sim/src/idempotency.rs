@@ -115,10 +115,7 @@ impl Claim {
 impl Drop for Claim {
     fn drop(&mut self) {
         if !self.finished {
-            self.table
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .remove(&self.key);
+            self.table.lock().unwrap_or_else(PoisonError::into_inner).remove(&self.key);
         }
     }
 }
@@ -141,16 +138,10 @@ mod tests {
             matches!(store.begin("sk", "k", "/p", params("1")), Begin::Reject(e) if e.status == StatusCode::CONFLICT)
         );
         assert!(
-            matches!(
-                store.begin("sk2", "k", "/p", params("1")),
-                Begin::Execute(_)
-            ),
+            matches!(store.begin("sk2", "k", "/p", params("1")), Begin::Execute(_)),
             "keys are per API key"
         );
-        claim.complete(Stored {
-            status: StatusCode::PAYMENT_REQUIRED,
-            body: Bytes::from_static(b"x"),
-        });
+        claim.complete(Stored { status: StatusCode::PAYMENT_REQUIRED, body: Bytes::from_static(b"x") });
         assert!(
             matches!(store.begin("sk", "k", "/p", params("1")), Begin::Replay(s) if s.status == StatusCode::PAYMENT_REQUIRED)
         );
@@ -161,13 +152,8 @@ mod tests {
             matches!(store.begin("sk", "k", "/q", params("1")), Begin::Reject(e) if e.status == StatusCode::BAD_REQUEST)
         );
 
-        let Begin::Execute(claim) = store.begin("sk", "j", "/p", params("1")) else {
-            panic!()
-        };
+        let Begin::Execute(claim) = store.begin("sk", "j", "/p", params("1")) else { panic!() };
         claim.release();
-        assert!(matches!(
-            store.begin("sk", "j", "/p", params("1")),
-            Begin::Execute(_)
-        ));
+        assert!(matches!(store.begin("sk", "j", "/p", params("1")), Begin::Execute(_)));
     }
 }

@@ -78,10 +78,7 @@ impl fmt::Debug for SimConfig {
             .field("webhook_secret", &"[redacted]")
             .field("faults", &self.faults)
             .field("webhook_max_attempts", &self.webhook_max_attempts)
-            .field(
-                "webhook_initial_backoff_ms",
-                &self.webhook_initial_backoff_ms,
-            )
+            .field("webhook_initial_backoff_ms", &self.webhook_initial_backoff_ms)
             .finish()
     }
 }
@@ -224,9 +221,7 @@ impl StripeSim {
 
     /// The simulator's current time, unix seconds (wall clock plus test-clock offset).
     pub fn now(&self) -> i64 {
-        let wall = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs() as i64);
+        let wall = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64);
         wall + self.shared.clock_offset_s.load(Ordering::SeqCst)
     }
 
@@ -294,8 +289,6 @@ impl StripeSim {
     }
 
     fn count_replay(&self) {
-        self.shared
-            .idempotent_replays
-            .fetch_add(1, Ordering::Relaxed);
+        self.shared.idempotent_replays.fetch_add(1, Ordering::Relaxed);
     }
 }

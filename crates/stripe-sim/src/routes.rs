@@ -32,23 +32,11 @@ const MAX_IDEMPOTENCY_KEY_LEN: usize = 255;
 
 pub(crate) fn router(sim: StripeSim) -> Router {
     Router::new()
-        .route(
-            "/v1/payment_intents",
-            post(create_payment_intent).get(list_payment_intents),
-        )
+        .route("/v1/payment_intents", post(create_payment_intent).get(list_payment_intents))
         .route("/v1/payment_intents/{id}", get(retrieve_payment_intent))
-        .route(
-            "/v1/payment_intents/{id}/confirm",
-            post(confirm_payment_intent),
-        )
-        .route(
-            "/v1/payment_intents/{id}/capture",
-            post(capture_payment_intent),
-        )
-        .route(
-            "/v1/payment_intents/{id}/cancel",
-            post(cancel_payment_intent),
-        )
+        .route("/v1/payment_intents/{id}/confirm", post(confirm_payment_intent))
+        .route("/v1/payment_intents/{id}/capture", post(capture_payment_intent))
+        .route("/v1/payment_intents/{id}/cancel", post(cancel_payment_intent))
         .route("/v1/charges/{id}", get(retrieve_charge))
         .route("/v1/refunds", post(create_refund))
         .route("/v1/refunds/{id}", get(retrieve_refund))
@@ -73,10 +61,7 @@ async fn create_payment_intent(
     uri: Uri,
     body: Bytes,
 ) -> Response {
-    mutate(&sim, &headers, &uri, &body, Keys::SecretOnly, |st, ctx| {
-        st.create_payment_intent(ctx)
-    })
-    .await
+    mutate(&sim, &headers, &uri, &body, Keys::SecretOnly, |st, ctx| st.create_payment_intent(ctx)).await
 }
 
 async fn confirm_payment_intent(
@@ -86,15 +71,7 @@ async fn confirm_payment_intent(
     uri: Uri,
     body: Bytes,
 ) -> Response {
-    mutate(
-        &sim,
-        &headers,
-        &uri,
-        &body,
-        Keys::AllowPublishable,
-        |st, ctx| st.confirm(&id, ctx),
-    )
-    .await
+    mutate(&sim, &headers, &uri, &body, Keys::AllowPublishable, |st, ctx| st.confirm(&id, ctx)).await
 }
 
 async fn capture_payment_intent(
@@ -104,10 +81,7 @@ async fn capture_payment_intent(
     uri: Uri,
     body: Bytes,
 ) -> Response {
-    mutate(&sim, &headers, &uri, &body, Keys::SecretOnly, |st, ctx| {
-        st.capture(&id, ctx)
-    })
-    .await
+    mutate(&sim, &headers, &uri, &body, Keys::SecretOnly, |st, ctx| st.capture(&id, ctx)).await
 }
 
 async fn cancel_payment_intent(
@@ -117,22 +91,11 @@ async fn cancel_payment_intent(
     uri: Uri,
     body: Bytes,
 ) -> Response {
-    mutate(&sim, &headers, &uri, &body, Keys::SecretOnly, |st, ctx| {
-        st.cancel(&id, ctx)
-    })
-    .await
+    mutate(&sim, &headers, &uri, &body, Keys::SecretOnly, |st, ctx| st.cancel(&id, ctx)).await
 }
 
-async fn create_refund(
-    State(sim): State<StripeSim>,
-    headers: HeaderMap,
-    uri: Uri,
-    body: Bytes,
-) -> Response {
-    mutate(&sim, &headers, &uri, &body, Keys::SecretOnly, |st, ctx| {
-        st.refund(ctx)
-    })
-    .await
+async fn create_refund(State(sim): State<StripeSim>, headers: HeaderMap, uri: Uri, body: Bytes) -> Response {
+    mutate(&sim, &headers, &uri, &body, Keys::SecretOnly, |st, ctx| st.refund(ctx)).await
 }
 
 async fn retrieve_payment_intent(
@@ -141,10 +104,7 @@ async fn retrieve_payment_intent(
     headers: HeaderMap,
     RawQuery(q): RawQuery,
 ) -> Response {
-    read(&sim, &headers, q, Keys::AllowPublishable, |st, ctx| {
-        st.retrieve_payment_intent(&id, ctx)
-    })
-    .await
+    read(&sim, &headers, q, Keys::AllowPublishable, |st, ctx| st.retrieve_payment_intent(&id, ctx)).await
 }
 
 async fn list_payment_intents(
@@ -152,10 +112,7 @@ async fn list_payment_intents(
     headers: HeaderMap,
     RawQuery(q): RawQuery,
 ) -> Response {
-    read(&sim, &headers, q, Keys::SecretOnly, |st, ctx| {
-        st.list_payment_intents(ctx)
-    })
-    .await
+    read(&sim, &headers, q, Keys::SecretOnly, |st, ctx| st.list_payment_intents(ctx)).await
 }
 
 async fn retrieve_charge(
@@ -163,10 +120,7 @@ async fn retrieve_charge(
     Path(id): Path<String>,
     headers: HeaderMap,
 ) -> Response {
-    read(&sim, &headers, None, Keys::SecretOnly, |st, _| {
-        st.charge(&id)
-    })
-    .await
+    read(&sim, &headers, None, Keys::SecretOnly, |st, _| st.charge(&id)).await
 }
 
 async fn retrieve_refund(
@@ -174,10 +128,7 @@ async fn retrieve_refund(
     Path(id): Path<String>,
     headers: HeaderMap,
 ) -> Response {
-    read(&sim, &headers, None, Keys::SecretOnly, |st, _| {
-        st.refund_by_id(&id)
-    })
-    .await
+    read(&sim, &headers, None, Keys::SecretOnly, |st, _| st.refund_by_id(&id)).await
 }
 
 async fn unknown_route(method: Method, uri: Uri) -> Response {
@@ -230,19 +181,13 @@ where
     let claim = match &idempotency_key {
         None => None,
         Some(key) => {
-            match sim
-                .shared
-                .idempotency
-                .begin(caller.key(), key, uri.path(), params.fingerprint())
-            {
+            match sim.shared.idempotency.begin(caller.key(), key, uri.path(), params.fingerprint()) {
                 Begin::Execute(claim) => Some(claim),
                 Begin::Replay(stored) => {
                     sim.count_replay();
                     return respond(stored.status, stored.body, &request_id, Some(key), true);
                 }
-                Begin::Reject(e) => {
-                    return respond(e.status, e.body().into(), &request_id, Some(key), false)
-                }
+                Begin::Reject(e) => return respond(e.status, e.body().into(), &request_id, Some(key), false),
             }
         }
     };
@@ -251,28 +196,15 @@ where
         tokio::time::sleep(Duration::from_millis(latency_ms)).await;
     }
 
-    let ctx = Ctx {
-        caller,
-        params,
-        now: sim.now(),
-        request_id,
-        idempotency_key,
-    };
+    let ctx = Ctx { caller, params, now: sim.now(), request_id, idempotency_key };
     let result = sim.with_ledger(ctx.now, |st| op(st, &ctx));
     let (status, body, replayable) = match result {
-        Ok(v) => (
-            StatusCode::OK,
-            Bytes::from(serde_json::to_vec(&v).expect("JSON values serialize")),
-            true,
-        ),
+        Ok(v) => (StatusCode::OK, Bytes::from(serde_json::to_vec(&v).expect("JSON values serialize")), true),
         Err(e) => (e.status, Bytes::from(e.body()), e.replayable),
     };
     if let Some(claim) = claim {
         if replayable {
-            claim.complete(Stored {
-                status,
-                body: body.clone(),
-            });
+            claim.complete(Stored { status, body: body.clone() });
         } else {
             claim.release();
         }
@@ -297,13 +229,7 @@ where
 }
 
 /// The pipeline of every read-only `/v1` request: auth, latency, lookup.
-async fn read<F>(
-    sim: &StripeSim,
-    headers: &HeaderMap,
-    query: Option<String>,
-    keys: Keys,
-    op: F,
-) -> Response
+async fn read<F>(sim: &StripeSim, headers: &HeaderMap, query: Option<String>, keys: Keys, op: F) -> Response
 where
     F: FnOnce(&mut Ledger, &Ctx) -> Result<Value, ApiError>,
 {
@@ -322,19 +248,11 @@ where
     if latency_ms > 0 {
         tokio::time::sleep(Duration::from_millis(latency_ms)).await;
     }
-    let ctx = Ctx {
-        caller,
-        params,
-        now: sim.now(),
-        request_id,
-        idempotency_key: None,
-    };
+    let ctx = Ctx { caller, params, now: sim.now(), request_id, idempotency_key: None };
     match sim.with_ledger(ctx.now, |st| op(st, &ctx)) {
         Ok(v) => respond(
             StatusCode::OK,
-            serde_json::to_vec(&v)
-                .expect("JSON values serialize")
-                .into(),
+            serde_json::to_vec(&v).expect("JSON values serialize").into(),
             &ctx.request_id,
             None,
             false,
@@ -345,14 +263,8 @@ where
 
 /// `Authorization: Bearer <key>`; test-mode keys only.
 fn authenticate(headers: &HeaderMap, keys: Keys) -> Result<Caller, ApiError> {
-    let value = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("");
-    let Some(key) = value
-        .strip_prefix("Bearer ")
-        .or_else(|| value.strip_prefix("bearer "))
-        .map(str::trim)
+    let value = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).unwrap_or("");
+    let Some(key) = value.strip_prefix("Bearer ").or_else(|| value.strip_prefix("bearer ")).map(str::trim)
     else {
         return Err(ApiError::unauthorized(
             "You did not provide an API key. You need to provide your API key in the Authorization header, \
@@ -371,16 +283,12 @@ fn authenticate(headers: &HeaderMap, keys: Keys) -> Result<Caller, ApiError> {
     } else {
         // Stripe echoes a redacted key; we echo only its kind.
         let kind = key.get(..8).filter(|p| p.ends_with('_')).unwrap_or("");
-        Err(ApiError::unauthorized(format!(
-            "Invalid API Key provided: {kind}****"
-        )))
+        Err(ApiError::unauthorized(format!("Invalid API Key provided: {kind}****")))
     }
 }
 
 fn fault_header(headers: &HeaderMap) -> Result<RequestFaults, ApiError> {
-    let value = headers
-        .get(FAULT_HEADER)
-        .map(|v| v.to_str().unwrap_or("<non-ascii>"));
+    let value = headers.get(FAULT_HEADER).map(|v| v.to_str().unwrap_or("<non-ascii>"));
     RequestFaults::parse(value).map_err(|m| ApiError::invalid(None, FAULT_HEADER, m))
 }
 
@@ -394,10 +302,7 @@ fn respond(
 ) -> Response {
     let mut resp = (status, body).into_response();
     let h = resp.headers_mut();
-    h.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
+    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     h.insert("stripe-version", HeaderValue::from_static(API_VERSION));
     if let Ok(v) = HeaderValue::from_str(request_id) {
         h.insert("request-id", v);

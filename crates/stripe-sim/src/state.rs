@@ -31,11 +31,7 @@ const LIST_DEFAULT_LIMIT: i64 = 10;
 
 /// A random Stripe-style id: `prefix_` + 24 alphanumerics.
 pub(crate) fn new_id(prefix: &str) -> String {
-    let suffix: String = rand::thread_rng()
-        .sample_iter(&Alphanumeric)
-        .take(24)
-        .map(char::from)
-        .collect();
+    let suffix: String = rand::thread_rng().sample_iter(&Alphanumeric).take(24).map(char::from).collect();
     format!("{prefix}_{suffix}")
 }
 
@@ -66,30 +62,17 @@ pub(crate) struct Ctx {
 
 /// Test payment methods (<https://docs.stripe.com/testing#cards>).
 enum TestCard {
-    Approve {
-        brand: &'static str,
-        last4: &'static str,
-    },
-    Decline {
-        decline_code: &'static str,
-        message: &'static str,
-    },
+    Approve { brand: &'static str, last4: &'static str },
+    Decline { decline_code: &'static str, message: &'static str },
 }
 
 fn test_card(pm: &str) -> Option<TestCard> {
     Some(match pm {
-        "pm_card_visa" => TestCard::Approve {
-            brand: "visa",
-            last4: "4242",
-        },
-        "pm_card_mastercard" => TestCard::Approve {
-            brand: "mastercard",
-            last4: "4444",
-        },
-        "pm_card_chargeDeclined" => TestCard::Decline {
-            decline_code: "generic_decline",
-            message: "Your card was declined.",
-        },
+        "pm_card_visa" => TestCard::Approve { brand: "visa", last4: "4242" },
+        "pm_card_mastercard" => TestCard::Approve { brand: "mastercard", last4: "4444" },
+        "pm_card_chargeDeclined" => {
+            TestCard::Decline { decline_code: "generic_decline", message: "Your card was declined." }
+        }
         "pm_card_chargeDeclinedInsufficientFunds" => TestCard::Decline {
             decline_code: "insufficient_funds",
             message: "Your card has insufficient funds.",
@@ -147,10 +130,7 @@ impl PaymentIntent {
     }
 
     fn is_confirmable(&self) -> bool {
-        matches!(
-            self.status,
-            "requires_payment_method" | "requires_confirmation" | "requires_action"
-        )
+        matches!(self.status, "requires_payment_method" | "requires_confirmation" | "requires_action")
     }
 }
 
@@ -272,8 +252,7 @@ impl State {
     }
 
     fn emit(&mut self, event_type: &str, object: Value, now: i64, ctx: Option<&Ctx>) {
-        let request =
-            ctx.map(|c| json!({ "id": c.request_id, "idempotency_key": c.idempotency_key }));
+        let request = ctx.map(|c| json!({ "id": c.request_id, "idempotency_key": c.idempotency_key }));
         self.outbox.push(json!({
             "id": new_id("evt"),
             "object": "event",
@@ -306,11 +285,7 @@ impl State {
             pi.cancellation_reason = Some("automatic".into());
             pi.canceled_at = Some(deadline);
             pi.amount_capturable = 0;
-            if let Some(ch) = pi
-                .latest_charge
-                .as_ref()
-                .and_then(|c| self.charges.get_mut(c))
-            {
+            if let Some(ch) = pi.latest_charge.as_ref().and_then(|c| self.charges.get_mut(c)) {
                 ch.amount_refunded = ch.amount;
             }
             let obj = pi.to_json();
@@ -332,19 +307,13 @@ impl State {
             "confirm",
             "description",
         ])?;
-        let amount = p
-            .int("amount")?
-            .ok_or_else(|| ApiError::missing("amount"))?;
+        let amount = p.int("amount")?.ok_or_else(|| ApiError::missing("amount"))?;
         if amount < 1 {
             return Err(ApiError::invalid_integer("amount"));
         }
         let currency = p.require("currency")?.to_ascii_lowercase();
         if currency.len() != 3 || !currency.bytes().all(|b| b.is_ascii_lowercase()) {
-            return Err(ApiError::invalid(
-                None,
-                "currency",
-                format!("Invalid currency: {currency}."),
-            ));
+            return Err(ApiError::invalid(None, "currency", format!("Invalid currency: {currency}.")));
         }
         let capture_method = p.get("capture_method").unwrap_or("automatic");
         if !matches!(capture_method, "automatic" | "automatic_async" | "manual") {
@@ -355,9 +324,7 @@ impl State {
             ));
         }
         let metadata = p.metadata()?;
-        let automatic = p
-            .bool("automatic_payment_methods[enabled]")?
-            .unwrap_or(false);
+        let automatic = p.bool("automatic_payment_methods[enabled]")?.unwrap_or(false);
         let confirm = p.bool("confirm")?.unwrap_or(false);
         let payment_method = p.get("payment_method").map(str::to_owned);
         if confirm && payment_method.is_none() {
@@ -401,10 +368,7 @@ impl State {
     /// `GET /v1/payment_intents/{id}`; a publishable key must present the client secret.
     pub fn retrieve_payment_intent(&mut self, id: &str, ctx: &Ctx) -> Result<Value, ApiError> {
         ctx.params.only(&["client_secret"])?;
-        let pi = self
-            .payment_intents
-            .get(id)
-            .ok_or_else(|| ApiError::no_such("payment_intent", id))?;
+        let pi = self.payment_intents.get(id).ok_or_else(|| ApiError::no_such("payment_intent", id))?;
         check_client_secret(pi, ctx)?;
         Ok(pi.to_json())
     }
@@ -424,16 +388,9 @@ impl State {
         let pi = pi_mut(&mut self.payment_intents, id)?;
         check_client_secret(pi, ctx)?;
         if !pi.is_confirmable() {
-            return Err(ApiError::unexpected_state(
-                pi.to_json(),
-                "confirmed",
-                pi.status,
-            ));
+            return Err(ApiError::unexpected_state(pi.to_json(), "confirmed", pi.status));
         }
-        let Some(pm) = p
-            .get("payment_method")
-            .map(str::to_owned)
-            .or_else(|| pi.payment_method.clone())
+        let Some(pm) = p.get("payment_method").map(str::to_owned).or_else(|| pi.payment_method.clone())
         else {
             return Err(ApiError::new(
                 StatusCode::BAD_REQUEST,
@@ -469,10 +426,7 @@ impl State {
         };
         pi.latest_charge = Some(charge_id.clone());
         match card {
-            TestCard::Decline {
-                decline_code,
-                message,
-            } => {
+            TestCard::Decline { decline_code, message } => {
                 charge.failure = Some((decline_code, message));
                 let error = json!({
                     "type": "card_error",
@@ -489,15 +443,10 @@ impl State {
                 self.charges.insert(charge_id.clone(), charge);
                 self.counters.confirmations_declined += 1;
                 self.emit("payment_intent.payment_failed", obj.clone(), now, Some(ctx));
-                Err(ApiError::new(
-                    StatusCode::PAYMENT_REQUIRED,
-                    "card_error",
-                    Some("card_declined"),
-                    message,
-                )
-                .with("decline_code", decline_code)
-                .with("charge", charge_id)
-                .with("payment_intent", obj))
+                Err(ApiError::new(StatusCode::PAYMENT_REQUIRED, "card_error", Some("card_declined"), message)
+                    .with("decline_code", decline_code)
+                    .with("charge", charge_id)
+                    .with("payment_intent", obj))
             }
             TestCard::Approve { brand, last4 } => {
                 (charge.brand, charge.last4) = (brand, last4);
@@ -532,11 +481,7 @@ impl State {
         let amount_to_capture = ctx.params.positive_int("amount_to_capture")?;
         let pi = pi_mut(&mut self.payment_intents, id)?;
         if pi.status != "requires_capture" {
-            return Err(ApiError::unexpected_state(
-                pi.to_json(),
-                "captured",
-                pi.status,
-            ));
+            return Err(ApiError::unexpected_state(pi.to_json(), "captured", pi.status));
         }
         let amount = amount_to_capture.unwrap_or(pi.amount_capturable);
         if amount > pi.amount_capturable {
@@ -551,22 +496,13 @@ impl State {
         pi.amount_received = amount;
         pi.amount_capturable = 0;
         let obj = pi.to_json();
-        if let Some(ch) = pi
-            .latest_charge
-            .as_ref()
-            .and_then(|c| self.charges.get_mut(c))
-        {
-            self.expiries
-                .remove(&(ch.capture_before.unwrap_or_default(), id.to_owned()));
+        if let Some(ch) = pi.latest_charge.as_ref().and_then(|c| self.charges.get_mut(c)) {
+            self.expiries.remove(&(ch.capture_before.unwrap_or_default(), id.to_owned()));
             ch.captured = true;
             ch.amount_captured = amount;
         }
         self.counters.captures_applied += 1;
-        *self
-            .counters
-            .captures_per_payment_intent
-            .entry(id.to_owned())
-            .or_default() += 1;
+        *self.counters.captures_per_payment_intent.entry(id.to_owned()).or_default() += 1;
         self.emit("payment_intent.succeeded", obj.clone(), ctx.now, Some(ctx));
         Ok(obj)
     }
@@ -576,10 +512,7 @@ impl State {
         ctx.params.only(&["cancellation_reason"])?;
         let reason = ctx.params.get("cancellation_reason");
         if let Some(r) = reason {
-            if !matches!(
-                r,
-                "duplicate" | "fraudulent" | "requested_by_customer" | "abandoned"
-            ) {
+            if !matches!(r, "duplicate" | "fraudulent" | "requested_by_customer" | "abandoned") {
                 return Err(ApiError::invalid(
                     None,
                     "cancellation_reason",
@@ -589,11 +522,7 @@ impl State {
         }
         let pi = pi_mut(&mut self.payment_intents, id)?;
         if !(pi.is_confirmable() || pi.status == "requires_capture") {
-            return Err(ApiError::unexpected_state(
-                pi.to_json(),
-                "canceled",
-                pi.status,
-            ));
+            return Err(ApiError::unexpected_state(pi.to_json(), "canceled", pi.status));
         }
         let was_authorized = pi.status == "requires_capture";
         pi.status = "canceled";
@@ -601,14 +530,10 @@ impl State {
         pi.canceled_at = Some(ctx.now);
         pi.amount_capturable = 0;
         let obj = pi.to_json();
-        if let Some(ch) = pi
-            .latest_charge
-            .as_ref()
-            .and_then(|c| self.charges.get_mut(c))
-            .filter(|_| was_authorized)
+        if let Some(ch) =
+            pi.latest_charge.as_ref().and_then(|c| self.charges.get_mut(c)).filter(|_| was_authorized)
         {
-            self.expiries
-                .remove(&(ch.capture_before.unwrap_or_default(), id.to_owned()));
+            self.expiries.remove(&(ch.capture_before.unwrap_or_default(), id.to_owned()));
             ch.amount_refunded = ch.amount;
         }
         self.counters.cancels += 1;
@@ -625,30 +550,18 @@ impl State {
         let reason = p.get("reason").map(str::to_owned);
         let pi_id = match (p.get("payment_intent"), p.get("charge")) {
             (Some(pi), _) => pi.to_owned(),
-            (None, Some(ch)) => self
-                .charges
-                .get(ch)
-                .ok_or_else(|| ApiError::no_such("charge", ch))?
-                .payment_intent
-                .clone(),
+            (None, Some(ch)) => {
+                self.charges.get(ch).ok_or_else(|| ApiError::no_such("charge", ch))?.payment_intent.clone()
+            }
             (None, None) => return Err(ApiError::missing("payment_intent")),
         };
-        let pi = self
-            .payment_intents
-            .get(&pi_id)
-            .ok_or_else(|| ApiError::no_such("payment_intent", &pi_id))?;
+        let pi =
+            self.payment_intents.get(&pi_id).ok_or_else(|| ApiError::no_such("payment_intent", &pi_id))?;
         if pi.status != "succeeded" {
-            return Err(ApiError::unexpected_state(
-                pi.to_json(),
-                "refunded",
-                pi.status,
-            ));
+            return Err(ApiError::unexpected_state(pi.to_json(), "refunded", pi.status));
         }
         let charge_id = pi.latest_charge.clone().unwrap_or_default();
-        let ch = self
-            .charges
-            .get_mut(&charge_id)
-            .ok_or_else(|| ApiError::no_such("charge", &charge_id))?;
+        let ch = self.charges.get_mut(&charge_id).ok_or_else(|| ApiError::no_such("charge", &charge_id))?;
         let remaining = ch.amount_captured - ch.amount_refunded;
         if remaining <= 0 {
             return Err(ApiError::new(
@@ -664,7 +577,9 @@ impl State {
                 StatusCode::BAD_REQUEST,
                 "invalid_request_error",
                 Some("amount_too_large"),
-                format!("Refund amount ({amount}) is greater than unrefunded amount on charge ({remaining})."),
+                format!(
+                    "Refund amount ({amount}) is greater than unrefunded amount on charge ({remaining})."
+                ),
             )
             .with("param", "amount"));
         }
@@ -692,24 +607,13 @@ impl State {
     /// `limit` (1..=100, default 10) and `starting_after` (<https://docs.stripe.com/api/pagination>).
     pub fn list_payment_intents(&self, ctx: &Ctx) -> Result<Value, ApiError> {
         let p = &ctx.params;
-        p.only(&[
-            "created[gt]",
-            "created[gte]",
-            "created[lt]",
-            "created[lte]",
-            "limit",
-            "starting_after",
-        ])?;
+        p.only(&["created[gt]", "created[gte]", "created[lt]", "created[lte]", "limit", "starting_after"])?;
         let limit = p.int("limit")?.unwrap_or(LIST_DEFAULT_LIMIT);
         if !(1..=LIST_MAX_LIMIT).contains(&limit) {
             return Err(ApiError::invalid_integer("limit"));
         }
-        let (gt, gte, lt, lte) = (
-            p.int("created[gt]")?,
-            p.int("created[gte]")?,
-            p.int("created[lt]")?,
-            p.int("created[lte]")?,
-        );
+        let (gt, gte, lt, lte) =
+            (p.int("created[gt]")?, p.int("created[gte]")?, p.int("created[lt]")?, p.int("created[lte]")?);
         let newest_first = self.pi_order.iter().rev();
         let mut candidates: Box<dyn Iterator<Item = &String>> = Box::new(newest_first);
         if let Some(after) = p.get("starting_after") {
@@ -720,11 +624,7 @@ impl State {
                     format!("No such payment_intent: '{after}'"),
                 ));
             }
-            candidates = Box::new(
-                candidates
-                    .skip_while(move |id| id.as_str() != after)
-                    .skip(1),
-            );
+            candidates = Box::new(candidates.skip_while(move |id| id.as_str() != after).skip(1));
         }
         let mut matching = candidates.map(|id| &self.payment_intents[id]).filter(|pi| {
             gt.is_none_or(|t| pi.created > t)
@@ -732,31 +632,19 @@ impl State {
                 && lt.is_none_or(|t| pi.created < t)
                 && lte.is_none_or(|t| pi.created <= t)
         });
-        let data: Vec<Value> = matching
-            .by_ref()
-            .take(limit as usize)
-            .map(PaymentIntent::to_json)
-            .collect();
+        let data: Vec<Value> = matching.by_ref().take(limit as usize).map(PaymentIntent::to_json).collect();
         let has_more = matching.next().is_some();
-        Ok(
-            json!({ "object": "list", "data": data, "has_more": has_more, "url": "/v1/payment_intents" }),
-        )
+        Ok(json!({ "object": "list", "data": data, "has_more": has_more, "url": "/v1/payment_intents" }))
     }
 
     /// `GET /v1/charges/{id}`.
     pub fn charge(&self, id: &str) -> Result<Value, ApiError> {
-        self.charges
-            .get(id)
-            .map(Charge::to_json)
-            .ok_or_else(|| ApiError::no_such("charge", id))
+        self.charges.get(id).map(Charge::to_json).ok_or_else(|| ApiError::no_such("charge", id))
     }
 
     /// `GET /v1/refunds/{id}`.
     pub fn refund_by_id(&self, id: &str) -> Result<Value, ApiError> {
-        self.refunds
-            .get(id)
-            .map(Refund::to_json)
-            .ok_or_else(|| ApiError::no_such("refund", id))
+        self.refunds.get(id).map(Refund::to_json).ok_or_else(|| ApiError::no_such("refund", id))
     }
 
     /// The intent's JSON, for `StripeSim::payment_intent`.
@@ -770,8 +658,7 @@ fn pi_mut<'a>(
     pis: &'a mut HashMap<String, PaymentIntent>,
     id: &str,
 ) -> Result<&'a mut PaymentIntent, ApiError> {
-    pis.get_mut(id)
-        .ok_or_else(|| ApiError::no_such("payment_intent", id))
+    pis.get_mut(id).ok_or_else(|| ApiError::no_such("payment_intent", id))
 }
 
 /// A publishable key may only touch an intent whose client secret it presents; a secret key

@@ -79,10 +79,8 @@ pub(crate) async fn run(sim: StripeSim, shutdown: CancellationToken) {
         tracing::warn!("webhook delivery task already running");
         return;
     };
-    let http = reqwest::Client::builder()
-        .timeout(DELIVERY_TIMEOUT)
-        .build()
-        .expect("default reqwest client builds");
+    let http =
+        reqwest::Client::builder().timeout(DELIVERY_TIMEOUT).build().expect("default reqwest client builds");
     let retries = TaskTracker::new();
     loop {
         let first = tokio::select! {
@@ -102,13 +100,8 @@ pub(crate) async fn run(sim: StripeSim, shutdown: CancellationToken) {
         }
         if faults.webhook_duplicates > 0 {
             let copies = faults.webhook_duplicates as usize;
-            queue
-                .outstanding
-                .send_modify(|n| *n += batch.len() * copies);
-            batch = batch
-                .into_iter()
-                .flat_map(|ev| std::iter::repeat_n(ev, copies + 1))
-                .collect();
+            queue.outstanding.send_modify(|n| *n += batch.len() * copies);
+            batch = batch.into_iter().flat_map(|ev| std::iter::repeat_n(ev, copies + 1)).collect();
         }
         if faults.webhook_reorder {
             sim.with_fault_state(|f| f.shuffle(&mut batch));
@@ -118,13 +111,7 @@ pub(crate) async fn run(sim: StripeSim, shutdown: CancellationToken) {
             if attempt(&sim, &http, &event, &body, 1).await {
                 queue.finish_one();
             } else {
-                retries.spawn(retry(
-                    sim.clone(),
-                    http.clone(),
-                    event,
-                    body,
-                    shutdown.clone(),
-                ));
+                retries.spawn(retry(sim.clone(), http.clone(), event, body, shutdown.clone()));
             }
         }
     }
@@ -155,41 +142,24 @@ async fn retry(
         backoff = (backoff * 2).min(MAX_BACKOFF);
     }
     tracing::warn!(event.id = %event["id"], event.type = %event["type"], "webhook delivery abandoned");
-    sim.shared
-        .webhooks
-        .abandoned
-        .fetch_add(1, Ordering::Relaxed);
+    sim.shared.webhooks.abandoned.fetch_add(1, Ordering::Relaxed);
     sim.shared.webhooks.finish_one();
 }
 
 /// One signed POST. True when done: delivered (2xx), or no endpoint configured.
-async fn attempt(
-    sim: &StripeSim,
-    http: &reqwest::Client,
-    event: &Value,
-    body: &[u8],
-    n: u32,
-) -> bool {
+async fn attempt(sim: &StripeSim, http: &reqwest::Client, event: &Value, body: &[u8], n: u32) -> bool {
     let Some(url) = sim.webhook_url() else {
         return true;
     };
     let queue = &sim.shared.webhooks;
     queue.attempted.fetch_add(1, Ordering::Relaxed);
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs() as i64);
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64);
     let signature = boxoffice_payments::webhook::sign(body, &sim.shared.webhook_secret, now);
     let result = http
         .post(url)
-        .header(
-            reqwest::header::CONTENT_TYPE,
-            "application/json; charset=utf-8",
-        )
+        .header(reqwest::header::CONTENT_TYPE, "application/json; charset=utf-8")
         .header(boxoffice_payments::webhook::SIGNATURE_HEADER, signature)
-        .header(
-            reqwest::header::USER_AGENT,
-            "Stripe/1.0 (+https://stripe.com/docs/webhooks)",
-        )
+        .header(reqwest::header::USER_AGENT, "Stripe/1.0 (+https://stripe.com/docs/webhooks)")
         .body(body.to_vec())
         .send()
         .await;

@@ -18,10 +18,7 @@ pub struct ExpirySettings {
 
 impl Default for ExpirySettings {
     fn default() -> Self {
-        Self {
-            batch: 500,
-            interval_ms: 250,
-        }
+        Self { batch: 500, interval_ms: 250 }
     }
 }
 
@@ -33,8 +30,7 @@ pub async fn run(pool: PgPool, settings: ExpirySettings, shutdown: CancellationT
             Ok((n, delay_ms)) => {
                 failures = 0;
                 if n > 0 {
-                    metrics::histogram!("boxoffice_expiry_delay_seconds")
-                        .record(delay_ms as f64 / 1000.0);
+                    metrics::histogram!("boxoffice_expiry_delay_seconds").record(delay_ms as f64 / 1000.0);
                     tracing::debug!(expired = n, expiry.delay_ms = delay_ms, "holds expired");
                 }
                 if n as i64 >= settings.batch {

@@ -50,16 +50,9 @@ pub enum Prepared {
     /// The PaymentIntent after the call.
     Intent(PaymentIntent),
     /// A capture refused permanently.
-    CaptureRefused {
-        payment_intent_id: String,
-        reason: String,
-        intent: Option<PaymentIntent>,
-    },
+    CaptureRefused { payment_intent_id: String, reason: String, intent: Option<PaymentIntent> },
     /// A refund went through.
-    Refunded {
-        payment_intent_id: String,
-        amount_minor: i64,
-    },
+    Refunded { payment_intent_id: String, amount_minor: i64 },
 }
 
 fn stripe_err(e: StripeError) -> HandlerError {
@@ -88,19 +81,10 @@ impl Handler for PaymentWorker {
         )
     }
 
-    async fn prepare(
-        &self,
-        env: &Envelope,
-        event: &PurchaseEvent,
-    ) -> Result<Prepared, HandlerError> {
+    async fn prepare(&self, env: &Envelope, event: &PurchaseEvent) -> Result<Prepared, HandlerError> {
         let g = &*self.gateway;
         match event {
-            PurchaseEvent::PaymentAuthorizationRequested {
-                order_id,
-                hold_id,
-                amount_minor,
-                currency,
-            } => {
+            PurchaseEvent::PaymentAuthorizationRequested { order_id, hold_id, amount_minor, currency } => {
                 let status = order_status(&self.pool, *order_id).await?;
                 if status != Some(OrderStatus::Held) {
                     return Ok(Prepared::Skipped("order_not_held"));
@@ -119,11 +103,7 @@ impl Handler for PaymentWorker {
                     .map_err(stripe_err)?;
                 Ok(Prepared::Intent(pi))
             }
-            PurchaseEvent::CaptureRequested {
-                order_id,
-                payment_intent_id,
-                ..
-            } => {
+            PurchaseEvent::CaptureRequested { order_id, payment_intent_id, .. } => {
                 // Case C06: never capture without a confirmed hold.
                 let confirmed: Option<(String, String)> = sqlx::query_as(
                     "SELECT o.status, h.status FROM orders o JOIN holds h ON h.order_id = o.id WHERE o.id = $1",
@@ -135,17 +115,11 @@ impl Handler for PaymentWorker {
                     Some(("confirming", "confirmed")) => {}
                     _ => return Ok(Prepared::Skipped("hold_not_confirmed")),
                 }
-                match g
-                    .capture_payment_intent(payment_intent_id, &format!("capture:{order_id}"))
-                    .await
-                {
+                match g.capture_payment_intent(payment_intent_id, &format!("capture:{order_id}")).await {
                     Ok(pi) => Ok(Prepared::Intent(pi)),
                     Err(e) if !e.is_retryable() && matches!(e, StripeError::Api { .. }) => {
                         // Already captured or no longer capturable: ask Stripe what is true.
-                        let pi = g
-                            .retrieve_payment_intent(payment_intent_id)
-                            .await
-                            .map_err(stripe_err)?;
+                        let pi = g.retrieve_payment_intent(payment_intent_id).await.map_err(stripe_err)?;
                         if pi.status == "succeeded" {
                             Ok(Prepared::Intent(pi))
                         } else {
@@ -159,31 +133,17 @@ impl Handler for PaymentWorker {
                     Err(e) => Err(stripe_err(e)),
                 }
             }
-            PurchaseEvent::AuthorizationCancelRequested {
-                order_id,
-                payment_intent_id,
-                ..
-            } => {
-                match g
-                    .cancel_payment_intent(payment_intent_id, &format!("cancel:{order_id}"))
-                    .await
-                {
+            PurchaseEvent::AuthorizationCancelRequested { order_id, payment_intent_id, .. } => {
+                match g.cancel_payment_intent(payment_intent_id, &format!("cancel:{order_id}")).await {
                     Ok(pi) => Ok(Prepared::Intent(pi)),
                     Err(e) if !e.is_retryable() && matches!(e, StripeError::Api { .. }) => {
-                        let pi = g
-                            .retrieve_payment_intent(payment_intent_id)
-                            .await
-                            .map_err(stripe_err)?;
+                        let pi = g.retrieve_payment_intent(payment_intent_id).await.map_err(stripe_err)?;
                         Ok(Prepared::Intent(pi))
                     }
                     Err(e) => Err(stripe_err(e)),
                 }
             }
-            PurchaseEvent::RefundRequested {
-                order_id,
-                payment_intent_id,
-                ..
-            } => {
+            PurchaseEvent::RefundRequested { order_id, payment_intent_id, .. } => {
                 let meta = vec![("order_id".to_owned(), order_id.to_string())];
                 let refund = g
                     .create_refund(payment_intent_id, &meta, &format!("refund:{order_id}"))
@@ -212,11 +172,7 @@ impl Handler for PaymentWorker {
                 tracing::info!(order.id = %order_id, event.type = %env.event_type, reason = why, "payment command skipped");
             }
             (
-                PurchaseEvent::PaymentAuthorizationRequested {
-                    amount_minor,
-                    currency,
-                    ..
-                },
+                PurchaseEvent::PaymentAuthorizationRequested { amount_minor, currency, .. },
                 Prepared::Intent(pi),
             ) => {
                 let inserted = payments::insert_created(
@@ -238,43 +194,23 @@ impl Handler for PaymentWorker {
                 }
             }
             (
-                PurchaseEvent::CaptureRequested { .. }
-                | PurchaseEvent::AuthorizationCancelRequested { .. },
+                PurchaseEvent::CaptureRequested { .. } | PurchaseEvent::AuthorizationCancelRequested { .. },
                 Prepared::Intent(pi),
             ) => {
                 emit.extend(facts_from_intent(tx, order_id, &pi).await?);
             }
             (
                 PurchaseEvent::CaptureRequested { .. },
-                Prepared::CaptureRefused {
-                    payment_intent_id,
-                    reason,
-                    intent,
-                },
+                Prepared::CaptureRefused { payment_intent_id, reason, intent },
             ) => {
                 if let Some(pi) = &intent {
-                    payments::update_status(
-                        &mut **tx,
-                        &pi.id,
-                        &pi.status,
-                        None,
-                        None,
-                        Some(&reason),
-                    )
-                    .await?;
+                    payments::update_status(&mut **tx, &pi.id, &pi.status, None, None, Some(&reason)).await?;
                 }
-                emit.push(PurchaseEvent::CaptureFailed {
-                    order_id,
-                    payment_intent_id,
-                    reason,
-                });
+                emit.push(PurchaseEvent::CaptureFailed { order_id, payment_intent_id, reason });
             }
             (
                 PurchaseEvent::RefundRequested { .. },
-                Prepared::Refunded {
-                    payment_intent_id,
-                    amount_minor,
-                },
+                Prepared::Refunded { payment_intent_id, amount_minor },
             ) => {
                 emit.push(PurchaseEvent::PaymentRefunded {
                     order_id,
@@ -283,10 +219,7 @@ impl Handler for PaymentWorker {
                 });
             }
             (e, p) => {
-                return Err(HandlerError::permanent(
-                    "unexpected_outcome",
-                    anyhow::anyhow!("{e:?} -> {p:?}"),
-                ));
+                return Err(HandlerError::permanent("unexpected_outcome", anyhow::anyhow!("{e:?} -> {p:?}")));
             }
         }
         let envelopes: Vec<Envelope> = emit.iter().map(|e| env.follow(e)).collect();
@@ -308,10 +241,7 @@ async fn facts_from_intent(
             payment_intent_id: pi.id.clone(),
             amount_captured_minor: pi.amount_received,
         }],
-        "canceled" => vec![PurchaseEvent::PaymentCanceled {
-            order_id,
-            payment_intent_id: pi.id.clone(),
-        }],
+        "canceled" => vec![PurchaseEvent::PaymentCanceled { order_id, payment_intent_id: pi.id.clone() }],
         _ => vec![],
     })
 }

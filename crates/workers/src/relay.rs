@@ -28,11 +28,7 @@ pub struct RelaySettings {
 
 impl Default for RelaySettings {
     fn default() -> Self {
-        Self {
-            batch: 500,
-            lease_ms: 45_000,
-            idle_ms: 20,
-        }
+        Self { batch: 500, lease_ms: 45_000, idle_ms: 20 }
     }
 }
 
@@ -52,8 +48,7 @@ pub async fn run(
             last_gauge = std::time::Instant::now();
             if let Ok(b) = outbox::backlog(&pool).await {
                 metrics::gauge!("boxoffice_outbox_unpublished").set(b.unpublished as f64);
-                metrics::gauge!("boxoffice_outbox_oldest_unpublished_age_ms")
-                    .set(b.oldest_age_ms as f64);
+                metrics::gauge!("boxoffice_outbox_oldest_unpublished_age_ms").set(b.oldest_age_ms as f64);
             }
         }
         match publish_batch(&pool, &producer, &kafka, &relay_id, &settings).await {
@@ -101,18 +96,9 @@ pub async fn publish_batch(
     for (row, (topic, payload)) in rows.iter().zip(&encoded) {
         let id = row.id.to_string();
         let headers = OwnedHeaders::new()
-            .insert(Header {
-                key: "event-id",
-                value: Some(id.as_str()),
-            })
-            .insert(Header {
-                key: "event-type",
-                value: Some(row.event_type.as_str()),
-            });
-        let mut record = FutureRecord::to(topic)
-            .key(&row.message_key)
-            .payload(payload)
-            .headers(headers);
+            .insert(Header { key: "event-id", value: Some(id.as_str()) })
+            .insert(Header { key: "event-type", value: Some(row.event_type.as_str()) });
+        let mut record = FutureRecord::to(topic).key(&row.message_key).payload(payload).headers(headers);
         // Enqueue in order; all delivery futures are awaited before anything is marked.
         let fut = loop {
             match producer.send_result(record) {
@@ -149,17 +135,12 @@ pub async fn publish_batch(
         if marked < delivered.len() as u64 {
             // Our lease ran out and another relay owns these rows now: it will publish them
             // again, and the consumers' inbox makes the duplicate harmless.
-            metrics::counter!("boxoffice_outbox_lease_lost_total")
-                .increment(delivered.len() as u64 - marked);
+            metrics::counter!("boxoffice_outbox_lease_lost_total").increment(delivered.len() as u64 - marked);
         }
     }
     if !failed.is_empty() {
         outbox::release_claim(pool, relay_id, &failed).await?;
-        anyhow::bail!(
-            "{} of {} messages were not delivered",
-            failed.len(),
-            claimed
-        );
+        anyhow::bail!("{} of {} messages were not delivered", failed.len(), claimed);
     }
     Ok(claimed)
 }

@@ -72,11 +72,7 @@ impl Handler for Saga {
 }
 
 /// Applies one saga fact inside `tx` (which already holds the inbox row).
-pub async fn apply(
-    tx: &mut Tx<'_>,
-    env: &Envelope,
-    event: &PurchaseEvent,
-) -> Result<(), HandlerError> {
+pub async fn apply(tx: &mut Tx<'_>, env: &Envelope, event: &PurchaseEvent) -> Result<(), HandlerError> {
     let order_id = event.order_id();
     let hold = holds::lock_for_order(tx, order_id).await?;
     let Some(order) = orders::lock(tx, order_id).await? else {
@@ -89,12 +85,7 @@ pub async fn apply(
     let mut emit: Vec<PurchaseEvent> = Vec::new();
 
     match event {
-        PurchaseEvent::HoldCreated {
-            hold_id,
-            amount_minor,
-            currency,
-            ..
-        } => {
+        PurchaseEvent::HoldCreated { hold_id, amount_minor, currency, .. } => {
             if status == OrderStatus::Held {
                 emit.push(PurchaseEvent::PaymentAuthorizationRequested {
                     order_id,
@@ -104,36 +95,23 @@ pub async fn apply(
                 });
             }
         }
-        PurchaseEvent::PaymentIntentCreated {
-            payment_intent_id, ..
-        } => {
+        PurchaseEvent::PaymentIntentCreated { payment_intent_id, .. } => {
             if status == OrderStatus::Held {
                 orders::set_status(tx, order_id, OrderStatus::PaymentRequired, None).await?;
             } else if status.is_final() && !matches!(status, OrderStatus::Ticketed) {
                 emit.extend(cancel_once(tx, order_id, payment_intent_id, "order_already_ended").await?);
             }
         }
-        PurchaseEvent::PaymentAuthorized {
-            payment_intent_id,
-            capture_before,
-            ..
-        } => {
+        PurchaseEvent::PaymentAuthorized { payment_intent_id, capture_before, .. } => {
             if let Some(when) = capture_before {
                 payments::set_capture_before(&mut **tx, payment_intent_id, *when).await?;
             }
             if !is_current_intent(tx, order_id, payment_intent_id).await? {
                 tracing::warn!(order.id = %order_id, "authorization for a PaymentIntent that is not the order's; cancelling it");
-                emit.push(cancel(
-                    order_id,
-                    payment_intent_id,
-                    "not_current_payment_intent",
-                ));
+                emit.push(cancel(order_id, payment_intent_id, "not_current_payment_intent"));
             } else if status.awaits_authorization() {
                 let hold = hold.ok_or_else(|| {
-                    HandlerError::permanent(
-                        "missing_hold",
-                        anyhow::anyhow!("order {order_id} has no hold"),
-                    )
+                    HandlerError::permanent("missing_hold", anyhow::anyhow!("order {order_id} has no hold"))
                 })?;
                 if hold.status == HoldStatus::Active.as_str() && !hold.lapsed {
                     // Invariant 2: confirmed only with a live hold and an authorized payment.
@@ -148,10 +126,7 @@ pub async fn apply(
                         None,
                     )
                     .await?;
-                    emit.push(PurchaseEvent::OrderConfirmed {
-                        order_id,
-                        hold_id: HoldId(hold.id),
-                    });
+                    emit.push(PurchaseEvent::OrderConfirmed { order_id, hold_id: HoldId(hold.id) });
                     emit.push(PurchaseEvent::CaptureRequested {
                         order_id,
                         payment_intent_id: payment_intent_id.clone(),
@@ -164,7 +139,9 @@ pub async fn apply(
                         // Emits HoldExpired (and the cancel request, once per payment).
                         holds::expire_locked(tx, &hold).await?;
                     }
-                    emit.extend(cancel_once(tx, order_id, payment_intent_id, "authorization_after_expiry").await?);
+                    emit.extend(
+                        cancel_once(tx, order_id, payment_intent_id, "authorization_after_expiry").await?,
+                    );
                     orders::set_status(
                         tx,
                         order_id,
@@ -175,23 +152,16 @@ pub async fn apply(
                     metrics::counter!("boxoffice_late_authorizations_total").increment(1);
                 }
             } else if matches!(status, OrderStatus::Expired | OrderStatus::Failed) {
-                emit.extend(cancel_once(tx, order_id, payment_intent_id, "authorization_after_expiry").await?);
-                orders::set_status(
-                    tx,
-                    order_id,
-                    OrderStatus::Canceled,
-                    Some("authorization_after_expiry"),
-                )
-                .await?;
+                emit.extend(
+                    cancel_once(tx, order_id, payment_intent_id, "authorization_after_expiry").await?,
+                );
+                orders::set_status(tx, order_id, OrderStatus::Canceled, Some("authorization_after_expiry"))
+                    .await?;
                 metrics::counter!("boxoffice_late_authorizations_total").increment(1);
             }
             // confirming / paid / ticketed / canceled / refunding / refunded: already handled.
         }
-        PurchaseEvent::PaymentFailed {
-            payment_intent_id,
-            reason,
-            ..
-        } => {
+        PurchaseEvent::PaymentFailed { payment_intent_id, reason, .. } => {
             // The buyer may try another card while the hold lives; nothing moves.
             payments::update_status(
                 &mut **tx,
@@ -203,11 +173,7 @@ pub async fn apply(
             )
             .await?;
         }
-        PurchaseEvent::PaymentCaptured {
-            payment_intent_id,
-            amount_captured_minor,
-            ..
-        } => {
+        PurchaseEvent::PaymentCaptured { payment_intent_id, amount_captured_minor, .. } => {
             payments::update_status(
                 &mut **tx,
                 payment_intent_id,
@@ -226,10 +192,7 @@ pub async fn apply(
                             anyhow::anyhow!("order {order_id} has no hold"),
                         )
                     })?;
-                    emit.push(PurchaseEvent::TicketIssueRequested {
-                        order_id,
-                        hold_id: HoldId(hold.id),
-                    });
+                    emit.push(PurchaseEvent::TicketIssueRequested { order_id, hold_id: HoldId(hold.id) });
                 }
                 s if s.is_final() && s != OrderStatus::Ticketed || s.awaits_authorization() => {
                     // Invariant 6: money captured for an order that no longer owns seats.
@@ -246,13 +209,8 @@ pub async fn apply(
                             holds::expire_locked(tx, h).await?;
                         }
                     }
-                    orders::set_status(
-                        tx,
-                        order_id,
-                        OrderStatus::Refunding,
-                        Some("capture_after_release"),
-                    )
-                    .await?;
+                    orders::set_status(tx, order_id, OrderStatus::Refunding, Some("capture_after_release"))
+                        .await?;
                     emit.push(PurchaseEvent::RefundRequested {
                         order_id,
                         payment_intent_id: payment_intent_id.clone(),
@@ -263,11 +221,7 @@ pub async fn apply(
                 _ => {} // paid / ticketed / refunding / refunded: duplicate fact
             }
         }
-        PurchaseEvent::CaptureFailed {
-            payment_intent_id,
-            reason,
-            ..
-        } => {
+        PurchaseEvent::CaptureFailed { payment_intent_id, reason, .. } => {
             if status == OrderStatus::Confirming {
                 if let Some(h) = &hold {
                     holds::set_status(tx, h.id, HoldStatus::Released).await?;
@@ -276,32 +230,18 @@ pub async fn apply(
                 emit.extend(cancel_once(tx, order_id, payment_intent_id, "capture_failed").await?);
             }
         }
-        PurchaseEvent::PaymentCanceled {
-            payment_intent_id, ..
-        } => {
-            payments::update_status(&mut **tx, payment_intent_id, "canceled", None, None, None)
-                .await?;
+        PurchaseEvent::PaymentCanceled { payment_intent_id, .. } => {
+            payments::update_status(&mut **tx, payment_intent_id, "canceled", None, None, None).await?;
             if status == OrderStatus::Confirming {
                 // The authorization lapsed or was cancelled before capture (case C09).
                 if let Some(h) = &hold {
                     holds::set_status(tx, h.id, HoldStatus::Released).await?;
                 }
-                orders::set_status(
-                    tx,
-                    order_id,
-                    OrderStatus::Failed,
-                    Some("authorization_canceled"),
-                )
-                .await?;
-                metrics::counter!("boxoffice_authorizations_lost_before_capture_total")
-                    .increment(1);
+                orders::set_status(tx, order_id, OrderStatus::Failed, Some("authorization_canceled")).await?;
+                metrics::counter!("boxoffice_authorizations_lost_before_capture_total").increment(1);
             }
         }
-        PurchaseEvent::PaymentRefunded {
-            payment_intent_id,
-            amount_refunded_minor,
-            ..
-        } => {
+        PurchaseEvent::PaymentRefunded { payment_intent_id, amount_refunded_minor, .. } => {
             payments::update_status(
                 &mut **tx,
                 payment_intent_id,
@@ -318,8 +258,7 @@ pub async fn apply(
         other => {
             return Err(HandlerError::permanent(
                 "unexpected_event",
-                anyhow::anyhow!("saga does not handle {}", env.event_type)
-                    .context(format!("{other:?}")),
+                anyhow::anyhow!("saga does not handle {}", env.event_type).context(format!("{other:?}")),
             ))
         }
     }
@@ -346,9 +285,9 @@ async fn cancel_once(
     reason: &str,
 ) -> Result<Option<PurchaseEvent>, sqlx::Error> {
     match payments::get(&mut **tx, order_id).await? {
-        Some(p) if p.payment_intent_id == pi => Ok(payments::request_cancel(&mut **tx, order_id)
-            .await?
-            .map(|pi| cancel(order_id, &pi, reason))),
+        Some(p) if p.payment_intent_id == pi => {
+            Ok(payments::request_cancel(&mut **tx, order_id).await?.map(|pi| cancel(order_id, &pi, reason)))
+        }
         _ => Ok(Some(cancel(order_id, pi, reason))),
     }
 }

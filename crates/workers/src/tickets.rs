@@ -40,17 +40,11 @@ impl Handler for TicketWorker {
         _: (),
     ) -> Result<(), HandlerError> {
         let PurchaseEvent::TicketIssueRequested { order_id, hold_id } = event else {
-            return Err(HandlerError::permanent(
-                "unexpected_event",
-                anyhow::anyhow!("{}", env.event_type),
-            ));
+            return Err(HandlerError::permanent("unexpected_event", anyhow::anyhow!("{}", env.event_type)));
         };
         let hold = holds::lock(tx, *hold_id).await?;
         let Some(order) = orders::lock(tx, *order_id).await? else {
-            return Err(HandlerError::permanent(
-                "unknown_order",
-                anyhow::anyhow!("order {order_id}"),
-            ));
+            return Err(HandlerError::permanent("unknown_order", anyhow::anyhow!("order {order_id}")));
         };
         let status = order.status()?;
         if status != OrderStatus::Paid {
@@ -58,10 +52,7 @@ impl Handler for TicketWorker {
             return Ok(());
         }
         let Some(hold) = hold else {
-            return Err(HandlerError::permanent(
-                "missing_hold",
-                anyhow::anyhow!("hold {hold_id}"),
-            ));
+            return Err(HandlerError::permanent("missing_hold", anyhow::anyhow!("hold {hold_id}")));
         };
         if hold.status != HoldStatus::Confirmed.as_str() {
             return Err(HandlerError::permanent(
@@ -74,10 +65,7 @@ impl Handler for TicketWorker {
         orders::set_status(tx, *order_id, OrderStatus::Ticketed, None).await?;
         outbox::insert_all(
             tx,
-            &[env.follow(&PurchaseEvent::TicketIssued {
-                order_id: *order_id,
-                ticket_ids: ids.clone(),
-            })],
+            &[env.follow(&PurchaseEvent::TicketIssued { order_id: *order_id, ticket_ids: ids.clone() })],
         )
         .await?;
         metrics::counter!("boxoffice_tickets_issued_total").increment(ids.len() as u64);

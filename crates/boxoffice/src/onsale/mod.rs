@@ -170,6 +170,10 @@ pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
             cfg.http_bind = "127.0.0.1:0".into();
             let r = runtime::start(&cfg, &Role::ALL, pool.clone(), shutdown.clone()).await?;
             let addr = r.api_addr.context("api did not start")?;
+            anyhow::ensure!(
+                r.wait_ready(Duration::from_secs(60)).await,
+                "consumer groups did not get their partitions"
+            );
             if let Some(s) = &sim {
                 s.set_webhook_url(Some(format!("http://{addr}/webhooks/stripe")));
             }

@@ -16,7 +16,16 @@ async fn small_onsale_through_the_binary_has_no_violations(_: PgPoolOptions, opt
         let report = report.clone();
         move || {
             Command::new(env!("CARGO_BIN_EXE_boxoffice"))
-                .args(["onsale", "--buyers", "400", "--small-venue", "2,10,20", "--hold-ttl-ms", "3000", "--no-progress"])
+                .args([
+                    "onsale",
+                    "--buyers",
+                    "400",
+                    "--small-venue",
+                    "2,10,20",
+                    "--hold-ttl-ms",
+                    "3000",
+                    "--no-progress",
+                ])
                 .arg("--report-json")
                 .arg(&report)
                 .env("BOXOFFICE_DATABASE_URL", url)
@@ -32,7 +41,14 @@ async fn small_onsale_through_the_binary_has_no_violations(_: PgPoolOptions, opt
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "onsale failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
     let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
-    for key in ["oversold", "double_active_holds", "tickets_without_capture", "captured_without_ticket_or_refund", "stuck_orders", "unpublished_outbox"] {
+    for key in [
+        "oversold",
+        "double_active_holds",
+        "tickets_without_capture",
+        "captured_without_ticket_or_refund",
+        "stuck_orders",
+        "unpublished_outbox",
+    ] {
         assert_eq!(r[key], 0, "{key} in {r}");
     }
     assert!(r["tickets"].as_i64().unwrap() > 0, "{r}");

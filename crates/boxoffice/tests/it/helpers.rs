@@ -74,10 +74,15 @@ impl TestApp {
         if let Some(k) = cfg.kafka() {
             boxoffice_bus::topics::create_all(&k).await.expect("topics");
         }
-        let (event, _) = venue::seed(&pool, "Test Event", &venue_spec, chrono::Utc::now(), &cfg.purchase_cell)
-            .await
-            .expect("seed");
+        let (event, _) =
+            venue::seed(&pool, "Test Event", &venue_spec, chrono::Utc::now(), &cfg.purchase_cell)
+                .await
+                .expect("seed");
         let running = runtime::start(&cfg, roles, pool.clone(), shutdown.clone()).await.expect("roles");
+        assert!(
+            running.wait_ready(Duration::from_secs(30)).await,
+            "consumer groups never got their partitions"
+        );
         let api = running.api_addr.map(|a| format!("http://{a}")).unwrap_or_default();
         if !api.is_empty() {
             sim.set_webhook_url(Some(format!("{api}/webhooks/stripe")));
@@ -146,7 +151,13 @@ impl TestApp {
     }
 
     /// Polls the order until `pred` holds (or panics after `timeout`).
-    pub async fn await_order(&self, b: &Buyer, order: Uuid, timeout: Duration, pred: impl Fn(&Value) -> bool) -> Value {
+    pub async fn await_order(
+        &self,
+        b: &Buyer,
+        order: Uuid,
+        timeout: Duration,
+        pred: impl Fn(&Value) -> bool,
+    ) -> Value {
         let deadline = Instant::now() + timeout;
         loop {
             let (_, v) = self.order(b, order).await;
@@ -159,10 +170,14 @@ impl TestApp {
     }
 
     /// Pays the order's PaymentIntent as a browser would (publishable key + client secret).
-    pub async fn pay(&self, b: &Buyer, order: Uuid, payment_method: &str) -> Result<boxoffice_payments::PaymentIntent, boxoffice_payments::StripeError> {
-        let v = self
-            .await_order(b, order, Duration::from_secs(30), |v| v.get("client_secret").is_some())
-            .await;
+    pub async fn pay(
+        &self,
+        b: &Buyer,
+        order: Uuid,
+        payment_method: &str,
+    ) -> Result<boxoffice_payments::PaymentIntent, boxoffice_payments::StripeError> {
+        let v =
+            self.await_order(b, order, Duration::from_secs(30), |v| v.get("client_secret").is_some()).await;
         let client = boxoffice_payments::StripeClient::new(boxoffice_payments::StripeConfig {
             api_base: self.cfg.stripe_api_base.clone(),
             secret_key: self.cfg.stripe_secret_key.clone(),
@@ -216,6 +231,9 @@ pub async fn problem(resp: reqwest::Response) -> (u16, String, Value) {
     let status = resp.status().as_u16();
     let ct = resp.headers().get("content-type").and_then(|v| v.to_str().ok()).unwrap_or("").to_owned();
     let body: Value = resp.json().await.unwrap_or(Value::Null);
-    assert!(status < 400 || ct.starts_with("application/problem+json"), "error {status} is not problem+json: {ct}");
+    assert!(
+        status < 400 || ct.starts_with("application/problem+json"),
+        "error {status} is not problem+json: {ct}"
+    );
     (status, body["code"].as_str().unwrap_or("").to_owned(), body)
 }

@@ -81,7 +81,10 @@ async fn c01_race_over_a_lapsed_hold_reclaims_once(_: PgPoolOptions, opts: PgCon
     let r = app.hold(&first, &app.admission_token(&first), "k-old", &[seat, other_seat]).await;
     assert_eq!(r.status(), 202);
     let old: serde_json::Value = r.json().await.unwrap();
-    sqlx::query("UPDATE holds SET expires_at = now() - interval '1 second'").execute(&app.pool).await.unwrap();
+    sqlx::query("UPDATE holds SET expires_at = now() - interval '1 second'")
+        .execute(&app.pool)
+        .await
+        .unwrap();
 
     // Multi-seat requests race against single-seat ones over the lapsed hold's seats.
     let (ok, conflict, other) = race_for(&app, vec![seat]).await;
@@ -154,7 +157,8 @@ async fn c02_conflict_is_all_or_nothing(_: PgPoolOptions, opts: PgConnectOptions
     let (a, b) = (app.buyer(), app.buyer());
     let r = app.hold(&a, &app.admission_token(&a), "a-1", &[s[5]]).await;
     assert_eq!(r.status(), 202);
-    let a_order: Uuid = r.json::<serde_json::Value>().await.unwrap()["order_id"].as_str().unwrap().parse().unwrap();
+    let a_order: Uuid =
+        r.json::<serde_json::Value>().await.unwrap()["order_id"].as_str().unwrap().parse().unwrap();
 
     let b_adm = app.admission_token(&b);
     let (status, code, body) = problem(app.hold(&b, &b_adm, "b-1", &[s[5]]).await).await;
@@ -250,25 +254,41 @@ async fn c12_admission_tokens(_: PgPoolOptions, opts: PgConnectOptions) {
     let keys = boxoffice::runtime::admission_tokens(&app.cfg);
     let claims = |user: Uuid, event: Uuid, exp_in: i64| {
         let now = chrono::Utc::now().timestamp();
-        AdmissionClaims { jti: Uuid::new_v4(), sub: user, event_id: event, purchase_cell: "cell-1".into(), iat: now, exp: now + exp_in }
+        AdmissionClaims {
+            jti: Uuid::new_v4(),
+            sub: user,
+            event_id: event,
+            purchase_cell: "cell-1".into(),
+            iat: now,
+            exp: now + exp_in,
+        }
     };
     let other_cell = AdmissionTokens::new(
-        &app.cfg.admission_keys.iter().map(|k| (k.kid.clone(), secrecy::ExposeSecret::expose_secret(&k.secret).as_bytes().to_vec())).collect::<Vec<_>>(),
+        &app.cfg
+            .admission_keys
+            .iter()
+            .map(|k| (k.kid.clone(), secrecy::ExposeSecret::expose_secret(&k.secret).as_bytes().to_vec()))
+            .collect::<Vec<_>>(),
         "cell-2",
     );
     let good = keys.sign(&claims(a.user, app.event, 300));
     let mut tampered = good.clone();
     let last = tampered.pop().unwrap();
     tampered.push(if last == 'A' { 'B' } else { 'A' });
-    let foreign_key = AdmissionTokens::new(&[("dev-1".into(), b"some-other-secret-entirely-0000".to_vec())], "cell-1")
-        .sign(&claims(a.user, app.event, 300));
+    let foreign_key =
+        AdmissionTokens::new(&[("dev-1".into(), b"some-other-secret-entirely-0000".to_vec())], "cell-1")
+            .sign(&claims(a.user, app.event, 300));
     let cases = [
         (keys.sign(&claims(a.user, app.event, -5)), "admission_token_expired"),
         (keys.sign(&claims(a.user, Uuid::new_v4(), 300)), "admission_token_wrong_event"),
         (keys.sign(&claims(Uuid::new_v4(), app.event, 300)), "admission_token_wrong_user"),
         (tampered, "admission_token_bad_signature"),
         (foreign_key, "admission_token_bad_signature"),
-        (other_cell.sign(&AdmissionClaims { purchase_cell: "cell-2".into(), ..claims(a.user, app.event, 300) }), "admission_token_wrong_cell"),
+        (
+            other_cell
+                .sign(&AdmissionClaims { purchase_cell: "cell-2".into(), ..claims(a.user, app.event, 300) }),
+            "admission_token_wrong_cell",
+        ),
         ("not-a-token".to_owned(), "admission_token_malformed"),
     ];
     for (i, (token, want)) in cases.iter().enumerate() {
@@ -306,7 +326,12 @@ async fn bad_requests_are_problems_and_write_nothing(_: PgPoolOptions, opts: PgC
     let adm = app.admission_token(&a);
     let url = format!("{}/events/{}/holds", app.api, app.event);
     let post = |body: String, key: Option<&str>, auth: bool| {
-        let mut r = app.http.post(&url).header("X-Admission-Token", &adm).header("content-type", "application/json").body(body);
+        let mut r = app
+            .http
+            .post(&url)
+            .header("X-Admission-Token", &adm)
+            .header("content-type", "application/json")
+            .body(body);
         if let Some(k) = key {
             r = r.header("Idempotency-Key", k);
         }
@@ -321,27 +346,51 @@ async fn bad_requests_are_problems_and_write_nothing(_: PgPoolOptions, opts: PgC
         (post(one.clone(), None, true).await.unwrap(), 400, "idempotency_key_missing"),
         (post("{not json".into(), Some("k"), true).await.unwrap(), 400, "malformed_json"),
         (post(r#"{"seat_ids": []}"#.into(), Some("k"), true).await.unwrap(), 422, "seat_count"),
-        (post(serde_json::json!({"seat_ids": &s[..9]}).to_string(), Some("k"), true).await.unwrap(), 422, "seat_count"),
+        (
+            post(serde_json::json!({"seat_ids": &s[..9]}).to_string(), Some("k"), true).await.unwrap(),
+            422,
+            "seat_count",
+        ),
         (post(r#"{"seat_ids": ["nope"]}"#.into(), Some("k"), true).await.unwrap(), 422, "invalid_body"),
         (post(r#"{"seat_ids": [], "extra": 1}"#.into(), Some("k"), true).await.unwrap(), 422, "invalid_body"),
-        (post(serde_json::json!({"seat_ids": [Uuid::new_v4()]}).to_string(), Some("k"), true).await.unwrap(), 422, "unknown_seats"),
+        (
+            post(serde_json::json!({"seat_ids": [Uuid::new_v4()]}).to_string(), Some("k"), true)
+                .await
+                .unwrap(),
+            422,
+            "unknown_seats",
+        ),
         (post("x".repeat(100_000), Some("k"), true).await.unwrap(), 413, "body_too_large"),
     ];
     for (i, (resp, want_status, want_code)) in cases.into_iter().enumerate() {
         let (status, code, body) = problem(resp).await;
         assert_eq!((status, code.as_str()), (want_status, want_code), "case {i}: {body}");
     }
-    let r = app.http.get(format!("{}/orders/not-a-uuid", app.api)).bearer_auth(&a.token).send().await.unwrap();
+    let r =
+        app.http.get(format!("{}/orders/not-a-uuid", app.api)).bearer_auth(&a.token).send().await.unwrap();
     assert_eq!(problem(r).await.0, 400);
-    let r = app.http.post(format!("{}/events/{}/holds", app.api, Uuid::new_v4())).bearer_auth(&a.token)
-        .header("Idempotency-Key", "k").header("X-Admission-Token", &adm).json(&serde_json::json!({"seat_ids": [s[0]]})).send().await.unwrap();
-    assert_eq!(problem(r).await.0, 403, "an admission token for another event is refused before anything else");
+    let r = app
+        .http
+        .post(format!("{}/events/{}/holds", app.api, Uuid::new_v4()))
+        .bearer_auth(&a.token)
+        .header("Idempotency-Key", "k")
+        .header("X-Admission-Token", &adm)
+        .json(&serde_json::json!({"seat_ids": [s[0]]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        problem(r).await.0,
+        403,
+        "an admission token for another event is refused before anything else"
+    );
     assert_eq!(app.count("SELECT count(*) FROM orders").await, 0);
     assert_eq!(app.count("SELECT count(*) FROM idempotency_keys").await, 0);
 
     // Owner-only order view.
     let r = app.hold(&a, &adm, "mine", &[s[0]]).await;
-    let order: Uuid = r.json::<serde_json::Value>().await.unwrap()["order_id"].as_str().unwrap().parse().unwrap();
+    let order: Uuid =
+        r.json::<serde_json::Value>().await.unwrap()["order_id"].as_str().unwrap().parse().unwrap();
     assert_eq!(app.order(&a, order).await.0, 200);
     assert_eq!(app.order(&app.buyer(), order).await.0, 404);
     assert_eq!(app.order(&a, Uuid::new_v4()).await.0, 404);

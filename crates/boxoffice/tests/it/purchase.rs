@@ -61,11 +61,13 @@ async fn hold_to_ticket_through_every_role(_: PgPoolOptions, opts: PgConnectOpti
 
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn declined_card_then_hold_expiry_releases_seats_and_cancels(_: PgPoolOptions, opts: PgConnectOptions) {
-    let app = TestApp::spawn_with(opts, &Role::ALL, VenueSpec::small(1, 1, 4), |c| c.hold_ttl_ms = 2_000).await;
+    let app =
+        TestApp::spawn_with(opts, &Role::ALL, VenueSpec::small(1, 1, 4), |c| c.hold_ttl_ms = 2_000).await;
     let s = app.seats().await;
     let b = app.buyer();
     let r = app.hold(&b, &app.admission_token(&b), "decline", &[s[2]]).await;
-    let order: Uuid = r.json::<serde_json::Value>().await.unwrap()["order_id"].as_str().unwrap().parse().unwrap();
+    let order: Uuid =
+        r.json::<serde_json::Value>().await.unwrap()["order_id"].as_str().unwrap().parse().unwrap();
     let err = app.pay(&b, order, "pm_card_chargeDeclined").await.expect_err("declined");
     assert_eq!(err.status(), Some(402));
     let view = app.await_order(&b, order, WAIT, |v| v["status"] == "expired").await;
@@ -149,7 +151,9 @@ async fn republished_message_is_applied_once(_: PgPoolOptions, opts: PgConnectOp
         }
     })
     .await;
-    let republished: i64 = app.count("SELECT count(*) FROM outbox WHERE event_type = 'HoldCreated' AND publish_attempts = 2").await;
+    let republished: i64 = app
+        .count("SELECT count(*) FROM outbox WHERE event_type = 'HoldCreated' AND publish_attempts = 2")
+        .await;
     assert_eq!(republished, 1, "the row was published a second time");
     assert_eq!(requested(app.pool.clone()).await, 1, "the duplicate had no second effect");
     app.stop().await;

@@ -23,9 +23,10 @@ struct Ledger {
 
 async fn ledger(opts: PgConnectOptions) -> Ledger {
     let pool = boxoffice_store::connect(opts, 24, 10_000).await.unwrap();
-    let (event, _) = venue::seed(&pool, "Saga Event", &VenueSpec::small(1, 4, 10), chrono::Utc::now(), "cell-1")
-        .await
-        .unwrap();
+    let (event, _) =
+        venue::seed(&pool, "Saga Event", &VenueSpec::small(1, 4, 10), chrono::Utc::now(), "cell-1")
+            .await
+            .unwrap();
     let seats = sqlx::query_scalar("SELECT id FROM seats WHERE event_id = $1 ORDER BY label")
         .bind(event.0)
         .fetch_all(&pool)
@@ -50,18 +51,34 @@ impl Ledger {
     /// Records a PaymentIntent for the order as the payment worker would.
     async fn payment(&self, order: OrderId) -> String {
         let pi = format!("pi_test_{}", Uuid::new_v4().simple());
-        boxoffice_store::payments::insert_created(&self.pool, order, &pi, Some("secret"), "requires_payment_method", 1, "usd")
-            .await
-            .unwrap();
+        boxoffice_store::payments::insert_created(
+            &self.pool,
+            order,
+            &pi,
+            Some("secret"),
+            "requires_payment_method",
+            1,
+            "usd",
+        )
+        .await
+        .unwrap();
         pi
     }
 
     async fn status(&self, order: OrderId) -> String {
-        sqlx::query_scalar("SELECT status FROM orders WHERE id = $1").bind(order.0).fetch_one(&self.pool).await.unwrap()
+        sqlx::query_scalar("SELECT status FROM orders WHERE id = $1")
+            .bind(order.0)
+            .fetch_one(&self.pool)
+            .await
+            .unwrap()
     }
 
     async fn hold_status(&self, order: OrderId) -> String {
-        sqlx::query_scalar("SELECT status FROM holds WHERE order_id = $1").bind(order.0).fetch_one(&self.pool).await.unwrap()
+        sqlx::query_scalar("SELECT status FROM holds WHERE order_id = $1")
+            .bind(order.0)
+            .fetch_one(&self.pool)
+            .await
+            .unwrap()
     }
 
     async fn outbox(&self, event_type: &str, order: OrderId) -> i64 {
@@ -178,7 +195,11 @@ async fn c04_late_authorization_after_resale(_: PgPoolOptions, opts: PgConnectOp
     handle_once(&l.pool, &Saga, &authorized(b.order_id, &b_pi)).await.unwrap();
     let captured = Envelope::new(
         b.order_id,
-        &PurchaseEvent::PaymentCaptured { order_id: b.order_id, payment_intent_id: b_pi.clone(), amount_captured_minor: 100 },
+        &PurchaseEvent::PaymentCaptured {
+            order_id: b.order_id,
+            payment_intent_id: b_pi.clone(),
+            amount_captured_minor: 100,
+        },
         Uuid::new_v4(),
         None,
     );

@@ -29,16 +29,30 @@ async fn c08_duplicate_webhooks_have_one_effect(_: PgPoolOptions, opts: PgConnec
     let seat = app.seats().await[0];
     let b = app.buyer();
     let r = app.hold(&b, &app.admission_token(&b), "k", &[seat]).await;
-    let order: Uuid = r.json::<serde_json::Value>().await.unwrap()["order_id"].as_str().unwrap().parse().unwrap();
+    let order: Uuid =
+        r.json::<serde_json::Value>().await.unwrap()["order_id"].as_str().unwrap().parse().unwrap();
     let pi = "pi_webhook_test";
-    boxoffice_store::payments::insert_created(&app.pool, boxoffice_domain::OrderId(order), pi, Some("s"), "requires_payment_method", 18500, "usd")
-        .await
-        .unwrap();
+    boxoffice_store::payments::insert_created(
+        &app.pool,
+        boxoffice_domain::OrderId(order),
+        pi,
+        Some("s"),
+        "requires_payment_method",
+        18500,
+        "usd",
+    )
+    .await
+    .unwrap();
     let secret = app.cfg.stripe_webhook_secret.expose_secret().to_owned();
     let body = event_body("evt_dup_1", order, pi);
     let url = format!("{}/webhooks/stripe", app.api);
     let send = |body: Vec<u8>, sig: String| {
-        app.http.post(&url).header("Stripe-Signature", sig).header("content-type", "application/json").body(body).send()
+        app.http
+            .post(&url)
+            .header("Stripe-Signature", sig)
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
     };
 
     // A forged signature and a missing one write nothing.
