@@ -33,6 +33,14 @@ pub fn router(state: AppState) -> Router {
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .fallback(|| async { Problem::not_found("route") })
+        .method_not_allowed_fallback(|| async {
+            Problem::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "method_not_allowed",
+                "Method not allowed",
+                "this route does not accept that method",
+            )
+        })
         .layer(DefaultBodyLimit::max(limit))
         .layer(tower_http::trace::TraceLayer::new_for_http())
         .with_state(state)
@@ -195,7 +203,7 @@ async fn stripe_webhook(
         tracing::warn!(error = %ErrorChain(&e), "webhook rejected");
         Problem::bad_request("invalid_signature", "the Stripe-Signature header does not verify")
     })?;
-    let outcome = webhooks::ingest(&st.pool, &event).await?;
+    let outcome = webhooks::ingest(&st.webhook_pool, &event).await?;
     Ok(Json(json!({"received": true, "duplicate": outcome == webhooks::Ingested::Duplicate})).into_response())
 }
 

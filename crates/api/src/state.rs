@@ -45,6 +45,9 @@ impl Default for ApiSettings {
 pub struct AppState {
     /// The ledger.
     pub pool: PgPool,
+    /// A separate pool for Stripe webhook ingress, so a burst of hold requests cannot delay
+    /// the facts that move paid orders forward.
+    pub webhook_pool: PgPool,
     /// Bearer-token verification.
     pub users: UserTokens,
     /// Admission-token signing and verification.
@@ -65,6 +68,7 @@ impl AppState {
     /// Builds the state.
     pub fn new(
         pool: PgPool,
+        webhook_pool: PgPool,
         users: UserTokens,
         admission: AdmissionTokens,
         settings: ApiSettings,
@@ -73,6 +77,7 @@ impl AppState {
     ) -> Self {
         Self {
             pool,
+            webhook_pool,
             users,
             admission,
             settings: Arc::new(settings),

@@ -12,6 +12,16 @@ use serde_json::Value;
 use sqlx::PgPool;
 use uuid::Uuid;
 
+/// The event types this endpoint subscribes to (Stripe's `enabled_events`); anything else
+/// that arrives is recorded and acknowledged.
+pub const HANDLED_EVENTS: [&str; 5] = [
+    "payment_intent.amount_capturable_updated",
+    "payment_intent.succeeded",
+    "payment_intent.payment_failed",
+    "payment_intent.canceled",
+    "charge.refunded",
+];
+
 /// What happened to a verified event.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Ingested {

@@ -43,10 +43,8 @@ pub async fn topics_create(cfg: &Config) -> anyhow::Result<()> {
 
 /// `boxoffice serve --roles …`: runs until SIGTERM / ctrl-c, then shuts down gracefully.
 pub async fn serve(cfg: &Config, roles: &[Role]) -> anyhow::Result<()> {
-    let pool = boxoffice_store::connect(cfg.pg_options()?, cfg.db_max_connections, cfg.db_acquire_timeout_ms)
-        .await?;
     let shutdown = CancellationToken::new();
-    let running = runtime::start(cfg, roles, pool, shutdown.clone()).await?;
+    let running = runtime::start(cfg, roles, cfg.pg_options()?, shutdown.clone()).await?;
     if let Some(addr) = running.api_addr {
         tracing::info!(%addr, "api listening");
     }
@@ -93,6 +91,7 @@ pub async fn stripe_sim(cfg: &Config, bind: &str, webhook_url: Option<String>) -
     let sim = boxoffice_stripe_sim::StripeSim::new(boxoffice_stripe_sim::SimConfig {
         webhook_url,
         webhook_secret: cfg.stripe_webhook_secret.expose_secret().to_owned(),
+        webhook_events: boxoffice_api::webhooks::HANDLED_EVENTS.iter().map(|s| s.to_string()).collect(),
         ..Default::default()
     });
     let listener = tokio::net::TcpListener::bind(bind).await.with_context(|| format!("binding {bind}"))?;

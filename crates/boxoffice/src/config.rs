@@ -32,9 +32,25 @@ pub struct Config {
     /// `postgres://postgres@127.0.0.1:5432/boxoffice`.
     #[serde(serialize_with = "redact")]
     pub database_url: SecretString,
-    /// Connections per process. Budget (design §12): `API tasks × pool + worker tasks × pool +
-    /// operations ≤ max_connections` of the server (100 by default).
+    /// Connections for one-off commands (migrate, seed, audit, onsale bookkeeping).
     pub db_max_connections: u32,
+    /// Pool of the API role. Each role has its own pool (a bulkhead: a burst of hold
+    /// requests cannot starve the saga of connections). Budget (design §12): the sum of the
+    /// pools of every process ≤ PostgreSQL `max_connections` (100 by default) minus
+    /// operations; defaults: 20 + 4 + 3 + 9 + 9 + 9 + 2 = 56 for one all-roles process.
+    pub db_pool_api: u32,
+    /// Pool of the API role's Stripe webhook ingress (its own bulkhead).
+    pub db_pool_webhooks: u32,
+    /// Pool of the relay role.
+    pub db_pool_relay: u32,
+    /// Pool of the saga role (≥ consumer_lanes × consumers_per_role + 1).
+    pub db_pool_saga: u32,
+    /// Pool of the payment role (≥ consumer_lanes × consumers_per_role + 1).
+    pub db_pool_payments: u32,
+    /// Pool of the ticket role (≥ consumer_lanes × consumers_per_role + 1).
+    pub db_pool_tickets: u32,
+    /// Pool of the expiry role.
+    pub db_pool_expiry: u32,
     /// How long a request waits for a connection before answering 503, ms.
     pub db_acquire_timeout_ms: u64,
     /// Kafka bootstrap servers; unset means "none configured" (`onsale` then starts an
@@ -82,6 +98,8 @@ pub struct Config {
     pub relay_batch: i64,
     /// Relay lease on claimed rows, ms (must exceed the producer's 30 s delivery timeout).
     pub relay_lease_ms: i64,
+    /// Published outbox rows are deleted after this many seconds.
+    pub outbox_retention_s: i64,
     /// Holds expired per expiry transaction.
     pub expiry_batch: i64,
     /// Expiry sweep interval when idle, ms.
@@ -94,7 +112,14 @@ impl Default for Config {
     fn default() -> Self {
         Self {
             database_url: "postgres://postgres@127.0.0.1:5432/boxoffice".into(),
-            db_max_connections: 32,
+            db_max_connections: 8,
+            db_pool_api: 20,
+            db_pool_webhooks: 4,
+            db_pool_relay: 3,
+            db_pool_saga: 9,
+            db_pool_payments: 9,
+            db_pool_tickets: 9,
+            db_pool_expiry: 2,
             db_acquire_timeout_ms: 3_000,
             kafka_brokers: None,
             kafka_topic_prefix: String::new(),
@@ -118,6 +143,7 @@ impl Default for Config {
             stripe_timeout_ms: 10_000,
             relay_batch: 500,
             relay_lease_ms: 45_000,
+            outbox_retention_s: 3_600,
             expiry_batch: 500,
             expiry_interval_ms: 250,
             log_format: "text".into(),
@@ -163,8 +189,18 @@ impl Config {
         if self.consumer_lanes < 1 || self.consumer_lanes > 256 || self.consumers_per_role < 1 {
             bail!("consumer_lanes must be 1..=256 and consumers_per_role at least 1");
         }
-        if self.db_max_connections < 2 {
-            bail!("db_max_connections must be at least 2");
+        let pools = [
+            self.db_max_connections,
+            self.db_pool_api,
+            self.db_pool_webhooks,
+            self.db_pool_relay,
+            self.db_pool_saga,
+            self.db_pool_payments,
+            self.db_pool_tickets,
+            self.db_pool_expiry,
+        ];
+        if pools.iter().any(|p| *p < 1) {
+            bail!("every db pool needs at least one connection");
         }
         if self.admission_keys.is_empty()
             || self.admission_keys.iter().any(|k| k.secret.expose_secret().len() < 16)

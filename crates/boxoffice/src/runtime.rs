@@ -13,7 +13,7 @@ use boxoffice_workers::{expiry, payment::PaymentWorker, relay, saga::Saga, ticke
 use metrics_exporter_prometheus::PrometheusHandle;
 use rdkafka::producer::{FutureProducer, Producer};
 use secrecy::ExposeSecret;
-use sqlx::PgPool;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use std::net::SocketAddr;
 use std::str::FromStr;
 use std::sync::{Arc, OnceLock};
@@ -133,12 +133,24 @@ pub fn gateway(cfg: &Config) -> anyhow::Result<Arc<dyn PaymentGateway>> {
     })?))
 }
 
-/// Starts `roles` on `pool`. The API listens on `cfg.http_bind` (port 0 picks a free port;
+/// The pool size of `role`.
+fn pool_size(cfg: &Config, role: Role) -> u32 {
+    match role {
+        Role::Api => cfg.db_pool_api,
+        Role::Relay => cfg.db_pool_relay,
+        Role::Saga => cfg.db_pool_saga,
+        Role::Payments => cfg.db_pool_payments,
+        Role::Tickets => cfg.db_pool_tickets,
+        Role::Expiry => cfg.db_pool_expiry,
+    }
+}
+
+/// Starts `roles`, each with its own connection pool on `connect`. The API listens on `cfg.http_bind` (port 0 picks a free port;
 /// see [`Running::api_addr`]).
 pub async fn start(
     cfg: &Config,
     roles: &[Role],
-    pool: PgPool,
+    connect: PgConnectOptions,
     shutdown: CancellationToken,
 ) -> anyhow::Result<Running> {
     let kafka = cfg.kafka();
@@ -154,10 +166,19 @@ pub async fn start(
     let mut groups = Vec::new();
     let consumers = cfg.consumers_per_role;
     for role in roles {
+        let pool = PgPoolOptions::new()
+            .max_connections(pool_size(cfg, *role))
+            .acquire_timeout(Duration::from_millis(cfg.db_acquire_timeout_ms))
+            .connect_lazy_with(connect.clone());
         match role {
             Role::Api => {
+                let webhook_pool = PgPoolOptions::new()
+                    .max_connections(cfg.db_pool_webhooks)
+                    .acquire_timeout(Duration::from_millis(cfg.db_acquire_timeout_ms))
+                    .connect_lazy_with(connect.clone());
                 let state = AppState::new(
                     pool.clone(),
+                    webhook_pool,
                     UserTokens::new(cfg.user_jwt_secret.expose_secret().as_bytes()),
                     admission_tokens(cfg),
                     ApiSettings {
@@ -182,6 +203,7 @@ pub async fn start(
                 let settings = relay::RelaySettings {
                     batch: cfg.relay_batch,
                     lease_ms: cfg.relay_lease_ms,
+                    retention_s: cfg.outbox_retention_s,
                     ..Default::default()
                 };
                 tasks.push(("relay", tokio::spawn(relay::run(pool, producer, k, id, settings, sd))));

@@ -87,6 +87,13 @@ pub trait Handler: Send + Sync + 'static {
     /// Whether this consumer acts on `event_type`; other messages are acknowledged unread.
     fn wants(&self, event_type: &str) -> bool;
 
+    /// Whether `prepare` calls out (e.g. to Stripe): then the runner first checks the inbox
+    /// so a known duplicate costs no remote call. Handlers without remote work skip that
+    /// read; the inbox insert in the transaction still catches duplicates.
+    fn calls_out(&self) -> bool {
+        false
+    }
+
     /// Work outside any transaction (remote calls with stable idempotency keys). May run more
     /// than once for one message.
     async fn prepare(&self, env: &Envelope, event: &PurchaseEvent) -> Result<Self::Prepared, HandlerError>;
@@ -125,14 +132,16 @@ pub async fn handle_once<H: Handler>(
         return Ok(Disposition::Ignored);
     }
     let event = env.decode().map_err(|e| HandlerError::permanent("bad_payload", e))?;
-    let seen: bool =
-        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM inbox WHERE consumer = $1 AND event_id = $2)")
-            .bind(handler.name())
-            .bind(env.event_id)
-            .fetch_one(pool)
-            .await?;
-    if seen {
-        return Ok(Disposition::Duplicate);
+    if handler.calls_out() {
+        let seen: bool =
+            sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM inbox WHERE consumer = $1 AND event_id = $2)")
+                .bind(handler.name())
+                .bind(env.event_id)
+                .fetch_one(pool)
+                .await?;
+        if seen {
+            return Ok(Disposition::Duplicate);
+        }
     }
     let prepared = handler.prepare(env, &event).await?;
     let mut tx = pool.begin().await?;

@@ -234,31 +234,36 @@ async fn reserve_once(
         });
     }
 
-    // 4. Reclaim holds on these seats that are still `active` but past expiry. Each is
-    //    expired through the same routine the expiry worker uses, under its row lock.
-    let lapsed: Vec<Uuid> = sqlx::query_scalar(
-        "SELECT DISTINCT h.id FROM hold_seats hs JOIN holds h ON h.id = hs.hold_id
-          WHERE hs.seat_id = ANY($1) AND hs.released_at IS NULL
-            AND h.status = 'active' AND h.expires_at < clock_timestamp()",
+    // 4. Who owns these seats now: sold seats, and unreleased hold rows with whether their
+    //    hold has lapsed. The hold is read by primary key alone and the lapse computed from
+    //    the row: a `status = 'active'` filter would invite the partial expiry index, which
+    //    holds every active hold during an onsale.
+    let owners: Vec<(Uuid, Option<Uuid>, bool)> = sqlx::query_as(
+        "SELECT hs.seat_id, hs.hold_id,
+                COALESCE((SELECT h.status = 'active' AND h.expires_at < clock_timestamp()
+                            FROM holds h WHERE h.id = hs.hold_id), false) AS lapsed
+           FROM hold_seats hs WHERE hs.seat_id = ANY($1) AND hs.released_at IS NULL
+         UNION ALL
+         SELECT t.seat_id, NULL, false FROM tickets t WHERE t.seat_id = ANY($1)",
     )
     .bind(&seat_uuids)
     .fetch_all(&mut *tx)
     .await?;
-    for hold in lapsed {
-        expire_if_due(&mut tx, HoldId(hold)).await?;
+    // 5. All or nothing: any seat that is sold or held by a live hold refuses the request.
+    //    Holds that are `active` but past expiry are reclaimed through the same routine the
+    //    expiry worker uses, under their own row lock (which re-checks status and expiry).
+    let live: Vec<SeatId> = owners.iter().filter(|o| !o.2).map(|o| SeatId(o.0)).collect();
+    if !live.is_empty() {
+        return Err(ReserveError::SeatUnavailable { seat_ids: live });
     }
-
-    // 5. Refuse if any seat is held or sold: all or nothing.
-    let taken: Vec<Uuid> = sqlx::query_scalar(
-        "SELECT seat_id FROM hold_seats WHERE seat_id = ANY($1) AND released_at IS NULL
-         UNION
-         SELECT seat_id FROM tickets WHERE seat_id = ANY($1)",
-    )
-    .bind(&seat_uuids)
-    .fetch_all(&mut *tx)
-    .await?;
-    if !taken.is_empty() {
-        return Err(ReserveError::SeatUnavailable { seat_ids: taken.into_iter().map(SeatId).collect() });
+    let mut lapsed: Vec<Uuid> = owners.iter().filter_map(|o| o.1).collect();
+    lapsed.sort();
+    lapsed.dedup();
+    for hold in lapsed {
+        if !expire_if_due(&mut tx, HoldId(hold)).await? {
+            // Confirmed or extended between our read and its lock: the seat stays taken.
+            return Err(ReserveError::SeatUnavailable { seat_ids: seats.to_vec() });
+        }
     }
 
     // 6. Order, hold, seats, HoldCreated and the stored response, all in this transaction.
@@ -389,10 +394,14 @@ pub async fn set_status(
         .execute(&mut **tx)
         .await?;
     if matches!(status, boxoffice_domain::HoldStatus::Expired | boxoffice_domain::HoldStatus::Released) {
-        sqlx::query("UPDATE hold_seats SET released_at = clock_timestamp() WHERE hold_id = $1 AND released_at IS NULL")
-            .bind(hold)
-            .execute(&mut **tx)
-            .await?;
+        // Filter on hold_id only (the primary key): with `released_at IS NULL` in the WHERE the
+        // planner may pick the partial unique index, whose dead entries make it slow under churn.
+        sqlx::query(
+            "UPDATE hold_seats SET released_at = COALESCE(released_at, clock_timestamp()) WHERE hold_id = $1",
+        )
+        .bind(hold)
+        .execute(&mut **tx)
+        .await?;
     }
     Ok(())
 }
@@ -431,7 +440,8 @@ pub async fn expire_batch(tx: &mut Tx<'_>, holds: &[(Uuid, Uuid)]) -> Result<(),
         .bind(&hold_ids)
         .execute(&mut **tx)
         .await?;
-    sqlx::query("UPDATE hold_seats SET released_at = clock_timestamp() WHERE hold_id = ANY($1) AND released_at IS NULL")
+    // hold_id only, for the primary key (see `set_status`).
+    sqlx::query("UPDATE hold_seats SET released_at = COALESCE(released_at, clock_timestamp()) WHERE hold_id = ANY($1)")
         .bind(&hold_ids)
         .execute(&mut **tx)
         .await?;

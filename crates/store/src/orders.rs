@@ -177,28 +177,50 @@ struct ViewRow {
     payment_intent_id: Option<String>,
     client_secret: Option<String>,
     payment_status: Option<String>,
+    seats: sqlx::types::Json<Vec<SeatRefRow>>,
+    tickets: sqlx::types::Json<Vec<TicketRow>>,
 }
 
-/// Reads the order for its owner; `None` when it does not exist *or* belongs to someone
-/// else (the API answers 404 for both, so order ids cannot be probed).
+#[derive(serde::Deserialize)]
+struct SeatRefRow {
+    seat_id: Uuid,
+    label: String,
+    price_minor: i64,
+}
+
+#[derive(serde::Deserialize)]
+struct TicketRow {
+    ticket_id: Uuid,
+    seat_id: Uuid,
+    seat_label: String,
+    issued_at: DateTime<Utc>,
+}
+
+/// Reads the order for its owner in one statement; `None` when it does not exist *or*
+/// belongs to someone else (the API answers 404 for both, so order ids cannot be probed).
 pub async fn view(pool: &PgPool, id: OrderId, owner: UserId) -> Result<Option<OrderView>, crate::StoreError> {
     let row: Option<ViewRow> = sqlx::query_as(
         "SELECT o.id, o.user_id, o.event_id, o.status, o.failure_reason, o.amount_minor, o.currency,
                 o.created_at, o.updated_at, h.id AS hold_id, h.status AS hold_status,
                 h.expires_at AS hold_expires_at, p.payment_intent_id, p.client_secret,
-                p.status AS payment_status
+                p.status AS payment_status,
+                COALESCE((SELECT json_agg(json_build_object('seat_id', s.id, 'label', s.label, 'price_minor', s.price_minor)
+                                          ORDER BY s.label)
+                            FROM hold_seats hs JOIN seats s ON s.id = hs.seat_id WHERE hs.hold_id = h.id), '[]') AS seats,
+                COALESCE((SELECT json_agg(json_build_object('ticket_id', t.id, 'seat_id', t.seat_id, 'seat_label', s.label,
+                                                            'issued_at', t.issued_at) ORDER BY s.label)
+                            FROM tickets t JOIN seats s ON s.id = t.seat_id WHERE t.order_id = o.id), '[]') AS tickets
            FROM orders o
            LEFT JOIN holds h ON h.order_id = o.id
            LEFT JOIN payments p ON p.order_id = o.id
-          WHERE o.id = $1",
+          WHERE o.id = $1 AND o.user_id = $2",
     )
     .bind(id.0)
+    .bind(owner.0)
     .fetch_optional(pool)
     .await?;
     let Some(r) = row else { return Ok(None) };
-    if r.user_id != owner.0 {
-        return Ok(None);
-    }
+    debug_assert_eq!(r.user_id, owner.0);
     let mut status: OrderStatus = r
         .status
         .parse()
@@ -211,25 +233,6 @@ pub async fn view(pool: &PgPool, id: OrderId, owner: UserId) -> Result<Option<Or
             r.payment_status.as_deref(),
             Some("requires_payment_method" | "requires_confirmation" | "requires_action")
         );
-    let seats: Vec<SeatRef> = match r.hold_id {
-        Some(h) => {
-            sqlx::query_as(
-                "SELECT s.id AS seat_id, s.label, s.price_minor FROM hold_seats hs
-                   JOIN seats s ON s.id = hs.seat_id WHERE hs.hold_id = $1 ORDER BY s.label",
-            )
-            .bind(h)
-            .fetch_all(pool)
-            .await?
-        }
-        None => vec![],
-    };
-    let tickets: Vec<TicketView> = sqlx::query_as(
-        "SELECT t.id AS ticket_id, t.seat_id, s.label AS seat_label, t.issued_at FROM tickets t
-           JOIN seats s ON s.id = t.seat_id WHERE t.order_id = $1 ORDER BY s.label",
-    )
-    .bind(id.0)
-    .fetch_all(pool)
-    .await?;
     Ok(Some(OrderView {
         order_id: r.id,
         event_id: r.event_id,
@@ -240,10 +243,25 @@ pub async fn view(pool: &PgPool, id: OrderId, owner: UserId) -> Result<Option<Or
         hold_id: r.hold_id,
         hold_status: r.hold_status,
         hold_expires_at: r.hold_expires_at,
-        seats,
+        seats: r
+            .seats
+            .0
+            .into_iter()
+            .map(|s| SeatRef { seat_id: s.seat_id, label: s.label, price_minor: s.price_minor })
+            .collect(),
         payment_intent_id: r.payment_intent_id,
         client_secret: if payment_pending { r.client_secret } else { None },
-        tickets,
+        tickets: r
+            .tickets
+            .0
+            .into_iter()
+            .map(|t| TicketView {
+                ticket_id: t.ticket_id,
+                seat_id: t.seat_id,
+                seat_label: t.seat_label,
+                issued_at: t.issued_at,
+            })
+            .collect(),
         created_at: r.created_at,
         updated_at: r.updated_at,
     }))

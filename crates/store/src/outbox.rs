@@ -156,3 +156,21 @@ pub async fn backlog(pool: &PgPool) -> Result<Backlog, sqlx::Error> {
     .await?;
     Ok(Backlog { unpublished, oldest_age_ms: oldest_age_ms.unwrap_or(0.0).max(0.0) as i64 })
 }
+
+/// Deletes up to `limit` rows published more than `retention_s` seconds ago (the outbox is
+/// a queue, not an archive: Kafka and the ledger tables keep the history). Returns how many
+/// were deleted.
+pub async fn prune_published(pool: &PgPool, retention_s: i64, limit: i64) -> Result<u64, sqlx::Error> {
+    let r = sqlx::query(
+        "DELETE FROM outbox WHERE id IN (
+            SELECT id FROM outbox
+             WHERE created_at < clock_timestamp() - make_interval(secs => $1::double precision)
+               AND published_at IS NOT NULL
+             LIMIT $2)",
+    )
+    .bind(retention_s as f64)
+    .bind(limit)
+    .execute(pool)
+    .await?;
+    Ok(r.rows_affected())
+}

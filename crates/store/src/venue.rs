@@ -149,6 +149,9 @@ pub async fn seed(
         .fetch_one(&mut *tx)
         .await?;
     tx.commit().await?;
+    // Fresh statistics before an onsale: without them the planner may join a whole new
+    // venue's seats by hash instead of by key.
+    sqlx::query("ANALYZE seats, hold_seats, holds, orders, tickets").execute(pool).await?;
     Ok((event, count))
 }
 

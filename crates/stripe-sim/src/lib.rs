@@ -57,6 +57,9 @@ pub struct SimConfig {
     pub webhook_max_attempts: u32,
     /// Backoff before the second attempt in ms (default 100); doubles per attempt, capped at 5 s.
     pub webhook_initial_backoff_ms: u64,
+    /// The endpoint's `enabled_events` (<https://docs.stripe.com/api/webhook_endpoints/object>):
+    /// only these event types are delivered. Empty means every type (`*`).
+    pub webhook_events: Vec<String>,
 }
 
 impl Default for SimConfig {
@@ -67,6 +70,7 @@ impl Default for SimConfig {
             faults: Faults::default(),
             webhook_max_attempts: 12,
             webhook_initial_backoff_ms: 100,
+            webhook_events: Vec::new(),
         }
     }
 }
@@ -129,6 +133,7 @@ struct Shared {
     webhook_secret: String,
     webhook_max_attempts: u32,
     webhook_initial_backoff_ms: u64,
+    webhook_events: Vec<String>,
     /// Test-clock offset from wall-clock time, seconds.
     clock_offset_s: AtomicI64,
     idempotent_replays: AtomicU64,
@@ -154,6 +159,7 @@ impl StripeSim {
                 webhook_secret: cfg.webhook_secret,
                 webhook_max_attempts: cfg.webhook_max_attempts,
                 webhook_initial_backoff_ms: cfg.webhook_initial_backoff_ms,
+                webhook_events: cfg.webhook_events,
                 clock_offset_s: AtomicI64::new(0),
                 idempotent_replays: AtomicU64::new(0),
                 hangup: CancellationToken::new(),
@@ -276,7 +282,13 @@ impl StripeSim {
         st.expire_due(now);
         let out = f(&mut st);
         // Queue under the lock so events enter the queue in emission order.
-        self.shared.webhooks.enqueue(st.take_events());
+        let enabled = &self.shared.webhook_events;
+        let events = st
+            .take_events()
+            .into_iter()
+            .filter(|e| enabled.is_empty() || enabled.iter().any(|t| e["type"].as_str() == Some(t.as_str())))
+            .collect();
+        self.shared.webhooks.enqueue(events);
         out
     }
 

@@ -1,4 +1,4 @@
-//! Asynchronous, at-least-once webhook delivery, as Stripe does it
+//! Asynchronous, concurrent, at-least-once webhook delivery, as Stripe does it
 //! (<https://docs.stripe.com/webhooks#retries>): each event is POSTed as JSON to the endpoint
 //! with a `Stripe-Signature` header, and retried with exponential backoff (initial backoff
 //! doubling, capped at 5 s) until a 2xx or the attempt limit.
@@ -26,6 +26,8 @@ use crate::StripeSim;
 
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
 const DELIVERY_TIMEOUT: Duration = Duration::from_secs(10);
+/// First attempts in flight at once; retries wait out their backoff outside this bound.
+const MAX_CONCURRENT_DELIVERIES: usize = 32;
 
 /// The queue between the API handlers and the delivery task.
 pub(crate) struct WebhookQueue {
@@ -82,6 +84,7 @@ pub(crate) async fn run(sim: StripeSim, shutdown: CancellationToken) {
     let http =
         reqwest::Client::builder().timeout(DELIVERY_TIMEOUT).build().expect("default reqwest client builds");
     let retries = TaskTracker::new();
+    let in_flight = std::sync::Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_DELIVERIES));
     loop {
         let first = tokio::select! {
             _ = shutdown.cancelled() => break,
@@ -107,12 +110,22 @@ pub(crate) async fn run(sim: StripeSim, shutdown: CancellationToken) {
             sim.with_fault_state(|f| f.shuffle(&mut batch));
         }
         for event in batch {
-            let body = serde_json::to_vec_pretty(&event).expect("JSON values serialize");
-            if attempt(&sim, &http, &event, &body, 1).await {
-                queue.finish_one();
-            } else {
-                retries.spawn(retry(sim.clone(), http.clone(), event, body, shutdown.clone()));
-            }
+            // Like Stripe, deliveries run concurrently (bounded), so order is not guaranteed.
+            let permit = tokio::select! {
+                _ = shutdown.cancelled() => break,
+                p = in_flight.clone().acquire_owned() => p.expect("never closed"),
+            };
+            let (sim, http, shutdown) = (sim.clone(), http.clone(), shutdown.clone());
+            retries.spawn(async move {
+                let body = serde_json::to_vec_pretty(&event).expect("JSON values serialize");
+                let delivered = attempt(&sim, &http, &event, &body, 1).await;
+                drop(permit);
+                if delivered {
+                    sim.shared.webhooks.finish_one();
+                } else {
+                    retry(sim, http, event, body, shutdown).await;
+                }
+            });
         }
     }
     // Hand the receiver back so a later `serve` can resume delivery of what is still queued.

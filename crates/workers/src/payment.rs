@@ -71,6 +71,10 @@ impl Handler for PaymentWorker {
         NAME
     }
 
+    fn calls_out(&self) -> bool {
+        true
+    }
+
     fn wants(&self, event_type: &str) -> bool {
         matches!(
             event_type,

@@ -24,11 +24,13 @@ pub struct RelaySettings {
     pub lease_ms: i64,
     /// Pause when the outbox is empty, ms.
     pub idle_ms: u64,
+    /// Published rows are deleted after this many seconds.
+    pub retention_s: i64,
 }
 
 impl Default for RelaySettings {
     fn default() -> Self {
-        Self { batch: 500, lease_ms: 45_000, idle_ms: 20 }
+        Self { batch: 500, lease_ms: 45_000, idle_ms: 20, retention_s: 3_600 }
     }
 }
 
@@ -43,12 +45,19 @@ pub async fn run(
 ) {
     let mut failures = 0u32;
     let mut last_gauge = std::time::Instant::now() - Duration::from_secs(5);
+    let mut last_prune = std::time::Instant::now();
     while !shutdown.is_cancelled() {
         if last_gauge.elapsed() >= Duration::from_secs(1) {
             last_gauge = std::time::Instant::now();
             if let Ok(b) = outbox::backlog(&pool).await {
                 metrics::gauge!("boxoffice_outbox_unpublished").set(b.unpublished as f64);
                 metrics::gauge!("boxoffice_outbox_oldest_unpublished_age_ms").set(b.oldest_age_ms as f64);
+            }
+        }
+        if last_prune.elapsed() >= Duration::from_secs(30) {
+            last_prune = std::time::Instant::now();
+            if let Err(e) = outbox::prune_published(&pool, settings.retention_s, 10_000).await {
+                tracing::warn!(relay = %relay_id, error = %e, "pruning published outbox rows failed");
             }
         }
         match publish_batch(&pool, &producer, &kafka, &relay_id, &settings).await {

@@ -70,6 +70,9 @@ pub struct BuyerConfig {
     pub user_token: Arc<dyn Fn(Uuid) -> String + Send + Sync>,
     /// Show a progress bar on stderr (hidden when stderr is not a terminal).
     pub progress: bool,
+    /// Buyers arriving per second (open loop: buyer `i` starts at `i / rate` s whatever the
+    /// server's speed); 0 starts every buyer at once.
+    pub arrival_rate: f64,
 }
 
 impl BuyerConfig {
@@ -97,6 +100,7 @@ impl BuyerConfig {
             seed: 0,
             user_token,
             progress: false,
+            arrival_rate: 0.0,
         }
     }
 
@@ -111,6 +115,10 @@ impl BuyerConfig {
         anyhow::ensure!((1..=8).contains(&self.max_seats), "max_seats must be 1..=8");
         anyhow::ensure!(self.max_in_flight >= 1, "max_in_flight must be at least 1");
         anyhow::ensure!(self.hold_attempts >= 1, "hold_attempts must be at least 1");
+        anyhow::ensure!(
+            self.arrival_rate >= 0.0 && self.arrival_rate.is_finite(),
+            "arrival_rate must be >= 0"
+        );
         Ok(())
     }
 }
@@ -292,6 +300,9 @@ struct Ctx {
     cfg: BuyerConfig,
     http: reqwest::Client,
     in_flight: Semaphore,
+    /// Polls take one of these first, so status polling never holds more than a quarter of
+    /// the in-flight slots and cannot starve holds and payments.
+    poll_slots: Semaphore,
     map: SharedMap,
     stats: Counters,
     hold_latency_us: Mutex<Histogram<u64>>,
@@ -315,6 +326,7 @@ pub async fn drive(cfg: BuyerConfig) -> anyhow::Result<BuyerStats> {
     let started = Instant::now();
     let mut ctx = Ctx {
         in_flight: Semaphore::new(cfg.max_in_flight),
+        poll_slots: Semaphore::new((cfg.max_in_flight / 4).max(1)),
         cfg,
         http,
         map: SharedMap {
@@ -349,7 +361,12 @@ pub async fn drive(cfg: BuyerConfig) -> anyhow::Result<BuyerStats> {
         let ctx = ctx.clone();
         // Distinct, reproducible stream per buyer.
         let seed = ctx.cfg.seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let arrives = (ctx.cfg.arrival_rate > 0.0)
+            .then(|| ctx.started + Duration::from_secs_f64(i as f64 / ctx.cfg.arrival_rate));
         tasks.spawn(async move {
+            if let Some(at) = arrives {
+                tokio::time::sleep_until(at.into()).await;
+            }
             let mut buyer = Buyer::new(&ctx, StdRng::seed_from_u64(seed));
             buyer.run(&ctx).await;
             inc(&ctx.stats.buyers);
@@ -696,8 +713,9 @@ impl Buyer {
         }
     }
 
-    /// Polls `GET /orders/{id}` every `poll_interval_ms` until the order is final or `done`
-    /// holds; `None` at the deadline. Notes whether payment was ever seen authorized.
+    /// Polls `GET /orders/{id}` until the order is final or `done` holds; `None` at the
+    /// deadline. The interval starts at `poll_interval_ms` and backs off ×1.5 up to 4× with
+    /// ±20 % jitter, as a well-behaved client does. Notes whether payment was seen authorized.
     async fn poll(
         &mut self,
         ctx: &Ctx,
@@ -706,10 +724,13 @@ impl Buyer {
         done: impl Fn(&OrderView) -> bool,
     ) -> Option<OrderView> {
         let url = ctx.api(&format!("/orders/{order_id}"));
-        let interval = Duration::from_millis(ctx.cfg.poll_interval_ms);
+        let base = ctx.cfg.poll_interval_ms.max(1) as f64;
+        let mut interval_ms = base;
         loop {
-            let answer =
-                ctx.call(|| ctx.http.get(&url).header("authorization", &self.bearer), |_| false).await;
+            let answer = {
+                let _slot = ctx.poll_slots.acquire().await.ok();
+                ctx.call(|| ctx.http.get(&url).header("authorization", &self.bearer), |_| false).await
+            };
             match answer {
                 Some((r, _)) if r.status == StatusCode::OK => {
                     match serde_json::from_slice::<OrderView>(&r.body) {
@@ -727,6 +748,9 @@ impl Buyer {
                 Some((r, _)) => ctx.unexpected("order poll", &r),
                 None => {} // already counted by `call`
             }
+            let interval =
+                Duration::from_millis((interval_ms * rand::thread_rng().gen_range(0.8..1.2)) as u64);
+            interval_ms = (interval_ms * 1.5).min(base * 4.0);
             if Instant::now() + interval > deadline {
                 return None;
             }

@@ -51,7 +51,7 @@ impl TestApp {
         venue_spec: VenueSpec,
         tweak: impl FnOnce(&mut Config),
     ) -> TestApp {
-        let pool = boxoffice_store::connect(opts, 24, 10_000).await.expect("pool");
+        let pool = boxoffice_store::connect(opts.clone(), 8, 10_000).await.expect("pool");
         let mut cfg = Config::default();
         cfg.http_bind = "127.0.0.1:0".into();
         cfg.consumers_per_role = 1;
@@ -65,6 +65,7 @@ impl TestApp {
         let sim = StripeSim::new(SimConfig {
             webhook_secret: cfg.stripe_webhook_secret.expose_secret().to_owned(),
             webhook_initial_backoff_ms: 20,
+            webhook_events: boxoffice_api::webhooks::HANDLED_EVENTS.iter().map(|s| s.to_string()).collect(),
             ..Default::default()
         });
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -78,7 +79,7 @@ impl TestApp {
             venue::seed(&pool, "Test Event", &venue_spec, chrono::Utc::now(), &cfg.purchase_cell)
                 .await
                 .expect("seed");
-        let running = runtime::start(&cfg, roles, pool.clone(), shutdown.clone()).await.expect("roles");
+        let running = runtime::start(&cfg, roles, opts, shutdown.clone()).await.expect("roles");
         assert!(
             running.wait_ready(Duration::from_secs(30)).await,
             "consumer groups never got their partitions"
