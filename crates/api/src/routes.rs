@@ -1,5 +1,5 @@
 //! Route table and handlers. Handlers authenticate, validate and delegate to the ledger;
-//! they contain no SQL beyond readiness probes.
+//! they contain no SQL.
 
 use crate::auth::{ApiJson, IdPath, IdempotencyKey, User};
 use crate::problem::{ErrorChain, Problem};
@@ -53,11 +53,7 @@ async fn admit(
     user: User,
     IdPath(event): IdPath<Uuid>,
 ) -> Result<Response, Problem> {
-    let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM events WHERE id = $1)")
-        .bind(event)
-        .fetch_one(&st.pool)
-        .await?;
-    if !exists {
+    if !venue::event_exists(&st.pool, EventId(event)).await? {
         return Err(Problem::not_found("event"));
     }
     let (token, claims) = st.admission.issue(user.0, EventId(event), st.settings.admission_ttl_s);
@@ -210,7 +206,7 @@ async fn stripe_webhook(
 /// `GET /readyz`: 200 when the database answers (and the producer reaches a broker, when
 /// this process runs one); 503 otherwise.
 async fn readyz(State(st): State<AppState>) -> Response {
-    let db = sqlx::query("SELECT 1").execute(&st.pool).await.is_ok();
+    let db = boxoffice_store::ping(&st.pool).await;
     let broker = match &st.producer {
         Some(p) => {
             let p = p.clone();

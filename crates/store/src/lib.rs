@@ -34,6 +34,11 @@ pub static MIGRATOR: Migrator = sqlx::migrate!("./migrations");
 /// A transaction on the ledger.
 pub type Tx<'a> = sqlx::Transaction<'a, sqlx::Postgres>;
 
+/// A round trip to the database (readiness probes).
+pub async fn ping(pool: &PgPool) -> bool {
+    sqlx::query("SELECT 1").execute(pool).await.is_ok()
+}
+
 /// Opens a pool of at most `max_connections` with a bounded acquire wait (`acquire_timeout_ms`)
 /// so that an overloaded database answers 503 instead of queueing requests forever.
 pub async fn connect(

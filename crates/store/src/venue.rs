@@ -223,6 +223,14 @@ pub struct SeatAvailability {
     pub status: String,
 }
 
+/// Whether event `event` exists.
+pub async fn event_exists(pool: &PgPool, event: EventId) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM events WHERE id = $1)")
+        .bind(event.0)
+        .fetch_one(pool)
+        .await
+}
+
 /// The availability of every seat of `event`, ordered by section, row and number; `None`
 /// if the event does not exist.
 pub async fn seat_map(pool: &PgPool, event: EventId) -> Result<Option<Vec<SeatAvailability>>, sqlx::Error> {

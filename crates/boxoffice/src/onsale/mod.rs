@@ -53,7 +53,7 @@ pub struct OnsaleArgs {
     #[arg(long, default_value_t = 4)]
     pub max_seats: usize,
     /// Buyers arriving per second (open loop); 0 releases every buyer at once.
-    #[arg(long, default_value_t = 120.0)]
+    #[arg(long, default_value_t = 80.0)]
     pub arrival_rate: f64,
     /// Concurrent HTTP requests the generator keeps in flight.
     #[arg(long, default_value_t = 64)]
