@@ -406,7 +406,8 @@ impl<H: Handler> Runner<H> {
             "event_type": env.map(|e| e.event_type.clone()),
             "original": msg.payload().map(|p| String::from_utf8_lossy(p).into_owned()),
         });
-        let key = env.map(|e| e.aggregate_id.to_string()).unwrap_or_default();
+        // The original key (the order id), so one order's dead letters stay in order.
+        let key = msg.key().map(|k| String::from_utf8_lossy(k).into_owned()).unwrap_or_default();
         let topic = self.cfg.topic(Topic::DeadLetter.name());
         let body = record.to_string();
         let mut attempt = 0u32;

@@ -52,11 +52,13 @@ impl TestApp {
         tweak: impl FnOnce(&mut Config),
     ) -> TestApp {
         let pool = boxoffice_store::connect(opts.clone(), 8, 10_000).await.expect("pool");
-        let mut cfg = Config::default();
-        cfg.http_bind = "127.0.0.1:0".into();
-        cfg.consumers_per_role = 1;
-        cfg.kafka_partitions = 3;
-        cfg.expiry_interval_ms = 50;
+        let mut cfg = Config {
+            http_bind: "127.0.0.1:0".into(),
+            consumers_per_role: 1,
+            kafka_partitions: 3,
+            expiry_interval_ms: 50,
+            ..Config::default()
+        };
         if roles.iter().any(|r| r.needs_kafka()) {
             cfg.kafka_brokers = Some(test_brokers());
             cfg.kafka_topic_prefix = format!("t{}.", Uuid::new_v4().simple());

@@ -158,3 +158,99 @@ async fn republished_message_is_applied_once(_: PgPoolOptions, opts: PgConnectOp
     assert_eq!(requested(app.pool.clone()).await, 1, "the duplicate had no second effect");
     app.stop().await;
 }
+
+/// A message no consumer can apply (undecodable, or naming an order that does not exist)
+/// goes to the dead-letter topic with its source coordinates, and the partition moves on.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn poison_messages_are_dead_lettered_and_the_partition_moves_on(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    use rdkafka::consumer::{Consumer, StreamConsumer};
+    use rdkafka::Message;
+
+    let app = TestApp::spawn(opts, &[Role::Relay, Role::Saga], VenueSpec::small(1, 1, 4)).await;
+    let kafka = app.cfg.kafka().unwrap();
+    let producer = boxoffice_bus::producer::build(&kafka).unwrap();
+    let topic = kafka.topic(boxoffice_domain::Topic::Purchase.name());
+    let ghost = boxoffice_domain::OrderId::new();
+    let orphan = Envelope::new(
+        ghost,
+        &PurchaseEvent::PaymentIntentCreated {
+            order_id: ghost,
+            payment_intent_id: "pi_ghost".into(),
+            status: "requires_payment_method".into(),
+        },
+        Uuid::new_v4(),
+        None,
+    );
+    // All on one key, so they share a partition and lane with the real order's event below.
+    let key = "poison-key";
+    boxoffice_bus::producer::send(&producer, &topic, key, b"{not an envelope", &[]).await.unwrap();
+    boxoffice_bus::producer::send(&producer, &topic, key, &serde_json::to_vec(&orphan).unwrap(), &[])
+        .await
+        .unwrap();
+    // A healthy event behind them on the same partition is still applied.
+    let seat = app.seats().await[0];
+    let req = ReserveRequest {
+        user_id: UserId::new(),
+        event_id: boxoffice_domain::EventId(app.event),
+        seat_ids: vec![SeatId(seat)],
+        idempotency_key: "k".into(),
+        correlation_id: Uuid::new_v4(),
+        ttl: Duration::from_secs(600),
+    };
+    let receipt = holds::reserve(&app.pool, &req).await.unwrap().receipt().clone();
+    let hold_created: serde_json::Value = sqlx::query_scalar(
+        "SELECT payload FROM outbox WHERE event_type = 'HoldCreated' AND message_key = $1",
+    )
+    .bind(receipt.order_id.to_string())
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    let mut copy = hold_created.clone();
+    copy["event_id"] = serde_json::json!(Uuid::new_v4());
+    boxoffice_bus::producer::send(&producer, &topic, key, &serde_json::to_vec(&copy).unwrap(), &[])
+        .await
+        .unwrap();
+    let pool = app.pool.clone();
+    let order = receipt.order_id.0;
+    eventually(WAIT, "the healthy message behind the poison was applied", || {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM outbox WHERE event_type = 'PaymentAuthorizationRequested' AND message_key = $1",
+            )
+            .bind(order.to_string())
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+                >= 1
+        }
+    })
+    .await;
+
+    let dlq: StreamConsumer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", &kafka.brokers)
+        .set("group.id", format!("{}dlq-reader", kafka.prefix))
+        .set("auto.offset.reset", "earliest")
+        .set("enable.auto.commit", "false")
+        .create()
+        .unwrap();
+    dlq.subscribe(&[&kafka.topic(boxoffice_domain::Topic::DeadLetter.name())]).unwrap();
+    let mut letters = Vec::new();
+    while letters.len() < 2 {
+        let m = tokio::time::timeout(WAIT, dlq.recv()).await.expect("dead letters arrive").unwrap();
+        letters.push(serde_json::from_slice::<serde_json::Value>(m.payload().unwrap()).unwrap());
+    }
+    let codes: Vec<&str> = letters.iter().map(|l| l["error_code"].as_str().unwrap()).collect();
+    assert_eq!(codes, ["bad_envelope", "unknown_order"], "{letters:?}");
+    for l in &letters {
+        assert_eq!(l["consumer"], "saga");
+        assert_eq!(l["source_topic"], "ticketing.purchase.v1");
+        assert!(l["source_offset"].as_i64().unwrap() >= 0);
+        assert!(l["original"].is_string(), "enough context to replay");
+    }
+    assert_eq!(letters[1]["event_id"], serde_json::json!(orphan.event_id));
+    app.stop().await;
+}

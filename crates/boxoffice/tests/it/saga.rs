@@ -265,7 +265,7 @@ async fn c03_expiry_racing_authorization_picks_one_legal_state(_: PgPoolOptions,
         tasks.push(tokio::spawn(async move {
             gate.wait().await;
             for _ in 0..5 {
-                holds::expire_due(&pool, 50).await.map_err(|e| boxoffice_bus::HandlerError::from(e))?;
+                holds::expire_due(&pool, 50).await.map_err(boxoffice_bus::HandlerError::from)?;
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
             Ok(())
