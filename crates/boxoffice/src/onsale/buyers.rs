@@ -286,6 +286,7 @@ struct Admission {
 #[derive(Deserialize)]
 struct HoldReceipt {
     order_id: Uuid,
+    expires_at: chrono::DateTime<chrono::Utc>,
 }
 
 #[derive(Deserialize)]
@@ -564,10 +565,13 @@ impl Buyer {
         let Some(admission) = self.admit(ctx).await else {
             return;
         };
-        let Some((order_id, held_at)) = self.hold(ctx, &admission).await else {
+        let Some((order_id, held_at, ttl)) = self.hold(ctx, &admission).await else {
             return;
         };
-        let deadline = held_at + Duration::from_millis(ctx.cfg.final_timeout_ms);
+        // The server's hold TTL decides when an abandoned order becomes final: wait at least
+        // that long plus a margin for the expiry sweep and compensations.
+        let wait = Duration::from_millis(ctx.cfg.final_timeout_ms).max(ttl + Duration::from_secs(120));
+        let deadline = held_at + wait;
         let roll: f64 = self.rng.gen();
         let intent = if roll < ctx.cfg.abandon_share {
             Intent::Abandon
@@ -625,7 +629,7 @@ impl Buyer {
 
     /// Picks and holds seats, trying new picks after 409 `seat_unavailable`. Returns the
     /// order id and when the 202 arrived.
-    async fn hold(&mut self, ctx: &Ctx, admission: &str) -> Option<(Uuid, Instant)> {
+    async fn hold(&mut self, ctx: &Ctx, admission: &str) -> Option<(Uuid, Instant, Duration)> {
         let url = ctx.api(&format!("/events/{}/holds", ctx.cfg.event_id));
         let want = self.rng.gen_range(1..=ctx.cfg.max_seats);
         for _ in 0..ctx.cfg.hold_attempts {
@@ -667,7 +671,8 @@ impl Buyer {
                     let since_start = (held_at - ctx.started).as_millis() as u64;
                     ctx.stats.last_hold_ms.fetch_max(since_start, Ordering::Relaxed);
                     ctx.mark_taken(&seats);
-                    return Some((receipt.order_id, held_at));
+                    let ttl = (receipt.expires_at - chrono::Utc::now()).to_std().unwrap_or_default();
+                    return Some((receipt.order_id, held_at, ttl));
                 }
                 StatusCode::CONFLICT if problem(&r).code.as_deref() == Some("seat_unavailable") => {
                     inc(&ctx.stats.conflicts_409);

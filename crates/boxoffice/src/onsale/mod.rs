@@ -41,6 +41,8 @@ pub struct OnsaleArgs {
     #[arg(long)]
     pub stripe_api_base: Option<String>,
     /// Hold time to live for this run, ms (short, so abandoned holds expire within the run).
+    /// Applies to the in-process deployment; with `--api-url` the deployment's own
+    /// `BOXOFFICE_HOLD_TTL_MS` decides.
     #[arg(long, default_value_t = 60_000)]
     pub hold_ttl_ms: u64,
     /// Share of buyers whose card is declined.
