@@ -362,24 +362,21 @@ pub struct HoldRow {
 /// Locks the hold of `order` (`FOR UPDATE`); first step of every saga transition (lock order
 /// hold → order).
 pub async fn lock_for_order(tx: &mut Tx<'_>, order: OrderId) -> Result<Option<HoldRow>, sqlx::Error> {
-    sqlx::query_as(
-        "SELECT id, order_id, status, expires_at, expires_at <= clock_timestamp() AS lapsed
-           FROM holds WHERE order_id = $1 FOR UPDATE",
-    )
-    .bind(order.0)
-    .fetch_optional(&mut **tx)
-    .await
+    lock_where(tx, "order_id", order.0).await
 }
 
 /// Locks hold `hold` (`FOR UPDATE`).
 pub async fn lock(tx: &mut Tx<'_>, hold: HoldId) -> Result<Option<HoldRow>, sqlx::Error> {
-    sqlx::query_as(
+    lock_where(tx, "id", hold.0).await
+}
+
+async fn lock_where(tx: &mut Tx<'_>, column: &'static str, id: Uuid) -> Result<Option<HoldRow>, sqlx::Error> {
+    // `column` is one of two literals above, never input.
+    let sql = format!(
         "SELECT id, order_id, status, expires_at, expires_at <= clock_timestamp() AS lapsed
-           FROM holds WHERE id = $1 FOR UPDATE",
-    )
-    .bind(hold.0)
-    .fetch_optional(&mut **tx)
-    .await
+           FROM holds WHERE {column} = $1 FOR UPDATE"
+    );
+    sqlx::query_as(&sql).bind(id).fetch_optional(&mut **tx).await
 }
 
 /// Sets the hold's status and, for `expired` / `released`, releases its seats.

@@ -90,15 +90,7 @@ async fn declined_card_then_hold_expiry_releases_seats_and_cancels(_: PgPoolOpti
 async fn republished_message_is_applied_once(_: PgPoolOptions, opts: PgConnectOptions) {
     let app = TestApp::spawn(opts, &[Role::Relay, Role::Saga], VenueSpec::small(1, 1, 4)).await;
     let seat = app.seats().await[0];
-    let req = ReserveRequest {
-        user_id: UserId::new(),
-        event_id: boxoffice_domain::EventId(app.event),
-        seat_ids: vec![SeatId(seat)],
-        idempotency_key: "k".into(),
-        correlation_id: Uuid::new_v4(),
-        ttl: Duration::from_secs(600),
-    };
-    let receipt = holds::reserve(&app.pool, &req).await.unwrap().receipt().clone();
+    let receipt = hold_directly(&app, seat).await;
     let order = receipt.order_id.0;
     let pool = app.pool.clone();
     let requested = move |pool: sqlx::PgPool| async move {
@@ -192,15 +184,7 @@ async fn poison_messages_are_dead_lettered_and_the_partition_moves_on(
         .unwrap();
     // A healthy event behind them on the same partition is still applied.
     let seat = app.seats().await[0];
-    let req = ReserveRequest {
-        user_id: UserId::new(),
-        event_id: boxoffice_domain::EventId(app.event),
-        seat_ids: vec![SeatId(seat)],
-        idempotency_key: "k".into(),
-        correlation_id: Uuid::new_v4(),
-        ttl: Duration::from_secs(600),
-    };
-    let receipt = holds::reserve(&app.pool, &req).await.unwrap().receipt().clone();
+    let receipt = hold_directly(&app, seat).await;
     let hold_created: serde_json::Value = sqlx::query_scalar(
         "SELECT payload FROM outbox WHERE event_type = 'HoldCreated' AND message_key = $1",
     )
@@ -253,4 +237,17 @@ async fn poison_messages_are_dead_lettered_and_the_partition_moves_on(
     }
     assert_eq!(letters[1]["event_id"], serde_json::json!(orphan.event_id));
     app.stop().await;
+}
+
+/// A hold made straight through the ledger (no API role running).
+async fn hold_directly(app: &TestApp, seat: Uuid) -> holds::HoldReceipt {
+    let req = ReserveRequest {
+        user_id: UserId::new(),
+        event_id: boxoffice_domain::EventId(app.event),
+        seat_ids: vec![SeatId(seat)],
+        idempotency_key: "k".into(),
+        correlation_id: Uuid::new_v4(),
+        ttl: Duration::from_secs(600),
+    };
+    holds::reserve(&app.pool, &req).await.unwrap().receipt().clone()
 }
