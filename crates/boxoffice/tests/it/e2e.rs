@@ -23,7 +23,9 @@ async fn small_onsale_through_the_binary_has_no_violations(_: PgPoolOptions, opt
                     "--small-venue",
                     "2,10,20",
                     "--hold-ttl-ms",
-                    "3000",
+                    "6000",
+                    "--arrival-rate",
+                    "200",
                     "--no-progress",
                 ])
                 .arg("--report-json")
