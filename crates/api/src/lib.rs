@@ -8,9 +8,10 @@
 //! - `GET  /orders/{order_id}` — the owner's view of the workflow (404 for anyone else);
 //! - `GET  /events/{event_id}/seats` — availability map, cached ≤ 1 s (a hint, never a promise);
 //! - `POST /webhooks/stripe` — signature-verified, deduplicated webhook ingress (invariant 4);
-//! - `GET  /healthz`, `GET /readyz`, `GET /metrics`.
+//! - `GET  /healthz`, `GET /readyz`, `GET /metrics`, `GET /openapi.json`.
 
 pub mod auth;
+pub mod openapi;
 pub mod problem;
 pub mod routes;
 pub mod state;

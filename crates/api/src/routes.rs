@@ -32,6 +32,7 @@ pub fn router(state: AppState) -> Router {
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
+        .route("/openapi.json", get(|| async { Json(crate::openapi::document()) }))
         .fallback(|| async { Problem::not_found("route") })
         .method_not_allowed_fallback(|| async {
             Problem::new(
@@ -48,6 +49,14 @@ pub fn router(state: AppState) -> Router {
 
 /// `POST /events/{event_id}/admission` → 201 `{admission_token, expires_at, purchase_cell}`.
 /// Until the waiting room admits buyers, any authenticated user is admitted at once.
+#[utoipa::path(post, path = "/events/{event_id}/admission", tag = "purchase",
+    params(("event_id" = Uuid, Path, description = "Event id")),
+    security(("bearer" = [])),
+    responses(
+        (status = 201, description = "Admitted", body = crate::openapi::Admission),
+        (status = 401, description = "No or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 404, description = "No such event", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+    ))]
 async fn admit(
     State(st): State<AppState>,
     user: User,
@@ -57,24 +66,47 @@ async fn admit(
         return Err(Problem::not_found("event"));
     }
     let (token, claims) = st.admission.issue(user.0, EventId(event), st.settings.admission_ttl_s);
-    let expires_at = chrono::DateTime::from_timestamp(claims.exp, 0);
+    let expires_at = chrono::DateTime::from_timestamp(claims.exp, 0).unwrap_or_else(chrono::Utc::now);
     Ok((
         StatusCode::CREATED,
-        Json(json!({"admission_token": token, "expires_at": expires_at, "purchase_cell": claims.purchase_cell})),
+        Json(crate::openapi::Admission {
+            admission_token: token,
+            expires_at,
+            purchase_cell: claims.purchase_cell,
+        }),
     )
         .into_response())
 }
 
 /// Body of `POST /events/{event_id}/holds`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
-struct HoldBody {
+pub struct HoldBody {
     /// 1–8 seat ids of the event.
-    seat_ids: Vec<SeatId>,
+    #[schema(min_items = 1, max_items = 8)]
+    pub seat_ids: Vec<SeatId>,
 }
 
 /// `POST /events/{event_id}/holds` → 202 + `Location: /orders/{id}` with the hold receipt;
 /// the same key and body again → the original 202; errors as problem+json.
+#[utoipa::path(post, path = "/events/{event_id}/holds", tag = "purchase",
+    params(
+        ("event_id" = Uuid, Path, description = "Event id"),
+        ("Idempotency-Key" = String, Header, description = "1–255 visible ASCII characters; same user + key + body returns the original order"),
+        ("X-Admission-Token" = String, Header, description = "Admission token for this user, event and purchase cell"),
+    ),
+    request_body = HoldBody,
+    security(("bearer" = [])),
+    responses(
+        (status = 202, description = "Seats held; `Location: /orders/{order_id}`. A replay carries `Idempotent-Replayed: true`.", body = boxoffice_store::holds::HoldReceipt),
+        (status = 400, description = "Malformed JSON or missing/invalid Idempotency-Key", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 401, description = "No or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 403, description = "Missing, expired, foreign or tampered admission token (the `code` says which)", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 409, description = "`seat_unavailable` (nothing was held), `idempotency_key_conflict` or `idempotency_key_in_use`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 413, description = "Body too large", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 422, description = "Seat count outside 1–8, unknown seats, or a body of the wrong shape", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 503, description = "Database unavailable; retry with the same Idempotency-Key", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+    ))]
 async fn create_hold(
     State(st): State<AppState>,
     user: User,
@@ -121,6 +153,14 @@ async fn create_hold(
 }
 
 /// `GET /orders/{order_id}` → 200 order view, 404 when missing or not the caller's.
+#[utoipa::path(get, path = "/orders/{order_id}", tag = "purchase",
+    params(("order_id" = Uuid, Path, description = "Order id")),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "The order's workflow state; `client_secret` only while payment is pending", body = boxoffice_store::orders::OrderView),
+        (status = 401, description = "No or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 404, description = "No such order, or not the caller's", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+    ))]
 async fn get_order(
     State(st): State<AppState>,
     user: User,
@@ -139,6 +179,12 @@ async fn get_order(
 
 /// `GET /events/{event_id}/seats` → `{event_id, generated_at, seats: [...]}`; rendered at most
 /// once per `seat_map_max_age_ms` per event. A hint: only the hold transaction decides.
+#[utoipa::path(get, path = "/events/{event_id}/seats", tag = "catalog",
+    params(("event_id" = Uuid, Path, description = "Event id")),
+    responses(
+        (status = 200, description = "Availability map, at most 1 s stale (a hint, never a promise)", body = crate::openapi::SeatMap),
+        (status = 404, description = "No such event", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+    ))]
 async fn seat_map(State(st): State<AppState>, IdPath(event): IdPath<Uuid>) -> Result<Response, Problem> {
     let max_age = std::time::Duration::from_millis(st.settings.seat_map_max_age_ms);
     let cached = |st: &AppState| {
@@ -160,9 +206,11 @@ async fn seat_map(State(st): State<AppState>, IdPath(event): IdPath<Uuid>) -> Re
                         return Err(Problem::not_found("event"));
                     };
                     let body = Bytes::from(
-                        serde_json::to_vec(
-                            &json!({"event_id": event, "generated_at": chrono::Utc::now(), "seats": seats}),
-                        )
+                        serde_json::to_vec(&crate::openapi::SeatMap {
+                            event_id: event,
+                            generated_at: chrono::Utc::now(),
+                            seats,
+                        })
                         .expect("seat map serializes"),
                     );
                     st.seat_maps
@@ -181,6 +229,14 @@ async fn seat_map(State(st): State<AppState>, IdPath(event): IdPath<Uuid>) -> Re
 /// `POST /webhooks/stripe`: 400 on a missing/bad signature (nothing written), 200 once the
 /// event and its continuation are committed, 503 if the database is unavailable (Stripe
 /// retries).
+#[utoipa::path(post, path = "/webhooks/stripe", tag = "webhooks",
+    params(("Stripe-Signature" = String, Header, description = "t=<unix>,v1=<hex HMAC-SHA256 of \"t.body\">")),
+    request_body(content = String, description = "A Stripe Event, raw JSON", content_type = "application/json"),
+    responses(
+        (status = 200, description = "Recorded (or a known duplicate)", body = crate::openapi::WebhookAck),
+        (status = 400, description = "Missing or invalid signature; nothing written", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 503, description = "Database unavailable; Stripe retries", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+    ))]
 async fn stripe_webhook(
     State(st): State<AppState>,
     headers: HeaderMap,
@@ -200,7 +256,11 @@ async fn stripe_webhook(
         Problem::bad_request("invalid_signature", "the Stripe-Signature header does not verify")
     })?;
     let outcome = webhooks::ingest(&st.webhook_pool, &event).await?;
-    Ok(Json(json!({"received": true, "duplicate": outcome == webhooks::Ingested::Duplicate})).into_response())
+    Ok(Json(crate::openapi::WebhookAck {
+        received: true,
+        duplicate: outcome == webhooks::Ingested::Duplicate,
+    })
+    .into_response())
 }
 
 /// `GET /readyz`: 200 when the database answers (and the producer reaches a broker, when

@@ -13,6 +13,7 @@ use std::str::FromStr;
 
 /// The state of an order as stored and as shown to its owner.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum OrderStatus {
     /// Seats are held; the PaymentIntent is being created.

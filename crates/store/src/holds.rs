@@ -67,6 +67,7 @@ impl ReserveRequest {
 /// The hold as returned to the client (202 body), stored verbatim with the idempotency key
 /// so that a retry returns the original response.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct HoldReceipt {
     /// The new order (also in `Location: /orders/{order_id}`).
     pub order_id: OrderId,

@@ -100,6 +100,7 @@ pub async fn set_status(
 
 /// A ticket as shown to its owner.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct TicketView {
     /// Stable ticket id (uuid v5 of order and seat).
     pub ticket_id: Uuid,
@@ -113,6 +114,7 @@ pub struct TicketView {
 
 /// The owner's view of an order (`GET /orders/{id}`).
 #[derive(Debug, Clone, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct OrderView {
     /// Order id.
     pub order_id: Uuid,
@@ -151,6 +153,7 @@ pub struct OrderView {
 
 /// A seat reference in an order view.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct SeatRef {
     /// Seat id.
     pub seat_id: Uuid,

@@ -201,6 +201,7 @@ impl SeatBatch {
 
 /// One seat on the availability map.
 #[derive(Debug, Clone, Serialize, sqlx::FromRow)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct SeatAvailability {
     /// Seat id (what a hold request names).
     pub seat_id: Uuid,

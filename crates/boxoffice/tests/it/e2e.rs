@@ -23,7 +23,7 @@ async fn small_onsale_through_the_binary_has_no_violations(_: PgPoolOptions, opt
                     "--small-venue",
                     "2,10,20",
                     "--hold-ttl-ms",
-                    "6000",
+                    "15000",
                     "--arrival-rate",
                     "200",
                     "--no-progress",

@@ -387,6 +387,12 @@ async fn bad_requests_are_problems_and_write_nothing(_: PgPoolOptions, opts: PgC
     assert_eq!(app.count("SELECT count(*) FROM orders").await, 0);
     assert_eq!(app.count("SELECT count(*) FROM idempotency_keys").await, 0);
 
+    let r = app.http.delete(format!("{}/events/{}/holds", app.api, app.event)).send().await.unwrap();
+    assert_eq!(problem(r).await.0, 405);
+    let doc: serde_json::Value =
+        app.http.get(format!("{}/openapi.json", app.api)).send().await.unwrap().json().await.unwrap();
+    assert!(doc["paths"]["/events/{event_id}/holds"]["post"].is_object());
+
     // Owner-only order view.
     let r = app.hold(&a, &adm, "mine", &[s[0]]).await;
     let order: Uuid =

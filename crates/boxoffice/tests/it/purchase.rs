@@ -62,7 +62,7 @@ async fn hold_to_ticket_through_every_role(_: PgPoolOptions, opts: PgConnectOpti
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn declined_card_then_hold_expiry_releases_seats_and_cancels(_: PgPoolOptions, opts: PgConnectOptions) {
     let app =
-        TestApp::spawn_with(opts, &Role::ALL, VenueSpec::small(1, 1, 4), |c| c.hold_ttl_ms = 5_000).await;
+        TestApp::spawn_with(opts, &Role::ALL, VenueSpec::small(1, 1, 4), |c| c.hold_ttl_ms = 8_000).await;
     let s = app.seats().await;
     let b = app.buyer();
     let r = app.hold(&b, &app.admission_token(&b), "decline", &[s[2]]).await;
