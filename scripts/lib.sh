@@ -26,6 +26,14 @@ ensure_build_deps() {
   command -v cargo >/dev/null 2>&1 || { echo "cargo (Rust stable) is required" >&2; exit 1; }
 }
 
+# The test runner.
+ensure_nextest() {
+  if ! cargo nextest --version >/dev/null 2>&1; then
+    log "installing cargo-nextest (first time only)"
+    cargo install cargo-nextest --locked
+  fi
+}
+
 # PostgreSQL on 127.0.0.1:5432 (trust auth), started if it is installed but stopped.
 ensure_postgres() {
   if pg_isready -h 127.0.0.1 -p 5432 -q 2>/dev/null; then return; fi
@@ -56,7 +64,10 @@ port_open() { (exec 3<>"/dev/tcp/${1%:*}/${1##*:}") 2>/dev/null; }
 # Starts a broker on $TEST_BROKER_ADDR with in-memory storage unless one already listens.
 # Prints the PID it started (empty when it reused a running broker).
 start_test_broker() {
-  if port_open "$TEST_BROKER_ADDR"; then return; fi
+  if port_open "$TEST_BROKER_ADDR"; then
+    log "reusing the broker already listening on $TEST_BROKER_ADDR"
+    return
+  fi
   mkdir -p "$STATE_DIR"
   log "starting nisshi on $TEST_BROKER_ADDR"
   ( cd "$STATE_DIR" && exec "$(nisshi_bin)" broker \

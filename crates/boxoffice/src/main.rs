@@ -58,6 +58,16 @@ enum Command {
         #[arg(long)]
         event: Option<uuid::Uuid>,
     },
+    /// Print a buyer bearer token signed with the configured user key (development and demos;
+    /// production tokens come from the identity provider).
+    UserToken {
+        /// The user id (default: a new random one).
+        #[arg(long)]
+        user: Option<uuid::Uuid>,
+        /// Lifetime, seconds.
+        #[arg(long, default_value_t = 3_600)]
+        ttl_s: i64,
+    },
     /// Topic management.
     Topics {
         #[command(subcommand)]
@@ -72,7 +82,8 @@ enum TopicsAction {
 }
 
 fn init_logging(cfg: &Config, quiet: bool) {
-    let default = if quiet { "warn" } else { "info,sqlx=warn,rdkafka=warn" };
+    // sqlx reports slow statements at WARN; the onsale's quiet mode keeps its report readable.
+    let default = if quiet { "warn,sqlx=error" } else { "info,sqlx=warn,rdkafka=warn" };
     let filter = tracing_subscriber::EnvFilter::try_from_env("BOXOFFICE_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
@@ -109,6 +120,11 @@ async fn main() {
             commands::audit(&cfg, json, stuck_after_ms, event).await
         }
         Command::Topics { action: TopicsAction::Create } => commands::topics_create(&cfg).await.map(|_| 0),
+        Command::UserToken { user, ttl_s } => {
+            let user = boxoffice_domain::UserId(user.unwrap_or_else(uuid::Uuid::new_v4));
+            println!("{}", boxoffice::runtime::user_tokens(&cfg).issue(user, ttl_s));
+            Ok(0)
+        }
     };
     match result {
         Ok(code) => std::process::exit(code),

@@ -166,6 +166,8 @@ pub struct BuyerStats {
     pub conflicts_409: u64,
     /// Buyers who found no free seat on the map.
     pub sold_out: u64,
+    /// Buyers who gave up after `hold_attempts` conflicts in a row.
+    pub gave_up: u64,
     /// Orders seen in `confirming`, `paid` or `ticketed`.
     pub authorized: u64,
     /// Card declines (402 `card_error`) at the simulator.
@@ -224,6 +226,7 @@ counters!(
     holds,
     conflicts_409,
     sold_out,
+    gave_up,
     authorized,
     declined,
     abandoned,
@@ -685,6 +688,7 @@ impl Buyer {
                 }
             }
         }
+        inc(&ctx.stats.gave_up);
         None
     }
 

@@ -245,6 +245,7 @@ pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
         "holds": stats.holds,
         "conflicts_409": stats.conflicts_409,
         "sold_out_buyers": stats.sold_out,
+        "gave_up_buyers": stats.gave_up,
         "authorized": stats.authorized,
         "declined": stats.declined,
         "abandoned": stats.abandoned,
@@ -315,7 +316,7 @@ fn print_report(r: &serde_json::Value, v: &audit::Violations) {
     let g = |k: &str| r.get(k).cloned().unwrap_or_default();
     println!();
     println!("boxoffice onsale report");
-    println!("  event                      {}", g("event_id"));
+    println!("  event                      {}", g("event_id").as_str().unwrap_or_default());
     println!("  elapsed                    {:.1} s", g("elapsed_s").as_f64().unwrap_or(0.0));
     for k in [
         "buyers",
@@ -323,6 +324,7 @@ fn print_report(r: &serde_json::Value, v: &audit::Violations) {
         "holds",
         "conflicts_409",
         "sold_out_buyers",
+        "gave_up_buyers",
         "authorized",
         "declined",
         "abandoned",
