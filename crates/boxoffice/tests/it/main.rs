@@ -4,6 +4,7 @@
 
 mod helpers;
 
+mod compensation;
 mod e2e;
 mod holds;
 mod purchase;

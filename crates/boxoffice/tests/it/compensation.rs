@@ -1,0 +1,202 @@
+//! Stripe calls under faults and the compensations of the saga: a provider that applies a
+//! call and then fails or never answers (the retry with the same idempotency key sees the
+//! applied result: one capture), a capture that arrives after the order was released (case
+//! C05: incident, refund with a stable key, visible status), and a capture command for a hold
+//! that is not confirmed (case C06: nothing is sent).
+
+use crate::helpers::{eventually, TestApp};
+use boxoffice::runtime::Role;
+use boxoffice_bus::consumer::handle_once;
+use boxoffice_domain::{Envelope, OrderId, PurchaseEvent};
+use boxoffice_store::venue::VenueSpec;
+use boxoffice_stripe_sim::Faults;
+use boxoffice_workers::saga::Saga;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use std::time::Duration;
+use uuid::Uuid;
+
+const WAIT: Duration = Duration::from_secs(90);
+
+async fn order_of(resp: reqwest::Response) -> Uuid {
+    assert_eq!(resp.status(), 202);
+    resp.json::<serde_json::Value>().await.unwrap()["order_id"].as_str().unwrap().parse().unwrap()
+}
+
+/// Design §17 "capture retry uses one Stripe operation": every mutating Stripe call is applied
+/// and then answered with a 500 (or not answered at all); the payment worker retries with
+/// the same keys and the order still ends ticketed with exactly one capture.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn provider_failing_after_apply_still_captures_once(_: PgPoolOptions, opts: PgConnectOptions) {
+    let app =
+        TestApp::spawn_with(opts, &Role::ALL, VenueSpec::small(1, 1, 6), |c| c.stripe_timeout_ms = 1_000)
+            .await;
+    let s = app.seats().await;
+    for (i, faults) in [
+        // Webhooks are held back so that the worker's own retry, not the capture webhook,
+        // is what learns the outcome.
+        Faults { fail_after_apply_rate: 1.0, webhook_delay_ms: 3_000, ..Faults::default() },
+        Faults { drop_response_rate: 1.0, webhook_delay_ms: 3_000, ..Faults::default() },
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        app.sim.set_faults(Faults::default());
+        let b = app.buyer();
+        let order = order_of(app.hold(&b, &app.admission_token(&b), &format!("k{i}"), &[s[i]]).await).await;
+        app.await_order(&b, order, WAIT, |v| v.get("client_secret").is_some()).await;
+        let replays_before = app.sim.stats().idempotent_replays;
+        app.sim.set_faults(faults.clone());
+        // The buyer's confirm is hit too: it is applied (the authorization webhook follows)
+        // even though the browser sees an error or a timeout.
+        let _ = tokio::time::timeout(Duration::from_secs(3), app.pay(&b, order, "pm_card_visa")).await;
+        let view = app.await_order(&b, order, WAIT, |v| v["status"] == "ticketed").await;
+        let pi = view["payment_intent_id"].as_str().unwrap();
+        assert_eq!(app.sim.captures_for(pi), 1, "one capture under {faults:?}");
+        // The worker's retry used the same key and was answered from Stripe's idempotency
+        // store rather than captured again.
+        let sim = app.sim.clone();
+        eventually(WAIT, "the payment worker retried its capture with the same key", || {
+            let sim = sim.clone();
+            async move { sim.stats().idempotent_replays > replays_before }
+        })
+        .await;
+        assert_eq!(app.sim.captures_for(pi), 1);
+    }
+    app.sim.set_faults(Faults::default());
+    assert_eq!(app.count("SELECT count(*) FROM payments").await, 2);
+    app.stop().await;
+}
+
+/// C06: a capture command for an order whose hold is not confirmed sends nothing to Stripe.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn c06_no_capture_without_a_confirmed_hold(_: PgPoolOptions, opts: PgConnectOptions) {
+    let app = TestApp::spawn(
+        opts,
+        &[Role::Api, Role::Relay, Role::Saga, Role::Payments],
+        VenueSpec::small(1, 1, 4),
+    )
+    .await;
+    let s = app.seats().await;
+    let b = app.buyer();
+    let order = order_of(app.hold(&b, &app.admission_token(&b), "c06", &[s[0]]).await).await;
+    let view = app.await_order(&b, order, WAIT, |v| v.get("payment_intent_id").is_some()).await;
+    let pi = view["payment_intent_id"].as_str().unwrap().to_owned();
+    // The buyer authorizes at the provider, but no webhook reaches us, so the hold stays
+    // merely active; then a (stray or replayed) capture command arrives.
+    app.sim.set_webhook_url(None);
+    app.pay(&b, order, "pm_card_visa").await.expect("authorized");
+    let cmd = Envelope::new(
+        OrderId(order),
+        &PurchaseEvent::CaptureRequested {
+            order_id: OrderId(order),
+            payment_intent_id: pi.clone(),
+            amount_minor: 18_500,
+        },
+        Uuid::new_v4(),
+        None,
+    );
+    let mut tx = app.pool.begin().await.unwrap();
+    boxoffice_store::outbox::insert(&mut tx, boxoffice_domain::Topic::Purchase, &cmd).await.unwrap();
+    tx.commit().await.unwrap();
+    let pool = app.pool.clone();
+    eventually(WAIT, "the payment worker consumed the command", || {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, bool>(
+                "SELECT EXISTS (SELECT 1 FROM inbox WHERE consumer = 'payments' AND event_id = $1)",
+            )
+            .bind(cmd.event_id)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    })
+    .await;
+    assert_eq!(app.sim.captures_for(&pi), 0, "no capture without a confirmed hold");
+    assert_eq!(app.sim.payment_intent(&pi).unwrap()["status"], "requires_capture");
+    app.stop().await;
+}
+
+/// C05: the money is captured after the order was released locally. The saga records an
+/// incident, moves the order to refunding and asks for a refund with `refund:{order_id}`;
+/// the refund fact ends it refunded; repeats of the late capture change nothing more.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn c05_capture_after_release_is_refunded(_: PgPoolOptions, opts: PgConnectOptions) {
+    let app = TestApp::spawn(opts, &[Role::Api], VenueSpec::small(1, 1, 4)).await;
+    let s = app.seats().await;
+    let b = app.buyer();
+    let order = order_of(app.hold(&b, &app.admission_token(&b), "c05", &[s[0]]).await).await;
+    let oid = OrderId(order);
+    let pi = "pi_late_capture";
+    boxoffice_store::payments::insert_created(
+        &app.pool,
+        oid,
+        pi,
+        None,
+        "requires_payment_method",
+        18_500,
+        "usd",
+    )
+    .await
+    .unwrap();
+    sqlx::query("UPDATE holds SET expires_at = now() - interval '1 second'")
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    boxoffice_store::holds::expire_due(&app.pool, 10).await.unwrap();
+
+    // The late capture arrives as a signed webhook: acknowledged 2xx, never a 4xx.
+    let body = serde_json::to_vec(&serde_json::json!({
+        "id": "evt_late_capture", "object": "event", "type": "payment_intent.succeeded",
+        "created": chrono::Utc::now().timestamp(), "livemode": false, "api_version": "2024-06-20",
+        "data": {"object": {"id": pi, "object": "payment_intent", "status": "succeeded", "amount": 18500,
+                 "amount_capturable": 0, "amount_received": 18500, "currency": "usd",
+                 "metadata": {"order_id": order.to_string()}}}
+    }))
+    .unwrap();
+    let secret = secrecy::ExposeSecret::expose_secret(&app.cfg.stripe_webhook_secret).to_owned();
+    let sig = boxoffice_payments::webhook::sign(&body, &secret, chrono::Utc::now().timestamp());
+    let r = app
+        .http
+        .post(format!("{}/webhooks/stripe", app.api))
+        .header("Stripe-Signature", sig)
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let fact: serde_json::Value = sqlx::query_scalar(
+        "SELECT payload FROM outbox WHERE event_type = 'PaymentCaptured' AND message_key = $1",
+    )
+    .bind(order.to_string())
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    let fact: Envelope = serde_json::from_value(fact).unwrap();
+    handle_once(&app.pool, &Saga, &fact).await.unwrap();
+    // The same fact again (e.g. from the capture response path) does nothing more.
+    let mut again = fact.clone();
+    again.event_id = Uuid::new_v4();
+    handle_once(&app.pool, &Saga, &again).await.unwrap();
+
+    let (_, view) = app.order(&b, order).await;
+    assert_eq!(view["status"], "refunding");
+    assert_eq!(app.outbox_count("RefundRequested", order).await, 1);
+    assert_eq!(app.count("SELECT count(*) FROM incidents WHERE kind = 'capture_after_release'").await, 1);
+    let refunded = Envelope::new(
+        oid,
+        &PurchaseEvent::PaymentRefunded {
+            order_id: oid,
+            payment_intent_id: pi.into(),
+            amount_refunded_minor: 18_500,
+        },
+        Uuid::new_v4(),
+        None,
+    );
+    handle_once(&app.pool, &Saga, &refunded).await.unwrap();
+    let (_, view) = app.order(&b, order).await;
+    assert_eq!(view["status"], "refunded");
+    let v = boxoffice_store::audit::violations(&app.pool, 600_000, None).await.unwrap();
+    assert_eq!((v.oversold, v.captured_without_ticket_or_refund, v.tickets_without_capture), (0, 0, 0));
+    app.stop().await;
+}
