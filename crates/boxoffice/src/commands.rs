@@ -142,3 +142,44 @@ pub fn render_audit(v: &boxoffice_store::audit::Violations) -> String {
     }
     out
 }
+
+/// `boxoffice dlq list`.
+pub async fn dlq_list(cfg: &Config, json: bool) -> anyhow::Result<()> {
+    let k = cfg.kafka().context("set BOXOFFICE_KAFKA_BROKERS to read dead letters")?;
+    let letters = boxoffice_bus::dlq::list(&k, std::time::Duration::from_secs(30)).await?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&letters)?);
+        return Ok(());
+    }
+    println!("{} dead letter(s)", letters.len());
+    for l in &letters {
+        let r = &l.record;
+        println!(
+            "  {:<10} consumer={} code={} event_type={} order={} source={}:{}:{} attempts={}",
+            l.id,
+            r["consumer"].as_str().unwrap_or("?"),
+            r["error_code"].as_str().unwrap_or("?"),
+            r["event_type"].as_str().unwrap_or("-"),
+            l.key,
+            r["source_topic"].as_str().unwrap_or("?"),
+            r["source_partition"],
+            r["source_offset"],
+            r["attempts"],
+        );
+    }
+    Ok(())
+}
+
+/// `boxoffice dlq replay [--id P:O ...]`.
+pub async fn dlq_replay(cfg: &Config, ids: &[String]) -> anyhow::Result<()> {
+    let k = cfg.kafka().context("set BOXOFFICE_KAFKA_BROKERS to replay dead letters")?;
+    let letters = boxoffice_bus::dlq::list(&k, std::time::Duration::from_secs(30)).await?;
+    let chosen: Vec<_> = letters.into_iter().filter(|l| ids.is_empty() || ids.contains(&l.id)).collect();
+    if let Some(missing) = ids.iter().find(|id| !chosen.iter().any(|l| &l.id == *id)) {
+        anyhow::bail!("no dead letter with id {missing}");
+    }
+    let producer = boxoffice_bus::producer::build(&k)?;
+    let n = boxoffice_bus::dlq::replay(&k, &producer, &chosen).await?;
+    println!("re-injected {n} message(s)");
+    Ok(())
+}

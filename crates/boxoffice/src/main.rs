@@ -68,10 +68,32 @@ enum Command {
         #[arg(long, default_value_t = 3_600)]
         ttl_s: i64,
     },
+    /// Dead letters: list them, or re-inject them into their source topic after a fix.
+    Dlq {
+        #[command(subcommand)]
+        action: DlqAction,
+    },
     /// Topic management.
     Topics {
         #[command(subcommand)]
         action: TopicsAction,
+    },
+}
+
+#[derive(Subcommand)]
+enum DlqAction {
+    /// Print every dead letter (id = partition:offset, consumer, error code, source).
+    List {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Re-inject dead letters into their source topic (all, or the given ids); consumers'
+    /// inboxes make this safe to repeat.
+    Replay {
+        /// `partition:offset` ids from `dlq list`.
+        #[arg(long = "id")]
+        ids: Vec<String>,
     },
 }
 
@@ -120,6 +142,10 @@ async fn main() {
             commands::audit(&cfg, json, stuck_after_ms, event).await
         }
         Command::Topics { action: TopicsAction::Create } => commands::topics_create(&cfg).await.map(|_| 0),
+        Command::Dlq { action: DlqAction::List { json } } => commands::dlq_list(&cfg, json).await.map(|_| 0),
+        Command::Dlq { action: DlqAction::Replay { ids } } => {
+            commands::dlq_replay(&cfg, &ids).await.map(|_| 0)
+        }
         Command::UserToken { user, ttl_s } => {
             let user = boxoffice_domain::UserId(user.unwrap_or_else(uuid::Uuid::new_v4));
             println!("{}", boxoffice::runtime::user_tokens(&cfg).issue(user, ttl_s));

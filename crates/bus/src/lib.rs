@@ -8,6 +8,7 @@
 
 pub mod config;
 pub mod consumer;
+pub mod dlq;
 pub mod embedded;
 pub mod producer;
 pub mod topics;

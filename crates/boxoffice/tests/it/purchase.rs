@@ -236,6 +236,37 @@ async fn poison_messages_are_dead_lettered_and_the_partition_moves_on(
         assert!(l["original"].is_string(), "enough context to replay");
     }
     assert_eq!(letters[1]["event_id"], serde_json::json!(orphan.event_id));
+
+    // The operator's view lists the same letters; after the fault is fixed (the order now
+    // exists), replaying the letter applies it once.
+    let listed = boxoffice_bus::dlq::list(&kafka, WAIT).await.unwrap();
+    assert_eq!(listed.len(), 2);
+    sqlx::query(
+        "INSERT INTO orders (id, user_id, event_id, status, amount_minor, currency, correlation_id)
+         VALUES ($1, $2, $3, 'held', 100, 'usd', $4)",
+    )
+    .bind(ghost.0)
+    .bind(Uuid::new_v4())
+    .bind(app.event)
+    .bind(Uuid::new_v4())
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let unknown: Vec<_> = listed.into_iter().filter(|l| l.record["error_code"] == "unknown_order").collect();
+    assert_eq!(boxoffice_bus::dlq::replay(&kafka, &producer, &unknown).await.unwrap(), 1);
+    let pool = app.pool.clone();
+    eventually(WAIT, "the replayed letter was applied", || {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, String>("SELECT status FROM orders WHERE id = $1")
+                .bind(ghost.0)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+                == "payment_required"
+        }
+    })
+    .await;
     app.stop().await;
 }
 
