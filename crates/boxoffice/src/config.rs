@@ -104,6 +104,9 @@ pub struct Config {
     pub expiry_batch: i64,
     /// Expiry sweep interval when idle, ms.
     pub expiry_interval_ms: u64,
+    /// Confirmed orders still uncaptured this many seconds before Stripe's capture deadline
+    /// are released and their authorization cancelled on purpose (case C09).
+    pub capture_deadline_margin_s: i64,
     /// Log format: `text` or `json`.
     pub log_format: String,
 }
@@ -146,6 +149,7 @@ impl Default for Config {
             outbox_retention_s: 3_600,
             expiry_batch: 500,
             expiry_interval_ms: 250,
+            capture_deadline_margin_s: 86_400,
             log_format: "text".into(),
         }
     }

@@ -225,8 +225,11 @@ pub async fn start(
                 tasks.extend(handles.into_iter().map(|h| (role.name(), h)));
             }
             Role::Expiry => {
-                let settings =
-                    expiry::ExpirySettings { batch: cfg.expiry_batch, interval_ms: cfg.expiry_interval_ms };
+                let settings = expiry::ExpirySettings {
+                    batch: cfg.expiry_batch,
+                    interval_ms: cfg.expiry_interval_ms,
+                    capture_deadline_margin_s: cfg.capture_deadline_margin_s,
+                };
                 tasks.push(("expiry", tokio::spawn(expiry::run(pool.clone(), settings, shutdown.clone()))));
             }
         }

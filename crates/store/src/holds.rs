@@ -510,3 +510,64 @@ pub async fn expire_due(pool: &PgPool, limit: i64) -> Result<(usize, i64), sqlx:
     tx.commit().await?;
     Ok((rows.len(), max_delay))
 }
+
+/// Case C09: authorizations that are confirmed but still uncaptured within `margin_s`
+/// seconds of Stripe's capture deadline are given up on purpose rather than left to lapse:
+/// the hold is released, the order fails with `capture_deadline`, the authorization is
+/// cancelled (`AuthorizationCancelRequested`) and an incident is recorded. Returns how many
+/// orders were released. Several workers may run this at once (`SKIP LOCKED`).
+pub async fn release_lapsing_authorizations(
+    pool: &PgPool,
+    margin_s: i64,
+    limit: i64,
+) -> Result<usize, sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    let rows: Vec<(Uuid, Uuid, String)> = sqlx::query_as(
+        "SELECT h.id, o.id, p.payment_intent_id
+           FROM payments p JOIN orders o ON o.id = p.order_id JOIN holds h ON h.order_id = o.id
+          WHERE o.status = 'confirming' AND p.cancel_requested_at IS NULL
+            AND p.capture_before < clock_timestamp() + make_interval(secs => $1::double precision)
+          ORDER BY p.capture_before LIMIT $2
+          FOR UPDATE OF h SKIP LOCKED",
+    )
+    .bind(margin_s as f64)
+    .bind(limit)
+    .fetch_all(&mut *tx)
+    .await?;
+    let mut released = 0;
+    for (hold, order, pi) in rows {
+        let order_id = OrderId(order);
+        let Some(o) = crate::orders::lock(&mut tx, order_id).await? else { continue };
+        if o.status != OrderStatus::Confirming.as_str() {
+            continue; // captured or failed meanwhile
+        }
+        set_status(&mut tx, hold, boxoffice_domain::HoldStatus::Released).await?;
+        crate::orders::set_status(&mut tx, order_id, OrderStatus::Failed, Some("capture_deadline")).await?;
+        crate::stripe_events::incident(
+            &mut tx,
+            Some(order_id),
+            "capture_deadline",
+            serde_json::json!({ "payment_intent_id": pi }),
+        )
+        .await?;
+        if let Some(pi) = crate::payments::request_cancel(&mut *tx, order_id).await? {
+            let env = Envelope::new(
+                order_id,
+                &PurchaseEvent::AuthorizationCancelRequested {
+                    order_id,
+                    payment_intent_id: pi,
+                    reason: "capture_deadline".into(),
+                },
+                o.correlation_id,
+                None,
+            );
+            outbox::insert(&mut tx, boxoffice_domain::Topic::Purchase, &env).await?;
+        }
+        released += 1;
+    }
+    tx.commit().await?;
+    if released > 0 {
+        metrics::counter!("boxoffice_capture_deadline_releases_total").increment(released as u64);
+    }
+    Ok(released)
+}

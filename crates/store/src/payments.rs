@@ -144,3 +144,23 @@ pub async fn request_cancel<'e, E: Executor<'e, Database = Postgres>>(
     .fetch_optional(ex)
     .await
 }
+
+/// How long Stripe keeps an online card authorization capturable when it does not say
+/// (<https://docs.stripe.com/payments/place-a-hold-on-a-payment-method>: 7 days).
+pub const DEFAULT_AUTHORIZATION_VALIDITY_DAYS: i32 = 7;
+
+/// Records a capture deadline for `pi` if none is known yet: now + the default validity.
+pub async fn default_capture_before<'e, E: Executor<'e, Database = Postgres>>(
+    ex: E,
+    pi: &str,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "UPDATE payments SET capture_before = COALESCE(capture_before, clock_timestamp() + make_interval(days => $2))
+          WHERE payment_intent_id = $1",
+    )
+    .bind(pi)
+    .bind(DEFAULT_AUTHORIZATION_VALIDITY_DAYS)
+    .execute(ex)
+    .await?;
+    Ok(())
+}

@@ -14,18 +14,36 @@ pub struct ExpirySettings {
     pub batch: i64,
     /// Pause between sweeps when nothing is due, ms.
     pub interval_ms: u64,
+    /// Authorizations still uncaptured this many seconds before Stripe's capture deadline
+    /// are released on purpose (case C09).
+    pub capture_deadline_margin_s: i64,
 }
 
 impl Default for ExpirySettings {
     fn default() -> Self {
-        Self { batch: 500, interval_ms: 250 }
+        Self { batch: 500, interval_ms: 250, capture_deadline_margin_s: 86_400 }
     }
 }
 
 /// Runs until `shutdown`.
 pub async fn run(pool: PgPool, settings: ExpirySettings, shutdown: CancellationToken) {
     let mut failures = 0u32;
+    let mut last_deadline_sweep = std::time::Instant::now() - Duration::from_secs(60);
     while !shutdown.is_cancelled() {
+        if last_deadline_sweep.elapsed() >= Duration::from_secs(10) {
+            last_deadline_sweep = std::time::Instant::now();
+            match boxoffice_store::holds::release_lapsing_authorizations(
+                &pool,
+                settings.capture_deadline_margin_s,
+                100,
+            )
+            .await
+            {
+                Ok(0) => {}
+                Ok(n) => tracing::warn!(released = n, "authorizations near their capture deadline released"),
+                Err(e) => tracing::warn!(error = %e, "capture-deadline sweep failed"),
+            }
+        }
         let pause = match boxoffice_store::holds::expire_due(&pool, settings.batch).await {
             Ok((n, delay_ms)) => {
                 failures = 0;

@@ -126,6 +126,8 @@ pub async fn apply(tx: &mut Tx<'_>, env: &Envelope, event: &PurchaseEvent) -> Re
                         None,
                     )
                     .await?;
+                    // Case C09: the deadline the expiry worker watches.
+                    payments::default_capture_before(&mut **tx, payment_intent_id).await?;
                     emit.push(PurchaseEvent::OrderConfirmed { order_id, hold_id: HoldId(hold.id) });
                     emit.push(PurchaseEvent::CaptureRequested {
                         order_id,

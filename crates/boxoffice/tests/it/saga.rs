@@ -293,3 +293,60 @@ async fn c03_expiry_racing_authorization_picks_one_legal_state(_: PgPoolOptions,
     }
     assert_eq!(confirmed + compensated, orders.len());
 }
+
+/// C09: a confirmed order whose authorization is near Stripe's capture deadline and still not
+/// captured is released on purpose (seats free, order failed, authorization cancelled,
+/// incident recorded) instead of lapsing silently; an authorization that Stripe cancels
+/// before capture releases the seats too.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn c09_capture_deadline_releases_or_cancels_deliberately(_: PgPoolOptions, opts: PgConnectOptions) {
+    let l = ledger(opts).await;
+    let (s1, s2) = (l.seats[5], l.seats[6]);
+    let near = l.hold(&[s1], Duration::from_secs(60)).await;
+    let near_pi = l.payment(near.order_id).await;
+    handle_once(&l.pool, &Saga, &authorized(near.order_id, &near_pi)).await.unwrap();
+    assert_eq!(l.status(near.order_id).await, "confirming");
+    let deadline: Option<chrono::DateTime<chrono::Utc>> =
+        sqlx::query_scalar("SELECT capture_before FROM payments WHERE order_id = $1")
+            .bind(near.order_id.0)
+            .fetch_one(&l.pool)
+            .await
+            .unwrap();
+    assert!(
+        deadline.unwrap() > chrono::Utc::now() + chrono::Duration::days(6),
+        "a default deadline is tracked"
+    );
+    // Far from the deadline nothing happens; within the margin the order is released.
+    assert_eq!(holds::release_lapsing_authorizations(&l.pool, 3_600, 10).await.unwrap(), 0);
+    sqlx::query("UPDATE payments SET capture_before = now() + interval '30 minutes' WHERE order_id = $1")
+        .bind(near.order_id.0)
+        .execute(&l.pool)
+        .await
+        .unwrap();
+    assert_eq!(holds::release_lapsing_authorizations(&l.pool, 3_600, 10).await.unwrap(), 1);
+    assert_eq!(holds::release_lapsing_authorizations(&l.pool, 3_600, 10).await.unwrap(), 0, "once");
+    assert_eq!(l.status(near.order_id).await, "failed");
+    assert_eq!(l.active_rows(s1).await, 0);
+    assert_eq!(l.outbox("AuthorizationCancelRequested", near.order_id).await, 1);
+    let incidents: i64 = sqlx::query_scalar("SELECT count(*) FROM incidents WHERE kind = 'capture_deadline'")
+        .fetch_one(&l.pool)
+        .await
+        .unwrap();
+    assert_eq!(incidents, 1);
+
+    // Stripe cancels an authorization that was never captured: the seats are released.
+    let lapsed = l.hold(&[s2], Duration::from_secs(60)).await;
+    let lapsed_pi = l.payment(lapsed.order_id).await;
+    handle_once(&l.pool, &Saga, &authorized(lapsed.order_id, &lapsed_pi)).await.unwrap();
+    let canceled = Envelope::new(
+        lapsed.order_id,
+        &PurchaseEvent::PaymentCanceled { order_id: lapsed.order_id, payment_intent_id: lapsed_pi },
+        Uuid::new_v4(),
+        None,
+    );
+    handle_once(&l.pool, &Saga, &canceled).await.unwrap();
+    assert_eq!(l.status(lapsed.order_id).await, "failed");
+    assert_eq!(l.active_rows(s2).await, 0);
+    let v = boxoffice_store::audit::violations(&l.pool, 600_000, None).await.unwrap();
+    assert_eq!(v.total(), v.unpublished_outbox, "{v:?}");
+}
