@@ -203,13 +203,18 @@ impl TestApp {
 
     /// Outbox rows of `event_type` for `order`.
     pub async fn outbox_count(&self, event_type: &str, order: Uuid) -> i64 {
-        sqlx::query_scalar("SELECT count(*) FROM outbox WHERE event_type = $1 AND message_key = $2")
-            .bind(event_type)
-            .bind(order.to_string())
-            .fetch_one(&self.pool)
-            .await
-            .unwrap()
+        outbox_count(&self.pool, event_type, order).await
     }
+}
+
+/// Outbox rows of `event_type` for `order`.
+pub async fn outbox_count(pool: &PgPool, event_type: &str, order: Uuid) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM outbox WHERE event_type = $1 AND message_key = $2")
+        .bind(event_type)
+        .bind(order.to_string())
+        .fetch_one(pool)
+        .await
+        .unwrap()
 }
 
 /// Awaits `cond` (re-evaluated every 25 ms) for at most `timeout`.

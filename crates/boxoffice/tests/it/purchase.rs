@@ -94,13 +94,7 @@ async fn republished_message_is_applied_once(_: PgPoolOptions, opts: PgConnectOp
     let order = receipt.order_id.0;
     let pool = app.pool.clone();
     let requested = move |pool: sqlx::PgPool| async move {
-        sqlx::query_scalar::<_, i64>(
-            "SELECT count(*) FROM outbox WHERE event_type = 'PaymentAuthorizationRequested' AND message_key = $1",
-        )
-        .bind(order.to_string())
-        .fetch_one(&pool)
-        .await
-        .unwrap()
+        crate::helpers::outbox_count(&pool, "PaymentAuthorizationRequested", order).await
     };
     eventually(WAIT, "saga consumed HoldCreated", || {
         let f = requested(pool.clone());
@@ -201,16 +195,7 @@ async fn poison_messages_are_dead_lettered_and_the_partition_moves_on(
     let order = receipt.order_id.0;
     eventually(WAIT, "the healthy message behind the poison was applied", || {
         let pool = pool.clone();
-        async move {
-            sqlx::query_scalar::<_, i64>(
-                "SELECT count(*) FROM outbox WHERE event_type = 'PaymentAuthorizationRequested' AND message_key = $1",
-            )
-            .bind(order.to_string())
-            .fetch_one(&pool)
-            .await
-            .unwrap()
-                >= 1
-        }
+        async move { crate::helpers::outbox_count(&pool, "PaymentAuthorizationRequested", order).await >= 1 }
     })
     .await;
 

@@ -82,12 +82,7 @@ impl Ledger {
     }
 
     async fn outbox(&self, event_type: &str, order: OrderId) -> i64 {
-        sqlx::query_scalar("SELECT count(*) FROM outbox WHERE event_type = $1 AND message_key = $2")
-            .bind(event_type)
-            .bind(order.to_string())
-            .fetch_one(&self.pool)
-            .await
-            .unwrap()
+        crate::helpers::outbox_count(&self.pool, event_type, order.0).await
     }
 
     async fn active_rows(&self, seat: Uuid) -> i64 {
