@@ -107,6 +107,8 @@ pub struct Config {
     /// Confirmed orders still uncaptured this many seconds before Stripe's capture deadline
     /// are released and their authorization cancelled on purpose (case C09).
     pub capture_deadline_margin_s: i64,
+    /// Inbox rows are pruned after this many seconds; keep it above the topics' retention.
+    pub inbox_retention_s: i64,
     /// Log format: `text` or `json`.
     pub log_format: String,
 }
@@ -150,6 +152,7 @@ impl Default for Config {
             expiry_batch: 500,
             expiry_interval_ms: 250,
             capture_deadline_margin_s: 86_400,
+            inbox_retention_s: 7 * 86_400,
             log_format: "text".into(),
         }
     }

@@ -229,6 +229,7 @@ pub async fn start(
                     batch: cfg.expiry_batch,
                     interval_ms: cfg.expiry_interval_ms,
                     capture_deadline_margin_s: cfg.capture_deadline_margin_s,
+                    inbox_retention_s: cfg.inbox_retention_s,
                 };
                 tasks.push(("expiry", tokio::spawn(expiry::run(pool.clone(), settings, shutdown.clone()))));
             }

@@ -1,5 +1,6 @@
 //! The consumer inbox (design §8): `(consumer, event_id)` recorded in the same transaction as
-//! the consumer's effect, so a redelivered message is a no-op (invariant 4).
+//! the consumer's effect, so a redelivered message is a no-op (invariant 4). Also the janitor
+//! for rows whose message can no longer be redelivered, and for expired idempotency keys.
 
 use crate::Tx;
 use uuid::Uuid;
@@ -13,4 +14,32 @@ pub async fn record(tx: &mut Tx<'_>, consumer: &str, event_id: Uuid) -> Result<b
         .execute(&mut **tx)
         .await?;
     Ok(r.rows_affected() == 1)
+}
+
+/// Deletes up to `limit` inbox rows older than `retention_s` seconds. Keep the retention
+/// longer than the topic's, so no message that can still be redelivered loses its row.
+pub async fn prune(pool: &sqlx::PgPool, retention_s: i64, limit: i64) -> Result<u64, sqlx::Error> {
+    let r = sqlx::query(
+        "DELETE FROM inbox WHERE ctid IN (
+            SELECT ctid FROM inbox
+             WHERE processed_at < clock_timestamp() - make_interval(secs => $1::double precision)
+             LIMIT $2)",
+    )
+    .bind(retention_s as f64)
+    .bind(limit)
+    .execute(pool)
+    .await?;
+    Ok(r.rows_affected())
+}
+
+/// Deletes up to `limit` idempotency keys past their `expires_at` (24 h after the request).
+pub async fn prune_idempotency_keys(pool: &sqlx::PgPool, limit: i64) -> Result<u64, sqlx::Error> {
+    let r = sqlx::query(
+        "DELETE FROM idempotency_keys WHERE (user_id, idempotency_key) IN (
+            SELECT user_id, idempotency_key FROM idempotency_keys WHERE expires_at < clock_timestamp() LIMIT $1)",
+    )
+    .bind(limit)
+    .execute(pool)
+    .await?;
+    Ok(r.rows_affected())
 }

@@ -17,11 +17,19 @@ pub struct ExpirySettings {
     /// Authorizations still uncaptured this many seconds before Stripe's capture deadline
     /// are released on purpose (case C09).
     pub capture_deadline_margin_s: i64,
+    /// Inbox rows older than this many seconds are pruned (keep it above the topic's
+    /// retention).
+    pub inbox_retention_s: i64,
 }
 
 impl Default for ExpirySettings {
     fn default() -> Self {
-        Self { batch: 500, interval_ms: 250, capture_deadline_margin_s: 86_400 }
+        Self {
+            batch: 500,
+            interval_ms: 250,
+            capture_deadline_margin_s: 86_400,
+            inbox_retention_s: 7 * 86_400,
+        }
     }
 }
 
@@ -32,6 +40,9 @@ pub async fn run(pool: PgPool, settings: ExpirySettings, shutdown: CancellationT
     while !shutdown.is_cancelled() {
         if last_deadline_sweep.elapsed() >= Duration::from_secs(10) {
             last_deadline_sweep = std::time::Instant::now();
+            if let Err(e) = prune(&pool, &settings).await {
+                tracing::warn!(error = %e, "pruning inbox / idempotency keys failed");
+            }
             match boxoffice_store::holds::release_lapsing_authorizations(
                 &pool,
                 settings.capture_deadline_margin_s,
@@ -70,4 +81,12 @@ pub async fn run(pool: PgPool, settings: ExpirySettings, shutdown: CancellationT
         }
     }
     tracing::info!("expiry worker stopped");
+}
+
+/// Janitor work that rides along the expiry sweep: old inbox rows and expired idempotency
+/// keys, in bounded batches.
+async fn prune(pool: &PgPool, settings: &ExpirySettings) -> Result<(), sqlx::Error> {
+    boxoffice_store::inbox::prune(pool, settings.inbox_retention_s, 10_000).await?;
+    boxoffice_store::inbox::prune_idempotency_keys(pool, 10_000).await?;
+    Ok(())
 }

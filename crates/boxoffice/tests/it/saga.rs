@@ -345,3 +345,30 @@ async fn c09_capture_deadline_releases_or_cancels_deliberately(_: PgPoolOptions,
     let v = boxoffice_store::audit::violations(&l.pool, 600_000, None).await.unwrap();
     assert_eq!(v.total(), v.unpublished_outbox, "{v:?}");
 }
+
+/// The janitor drops inbox rows past their retention and expired idempotency keys, and
+/// nothing newer.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn janitor_prunes_only_what_can_no_longer_matter(_: PgPoolOptions, opts: PgConnectOptions) {
+    let l = ledger(opts).await;
+    l.hold(&l.seats[..1], Duration::from_secs(60)).await; // a fresh idempotency key
+    sqlx::query("INSERT INTO inbox (consumer, event_id, processed_at) VALUES ('saga', $1, now() - interval '8 days'), ('saga', $2, now())")
+        .bind(Uuid::new_v4())
+        .bind(Uuid::new_v4())
+        .execute(&l.pool)
+        .await
+        .unwrap();
+    sqlx::query("INSERT INTO idempotency_keys (user_id, idempotency_key, request_hash, expires_at) VALUES ($1, 'old', 'h', now() - interval '1 hour')")
+        .bind(Uuid::new_v4())
+        .execute(&l.pool)
+        .await
+        .unwrap();
+    assert_eq!(boxoffice_store::inbox::prune(&l.pool, 7 * 86_400, 100).await.unwrap(), 1);
+    assert_eq!(boxoffice_store::inbox::prune_idempotency_keys(&l.pool, 100).await.unwrap(), 1);
+    let left: (i64, i64) =
+        sqlx::query_as("SELECT (SELECT count(*) FROM inbox), (SELECT count(*) FROM idempotency_keys)")
+            .fetch_one(&l.pool)
+            .await
+            .unwrap();
+    assert_eq!(left, (1, 1));
+}
