@@ -274,6 +274,8 @@ impl InFlight {
 impl<H: Handler> Runner<H> {
     async fn run(self: Arc<Self>, consumer: GroupConsumer, lanes: usize) {
         let name = self.handler.name();
+        let consumer = Arc::new(consumer);
+        let lag_reporter = tokio::spawn(report_lag(consumer.clone(), name, self.shutdown.clone()));
         let (done_tx, mut done_rx) = mpsc::unbounded_channel::<(String, i32, i64)>();
         let mut lane_tx = Vec::with_capacity(lanes);
         let mut lane_tasks = Vec::with_capacity(lanes);
@@ -328,6 +330,7 @@ impl<H: Handler> Runner<H> {
                 commit(&consumer, name, &topic, partition, next);
             }
         }
+        lag_reporter.abort();
         if let Err(e) = consumer.commit_consumer_state(CommitMode::Sync) {
             tracing::debug!(consumer = name, error = %e, "final offset commit");
         }
@@ -424,6 +427,38 @@ impl<H: Handler> Runner<H> {
         }
         metrics::counter!("boxoffice_dead_letters_total", "consumer" => name, "code" => code.to_owned())
             .increment(1);
+    }
+}
+
+/// Every 5 s, exports `boxoffice_consumer_lag{consumer, partition}`: the partition's high
+/// watermark minus this member's position, for each partition it holds (design §16: lag by
+/// partition shows a slow worker or a hot key).
+async fn report_lag(consumer: Arc<GroupConsumer>, name: &'static str, shutdown: CancellationToken) {
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(Duration::from_secs(5)) => {}
+        }
+        let c = consumer.clone();
+        let lags = tokio::task::spawn_blocking(move || -> Vec<(i32, i64)> {
+            let Ok(positions) = c.position() else { return vec![] };
+            positions
+                .elements()
+                .iter()
+                .filter_map(|e| {
+                    let Offset::Offset(pos) = e.offset() else { return None };
+                    let (_, high) =
+                        c.fetch_watermarks(e.topic(), e.partition(), Duration::from_secs(2)).ok()?;
+                    Some((e.partition(), (high - pos).max(0)))
+                })
+                .collect()
+        })
+        .await
+        .unwrap_or_default();
+        for (partition, lag) in lags {
+            metrics::gauge!("boxoffice_consumer_lag", "consumer" => name, "partition" => partition.to_string())
+                .set(lag as f64);
+        }
     }
 }
 

@@ -267,3 +267,29 @@ async fn hold_directly(app: &TestApp, seat: Uuid) -> holds::HoldReceipt {
     };
     holds::reserve(&app.pool, &req).await.unwrap().receipt().clone()
 }
+
+/// The business signals of design §16 are exported on `/metrics`: hold latency, outbox
+/// backlog and age, and consumer lag per partition.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn metrics_export_the_business_signals(_: PgPoolOptions, opts: PgConnectOptions) {
+    let app = TestApp::spawn(opts, &[Role::Api, Role::Relay, Role::Saga], VenueSpec::small(1, 1, 4)).await;
+    let s = app.seats().await;
+    let b = app.buyer();
+    assert_eq!(app.hold(&b, &app.admission_token(&b), "m", &[s[0]]).await.status(), 202);
+    let (http, url) = (app.http.clone(), format!("{}/metrics", app.api));
+    eventually(WAIT, "metrics exported", || {
+        let (http, url) = (http.clone(), url.clone());
+        async move {
+            let text = http.get(url).send().await.unwrap().text().await.unwrap();
+            [
+                "boxoffice_hold_seconds",
+                "boxoffice_outbox_oldest_unpublished_age_ms",
+                "boxoffice_consumer_lag{",
+            ]
+            .iter()
+            .all(|m| text.contains(m))
+        }
+    })
+    .await;
+    app.stop().await;
+}
