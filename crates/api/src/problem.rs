@@ -162,6 +162,7 @@ impl From<ReserveError> for Problem {
                 format!("a hold takes 1 to 8 distinct seats, got {n}"),
             ),
             ReserveError::Db(e) => Problem::database(&e),
+            ReserveError::Fault(f) => f.into(),
         }
     }
 }
@@ -172,6 +173,28 @@ impl From<boxoffice_store::StoreError> for Problem {
             boxoffice_store::StoreError::Db(db) => Problem::database(db),
             _ => Problem::internal(&e),
         }
+    }
+}
+
+impl From<crate::webhooks::IngestError> for Problem {
+    fn from(e: crate::webhooks::IngestError) -> Self {
+        match e {
+            crate::webhooks::IngestError::Db(db) => Problem::database(&db),
+            crate::webhooks::IngestError::Fault(f) => f.into(),
+        }
+    }
+}
+
+impl From<boxoffice_faults::Injected> for Problem {
+    fn from(e: boxoffice_faults::Injected) -> Self {
+        let mut p = Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "fault_injected",
+            "Service unavailable",
+            format!("{e}; retry with the same Idempotency-Key"),
+        );
+        p.retry_after = Some(1);
+        p
     }
 }
 

@@ -68,6 +68,15 @@ pub struct Config {
     /// order's events stay ordered while different orders are applied in parallel. Each
     /// busy lane holds one database connection.
     pub consumer_lanes: usize,
+    /// Attempts of a transiently failing message in place before it moves to the 5 s retry
+    /// topic (design §8).
+    pub consumer_inline_attempts: u32,
+    /// Delay of `ticketing.purchase.retry-5s.v1`, ms.
+    pub consumer_retry_5s_delay_ms: u64,
+    /// Delay of `ticketing.purchase.retry-1m.v1`, ms.
+    pub consumer_retry_1m_delay_ms: u64,
+    /// Attempts in all before a message is dead-lettered (default 8: about 5 minutes).
+    pub consumer_max_attempts: u32,
     /// HTTP listen address of the API role.
     pub http_bind: String,
     /// This deployment's purchase cell (bound into admission tokens).
@@ -111,6 +120,10 @@ pub struct Config {
     pub inbox_retention_s: i64,
     /// Log format: `text` or `json`.
     pub log_format: String,
+    /// Fault points to arm at start-up (`BOXOFFICE_FAULTS`), `point=actions;…` in the
+    /// `fail` crate's syntax, e.g. `payments.after_remote=5%return(abort)`. Empty (the
+    /// default) leaves every point inert; see `boxoffice_faults` for the points and modes.
+    pub faults: String,
 }
 
 impl Default for Config {
@@ -132,6 +145,10 @@ impl Default for Config {
             kafka_replication: 1,
             consumers_per_role: 1,
             consumer_lanes: 8,
+            consumer_inline_attempts: 3,
+            consumer_retry_5s_delay_ms: 5_000,
+            consumer_retry_1m_delay_ms: 60_000,
+            consumer_max_attempts: 8,
             http_bind: "127.0.0.1:8080".into(),
             purchase_cell: "cell-1".into(),
             user_jwt_secret: "dev-user-secret-change-me-0123456789".into(),
@@ -154,6 +171,7 @@ impl Default for Config {
             capture_deadline_margin_s: 86_400,
             inbox_retention_s: 7 * 86_400,
             log_format: "text".into(),
+            faults: String::new(),
         }
     }
 }
@@ -196,6 +214,9 @@ impl Config {
         if self.consumer_lanes < 1 || self.consumer_lanes > 256 || self.consumers_per_role < 1 {
             bail!("consumer_lanes must be 1..=256 and consumers_per_role at least 1");
         }
+        if self.consumer_inline_attempts < 1 || self.consumer_max_attempts <= self.consumer_inline_attempts {
+            bail!("consumer_inline_attempts must be at least 1 and below consumer_max_attempts");
+        }
         let pools = [
             self.db_max_connections,
             self.db_pool_api,
@@ -228,6 +249,7 @@ impl Config {
         if !matches!(self.log_format.as_str(), "text" | "json") {
             bail!("log_format must be text or json");
         }
+        boxoffice_faults::validate(&self.faults).map_err(|e| anyhow::anyhow!("faults: {e}"))?;
         Ok(())
     }
 
@@ -238,6 +260,12 @@ impl Config {
             prefix: self.kafka_topic_prefix.clone(),
             partitions: self.kafka_partitions,
             replication: self.kafka_replication,
+            retry: boxoffice_bus::RetryPolicy {
+                inline_attempts: self.consumer_inline_attempts,
+                retry_5s_delay_ms: self.consumer_retry_5s_delay_ms,
+                retry_1m_delay_ms: self.consumer_retry_1m_delay_ms,
+                max_attempts: self.consumer_max_attempts,
+            },
         })
     }
 

@@ -153,6 +153,8 @@ pub async fn start(
     connect: PgConnectOptions,
     shutdown: CancellationToken,
 ) -> anyhow::Result<Running> {
+    // Inert unless configured; a test may also arm points directly.
+    boxoffice_faults::configure(&cfg.faults).map_err(|e| anyhow::anyhow!("faults: {e}"))?;
     let kafka = cfg.kafka();
     if kafka.is_none() && roles.iter().any(|r| r.needs_kafka()) {
         anyhow::bail!("roles {roles:?} need a Kafka broker: set BOXOFFICE_KAFKA_BROKERS");

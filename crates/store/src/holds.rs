@@ -135,6 +135,9 @@ pub enum ReserveError {
     /// The database failed (after retries for transient errors). → 503 or 500
     #[error("database error")]
     Db(#[from] sqlx::Error),
+    /// A fault point fired (`hold.before_commit` / `hold.after_commit`). → 503
+    #[error(transparent)]
+    Fault(#[from] boxoffice_faults::Injected),
 }
 
 /// Runs the hold transaction, retrying the whole transaction with jittered backoff on
@@ -341,7 +344,10 @@ async fn reserve_once(
     .bind(sqlx::types::Json(&receipt))
     .execute(&mut *tx)
     .await?;
+    boxoffice_faults::check("hold.before_commit")?;
     tx.commit().await?;
+    // Committed but unanswered: the client's retry with the same key gets this receipt.
+    boxoffice_faults::check("hold.after_commit")?;
     Ok(ReserveOutcome::Created(receipt))
 }
 

@@ -4,6 +4,11 @@
 //! still leased to this relay. Several relays may run at once; a relay that dies after the
 //! broker acknowledged but before marking leaves rows whose lease expires and that another
 //! relay publishes again — a duplicate the consumers' inbox absorbs, never a loss.
+//!
+//! Fault points: `relay.before_publish` (claimed, nothing sent), `relay.after_publish` (the
+//! broker acknowledged, the rows are not marked: an injected error releases the claim so
+//! the rows are published again at once — the duplicate §17 asks to prove harmless) and
+//! `relay.after_commit` (marked).
 
 use boxoffice_bus::KafkaConfig;
 use boxoffice_store::outbox;
@@ -97,6 +102,11 @@ pub async fn publish_batch(
         return Ok(0);
     }
     let claimed = rows.len();
+    if let Err(e) = boxoffice_faults::check("relay.before_publish") {
+        let ids: Vec<_> = rows.iter().map(|r| r.id).collect();
+        outbox::release_claim(pool, relay_id, &ids).await?;
+        return Err(e.into());
+    }
     let encoded: Vec<(String, Vec<u8>)> = rows
         .iter()
         .map(|row| Ok((kafka.topic(&row.topic), serde_json::to_vec(&row.payload.0)?)))
@@ -138,6 +148,13 @@ pub async fn publish_batch(
             Err(_canceled) => failed.push(id),
         }
     }
+    if let Err(e) = boxoffice_faults::check("relay.after_publish") {
+        // As if the relay died here: delivered but unmarked, so they go out again.
+        let mut all = delivered;
+        all.extend(failed);
+        outbox::release_claim(pool, relay_id, &all).await?;
+        return Err(e.into());
+    }
     if !delivered.is_empty() {
         let marked = outbox::mark_published(pool, relay_id, &delivered).await?;
         metrics::counter!("boxoffice_outbox_published_total").increment(marked);
@@ -151,5 +168,6 @@ pub async fn publish_batch(
         outbox::release_claim(pool, relay_id, &failed).await?;
         anyhow::bail!("{} of {} messages were not delivered", failed.len(), claimed);
     }
+    boxoffice_faults::check("relay.after_commit")?;
     Ok(claimed)
 }
