@@ -4,6 +4,22 @@
 //! transaction; 2xx is answered only after that commit. A redelivered event finds its row
 //! and is acknowledged without effect (invariant 4). Events we do not act on are recorded and
 //! acknowledged, so Stripe stops retrying them. Whole bodies are never logged.
+//!
+//! A webhook is a hint, not the truth (Stripe delivers at least once, late and in any order):
+//! - **early**: an event for a PaymentIntent whose payment row is not committed yet is mapped
+//!   through the order id in its metadata; if it names no order either, it is kept as
+//!   pending and re-derived from Stripe once the payment row exists (the payment worker);
+//! - **stale**: an event for a PaymentIntent that is not the order's current one is recorded
+//!   and ignored — except an authorization, which the saga cancels (nobody may keep a
+//!   buyer's funds reserved for nothing);
+//! - **disagreeing**: an amount different from the order's, or a status contradicting a
+//!   settled one in the ledger (captured vs canceled), is not acted on; instead the payment
+//!   worker re-fetches the PaymentIntent and reports what Stripe says now
+//!   (`PaymentIntentRefreshRequested`);
+//! - out-of-order facts are harmless: the saga moves on the order's state, not on arrival.
+//!
+//! Fault points: `webhook.before_commit`, `webhook.after_commit` (committed, not answered:
+//! Stripe redelivers and the duplicate is acknowledged without effect).
 
 use boxoffice_domain::{Envelope, OrderId, PurchaseEvent};
 use boxoffice_payments::webhook::Event;
@@ -29,10 +45,46 @@ pub enum Ingested {
     Recorded,
     /// Seen before: acknowledged, nothing written.
     Duplicate,
+    /// Its PaymentIntent is not known yet: kept until the payment row exists.
+    Pending,
+    /// It disagreed with the ledger: a re-fetch of the PaymentIntent is queued instead.
+    Refresh,
+    /// It concerns a PaymentIntent that is not the order's current one: recorded, ignored.
+    Stale,
+}
+
+impl Ingested {
+    fn label(self) -> &'static str {
+        match self {
+            Ingested::Recorded => "recorded",
+            Ingested::Duplicate => "duplicate",
+            Ingested::Pending => "pending",
+            Ingested::Refresh => "refresh",
+            Ingested::Stale => "stale",
+        }
+    }
+}
+
+/// Why ingestion failed (the endpoint answers 5xx and Stripe redelivers).
+#[derive(Debug, thiserror::Error)]
+pub enum IngestError {
+    /// The database failed; nothing was committed.
+    #[error("database error")]
+    Db(#[from] sqlx::Error),
+    /// A fault point fired (`webhook.before_commit` / `webhook.after_commit`).
+    #[error(transparent)]
+    Fault(#[from] boxoffice_faults::Injected),
 }
 
 /// Records a verified Stripe event and its domain fact in one transaction.
-pub async fn ingest(pool: &PgPool, event: &Event) -> Result<Ingested, sqlx::Error> {
+pub async fn ingest(pool: &PgPool, event: &Event) -> Result<Ingested, IngestError> {
+    let outcome = ingest_tx(pool, event).await?;
+    boxoffice_faults::check("webhook.after_commit")?;
+    metrics::counter!("boxoffice_stripe_webhooks_total", "outcome" => outcome.label()).increment(1);
+    Ok(outcome)
+}
+
+async fn ingest_tx(pool: &PgPool, event: &Event) -> Result<Ingested, IngestError> {
     let object = &event.data.object;
     let pi = payment_intent_id(&event.r#type, object);
     let mut tx = pool.begin().await?;
@@ -45,37 +97,117 @@ pub async fn ingest(pool: &PgPool, event: &Event) -> Result<Ingested, sqlx::Erro
     };
     if !stripe_events::record(&mut tx, &event.id, &event.r#type, pi.as_deref(), order).await? {
         tx.rollback().await?;
-        metrics::counter!("boxoffice_stripe_webhooks_total", "outcome" => "duplicate").increment(1);
         return Ok(Ingested::Duplicate);
     }
-    if let (Some(order), Some(pi)) = (order, pi.as_deref()) {
-        if let Some(fact) = map_event(&event.r#type, object, order, pi) {
-            if event.r#type == "payment_intent.amount_capturable_updated" {
-                // Mirror the provider's state for the status endpoint (`authorized`); the
-                // order itself is moved only by the saga.
-                sqlx::query(
-                    "UPDATE payments SET status = 'requires_capture', updated_at = clock_timestamp()
-                      WHERE payment_intent_id = $1
-                        AND status IN ('requires_payment_method', 'requires_confirmation', 'requires_action')",
-                )
-                .bind(pi)
-                .execute(&mut *tx)
+    let handled = HANDLED_EVENTS.contains(&event.r#type.as_str());
+    let mut outcome = Ingested::Recorded;
+    match (order, pi.as_deref()) {
+        (Some(order), Some(pi)) if handled => {
+            let local = payments::get(&mut *tx, order).await?;
+            let order_amount: Option<i64> = sqlx::query_scalar("SELECT amount_minor FROM orders WHERE id = $1")
+                .bind(order.0)
+                .fetch_optional(&mut *tx)
                 .await?;
-            }
-            let correlation: Option<Uuid> =
-                sqlx::query_scalar("SELECT correlation_id FROM orders WHERE id = $1")
-                    .bind(order.0)
-                    .fetch_optional(&mut *tx)
+            let fact = match judge(&event.r#type, object, local.as_ref(), order_amount, pi) {
+                Verdict::Act => map_event(&event.r#type, object, order, pi),
+                Verdict::Stale => {
+                    tracing::warn!(stripe.event_id = %event.id, stripe.event_type = %event.r#type, order.id = %order,
+                        "webhook for a PaymentIntent that is not the order's current one: ignored");
+                    outcome = Ingested::Stale;
+                    None
+                }
+                Verdict::Refresh(reason) => {
+                    tracing::warn!(stripe.event_id = %event.id, stripe.event_type = %event.r#type, order.id = %order,
+                        reason, "webhook disagrees with the ledger: re-fetching the PaymentIntent");
+                    outcome = Ingested::Refresh;
+                    Some(PurchaseEvent::PaymentIntentRefreshRequested {
+                        order_id: order,
+                        payment_intent_id: pi.to_owned(),
+                        reason: reason.to_owned(),
+                    })
+                }
+            };
+            if let Some(fact) = fact {
+                if event.r#type == "payment_intent.amount_capturable_updated" && outcome == Ingested::Recorded {
+                    // Mirror the provider's state for the status endpoint (`authorized`); the
+                    // order itself is moved only by the saga.
+                    sqlx::query(
+                        "UPDATE payments SET status = 'requires_capture', updated_at = clock_timestamp()
+                          WHERE payment_intent_id = $1
+                            AND status IN ('requires_payment_method', 'requires_confirmation', 'requires_action')",
+                    )
+                    .bind(pi)
+                    .execute(&mut *tx)
                     .await?;
-            let env = Envelope::new(order, &fact, correlation.unwrap_or_else(Uuid::new_v4), None);
-            outbox::insert(&mut tx, boxoffice_domain::Topic::Purchase, &env).await?;
+                }
+                let correlation: Option<Uuid> =
+                    sqlx::query_scalar("SELECT correlation_id FROM orders WHERE id = $1")
+                        .bind(order.0)
+                        .fetch_optional(&mut *tx)
+                        .await?;
+                let env = Envelope::new(order, &fact, correlation.unwrap_or_else(Uuid::new_v4), None);
+                outbox::insert(&mut tx, boxoffice_domain::Topic::Purchase, &env).await?;
+            }
         }
-    } else if event.r#type.starts_with("payment_intent.") || event.r#type.starts_with("charge.") {
-        tracing::warn!(stripe.event_id = %event.id, stripe.event_type = %event.r#type, "webhook names no known order");
+        (None, Some(_)) if handled => {
+            // Early: the payment worker has not committed the payment row. Keep the event;
+            // the fact is re-derived from Stripe when the row is written.
+            stripe_events::mark_pending(&mut tx, &event.id).await?;
+            outcome = Ingested::Pending;
+        }
+        _ => {}
     }
+    boxoffice_faults::check("webhook.before_commit")?;
     tx.commit().await?;
-    metrics::counter!("boxoffice_stripe_webhooks_total", "outcome" => "recorded").increment(1);
-    Ok(Ingested::Recorded)
+    Ok(outcome)
+}
+
+/// What to do with a handled event, given the ledger's view.
+#[derive(Debug, PartialEq, Eq)]
+enum Verdict {
+    /// Map it to its fact.
+    Act,
+    /// It is about another PaymentIntent than the order's current one: ignore.
+    Stale,
+    /// It contradicts the ledger: ask Stripe (the reason is logged and sent along).
+    Refresh(&'static str),
+}
+
+fn judge(
+    event_type: &str,
+    object: &Value,
+    local: Option<&payments::PaymentRow>,
+    order_amount: Option<i64>,
+    pi: &str,
+) -> Verdict {
+    if let Some(p) = local {
+        if p.payment_intent_id != pi {
+            // A stray authorization is still mapped: the saga cancels it.
+            return if event_type == "payment_intent.amount_capturable_updated" { Verdict::Act } else { Verdict::Stale };
+        }
+    }
+    let amount_field = match event_type {
+        "payment_intent.amount_capturable_updated" => Some("amount_capturable"),
+        "payment_intent.succeeded" => Some("amount_received"),
+        _ => None,
+    };
+    if let (Some(field), Some(expected)) = (amount_field, order_amount) {
+        if amount(object, field) != expected {
+            return Verdict::Refresh("amount_mismatch");
+        }
+    }
+    if let Some(p) = local {
+        let contradicts = match event_type {
+            "payment_intent.amount_capturable_updated" | "payment_intent.succeeded" => p.status == "canceled",
+            "payment_intent.canceled" | "payment_intent.payment_failed" => p.status == "succeeded",
+            "charge.refunded" => amount(object, "amount_refunded") > p.amount_captured_minor.max(p.amount_minor),
+            _ => false,
+        };
+        if contradicts {
+            return Verdict::Refresh("status_contradicts_ledger");
+        }
+    }
+    Verdict::Act
 }
 
 fn payment_intent_id(event_type: &str, object: &Value) -> Option<String> {

@@ -8,19 +8,38 @@
 //! commit; and only then commit the Kafka offset. A crash anywhere before the offset commit
 //! replays the message, and the inbox turns the replay into a no-op (invariant 4).
 //!
-//! A transient error (database unreachable, provider 5xx, timeout) rolls back and retries the
-//! same message with capped, jittered backoff, blocking its partition so per-order order is
-//! kept. A permanent error (undecodable envelope, unknown type, impossible transition) goes to
-//! the dead-letter topic with the source topic/partition/offset, consumer, error code and
-//! attempt count, and the runner moves on.
+//! **Retries** (design §8). A transient error (database unreachable, provider 5xx, timeout,
+//! an injected fault) rolls back and is retried in place a few times with short jittered
+//! backoff (`RetryPolicy::inline_attempts`, about a second in all). If it still fails, the
+//! message is copied to `ticketing.purchase.retry-5s.v1`, its offset is committed and the
+//! partition moves on. Each consumer also runs a member on each retry topic: it takes only
+//! the copies addressed to it (`x-retry-consumer` header), waits until the copy is due
+//! (`x-retry-not-before-ms`), and tries once more; a failure there moves the copy to
+//! `ticketing.purchase.retry-1m.v1`, which retries every minute until
+//! `RetryPolicy::max_attempts` attempts in all have failed. Then, as for a permanent error
+//! (undecodable envelope, unknown type, impossible transition), the message goes to the
+//! dead-letter topic with its original topic/partition/offset, the consumer, the error code
+//! and the attempt count, and the runner moves on. A copy is durable in the next topic
+//! before the offset of the original is committed, so a crash in between only duplicates it
+//! (into the inbox).
+//!
+//! **What ordering still holds.** Within a partition, the messages of one order (one key)
+//! are applied in offset order by one lane, as long as each succeeds within its in-place
+//! attempts. A message that moves to a retry topic gives up its place: later messages of
+//! the same order may be applied before it. Nothing in boxoffice relies on more than that:
+//! the saga decides from the order's and hold's locked rows, not from arrival order (a late
+//! authorization after expiry is compensated, a duplicate fact finds the order moved on);
+//! the payment worker re-reads the order before each Stripe call and uses stable
+//! idempotency keys; ticket issuance is idempotent per seat. Retry copies of one order keep
+//! their relative order inside a retry topic (same key, same partition, one lane).
 
-use crate::KafkaConfig;
+use crate::{KafkaConfig, RetryPolicy};
 use async_trait::async_trait;
 use boxoffice_domain::{Envelope, PurchaseEvent, Topic};
 use boxoffice_store::{inbox, Tx};
 use rand::Rng;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer};
-use rdkafka::message::{Message, OwnedMessage};
+use rdkafka::message::{Headers, Message, OwnedMessage};
 use rdkafka::producer::FutureProducer;
 use rdkafka::ClientConfig;
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
@@ -63,6 +82,12 @@ impl From<sqlx::Error> for HandlerError {
         } else {
             Self::Permanent { code: "database_error", source: e.into() }
         }
+    }
+}
+
+impl From<boxoffice_faults::Injected> for HandlerError {
+    fn from(e: boxoffice_faults::Injected) -> Self {
+        Self::Transient(e.into())
     }
 }
 
@@ -123,6 +148,9 @@ pub enum Disposition {
 
 /// Applies one envelope once: the inbox check, `prepare`, then inbox + `apply` in one
 /// transaction. Public so tests can drive a handler without a broker.
+///
+/// Fault points (`boxoffice_faults`): `{consumer}.before_remote` / `.after_remote` around
+/// `prepare`, `.before_commit` / `.after_commit` around the commit.
 pub async fn handle_once<H: Handler>(
     pool: &PgPool,
     handler: &H,
@@ -143,13 +171,18 @@ pub async fn handle_once<H: Handler>(
             return Ok(Disposition::Duplicate);
         }
     }
+    let name = handler.name();
+    boxoffice_faults::check(&format!("{name}.before_remote"))?;
     let prepared = handler.prepare(env, &event).await?;
+    boxoffice_faults::check(&format!("{name}.after_remote"))?;
     let mut tx = pool.begin().await?;
-    if !inbox::record(&mut tx, handler.name(), env.event_id).await? {
+    if !inbox::record(&mut tx, name, env.event_id).await? {
         return Ok(Disposition::Duplicate);
     }
     handler.apply(&mut tx, env, &event, prepared).await?;
+    boxoffice_faults::check(&format!("{name}.before_commit"))?;
     tx.commit().await?;
+    boxoffice_faults::check(&format!("{name}.after_commit"))?;
     Ok(Disposition::Applied)
 }
 
@@ -172,6 +205,8 @@ impl Assignment {
 struct GroupContext {
     name: &'static str,
     assignment: Arc<Assignment>,
+    /// Whether this member's assignment is exported (main-topic members only).
+    report: bool,
 }
 
 impl ClientContext for GroupContext {}
@@ -187,6 +222,9 @@ impl ConsumerContext for GroupContext {
             }
         };
         let now = self.assignment.partitions.fetch_add(delta, Ordering::Relaxed) + delta;
+        if !self.report {
+            return;
+        }
         metrics::gauge!("boxoffice_consumer_assigned_partitions", "consumer" => self.name).set(now as f64);
         tracing::info!(consumer = self.name, partitions = now, "partition assignment changed");
     }
@@ -194,45 +232,149 @@ impl ConsumerContext for GroupContext {
 
 type GroupConsumer = StreamConsumer<GroupContext>;
 
+/// The topic a consumer member reads: the purchase topic or one of the retry topics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    /// `ticketing.purchase.v1`, group `ticketing-{consumer}`.
+    Main,
+    /// `ticketing.purchase.retry-5s.v1`, group `ticketing-{consumer}-retry-5s`.
+    Retry5s,
+    /// `ticketing.purchase.retry-1m.v1`, group `ticketing-{consumer}-retry-1m`.
+    Retry1m,
+}
+
+impl Stage {
+    fn topic(self) -> Topic {
+        match self {
+            Stage::Main => Topic::Purchase,
+            Stage::Retry5s => Topic::Retry5s,
+            Stage::Retry1m => Topic::Retry1m,
+        }
+    }
+
+    fn label(self) -> &'static str {
+        match self {
+            Stage::Main => "main",
+            Stage::Retry5s => "retry-5s",
+            Stage::Retry1m => "retry-1m",
+        }
+    }
+
+    /// The consumer-group suffix of a member on this stage.
+    fn group_suffix(self) -> &'static str {
+        match self {
+            Stage::Main => "",
+            Stage::Retry5s => "-retry-5s",
+            Stage::Retry1m => "-retry-1m",
+        }
+    }
+
+    /// Where a message that failed its attempts on this stage goes next.
+    fn next(self) -> Stage {
+        match self {
+            Stage::Main => Stage::Retry5s,
+            Stage::Retry5s | Stage::Retry1m => Stage::Retry1m,
+        }
+    }
+
+    fn delay_ms(self, p: &RetryPolicy) -> u64 {
+        match self {
+            Stage::Main => 0,
+            Stage::Retry5s => p.retry_5s_delay_ms,
+            Stage::Retry1m => p.retry_1m_delay_ms,
+        }
+    }
+}
+
+/// Headers of a retry copy.
+pub mod retry_headers {
+    /// The consumer the copy is for (retry topics are shared by every consumer).
+    pub const CONSUMER: &str = "x-retry-consumer";
+    /// Attempts made so far.
+    pub const ATTEMPT: &str = "x-retry-attempt";
+    /// Not to be retried before this Unix time, ms.
+    pub const NOT_BEFORE_MS: &str = "x-retry-not-before-ms";
+    /// The last error's code (`transient`).
+    pub const LAST_ERROR: &str = "x-retry-last-error";
+    /// Logical topic of the original message.
+    pub const ORIGIN_TOPIC: &str = "x-origin-topic";
+    /// Partition of the original message.
+    pub const ORIGIN_PARTITION: &str = "x-origin-partition";
+    /// Offset of the original message.
+    pub const ORIGIN_OFFSET: &str = "x-origin-offset";
+}
+
+fn header<'a>(msg: &'a OwnedMessage, key: &str) -> Option<&'a str> {
+    let headers = msg.headers()?;
+    headers.iter().find(|h| h.key == key).and_then(|h| h.value).and_then(|v| std::str::from_utf8(v).ok())
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// Where a message first entered the bus: reported in dead letters and carried by retry
+/// copies.
+#[derive(Debug, Clone)]
+struct Origin {
+    topic: String,
+    partition: i32,
+    offset: i64,
+}
+
 /// Runs `instances` members of the handler's consumer group until `shutdown`. Each member
 /// reads its partitions and spreads messages over `lanes` concurrent lanes by message key
 /// (the order id): one order's messages are applied in partition order, different orders in
 /// parallel. Offsets are committed only up to the lowest message still in flight in its
-/// partition, so a crash replays everything unfinished (into the inbox). Returns the tasks
-/// and the group's [`Assignment`].
+/// partition, so a crash replays everything unfinished (into the inbox). Each instance also
+/// runs one member on each retry topic (see the module doc). Returns the tasks and the main
+/// group's [`Assignment`].
 pub fn run_consumers<H: Handler>(
     cfg: &KafkaConfig,
     pool: PgPool,
     handler: Arc<H>,
-    dlq: FutureProducer,
+    producer: FutureProducer,
     instances: usize,
     lanes: usize,
     shutdown: CancellationToken,
 ) -> anyhow::Result<(Vec<tokio::task::JoinHandle<()>>, Arc<Assignment>)> {
     let assignment = Arc::new(Assignment::default());
+    let retry_assignment = Arc::new(Assignment::default());
     let mut tasks = Vec::new();
     for i in 0..instances.max(1) {
-        let consumer: GroupConsumer = ClientConfig::new()
-            .set("bootstrap.servers", &cfg.brokers)
-            .set("group.id", cfg.group(handler.name()))
-            .set("client.id", format!("{}-{}-{}", handler.name(), std::process::id(), i))
-            .set("enable.auto.commit", "false")
-            .set("auto.offset.reset", "earliest")
-            .set("session.timeout.ms", "10000")
-            .set("heartbeat.interval.ms", "1000")
-            .set("fetch.wait.max.ms", "20")
-            .set("partition.assignment.strategy", "cooperative-sticky")
-            .create_with_context(GroupContext { name: handler.name(), assignment: assignment.clone() })?;
-        consumer.subscribe(&[&cfg.topic(Topic::Purchase.name())])?;
-        let runner = Arc::new(Runner {
-            cfg: cfg.clone(),
-            pool: pool.clone(),
-            handler: handler.clone(),
-            dlq: dlq.clone(),
-            shutdown: shutdown.clone(),
-        });
-        let lanes = lanes.max(1);
-        tasks.push(tokio::spawn(async move { runner.run(consumer, lanes).await }));
+        for stage in [Stage::Main, Stage::Retry5s, Stage::Retry1m] {
+            let group = format!("{}{}", handler.name(), stage.group_suffix());
+            let consumer: GroupConsumer = ClientConfig::new()
+                .set("bootstrap.servers", &cfg.brokers)
+                .set("group.id", cfg.group(&group))
+                .set("client.id", format!("{}-{}-{}", group, std::process::id(), i))
+                .set("enable.auto.commit", "false")
+                .set("auto.offset.reset", "earliest")
+                .set("session.timeout.ms", "10000")
+                .set("heartbeat.interval.ms", "1000")
+                .set("fetch.wait.max.ms", if stage == Stage::Main { "20" } else { "200" })
+                .set("partition.assignment.strategy", "cooperative-sticky")
+                .create_with_context(GroupContext {
+                    name: handler.name(),
+                    assignment: if stage == Stage::Main { assignment.clone() } else { retry_assignment.clone() },
+                    report: stage == Stage::Main,
+                })?;
+            consumer.subscribe(&[&cfg.topic(stage.topic().name())])?;
+            let runner = Arc::new(Runner {
+                cfg: cfg.clone(),
+                pool: pool.clone(),
+                handler: handler.clone(),
+                producer: producer.clone(),
+                shutdown: shutdown.clone(),
+                stage,
+            });
+            // Retry members mostly wait for due times; a couple of lanes is plenty.
+            let lanes = if stage == Stage::Main { lanes.max(1) } else { lanes.clamp(1, 2) };
+            tasks.push(tokio::spawn(async move { runner.run(consumer, lanes).await }));
+        }
     }
     Ok((tasks, assignment))
 }
@@ -241,8 +383,9 @@ struct Runner<H> {
     cfg: KafkaConfig,
     pool: PgPool,
     handler: Arc<H>,
-    dlq: FutureProducer,
+    producer: FutureProducer,
     shutdown: CancellationToken,
+    stage: Stage,
 }
 
 /// Offsets dispatched but not finished, per partition: the commit point of a partition is
@@ -271,11 +414,21 @@ impl InFlight {
     }
 }
 
+/// How one stage's attempts at a message ended.
+enum Outcome {
+    Done,
+    Retry { attempts: u32, error: String },
+    DeadLetter { code: &'static str, error: String, attempts: u32 },
+    ShuttingDown,
+}
+
 impl<H: Handler> Runner<H> {
     async fn run(self: Arc<Self>, consumer: GroupConsumer, lanes: usize) {
         let name = self.handler.name();
         let consumer = Arc::new(consumer);
-        let lag_reporter = tokio::spawn(report_lag(consumer.clone(), name, self.shutdown.clone()));
+        let lag_label =
+            if self.stage == Stage::Main { name.to_owned() } else { format!("{name}-{}", self.stage.label()) };
+        let lag_reporter = tokio::spawn(report_lag(consumer.clone(), lag_label, self.shutdown.clone()));
         let (done_tx, mut done_rx) = mpsc::unbounded_channel::<(String, i32, i64)>();
         let mut lane_tx = Vec::with_capacity(lanes);
         let mut lane_tasks = Vec::with_capacity(lanes);
@@ -334,29 +487,77 @@ impl<H: Handler> Runner<H> {
         if let Err(e) = consumer.commit_consumer_state(CommitMode::Sync) {
             tracing::debug!(consumer = name, error = %e, "final offset commit");
         }
-        tracing::info!(consumer = name, "consumer stopped");
+        tracing::info!(consumer = name, stage = self.stage.label(), "consumer stopped");
     }
 
-    /// Processes one message until applied, skipped or dead-lettered; `false` if shutdown
-    /// interrupted the retries.
+    /// Processes one message until applied, skipped, handed to the next retry topic or
+    /// dead-lettered; `false` if shutdown interrupted it (its offset must not be committed).
     async fn process(&self, msg: &OwnedMessage) -> bool {
         let name = self.handler.name();
+        let (origin, attempts_before) = if self.stage == Stage::Main {
+            (Origin { topic: self.cfg.logical(msg.topic()).to_owned(), partition: msg.partition(), offset: msg.offset() }, 0)
+        } else {
+            // Retry topics are shared: take only the copies addressed to this consumer.
+            if header(msg, retry_headers::CONSUMER) != Some(name) {
+                return true;
+            }
+            let due = header(msg, retry_headers::NOT_BEFORE_MS).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+            let wait = due.saturating_sub(now_ms());
+            if wait > 0 {
+                tokio::select! {
+                    _ = self.shutdown.cancelled() => return false,
+                    _ = tokio::time::sleep(Duration::from_millis(wait)) => {}
+                }
+            }
+            let origin = Origin {
+                topic: header(msg, retry_headers::ORIGIN_TOPIC).unwrap_or(Topic::Purchase.name()).to_owned(),
+                partition: header(msg, retry_headers::ORIGIN_PARTITION).and_then(|v| v.parse().ok()).unwrap_or(-1),
+                offset: header(msg, retry_headers::ORIGIN_OFFSET).and_then(|v| v.parse().ok()).unwrap_or(-1),
+            };
+            (origin, header(msg, retry_headers::ATTEMPT).and_then(|v| v.parse().ok()).unwrap_or(1))
+        };
         let env = match msg.payload().map(Envelope::from_slice) {
             Some(Ok(env)) => env,
             Some(Err(e)) => {
-                self.dead_letter(msg, None, "bad_envelope", &e.to_string(), 1).await;
-                return true;
+                return self.dead_letter(msg, &origin, None, "bad_envelope", &e.to_string(), attempts_before + 1).await;
             }
             None => {
-                self.dead_letter(msg, None, "empty_message", "message has no payload", 1).await;
-                return true;
+                return self
+                    .dead_letter(msg, &origin, None, "empty_message", "message has no payload", attempts_before + 1)
+                    .await;
             }
         };
-        let mut attempt: u32 = 0;
-        loop {
-            attempt += 1;
+        match self.attempt(&env, attempts_before).await {
+            Outcome::Done => true,
+            Outcome::ShuttingDown => false,
+            Outcome::DeadLetter { code, error, attempts } => {
+                self.dead_letter(msg, &origin, Some(&env), code, &error, attempts).await
+            }
+            Outcome::Retry { attempts, error } if attempts >= self.cfg.retry.max_attempts => {
+                tracing::error!(consumer = name, event.id = %env.event_id, event.type = %env.event_type,
+                    order.id = %env.aggregate_id, attempts, error, "retries exhausted: dead-lettering");
+                self.dead_letter(msg, &origin, Some(&env), "retries_exhausted", &error, attempts).await
+            }
+            Outcome::Retry { attempts, error } => self.forward(msg, &origin, &env, attempts, &error).await,
+        }
+    }
+
+    /// This stage's attempts: `inline_attempts` on the main topic, one on a retry topic.
+    async fn attempt(&self, env: &Envelope, attempts_before: u32) -> Outcome {
+        let name = self.handler.name();
+        let budget = if self.stage == Stage::Main { self.cfg.retry.inline_attempts.max(1) } else { 1 };
+        let mut attempts = attempts_before;
+        let mut last_error = String::new();
+        for i in 0..budget {
+            attempts += 1;
             let started = std::time::Instant::now();
-            match handle_once(&self.pool, &*self.handler, &env).await {
+            let result = match handle_once(&self.pool, &*self.handler, env).await {
+                // The acknowledgement boundary: an injected failure here means the offset is
+                // not committed and the message comes again (into the inbox).
+                Ok(d) => boxoffice_faults::check(&format!("{name}.before_ack")).map(|_| d).map_err(HandlerError::from),
+                Err(e) => Err(e),
+            };
+            match result {
                 Ok(d) => {
                     if d == Disposition::Applied {
                         metrics::histogram!("boxoffice_consumer_apply_seconds", "consumer" => name)
@@ -364,47 +565,96 @@ impl<H: Handler> Runner<H> {
                     }
                     metrics::counter!("boxoffice_consumer_messages_total", "consumer" => name, "outcome" => format!("{d:?}"))
                         .increment(1);
-                    return true;
+                    return Outcome::Done;
                 }
                 Err(HandlerError::Permanent { code, source }) => {
                     tracing::error!(consumer = name, event.id = %env.event_id, event.type = %env.event_type,
                         order.id = %env.aggregate_id, code, error = %format!("{source:#}"), "permanent failure: dead-lettering");
-                    self.dead_letter(msg, Some(&env), code, &format!("{source:#}"), attempt).await;
-                    return true;
+                    return Outcome::DeadLetter { code, error: format!("{source:#}"), attempts };
                 }
                 Err(HandlerError::Transient(e)) => {
-                    metrics::counter!("boxoffice_consumer_retries_total", "consumer" => name).increment(1);
-                    tracing::warn!(consumer = name, event.id = %env.event_id, event.type = %env.event_type,
-                        order.id = %env.aggregate_id, attempt, error = %format!("{e:#}"), "transient failure: retrying");
-                    let cap = 5_000u64;
-                    let base = (50u64 << attempt.min(7)).min(cap);
-                    let delay = base / 2 + rand::thread_rng().gen_range(0..=base / 2);
-                    tokio::select! {
-                        _ = self.shutdown.cancelled() => return false,
-                        _ = tokio::time::sleep(Duration::from_millis(delay)) => {}
+                    last_error = format!("{e:#}");
+                    metrics::counter!("boxoffice_consumer_retries_total", "consumer" => name, "stage" => self.stage.label())
+                        .increment(1);
+                    tracing::warn!(consumer = name, stage = self.stage.label(), event.id = %env.event_id,
+                        event.type = %env.event_type, order.id = %env.aggregate_id, attempts,
+                        error = %last_error, "transient failure");
+                    if i + 1 < budget {
+                        let base = (50u64 << i.min(4)).min(1_000);
+                        let delay = base / 2 + rand::thread_rng().gen_range(0..=base / 2);
+                        tokio::select! {
+                            _ = self.shutdown.cancelled() => return Outcome::ShuttingDown,
+                            _ = tokio::time::sleep(Duration::from_millis(delay)) => {}
+                        }
                     }
                 }
             }
         }
+        Outcome::Retry { attempts, error: last_error }
     }
 
+    /// Copies the message to the next retry topic, durably, before its offset may move.
+    async fn forward(&self, msg: &OwnedMessage, origin: &Origin, env: &Envelope, attempts: u32, error: &str) -> bool {
+        let name = self.handler.name();
+        let next = self.stage.next();
+        let due = now_ms() + next.delay_ms(&self.cfg.retry);
+        let key = msg.key().map(|k| String::from_utf8_lossy(k).into_owned()).unwrap_or_default();
+        let topic = self.cfg.topic(next.topic().name());
+        let (attempt_s, due_s, part_s, off_s) =
+            (attempts.to_string(), due.to_string(), origin.partition.to_string(), origin.offset.to_string());
+        let headers = [
+            (retry_headers::CONSUMER, name),
+            (retry_headers::ATTEMPT, attempt_s.as_str()),
+            (retry_headers::NOT_BEFORE_MS, due_s.as_str()),
+            (retry_headers::LAST_ERROR, "transient"),
+            (retry_headers::ORIGIN_TOPIC, origin.topic.as_str()),
+            (retry_headers::ORIGIN_PARTITION, part_s.as_str()),
+            (retry_headers::ORIGIN_OFFSET, off_s.as_str()),
+        ];
+        let payload = msg.payload().unwrap_or_default();
+        if !self.publish_durably(&topic, &key, payload, &headers).await {
+            return false;
+        }
+        tracing::warn!(consumer = name, event.id = %env.event_id, event.type = %env.event_type,
+            order.id = %env.aggregate_id, attempts, to = next.label(), error, "handed to the retry topic");
+        metrics::counter!("boxoffice_retry_forwarded_total", "consumer" => name, "topic" => next.label()).increment(1);
+        true
+    }
+
+    /// Publishes until the broker acknowledges; `false` if shutdown came first.
+    async fn publish_durably(&self, topic: &str, key: &str, payload: &[u8], headers: &[(&str, &str)]) -> bool {
+        let mut attempt = 0u32;
+        while let Err(e) = crate::producer::send(&self.producer, topic, key, payload, headers).await {
+            attempt += 1;
+            tracing::warn!(consumer = self.handler.name(), topic, error = %e, attempt, "publish failed; retrying");
+            tokio::select! {
+                _ = self.shutdown.cancelled() => return false,
+                _ = tokio::time::sleep(Duration::from_millis(200 * attempt.min(10) as u64)) => {}
+            }
+        }
+        true
+    }
+
+    /// Sends the message to the dead-letter topic with its origin and error; `false` if
+    /// shutdown interrupted the publish.
     async fn dead_letter(
         &self,
         msg: &OwnedMessage,
+        origin: &Origin,
         env: Option<&Envelope>,
         code: &str,
         detail: &str,
         attempts: u32,
-    ) {
+    ) -> bool {
         let name = self.handler.name();
         let record = serde_json::json!({
             "consumer": name,
             "error_code": code,
             "error": detail,
             "attempts": attempts,
-            "source_topic": self.cfg.logical(msg.topic()),
-            "source_partition": msg.partition(),
-            "source_offset": msg.offset(),
+            "source_topic": origin.topic,
+            "source_partition": origin.partition,
+            "source_offset": origin.offset,
             "event_id": env.map(|e| e.event_id),
             "event_type": env.map(|e| e.event_type.clone()),
             "original": msg.payload().map(|p| String::from_utf8_lossy(p).into_owned()),
@@ -412,28 +662,20 @@ impl<H: Handler> Runner<H> {
         // The original key (the order id), so one order's dead letters stay in order.
         let key = msg.key().map(|k| String::from_utf8_lossy(k).into_owned()).unwrap_or_default();
         let topic = self.cfg.topic(Topic::DeadLetter.name());
-        let body = record.to_string();
-        let mut attempt = 0u32;
         // The dead letter must be durable before the offset moves past the message.
-        while let Err(e) =
-            crate::producer::send(&self.dlq, &topic, &key, body.as_bytes(), &[("error-code", code)]).await
-        {
-            attempt += 1;
-            tracing::warn!(consumer = name, error = %e, attempt, "dead-letter publish failed; retrying");
-            if self.shutdown.is_cancelled() {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(200 * attempt.min(10) as u64)).await;
+        if !self.publish_durably(&topic, &key, record.to_string().as_bytes(), &[("error-code", code)]).await {
+            return false;
         }
         metrics::counter!("boxoffice_dead_letters_total", "consumer" => name, "code" => code.to_owned())
             .increment(1);
+        true
     }
 }
 
 /// Every 5 s, exports `boxoffice_consumer_lag{consumer, partition}`: the partition's high
 /// watermark minus this member's position, for each partition it holds (design §16: lag by
 /// partition shows a slow worker or a hot key).
-async fn report_lag(consumer: Arc<GroupConsumer>, name: &'static str, shutdown: CancellationToken) {
+async fn report_lag(consumer: Arc<GroupConsumer>, name: String, shutdown: CancellationToken) {
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return,
@@ -456,7 +698,7 @@ async fn report_lag(consumer: Arc<GroupConsumer>, name: &'static str, shutdown: 
         .await
         .unwrap_or_default();
         for (partition, lag) in lags {
-            metrics::gauge!("boxoffice_consumer_lag", "consumer" => name, "partition" => partition.to_string())
+            metrics::gauge!("boxoffice_consumer_lag", "consumer" => name.clone(), "partition" => partition.to_string())
                 .set(lag as f64);
         }
     }

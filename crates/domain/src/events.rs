@@ -24,18 +24,26 @@ pub const SCHEMA_VERSION: u32 = 1;
 pub enum Topic {
     /// `ticketing.purchase.v1`: every saga fact and command, keyed by order id.
     Purchase,
+    /// `ticketing.purchase.retry-5s.v1`: messages a consumer failed transiently, re-delivered
+    /// to that consumer after 5 s (design §8).
+    Retry5s,
+    /// `ticketing.purchase.retry-1m.v1`: messages that failed again after the 5 s retry,
+    /// re-delivered after 1 min until the attempt budget is spent.
+    Retry1m,
     /// `ticketing.purchase.dlq.v1`: messages a consumer could not apply permanently.
     DeadLetter,
 }
 
 impl Topic {
     /// Every topic `boxoffice migrate` / `topics create` provisions.
-    pub const ALL: [Topic; 2] = [Topic::Purchase, Topic::DeadLetter];
+    pub const ALL: [Topic; 4] = [Topic::Purchase, Topic::Retry5s, Topic::Retry1m, Topic::DeadLetter];
 
     /// The logical (unprefixed) topic name.
     pub fn name(self) -> &'static str {
         match self {
             Topic::Purchase => "ticketing.purchase.v1",
+            Topic::Retry5s => "ticketing.purchase.retry-5s.v1",
+            Topic::Retry1m => "ticketing.purchase.retry-1m.v1",
             Topic::DeadLetter => "ticketing.purchase.dlq.v1",
         }
     }
@@ -195,6 +203,11 @@ pub enum PurchaseEvent {
     RefundRequested { order_id: OrderId, payment_intent_id: String, amount_minor: i64, reason: String },
     /// Fact: the refund succeeded.
     PaymentRefunded { order_id: OrderId, payment_intent_id: String, amount_refunded_minor: i64 },
+    /// Command to the payment worker: a webhook disagreed with the ledger (amount, or a
+    /// status contradicting a settled one), so re-fetch the PaymentIntent from Stripe and
+    /// report what Stripe says now (design §10: the provider is the source of truth for
+    /// money; the webhook is only a hint).
+    PaymentIntentRefreshRequested { order_id: OrderId, payment_intent_id: String, reason: String },
 }
 
 impl PurchaseEvent {
@@ -217,7 +230,8 @@ impl PurchaseEvent {
             | AuthorizationCancelRequested { order_id, .. }
             | PaymentCanceled { order_id, .. }
             | RefundRequested { order_id, .. }
-            | PaymentRefunded { order_id, .. } => *order_id,
+            | PaymentRefunded { order_id, .. }
+            | PaymentIntentRefreshRequested { order_id, .. } => *order_id,
         }
     }
 }

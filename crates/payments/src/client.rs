@@ -17,7 +17,7 @@ use secrecy::{ExposeSecret, SecretString};
 use serde::de::DeserializeOwned;
 
 use crate::types::{push_metadata, List};
-use crate::{CreatePaymentIntent, PaymentIntent, Refund, StripeError};
+use crate::{Charge, CreatePaymentIntent, PaymentIntent, Refund, StripeError};
 
 /// Stripe caps idempotency keys at 255 characters.
 const MAX_IDEMPOTENCY_KEY_LEN: usize = 255;
@@ -44,6 +44,10 @@ pub trait PaymentGateway: Send + Sync + 'static {
 
     /// `GET /v1/payment_intents/{id}`. Unknown id: `Api { status: 404, code: "resource_missing" }`.
     async fn retrieve_payment_intent(&self, id: &str) -> Result<PaymentIntent, StripeError>;
+
+    /// `GET /v1/charges/{id}` (<https://docs.stripe.com/api/charges/retrieve>): how much of a
+    /// captured payment was refunded. Unknown id: `Api { status: 404, code: "resource_missing" }`.
+    async fn retrieve_charge(&self, id: &str) -> Result<Charge, StripeError>;
 
     /// `POST /v1/payment_intents/{id}/capture`: captures the full authorized amount
     /// (<https://docs.stripe.com/api/payment_intents/capture>). Only from `requires_capture`;
@@ -297,6 +301,10 @@ impl PaymentGateway for StripeClient {
 
     async fn retrieve_payment_intent(&self, id: &str) -> Result<PaymentIntent, StripeError> {
         self.send(Method::GET, &["payment_intents", id], Auth::Secret, &[], None, None).await
+    }
+
+    async fn retrieve_charge(&self, id: &str) -> Result<Charge, StripeError> {
+        self.send(Method::GET, &["charges", id], Auth::Secret, &[], None, None).await
     }
 
     async fn capture_payment_intent(

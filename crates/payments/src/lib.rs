@@ -25,4 +25,4 @@ pub mod webhook;
 
 pub use client::{PaymentGateway, StripeClient, StripeConfig};
 pub use error::StripeError;
-pub use types::{CreatePaymentIntent, PaymentIntent, Refund};
+pub use types::{Charge, CreatePaymentIntent, PaymentIntent, Refund};

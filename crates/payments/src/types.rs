@@ -23,6 +23,27 @@ pub struct CreatePaymentIntent {
     pub metadata: Vec<(String, String)>,
 }
 
+/// A Stripe Charge (<https://docs.stripe.com/api/charges/object>), the fields boxoffice reads.
+/// Amounts are integer minor units.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
+pub struct Charge {
+    /// `ch_…`
+    pub id: String,
+    /// Amount charged, minor units.
+    pub amount: i64,
+    /// Amount captured, minor units.
+    #[serde(default)]
+    pub amount_captured: i64,
+    /// Amount refunded so far, minor units.
+    #[serde(default)]
+    pub amount_refunded: i64,
+    /// Whether the whole amount was refunded.
+    #[serde(default)]
+    pub refunded: bool,
+    /// `pi_…` the charge belongs to.
+    pub payment_intent: Option<String>,
+}
+
 /// A Stripe PaymentIntent (<https://docs.stripe.com/api/payment_intents/object>).
 ///
 /// Amounts are integer minor units. `Debug` redacts `client_secret`.

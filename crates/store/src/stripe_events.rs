@@ -1,6 +1,7 @@
 //! Received Stripe webhook events, deduplicated on Stripe's event id (invariant 4): the row
 //! and the outbox continuation commit together, so a redelivered event is acknowledged and
-//! does nothing.
+//! does nothing. Events for a PaymentIntent the ledger does not know yet are kept as
+//! pending until its payment row exists (design §10: an early webhook is not lost).
 
 use crate::Tx;
 use boxoffice_domain::OrderId;
@@ -24,6 +25,45 @@ pub async fn record(
     .execute(&mut **tx)
     .await?;
     Ok(r.rows_affected() == 1)
+}
+
+/// Marks the just-recorded event `stripe_event_id` pending: its PaymentIntent has no
+/// payment row yet and the event names no order.
+pub async fn mark_pending(tx: &mut Tx<'_>, stripe_event_id: &str) -> Result<(), sqlx::Error> {
+    sqlx::query("UPDATE stripe_events SET pending = true WHERE stripe_event_id = $1")
+        .bind(stripe_event_id)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+/// Resolves the pending events of PaymentIntent `pi` now that `order` owns it; returns how
+/// many there were (the caller then re-derives the fact from Stripe).
+pub async fn resolve_pending(tx: &mut Tx<'_>, pi: &str, order: OrderId) -> Result<u64, sqlx::Error> {
+    let r = sqlx::query(
+        "UPDATE stripe_events SET pending = false, resolved_at = clock_timestamp(), order_id = $2
+          WHERE pending AND payment_intent_id = $1",
+    )
+    .bind(pi)
+    .bind(order.0)
+    .execute(&mut **tx)
+    .await?;
+    Ok(r.rows_affected())
+}
+
+/// Pending events older than `older_than_ms` (for the audit: a pending event nobody claims
+/// is a PaymentIntent boxoffice did not create, or a lost payment row).
+pub async fn pending_count<'e, E: sqlx::Executor<'e, Database = sqlx::Postgres>>(
+    ex: E,
+    older_than_ms: i64,
+) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM stripe_events
+          WHERE pending AND received_at < clock_timestamp() - make_interval(secs => $1::double precision / 1000.0)",
+    )
+    .bind(older_than_ms as f64)
+    .fetch_one(ex)
+    .await
 }
 
 /// Records an incident (money moved for an order that could not be fulfilled, drift, …).

@@ -8,6 +8,7 @@
 //! | CaptureRequested               | capture                              | `capture:{order_id}`    |
 //! | AuthorizationCancelRequested   | cancel                               | `cancel:{order_id}`     |
 //! | RefundRequested                | refund                               | `refund:{order_id}`     |
+//! | PaymentIntentRefreshRequested  | retrieve PaymentIntent (+ its charge) | (read-only)            |
 //!
 //! The provider's answer is then recorded (payment row + the resulting fact in the outbox) in
 //! the consumer's inbox transaction. If the worker crashes after the provider succeeded but
@@ -20,7 +21,7 @@ use async_trait::async_trait;
 use boxoffice_bus::{Handler, HandlerError};
 use boxoffice_domain::{Envelope, OrderId, OrderStatus, PurchaseEvent};
 use boxoffice_payments::{CreatePaymentIntent, PaymentGateway, PaymentIntent, StripeError};
-use boxoffice_store::{outbox, payments, Tx};
+use boxoffice_store::{outbox, payments, stripe_events, Tx};
 use sqlx::PgPool;
 use std::sync::Arc;
 
@@ -53,6 +54,9 @@ pub enum Prepared {
     CaptureRefused { payment_intent_id: String, reason: String, intent: Option<PaymentIntent> },
     /// A refund went through.
     Refunded { payment_intent_id: String, amount_minor: i64 },
+    /// The PaymentIntent as Stripe reports it now (a refresh), with its charge's refunded
+    /// amount in minor units.
+    Observed { intent: PaymentIntent, amount_refunded_minor: i64 },
 }
 
 fn stripe_err(e: StripeError) -> HandlerError {
@@ -82,6 +86,7 @@ impl Handler for PaymentWorker {
                 | "CaptureRequested"
                 | "AuthorizationCancelRequested"
                 | "RefundRequested"
+                | "PaymentIntentRefreshRequested"
         )
     }
 
@@ -158,6 +163,16 @@ impl Handler for PaymentWorker {
                     amount_minor: refund.amount,
                 })
             }
+            PurchaseEvent::PaymentIntentRefreshRequested { payment_intent_id, .. } => {
+                let pi = g.retrieve_payment_intent(payment_intent_id).await.map_err(stripe_err)?;
+                let refunded = match (&pi.status[..], &pi.latest_charge) {
+                    ("succeeded", Some(charge)) => {
+                        g.retrieve_charge(charge).await.map_err(stripe_err)?.amount_refunded
+                    }
+                    _ => 0,
+                };
+                Ok(Prepared::Observed { intent: pi, amount_refunded_minor: refunded })
+            }
             _ => Ok(Prepared::Skipped("not_a_payment_command")),
         }
     }
@@ -195,6 +210,15 @@ impl Handler for PaymentWorker {
                         payment_intent_id: pi.id.clone(),
                         status: pi.status.clone(),
                     });
+                    // Webhooks that overtook this row were kept as pending: re-derive what
+                    // they reported from Stripe rather than lose it.
+                    if stripe_events::resolve_pending(tx, &pi.id, order_id).await? > 0 {
+                        emit.push(PurchaseEvent::PaymentIntentRefreshRequested {
+                            order_id,
+                            payment_intent_id: pi.id.clone(),
+                            reason: "early_webhook".into(),
+                        });
+                    }
                 }
             }
             (
@@ -222,6 +246,15 @@ impl Handler for PaymentWorker {
                     amount_refunded_minor: amount_minor,
                 });
             }
+            (
+                PurchaseEvent::PaymentIntentRefreshRequested { reason, .. },
+                Prepared::Observed { intent: pi, amount_refunded_minor },
+            ) => {
+                tracing::info!(order.id = %order_id, payment_intent.status = %pi.status, reason = %reason,
+                    "PaymentIntent re-fetched after a disagreeing webhook");
+                metrics::counter!("boxoffice_payment_intent_refreshes_total").increment(1);
+                emit.extend(observed_facts(order_id, &pi, amount_refunded_minor));
+            }
             (e, p) => {
                 return Err(HandlerError::permanent("unexpected_outcome", anyhow::anyhow!("{e:?} -> {p:?}")));
             }
@@ -248,6 +281,44 @@ async fn facts_from_intent(
         "canceled" => vec![PurchaseEvent::PaymentCanceled { order_id, payment_intent_id: pi.id.clone() }],
         _ => vec![],
     })
+}
+
+/// Every fact a re-fetched PaymentIntent states, for the saga to act on (it ignores facts
+/// the order has moved past). Amounts in minor units.
+pub fn observed_facts(order_id: OrderId, pi: &PaymentIntent, amount_refunded_minor: i64) -> Vec<PurchaseEvent> {
+    let payment_intent_id = pi.id.clone();
+    match pi.status.as_str() {
+        "requires_capture" => vec![PurchaseEvent::PaymentAuthorized {
+            order_id,
+            payment_intent_id,
+            amount_capturable_minor: pi.amount_capturable,
+            capture_before: None,
+        }],
+        "succeeded" => {
+            let mut v = vec![PurchaseEvent::PaymentCaptured {
+                order_id,
+                payment_intent_id: payment_intent_id.clone(),
+                amount_captured_minor: pi.amount_received,
+            }];
+            if amount_refunded_minor > 0 {
+                v.push(PurchaseEvent::PaymentRefunded { order_id, payment_intent_id, amount_refunded_minor });
+            }
+            v
+        }
+        "canceled" => vec![PurchaseEvent::PaymentCanceled { order_id, payment_intent_id }],
+        "requires_payment_method" => vec![PurchaseEvent::PaymentFailed {
+            order_id,
+            payment_intent_id,
+            reason: pi
+                .last_payment_error
+                .as_ref()
+                .and_then(|e| e.get("decline_code").or_else(|| e.get("code")))
+                .and_then(|v| v.as_str())
+                .unwrap_or("payment_failed")
+                .to_owned(),
+        }],
+        _ => vec![],
+    }
 }
 
 async fn order_status(pool: &PgPool, order: OrderId) -> Result<Option<OrderStatus>, HandlerError> {

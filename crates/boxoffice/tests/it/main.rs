@@ -6,6 +6,7 @@ mod helpers;
 
 mod compensation;
 mod e2e;
+mod faults;
 mod holds;
 mod purchase;
 mod saga;
