@@ -177,6 +177,10 @@ pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
             };
             cfg.stripe_api_base = stripe_base.clone();
             cfg.http_bind = "127.0.0.1:0".into();
+            // The simulated buyers take the direct admission route: this job measures the
+            // purchase path behind the waiting room, not the queue.
+            cfg.admission_direct = true;
+            cfg.waitroom_release_per_s = 0.0;
             let r = runtime::start(&cfg, &Role::ALL, cfg.pg_options()?, shutdown.clone()).await?;
             let addr = r.api_addr.context("api did not start")?;
             anyhow::ensure!(
