@@ -9,4 +9,5 @@ mod e2e;
 mod holds;
 mod purchase;
 mod saga;
+mod waitroom;
 mod webhooks;
