@@ -31,7 +31,8 @@ pub struct OnsaleArgs {
     /// Sell this existing event instead of seeding a fresh arena.
     #[arg(long)]
     pub event: Option<uuid::Uuid>,
-    /// Drive a running deployment at this URL instead of starting the roles in-process.
+    /// Drive a running deployment at this URL instead of starting the roles in-process. The
+    /// buyers use `POST /events/{id}/admission`: that deployment needs `admission_direct`.
     #[arg(long)]
     pub api_url: Option<String>,
     /// Kafka bootstrap servers (default: BOXOFFICE_KAFKA_BROKERS, else an embedded broker).
