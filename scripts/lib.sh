@@ -26,6 +26,21 @@ ensure_build_deps() {
   command -v cargo >/dev/null 2>&1 || { echo "cargo (Rust stable) is required" >&2; exit 1; }
 }
 
+# Redis on 127.0.0.1:6379 for the waiting room (queue, rate buckets, revocation): installed
+# from Debian if missing, started without persistence if nothing answers there.
+ensure_redis() {
+  if ! command -v redis-server >/dev/null 2>&1; then
+    log "installing redis-server"
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+  fi
+  if port_open 127.0.0.1:6379; then return; fi
+  log "starting redis-server on 127.0.0.1:6379"
+  redis-server --port 6379 --bind 127.0.0.1 --save "" --appendonly no --daemonize yes >/dev/null
+  for _ in $(seq 1 50); do port_open 127.0.0.1:6379 && return; sleep 0.1; done
+  echo "redis-server did not open 127.0.0.1:6379" >&2; exit 1
+}
+
 # The test runner.
 ensure_nextest() {
   if ! cargo nextest --version >/dev/null 2>&1; then

@@ -3,15 +3,23 @@
 //! - [`UserTokens`]: the buyer's bearer JWT (`sub` = user id). In production it comes from
 //!   the identity provider; boxoffice only verifies it (a dev signing key by config).
 //! - [`AdmissionTokens`]: proof that the waiting room admitted this buyer for this event and
-//!   purchase cell until `exp`. Bound to user, event, cell and expiry; carries a `jti` for
-//!   revocation and a `kid` so verification keys can rotate. It is *not* consumed on use: an
-//!   HTTP retry with the same token and Idempotency-Key must recover the original order
-//!   (invariant 3). It proves admission, never that seats remain.
+//!   purchase cell until `exp`. An EdDSA (Ed25519) JWT bound to user, event, cell and expiry;
+//!   carries a `jti` for revocation and a `kid` naming the key that signed it. The key ring
+//!   holds one signing key and any number of verification keys, so a signing key rotates
+//!   without rejecting the tokens it already signed: keep its public half in the ring until
+//!   the last of them expires (at most `admission_ttl_s`), then drop it. Verification needs
+//!   only public keys, so an API instance can verify without being able to mint.
+//!   A token is *not* consumed on use: an HTTP retry with the same token and Idempotency-Key
+//!   must recover the original order (invariant 3). It proves admission, never that seats
+//!   remain.
 //!
 //! Every rejection names its reason ([`AdmissionError`]) so the API can answer a clear 403.
+//! Keys are never logged: [`AdmissionSigningKey`]'s `Debug` shows only its `kid`.
 
 use boxoffice_domain::{EventId, UserId};
 use chrono::Utc;
+use ed25519_dalek::pkcs8::spki::der::pem::LineEnding;
+use ed25519_dalek::pkcs8::{DecodePrivateKey, DecodePublicKey, EncodePrivateKey, EncodePublicKey};
 use jsonwebtoken::{
     decode, decode_header, encode, errors::ErrorKind, Algorithm, DecodingKey, EncodingKey, Header, Validation,
 };
@@ -89,7 +97,7 @@ pub struct AdmissionClaims {
     pub purchase_cell: String,
     /// Issued at, unix seconds.
     pub iat: i64,
-    /// End of the admission slot, unix seconds.
+    /// End of the admission slot, unix seconds (the token is refused from this second on).
     pub exp: i64,
 }
 
@@ -102,7 +110,11 @@ pub enum AdmissionError {
     /// Not a well-formed token.
     #[error("the admission token is malformed")]
     Malformed,
-    /// Signed by an unknown key or tampered with.
+    /// The header names no `kid`, or one that is not in the key ring (never issued here, or
+    /// retired after rotation).
+    #[error("the admission token was signed by an unknown key")]
+    UnknownKid,
+    /// Tampered with, signed by another key under a known `kid`, or not `alg = EdDSA`.
     #[error("the admission token signature is invalid")]
     BadSignature,
     /// The admission slot has ended.
@@ -128,6 +140,7 @@ impl AdmissionError {
         match self {
             Self::Missing => "admission_token_missing",
             Self::Malformed => "admission_token_malformed",
+            Self::UnknownKid => "admission_token_unknown_kid",
             Self::BadSignature => "admission_token_bad_signature",
             Self::Expired => "admission_token_expired",
             Self::WrongUser => "admission_token_wrong_user",
@@ -138,8 +151,126 @@ impl AdmissionError {
     }
 }
 
-/// Signs admission tokens with the current key and verifies them with any active key, so a
-/// signing key can rotate while tokens it signed stay valid until their `exp`.
+/// Why a key could not be loaded or the key ring is inconsistent.
+#[derive(Debug, thiserror::Error)]
+pub enum KeyError {
+    /// Not a PKCS#8 Ed25519 private key (`-----BEGIN PRIVATE KEY-----`). The cause is not
+    /// carried: it could echo key material.
+    #[error("admission key {kid:?}: not a PKCS#8 Ed25519 private key in PEM")]
+    BadPrivateKey {
+        /// The key's id.
+        kid: String,
+    },
+    /// Not an SPKI Ed25519 public key (`-----BEGIN PUBLIC KEY-----`).
+    #[error("admission key {kid:?}: not an Ed25519 public key in PEM (SPKI)")]
+    BadPublicKey {
+        /// The key's id.
+        kid: String,
+    },
+    /// Empty `kid`.
+    #[error("an admission key needs a non-empty kid")]
+    EmptyKid,
+    /// Two different keys under one `kid`.
+    #[error("two different admission keys share the kid {0:?}")]
+    KidConflict(String),
+}
+
+/// The Ed25519 key that signs admission tokens, with its `kid`. `Debug` shows the `kid` only.
+#[derive(Clone)]
+pub struct AdmissionSigningKey {
+    kid: String,
+    key: ed25519_dalek::SigningKey,
+}
+
+impl std::fmt::Debug for AdmissionSigningKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AdmissionSigningKey").field("kid", &self.kid).finish_non_exhaustive()
+    }
+}
+
+/// The `kid` of [`AdmissionSigningKey::dev`].
+pub const DEV_KID: &str = "dev-ed25519-1";
+
+impl AdmissionSigningKey {
+    /// Parses a PKCS#8 PEM private key (`openssl genpkey -algorithm ed25519`).
+    ///
+    /// # Errors
+    /// [`KeyError::BadPrivateKey`] when `pem` is not an Ed25519 PKCS#8 key, [`KeyError::EmptyKid`].
+    pub fn from_pem(kid: &str, pem: &str) -> Result<Self, KeyError> {
+        if kid.is_empty() {
+            return Err(KeyError::EmptyKid);
+        }
+        let key = ed25519_dalek::SigningKey::from_pkcs8_pem(pem.trim())
+            .map_err(|_| KeyError::BadPrivateKey { kid: kid.to_owned() })?;
+        Ok(Self { kid: kid.to_owned(), key })
+    }
+
+    /// A key from a 32-byte seed (tests and the dev key).
+    pub fn from_seed(kid: &str, seed: [u8; 32]) -> Self {
+        Self { kid: kid.to_owned(), key: ed25519_dalek::SigningKey::from_bytes(&seed) }
+    }
+
+    /// A fresh random key (operating-system-seeded CSPRNG).
+    pub fn generate(kid: &str) -> Self {
+        Self::from_seed(kid, rand::random())
+    }
+
+    /// The development key, derived from a fixed public seed (`kid` [`DEV_KID`]): anyone can
+    /// mint tokens with it, so production configuration must replace it.
+    pub fn dev() -> Self {
+        Self::from_seed(DEV_KID, *b"boxoffice-dev-admission-key-0001")
+    }
+
+    /// The key id placed in every token header.
+    pub fn kid(&self) -> &str {
+        &self.kid
+    }
+
+    /// The private key as PKCS#8 PEM. Secret: never log it.
+    pub fn to_pkcs8_pem(&self) -> String {
+        self.key.to_pkcs8_pem(LineEnding::LF).expect("an Ed25519 key encodes").to_string()
+    }
+
+    /// The public half, for the verification ring of other instances.
+    pub fn verifying_key(&self) -> AdmissionVerifyingKey {
+        AdmissionVerifyingKey { kid: self.kid.clone(), key: self.key.verifying_key() }
+    }
+}
+
+/// An Ed25519 public key that verifies admission tokens carrying its `kid`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AdmissionVerifyingKey {
+    kid: String,
+    key: ed25519_dalek::VerifyingKey,
+}
+
+impl AdmissionVerifyingKey {
+    /// Parses an SPKI PEM public key (`openssl pkey -pubout`).
+    ///
+    /// # Errors
+    /// [`KeyError::BadPublicKey`], [`KeyError::EmptyKid`].
+    pub fn from_pem(kid: &str, pem: &str) -> Result<Self, KeyError> {
+        if kid.is_empty() {
+            return Err(KeyError::EmptyKid);
+        }
+        let key = ed25519_dalek::VerifyingKey::from_public_key_pem(pem.trim())
+            .map_err(|_| KeyError::BadPublicKey { kid: kid.to_owned() })?;
+        Ok(Self { kid: kid.to_owned(), key })
+    }
+
+    /// The key id.
+    pub fn kid(&self) -> &str {
+        &self.kid
+    }
+
+    /// The public key as SPKI PEM.
+    pub fn to_pem(&self) -> String {
+        self.key.to_public_key_pem(LineEnding::LF).expect("an Ed25519 key encodes")
+    }
+}
+
+/// Signs admission tokens with the current key and verifies them with any key of the ring, so
+/// a signing key can rotate while tokens it signed stay valid until their `exp`.
 #[derive(Clone)]
 pub struct AdmissionTokens {
     signing_kid: String,
@@ -149,16 +280,37 @@ pub struct AdmissionTokens {
 }
 
 impl AdmissionTokens {
-    /// Keys as `(kid, secret)`; the first signs, all verify. `cell` is this deployment's
-    /// purchase cell.
-    pub fn new(keys: &[(String, Vec<u8>)], cell: &str) -> Self {
-        let (kid, secret) = keys.first().expect("at least one admission key");
-        Self {
-            signing_kid: kid.clone(),
-            enc: EncodingKey::from_secret(secret),
-            verify: keys.iter().map(|(k, s)| (k.clone(), DecodingKey::from_secret(s))).collect(),
-            cell: cell.to_owned(),
+    /// A ring that signs with `signing` and verifies with its public half plus every key of
+    /// `verifying` (previous keys still covering live tokens, or the next key being rolled
+    /// out). `cell` is this deployment's purchase cell.
+    ///
+    /// # Errors
+    /// [`KeyError::KidConflict`] when two different keys share a `kid`.
+    pub fn new(
+        signing: &AdmissionSigningKey,
+        verifying: &[AdmissionVerifyingKey],
+        cell: &str,
+    ) -> Result<Self, KeyError> {
+        let own = signing.verifying_key();
+        let mut ring: HashMap<String, AdmissionVerifyingKey> = HashMap::new();
+        for k in std::iter::once(&own).chain(verifying) {
+            match ring.get(&k.kid) {
+                Some(existing) if existing != k => return Err(KeyError::KidConflict(k.kid.clone())),
+                _ => {
+                    ring.insert(k.kid.clone(), k.clone());
+                }
+            }
         }
+        let der = signing.key.to_pkcs8_der().expect("an Ed25519 key encodes");
+        Ok(Self {
+            signing_kid: signing.kid.clone(),
+            enc: EncodingKey::from_ed_der(der.as_bytes()),
+            verify: ring
+                .into_iter()
+                .map(|(kid, k)| (kid, DecodingKey::from_ed_der(k.key.as_bytes())))
+                .collect(),
+            cell: cell.to_owned(),
+        })
     }
 
     /// This deployment's purchase cell.
@@ -166,14 +318,28 @@ impl AdmissionTokens {
         &self.cell
     }
 
-    /// Signs `claims`.
-    pub fn sign(&self, claims: &AdmissionClaims) -> String {
-        let mut h = Header::new(Algorithm::HS256);
-        h.kid = Some(self.signing_kid.clone());
-        encode(&h, claims, &self.enc).expect("HS256 signing cannot fail")
+    /// The `kid` new tokens are signed with.
+    pub fn signing_kid(&self) -> &str {
+        &self.signing_kid
     }
 
-    /// Issues a token for `user` at `event` in this cell, valid for `ttl_s` seconds.
+    /// The `kid`s this ring verifies, sorted.
+    pub fn verification_kids(&self) -> Vec<&str> {
+        let mut kids: Vec<&str> = self.verify.keys().map(String::as_str).collect();
+        kids.sort_unstable();
+        kids
+    }
+
+    /// Signs `claims` (`alg = EdDSA`, `kid` = the signing key's). Ed25519 is deterministic:
+    /// the same claims always give the same token.
+    pub fn sign(&self, claims: &AdmissionClaims) -> String {
+        let mut h = Header::new(Algorithm::EdDSA);
+        h.kid = Some(self.signing_kid.clone());
+        encode(&h, claims, &self.enc).expect("Ed25519 signing with a parsed key cannot fail")
+    }
+
+    /// Issues a token for `user` at `event` in this cell, valid for `ttl_s` seconds from now,
+    /// with a fresh `jti`.
     pub fn issue(&self, user: UserId, event: EventId, ttl_s: i64) -> (String, AdmissionClaims) {
         let now = Utc::now().timestamp();
         let claims = AdmissionClaims {
@@ -187,7 +353,12 @@ impl AdmissionTokens {
         (self.sign(&claims), claims)
     }
 
-    /// Verifies signature and expiry, then the binding to `user`, `event` and this cell.
+    /// Verifies `kid`, algorithm, signature and expiry locally (no network), then the binding
+    /// to `user`, `event` and this cell. Revocation is the caller's check (it needs the
+    /// waiting room's store).
+    ///
+    /// # Errors
+    /// The first failing check, as an [`AdmissionError`].
     pub fn verify(
         &self,
         token: &str,
@@ -195,8 +366,8 @@ impl AdmissionTokens {
         event: EventId,
     ) -> Result<AdmissionClaims, AdmissionError> {
         let header = decode_header(token).map_err(|_| AdmissionError::Malformed)?;
-        let key = header.kid.as_ref().and_then(|k| self.verify.get(k)).ok_or(AdmissionError::BadSignature)?;
-        let mut v = Validation::new(Algorithm::HS256);
+        let key = header.kid.as_ref().and_then(|k| self.verify.get(k)).ok_or(AdmissionError::UnknownKid)?;
+        let mut v = Validation::new(Algorithm::EdDSA);
         v.leeway = 0;
         v.required_spec_claims = ["exp".to_owned()].into_iter().collect();
         let claims = decode::<AdmissionClaims>(token, key, &v)
@@ -226,26 +397,111 @@ impl AdmissionTokens {
 mod tests {
     use super::*;
 
-    fn keys() -> AdmissionTokens {
-        AdmissionTokens::new(
-            &[
-                ("k2".into(), b"new-secret-new-secret-new-secret".to_vec()),
-                ("k1".into(), b"old-secret-old-secret-old-secret".to_vec()),
-            ],
-            "cell-1",
-        )
+    fn claims(user: UserId, event: EventId, exp_in: i64) -> AdmissionClaims {
+        let now = Utc::now().timestamp();
+        AdmissionClaims {
+            jti: Uuid::new_v4(),
+            sub: user.0,
+            event_id: event.0,
+            purchase_cell: "cell-1".into(),
+            iat: now,
+            exp: now + exp_in,
+        }
+    }
+
+    /// Flips one character in the middle of the signature (the last character may only carry
+    /// padding bits).
+    fn tamper(token: &str) -> String {
+        let mut b = token.as_bytes().to_vec();
+        let i = b.len() - 10;
+        b[i] = if b[i] == b'A' { b'B' } else { b'A' };
+        String::from_utf8(b).unwrap()
     }
 
     #[test]
-    fn old_key_still_verifies_after_rotation() {
-        let old =
-            AdmissionTokens::new(&[("k1".into(), b"old-secret-old-secret-old-secret".to_vec())], "cell-1");
+    fn rotation_keeps_old_tokens_until_their_key_is_removed() {
+        let k1 = AdmissionSigningKey::from_seed("k1", [1; 32]);
+        let k2 = AdmissionSigningKey::from_seed("k2", [2; 32]);
         let (u, e) = (UserId::new(), EventId::new());
-        let (t, _) = old.issue(u, e, 60);
-        assert!(keys().verify(&t, u, e).is_ok());
-        let gone =
-            AdmissionTokens::new(&[("k2".into(), b"new-secret-new-secret-new-secret".to_vec())], "cell-1");
-        assert_eq!(gone.verify(&t, u, e), Err(AdmissionError::BadSignature));
+        let before = AdmissionTokens::new(&k1, &[], "cell-1").unwrap();
+        let (old, _) = before.issue(u, e, 60);
+        // Rotated: k2 signs, k1 still verifies.
+        let rotated = AdmissionTokens::new(&k2, &[k1.verifying_key()], "cell-1").unwrap();
+        assert!(rotated.verify(&old, u, e).is_ok());
+        let (new, _) = rotated.issue(u, e, 60);
+        assert!(rotated.verify(&new, u, e).is_ok());
+        assert_eq!(rotated.verification_kids(), ["k1", "k2"]);
+        // k1 retired.
+        let retired = AdmissionTokens::new(&k2, &[], "cell-1").unwrap();
+        assert_eq!(retired.verify(&old, u, e), Err(AdmissionError::UnknownKid));
+        assert!(retired.verify(&new, u, e).is_ok());
+    }
+
+    #[test]
+    fn every_bad_token_has_its_own_reason() {
+        let ring =
+            AdmissionTokens::new(&AdmissionSigningKey::from_seed("k1", [1; 32]), &[], "cell-1").unwrap();
+        let (u, e) = (UserId::new(), EventId::new());
+        let good = ring.sign(&claims(u, e, 60));
+        let tampered = tamper(&good);
+        let impostor = AdmissionTokens::new(&AdmissionSigningKey::from_seed("k1", [9; 32]), &[], "cell-1")
+            .unwrap()
+            .sign(&claims(u, e, 60));
+        let hs256 = {
+            let mut h = Header::new(Algorithm::HS256);
+            h.kid = Some("k1".into());
+            encode(&h, &claims(u, e, 60), &EncodingKey::from_secret(b"k1")).unwrap()
+        };
+        let no_kid = encode(
+            &Header::new(Algorithm::EdDSA),
+            &claims(u, e, 60),
+            &EncodingKey::from_ed_der(
+                AdmissionSigningKey::from_seed("k1", [1; 32]).key.to_pkcs8_der().unwrap().as_bytes(),
+            ),
+        )
+        .unwrap();
+        let other_cell = ring.sign(&AdmissionClaims { purchase_cell: "cell-2".into(), ..claims(u, e, 60) });
+        let cases = [
+            (ring.sign(&claims(u, e, -1)), AdmissionError::Expired),
+            (ring.sign(&claims(u, EventId::new(), 60)), AdmissionError::WrongEvent),
+            (ring.sign(&claims(UserId::new(), e, 60)), AdmissionError::WrongUser),
+            (tampered, AdmissionError::BadSignature),
+            (impostor, AdmissionError::BadSignature),
+            (hs256, AdmissionError::BadSignature),
+            (no_kid, AdmissionError::UnknownKid),
+            (other_cell, AdmissionError::WrongCell),
+            ("not-a-token".into(), AdmissionError::Malformed),
+        ];
+        for (i, (t, want)) in cases.iter().enumerate() {
+            assert_eq!(ring.verify(t, u, e), Err(*want), "case {i}");
+        }
+        assert!(ring.verify(&good, u, e).is_ok());
+        assert_eq!(ring.verify(&good, u, e).unwrap(), ring.verify(&good, u, e).unwrap(), "not consumed");
+    }
+
+    #[test]
+    fn keys_round_trip_through_pem_and_conflicts_are_refused() {
+        let k = AdmissionSigningKey::dev();
+        assert_eq!(k.kid(), DEV_KID);
+        let pem = k.to_pkcs8_pem();
+        assert!(pem.starts_with("-----BEGIN PRIVATE KEY-----"));
+        let back = AdmissionSigningKey::from_pem(DEV_KID, &pem).unwrap();
+        assert_eq!(back.verifying_key(), k.verifying_key());
+        let public = AdmissionVerifyingKey::from_pem(DEV_KID, &k.verifying_key().to_pem()).unwrap();
+        assert_eq!(public, k.verifying_key());
+        assert!(!format!("{k:?}").contains("PRIVATE"), "Debug shows the kid only");
+        assert!(matches!(AdmissionSigningKey::from_pem("x", "nope"), Err(KeyError::BadPrivateKey { .. })));
+        assert!(matches!(AdmissionVerifyingKey::from_pem("x", &pem), Err(KeyError::BadPublicKey { .. })));
+        let other = AdmissionSigningKey::from_seed(DEV_KID, [7; 32]).verifying_key();
+        assert!(matches!(AdmissionTokens::new(&k, &[other], "c"), Err(KeyError::KidConflict(_))));
+        assert!(
+            AdmissionTokens::new(&k, &[k.verifying_key()], "c").is_ok(),
+            "listing the signer's own key is fine"
+        );
+        assert_ne!(
+            AdmissionSigningKey::generate("g").verifying_key(),
+            AdmissionSigningKey::generate("g").verifying_key()
+        );
     }
 
     #[test]

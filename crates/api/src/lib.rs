@@ -3,7 +3,9 @@
 //! RFC 9457 `application/problem+json` body with the right status code.
 //!
 //! Routes:
-//! - `POST /events/{event_id}/admission` — admission token for the authenticated user;
+//! - `POST /events/{event_id}/queue`, `GET|DELETE /queue/{ticket}` — the waiting room: join,
+//!   poll (the admission token once released), leave; behind per-IP and per-user rate buckets;
+//! - `POST /events/{event_id}/admission` — admission at once, only with `admission_direct`;
 //! - `POST /events/{event_id}/holds` — the hold transaction (invariants 1 and 3);
 //! - `GET  /orders/{order_id}` — the owner's view of the workflow (404 for anyone else);
 //! - `GET  /events/{event_id}/seats` — availability map, cached ≤ 1 s (a hint, never a promise);
@@ -13,6 +15,7 @@
 pub mod auth;
 pub mod openapi;
 pub mod problem;
+pub mod queue;
 pub mod routes;
 pub mod state;
 pub mod webhooks;
@@ -20,11 +23,14 @@ pub mod webhooks;
 pub use routes::router;
 pub use state::{ApiSettings, AppState};
 
-/// Serves `router` on `listener` until `shutdown`, letting in-flight requests finish.
+/// Serves `router` on `listener` until `shutdown`, letting in-flight requests finish. The
+/// peer address is available to handlers (the per-IP rate bucket).
 pub async fn serve(
     listener: tokio::net::TcpListener,
     app: axum::Router,
     shutdown: tokio_util::sync::CancellationToken,
 ) -> std::io::Result<()> {
-    axum::serve(listener, app).with_graceful_shutdown(async move { shutdown.cancelled().await }).await
+    axum::serve(listener, app.into_make_service_with_connect_info::<std::net::SocketAddr>())
+        .with_graceful_shutdown(async move { shutdown.cancelled().await })
+        .await
 }

@@ -69,8 +69,11 @@ impl Modify for BearerAuth {
 
 #[derive(OpenApi)]
 #[openapi(
-    info(title = "boxoffice", description = "Reserved-seat ticketing: admission, holds, order status, Stripe webhooks."),
+    info(title = "boxoffice", description = "Reserved-seat ticketing: waiting room, admission, holds, order status, Stripe webhooks."),
     paths(
+        crate::queue::join,
+        crate::queue::status,
+        crate::queue::leave,
         crate::routes::admit,
         crate::routes::create_hold,
         crate::routes::get_order,
@@ -79,6 +82,7 @@ impl Modify for BearerAuth {
     ),
     modifiers(&BearerAuth),
     tags(
+        (name = "waiting room", description = "Queue positions, polling and admission tokens"),
         (name = "purchase", description = "Admission, holds and order status"),
         (name = "catalog", description = "Availability (cached hints)"),
         (name = "webhooks", description = "Provider callbacks"),

@@ -209,3 +209,57 @@ impl From<boxoffice_admission::AdmissionError> for Problem {
         Problem::new(StatusCode::FORBIDDEN, e.code(), "Admission refused", e.to_string())
     }
 }
+
+impl From<boxoffice_waitroom::WaitroomError> for Problem {
+    fn from(e: boxoffice_waitroom::WaitroomError) -> Self {
+        use boxoffice_waitroom::WaitroomError as W;
+        match e {
+            W::Unavailable(_) | W::Timeout(_) => {
+                // Already counted and logged once per outage by the waiting room.
+                let mut p = Problem::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "waitroom_unavailable",
+                    "Waiting room unavailable",
+                    "the waiting room is unavailable; retry shortly (admitted buyers can still hold seats)",
+                );
+                p.retry_after = Some(2);
+                p
+            }
+            W::PositionLimit { held, limit } => Problem::new(
+                StatusCode::CONFLICT,
+                "queue_position_limit",
+                "Too many queue positions",
+                format!("you already hold {held} queue positions (limit {limit}); leave one first"),
+            )
+            .with(json!({ "limit": limit })),
+            W::UnknownTicket => Problem::new(
+                StatusCode::NOT_FOUND,
+                "queue_ticket_not_found",
+                "Queue ticket not found",
+                "no such queue ticket: unknown, not yours, left, lapsed after polling stopped, or its admission slot ended",
+            ),
+            W::AlreadyOpen => Problem::new(
+                StatusCode::CONFLICT,
+                "queue_already_open",
+                "Queue already open",
+                "the event's queue has already opened",
+            ),
+            W::Redis(_) => Problem::internal(&e),
+        }
+    }
+}
+
+impl Problem {
+    /// 429 with `Retry-After` (whole seconds, rounded up) for an exhausted rate bucket.
+    pub fn rate_limited(scope: &'static str, retry_after_ms: u64) -> Self {
+        let mut p = Problem::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limited",
+            "Too many requests",
+            format!("too many requests from this {scope}; retry after the Retry-After delay"),
+        )
+        .with(json!({ "scope": scope }));
+        p.retry_after = Some(retry_after_ms.div_ceil(1000).max(1));
+        p
+    }
+}

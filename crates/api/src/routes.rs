@@ -23,8 +23,15 @@ use uuid::Uuid;
 /// The whole API.
 pub fn router(state: AppState) -> Router {
     let limit = state.settings.max_body_bytes;
-    Router::new()
-        .route("/events/{event_id}/admission", post(admit))
+    let queue = Router::new()
+        .route("/events/{event_id}/queue", post(crate::queue::join))
+        .route("/queue/{ticket}", get(crate::queue::status).delete(crate::queue::leave))
+        .route_layer(axum::middleware::from_fn_with_state(state.clone(), crate::queue::rate_limit));
+    let mut app = Router::new();
+    if state.settings.admission_direct {
+        app = app.route("/events/{event_id}/admission", post(admit));
+    }
+    app.merge(queue)
         .route("/events/{event_id}/holds", post(create_hold))
         .route("/events/{event_id}/seats", get(seat_map))
         .route("/orders/{order_id}", get(get_order))
@@ -47,13 +54,15 @@ pub fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
-/// `POST /events/{event_id}/admission` → 201 `{admission_token, expires_at, purchase_cell}`.
-/// Until the waiting room admits buyers, any authenticated user is admitted at once.
+/// `POST /events/{event_id}/admission` → 201 `{admission_token, expires_at, purchase_cell}`:
+/// admission at once, without the queue. Served only with `admission_direct` (development,
+/// tests, the in-process onsale); in production buyers come through `POST
+/// /events/{event_id}/queue`.
 #[utoipa::path(post, path = "/events/{event_id}/admission", tag = "purchase",
     params(("event_id" = Uuid, Path, description = "Event id")),
     security(("bearer" = [])),
     responses(
-        (status = 201, description = "Admitted", body = crate::openapi::Admission),
+        (status = 201, description = "Admitted (only when the deployment enables `admission_direct`; otherwise 404)", body = crate::openapi::Admission),
         (status = 401, description = "No or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 404, description = "No such event", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
     ))]
@@ -101,7 +110,7 @@ pub struct HoldBody {
         (status = 202, description = "Seats held; `Location: /orders/{order_id}`. A replay carries `Idempotent-Replayed: true`.", body = boxoffice_store::holds::HoldReceipt),
         (status = 400, description = "Malformed JSON or missing/invalid Idempotency-Key", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 401, description = "No or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 403, description = "Missing, expired, foreign or tampered admission token (the `code` says which)", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 403, description = "Missing, malformed, expired, foreign (user, event, cell), tampered, unknown-key or revoked admission token (the `code` says which)", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 409, description = "`seat_unavailable` (nothing was held), `idempotency_key_conflict` or `idempotency_key_in_use`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 413, description = "Body too large", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 422, description = "Seat count outside 1–8, unknown seats, or a body of the wrong shape", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
@@ -118,7 +127,8 @@ async fn create_hold(
     let started = Instant::now();
     let token =
         headers.get("x-admission-token").and_then(|v| v.to_str().ok()).ok_or(AdmissionError::Missing)?;
-    st.admission.verify(token, user.0, EventId(event))?;
+    let claims = st.admission.verify(token, user.0, EventId(event))?;
+    check_revocation(&st, claims.jti).await?;
     let ApiJson(body) = body;
     let correlation_id = headers
         .get("x-request-id")
@@ -150,6 +160,23 @@ async fn create_hold(
         resp.headers_mut().insert("idempotent-replayed", HeaderValue::from_static("true"));
     }
     Ok(resp)
+}
+
+/// Refuses a revoked admission token. When Redis cannot answer, the check fails open: the
+/// token's signature, binding and expiry were already verified locally, a revocation is rare
+/// and lasts at most one admission slot, and failing closed would turn a Redis outage into a
+/// stop of sales for buyers already admitted, while the ledger alone guards the seats.
+/// Counted in `boxoffice_admission_revocation_fail_open_total`.
+async fn check_revocation(st: &AppState, jti: Uuid) -> Result<(), Problem> {
+    match st.waitroom.is_revoked(jti).await {
+        Ok(true) => Err(AdmissionError::Revoked.into()),
+        Ok(false) => Ok(()),
+        Err(e) => {
+            metrics::counter!("boxoffice_admission_revocation_fail_open_total").increment(1);
+            tracing::debug!(error = %ErrorChain(&e), "revocation check failed open");
+            Ok(())
+        }
+    }
 }
 
 /// `GET /orders/{order_id}` → 200 order view, 404 when missing or not the caller's.

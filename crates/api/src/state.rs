@@ -1,11 +1,12 @@
 //! Shared state of the API role.
 
 use boxoffice_admission::{AdmissionTokens, UserTokens};
+use boxoffice_waitroom::{Bucket, Waitroom};
 use bytes::Bytes;
 use metrics_exporter_prometheus::PrometheusHandle;
 use rdkafka::producer::FutureProducer;
 use sqlx::PgPool;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use uuid::Uuid;
@@ -25,6 +26,18 @@ pub struct ApiSettings {
     pub webhook_tolerance_s: i64,
     /// Largest accepted request body, bytes (→ 413 beyond).
     pub max_body_bytes: usize,
+    /// Serve `POST /events/{id}/admission` (admission without the queue: dev and tests).
+    pub admission_direct: bool,
+    /// The release rate the estimated wait assumes, positions per second (0 = no estimate).
+    pub release_per_s: f64,
+    /// Poll interval suggested to queued clients, ms.
+    pub poll_interval_ms: u64,
+    /// Per-IP bucket of the waiting-room routes (`None` = off).
+    pub ip_bucket: Option<Bucket>,
+    /// Per-user bucket of the waiting-room routes (`None` = off).
+    pub user_bucket: Option<Bucket>,
+    /// Client IP from the last `X-Forwarded-For` entry instead of the socket.
+    pub trust_forwarded_for: bool,
 }
 
 impl Default for ApiSettings {
@@ -36,6 +49,12 @@ impl Default for ApiSettings {
             webhook_secret: String::new(),
             webhook_tolerance_s: 300,
             max_body_bytes: 64 * 1024,
+            admission_direct: false,
+            release_per_s: 0.0,
+            poll_interval_ms: 2_000,
+            ip_bucket: None,
+            user_bucket: None,
+            trust_forwarded_for: false,
         }
     }
 }
@@ -52,6 +71,10 @@ pub struct AppState {
     pub users: UserTokens,
     /// Admission-token signing and verification.
     pub admission: AdmissionTokens,
+    /// The waiting room (Redis): queue, rate buckets, revocation set.
+    pub waitroom: Waitroom,
+    /// Events known to exist, so queue joins in a stampede do not each ask the ledger.
+    pub known_events: Arc<Mutex<HashSet<Uuid>>>,
     /// Tuning.
     pub settings: Arc<ApiSettings>,
     /// The producer whose health `/readyz` reports (absent when no relay runs here).
@@ -66,11 +89,13 @@ pub struct AppState {
 
 impl AppState {
     /// Builds the state.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         pool: PgPool,
         webhook_pool: PgPool,
         users: UserTokens,
         admission: AdmissionTokens,
+        waitroom: Waitroom,
         settings: ApiSettings,
         producer: Option<FutureProducer>,
         metrics: Option<PrometheusHandle>,
@@ -80,6 +105,8 @@ impl AppState {
             webhook_pool,
             users,
             admission,
+            waitroom,
+            known_events: Arc::default(),
             settings: Arc::new(settings),
             producer,
             metrics,

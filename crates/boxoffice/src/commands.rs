@@ -183,3 +183,28 @@ pub async fn dlq_replay(cfg: &Config, ids: &[String]) -> anyhow::Result<()> {
     println!("re-injected {n} message(s)");
     Ok(())
 }
+
+/// Writes a fresh Ed25519 key pair for admission tokens: `<out>/<kid>.pem` (PKCS#8, created
+/// with mode 0600 and never printed) and `<out>/<kid>.pub.pem` (SPKI).
+pub fn admission_keygen(kid: &str, out: &std::path::Path) -> anyhow::Result<()> {
+    use std::io::Write;
+    let key = boxoffice_admission::AdmissionSigningKey::generate(kid);
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    let private = out.join(format!("{kid}.pem"));
+    let public = out.join(format!("{kid}.pub.pem"));
+    let mut opts = std::fs::OpenOptions::new();
+    opts.write(true).create_new(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut opts, 0o600);
+    opts.open(&private)
+        .and_then(|mut f| f.write_all(key.to_pkcs8_pem().as_bytes()))
+        .with_context(|| format!("writing {}", private.display()))?;
+    std::fs::write(&public, key.verifying_key().to_pem())
+        .with_context(|| format!("writing {}", public.display()))?;
+    println!(
+        "private key: {} (BOXOFFICE_ADMISSION_PRIVATE_KEY, BOXOFFICE_ADMISSION_KID={kid})",
+        private.display()
+    );
+    println!("public key:  {} (admission_public_keys while rotating)", public.display());
+    Ok(())
+}

@@ -5,20 +5,22 @@
 //! [`secrecy::SecretString`] and never printed (`Debug` redacts them).
 
 use anyhow::{bail, Context};
+use boxoffice_admission::{AdmissionSigningKey, AdmissionTokens, AdmissionVerifyingKey};
 use figment::providers::{Env, Format, Serialized, Toml};
 use figment::Figment;
 use secrecy::{ExposeSecret, SecretString};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
-/// One admission-token key: the first in the list signs, all verify (rotation).
+/// An admission-token verification key besides the signing key's own public half: a retired
+/// signing key kept until the tokens it signed have expired (`admission_ttl_s`), or the next
+/// key, listed before it starts signing so every instance already accepts its tokens.
 #[derive(Clone, Debug, Deserialize, Serialize)]
-pub struct AdmissionKey {
-    /// Key id placed in the token header.
+pub struct AdmissionPublicKey {
+    /// Key id, as in the tokens' header.
     pub kid: String,
-    /// HMAC secret.
-    #[serde(serialize_with = "redact")]
-    pub secret: SecretString,
+    /// Ed25519 public key: SPKI PEM (`-----BEGIN PUBLIC KEY-----`) or a path to such a file.
+    pub public_key: String,
 }
 
 fn redact<S: serde::Serializer>(_: &SecretString, s: S) -> Result<S::Ok, S::Error> {
@@ -85,10 +87,57 @@ pub struct Config {
     /// production).
     #[serde(serialize_with = "redact")]
     pub user_jwt_secret: SecretString,
-    /// Admission-token keys; the first signs.
-    pub admission_keys: Vec<AdmissionKey>,
-    /// Admission slot length, seconds.
+    /// `kid` of the admission-token signing key (placed in every token header).
+    pub admission_kid: String,
+    /// Ed25519 private key signing admission tokens: PKCS#8 PEM (`-----BEGIN PRIVATE KEY-----`,
+    /// `openssl genpkey -algorithm ed25519`) or a path to such a file. The default is the
+    /// public development key (`AdmissionSigningKey::dev`, kid `dev-ed25519-1`): replace both
+    /// in production.
+    #[serde(serialize_with = "redact")]
+    pub admission_private_key: SecretString,
+    /// Further verification keys (rotation): a token is accepted when its `kid` is the signing
+    /// key's or one of these. Rotate by listing the new key here everywhere, then making it
+    /// the signing key and listing the old one here until `admission_ttl_s` has passed.
+    pub admission_public_keys: Vec<AdmissionPublicKey>,
+    /// Serve `POST /events/{id}/admission`, which admits at once without the waiting room
+    /// (development, tests and the in-process onsale). Off by default: in production every
+    /// buyer comes through the queue.
+    pub admission_direct: bool,
+    /// Admission slot length, seconds: a released ticket may buy for this long, and its
+    /// admission token expires at the slot's end.
     pub admission_ttl_s: i64,
+    /// Redis of the waiting room, rate buckets and revocation set (may contain a password:
+    /// secret). Redis is a shield, not a ledger: when it is down, joins and polls answer 503
+    /// and admitted buyers keep buying. One primary per purchase cell (not Redis Cluster).
+    #[serde(serialize_with = "redact")]
+    pub redis_url: SecretString,
+    /// Prefix of every Redis key of this deployment.
+    pub redis_key_prefix: String,
+    /// Bound of one Redis call, connecting included, ms: a dead Redis becomes a 503 this fast.
+    pub redis_timeout_ms: u64,
+    /// Positions the API role releases per second and event (the fixed-rate stand-in for the
+    /// release controller, design §3; 0 = none, release some other way). Each API process
+    /// releases this many: divide the measured safe rate by the number of API processes.
+    pub waitroom_release_per_s: f64,
+    /// A queue position whose holder has not polled for this long lapses, ms.
+    pub waitroom_abandon_after_ms: u64,
+    /// Poll interval suggested to queued clients (`poll_after_ms`), ms; keep it well below
+    /// `waitroom_abandon_after_ms`.
+    pub waitroom_poll_interval_ms: u64,
+    /// Live queue positions one user may hold across all events (one per event at most).
+    pub waitroom_max_positions_per_user: u32,
+    /// Waiting-room requests per second per client IP (0 = no per-IP bucket).
+    pub rate_limit_ip_per_s: f64,
+    /// Burst of the per-IP bucket, requests.
+    pub rate_limit_ip_burst: u32,
+    /// Waiting-room requests per second per authenticated user (0 = no per-user bucket).
+    pub rate_limit_user_per_s: f64,
+    /// Burst of the per-user bucket, requests.
+    pub rate_limit_user_burst: u32,
+    /// Take the client IP of the rate buckets from the last `X-Forwarded-For` entry (the
+    /// address the trusted load balancer saw) instead of the socket. Only behind a proxy that
+    /// sets it.
+    pub http_trust_forwarded_for: bool,
     /// Hold time to live, ms (default 5 minutes).
     pub hold_ttl_ms: u64,
     /// Stripe API base URL: `https://api.stripe.com` in production, the simulator otherwise.
@@ -152,11 +201,23 @@ impl Default for Config {
             http_bind: "127.0.0.1:8080".into(),
             purchase_cell: "cell-1".into(),
             user_jwt_secret: "dev-user-secret-change-me-0123456789".into(),
-            admission_keys: vec![AdmissionKey {
-                kid: "dev-1".into(),
-                secret: "dev-admission-secret-0123456789abcdef".into(),
-            }],
+            admission_kid: boxoffice_admission::DEV_KID.into(),
+            admission_private_key: AdmissionSigningKey::dev().to_pkcs8_pem().into(),
+            admission_public_keys: Vec::new(),
+            admission_direct: false,
             admission_ttl_s: 900,
+            redis_url: "redis://127.0.0.1:6379".into(),
+            redis_key_prefix: "boxoffice:".into(),
+            redis_timeout_ms: 300,
+            waitroom_release_per_s: 50.0,
+            waitroom_abandon_after_ms: 30_000,
+            waitroom_poll_interval_ms: 2_000,
+            waitroom_max_positions_per_user: 2,
+            rate_limit_ip_per_s: 20.0,
+            rate_limit_ip_burst: 40,
+            rate_limit_user_per_s: 2.0,
+            rate_limit_user_burst: 10,
+            http_trust_forwarded_for: false,
             hold_ttl_ms: 300_000,
             stripe_api_base: "https://api.stripe.com".into(),
             stripe_secret_key: "sk_test_boxoffice_dev".into(),
@@ -187,13 +248,8 @@ impl Config {
             .merge(Serialized::default("user_jwt_secret", d.user_jwt_secret.expose_secret()))
             .merge(Serialized::default("stripe_secret_key", d.stripe_secret_key.expose_secret()))
             .merge(Serialized::default("stripe_webhook_secret", d.stripe_webhook_secret.expose_secret()))
-            .merge(Serialized::default(
-                "admission_keys",
-                d.admission_keys
-                    .iter()
-                    .map(|k| serde_json::json!({"kid": k.kid, "secret": k.secret.expose_secret()}))
-                    .collect::<Vec<_>>(),
-            ));
+            .merge(Serialized::default("admission_private_key", d.admission_private_key.expose_secret()))
+            .merge(Serialized::default("redis_url", d.redis_url.expose_secret()));
         if let Some(f) = file {
             fig = fig.merge(Toml::file_exact(f));
         }
@@ -230,10 +286,27 @@ impl Config {
         if pools.iter().any(|p| *p < 1) {
             bail!("every db pool needs at least one connection");
         }
-        if self.admission_keys.is_empty()
-            || self.admission_keys.iter().any(|k| k.secret.expose_secret().len() < 16)
+        self.admission_tokens().context("invalid admission keys")?;
+        if self.admission_ttl_s < 1 {
+            bail!("admission_ttl_s must be at least 1");
+        }
+        if !(50..=10_000).contains(&self.redis_timeout_ms) {
+            bail!("redis_timeout_ms must be 50..=10000");
+        }
+        if self.waitroom_poll_interval_ms < 100
+            || self.waitroom_poll_interval_ms * 2 > self.waitroom_abandon_after_ms
         {
-            bail!("admission_keys needs at least one key with a secret of 16+ bytes");
+            bail!("waitroom_poll_interval_ms must be at least 100 and at most half of waitroom_abandon_after_ms");
+        }
+        if self.waitroom_max_positions_per_user < 1 {
+            bail!("waitroom_max_positions_per_user must be at least 1");
+        }
+        let rates = [self.waitroom_release_per_s, self.rate_limit_ip_per_s, self.rate_limit_user_per_s];
+        if rates.iter().any(|r| !r.is_finite() || *r < 0.0) {
+            bail!("waitroom_release_per_s and rate_limit_*_per_s must be finite and >= 0");
+        }
+        if self.rate_limit_ip_burst < 1 || self.rate_limit_user_burst < 1 {
+            bail!("rate_limit_*_burst must be at least 1");
         }
         if self.user_jwt_secret.expose_secret().len() < 16 {
             bail!("user_jwt_secret must be 16+ bytes");
@@ -269,10 +342,50 @@ impl Config {
         })
     }
 
+    /// The admission-token key ring: the signing key (`admission_kid`,
+    /// `admission_private_key`) and the extra verification keys, read from PEM strings or
+    /// files.
+    pub fn admission_tokens(&self) -> anyhow::Result<AdmissionTokens> {
+        let private = pem_or_file(self.admission_private_key.expose_secret(), "admission_private_key")?;
+        let signing = AdmissionSigningKey::from_pem(&self.admission_kid, &private)?;
+        let verifying = self
+            .admission_public_keys
+            .iter()
+            .map(|k| {
+                let pem = pem_or_file(&k.public_key, &format!("admission_public_keys[{}]", k.kid))?;
+                Ok(AdmissionVerifyingKey::from_pem(&k.kid, &pem)?)
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        Ok(AdmissionTokens::new(&signing, &verifying, &self.purchase_cell)?)
+    }
+
+    /// The waiting room's settings.
+    pub fn waitroom(&self) -> boxoffice_waitroom::WaitroomConfig {
+        boxoffice_waitroom::WaitroomConfig {
+            redis_url: self.redis_url.expose_secret().to_owned(),
+            key_prefix: self.redis_key_prefix.clone(),
+            timeout_ms: self.redis_timeout_ms,
+            abandon_after_ms: self.waitroom_abandon_after_ms,
+            slot_ms: self.admission_ttl_s as u64 * 1_000,
+            max_positions_per_user: self.waitroom_max_positions_per_user,
+            ..Default::default()
+        }
+    }
+
     /// The PostgreSQL connect options.
     pub fn pg_options(&self) -> anyhow::Result<sqlx::postgres::PgConnectOptions> {
         self.database_url.expose_secret().parse().context("invalid database_url")
     }
+}
+
+/// A PEM value as given, or the contents of the file it names. Errors name the setting and
+/// the path, never the contents.
+fn pem_or_file(value: &str, setting: &str) -> anyhow::Result<String> {
+    if value.trim_start().starts_with("-----BEGIN") {
+        return Ok(value.to_owned());
+    }
+    std::fs::read_to_string(value.trim())
+        .with_context(|| format!("{setting}: reading the key file {:?}", value.trim()))
 }
 
 #[cfg(test)]
@@ -286,6 +399,43 @@ mod tests {
         let dbg = format!("{c:?}");
         assert!(!dbg.contains("whsec_boxoffice_dev"));
         assert!(!dbg.contains("dev-user-secret"));
+        assert!(!dbg.contains("PRIVATE KEY"));
+        assert!(!dbg.contains("redis://"));
+    }
+
+    #[test]
+    fn admission_keys_load_from_pem_or_files_and_rotate() {
+        let dir = std::env::temp_dir().join(format!("boxoffice-keys-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let new = AdmissionSigningKey::from_seed("k2", [2; 32]);
+        let old = AdmissionSigningKey::from_seed("k1", [1; 32]);
+        let key_file = dir.join("k2.pem");
+        std::fs::write(&key_file, new.to_pkcs8_pem()).unwrap();
+        let c = Config {
+            admission_kid: "k2".into(),
+            admission_private_key: key_file.display().to_string().into(),
+            admission_public_keys: vec![AdmissionPublicKey {
+                kid: "k1".into(),
+                public_key: old.verifying_key().to_pem(),
+            }],
+            ..Config::default()
+        };
+        c.validate().unwrap();
+        let ring = c.admission_tokens().unwrap();
+        assert_eq!(ring.signing_kid(), "k2");
+        assert_eq!(ring.verification_kids(), ["k1", "k2"]);
+        let missing =
+            Config { admission_private_key: dir.join("nope.pem").display().to_string().into(), ..c.clone() };
+        assert!(missing.validate().is_err());
+        let conflict = Config {
+            admission_public_keys: vec![AdmissionPublicKey {
+                kid: "k2".into(),
+                public_key: old.verifying_key().to_pem(),
+            }],
+            ..c
+        };
+        assert!(conflict.validate().is_err(), "two keys under one kid");
+        std::fs::remove_dir_all(dir).unwrap();
     }
 
     #[test]

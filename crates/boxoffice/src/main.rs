@@ -68,6 +68,21 @@ enum Command {
         #[arg(long, default_value_t = 3_600)]
         ttl_s: i64,
     },
+    /// The waiting room (Redis): schedule an onsale's opening, release, inspect, revoke.
+    Waitroom {
+        #[command(subcommand)]
+        action: WaitroomAction,
+    },
+    /// Write a new Ed25519 admission-token key pair: `<out>/<kid>.pem` (private, mode 0600)
+    /// and `<out>/<kid>.pub.pem` (public, for `admission_public_keys` during a rotation).
+    AdmissionKeygen {
+        /// The new key's id.
+        #[arg(long)]
+        kid: String,
+        /// Directory to write the two files into.
+        #[arg(long, default_value = ".")]
+        out: std::path::PathBuf,
+    },
     /// Dead letters: list them, or re-inject them into their source topic after a fix.
     Dlq {
         #[command(subcommand)]
@@ -98,6 +113,47 @@ enum DlqAction {
 }
 
 #[derive(Subcommand)]
+enum WaitroomAction {
+    /// Open the event's onsale at `--opens-at`: joins before then wait in a pre-queue that is
+    /// shuffled into the queue at the opening (without it, the queue is first-come-first-served).
+    Schedule {
+        /// The event.
+        #[arg(long)]
+        event: uuid::Uuid,
+        /// Opening time, RFC 3339 (e.g. 2026-06-01T10:00:00Z).
+        #[arg(long)]
+        opens_at: chrono::DateTime<chrono::Utc>,
+        /// Seed of the pre-queue draw (reproducible order); default: a random secret.
+        #[arg(long)]
+        seed: Option<String>,
+    },
+    /// Admit the next N live positions of the event now.
+    Release {
+        /// The event.
+        #[arg(long)]
+        event: uuid::Uuid,
+        /// How many.
+        #[arg(long)]
+        n: u32,
+    },
+    /// Print the event's queue counts.
+    Stats {
+        /// The event.
+        #[arg(long)]
+        event: uuid::Uuid,
+    },
+    /// Revoke an admission token by its jti until its expiry (unix seconds).
+    Revoke {
+        /// The token's jti (its queue ticket).
+        #[arg(long)]
+        jti: uuid::Uuid,
+        /// The token's exp, unix seconds.
+        #[arg(long)]
+        until: i64,
+    },
+}
+
+#[derive(Subcommand)]
 enum TopicsAction {
     /// Create every topic with the configured partition count (existing ones are left alone).
     Create,
@@ -114,6 +170,40 @@ fn init_logging(cfg: &Config, quiet: bool) {
     } else {
         builder.init();
     }
+}
+
+async fn waitroom(cfg: &Config, action: WaitroomAction) -> anyhow::Result<()> {
+    let room = boxoffice::runtime::waitroom(cfg)?;
+    let event = |e: uuid::Uuid| boxoffice_domain::EventId(e);
+    match action {
+        WaitroomAction::Schedule { event: e, opens_at, seed } => {
+            room.schedule(event(e), opens_at, seed.as_deref()).await?;
+            println!("event {e} opens at {opens_at}");
+        }
+        WaitroomAction::Release { event: e, n } => {
+            let r = room.release(event(e), n).await?;
+            println!(
+                "admitted {}, lapsed {}, queued {}, pre-queued {}, admitted slots running {}",
+                r.admitted.len(),
+                r.abandoned,
+                r.queued,
+                r.pre_queued,
+                r.admitted_live
+            );
+        }
+        WaitroomAction::Stats { event: e } => {
+            let s = room.stats(event(e)).await?;
+            println!(
+                "queued {}, pre-queued {}, admitted slots running {}",
+                s.queued, s.pre_queued, s.admitted_live
+            );
+        }
+        WaitroomAction::Revoke { jti, until } => {
+            room.revoke(jti, until).await?;
+            println!("revoked {jti} until {until}");
+        }
+    }
+    Ok(())
 }
 
 #[tokio::main]
@@ -146,6 +236,8 @@ async fn main() {
         Command::Dlq { action: DlqAction::Replay { ids } } => {
             commands::dlq_replay(&cfg, &ids).await.map(|_| 0)
         }
+        Command::Waitroom { action } => waitroom(&cfg, action).await.map(|_| 0),
+        Command::AdmissionKeygen { kid, out } => commands::admission_keygen(&kid, &out).map(|_| 0),
         Command::UserToken { user, ttl_s } => {
             let user = boxoffice_domain::UserId(user.unwrap_or_else(uuid::Uuid::new_v4));
             println!("{}", boxoffice::runtime::user_tokens(&cfg).issue(user, ttl_s));

@@ -9,6 +9,7 @@ use boxoffice_admission::{AdmissionTokens, UserTokens};
 use boxoffice_api::{ApiSettings, AppState};
 use boxoffice_bus::run_consumers;
 use boxoffice_payments::{PaymentGateway, StripeClient, StripeConfig};
+use boxoffice_waitroom::{Bucket, Waitroom};
 use boxoffice_workers::{expiry, payment::PaymentWorker, relay, saga::Saga, tickets::TicketWorker};
 use metrics_exporter_prometheus::PrometheusHandle;
 use rdkafka::producer::{FutureProducer, Producer};
@@ -24,7 +25,8 @@ use tokio_util::sync::CancellationToken;
 /// A role this process can run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Role {
-    /// HTTP API (holds, status, seat map, webhooks, health).
+    /// HTTP API (waiting room, holds, status, seat map, webhooks, health) and the waiting
+    /// room's fixed-rate release loop.
     Api,
     /// Outbox relay.
     Relay,
@@ -178,21 +180,42 @@ pub async fn start(
                     .max_connections(cfg.db_pool_webhooks)
                     .acquire_timeout(Duration::from_millis(cfg.db_acquire_timeout_ms))
                     .connect_lazy_with(connect.clone());
+                let room = waitroom(cfg)?;
+                let bucket = |per_s: f64, burst: u32| (per_s > 0.0).then_some(Bucket { per_s, burst });
                 let state = AppState::new(
                     pool.clone(),
                     webhook_pool,
                     UserTokens::new(cfg.user_jwt_secret.expose_secret().as_bytes()),
-                    admission_tokens(cfg),
+                    admission_tokens(cfg)?,
+                    room.clone(),
                     ApiSettings {
                         hold_ttl: Duration::from_millis(cfg.hold_ttl_ms),
                         admission_ttl_s: cfg.admission_ttl_s,
                         webhook_secret: cfg.stripe_webhook_secret.expose_secret().to_owned(),
+                        admission_direct: cfg.admission_direct,
+                        release_per_s: cfg.waitroom_release_per_s,
+                        poll_interval_ms: cfg.waitroom_poll_interval_ms,
+                        ip_bucket: bucket(cfg.rate_limit_ip_per_s, cfg.rate_limit_ip_burst),
+                        user_bucket: bucket(cfg.rate_limit_user_per_s, cfg.rate_limit_user_burst),
+                        trust_forwarded_for: cfg.http_trust_forwarded_for,
                         ..ApiSettings::default()
                     },
                     producer.clone(),
                     metrics_handle(),
                 );
                 tasks.push(("api", spawn_api(state, shutdown.clone(), &mut api_addr, cfg).await?));
+                if cfg.waitroom_release_per_s > 0.0 {
+                    let sd = shutdown.clone();
+                    tasks.push((
+                        "waitroom-release",
+                        tokio::spawn(boxoffice_waitroom::release_loop(
+                            room,
+                            cfg.waitroom_release_per_s,
+                            Duration::from_millis(100),
+                            async move { sd.cancelled().await },
+                        )),
+                    ));
+                }
             }
             Role::Relay => {
                 let (pool, producer, k, sd) = (
@@ -258,14 +281,14 @@ async fn spawn_api(
     }))
 }
 
-/// The admission-token keys of `cfg`.
-pub fn admission_tokens(cfg: &Config) -> AdmissionTokens {
-    let keys: Vec<(String, Vec<u8>)> = cfg
-        .admission_keys
-        .iter()
-        .map(|k| (k.kid.clone(), k.secret.expose_secret().as_bytes().to_vec()))
-        .collect();
-    AdmissionTokens::new(&keys, &cfg.purchase_cell)
+/// The admission-token key ring of `cfg` (see [`Config::admission_tokens`]).
+pub fn admission_tokens(cfg: &Config) -> anyhow::Result<AdmissionTokens> {
+    cfg.admission_tokens()
+}
+
+/// The waiting room of `cfg` (connects lazily: a Redis down at start-up is not fatal).
+pub fn waitroom(cfg: &Config) -> anyhow::Result<Waitroom> {
+    Waitroom::new(cfg.waitroom()).context("invalid redis_url")
 }
 
 /// The bearer-token keys of `cfg`.

@@ -31,7 +31,8 @@ pub struct OnsaleArgs {
     /// Sell this existing event instead of seeding a fresh arena.
     #[arg(long)]
     pub event: Option<uuid::Uuid>,
-    /// Drive a running deployment at this URL instead of starting the roles in-process.
+    /// Drive a running deployment at this URL instead of starting the roles in-process. The
+    /// buyers use `POST /events/{id}/admission`: that deployment needs `admission_direct`.
     #[arg(long)]
     pub api_url: Option<String>,
     /// Kafka bootstrap servers (default: BOXOFFICE_KAFKA_BROKERS, else an embedded broker).
@@ -177,6 +178,10 @@ pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
             };
             cfg.stripe_api_base = stripe_base.clone();
             cfg.http_bind = "127.0.0.1:0".into();
+            // The simulated buyers take the direct admission route: this job measures the
+            // purchase path behind the waiting room, not the queue.
+            cfg.admission_direct = true;
+            cfg.waitroom_release_per_s = 0.0;
             let r = runtime::start(&cfg, &Role::ALL, cfg.pg_options()?, shutdown.clone()).await?;
             let addr = r.api_addr.context("api did not start")?;
             anyhow::ensure!(

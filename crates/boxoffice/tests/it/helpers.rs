@@ -22,6 +22,12 @@ pub fn test_brokers() -> String {
         .expect("BOXOFFICE_TEST_KAFKA_BROKERS must name the test broker: run the suite with scripts/test")
 }
 
+/// The shared test Redis (`BOXOFFICE_TEST_REDIS_URL`, default `redis://127.0.0.1:6379`);
+/// every test uses its own key prefix on it.
+pub fn test_redis_url() -> String {
+    std::env::var("BOXOFFICE_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+}
+
 pub struct TestApp {
     pub pool: PgPool,
     pub cfg: Config,
@@ -57,6 +63,10 @@ impl TestApp {
             consumers_per_role: 1,
             kafka_partitions: 3,
             expiry_interval_ms: 50,
+            redis_url: test_redis_url().into(),
+            redis_key_prefix: format!("t{}:", Uuid::new_v4().simple()),
+            admission_direct: true,
+            waitroom_release_per_s: 0.0,
             ..Config::default()
         };
         if roles.iter().any(|r| r.needs_kafka()) {
@@ -127,7 +137,10 @@ impl TestApp {
     }
 
     pub fn admission_token(&self, b: &Buyer) -> String {
-        runtime::admission_tokens(&self.cfg).issue(UserId(b.user), EventId(self.event), 600).0
+        runtime::admission_tokens(&self.cfg)
+            .expect("admission keys")
+            .issue(UserId(b.user), EventId(self.event), 600)
+            .0
     }
 
     pub async fn hold(&self, b: &Buyer, admission: &str, key: &str, seats: &[Uuid]) -> reqwest::Response {

@@ -4,7 +4,7 @@
 
 use crate::helpers::{barrier, problem, TestApp};
 use boxoffice::runtime::Role;
-use boxoffice_admission::{AdmissionClaims, AdmissionTokens};
+use boxoffice_admission::{AdmissionClaims, AdmissionSigningKey, AdmissionTokens};
 use boxoffice_store::venue::VenueSpec;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use uuid::Uuid;
@@ -251,7 +251,7 @@ async fn c12_admission_tokens(_: PgPoolOptions, opts: PgConnectOptions) {
     let app = api(opts).await;
     let s = app.seats().await;
     let a = app.buyer();
-    let keys = boxoffice::runtime::admission_tokens(&app.cfg);
+    let keys = boxoffice::runtime::admission_tokens(&app.cfg).unwrap();
     let claims = |user: Uuid, event: Uuid, exp_in: i64| {
         let now = chrono::Utc::now().timestamp();
         AdmissionClaims {
@@ -263,27 +263,27 @@ async fn c12_admission_tokens(_: PgPoolOptions, opts: PgConnectOptions) {
             exp: now + exp_in,
         }
     };
-    let other_cell = AdmissionTokens::new(
-        &app.cfg
-            .admission_keys
-            .iter()
-            .map(|k| (k.kid.clone(), secrecy::ExposeSecret::expose_secret(&k.secret).as_bytes().to_vec()))
-            .collect::<Vec<_>>(),
-        "cell-2",
-    );
+    let other_cell = boxoffice::config::Config { purchase_cell: "cell-2".into(), ..app.cfg.clone() }
+        .admission_tokens()
+        .unwrap();
     let good = keys.sign(&claims(a.user, app.event, 300));
-    let mut tampered = good.clone();
-    let last = tampered.pop().unwrap();
-    tampered.push(if last == 'A' { 'B' } else { 'A' });
-    let foreign_key =
-        AdmissionTokens::new(&[("dev-1".into(), b"some-other-secret-entirely-0000".to_vec())], "cell-1")
-            .sign(&claims(a.user, app.event, 300));
+    // Flip a character inside the signature (the last one may carry only padding bits).
+    let mut tampered = good.clone().into_bytes();
+    let i = tampered.len() - 10;
+    tampered[i] = if tampered[i] == b'A' { b'B' } else { b'A' };
+    let tampered = String::from_utf8(tampered).unwrap();
+    let ring_of = |kid: &str, seed: u8| {
+        AdmissionTokens::new(&AdmissionSigningKey::from_seed(kid, [seed; 32]), &[], "cell-1").unwrap()
+    };
+    let foreign_key = ring_of(&app.cfg.admission_kid, 9).sign(&claims(a.user, app.event, 300));
+    let unknown_kid = ring_of("retired-key", 9).sign(&claims(a.user, app.event, 300));
     let cases = [
         (keys.sign(&claims(a.user, app.event, -5)), "admission_token_expired"),
         (keys.sign(&claims(a.user, Uuid::new_v4(), 300)), "admission_token_wrong_event"),
         (keys.sign(&claims(Uuid::new_v4(), app.event, 300)), "admission_token_wrong_user"),
         (tampered, "admission_token_bad_signature"),
         (foreign_key, "admission_token_bad_signature"),
+        (unknown_kid, "admission_token_unknown_kid"),
         (
             other_cell
                 .sign(&AdmissionClaims { purchase_cell: "cell-2".into(), ..claims(a.user, app.event, 300) }),

@@ -10,4 +10,5 @@ mod faults;
 mod holds;
 mod purchase;
 mod saga;
+mod waitroom;
 mod webhooks;

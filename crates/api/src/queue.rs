@@ -1,0 +1,262 @@
+//! The waiting room's HTTP face (design §3): join, poll, leave, and the rate buckets at the
+//! edge of those routes. Buyers join an event's queue, poll their ticket (each poll is the
+//! heartbeat that keeps the position), and receive an admission token once the release step
+//! has let them in. The token is minted on the poll (Ed25519; its `jti` is the ticket, its
+//! `exp` the end of the admission slot) and is the same on every poll of one slot.
+//!
+//! Redis is a shield, not a ledger: when it is unreachable these routes answer 503 with
+//! `Retry-After` and nothing about seats changes; the hold endpoint keeps serving buyers who
+//! already hold a valid token. Handlers never log tokens.
+
+use crate::auth::{IdPath, User};
+use crate::problem::Problem;
+use crate::state::AppState;
+use axum::extract::{ConnectInfo, Request, State};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use boxoffice_admission::AdmissionClaims;
+use boxoffice_domain::{EventId, UserId};
+use boxoffice_waitroom::{Bucket, RateDecision, TicketState};
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use std::net::SocketAddr;
+use uuid::Uuid;
+
+/// A queue ticket as the client sees it (join and poll answers).
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct QueueView {
+    /// The ticket: poll `GET /queue/{ticket}` with it.
+    pub ticket: Uuid,
+    /// The event.
+    pub event_id: Uuid,
+    /// `pre_queue` (joined before the onsale opened; shuffled in at the opening), `queued`
+    /// or `admitted`.
+    #[schema(example = "queued")]
+    pub state: String,
+    /// 1-based position while `queued`.
+    pub position: Option<u64>,
+    /// Estimated wait while `queued`, seconds (position ÷ release rate).
+    pub estimated_wait_s: Option<u64>,
+    /// When the onsale opens, while `pre_queue`.
+    pub opens_at: Option<DateTime<Utc>>,
+    /// Poll again after this long, ms; a position not polled for a while lapses.
+    pub poll_after_ms: u64,
+    /// Once `admitted`: the admission token for `X-Admission-Token` (not consumed by use).
+    pub admission_token: Option<String>,
+    /// Once `admitted`: end of the admission slot (the token's `exp`).
+    pub admission_expires_at: Option<DateTime<Utc>>,
+    /// Once `admitted`: the purchase cell serving the event.
+    pub purchase_cell: Option<String>,
+}
+
+struct View {
+    ticket: Uuid,
+    event: Uuid,
+    state: TicketState,
+    position: Option<u64>,
+    opens_at: Option<DateTime<Utc>>,
+    slot_ends_at: Option<DateTime<Utc>>,
+}
+
+fn render(st: &AppState, user: UserId, v: View) -> QueueView {
+    let estimated_wait_s = match (v.position, st.settings.release_per_s) {
+        (Some(p), r) if r > 0.0 => Some((p as f64 / r).ceil() as u64),
+        _ => None,
+    };
+    let token = match (v.state, v.slot_ends_at) {
+        (TicketState::Admitted, Some(end)) => {
+            let exp = end.timestamp(); // whole seconds, rounded down: never past the slot
+            let claims = AdmissionClaims {
+                jti: v.ticket,
+                sub: user.0,
+                event_id: v.event,
+                purchase_cell: st.admission.cell().to_owned(),
+                iat: exp - st.settings.admission_ttl_s,
+                exp,
+            };
+            Some((st.admission.sign(&claims), DateTime::from_timestamp(exp, 0)))
+        }
+        _ => None,
+    };
+    let admitted = token.is_some();
+    let (admission_token, admission_expires_at) = match token {
+        Some((t, at)) => (Some(t), at),
+        None => (None, None),
+    };
+    QueueView {
+        ticket: v.ticket,
+        event_id: v.event,
+        state: v.state.as_str().to_owned(),
+        position: v.position,
+        estimated_wait_s,
+        opens_at: v.opens_at,
+        poll_after_ms: st.settings.poll_interval_ms,
+        admission_token,
+        admission_expires_at,
+        purchase_cell: admitted.then(|| st.admission.cell().to_owned()),
+    }
+}
+
+fn no_store(mut resp: Response) -> Response {
+    // Carries the admission token once admitted: never cache.
+    resp.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    resp
+}
+
+/// `POST /events/{event_id}/queue` → 201 + `Location: /queue/{ticket}` for a new position,
+/// 200 with the same ticket when the user already queues for this event.
+#[utoipa::path(post, path = "/events/{event_id}/queue", tag = "waiting room",
+    params(("event_id" = Uuid, Path, description = "Event id")),
+    security(("bearer" = [])),
+    responses(
+        (status = 201, description = "Queued (or pre-queued before the onsale opens); `Location: /queue/{ticket}`", body = QueueView),
+        (status = 200, description = "The user already queues for this event: the same ticket", body = QueueView),
+        (status = 401, description = "No or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 404, description = "No such event", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 409, description = "`queue_position_limit`: the user holds too many positions across events", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 429, description = "`rate_limited` (per IP or per user); `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 503, description = "`waitroom_unavailable`: Redis is unreachable; `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+    ))]
+pub(crate) async fn join(
+    State(st): State<AppState>,
+    user: User,
+    IdPath(event): IdPath<Uuid>,
+) -> Result<Response, Problem> {
+    ensure_event(&st, event).await?;
+    let t = st.waitroom.join(EventId(event), user.0).await?;
+    let view = View {
+        ticket: t.ticket,
+        event,
+        state: t.state,
+        position: t.position,
+        opens_at: t.opens_at,
+        slot_ends_at: t.slot_ends_at,
+    };
+    let status = if t.created { StatusCode::CREATED } else { StatusCode::OK };
+    let mut resp = (status, Json(render(&st, user.0, view))).into_response();
+    let location = format!("/queue/{}", t.ticket);
+    resp.headers_mut().insert(header::LOCATION, HeaderValue::from_str(&location).expect("uuid path"));
+    Ok(no_store(resp))
+}
+
+/// `GET /queue/{ticket}` → where the ticket stands; the admission token once released.
+#[utoipa::path(get, path = "/queue/{ticket}", tag = "waiting room",
+    params(("ticket" = Uuid, Path, description = "Queue ticket")),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "Position and estimated wait, or the admission token once admitted. Polling keeps the position.", body = QueueView),
+        (status = 401, description = "No or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 404, description = "`queue_ticket_not_found`: unknown, not the caller's, left, lapsed, or the slot ended", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 429, description = "`rate_limited`; `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 503, description = "`waitroom_unavailable`: Redis is unreachable; `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+    ))]
+pub(crate) async fn status(
+    State(st): State<AppState>,
+    user: User,
+    IdPath(ticket): IdPath<Uuid>,
+) -> Result<Response, Problem> {
+    let s = st.waitroom.status(ticket, user.0).await?;
+    let view = View {
+        ticket,
+        event: s.event.0,
+        state: s.state,
+        position: s.position,
+        opens_at: s.opens_at,
+        slot_ends_at: s.slot_ends_at,
+    };
+    Ok(no_store(Json(render(&st, user.0, view)).into_response()))
+}
+
+/// `DELETE /queue/{ticket}` → 204. Leaving during an admission slot revokes its token.
+#[utoipa::path(delete, path = "/queue/{ticket}", tag = "waiting room",
+    params(("ticket" = Uuid, Path, description = "Queue ticket")),
+    security(("bearer" = [])),
+    responses(
+        (status = 204, description = "Left the queue"),
+        (status = 401, description = "No or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 404, description = "`queue_ticket_not_found`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 429, description = "`rate_limited`; `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 503, description = "`waitroom_unavailable`: Redis is unreachable; `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+    ))]
+pub(crate) async fn leave(
+    State(st): State<AppState>,
+    user: User,
+    IdPath(ticket): IdPath<Uuid>,
+) -> Result<Response, Problem> {
+    st.waitroom.leave(ticket, user.0).await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+/// 404 unless the event exists; positive answers are cached for the process's life (events
+/// are never deleted), so a stampede of joins costs the ledger one query per event.
+async fn ensure_event(st: &AppState, event: Uuid) -> Result<(), Problem> {
+    if st.known_events.lock().expect("known events poisoned").contains(&event) {
+        return Ok(());
+    }
+    if !boxoffice_store::venue::event_exists(&st.pool, EventId(event)).await? {
+        return Err(Problem::not_found("event"));
+    }
+    st.known_events.lock().expect("known events poisoned").insert(event);
+    Ok(())
+}
+
+/// The rate buckets in front of the waiting-room routes: one per client IP, then one per
+/// authenticated user (a request without a valid bearer token is left to the handler's
+/// 401). Over the limit → 429 `rate_limited` with `Retry-After`; Redis unreachable → 503
+/// (these routes need Redis anyway).
+pub(crate) async fn rate_limit(State(st): State<AppState>, req: Request, next: Next) -> Response {
+    if let Some(b) = st.settings.ip_bucket {
+        let ip = client_ip(&st, &req);
+        if let Err(p) = take(&st, "ip", &ip, b).await {
+            return p.into_response();
+        }
+    }
+    if let Some(b) = st.settings.user_bucket {
+        let user = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|h| h.strip_prefix("Bearer "))
+            .and_then(|t| st.users.verify(t.trim()).ok());
+        if let Some(u) = user {
+            if let Err(p) = take(&st, "user", &u.0.to_string(), b).await {
+                return p.into_response();
+            }
+        }
+    }
+    next.run(req).await
+}
+
+async fn take(st: &AppState, scope: &'static str, id: &str, b: Bucket) -> Result<(), Problem> {
+    match st.waitroom.take(scope, id, b).await? {
+        RateDecision::Allowed => Ok(()),
+        RateDecision::Limited { retry_after_ms } => {
+            metrics::counter!("boxoffice_rate_limited_total", "scope" => scope).increment(1);
+            Err(Problem::rate_limited(scope, retry_after_ms))
+        }
+    }
+}
+
+/// The socket's peer address, or the last `X-Forwarded-For` entry when the deployment trusts
+/// its proxy (the entry that proxy appended: earlier ones are the client's to forge).
+fn client_ip(st: &AppState, req: &Request) -> String {
+    if st.settings.trust_forwarded_for {
+        let forwarded = req
+            .headers()
+            .get_all("x-forwarded-for")
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .map(str::trim)
+            .rfind(|s| !s.is_empty());
+        if let Some(ip) = forwarded {
+            return ip.to_owned();
+        }
+    }
+    req.extensions()
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|ConnectInfo(a)| a.ip().to_string())
+        .unwrap_or_else(|| "unknown".into())
+}

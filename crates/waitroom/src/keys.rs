@@ -1,0 +1,47 @@
+//! Redis key names. Everything lives under one configurable prefix, so deployments (and
+//! tests running in parallel) sharing a Redis never see each other's keys. The event's keys
+//! share the hash tag `{event}`.
+
+use uuid::Uuid;
+
+/// The key names, under a prefix.
+#[derive(Clone, Debug)]
+pub(crate) struct Keys {
+    prefix: String,
+}
+
+/// The seven keys every event script takes, in `KEYS[1..7]` order.
+pub(crate) struct EventKeys(pub [String; 7]);
+
+impl Keys {
+    pub fn new(prefix: &str) -> Self {
+        Self { prefix: format!("{prefix}wr:") }
+    }
+
+    pub fn event(&self, event: Uuid) -> EventKeys {
+        let p = &self.prefix;
+        let k = |s: &str| format!("{p}e:{{{event}}}:{s}");
+        EventKeys([k("meta"), k("q"), k("pre"), k("hb"), k("adm"), k("users"), self.events()])
+    }
+
+    /// Events that have a queue, for the release loop.
+    pub fn events(&self) -> String {
+        format!("{}events", self.prefix)
+    }
+
+    pub fn ticket(&self, ticket: Uuid) -> String {
+        format!("{}t:{ticket}", self.prefix)
+    }
+
+    pub fn user(&self, user: Uuid) -> String {
+        format!("{}u:{user}", self.prefix)
+    }
+
+    pub fn revoked(&self, jti: Uuid) -> String {
+        format!("{}rv:{jti}", self.prefix)
+    }
+
+    pub fn bucket(&self, scope: &str, id: &str) -> String {
+        format!("{}rl:{scope}:{id}", self.prefix)
+    }
+}

@@ -1,0 +1,675 @@
+//! The waiting room (design §3): a Redis-backed queue in front of the hold endpoint that
+//! admits buyers at a measured rate, plus the rate buckets at the API's edge and the
+//! revocation set of admission tokens.
+//!
+//! What it owns, per event: queue positions (FIFO after the onsale opens), the pre-queue
+//! (joins before `opens_at`, shuffled once at the opening so arriving first buys nothing),
+//! heartbeats (a position whose holder stops polling for `abandon_after_ms` lapses, and lapsed
+//! positions are dropped atomically, so they never stall the inlet), admission slots of
+//! released tickets, one position per user and event and a per-user cap across events.
+//! Every multi-key step is one Lua script ([`scripts`]), so concurrent API instances cannot
+//! interleave half-done steps; every script reads the Redis clock.
+//!
+//! The invariant it protects is the ledger's: PostgreSQL stays within the write rate it has
+//! proved it sustains. Redis is a shield, not a ledger: it never owns seats, and nothing here
+//! holds, releases or sells one. When Redis is unreachable every call fails fast (each is
+//! bounded by `timeout_ms`) with [`WaitroomError::Unavailable`]: joins and polls answer 503,
+//! while buyers already holding a valid admission token keep buying (their token is verified
+//! locally; the revocation check then fails open, see `boxoffice-api`).
+//!
+//! Metrics: `boxoffice_waitroom_joins_total{outcome}`, `boxoffice_waitroom_admitted_total`,
+//! `boxoffice_waitroom_abandoned_total`, `boxoffice_waitroom_queue_length{event,stage}`,
+//! `boxoffice_waitroom_redis_errors_total{op}`.
+
+mod keys;
+mod scripts;
+
+use boxoffice_domain::{EventId, UserId};
+use chrono::{DateTime, Utc};
+use keys::Keys;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use uuid::Uuid;
+
+/// Settings of the waiting room.
+#[derive(Debug, Clone)]
+pub struct WaitroomConfig {
+    /// Redis URL, e.g. `redis://127.0.0.1:6379` (may carry a password: never log it).
+    pub redis_url: String,
+    /// Prefix of every key (one deployment or test per prefix).
+    pub key_prefix: String,
+    /// Bound of one Redis call, connecting included, ms. A dead Redis costs at most this.
+    pub timeout_ms: u64,
+    /// A queue position whose holder has not polled for this long lapses, ms.
+    pub abandon_after_ms: u64,
+    /// Length of the admission slot a released ticket gets, ms (the admission token's `exp`
+    /// is no later than its end).
+    pub slot_ms: u64,
+    /// Live queue positions one user may hold across all events (≥ 1).
+    pub max_positions_per_user: u32,
+    /// Lapsed positions dropped per call at most (the release step drops any it meets
+    /// besides), bounding the work of one script.
+    pub sweep_batch: u32,
+}
+
+impl Default for WaitroomConfig {
+    fn default() -> Self {
+        Self {
+            redis_url: "redis://127.0.0.1:6379".into(),
+            key_prefix: "boxoffice:".into(),
+            timeout_ms: 300,
+            abandon_after_ms: 30_000,
+            slot_ms: 900_000,
+            max_positions_per_user: 2,
+            sweep_batch: 200,
+        }
+    }
+}
+
+/// Why a waiting-room call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum WaitroomError {
+    /// Redis is unreachable or did not answer in time (→ 503 with `Retry-After`).
+    #[error("the waiting room's Redis is unavailable")]
+    Unavailable(#[source] redis::RedisError),
+    /// Redis did not answer within `timeout_ms` (→ 503 with `Retry-After`).
+    #[error("the waiting room's Redis did not answer within {0} ms")]
+    Timeout(u64),
+    /// Redis answered with an error or an unexpected shape: a bug (→ 500).
+    #[error("the waiting room's Redis answered with an error")]
+    Redis(#[source] redis::RedisError),
+    /// The user already holds `limit` live positions (→ 429).
+    #[error("the user already holds {held} queue positions (limit {limit})")]
+    PositionLimit {
+        /// Live positions the user holds.
+        held: u32,
+        /// The configured limit.
+        limit: u32,
+    },
+    /// The ticket is unknown, not this user's, left, lapsed or its slot ended (→ 404).
+    #[error("no such queue ticket")]
+    UnknownTicket,
+    /// `schedule` after the onsale opened or while people queue first-come-first-served.
+    #[error("the event's queue is already open")]
+    AlreadyOpen,
+}
+
+impl WaitroomError {
+    /// Whether Redis could not be reached (the caller answers 503 or fails open).
+    pub fn is_unavailable(&self) -> bool {
+        matches!(self, Self::Unavailable(_) | Self::Timeout(_))
+    }
+}
+
+/// Where a ticket stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TicketState {
+    /// Joined before the onsale opened; no position until the shuffle at the opening.
+    PreQueue,
+    /// In the queue at `position`.
+    Queued,
+    /// Released: may buy until the slot ends.
+    Admitted,
+}
+
+impl TicketState {
+    /// The wire name: `pre_queue`, `queued`, `admitted`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::PreQueue => "pre_queue",
+            Self::Queued => "queued",
+            Self::Admitted => "admitted",
+        }
+    }
+
+    fn parse(s: &str) -> Option<Self> {
+        match s {
+            "pre" => Some(Self::PreQueue),
+            "queued" => Some(Self::Queued),
+            "admitted" => Some(Self::Admitted),
+            _ => None,
+        }
+    }
+}
+
+/// The answer of [`Waitroom::join`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QueueTicket {
+    /// The ticket (secret-ish: the holder polls with it; it is also the admission token's
+    /// `jti` once released).
+    pub ticket: Uuid,
+    /// True for a new position, false when the user already had one in this event (the same
+    /// ticket is returned: a retried join is harmless).
+    pub created: bool,
+    /// Where it stands.
+    pub state: TicketState,
+    /// 1-based position while [`TicketState::Queued`].
+    pub position: Option<u64>,
+    /// When the pre-queue opens, while it has not.
+    pub opens_at: Option<DateTime<Utc>>,
+    /// End of the admission slot once [`TicketState::Admitted`].
+    pub slot_ends_at: Option<DateTime<Utc>>,
+}
+
+/// The answer of [`Waitroom::status`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TicketStatus {
+    /// The ticket's event.
+    pub event: EventId,
+    /// Where it stands.
+    pub state: TicketState,
+    /// 1-based position while [`TicketState::Queued`].
+    pub position: Option<u64>,
+    /// When the pre-queue opens, while it has not.
+    pub opens_at: Option<DateTime<Utc>>,
+    /// End of the admission slot once [`TicketState::Admitted`].
+    pub slot_ends_at: Option<DateTime<Utc>>,
+    /// Live positions in the queue (all of them, not only ahead).
+    pub queued: u64,
+    /// Entries in the pre-queue.
+    pub pre_queued: u64,
+}
+
+/// The answer of [`Waitroom::release`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Released {
+    /// Tickets moved to admitted, in queue order.
+    pub admitted: Vec<Uuid>,
+    /// Lapsed positions dropped on the way.
+    pub abandoned: u64,
+    /// Live positions left in the queue.
+    pub queued: u64,
+    /// Entries left in the pre-queue.
+    pub pre_queued: u64,
+    /// Admission slots still running.
+    pub admitted_live: u64,
+}
+
+/// Counts of one event's queue ([`Waitroom::stats`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QueueStats {
+    /// Live positions in the queue.
+    pub queued: u64,
+    /// Entries in the pre-queue.
+    pub pre_queued: u64,
+    /// Admission slots still running.
+    pub admitted_live: u64,
+}
+
+/// A rate bucket: `per_s` requests per second on average, `burst` at once.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Bucket {
+    /// Sustained rate, requests per second (> 0).
+    pub per_s: f64,
+    /// Requests allowed at once (≥ 1).
+    pub burst: u32,
+}
+
+/// The verdict of a rate bucket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RateDecision {
+    /// Go ahead.
+    Allowed,
+    /// Over the limit: retry after this many ms.
+    Limited {
+        /// Milliseconds until one more request fits.
+        retry_after_ms: u64,
+    },
+}
+
+/// The waiting room: cheap to clone (one multiplexed connection, reconnecting lazily).
+#[derive(Clone)]
+pub struct Waitroom {
+    conn: ConnectionManager,
+    keys: Keys,
+    cfg: Arc<WaitroomConfig>,
+    scripts: Arc<scripts::Scripts>,
+    healthy: Arc<AtomicBool>,
+}
+
+impl std::fmt::Debug for Waitroom {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Waitroom").field("key_prefix", &self.cfg.key_prefix).finish_non_exhaustive()
+    }
+}
+
+fn ms_to_time(ms: i64) -> Option<DateTime<Utc>> {
+    (ms >= 0).then(|| DateTime::from_timestamp_millis(ms)).flatten()
+}
+
+fn pos(p: i64) -> Option<u64> {
+    (p > 0).then_some(p as u64)
+}
+
+fn uuid_of(s: &str) -> Result<Uuid, WaitroomError> {
+    s.parse().map_err(|_| {
+        WaitroomError::Redis(redis::RedisError::from((redis::ErrorKind::Parse, "a ticket is not a UUID")))
+    })
+}
+
+impl Waitroom {
+    /// A waiting room on `cfg.redis_url`. Connects lazily: a Redis that is down at start-up
+    /// makes calls fail with [`WaitroomError::Unavailable`], not the process.
+    ///
+    /// # Errors
+    /// [`WaitroomError::Redis`] for a malformed URL.
+    pub fn new(cfg: WaitroomConfig) -> Result<Self, WaitroomError> {
+        let client = redis::Client::open(cfg.redis_url.as_str()).map_err(WaitroomError::Redis)?;
+        let t = Duration::from_millis(cfg.timeout_ms);
+        let mgr_cfg = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(t))
+            .set_response_timeout(Some(t))
+            .set_number_of_retries(1)
+            .set_max_delay(t);
+        let conn = ConnectionManager::new_lazy_with_config(client, mgr_cfg).map_err(WaitroomError::Redis)?;
+        Ok(Self {
+            conn,
+            keys: Keys::new(&cfg.key_prefix),
+            cfg: Arc::new(cfg),
+            scripts: Arc::new(scripts::Scripts::new()),
+            healthy: Arc::new(AtomicBool::new(true)),
+        })
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &WaitroomConfig {
+        &self.cfg
+    }
+
+    /// Runs one Redis call bounded by `timeout_ms`, counting and classifying failures. The
+    /// first failure after a success is logged once (and the recovery), so a dead Redis does
+    /// not flood the log.
+    async fn call<T>(
+        &self,
+        op: &'static str,
+        fut: impl Future<Output = redis::RedisResult<T>>,
+    ) -> Result<T, WaitroomError> {
+        let res = match tokio::time::timeout(Duration::from_millis(self.cfg.timeout_ms), fut).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e))
+                if e.is_io_error()
+                    || e.is_timeout()
+                    || e.is_connection_dropped()
+                    || e.is_connection_refusal() =>
+            {
+                Err(WaitroomError::Unavailable(e))
+            }
+            Ok(Err(e)) if e.is_unrecoverable_error() => Err(WaitroomError::Unavailable(e)),
+            Ok(Err(e)) => Err(WaitroomError::Redis(e)),
+            Err(_) => Err(WaitroomError::Timeout(self.cfg.timeout_ms)),
+        };
+        match &res {
+            Ok(_) => {
+                if !self.healthy.swap(true, Ordering::Relaxed) {
+                    tracing::info!(redis.op = op, "waiting room: redis reachable again");
+                }
+            }
+            Err(e) => {
+                metrics::counter!("boxoffice_waitroom_redis_errors_total", "op" => op).increment(1);
+                if e.is_unavailable() {
+                    if self.healthy.swap(false, Ordering::Relaxed) {
+                        tracing::warn!(redis.op = op, error = %e, "waiting room: redis unreachable; queue calls answer 503, revocation checks fail open");
+                    }
+                } else {
+                    tracing::error!(redis.op = op, error = ?e, "waiting room: redis error");
+                }
+            }
+        }
+        res
+    }
+
+    fn event_script<'a>(&self, script: &'a redis::Script, event: Uuid) -> redis::ScriptInvocation<'a> {
+        let mut inv = script.prepare_invoke();
+        for k in self.keys.event(event).0 {
+            inv.key(k);
+        }
+        inv
+    }
+
+    /// Sets when `event`'s onsale opens: until then joins go into the pre-queue, shuffled into
+    /// the queue at `opens_at` (by a draw from `seed`, or from a random secret seed kept in
+    /// Redis when `None`; a given seed makes the order reproducible). May be moved while the
+    /// event has not opened.
+    ///
+    /// # Errors
+    /// [`WaitroomError::AlreadyOpen`] once the queue has opened or holds FIFO positions;
+    /// [`WaitroomError::Unavailable`] / [`WaitroomError::Timeout`].
+    pub async fn schedule(
+        &self,
+        event: EventId,
+        opens_at: DateTime<Utc>,
+        seed: Option<&str>,
+    ) -> Result<(), WaitroomError> {
+        let random = Uuid::new_v4().simple().to_string();
+        let mut inv = self.event_script(&self.scripts.schedule, event.0);
+        inv.arg(opens_at.timestamp_millis()).arg(seed.unwrap_or(random.as_str())).arg(if seed.is_some() {
+            "1"
+        } else {
+            "0"
+        });
+        let mut conn = self.conn.clone();
+        let ok: i64 = self.call("schedule", inv.invoke_async(&mut conn)).await?;
+        if ok == 1 {
+            Ok(())
+        } else {
+            Err(WaitroomError::AlreadyOpen)
+        }
+    }
+
+    /// Queues `user` for `event`: a new ticket at the tail (or in the pre-queue before the
+    /// opening), or the user's existing ticket for this event. Counts as a poll.
+    ///
+    /// # Errors
+    /// [`WaitroomError::PositionLimit`] when the user already holds `max_positions_per_user`
+    /// live positions; [`WaitroomError::Unavailable`] / [`WaitroomError::Timeout`].
+    pub async fn join(&self, event: EventId, user: UserId) -> Result<QueueTicket, WaitroomError> {
+        let ticket = Uuid::new_v4();
+        let mut inv = self.event_script(&self.scripts.join, event.0);
+        inv.key(self.keys.ticket(ticket)).key(self.keys.user(user.0));
+        inv.arg(event.0.to_string())
+            .arg(user.0.to_string())
+            .arg(ticket.to_string())
+            .arg(self.cfg.abandon_after_ms)
+            .arg(self.cfg.sweep_batch)
+            .arg(self.cfg.max_positions_per_user)
+            .arg(self.ticket_ttl_ms());
+        let mut conn = self.conn.clone();
+        let (state, ticket, created, position, opens_at, abandoned, slot_end): (
+            String,
+            String,
+            i64,
+            i64,
+            i64,
+            i64,
+            i64,
+        ) = self.call("join", inv.invoke_async(&mut conn)).await?;
+        count_abandoned(abandoned);
+        if state == "limit" {
+            metrics::counter!("boxoffice_waitroom_joins_total", "outcome" => "limit").increment(1);
+            return Err(WaitroomError::PositionLimit {
+                held: u32::try_from(created).unwrap_or(u32::MAX),
+                limit: self.cfg.max_positions_per_user,
+            });
+        }
+        let state = TicketState::parse(&state).ok_or_else(|| unexpected("join"))?;
+        let outcome = if created == 1 { "created" } else { "existing" };
+        metrics::counter!("boxoffice_waitroom_joins_total", "outcome" => outcome).increment(1);
+        Ok(QueueTicket {
+            ticket: uuid_of(&ticket)?,
+            created: created == 1,
+            state,
+            position: pos(position),
+            opens_at: ms_to_time(opens_at),
+            slot_ends_at: ms_to_time(slot_end),
+        })
+    }
+
+    /// Where `ticket` stands, for its holder `user`; a poll is the heartbeat that keeps the
+    /// position alive.
+    ///
+    /// # Errors
+    /// [`WaitroomError::UnknownTicket`] when the ticket is unknown, another user's, left,
+    /// lapsed or its slot has ended; [`WaitroomError::Unavailable`] / [`WaitroomError::Timeout`].
+    pub async fn status(&self, ticket: Uuid, user: UserId) -> Result<TicketStatus, WaitroomError> {
+        let event = self.ticket_event(ticket).await?;
+        let mut inv = self.event_script(&self.scripts.status, event);
+        inv.key(self.keys.ticket(ticket)).key(self.keys.user(user.0));
+        inv.arg(ticket.to_string())
+            .arg(user.0.to_string())
+            .arg(self.cfg.abandon_after_ms)
+            .arg(self.cfg.sweep_batch)
+            .arg(self.ticket_ttl_ms());
+        let mut conn = self.conn.clone();
+        let (state, position, opens_at, abandoned, slot_end, queued, pre): (
+            String,
+            i64,
+            i64,
+            i64,
+            i64,
+            i64,
+            i64,
+        ) = self.call("status", inv.invoke_async(&mut conn)).await?;
+        count_abandoned(abandoned);
+        let state = match state.as_str() {
+            "unknown" => return Err(WaitroomError::UnknownTicket),
+            s => TicketState::parse(s).ok_or_else(|| unexpected("status"))?,
+        };
+        Ok(TicketStatus {
+            event: EventId(event),
+            state,
+            position: pos(position),
+            opens_at: ms_to_time(opens_at),
+            slot_ends_at: ms_to_time(slot_end),
+            queued: queued.max(0) as u64,
+            pre_queued: pre.max(0) as u64,
+        })
+    }
+
+    /// Gives up `ticket` (its holder `user` leaves). Leaving during an admission slot also
+    /// revokes the admission token (its `jti` is the ticket) until the slot ends.
+    ///
+    /// # Errors
+    /// [`WaitroomError::UnknownTicket`]; [`WaitroomError::Unavailable`] / [`WaitroomError::Timeout`].
+    pub async fn leave(&self, ticket: Uuid, user: UserId) -> Result<(), WaitroomError> {
+        let event = self.ticket_event(ticket).await?;
+        let mut inv = self.event_script(&self.scripts.leave, event);
+        inv.key(self.keys.ticket(ticket)).key(self.keys.user(user.0)).key(self.keys.revoked(ticket));
+        inv.arg(ticket.to_string()).arg(user.0.to_string());
+        let mut conn = self.conn.clone();
+        let left: i64 = self.call("leave", inv.invoke_async(&mut conn)).await?;
+        if left == 1 {
+            Ok(())
+        } else {
+            Err(WaitroomError::UnknownTicket)
+        }
+    }
+
+    /// Admits the next `n` live positions of `event` (each gets a slot of `slot_ms`),
+    /// dropping lapsed positions met on the way. The release controller calls this at its
+    /// measured rate; nothing about seats changes here.
+    ///
+    /// # Errors
+    /// [`WaitroomError::Unavailable`] / [`WaitroomError::Timeout`].
+    pub async fn release(&self, event: EventId, n: u32) -> Result<Released, WaitroomError> {
+        let mut inv = self.event_script(&self.scripts.release, event.0);
+        inv.arg(event.0.to_string())
+            .arg(n)
+            .arg(self.cfg.abandon_after_ms)
+            .arg(self.cfg.sweep_batch)
+            .arg(self.cfg.slot_ms);
+        let mut conn = self.conn.clone();
+        let (admitted, abandoned, queued, pre, live, _slot_end): (Vec<String>, i64, i64, i64, i64, i64) =
+            self.call("release", inv.invoke_async(&mut conn)).await?;
+        count_abandoned(abandoned);
+        metrics::counter!("boxoffice_waitroom_admitted_total").increment(admitted.len() as u64);
+        let r = Released {
+            admitted: admitted.iter().map(|t| uuid_of(t)).collect::<Result<_, _>>()?,
+            abandoned: abandoned.max(0) as u64,
+            queued: queued.max(0) as u64,
+            pre_queued: pre.max(0) as u64,
+            admitted_live: live.max(0) as u64,
+        };
+        record_lengths(event, r.queued, r.pre_queued, r.admitted_live);
+        Ok(r)
+    }
+
+    /// Counts of `event`'s queue (after dropping lapsed positions); also exported as the
+    /// `boxoffice_waitroom_queue_length` gauge.
+    ///
+    /// # Errors
+    /// [`WaitroomError::Unavailable`] / [`WaitroomError::Timeout`].
+    pub async fn stats(&self, event: EventId) -> Result<QueueStats, WaitroomError> {
+        let mut inv = self.event_script(&self.scripts.stats, event.0);
+        inv.arg(self.cfg.abandon_after_ms).arg(self.cfg.sweep_batch);
+        let mut conn = self.conn.clone();
+        let (queued, pre, live, abandoned, _now): (i64, i64, i64, i64, i64) =
+            self.call("stats", inv.invoke_async(&mut conn)).await?;
+        count_abandoned(abandoned);
+        let s = QueueStats {
+            queued: queued.max(0) as u64,
+            pre_queued: pre.max(0) as u64,
+            admitted_live: live.max(0) as u64,
+        };
+        record_lengths(event, s.queued, s.pre_queued, s.admitted_live);
+        Ok(s)
+    }
+
+    /// Events that have people queued or pre-queued (the release loop's work list).
+    ///
+    /// # Errors
+    /// [`WaitroomError::Unavailable`] / [`WaitroomError::Timeout`].
+    pub async fn active_events(&self) -> Result<Vec<EventId>, WaitroomError> {
+        let mut conn = self.conn.clone();
+        let key = self.keys.events();
+        let members: Vec<String> =
+            self.call("active_events", redis::cmd("SMEMBERS").arg(&key).query_async(&mut conn)).await?;
+        Ok(members.iter().filter_map(|m| m.parse().ok()).map(EventId).collect())
+    }
+
+    /// Revokes the admission token `jti` until `until_exp` (unix seconds, its `exp`; the
+    /// entry expires with the token).
+    ///
+    /// # Errors
+    /// [`WaitroomError::Unavailable`] / [`WaitroomError::Timeout`].
+    pub async fn revoke(&self, jti: Uuid, until_exp: i64) -> Result<(), WaitroomError> {
+        let mut conn = self.conn.clone();
+        let key = self.keys.revoked(jti);
+        let cmd = redis::cmd("SET").arg(&key).arg(1).arg("EXAT").arg(until_exp.max(1)).to_owned();
+        self.call("revoke", cmd.query_async::<()>(&mut conn)).await
+    }
+
+    /// Whether the admission token `jti` was revoked.
+    ///
+    /// # Errors
+    /// [`WaitroomError::Unavailable`] / [`WaitroomError::Timeout`]: the caller decides
+    /// whether to fail open.
+    pub async fn is_revoked(&self, jti: Uuid) -> Result<bool, WaitroomError> {
+        let mut conn = self.conn.clone();
+        let key = self.keys.revoked(jti);
+        self.call("is_revoked", redis::cmd("EXISTS").arg(&key).query_async::<bool>(&mut conn)).await
+    }
+
+    /// Takes one request from the bucket `scope`/`id` (e.g. `ip`/`203.0.113.7`).
+    ///
+    /// # Errors
+    /// [`WaitroomError::Unavailable`] / [`WaitroomError::Timeout`].
+    pub async fn take(&self, scope: &str, id: &str, bucket: Bucket) -> Result<RateDecision, WaitroomError> {
+        let interval_ms = 1000.0 / bucket.per_s.max(1e-3);
+        let mut inv = self.scripts.bucket.prepare_invoke();
+        inv.key(self.keys.bucket(scope, id)).arg(interval_ms).arg(bucket.burst.max(1));
+        let mut conn = self.conn.clone();
+        let (allowed, retry_ms): (i64, i64) = self.call("rate_bucket", inv.invoke_async(&mut conn)).await?;
+        Ok(if allowed == 1 {
+            RateDecision::Allowed
+        } else {
+            RateDecision::Limited { retry_after_ms: retry_ms.max(1) as u64 }
+        })
+    }
+
+    /// The Redis clock, ms since the Unix epoch (every script measures time by it).
+    ///
+    /// # Errors
+    /// [`WaitroomError::Unavailable`] / [`WaitroomError::Timeout`].
+    pub async fn clock_ms(&self) -> Result<i64, WaitroomError> {
+        let mut conn = self.conn.clone();
+        let (s, us): (i64, i64) = self.call("time", redis::cmd("TIME").query_async(&mut conn)).await?;
+        Ok(s * 1000 + us / 1000)
+    }
+
+    /// The event of `ticket`, or [`WaitroomError::UnknownTicket`].
+    async fn ticket_event(&self, ticket: Uuid) -> Result<Uuid, WaitroomError> {
+        let mut conn = self.conn.clone();
+        let key = self.keys.ticket(ticket);
+        let event: Option<String> =
+            self.call("ticket", redis::cmd("HGET").arg(&key).arg("event").query_async(&mut conn)).await?;
+        event.and_then(|e| e.parse().ok()).ok_or(WaitroomError::UnknownTicket)
+    }
+
+    /// How long a ticket's record outlives its last poll: long enough to cover a lapse, a
+    /// slot and a margin.
+    fn ticket_ttl_ms(&self) -> u64 {
+        self.cfg.abandon_after_ms + self.cfg.slot_ms + 3_600_000
+    }
+}
+
+fn unexpected(op: &str) -> WaitroomError {
+    WaitroomError::Redis(redis::RedisError::from((
+        redis::ErrorKind::Parse,
+        "unexpected answer from a waiting-room script",
+        op.to_owned(),
+    )))
+}
+
+fn count_abandoned(n: i64) {
+    if n > 0 {
+        metrics::counter!("boxoffice_waitroom_abandoned_total").increment(n as u64);
+    }
+}
+
+fn record_lengths(event: EventId, queued: u64, pre: u64, admitted: u64) {
+    let e = event.0.to_string();
+    metrics::gauge!("boxoffice_waitroom_queue_length", "event" => e.clone(), "stage" => "queued")
+        .set(queued as f64);
+    metrics::gauge!("boxoffice_waitroom_queue_length", "event" => e.clone(), "stage" => "pre_queue")
+        .set(pre as f64);
+    metrics::gauge!("boxoffice_waitroom_queue_length", "event" => e, "stage" => "admitted")
+        .set(admitted as f64);
+}
+
+/// Releases `per_s` positions per second of every event with a queue until `shutdown`: the
+/// fixed-rate stand-in for the release controller (design §3). Fractions carry over between
+/// ticks. Every API instance running it releases at this rate: divide the rate by the number
+/// of instances. Errors are logged (once per outage, in [`Waitroom`]) and retried next tick.
+pub async fn release_loop(
+    room: Waitroom,
+    per_s: f64,
+    tick: Duration,
+    shutdown: impl Future<Output = ()> + Send,
+) {
+    if per_s <= 0.0 {
+        return;
+    }
+    tokio::pin!(shutdown);
+    let mut interval = tokio::time::interval(tick);
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut carry: std::collections::HashMap<EventId, f64> = std::collections::HashMap::new();
+    let mut last = tokio::time::Instant::now();
+    loop {
+        tokio::select! {
+            _ = &mut shutdown => return,
+            _ = interval.tick() => {}
+        }
+        let now = tokio::time::Instant::now();
+        let budget = per_s * now.duration_since(last).as_secs_f64();
+        last = now;
+        let Ok(events) = room.active_events().await else { continue };
+        carry.retain(|e, _| events.contains(e));
+        for event in events {
+            let c = carry.entry(event).or_insert(0.0);
+            *c += budget;
+            let n = c.floor().min(u32::MAX as f64) as u32;
+            if n == 0 {
+                continue;
+            }
+            match room.release(event, n).await {
+                Ok(r) => {
+                    *c -= n as f64;
+                    // An empty queue does not bank releases for later.
+                    if r.queued == 0 {
+                        *c = 0.0;
+                    }
+                    if !r.admitted.is_empty() {
+                        tracing::debug!(event.id = %event.0, admitted = r.admitted.len(), queued = r.queued, "released");
+                    }
+                }
+                Err(_) => break,
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,228 @@
+//! Unit tests against a real Redis (`BOXOFFICE_TEST_REDIS_URL`, default
+//! `redis://127.0.0.1:6379`), each under its own key prefix so they run in parallel.
+
+use super::*;
+use std::time::Instant;
+
+fn redis_url() -> String {
+    std::env::var("BOXOFFICE_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+}
+
+fn room_with(tweak: impl FnOnce(&mut WaitroomConfig)) -> Waitroom {
+    let mut cfg = WaitroomConfig {
+        redis_url: redis_url(),
+        key_prefix: format!("test:{}:", Uuid::new_v4().simple()),
+        timeout_ms: 2_000,
+        ..WaitroomConfig::default()
+    };
+    tweak(&mut cfg);
+    Waitroom::new(cfg).unwrap()
+}
+
+fn room() -> Waitroom {
+    room_with(|_| {})
+}
+
+/// Awaits `cond` for at most `timeout`, re-checking every 20 ms.
+async fn eventually<F, Fut>(timeout: Duration, what: &str, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    while !cond().await {
+        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn waitroom_queue_is_fifo_and_release_admits_the_head() {
+    let wr = room();
+    let event = EventId::new();
+    let users: Vec<UserId> = (0..5).map(|_| UserId::new()).collect();
+    let mut tickets = Vec::new();
+    for (i, u) in users.iter().enumerate() {
+        let t = wr.join(event, *u).await.unwrap();
+        assert_eq!((t.state, t.position, t.created), (TicketState::Queued, Some(i as u64 + 1), true));
+        tickets.push(t.ticket);
+    }
+    let again = wr.join(event, users[2]).await.unwrap();
+    assert_eq!(
+        (again.ticket, again.created, again.position),
+        (tickets[2], false, Some(3)),
+        "a repeated join is the same position"
+    );
+    let r = wr.release(event, 2).await.unwrap();
+    assert_eq!(r.admitted, tickets[..2]);
+    assert_eq!((r.queued, r.admitted_live), (3, 2));
+    let s = wr.status(tickets[0], users[0]).await.unwrap();
+    assert_eq!(s.state, TicketState::Admitted);
+    assert!(s.slot_ends_at.unwrap() > Utc::now());
+    assert_eq!(wr.status(tickets[2], users[2]).await.unwrap().position, Some(1));
+    assert!(
+        matches!(wr.status(tickets[2], users[3]).await, Err(WaitroomError::UnknownTicket)),
+        "only the holder may poll"
+    );
+    wr.leave(tickets[2], users[2]).await.unwrap();
+    assert_eq!(wr.status(tickets[3], users[3]).await.unwrap().position, Some(1));
+    assert!(matches!(wr.status(tickets[2], users[2]).await, Err(WaitroomError::UnknownTicket)));
+    assert!(matches!(wr.leave(tickets[2], users[2]).await, Err(WaitroomError::UnknownTicket)));
+    assert_eq!(wr.active_events().await.unwrap(), vec![event]);
+    wr.release(event, 10).await.unwrap();
+    assert!(wr.active_events().await.unwrap().is_empty(), "an emptied queue leaves the release loop's list");
+}
+
+#[tokio::test]
+async fn waitroom_limits_positions_per_user_across_events() {
+    let wr = room_with(|c| c.max_positions_per_user = 2);
+    let u = UserId::new();
+    let (e1, e2, e3) = (EventId::new(), EventId::new(), EventId::new());
+    let t1 = wr.join(e1, u).await.unwrap();
+    wr.join(e2, u).await.unwrap();
+    assert!(matches!(wr.join(e3, u).await, Err(WaitroomError::PositionLimit { held: 2, limit: 2 })));
+    assert!(
+        !wr.join(e1, u).await.unwrap().created,
+        "re-joining an event you queue for is not a new position"
+    );
+    wr.leave(t1.ticket, u).await.unwrap();
+    assert!(wr.join(e3, u).await.unwrap().created);
+}
+
+/// Joins `n` users one after another into a pre-queue opening far in the future with `seed`,
+/// then opens it; returns each arrival's position.
+async fn prequeue_positions(wr: &Waitroom, event: EventId, seed: &str, n: usize) -> Vec<u64> {
+    wr.schedule(event, Utc::now() + chrono::Duration::hours(1), Some(seed)).await.unwrap();
+    let mut joined = Vec::new();
+    for _ in 0..n {
+        let u = UserId::new();
+        let t = wr.join(event, u).await.unwrap();
+        assert_eq!((t.state, t.position), (TicketState::PreQueue, None));
+        assert!(t.opens_at.is_some());
+        joined.push((u, t.ticket));
+    }
+    assert_eq!(wr.stats(event).await.unwrap().pre_queued, n as u64);
+    wr.schedule(event, Utc::now() - chrono::Duration::seconds(1), Some(seed)).await.unwrap();
+    let mut positions = Vec::new();
+    for (u, t) in joined {
+        let s = wr.status(t, u).await.unwrap();
+        assert_eq!(s.state, TicketState::Queued);
+        positions.push(s.position.unwrap());
+    }
+    positions
+}
+
+#[tokio::test]
+async fn waitroom_prequeue_is_shuffled_once_at_opening_reproducibly_with_a_seed() {
+    let n = 20;
+    let event = EventId::new();
+    let a = prequeue_positions(&room(), event, "seed-1", n).await;
+    let b = prequeue_positions(&room(), event, "seed-1", n).await;
+    let c = prequeue_positions(&room(), event, "seed-2", n).await;
+    let mut sorted = a.clone();
+    sorted.sort_unstable();
+    assert_eq!(sorted, (1..=n as u64).collect::<Vec<_>>(), "every pre-queued user has exactly one position");
+    assert_ne!(a, (1..=n as u64).collect::<Vec<_>>(), "the order is not the arrival order");
+    assert_eq!(a, b, "the same seed gives the same order");
+    assert_ne!(a, c, "another seed gives another order");
+}
+
+#[tokio::test]
+async fn waitroom_joins_after_the_opening_queue_behind_the_prequeue() {
+    let wr = room();
+    let event = EventId::new();
+    wr.schedule(event, Utc::now() + chrono::Duration::hours(1), None).await.unwrap();
+    let early = UserId::new();
+    let t_early = wr.join(event, early).await.unwrap();
+    wr.schedule(event, Utc::now() - chrono::Duration::seconds(1), None).await.unwrap();
+    let late = wr.join(event, UserId::new()).await.unwrap();
+    assert_eq!(late.position, Some(2));
+    assert_eq!(wr.status(t_early.ticket, early).await.unwrap().position, Some(1));
+    assert!(matches!(wr.schedule(event, Utc::now(), None).await, Err(WaitroomError::AlreadyOpen)));
+}
+
+#[tokio::test]
+async fn waitroom_abandoned_positions_lapse_without_blocking_release() {
+    // No sweep on polls: the release step itself must step over the lapsed head.
+    let wr = room_with(|c| {
+        c.abandon_after_ms = 300;
+        c.sweep_batch = 0;
+    });
+    let event = EventId::new();
+    let gone = wr.join(event, UserId::new()).await.unwrap();
+    let stayer = UserId::new();
+    let kept = wr.join(event, stayer).await.unwrap();
+    let joined_at = wr.clock_ms().await.unwrap();
+    // The stayer keeps polling; the other stopped after joining.
+    eventually(Duration::from_secs(10), "the first position lapsed", || async {
+        wr.status(kept.ticket, stayer).await.unwrap();
+        wr.clock_ms().await.unwrap() > joined_at + 300
+    })
+    .await;
+    let r = wr.release(event, 1).await.unwrap();
+    assert_eq!(r.admitted, vec![kept.ticket], "the live position behind the lapsed one is admitted");
+    assert_eq!((r.abandoned, r.queued), (1, 0));
+    assert_ne!(r.admitted[0], gone.ticket);
+}
+
+#[tokio::test]
+async fn waitroom_polls_sweep_lapsed_positions() {
+    let wr = room_with(|c| c.abandon_after_ms = 300);
+    let event = EventId::new();
+    wr.join(event, UserId::new()).await.unwrap();
+    let stayer = UserId::new();
+    let kept = wr.join(event, stayer).await.unwrap();
+    assert_eq!(kept.position, Some(2));
+    eventually(Duration::from_secs(10), "the stayer moves up to position 1", || async {
+        wr.status(kept.ticket, stayer).await.unwrap().position == Some(1)
+    })
+    .await;
+    assert_eq!(wr.stats(event).await.unwrap().queued, 1);
+}
+
+#[tokio::test]
+async fn waitroom_rate_bucket_allows_a_burst_then_limits() {
+    let wr = room();
+    let b = Bucket { per_s: 2.0, burst: 3 };
+    for _ in 0..3 {
+        assert_eq!(wr.take("ip", "203.0.113.7", b).await.unwrap(), RateDecision::Allowed);
+    }
+    match wr.take("ip", "203.0.113.7", b).await.unwrap() {
+        RateDecision::Limited { retry_after_ms } => {
+            assert!((1..=500).contains(&retry_after_ms), "{retry_after_ms}")
+        }
+        RateDecision::Allowed => panic!("the fourth request of a burst of 3 passed"),
+    }
+    assert_eq!(wr.take("ip", "203.0.113.8", b).await.unwrap(), RateDecision::Allowed, "buckets are per id");
+}
+
+#[tokio::test]
+async fn waitroom_revocation_and_leaving_an_admitted_ticket() {
+    let wr = room();
+    let jti = Uuid::new_v4();
+    assert!(!wr.is_revoked(jti).await.unwrap());
+    wr.revoke(jti, Utc::now().timestamp() + 60).await.unwrap();
+    assert!(wr.is_revoked(jti).await.unwrap());
+    let (event, u) = (EventId::new(), UserId::new());
+    let t = wr.join(event, u).await.unwrap();
+    wr.release(event, 1).await.unwrap();
+    wr.leave(t.ticket, u).await.unwrap();
+    assert!(wr.is_revoked(t.ticket).await.unwrap(), "leaving during the slot revokes its token");
+}
+
+#[tokio::test]
+async fn waitroom_unreachable_redis_fails_fast() {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let wr = room_with(|c| {
+        c.redis_url = format!("redis://127.0.0.1:{port}");
+        c.timeout_ms = 300;
+    });
+    let started = Instant::now();
+    let e = wr.join(EventId::new(), UserId::new()).await.unwrap_err();
+    assert!(e.is_unavailable(), "{e:?}");
+    assert!(wr.is_revoked(Uuid::new_v4()).await.unwrap_err().is_unavailable());
+    assert!(started.elapsed() < Duration::from_secs(2), "bounded by the timeout: {:?}", started.elapsed());
+}
