@@ -1,9 +1,13 @@
-//! The binary's commands other than `onsale`: migrate, serve, seed-venue, stripe-sim, audit
-//! and topics create. Each returns the process exit code or an error with context.
+//! The binary's commands other than `onsale`: migrate, serve, seed-venue, stripe-sim, audit,
+//! reconcile, dlq and topics create. Each returns the process exit code or an error with
+//! context.
 
+use crate::audit;
 use crate::config::Config;
+use crate::reconcile::{self, Window};
 use crate::runtime::{self, Role};
 use anyhow::Context;
+use boxoffice_payments::StripeClient;
 use boxoffice_store::venue::{self, VenueSpec};
 use secrecy::ExposeSecret;
 use sqlx::migrate::MigrateDatabase;
@@ -106,41 +110,73 @@ pub async fn stripe_sim(cfg: &Config, bind: &str, webhook_url: Option<String>) -
     Ok(())
 }
 
-/// `boxoffice audit`: prints the invariant checks (text or JSON); exit code 1 on any
-/// violation.
-pub async fn audit(
+/// The [`audit::AuditOptions`] of `cfg`: the provider checks run when a Stripe API base is
+/// configured and `skip_provider` is false, over PaymentIntents created since `since` (an
+/// RFC 3339 timestamp or a duration before now, default
+/// [`audit::DEFAULT_PROVIDER_WINDOW`]); the dead-letter check runs when a broker is
+/// configured.
+pub fn audit_options(
     cfg: &Config,
-    json: bool,
     stuck_after_ms: i64,
     event: Option<uuid::Uuid>,
-) -> anyhow::Result<i32> {
-    let pool = boxoffice_store::connect(cfg.pg_options()?, 4, cfg.db_acquire_timeout_ms).await?;
-    let v = boxoffice_store::audit::violations(&pool, stuck_after_ms, event).await?;
-    let t = boxoffice_store::audit::totals(&pool, event).await?;
-    if json {
-        println!("{}", serde_json::to_string_pretty(&serde_json::json!({"violations": v, "totals": t}))?);
-    } else {
-        println!("{}", render_audit(&v));
-        println!("totals: {}", serde_json::to_string(&t)?);
-    }
-    Ok(if v.total() == 0 { 0 } else { 1 })
+    since: Option<&str>,
+    skip_provider: bool,
+) -> anyhow::Result<audit::AuditOptions> {
+    let provider = match (cfg.stripe(), skip_provider) {
+        (_, true) => Err("--skip-provider".to_owned()),
+        (None, _) => Err("no Stripe API base configured".to_owned()),
+        (Some(s), false) => {
+            let window =
+                Window::parse(since.unwrap_or(audit::DEFAULT_PROVIDER_WINDOW), None, chrono::Utc::now())?;
+            Ok((StripeClient::new(s)?, window))
+        }
+    };
+    Ok(audit::AuditOptions {
+        stuck_after_ms,
+        event,
+        provider,
+        kafka: cfg.kafka().ok_or_else(|| "no broker configured".to_owned()),
+        dlq_timeout: std::time::Duration::from_secs(30),
+    })
 }
 
-/// Text table of the invariant checks.
-pub fn render_audit(v: &boxoffice_store::audit::Violations) -> String {
-    let rows = [
-        ("oversold seats", v.oversold),
-        ("seats with more than one active hold", v.double_active_holds),
-        ("tickets without captured payment", v.tickets_without_capture),
-        ("captured payments without ticket or refund", v.captured_without_ticket_or_refund),
-        ("orders stuck in a non-final state", v.stuck_orders),
-        ("unpublished outbox rows", v.unpublished_outbox),
-    ];
-    let mut out = String::from("invariant checks\n");
-    for (name, n) in rows {
-        out.push_str(&format!("  {:<46} {:>6}  {}\n", name, n, if n == 0 { "ok" } else { "VIOLATION" }));
+/// `boxoffice audit`: runs every check (ledger, provider, dead letters) and prints them as
+/// text or JSON. Exit code 1 on any violation, 2 when a configured check could not run, else
+/// 0.
+pub async fn audit(cfg: &Config, json: bool, opts: &audit::AuditOptions) -> anyhow::Result<i32> {
+    let pool = boxoffice_store::connect(cfg.pg_options()?, 4, cfg.db_acquire_timeout_ms).await?;
+    let report = audit::run(&pool, opts).await?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&report.to_json())?);
+    } else {
+        print!("{}", audit::render(&report));
+        println!("totals: {}", serde_json::to_string(&report.totals)?);
     }
-    out
+    Ok(report.exit_code())
+}
+
+/// `boxoffice reconcile`: compares the provider's PaymentIntents created in the window
+/// (`since` / `until`: RFC 3339 or a duration before now) with the ledger and prints the
+/// drift; with `fix`, writes the facts that close it to the outbox. Exit code 1 when drift
+/// remains unfixed. Errors when no Stripe API base is configured.
+pub async fn reconcile(
+    cfg: &Config,
+    since: &str,
+    until: Option<&str>,
+    fix: bool,
+    json: bool,
+) -> anyhow::Result<i32> {
+    let stripe = cfg.stripe().context("set BOXOFFICE_STRIPE_API_BASE to reconcile with the provider")?;
+    let stripe = StripeClient::new(stripe)?;
+    let window = Window::parse(since, until, chrono::Utc::now())?;
+    let pool = boxoffice_store::connect(cfg.pg_options()?, 4, cfg.db_acquire_timeout_ms).await?;
+    let report = reconcile::run(&pool, &stripe, window, fix).await?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", reconcile::render(&report));
+    }
+    Ok(report.exit_code())
 }
 
 /// `boxoffice dlq list`.

@@ -141,6 +141,8 @@ pub struct Config {
     /// Hold time to live, ms (default 5 minutes).
     pub hold_ttl_ms: u64,
     /// Stripe API base URL: `https://api.stripe.com` in production, the simulator otherwise.
+    /// Empty means "no provider configured": `audit` then skips its provider checks and
+    /// `reconcile` refuses to run.
     pub stripe_api_base: String,
     /// Stripe secret key (`sk_…`).
     #[serde(serialize_with = "redact")]
@@ -370,6 +372,15 @@ impl Config {
             max_positions_per_user: self.waitroom_max_positions_per_user,
             ..Default::default()
         }
+    }
+
+    /// The Stripe client settings, if a provider is configured (`stripe_api_base` not empty).
+    pub fn stripe(&self) -> Option<boxoffice_payments::StripeConfig> {
+        (!self.stripe_api_base.trim().is_empty()).then(|| boxoffice_payments::StripeConfig {
+            api_base: self.stripe_api_base.clone(),
+            secret_key: self.stripe_secret_key.clone(),
+            timeout_ms: self.stripe_timeout_ms,
+        })
     }
 
     /// The PostgreSQL connect options.

@@ -1,10 +1,13 @@
 //! The boxoffice binary's library half: configuration, the role runtime, and the commands
-//! (`migrate`, `serve`, `seed-venue`, `stripe-sim`, `onsale`, `audit`, `topics create`).
+//! (`migrate`, `serve`, `seed-venue`, `stripe-sim`, `onsale`, `audit`, `reconcile`, `dlq`,
+//! `topics create`).
 //! Integration tests drive the same functions the binary does.
 
+pub mod audit;
 pub mod commands;
 pub mod config;
 pub mod onsale;
+pub mod reconcile;
 pub mod runtime;
 
 pub use config::Config;

@@ -46,7 +46,9 @@ enum Command {
     },
     /// Run a whole onsale with simulated buyers and print the report (the main job).
     Onsale(boxoffice::onsale::OnsaleArgs),
-    /// Check every invariant against the ledger; exit 1 on any violation.
+    /// Check every invariant against the ledger, the payment provider (when a Stripe API base
+    /// is configured) and the dead-letter topic (when a broker is configured); exit 1 on any
+    /// violation, 2 when a configured check could not run.
     Audit {
         /// Print JSON instead of text.
         #[arg(long)]
@@ -54,9 +56,35 @@ enum Command {
         /// Orders in a non-final state longer than this count as stuck, ms.
         #[arg(long, default_value_t = 600_000)]
         stuck_after_ms: i64,
-        /// Restrict the checks to one event.
+        /// Restrict the ledger and provider checks to one event.
         #[arg(long)]
         event: Option<uuid::Uuid>,
+        /// Provider checks cover PaymentIntents created since then: RFC 3339 or a duration
+        /// before now (`2h`, `7d`). Default: 8 days, longer than an authorization lives.
+        #[arg(long)]
+        since: Option<String>,
+        /// Do not call the payment provider (its checks are reported as not checked).
+        #[arg(long)]
+        skip_provider: bool,
+    },
+    /// Compare the provider's PaymentIntents created in a window with the ledger and print
+    /// the drift; with --fix, write the facts that close it to the outbox. Exit 1 when drift
+    /// remains.
+    Reconcile {
+        /// Start of the window: RFC 3339 (`2025-03-01T12:00:00Z`) or a duration before now
+        /// (`90m`, `2h`, `1d`).
+        #[arg(long)]
+        since: String,
+        /// End of the window (same forms); default now.
+        #[arg(long)]
+        until: Option<String>,
+        /// Write the closing facts (PaymentAuthorized, PaymentCaptured, PaymentCanceled,
+        /// PaymentRefunded) to the outbox, one transaction per PaymentIntent.
+        #[arg(long)]
+        fix: bool,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
     },
     /// Print a buyer bearer token signed with the configured user key (development and demos;
     /// production tokens come from the identity provider).
@@ -228,8 +256,14 @@ async fn main() {
             commands::stripe_sim(&cfg, &bind, webhook_url).await.map(|_| 0)
         }
         Command::Onsale(args) => boxoffice::onsale::run(cfg, args).await,
-        Command::Audit { json, stuck_after_ms, event } => {
-            commands::audit(&cfg, json, stuck_after_ms, event).await
+        Command::Audit { json, stuck_after_ms, event, since, skip_provider } => {
+            match commands::audit_options(&cfg, stuck_after_ms, event, since.as_deref(), skip_provider) {
+                Ok(opts) => commands::audit(&cfg, json, &opts).await,
+                Err(e) => Err(e),
+            }
+        }
+        Command::Reconcile { since, until, fix, json } => {
+            commands::reconcile(&cfg, &since, until.as_deref(), fix, json).await
         }
         Command::Topics { action: TopicsAction::Create } => commands::topics_create(&cfg).await.map(|_| 0),
         Command::Dlq { action: DlqAction::List { json } } => commands::dlq_list(&cfg, json).await.map(|_| 0),

@@ -17,12 +17,12 @@ use secrecy::{ExposeSecret, SecretString};
 use serde::de::DeserializeOwned;
 
 use crate::types::{push_metadata, List};
-use crate::{Charge, CreatePaymentIntent, PaymentIntent, Refund, StripeError};
+use crate::{Charge, CreatePaymentIntent, CreatedWindow, IntentWithCharge, PaymentIntent, Refund, StripeError};
 
 /// Stripe caps idempotency keys at 255 characters.
 const MAX_IDEMPOTENCY_KEY_LEN: usize = 255;
 /// Page size for auto-pagination (Stripe's maximum).
-const LIST_PAGE_LIMIT: &str = "100";
+const LIST_PAGE_LIMIT: u32 = 100;
 
 /// What the payment worker and saga may ask of a payment provider.
 ///
@@ -192,23 +192,35 @@ impl StripeClient {
         &self,
         created_gte_unix: i64,
     ) -> Result<Vec<PaymentIntent>, StripeError> {
-        let mut all: Vec<PaymentIntent> = Vec::new();
-        loop {
-            let mut query = vec![
-                ("created[gte]".to_owned(), created_gte_unix.to_string()),
-                ("limit".to_owned(), LIST_PAGE_LIMIT.to_owned()),
-            ];
-            if let Some(last) = all.last() {
-                query.push(("starting_after".to_owned(), last.id.clone()));
-            }
-            let page: List<PaymentIntent> =
-                self.send(Method::GET, &["payment_intents"], Auth::Secret, &query, None, None).await?;
-            let done = !page.has_more || page.data.is_empty();
-            all.extend(page.data);
-            if done {
-                return Ok(all);
-            }
-        }
+        let window = CreatedWindow { gte: Some(created_gte_unix), lte: None };
+        paginate(
+            |after| async move {
+                let query = window.page_query(LIST_PAGE_LIMIT, after.as_deref());
+                self.send(Method::GET, &["payment_intents"], Auth::Secret, &query, None, None).await
+            },
+            |pi: &PaymentIntent| &pi.id,
+        )
+        .await
+    }
+
+    /// Every PaymentIntent created inside `window`, newest first, each with its latest charge
+    /// expanded (`expand[]=data.latest_charge`: refunds and the capture deadline live on the
+    /// charge). Pages of 100 are fetched with `starting_after` until `has_more` is false;
+    /// intents created while paging are newer than the cursor and so never shift a page. For
+    /// `boxoffice audit` and `boxoffice reconcile`. Errors: the first failed page's error.
+    pub async fn list_payment_intents_with_charges(
+        &self,
+        window: CreatedWindow,
+    ) -> Result<Vec<IntentWithCharge>, StripeError> {
+        paginate(
+            |after| async move {
+                let mut query = window.page_query(LIST_PAGE_LIMIT, after.as_deref());
+                query.push(("expand[]".to_owned(), "data.latest_charge".to_owned()));
+                self.send(Method::GET, &["payment_intents"], Auth::Secret, &query, None, None).await
+            },
+            |i: &IntentWithCharge| &i.intent.id,
+        )
+        .await
     }
 
     /// Sends one request and decodes a 2xx JSON body as `T`; non-2xx becomes
@@ -287,6 +299,32 @@ impl StripeClient {
     }
 }
 
+/// Follows Stripe's cursor pagination: asks `fetch_page` for the first page (`None`), then
+/// for the page after the last item's id (`id_of`), until a page says `has_more: false` or
+/// comes back empty. A page whose last id repeats the previous cursor also ends the walk, so
+/// a misbehaving server cannot loop us forever. Errors: the first page that failed.
+pub(crate) async fn paginate<T, F, Fut>(
+    mut fetch_page: F,
+    id_of: impl Fn(&T) -> &str,
+) -> Result<Vec<T>, StripeError>
+where
+    F: FnMut(Option<String>) -> Fut,
+    Fut: std::future::Future<Output = Result<List<T>, StripeError>>,
+{
+    let mut all: Vec<T> = Vec::new();
+    let mut cursor: Option<String> = None;
+    loop {
+        let page = fetch_page(cursor.clone()).await?;
+        let next = page.data.last().map(|t| id_of(t).to_owned());
+        let done = !page.has_more || next.is_none() || next == cursor;
+        all.extend(page.data);
+        if done {
+            return Ok(all);
+        }
+        cursor = next;
+    }
+}
+
 #[async_trait::async_trait]
 impl PaymentGateway for StripeClient {
     async fn create_payment_intent(
@@ -357,6 +395,102 @@ mod tests {
 
     fn cfg(base: &str, key: &str, timeout_ms: u64) -> StripeConfig {
         StripeConfig { api_base: base.into(), secret_key: SecretString::from(key), timeout_ms }
+    }
+
+    /// A newest-first listing of `ids` (ids are their creation times) answered like Stripe:
+    /// window filter, `limit`, `starting_after`; records every cursor it was asked for.
+    fn fake_pages(
+        ids: Vec<i64>,
+        window: CreatedWindow,
+        limit: usize,
+        cursors: &std::sync::Mutex<Vec<Option<String>>>,
+    ) -> impl FnMut(Option<String>) -> std::future::Ready<Result<List<String>, StripeError>> + '_ {
+        move |after| {
+            cursors.lock().unwrap().push(after.clone());
+            let mut newest_first: Vec<i64> = ids.clone();
+            newest_first.sort_unstable_by(|a, b| b.cmp(a));
+            let start = match &after {
+                Some(a) => newest_first.iter().position(|t| t.to_string() == *a).map_or(0, |i| i + 1),
+                None => 0,
+            };
+            let matching: Vec<String> = newest_first[start..]
+                .iter()
+                .filter(|t| window.gte.is_none_or(|g| **t >= g) && window.lte.is_none_or(|l| **t <= l))
+                .map(i64::to_string)
+                .collect();
+            let data: Vec<String> = matching.iter().take(limit).cloned().collect();
+            std::future::ready(Ok(List { has_more: matching.len() > data.len(), data }))
+        }
+    }
+
+    #[tokio::test]
+    async fn paginate_walks_every_page_of_the_window_once() {
+        let ids: Vec<i64> = (1..=250).collect();
+        let window = CreatedWindow { gte: Some(20), lte: Some(230) };
+        let cursors = std::sync::Mutex::new(Vec::new());
+        let got = paginate(fake_pages(ids, window, 100, &cursors), |s: &String| s.as_str()).await.unwrap();
+        let want: Vec<String> = (20..=230).rev().map(|t: i64| t.to_string()).collect();
+        assert_eq!(got, want, "newest first, window inclusive at both ends, no repeats");
+        // 211 items in pages of 100: three requests, each after the previous page's last id.
+        assert_eq!(*cursors.lock().unwrap(), vec![None, Some("131".into()), Some("31".into())]);
+    }
+
+    #[tokio::test]
+    async fn paginate_stops_on_an_empty_window_and_on_a_stuck_cursor() {
+        let cursors = std::sync::Mutex::new(Vec::new());
+        let window = CreatedWindow { gte: Some(900), lte: None };
+        let got = paginate(fake_pages((1..=10).collect(), window, 3, &cursors), |s: &String| s.as_str())
+            .await
+            .unwrap();
+        assert!(got.is_empty());
+        assert_eq!(cursors.lock().unwrap().len(), 1);
+        // A server that keeps answering the same page with has_more: true.
+        let mut calls = 0;
+        let got = paginate(
+            |_| {
+                calls += 1;
+                std::future::ready(Ok::<_, StripeError>(List {
+                    data: vec!["pi_same".to_owned()],
+                    has_more: true,
+                }))
+            },
+            |s: &String| s.as_str(),
+        )
+        .await
+        .unwrap();
+        assert_eq!((got.len(), calls), (2, 2));
+    }
+
+    #[test]
+    fn page_query_carries_the_window_and_the_cursor() {
+        let w = CreatedWindow { gte: Some(10), lte: Some(20) };
+        let q = w.page_query(100, Some("pi_x"));
+        let q: Vec<(&str, &str)> = q.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        assert_eq!(
+            q,
+            [("created[gte]", "10"), ("created[lte]", "20"), ("limit", "100"), ("starting_after", "pi_x")]
+        );
+        assert_eq!(CreatedWindow::default().page_query(5, None), vec![("limit".to_owned(), "5".to_owned())]);
+    }
+
+    #[test]
+    fn listed_intent_with_expanded_charge_decodes() {
+        let v = serde_json::json!({
+            "id": "pi_1", "object": "payment_intent", "status": "succeeded", "amount": 100,
+            "amount_capturable": 0, "amount_received": 100, "currency": "usd", "capture_method": "manual",
+            "client_secret": "pi_1_secret_x", "metadata": {"order_id": "o1"}, "created": 5,
+            "latest_charge": {"id": "ch_1", "object": "charge", "amount": 100, "amount_captured": 100,
+                "amount_refunded": 40, "captured": true, "status": "succeeded",
+                "payment_method_details": {"type": "card", "card": {"capture_before": 99}}}
+        });
+        let l: IntentWithCharge = serde_json::from_value(v.clone()).unwrap();
+        assert_eq!(l.intent.latest_charge.as_deref(), Some("ch_1"));
+        assert_eq!((l.amount_refunded(), l.order_id()), (40, Some("o1")));
+        assert_eq!(l.charge.as_ref().unwrap().capture_before(), Some(99));
+        let mut plain = v;
+        plain["latest_charge"] = "ch_2".into();
+        let l: IntentWithCharge = serde_json::from_value(plain).unwrap();
+        assert_eq!((l.intent.latest_charge.as_deref(), l.charge), (Some("ch_2"), None));
     }
 
     #[test]

@@ -25,4 +25,7 @@ pub mod webhook;
 
 pub use client::{PaymentGateway, StripeClient, StripeConfig};
 pub use error::StripeError;
-pub use types::{Charge, CreatePaymentIntent, PaymentIntent, Refund};
+pub use types::{
+    CardDetails, Charge, CreatePaymentIntent, CreatedWindow, IntentWithCharge, PaymentIntent,
+    PaymentMethodDetails, Refund,
+};

@@ -23,27 +23,6 @@ pub struct CreatePaymentIntent {
     pub metadata: Vec<(String, String)>,
 }
 
-/// A Stripe Charge (<https://docs.stripe.com/api/charges/object>), the fields boxoffice reads.
-/// Amounts are integer minor units.
-#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
-pub struct Charge {
-    /// `ch_…`
-    pub id: String,
-    /// Amount charged, minor units.
-    pub amount: i64,
-    /// Amount captured, minor units.
-    #[serde(default)]
-    pub amount_captured: i64,
-    /// Amount refunded so far, minor units.
-    #[serde(default)]
-    pub amount_refunded: i64,
-    /// Whether the whole amount was refunded.
-    #[serde(default)]
-    pub refunded: bool,
-    /// `pi_…` the charge belongs to.
-    pub payment_intent: Option<String>,
-}
-
 /// A Stripe PaymentIntent (<https://docs.stripe.com/api/payment_intents/object>).
 ///
 /// Amounts are integer minor units. `Debug` redacts `client_secret`.
@@ -137,6 +116,144 @@ pub struct Refund {
     /// `duplicate`, `fraudulent`, `requested_by_customer` or `null`.
     #[serde(default)]
     pub reason: Option<String>,
+}
+
+/// A Stripe Charge, the fields reconciliation reads
+/// (<https://docs.stripe.com/api/charges/object>). Amounts are minor units.
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+pub struct Charge {
+    /// `ch_…`
+    pub id: String,
+    /// Amount of the charge attempt, minor units.
+    #[serde(default)]
+    pub amount: i64,
+    /// Amount captured, minor units (0 while only authorized).
+    #[serde(default)]
+    pub amount_captured: i64,
+    /// Amount refunded, minor units. For an authorization that was canceled or lapsed,
+    /// Stripe reports the released amount here too; only a captured charge's refunds are
+    /// money returned.
+    #[serde(default)]
+    pub amount_refunded: i64,
+    /// Whether the charge was captured.
+    #[serde(default)]
+    pub captured: bool,
+    /// `succeeded`, `pending` or `failed`.
+    #[serde(default)]
+    pub status: String,
+    /// Card details; carries the authorization's capture deadline.
+    #[serde(default)]
+    pub payment_method_details: Option<PaymentMethodDetails>,
+}
+
+/// `charge.payment_method_details`, the part we read.
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+pub struct PaymentMethodDetails {
+    /// Present for card payments.
+    #[serde(default)]
+    pub card: Option<CardDetails>,
+}
+
+/// `charge.payment_method_details.card`, the part we read.
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+pub struct CardDetails {
+    /// Unix seconds after which an uncaptured authorization can no longer be captured.
+    #[serde(default)]
+    pub capture_before: Option<i64>,
+}
+
+impl Charge {
+    /// The authorization's capture deadline (unix seconds), when Stripe reports one.
+    pub fn capture_before(&self) -> Option<i64> {
+        self.payment_method_details.as_ref()?.card.as_ref()?.capture_before
+    }
+}
+
+/// A PaymentIntent listed with its latest charge expanded
+/// (`expand[]=data.latest_charge`, <https://docs.stripe.com/expand>): the intent as the
+/// other calls return it (`latest_charge` holds the charge id) plus the charge object.
+#[derive(Clone, Debug, PartialEq)]
+pub struct IntentWithCharge {
+    /// The PaymentIntent.
+    pub intent: PaymentIntent,
+    /// Its latest charge, `None` before the first confirmation attempt.
+    pub charge: Option<Charge>,
+}
+
+impl IntentWithCharge {
+    /// Money refunded to the buyer, minor units: the charge's `amount_refunded` once it was
+    /// captured, 0 otherwise (a released authorization is not a refund).
+    pub fn amount_refunded(&self) -> i64 {
+        match &self.charge {
+            Some(c) if c.captured || self.intent.amount_received > 0 => c.amount_refunded,
+            _ => 0,
+        }
+    }
+
+    /// The order this intent was created for (`metadata.order_id`), unparsed.
+    pub fn order_id(&self) -> Option<&str> {
+        self.intent.metadata.get("order_id").map(String::as_str)
+    }
+}
+
+impl<'de> Deserialize<'de> for IntentWithCharge {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        /// `latest_charge` is an id when not expanded and an object when expanded.
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Expandable {
+            Object(Box<Charge>),
+            Id(String),
+        }
+        #[derive(Deserialize)]
+        struct Raw {
+            #[serde(flatten)]
+            intent: PaymentIntent,
+            latest_charge: Option<Expandable>,
+        }
+        let Raw { mut intent, latest_charge } = Raw::deserialize(d)?;
+        let charge = match latest_charge {
+            Some(Expandable::Object(c)) => {
+                intent.latest_charge = Some(c.id.clone());
+                Some(*c)
+            }
+            Some(Expandable::Id(id)) => {
+                intent.latest_charge = Some(id);
+                None
+            }
+            None => None,
+        };
+        Ok(Self { intent, charge })
+    }
+}
+
+/// A `created` window for list calls: `created[gte]` / `created[lte]`, unix seconds, both
+/// inclusive, either open.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CreatedWindow {
+    /// Oldest creation time included, unix seconds.
+    pub gte: Option<i64>,
+    /// Newest creation time included, unix seconds.
+    pub lte: Option<i64>,
+}
+
+impl CreatedWindow {
+    /// The query of one list page: the window, `limit`, and `starting_after` (the last id of
+    /// the previous page, newest-first order) after the first page.
+    pub(crate) fn page_query(&self, limit: u32, starting_after: Option<&str>) -> Vec<(String, String)> {
+        let mut q = Vec::with_capacity(4);
+        if let Some(t) = self.gte {
+            q.push(("created[gte]".to_owned(), t.to_string()));
+        }
+        if let Some(t) = self.lte {
+            q.push(("created[lte]".to_owned(), t.to_string()));
+        }
+        q.push(("limit".to_owned(), limit.to_string()));
+        if let Some(id) = starting_after {
+            q.push(("starting_after".to_owned(), id.to_owned()));
+        }
+        q
+    }
 }
 
 /// Stripe's list envelope (<https://docs.stripe.com/api/pagination>).

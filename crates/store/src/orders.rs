@@ -50,6 +50,18 @@ pub async fn lock(tx: &mut Tx<'_>, id: OrderId) -> Result<Option<OrderRow>, sqlx
     .await
 }
 
+/// The rows of `ids` that exist (no locks), for reconciliation: a PaymentIntent names its
+/// order in metadata, and the ledger may or may not know it.
+pub async fn by_ids(pool: &PgPool, ids: &[Uuid]) -> Result<Vec<OrderRow>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT id, user_id, event_id, status, amount_minor, currency, correlation_id
+           FROM orders WHERE id = ANY($1)",
+    )
+    .bind(ids)
+    .fetch_all(pool)
+    .await
+}
+
 /// An illegal transition was attempted: a bug or a stale event, never applied.
 #[derive(Debug, thiserror::Error)]
 #[error("illegal order transition {from} -> {to}")]

@@ -6,7 +6,7 @@
 
 use boxoffice_domain::OrderId;
 use chrono::{DateTime, Utc};
-use sqlx::{Executor, Postgres};
+use sqlx::{Executor, PgPool, Postgres};
 use uuid::Uuid;
 
 /// A payment row.
@@ -28,6 +28,61 @@ pub struct PaymentRow {
     pub amount_refunded_minor: i64,
     /// Stripe's capture deadline for the authorization, when known.
     pub capture_before: Option<DateTime<Utc>>,
+}
+
+/// A payment row with what reconciliation against the provider needs about it and its
+/// order (read without locks: a snapshot, compared with a snapshot of the provider).
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct LedgerPayment {
+    /// The payment row.
+    #[sqlx(flatten)]
+    pub payment: PaymentRow,
+    /// The order's event.
+    pub event_id: Uuid,
+    /// The order's status text.
+    pub order_status: String,
+    /// The buyer journey's correlation id (copied onto facts emitted for the order).
+    pub correlation_id: Uuid,
+    /// When the row was written.
+    pub created_at: DateTime<Utc>,
+    /// Whether `capture_before` has passed by the database clock (false when unknown).
+    pub deadline_passed: bool,
+}
+
+const LEDGER_PAYMENT_SELECT: &str =
+    "SELECT p.order_id, p.payment_intent_id, p.status, p.amount_minor, p.currency,
+        p.amount_captured_minor, p.amount_refunded_minor, p.capture_before,
+        o.event_id, o.status AS order_status, o.correlation_id, p.created_at,
+        COALESCE(p.capture_before < clock_timestamp(), false) AS deadline_passed
+   FROM payments p JOIN orders o ON o.id = p.order_id";
+
+/// The ledger's payments for PaymentIntents `ids` (unknown ids are simply absent).
+pub async fn ledger_for_intents(pool: &PgPool, ids: &[String]) -> Result<Vec<LedgerPayment>, sqlx::Error> {
+    sqlx::query_as(&format!("{LEDGER_PAYMENT_SELECT} WHERE p.payment_intent_id = ANY($1)"))
+        .bind(ids)
+        .fetch_all(pool)
+        .await
+}
+
+/// The ledger's payments written in `[since, until]` (either end open), optionally only for
+/// orders of `event`.
+pub async fn ledger_created_between(
+    pool: &PgPool,
+    since: Option<DateTime<Utc>>,
+    until: Option<DateTime<Utc>>,
+    event: Option<Uuid>,
+) -> Result<Vec<LedgerPayment>, sqlx::Error> {
+    sqlx::query_as(&format!(
+        "{LEDGER_PAYMENT_SELECT}
+          WHERE ($1::timestamptz IS NULL OR p.created_at >= $1)
+            AND ($2::timestamptz IS NULL OR p.created_at <= $2)
+            AND ($3::uuid IS NULL OR o.event_id = $3)"
+    ))
+    .bind(since)
+    .bind(until)
+    .bind(event)
+    .fetch_all(pool)
+    .await
 }
 
 /// The payment of `order`, if a PaymentIntent was recorded.

@@ -169,6 +169,12 @@ impl Params {
         self.0.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
     }
 
+    /// Every `(key, value)` whose key starts with `prefix`, in request order (e.g. `expand[`
+    /// for `expand[]=…` and `expand[0]=…`).
+    pub fn prefixed<'a>(&'a self, prefix: &'a str) -> impl Iterator<Item = (&'a str, &'a str)> + 'a {
+        self.0.iter().filter(move |(k, _)| k.starts_with(prefix)).map(|(k, v)| (k.as_str(), v.as_str()))
+    }
+
     /// A required, non-empty string parameter.
     pub fn require(&self, key: &str) -> Result<&str, ApiError> {
         self.get(key).filter(|v| !v.is_empty()).ok_or_else(|| ApiError::missing(key))

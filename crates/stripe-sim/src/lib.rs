@@ -5,7 +5,9 @@
 //! rules (`idempotency`), signed at-least-once webhooks (`webhooks`), fault injection
 //! (`faults`) and the HTTP surface (`routes`), plus a test clock for authorization expiry.
 //!
-//! Supported: `POST /v1/payment_intents`, `GET /v1/payment_intents[/{id}]`,
+//! Supported: `POST /v1/payment_intents`, `GET /v1/payment_intents[/{id}]` (the list pages
+//! newest first with `limit`, `starting_after` and `created[gt|gte|lt|lte]`, and expands
+//! `data.latest_charge`),
 //! `POST /v1/payment_intents/{id}/{confirm,capture,cancel}`, `POST /v1/refunds`,
 //! `GET /v1/refunds/{id}`, `GET /v1/charges/{id}`; unauthenticated controls
 //! `POST /_sim/faults` (JSON [`Faults`]), `GET /_sim/faults`, `POST /_sim/clock/advance`

@@ -604,10 +604,31 @@ impl State {
     }
 
     /// `GET /v1/payment_intents`: newest first, filtered by `created[gt|gte|lt|lte]`, paged by
-    /// `limit` (1..=100, default 10) and `starting_after` (<https://docs.stripe.com/api/pagination>).
+    /// `limit` (1..=100, default 10) and `starting_after` (<https://docs.stripe.com/api/pagination>);
+    /// `expand[]=data.latest_charge` renders each intent's latest charge as an object instead
+    /// of its id (<https://docs.stripe.com/expand>), the only expansion supported.
     pub fn list_payment_intents(&self, ctx: &Ctx) -> Result<Value, ApiError> {
         let p = &ctx.params;
-        p.only(&["created[gt]", "created[gte]", "created[lt]", "created[lte]", "limit", "starting_after"])?;
+        p.only(&[
+            "created[gt]",
+            "created[gte]",
+            "created[lt]",
+            "created[lte]",
+            "limit",
+            "starting_after",
+            "expand[",
+        ])?;
+        let mut expand_charge = false;
+        for (key, path) in p.prefixed("expand[") {
+            if path != "data.latest_charge" {
+                return Err(ApiError::invalid(
+                    None,
+                    key,
+                    format!("This property cannot be expanded ({path})."),
+                ));
+            }
+            expand_charge = true;
+        }
         let limit = p.int("limit")?.unwrap_or(LIST_DEFAULT_LIMIT);
         if !(1..=LIST_MAX_LIMIT).contains(&limit) {
             return Err(ApiError::invalid_integer("limit"));
@@ -632,7 +653,16 @@ impl State {
                 && lt.is_none_or(|t| pi.created < t)
                 && lte.is_none_or(|t| pi.created <= t)
         });
-        let data: Vec<Value> = matching.by_ref().take(limit as usize).map(PaymentIntent::to_json).collect();
+        let render = |pi: &PaymentIntent| {
+            let mut v = pi.to_json();
+            if let Some(ch) =
+                pi.latest_charge.as_ref().and_then(|c| self.charges.get(c)).filter(|_| expand_charge)
+            {
+                v["latest_charge"] = ch.to_json();
+            }
+            v
+        };
+        let data: Vec<Value> = matching.by_ref().take(limit as usize).map(render).collect();
         let has_more = matching.next().is_some();
         Ok(json!({ "object": "list", "data": data, "has_more": has_more, "url": "/v1/payment_intents" }))
     }

@@ -11,7 +11,8 @@ use axum::body::Bytes;
 use axum::http::{HeaderMap, StatusCode};
 use boxoffice_payments::webhook::{self, Event, WebhookError, DEFAULT_TOLERANCE_S};
 use boxoffice_payments::{
-    CreatePaymentIntent, PaymentGateway, PaymentIntent, StripeClient, StripeConfig, StripeError,
+    CreatePaymentIntent, CreatedWindow, PaymentGateway, PaymentIntent, StripeClient, StripeConfig,
+    StripeError,
 };
 use boxoffice_stripe_sim::{Faults, SimConfig, StripeSim};
 use secrecy::SecretString;
@@ -530,6 +531,55 @@ async fn list_auto_paginates_newest_first() {
     created.reverse();
     assert_eq!(ids, created);
     assert!(h.client.list_payment_intents(h.sim.now() + 1000).await.unwrap().is_empty());
+}
+
+/// The window is inclusive at both ends and paging with `starting_after` (pages of 100)
+/// returns every intent in it exactly once, each with its latest charge expanded.
+#[tokio::test]
+async fn list_window_pages_through_everything_with_charges() {
+    let h = start().await;
+    h.sim.set_webhook_url(None);
+    // Three bursts one simulated hour apart: before, inside and after the window.
+    let mut inside = Vec::new();
+    let (mut from, mut to) = (0, 0);
+    for (burst, n) in [(0, 3), (1, 205), (2, 4)] {
+        if burst == 1 {
+            from = h.sim.now();
+        }
+        for i in 0..n {
+            let pi = h.create(100 + i, &format!("authorize:evt_w{burst}_{i}")).await;
+            if burst == 1 {
+                inside.push(pi.id);
+            }
+        }
+        if burst == 1 {
+            to = h.sim.now();
+        }
+        h.sim.advance_clock(3_600);
+    }
+    let authorized = h.authorized("authorize:evt_w_auth").await;
+    let window = CreatedWindow { gte: Some(from), lte: Some(to) };
+    let listed = h.client.list_payment_intents_with_charges(window).await.unwrap();
+    let ids: Vec<&str> = listed.iter().map(|l| l.intent.id.as_str()).collect();
+    let want: Vec<&str> = inside.iter().rev().map(String::as_str).collect();
+    assert_eq!(ids, want, "newest first, each once, nothing outside the window");
+    assert!(listed.iter().all(|l| l.charge.is_none()), "never confirmed: no charge yet");
+
+    let open = CreatedWindow { gte: Some(to + 1), lte: None };
+    let listed = h.client.list_payment_intents_with_charges(open).await.unwrap();
+    assert_eq!(listed.len(), 5);
+    let auth = listed.iter().find(|l| l.intent.id == authorized.id).unwrap();
+    let charge = auth.charge.as_ref().expect("expanded");
+    assert_eq!(Some(&charge.id), authorized.latest_charge.as_ref());
+    assert_eq!((charge.captured, auth.amount_refunded()), (false, 0));
+    assert!(charge.capture_before().unwrap() > h.sim.now());
+
+    let resp = h
+        .raw(reqwest::Method::GET, "/v1/payment_intents?expand[]=data.customer", Some(SECRET_KEY))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::BAD_REQUEST);
 }
 
 #[tokio::test]

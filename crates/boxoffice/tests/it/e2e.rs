@@ -48,11 +48,24 @@ async fn small_onsale_through_the_binary_has_no_violations(_: PgPoolOptions, opt
         "double_active_holds",
         "tickets_without_capture",
         "captured_without_ticket_or_refund",
+        "uncaptured_past_deadline",
         "stuck_orders",
         "unpublished_outbox",
+        "multiple_captures_at_provider",
+        "uncaptured_past_deadline_at_provider",
+        "drift_intent_missing_in_ledger",
+        "drift_payment_missing_at_provider",
+        "drift_authorization_not_in_ledger",
+        "drift_capture_not_in_ledger",
+        "drift_cancel_not_in_ledger",
+        "drift_refund_not_in_ledger",
+        "drift_ledger_disagrees_with_provider",
+        "dead_letters",
     ] {
         assert_eq!(r[key], 0, "{key} in {r}");
     }
+    assert_eq!(r["checks"]["provider"]["status"], "ran", "{r}");
+    assert_eq!(r["checks"]["dead_letters"]["status"], "ran", "{r}");
     assert!(r["tickets"].as_i64().unwrap() > 0, "{r}");
     assert!(r["ticketed_orders"].as_i64().unwrap() > 0);
     assert_eq!(r["seats_sold"], r["tickets"]);

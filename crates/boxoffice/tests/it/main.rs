@@ -4,6 +4,7 @@
 
 mod helpers;
 
+mod audit;
 mod compensation;
 mod e2e;
 mod faults;

@@ -1,0 +1,742 @@
+//! Reconciliation of the ledger with the payment provider (`boxoffice reconcile`, and the
+//! provider half of `boxoffice audit`).
+//!
+//! Owns the comparison of each Stripe PaymentIntent in a time window with the local
+//! `payments` row: status, amount, amount captured, amount refunded, and rows missing on
+//! either side. Each difference is a [`Drift`] naming what the provider says, what the ledger
+//! says, and the domain fact that would close it. With `--fix`, those facts are written to
+//! the outbox, one transaction per PaymentIntent, and the saga applies them like any other
+//! fact; it is state-driven and idempotent (design §9), so a fact emitted twice, or racing
+//! the webhook that reports the same thing, changes nothing the second time.
+//!
+//! Invariant protected: the ledger never keeps believing something about money that the
+//! provider contradicts (invariant 6: a capture, cancel or refund the ledger missed is found
+//! and fed back into the saga). Reconciliation never calls a mutating Stripe endpoint
+//! itself: compensations (cancel, refund) stay the saga's and the payment worker's job.
+//!
+//! Both sides are read as snapshots, without locks, so on a live system a PaymentIntent
+//! that changed a moment ago can show as drift until its webhook is applied; running again
+//! shows whether it persists. Failure: a provider or database error aborts the scan.
+
+use anyhow::Context;
+use boxoffice_domain::{Envelope, OrderId, PurchaseEvent};
+use boxoffice_payments::{CreatedWindow, IntentWithCharge, StripeClient};
+use boxoffice_store::payments::{self as ledger, LedgerPayment};
+use chrono::{DateTime, TimeZone, Utc};
+use futures::StreamExt;
+use serde::Serialize;
+use sqlx::PgPool;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use uuid::Uuid;
+
+/// Concurrent single-intent lookups for ledger rows the window listing did not return.
+const RETRIEVE_CONCURRENCY: usize = 8;
+
+/// The PaymentIntent creation times compared, both ends inclusive (Stripe's `created` has
+/// one-second resolution).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Window {
+    /// Oldest creation time included.
+    pub since: DateTime<Utc>,
+    /// Newest creation time included; `None` means up to now.
+    pub until: Option<DateTime<Utc>>,
+}
+
+impl Window {
+    /// The window from `since` (and `until`) given as RFC 3339 timestamps or as durations
+    /// before `now` (see [`parse_instant`]). Errors when either does not parse or `until`
+    /// is before `since`.
+    pub fn parse(since: &str, until: Option<&str>, now: DateTime<Utc>) -> anyhow::Result<Self> {
+        let since = parse_instant(since, now).context("--since")?;
+        let until = until.map(|u| parse_instant(u, now).context("--until")).transpose()?;
+        if let Some(u) = until {
+            anyhow::ensure!(u >= since, "--until ({u}) is before --since ({since})");
+        }
+        Ok(Self { since, until })
+    }
+
+    /// Stripe's `created[gte]` / `created[lte]` for this window, unix seconds.
+    pub fn created(&self) -> CreatedWindow {
+        CreatedWindow { gte: Some(self.since.timestamp()), lte: self.until.map(|u| u.timestamp()) }
+    }
+}
+
+/// An instant given as an RFC 3339 timestamp (`2025-03-01T12:00:00Z`) or as a duration before
+/// `now`: whole numbers with units `s`, `m`, `h`, `d`, `w`, combinable (`90s`, `2h`, `1h30m`,
+/// `7d`). Errors name the accepted forms.
+pub fn parse_instant(s: &str, now: DateTime<Utc>) -> anyhow::Result<DateTime<Utc>> {
+    let s = s.trim();
+    if let Ok(t) = DateTime::parse_from_rfc3339(s) {
+        return Ok(t.with_timezone(&Utc));
+    }
+    let ago = parse_duration(s).with_context(|| {
+        format!("{s:?} is neither an RFC 3339 timestamp nor a duration like 90s, 15m, 2h, 1h30m, 7d")
+    })?;
+    Ok(now - ago)
+}
+
+/// `90s`, `15m`, `2h`, `1h30m`, `7d`, `2w`; `None` for anything else or a zero total.
+fn parse_duration(s: &str) -> Option<chrono::Duration> {
+    let mut total: i64 = 0;
+    let mut digits = String::new();
+    for c in s.chars() {
+        if c.is_ascii_digit() {
+            digits.push(c);
+            continue;
+        }
+        let unit: i64 = match c {
+            's' => 1,
+            'm' => 60,
+            'h' => 3_600,
+            'd' => 86_400,
+            'w' => 7 * 86_400,
+            _ => return None,
+        };
+        let n: i64 = std::mem::take(&mut digits).parse().ok()?;
+        total = total.checked_add(n.checked_mul(unit)?)?;
+    }
+    if !digits.is_empty() || total <= 0 {
+        return None;
+    }
+    chrono::Duration::try_seconds(total)
+}
+
+/// The kinds of provider/ledger drift, a small closed set. `*_not_in_ledger` kinds have a
+/// fact that closes them; the others need an operator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DriftKind {
+    /// The provider has a PaymentIntent naming one of our orders (`metadata.order_id`) and
+    /// the ledger has no payment row for it (an extra intent, or a lost row). No fact closes
+    /// it.
+    IntentMissingInLedger,
+    /// The ledger has a payment row whose PaymentIntent the provider does not know (404).
+    /// No fact closes it.
+    PaymentMissingAtProvider,
+    /// The provider authorized (`requires_capture`) and the ledger still shows the payment
+    /// as pending. Closed by `PaymentAuthorized`.
+    AuthorizationNotInLedger,
+    /// The provider captured more than the ledger records (or the ledger's status is not
+    /// `succeeded`). Closed by `PaymentCaptured`.
+    CaptureNotInLedger,
+    /// The provider canceled the intent and the ledger does not show it canceled. Closed by
+    /// `PaymentCanceled`.
+    CancelNotInLedger,
+    /// The provider refunded more than the ledger records. Closed by `PaymentRefunded`.
+    RefundNotInLedger,
+    /// The ledger records something the provider does not: a different amount, more
+    /// captured or refunded, or a later status. No fact closes it.
+    LedgerDisagrees,
+}
+
+impl DriftKind {
+    /// Every kind, in report order.
+    pub const ALL: [DriftKind; 7] = [
+        DriftKind::IntentMissingInLedger,
+        DriftKind::PaymentMissingAtProvider,
+        DriftKind::AuthorizationNotInLedger,
+        DriftKind::CaptureNotInLedger,
+        DriftKind::CancelNotInLedger,
+        DriftKind::RefundNotInLedger,
+        DriftKind::LedgerDisagrees,
+    ];
+
+    /// The snake_case name used in text and JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            DriftKind::IntentMissingInLedger => "intent_missing_in_ledger",
+            DriftKind::PaymentMissingAtProvider => "payment_missing_at_provider",
+            DriftKind::AuthorizationNotInLedger => "authorization_not_in_ledger",
+            DriftKind::CaptureNotInLedger => "capture_not_in_ledger",
+            DriftKind::CancelNotInLedger => "cancel_not_in_ledger",
+            DriftKind::RefundNotInLedger => "refund_not_in_ledger",
+            DriftKind::LedgerDisagrees => "ledger_disagrees_with_provider",
+        }
+    }
+}
+
+/// What the provider says about a PaymentIntent. Amounts are minor units.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ProviderSide {
+    /// Stripe's status (`requires_capture`, `succeeded`, `canceled`, …).
+    pub status: String,
+    /// Amount intended.
+    pub amount: i64,
+    /// Amount captured.
+    pub amount_received: i64,
+    /// Amount refunded after capture (`None` when the charge was not available).
+    pub amount_refunded: Option<i64>,
+}
+
+/// What the ledger says about the same payment. Amounts are minor units.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct LedgerSide {
+    /// The mirrored PaymentIntent status.
+    pub status: String,
+    /// Amount authorized.
+    pub amount_minor: i64,
+    /// Amount captured.
+    pub amount_captured_minor: i64,
+    /// Amount refunded.
+    pub amount_refunded_minor: i64,
+    /// The order's status.
+    pub order_status: String,
+}
+
+/// One difference between provider and ledger for one PaymentIntent.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Drift {
+    /// `pi_…`
+    pub payment_intent_id: String,
+    /// The order (from the ledger row, else the intent's metadata).
+    pub order_id: Option<Uuid>,
+    /// What kind of drift.
+    pub kind: DriftKind,
+    /// The provider's view; `None` when the provider does not know the intent.
+    pub provider: Option<ProviderSide>,
+    /// The ledger's view; `None` when the ledger has no row.
+    pub ledger: Option<LedgerSide>,
+    /// The fact that closes the drift, `None` when only an operator can.
+    pub fact: Option<PurchaseEvent>,
+    /// Whether `--fix` wrote `fact` to the outbox.
+    pub fixed: bool,
+}
+
+impl Drift {
+    /// The fact's type name, or `None`.
+    pub fn fact_name(&self) -> Option<&'static str> {
+        Some(match self.fact.as_ref()? {
+            PurchaseEvent::PaymentAuthorized { .. } => "PaymentAuthorized",
+            PurchaseEvent::PaymentCaptured { .. } => "PaymentCaptured",
+            PurchaseEvent::PaymentCanceled { .. } => "PaymentCanceled",
+            PurchaseEvent::PaymentRefunded { .. } => "PaymentRefunded",
+            _ => "other",
+        })
+    }
+}
+
+/// Local statuses of a payment that is not yet authorized.
+fn pending(status: &str) -> bool {
+    matches!(status, "requires_payment_method" | "requires_confirmation" | "requires_action" | "processing")
+}
+
+/// Compares one PaymentIntent with its ledger row (either may be missing, not both) and
+/// returns every drift, in the order their facts must be applied.
+pub fn compare(p: Option<&IntentWithCharge>, l: Option<&LedgerPayment>) -> Vec<Drift> {
+    let (pi_id, order_id) = match (p, l) {
+        (_, Some(l)) => (l.payment.payment_intent_id.clone(), Some(l.payment.order_id)),
+        (Some(p), None) => (p.intent.id.clone(), p.order_id().and_then(|o| o.parse().ok())),
+        (None, None) => return Vec::new(),
+    };
+    let provider = p.map(|p| ProviderSide {
+        status: p.intent.status.clone(),
+        amount: p.intent.amount,
+        amount_received: p.intent.amount_received,
+        amount_refunded: p.charge.as_ref().map(|_| p.amount_refunded()),
+    });
+    let ledger_side = l.map(|l| LedgerSide {
+        status: l.payment.status.clone(),
+        amount_minor: l.payment.amount_minor,
+        amount_captured_minor: l.payment.amount_captured_minor,
+        amount_refunded_minor: l.payment.amount_refunded_minor,
+        order_status: l.order_status.clone(),
+    });
+    let drift = |kind: DriftKind, fact: Option<PurchaseEvent>| Drift {
+        payment_intent_id: pi_id.clone(),
+        order_id,
+        kind,
+        provider: provider.clone(),
+        ledger: ledger_side.clone(),
+        fact,
+        fixed: false,
+    };
+    let (Some(p), Some(l)) = (p, l) else {
+        let kind =
+            if p.is_some() { DriftKind::IntentMissingInLedger } else { DriftKind::PaymentMissingAtProvider };
+        return vec![drift(kind, None)];
+    };
+    let order = OrderId(l.payment.order_id);
+    let pi = &p.intent;
+    let row = &l.payment;
+    let mut out = Vec::new();
+    let mut disagrees = pi.amount != row.amount_minor || row.amount_captured_minor > pi.amount_received;
+    match pi.status.as_str() {
+        "requires_capture" => {
+            if pending(&row.status) {
+                out.push(drift(
+                    DriftKind::AuthorizationNotInLedger,
+                    Some(PurchaseEvent::PaymentAuthorized {
+                        order_id: order,
+                        payment_intent_id: pi.id.clone(),
+                        amount_capturable_minor: pi.amount_capturable,
+                        capture_before: p
+                            .charge
+                            .as_ref()
+                            .and_then(|c| c.capture_before())
+                            .and_then(|t| Utc.timestamp_opt(t, 0).single()),
+                    }),
+                ));
+            } else if row.status != "requires_capture" {
+                disagrees = true;
+            }
+        }
+        "succeeded" => {
+            if row.status == "canceled" {
+                disagrees = true;
+            } else if row.amount_captured_minor < pi.amount_received || row.status != "succeeded" {
+                out.push(drift(
+                    DriftKind::CaptureNotInLedger,
+                    Some(PurchaseEvent::PaymentCaptured {
+                        order_id: order,
+                        payment_intent_id: pi.id.clone(),
+                        amount_captured_minor: pi.amount_received,
+                    }),
+                ));
+            }
+            if p.charge.is_some() {
+                let refunded = p.amount_refunded();
+                if refunded > row.amount_refunded_minor {
+                    out.push(drift(
+                        DriftKind::RefundNotInLedger,
+                        Some(PurchaseEvent::PaymentRefunded {
+                            order_id: order,
+                            payment_intent_id: pi.id.clone(),
+                            amount_refunded_minor: refunded,
+                        }),
+                    ));
+                } else if refunded < row.amount_refunded_minor {
+                    disagrees = true;
+                }
+            }
+        }
+        "canceled" => {
+            if row.amount_captured_minor > 0 {
+                disagrees = true;
+            } else if row.status != "canceled" {
+                out.push(drift(
+                    DriftKind::CancelNotInLedger,
+                    Some(PurchaseEvent::PaymentCanceled {
+                        order_id: order,
+                        payment_intent_id: pi.id.clone(),
+                    }),
+                ));
+            }
+        }
+        // Not authorized yet at the provider: the ledger must not be further along.
+        _ => disagrees |= !pending(&row.status) || row.amount_refunded_minor > 0,
+    }
+    if disagrees {
+        out.push(drift(DriftKind::LedgerDisagrees, None));
+    }
+    out
+}
+
+/// One snapshot of both sides over a window.
+#[derive(Debug, Clone)]
+pub struct Scan {
+    /// The window compared.
+    pub window: Window,
+    /// PaymentIntents the provider listed in the window (all of them, ours or not).
+    pub intents_listed: usize,
+    /// The intents naming one of our orders (of `event`, when restricted), plus those the
+    /// ledger has but the window listing missed (looked up one by one).
+    pub intents: Vec<IntentWithCharge>,
+    /// The ledger rows of those intents, by PaymentIntent id.
+    pub ledger: HashMap<String, LedgerPayment>,
+    /// Every drift, grouped by PaymentIntent, in the order facts must be applied.
+    pub drift: Vec<Drift>,
+}
+
+/// Lists the provider's PaymentIntents created in `window` (with their charges), loads the
+/// matching ledger rows and the ledger rows written in the window, looks up one by one the
+/// intents of ledger rows the listing did not return (created just before the window, or
+/// unknown to the provider), and compares them. With `event`, only orders of that event are
+/// compared. Errors: the provider's or the database's, with context.
+pub async fn scan(
+    pool: &PgPool,
+    stripe: &StripeClient,
+    window: Window,
+    event: Option<Uuid>,
+) -> anyhow::Result<Scan> {
+    let listed = stripe
+        .list_payment_intents_with_charges(window.created())
+        .await
+        .context("listing PaymentIntents at the provider")?;
+    let intents_listed = listed.len();
+    // Ours: the intent names an order. Anything else on the account is not our business.
+    let ours: Vec<IntentWithCharge> =
+        listed.into_iter().filter(|i| i.order_id().and_then(|o| o.parse::<Uuid>().ok()).is_some()).collect();
+    let ids: Vec<String> = ours.iter().map(|i| i.intent.id.clone()).collect();
+    let mut ledger_rows: HashMap<String, LedgerPayment> = ledger::ledger_for_intents(pool, &ids)
+        .await?
+        .into_iter()
+        .map(|r| (r.payment.payment_intent_id.clone(), r))
+        .collect();
+    // Intents without a ledger row: does the order exist, and for which event?
+    let orphan_orders: Vec<Uuid> = ours
+        .iter()
+        .filter(|i| !ledger_rows.contains_key(&i.intent.id))
+        .filter_map(|i| i.order_id()?.parse().ok())
+        .collect();
+    let order_events: HashMap<Uuid, Uuid> = boxoffice_store::orders::by_ids(pool, &orphan_orders)
+        .await?
+        .into_iter()
+        .map(|o| (o.id, o.event_id))
+        .collect();
+    let in_scope = |i: &IntentWithCharge, rows: &HashMap<String, LedgerPayment>| match event {
+        None => true,
+        Some(e) => match rows.get(&i.intent.id) {
+            Some(r) => r.event_id == e,
+            None => i
+                .order_id()
+                .and_then(|o| o.parse::<Uuid>().ok())
+                .and_then(|o| order_events.get(&o))
+                .is_some_and(|ev| *ev == e),
+        },
+    };
+    let mut intents: Vec<IntentWithCharge> = ours.into_iter().filter(|i| in_scope(i, &ledger_rows)).collect();
+
+    // Ledger rows written in the window whose intent the listing did not return.
+    let seen: HashSet<String> = intents.iter().map(|i| i.intent.id.clone()).collect();
+    let unlisted: Vec<LedgerPayment> =
+        ledger::ledger_created_between(pool, Some(window.since), window.until, event)
+            .await?
+            .into_iter()
+            .filter(|r| !seen.contains(&r.payment.payment_intent_id))
+            .collect();
+    let lookups = futures::stream::iter(unlisted.iter().map(|r| {
+        let id = r.payment.payment_intent_id.clone();
+        async move {
+            use boxoffice_payments::PaymentGateway;
+            match stripe.retrieve_payment_intent(&id).await {
+                Ok(pi) => Ok(Some(pi)),
+                Err(e) if e.status() == Some(404) => Ok(None),
+                Err(e) => Err(anyhow::Error::new(e).context(format!("retrieving PaymentIntent {id}"))),
+            }
+        }
+    }))
+    .buffered(RETRIEVE_CONCURRENCY)
+    .collect::<Vec<_>>()
+    .await;
+    let mut missing_at_provider = Vec::new();
+    for (row, found) in unlisted.into_iter().zip(lookups) {
+        match found? {
+            // Outside the window but known: compare it, without its charge (refunds unknown).
+            Some(pi) => intents.push(IntentWithCharge { intent: pi, charge: None }),
+            None => missing_at_provider.push(row.payment.payment_intent_id.clone()),
+        }
+        ledger_rows.insert(row.payment.payment_intent_id.clone(), row);
+    }
+
+    let mut drift = Vec::new();
+    for i in &intents {
+        drift.extend(compare(Some(i), ledger_rows.get(&i.intent.id)));
+    }
+    for id in &missing_at_provider {
+        drift.extend(compare(None, ledger_rows.get(id)));
+    }
+    Ok(Scan { window, intents_listed, intents, ledger: ledger_rows, drift })
+}
+
+/// Writes the fact of every fixable drift to the outbox: per PaymentIntent, all its facts
+/// in one transaction, in order, under the order's correlation id. Marks those drifts
+/// `fixed` and returns how many facts were written. Drifts without a fact, or whose order
+/// no longer exists, are left unfixed.
+pub async fn fix(pool: &PgPool, drift: &mut [Drift]) -> anyhow::Result<usize> {
+    let mut by_intent: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+    for (i, d) in drift.iter().enumerate() {
+        if d.fact.is_some() && d.order_id.is_some() {
+            by_intent.entry(d.payment_intent_id.clone()).or_default().push(i);
+        }
+    }
+    let mut written = 0;
+    for (pi, idx) in by_intent {
+        let order = drift[idx[0]].order_id.expect("filtered above");
+        let mut tx = pool.begin().await?;
+        let correlation: Option<Uuid> = sqlx::query_scalar("SELECT correlation_id FROM orders WHERE id = $1")
+            .bind(order)
+            .fetch_optional(&mut *tx)
+            .await?;
+        let Some(correlation) = correlation else {
+            tracing::warn!(order.id = %order, stripe.payment_intent = %pi, "order does not exist; drift left for an operator");
+            continue;
+        };
+        let envelopes: Vec<Envelope> = idx
+            .iter()
+            .filter_map(|&i| drift[i].fact.as_ref())
+            .map(|f| Envelope::new(OrderId(order), f, correlation, None))
+            .collect();
+        boxoffice_store::outbox::insert_all(&mut tx, &envelopes)
+            .await
+            .with_context(|| format!("writing facts for {pi}"))?;
+        tx.commit().await?;
+        tracing::info!(order.id = %order, stripe.payment_intent = %pi, facts = envelopes.len(), "reconcile emitted facts");
+        written += envelopes.len();
+        for i in idx {
+            drift[i].fixed = true;
+        }
+    }
+    Ok(written)
+}
+
+/// The outcome of `boxoffice reconcile`.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    /// The window compared.
+    pub window: Window,
+    /// PaymentIntents the provider listed in the window.
+    pub intents_listed: usize,
+    /// PaymentIntents compared with the ledger.
+    pub intents_compared: usize,
+    /// Every drift found.
+    pub drift: Vec<Drift>,
+    /// Whether `--fix` was asked for.
+    pub fix: bool,
+    /// Facts written to the outbox.
+    pub facts_emitted: usize,
+    /// Drifts not fixed (all of them without `--fix`).
+    pub unresolved: usize,
+}
+
+impl Report {
+    /// 0 when there was no drift or all of it was fixed, 1 otherwise.
+    pub fn exit_code(&self) -> i32 {
+        i32::from(self.unresolved > 0)
+    }
+}
+
+/// Scans `window` and, with `fix`, emits the closing facts (see [`scan`] and [`fix`]).
+pub async fn run(
+    pool: &PgPool,
+    stripe: &StripeClient,
+    window: Window,
+    fix_drift: bool,
+) -> anyhow::Result<Report> {
+    let mut s = scan(pool, stripe, window, None).await?;
+    let facts_emitted = if fix_drift { fix(pool, &mut s.drift).await? } else { 0 };
+    let unresolved = s.drift.iter().filter(|d| !d.fixed).count();
+    Ok(Report {
+        window,
+        intents_listed: s.intents_listed,
+        intents_compared: s.intents.len(),
+        drift: s.drift,
+        fix: fix_drift,
+        facts_emitted,
+        unresolved,
+    })
+}
+
+/// The text form: a header, then one line per drift (provider vs ledger, the closing fact).
+pub fn render(r: &Report) -> String {
+    let at = |t: DateTime<Utc>| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+    let until = r.window.until.map_or_else(|| "now".to_owned(), at);
+    let mut out = format!(
+        "reconcile PaymentIntents created {} .. {until}: {} listed, {} compared, {} drift\n",
+        at(r.window.since),
+        r.intents_listed,
+        r.intents_compared,
+        r.drift.len()
+    );
+    for d in &r.drift {
+        let provider = match &d.provider {
+            Some(p) => format!(
+                "{} amount={} received={} refunded={}",
+                p.status,
+                p.amount,
+                p.amount_received,
+                p.amount_refunded.map_or_else(|| "?".to_owned(), |n| n.to_string())
+            ),
+            None => "no such PaymentIntent".to_owned(),
+        };
+        let ledger = match &d.ledger {
+            Some(l) => format!(
+                "{} amount={} captured={} refunded={} (order {})",
+                l.status, l.amount_minor, l.amount_captured_minor, l.amount_refunded_minor, l.order_status
+            ),
+            None => "no payment row".to_owned(),
+        };
+        let close = match (d.fact_name(), d.fixed) {
+            (Some(f), true) => format!("{f} emitted"),
+            (Some(f), false) => format!("closed by {f} (run with --fix)"),
+            (None, _) => "no fact closes this: needs an operator".to_owned(),
+        };
+        let order = d.order_id.map_or_else(|| "-".to_owned(), |o| o.to_string());
+        out.push_str(&format!(
+            "  {} order={} {}: provider {} | ledger {} -> {}\n",
+            d.payment_intent_id,
+            order,
+            d.kind.name(),
+            provider,
+            ledger,
+            close
+        ));
+    }
+    if r.fix {
+        out.push_str(&format!(
+            "{} fact(s) written to the outbox; {} drift unresolved\n",
+            r.facts_emitted, r.unresolved
+        ));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use boxoffice_payments::{CardDetails, Charge, PaymentIntent, PaymentMethodDetails};
+    use boxoffice_store::payments::PaymentRow;
+
+    fn now() -> DateTime<Utc> {
+        Utc.with_ymd_and_hms(2025, 3, 1, 12, 0, 0).unwrap()
+    }
+
+    #[test]
+    fn instants_parse_as_rfc3339_or_durations_before_now() {
+        let n = now();
+        assert_eq!(parse_instant("2h", n).unwrap(), n - chrono::Duration::hours(2));
+        assert_eq!(parse_instant("1h30m", n).unwrap(), n - chrono::Duration::minutes(90));
+        assert_eq!(parse_instant(" 7d ", n).unwrap(), n - chrono::Duration::days(7));
+        assert_eq!(parse_instant("90s", n).unwrap(), n - chrono::Duration::seconds(90));
+        assert_eq!(
+            parse_instant("2025-02-28T23:00:00+01:00", n).unwrap(),
+            Utc.with_ymd_and_hms(2025, 2, 28, 22, 0, 0).unwrap()
+        );
+        for bad in ["", "2", "h", "0h", "2x", "-2h", "2h5", "yesterday"] {
+            assert!(parse_instant(bad, n).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn window_maps_to_stripe_created_filters() {
+        let w = Window::parse("2h", Some("1h"), now()).unwrap();
+        let c = w.created();
+        assert_eq!(c.gte, Some((now() - chrono::Duration::hours(2)).timestamp()));
+        assert_eq!(c.lte, Some((now() - chrono::Duration::hours(1)).timestamp()));
+        assert_eq!(Window::parse("2h", None, now()).unwrap().created().lte, None);
+        assert!(Window::parse("1h", Some("2h"), now()).is_err(), "until before since");
+    }
+
+    fn intent(status: &str, amount: i64, received: i64, refunded: Option<i64>) -> IntentWithCharge {
+        let order = Uuid::nil();
+        let pi: PaymentIntent = serde_json::from_value(serde_json::json!({
+            "id": "pi_1", "status": status, "amount": amount,
+            "amount_capturable": if status == "requires_capture" { amount } else { 0 },
+            "amount_received": received, "currency": "usd", "capture_method": "manual",
+            "client_secret": null, "metadata": {"order_id": order.to_string()}, "created": 1,
+            "latest_charge": "ch_1", "last_payment_error": null, "cancellation_reason": null
+        }))
+        .unwrap();
+        let charge = refunded.map(|r| Charge {
+            id: "ch_1".into(),
+            amount,
+            amount_captured: received,
+            amount_refunded: r,
+            captured: received > 0,
+            status: "succeeded".into(),
+            payment_method_details: Some(PaymentMethodDetails {
+                card: Some(CardDetails { capture_before: Some(1_700_000_000) }),
+            }),
+        });
+        IntentWithCharge { intent: pi, charge }
+    }
+
+    fn row(status: &str, amount: i64, captured: i64, refunded: i64) -> LedgerPayment {
+        LedgerPayment {
+            payment: PaymentRow {
+                order_id: Uuid::nil(),
+                payment_intent_id: "pi_1".into(),
+                status: status.into(),
+                amount_minor: amount,
+                currency: "usd".into(),
+                amount_captured_minor: captured,
+                amount_refunded_minor: refunded,
+                capture_before: None,
+            },
+            event_id: Uuid::nil(),
+            order_status: "ticketed".into(),
+            correlation_id: Uuid::nil(),
+            created_at: now(),
+            deadline_passed: false,
+        }
+    }
+
+    fn kinds(
+        p: Option<&IntentWithCharge>,
+        l: Option<&LedgerPayment>,
+    ) -> Vec<(DriftKind, Option<&'static str>)> {
+        compare(p, l).iter().map(|d| (d.kind, d.fact_name())).collect()
+    }
+
+    #[test]
+    fn agreeing_sides_have_no_drift() {
+        for (p, l) in [
+            (intent("succeeded", 100, 100, Some(0)), row("succeeded", 100, 100, 0)),
+            (intent("succeeded", 100, 100, Some(100)), row("succeeded", 100, 100, 100)),
+            (intent("canceled", 100, 0, Some(100)), row("canceled", 100, 0, 0)),
+            (intent("requires_capture", 100, 0, Some(0)), row("requires_capture", 100, 0, 0)),
+            (intent("requires_payment_method", 100, 0, None), row("requires_payment_method", 100, 0, 0)),
+        ] {
+            assert!(compare(Some(&p), Some(&l)).is_empty(), "{p:?} vs {l:?}");
+        }
+    }
+
+    #[test]
+    fn each_drift_names_the_fact_that_closes_it() {
+        use DriftKind::*;
+        let k = |p: IntentWithCharge, l: LedgerPayment| kinds(Some(&p), Some(&l));
+        assert_eq!(
+            k(intent("requires_capture", 100, 0, Some(0)), row("requires_payment_method", 100, 0, 0)),
+            [(AuthorizationNotInLedger, Some("PaymentAuthorized"))]
+        );
+        assert_eq!(
+            k(intent("succeeded", 100, 100, Some(0)), row("requires_capture", 100, 0, 0)),
+            [(CaptureNotInLedger, Some("PaymentCaptured"))]
+        );
+        assert_eq!(
+            k(intent("succeeded", 100, 100, Some(100)), row("requires_capture", 100, 0, 0)),
+            [(CaptureNotInLedger, Some("PaymentCaptured")), (RefundNotInLedger, Some("PaymentRefunded"))]
+        );
+        assert_eq!(
+            k(intent("canceled", 100, 0, Some(100)), row("requires_capture", 100, 0, 0)),
+            [(CancelNotInLedger, Some("PaymentCanceled"))]
+        );
+        assert_eq!(
+            k(intent("succeeded", 100, 100, Some(0)), row("succeeded", 100, 100, 100)),
+            [(LedgerDisagrees, None)]
+        );
+        assert_eq!(
+            k(intent("succeeded", 100, 100, Some(0)), row("succeeded", 90, 100, 0)),
+            [(LedgerDisagrees, None)]
+        );
+        assert_eq!(
+            k(intent("requires_payment_method", 100, 0, None), row("succeeded", 100, 100, 0)),
+            [(LedgerDisagrees, None)]
+        );
+        assert_eq!(
+            k(intent("canceled", 100, 0, None), row("succeeded", 100, 100, 0)),
+            [(LedgerDisagrees, None)]
+        );
+        let p = intent("succeeded", 100, 100, Some(0));
+        assert_eq!(kinds(Some(&p), None), [(IntentMissingInLedger, None)]);
+        let l = row("succeeded", 100, 100, 0);
+        assert_eq!(kinds(None, Some(&l)), [(PaymentMissingAtProvider, None)]);
+        // Without the charge (looked up one by one), refunds are not compared.
+        assert!(compare(Some(&intent("succeeded", 100, 100, None)), Some(&row("succeeded", 100, 100, 100)))
+            .is_empty());
+    }
+
+    #[test]
+    fn authorization_fact_carries_the_provider_deadline() {
+        let d = compare(
+            Some(&intent("requires_capture", 100, 0, Some(0))),
+            Some(&row("requires_payment_method", 100, 0, 0)),
+        );
+        match &d[0].fact {
+            Some(PurchaseEvent::PaymentAuthorized { amount_capturable_minor, capture_before, .. }) => {
+                assert_eq!(*amount_capturable_minor, 100);
+                assert_eq!(capture_before.map(|t| t.timestamp()), Some(1_700_000_000));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}
