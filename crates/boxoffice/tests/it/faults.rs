@@ -39,17 +39,6 @@ async fn buy_one(app: &TestApp, b: &Buyer, seat: Uuid, key: &str) -> (Uuid, Stri
     (order, pi.id)
 }
 
-async fn drained_and_clean(app: &TestApp) {
-    let pool = app.pool.clone();
-    eventually(WAIT, "outbox drained", || {
-        let pool = pool.clone();
-        async move { boxoffice_store::outbox::backlog(&pool).await.unwrap().unpublished == 0 }
-    })
-    .await;
-    let v = boxoffice_store::audit::violations(&app.pool, 600_000, None).await.unwrap();
-    assert_eq!(v.total(), 0, "{v:?}");
-}
-
 /// Every fault point fails once during a purchase; every purchase still ends ticketed with
 /// exactly one capture, and the ledger passes the audit. Then every step of every order is
 /// applied again under a new message id (a duplicate the inbox cannot catch) and nothing
@@ -75,7 +64,7 @@ async fn every_boundary_fails_once_and_every_purchase_converges(_: PgPoolOptions
         assert_eq!(app.sim.captures_for(&pi), 1, "one capture despite a fault at {point}");
         orders.push((order, pi));
     }
-    drained_and_clean(&app).await;
+    app.assert_drained_and_clean().await;
     let tickets = app.count("SELECT count(*) FROM tickets").await;
     assert_eq!(tickets, orders.len() as i64, "one ticket per order's seat");
 
@@ -187,7 +176,7 @@ async fn transient_failures_climb_the_retry_topics_then_dead_letter(_: PgPoolOpt
     assert_eq!(boxoffice_bus::dlq::replay(&kafka, &producer, &letters).await.unwrap(), 1);
     app.await_order(&c, stuck, WAIT, |v| v["status"] == "ticketed").await;
     assert_eq!(app.count("SELECT count(*) FROM tickets").await, 2);
-    drained_and_clean(&app).await;
+    app.assert_drained_and_clean().await;
     app.stop().await;
 }
 
@@ -270,7 +259,7 @@ async fn disagreeing_webhooks_are_resolved_by_asking_stripe(_: PgPoolOptions, op
     .await;
     assert_eq!(app.outbox_count("PaymentIntentRefreshRequested", order).await, 2);
     assert_eq!(app.outbox_count("PaymentCanceled", order).await, 0);
-    drained_and_clean(&app).await;
+    app.assert_drained_and_clean().await;
     let (_, view) = app.order(&b, order).await;
     assert_eq!(view["status"], "ticketed", "a contradicting webhook does not unsell a seat");
 

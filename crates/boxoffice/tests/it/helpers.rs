@@ -218,6 +218,18 @@ impl TestApp {
     pub async fn outbox_count(&self, event_type: &str, order: Uuid) -> i64 {
         outbox_count(&self.pool, event_type, order).await
     }
+
+    /// Waits for the outbox to drain, then asserts every ledger invariant check is zero.
+    pub async fn assert_drained_and_clean(&self) {
+        let pool = self.pool.clone();
+        eventually(Duration::from_secs(60), "outbox drained", || {
+            let pool = pool.clone();
+            async move { boxoffice_store::outbox::backlog(&pool).await.unwrap().unpublished == 0 }
+        })
+        .await;
+        let v = boxoffice_store::audit::violations(&self.pool, 600_000, None).await.unwrap();
+        assert_eq!(v.total(), 0, "{v:?}");
+    }
 }
 
 /// Outbox rows of `event_type` for `order`.

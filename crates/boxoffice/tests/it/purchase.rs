@@ -48,14 +48,7 @@ async fn hold_to_ticket_through_every_role(_: PgPoolOptions, opts: PgConnectOpti
     // The sold seats are refused to the next buyer; the audit is clean once the outbox drains.
     let c = app.buyer();
     assert_eq!(app.hold(&c, &app.admission_token(&c), "late", &[s[1]]).await.status(), 409);
-    let pool = app.pool.clone();
-    eventually(WAIT, "outbox drained", || {
-        let pool = pool.clone();
-        async move { boxoffice_store::outbox::backlog(&pool).await.unwrap().unpublished == 0 }
-    })
-    .await;
-    let v = boxoffice_store::audit::violations(&app.pool, 600_000, None).await.unwrap();
-    assert_eq!(v.total(), 0, "{v:?}");
+    app.assert_drained_and_clean().await;
     app.stop().await;
 }
 
