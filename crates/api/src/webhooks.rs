@@ -104,10 +104,11 @@ async fn ingest_tx(pool: &PgPool, event: &Event) -> Result<Ingested, IngestError
     match (order, pi.as_deref()) {
         (Some(order), Some(pi)) if handled => {
             let local = payments::get(&mut *tx, order).await?;
-            let order_amount: Option<i64> = sqlx::query_scalar("SELECT amount_minor FROM orders WHERE id = $1")
-                .bind(order.0)
-                .fetch_optional(&mut *tx)
-                .await?;
+            let order_amount: Option<i64> =
+                sqlx::query_scalar("SELECT amount_minor FROM orders WHERE id = $1")
+                    .bind(order.0)
+                    .fetch_optional(&mut *tx)
+                    .await?;
             let fact = match judge(&event.r#type, object, local.as_ref(), order_amount, pi) {
                 Verdict::Act => map_event(&event.r#type, object, order, pi),
                 Verdict::Stale => {
@@ -128,7 +129,8 @@ async fn ingest_tx(pool: &PgPool, event: &Event) -> Result<Ingested, IngestError
                 }
             };
             if let Some(fact) = fact {
-                if event.r#type == "payment_intent.amount_capturable_updated" && outcome == Ingested::Recorded {
+                if event.r#type == "payment_intent.amount_capturable_updated" && outcome == Ingested::Recorded
+                {
                     // Mirror the provider's state for the status endpoint (`authorized`); the
                     // order itself is moved only by the saga.
                     sqlx::query(
@@ -183,7 +185,11 @@ fn judge(
     if let Some(p) = local {
         if p.payment_intent_id != pi {
             // A stray authorization is still mapped: the saga cancels it.
-            return if event_type == "payment_intent.amount_capturable_updated" { Verdict::Act } else { Verdict::Stale };
+            return if event_type == "payment_intent.amount_capturable_updated" {
+                Verdict::Act
+            } else {
+                Verdict::Stale
+            };
         }
     }
     let amount_field = match event_type {
@@ -200,7 +206,9 @@ fn judge(
         let contradicts = match event_type {
             "payment_intent.amount_capturable_updated" | "payment_intent.succeeded" => p.status == "canceled",
             "payment_intent.canceled" | "payment_intent.payment_failed" => p.status == "succeeded",
-            "charge.refunded" => amount(object, "amount_refunded") > p.amount_captured_minor.max(p.amount_minor),
+            "charge.refunded" => {
+                amount(object, "amount_refunded") > p.amount_captured_minor.max(p.amount_minor)
+            }
             _ => false,
         };
         if contradicts {

@@ -359,7 +359,11 @@ pub fn run_consumers<H: Handler>(
                 .set("partition.assignment.strategy", "cooperative-sticky")
                 .create_with_context(GroupContext {
                     name: handler.name(),
-                    assignment: if stage == Stage::Main { assignment.clone() } else { retry_assignment.clone() },
+                    assignment: if stage == Stage::Main {
+                        assignment.clone()
+                    } else {
+                        retry_assignment.clone()
+                    },
                     report: stage == Stage::Main,
                 })?;
             consumer.subscribe(&[&cfg.topic(stage.topic().name())])?;
@@ -426,8 +430,11 @@ impl<H: Handler> Runner<H> {
     async fn run(self: Arc<Self>, consumer: GroupConsumer, lanes: usize) {
         let name = self.handler.name();
         let consumer = Arc::new(consumer);
-        let lag_label =
-            if self.stage == Stage::Main { name.to_owned() } else { format!("{name}-{}", self.stage.label()) };
+        let lag_label = if self.stage == Stage::Main {
+            name.to_owned()
+        } else {
+            format!("{name}-{}", self.stage.label())
+        };
         let lag_reporter = tokio::spawn(report_lag(consumer.clone(), lag_label, self.shutdown.clone()));
         let (done_tx, mut done_rx) = mpsc::unbounded_channel::<(String, i32, i64)>();
         let mut lane_tx = Vec::with_capacity(lanes);
@@ -495,13 +502,21 @@ impl<H: Handler> Runner<H> {
     async fn process(&self, msg: &OwnedMessage) -> bool {
         let name = self.handler.name();
         let (origin, attempts_before) = if self.stage == Stage::Main {
-            (Origin { topic: self.cfg.logical(msg.topic()).to_owned(), partition: msg.partition(), offset: msg.offset() }, 0)
+            (
+                Origin {
+                    topic: self.cfg.logical(msg.topic()).to_owned(),
+                    partition: msg.partition(),
+                    offset: msg.offset(),
+                },
+                0,
+            )
         } else {
             // Retry topics are shared: take only the copies addressed to this consumer.
             if header(msg, retry_headers::CONSUMER) != Some(name) {
                 return true;
             }
-            let due = header(msg, retry_headers::NOT_BEFORE_MS).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+            let due =
+                header(msg, retry_headers::NOT_BEFORE_MS).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
             let wait = due.saturating_sub(now_ms());
             if wait > 0 {
                 tokio::select! {
@@ -511,7 +526,9 @@ impl<H: Handler> Runner<H> {
             }
             let origin = Origin {
                 topic: header(msg, retry_headers::ORIGIN_TOPIC).unwrap_or(Topic::Purchase.name()).to_owned(),
-                partition: header(msg, retry_headers::ORIGIN_PARTITION).and_then(|v| v.parse().ok()).unwrap_or(-1),
+                partition: header(msg, retry_headers::ORIGIN_PARTITION)
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(-1),
                 offset: header(msg, retry_headers::ORIGIN_OFFSET).and_then(|v| v.parse().ok()).unwrap_or(-1),
             };
             (origin, header(msg, retry_headers::ATTEMPT).and_then(|v| v.parse().ok()).unwrap_or(1))
@@ -519,11 +536,20 @@ impl<H: Handler> Runner<H> {
         let env = match msg.payload().map(Envelope::from_slice) {
             Some(Ok(env)) => env,
             Some(Err(e)) => {
-                return self.dead_letter(msg, &origin, None, "bad_envelope", &e.to_string(), attempts_before + 1).await;
+                return self
+                    .dead_letter(msg, &origin, None, "bad_envelope", &e.to_string(), attempts_before + 1)
+                    .await;
             }
             None => {
                 return self
-                    .dead_letter(msg, &origin, None, "empty_message", "message has no payload", attempts_before + 1)
+                    .dead_letter(
+                        msg,
+                        &origin,
+                        None,
+                        "empty_message",
+                        "message has no payload",
+                        attempts_before + 1,
+                    )
                     .await;
             }
         };
@@ -554,7 +580,9 @@ impl<H: Handler> Runner<H> {
             let result = match handle_once(&self.pool, &*self.handler, env).await {
                 // The acknowledgement boundary: an injected failure here means the offset is
                 // not committed and the message comes again (into the inbox).
-                Ok(d) => boxoffice_faults::check(&format!("{name}.before_ack")).map(|_| d).map_err(HandlerError::from),
+                Ok(d) => boxoffice_faults::check(&format!("{name}.before_ack"))
+                    .map(|_| d)
+                    .map_err(HandlerError::from),
                 Err(e) => Err(e),
             };
             match result {
@@ -594,7 +622,14 @@ impl<H: Handler> Runner<H> {
     }
 
     /// Copies the message to the next retry topic, durably, before its offset may move.
-    async fn forward(&self, msg: &OwnedMessage, origin: &Origin, env: &Envelope, attempts: u32, error: &str) -> bool {
+    async fn forward(
+        &self,
+        msg: &OwnedMessage,
+        origin: &Origin,
+        env: &Envelope,
+        attempts: u32,
+        error: &str,
+    ) -> bool {
         let name = self.handler.name();
         let next = self.stage.next();
         let due = now_ms() + next.delay_ms(&self.cfg.retry);
@@ -617,12 +652,19 @@ impl<H: Handler> Runner<H> {
         }
         tracing::warn!(consumer = name, event.id = %env.event_id, event.type = %env.event_type,
             order.id = %env.aggregate_id, attempts, to = next.label(), error, "handed to the retry topic");
-        metrics::counter!("boxoffice_retry_forwarded_total", "consumer" => name, "topic" => next.label()).increment(1);
+        metrics::counter!("boxoffice_retry_forwarded_total", "consumer" => name, "topic" => next.label())
+            .increment(1);
         true
     }
 
     /// Publishes until the broker acknowledges; `false` if shutdown came first.
-    async fn publish_durably(&self, topic: &str, key: &str, payload: &[u8], headers: &[(&str, &str)]) -> bool {
+    async fn publish_durably(
+        &self,
+        topic: &str,
+        key: &str,
+        payload: &[u8],
+        headers: &[(&str, &str)],
+    ) -> bool {
         let mut attempt = 0u32;
         while let Err(e) = crate::producer::send(&self.producer, topic, key, payload, headers).await {
             attempt += 1;

@@ -103,7 +103,11 @@ fn fire(point: &str, arg: Option<String>) -> Result<(), Injected> {
             Err(Injected { point: point.to_owned() })
         }
         Some(other) => {
-            tracing::warn!(fault.point = point, mode = other, "fault injected (unknown mode treated as error)");
+            tracing::warn!(
+                fault.point = point,
+                mode = other,
+                "fault injected (unknown mode treated as error)"
+            );
             Err(Injected { point: point.to_owned() })
         }
     }

@@ -17,7 +17,9 @@ use secrecy::{ExposeSecret, SecretString};
 use serde::de::DeserializeOwned;
 
 use crate::types::{push_metadata, List};
-use crate::{Charge, CreatePaymentIntent, CreatedWindow, IntentWithCharge, PaymentIntent, Refund, StripeError};
+use crate::{
+    Charge, CreatePaymentIntent, CreatedWindow, IntentWithCharge, PaymentIntent, Refund, StripeError,
+};
 
 /// Stripe caps idempotency keys at 255 characters.
 const MAX_IDEMPOTENCY_KEY_LEN: usize = 255;

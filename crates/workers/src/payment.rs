@@ -285,7 +285,11 @@ async fn facts_from_intent(
 
 /// Every fact a re-fetched PaymentIntent states, for the saga to act on (it ignores facts
 /// the order has moved past). Amounts in minor units.
-pub fn observed_facts(order_id: OrderId, pi: &PaymentIntent, amount_refunded_minor: i64) -> Vec<PurchaseEvent> {
+pub fn observed_facts(
+    order_id: OrderId,
+    pi: &PaymentIntent,
+    amount_refunded_minor: i64,
+) -> Vec<PurchaseEvent> {
     let payment_intent_id = pi.id.clone();
     match pi.status.as_str() {
         "requires_capture" => vec![PurchaseEvent::PaymentAuthorized {

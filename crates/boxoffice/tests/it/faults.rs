@@ -82,7 +82,10 @@ async fn every_boundary_fails_once_and_every_purchase_converges(_: PgPoolOptions
     );
     let payments = boxoffice_workers::payment::PaymentWorker::new(gateway, app.pool.clone());
     let history: Vec<serde_json::Value> =
-        sqlx::query_scalar("SELECT payload FROM outbox ORDER BY created_at, id").fetch_all(&app.pool).await.unwrap();
+        sqlx::query_scalar("SELECT payload FROM outbox ORDER BY created_at, id")
+            .fetch_all(&app.pool)
+            .await
+            .unwrap();
     let mut replayed = 0;
     for payload in history {
         let mut env: Envelope = serde_json::from_value(payload).unwrap();
@@ -98,7 +101,11 @@ async fn every_boundary_fails_once_and_every_purchase_converges(_: PgPoolOptions
         }
     }
     assert!(replayed > orders.len() * 5, "the whole history was re-applied ({replayed} steps)");
-    assert_eq!(app.count("SELECT count(*) FROM outbox").await, outbox_before, "no step emitted anything twice");
+    assert_eq!(
+        app.count("SELECT count(*) FROM outbox").await,
+        outbox_before,
+        "no step emitted anything twice"
+    );
     let statuses_after: Vec<(Uuid, String)> =
         sqlx::query_as("SELECT id, status FROM orders ORDER BY id").fetch_all(&app.pool).await.unwrap();
     assert_eq!(statuses_before, statuses_after);
@@ -116,7 +123,10 @@ async fn every_boundary_fails_once_and_every_purchase_converges(_: PgPoolOptions
 /// attempt count — and while ticket issuance fails, the seats stay confirmed (sold), never
 /// released. After the fix, `dlq replay` finishes the order.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
-async fn transient_failures_climb_the_retry_topics_then_dead_letter(_: PgPoolOptions, opts: PgConnectOptions) {
+async fn transient_failures_climb_the_retry_topics_then_dead_letter(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
     let app = TestApp::spawn_with(opts, &Role::ALL, VenueSpec::small(1, 1, 4), |c| {
         c.consumer_inline_attempts = 2;
         c.consumer_retry_5s_delay_ms = 300;
@@ -143,7 +153,8 @@ async fn transient_failures_climb_the_retry_topics_then_dead_letter(_: PgPoolOpt
     boxoffice_faults::set("tickets.before_commit", "return").unwrap();
     let c = app.buyer();
     let r = app.hold(&c, &app.admission_token(&c), "stuck", &[seats[1]]).await;
-    let stuck: Uuid = r.json::<serde_json::Value>().await.unwrap()["order_id"].as_str().unwrap().parse().unwrap();
+    let stuck: Uuid =
+        r.json::<serde_json::Value>().await.unwrap()["order_id"].as_str().unwrap().parse().unwrap();
     app.pay(&c, stuck, "pm_card_visa").await.expect("authorized");
     app.await_order(&c, stuck, WAIT, |v| v["status"] == "paid").await;
     let mut letters = Vec::new();
@@ -206,7 +217,14 @@ async fn deliver(app: &TestApp, body: &serde_json::Value) -> serde_json::Value {
     r.json().await.unwrap()
 }
 
-fn pi_event(id: &str, kind: &str, pi: &str, status: &str, amount_capturable: i64, order: Option<Uuid>) -> serde_json::Value {
+fn pi_event(
+    id: &str,
+    kind: &str,
+    pi: &str,
+    status: &str,
+    amount_capturable: i64,
+    order: Option<Uuid>,
+) -> serde_json::Value {
     let metadata = match order {
         Some(o) => serde_json::json!({"order_id": o.to_string()}),
         None => serde_json::json!({}),
@@ -229,12 +247,20 @@ async fn disagreeing_webhooks_are_resolved_by_asking_stripe(_: PgPoolOptions, op
     let seat = app.seats().await[0];
     let b = app.buyer();
     let r = app.hold(&b, &app.admission_token(&b), "disagree", &[seat]).await;
-    let order: Uuid = r.json::<serde_json::Value>().await.unwrap()["order_id"].as_str().unwrap().parse().unwrap();
+    let order: Uuid =
+        r.json::<serde_json::Value>().await.unwrap()["order_id"].as_str().unwrap().parse().unwrap();
     let v = app.await_order(&b, order, WAIT, |v| v.get("payment_intent_id").is_some()).await;
     let pi = v["payment_intent_id"].as_str().unwrap().to_owned();
 
     // The amount disagrees (and Stripe has not authorized anything yet).
-    let wrong = pi_event("evt_wrong_amount", "payment_intent.amount_capturable_updated", &pi, "requires_capture", 1, Some(order));
+    let wrong = pi_event(
+        "evt_wrong_amount",
+        "payment_intent.amount_capturable_updated",
+        &pi,
+        "requires_capture",
+        1,
+        Some(order),
+    );
     deliver(&app, &wrong).await;
     let pool = app.pool.clone();
     eventually(WAIT, "the refresh reported Stripe's view", || {
@@ -250,7 +276,8 @@ async fn disagreeing_webhooks_are_resolved_by_asking_stripe(_: PgPoolOptions, op
     // The real authorization goes through; then a "canceled" contradicting the capture.
     app.pay(&b, order, "pm_card_visa").await.expect("authorized");
     app.await_order(&b, order, WAIT, |v| v["status"] == "ticketed").await;
-    let contradiction = pi_event("evt_contradiction", "payment_intent.canceled", &pi, "canceled", 0, Some(order));
+    let contradiction =
+        pi_event("evt_contradiction", "payment_intent.canceled", &pi, "canceled", 0, Some(order));
     deliver(&app, &contradiction).await;
     eventually(WAIT, "the second refresh was applied", || {
         let pool = pool.clone();
@@ -288,14 +315,16 @@ async fn early_webhook_is_kept_and_rederived_from_stripe(_: PgPoolOptions, opts:
     let seat = app.seats().await[0];
     let b = app.buyer();
     let r = app.hold(&b, &app.admission_token(&b), "early", &[seat]).await;
-    let order: Uuid = r.json::<serde_json::Value>().await.unwrap()["order_id"].as_str().unwrap().parse().unwrap();
+    let order: Uuid =
+        r.json::<serde_json::Value>().await.unwrap()["order_id"].as_str().unwrap().parse().unwrap();
     let hold_created: serde_json::Value =
         sqlx::query_scalar("SELECT payload FROM outbox WHERE event_type = 'HoldCreated'")
             .fetch_one(&app.pool)
             .await
             .unwrap();
     let hold_created: Envelope = serde_json::from_value(hold_created).unwrap();
-    let PurchaseEvent::HoldCreated { hold_id, amount_minor, currency, .. } = hold_created.decode().unwrap() else {
+    let PurchaseEvent::HoldCreated { hold_id, amount_minor, currency, .. } = hold_created.decode().unwrap()
+    else {
         panic!("not a HoldCreated")
     };
 
@@ -310,18 +339,30 @@ async fn early_webhook_is_kept_and_rederived_from_stripe(_: PgPoolOptions, opts:
     use boxoffice_payments::PaymentGateway;
     let created = gateway
         .create_payment_intent(
-            &boxoffice_payments::CreatePaymentIntent { amount_minor, currency: currency.clone(), metadata: vec![] },
+            &boxoffice_payments::CreatePaymentIntent {
+                amount_minor,
+                currency: currency.clone(),
+                metadata: vec![],
+            },
             &format!("early:{order}"),
         )
         .await
         .unwrap();
-    let early = pi_event("evt_early", "payment_intent.amount_capturable_updated", &created.id, "requires_capture", amount_minor, None);
+    let early = pi_event(
+        "evt_early",
+        "payment_intent.amount_capturable_updated",
+        &created.id,
+        "requires_capture",
+        amount_minor,
+        None,
+    );
     let ack = deliver(&app, &early).await;
     assert_eq!(ack["duplicate"], false);
-    let pending: bool = sqlx::query_scalar("SELECT pending FROM stripe_events WHERE stripe_event_id = 'evt_early'")
-        .fetch_one(&app.pool)
-        .await
-        .unwrap();
+    let pending: bool =
+        sqlx::query_scalar("SELECT pending FROM stripe_events WHERE stripe_event_id = 'evt_early'")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
     assert!(pending, "kept, not dropped");
     gateway
         .confirm_with_client_secret(
