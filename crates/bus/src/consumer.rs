@@ -172,17 +172,17 @@ pub async fn handle_once<H: Handler>(
         }
     }
     let name = handler.name();
-    boxoffice_faults::check(&format!("{name}.before_remote"))?;
+    boxoffice_faults::check_consumer(name, "before_remote")?;
     let prepared = handler.prepare(env, &event).await?;
-    boxoffice_faults::check(&format!("{name}.after_remote"))?;
+    boxoffice_faults::check_consumer(name, "after_remote")?;
     let mut tx = pool.begin().await?;
     if !inbox::record(&mut tx, name, env.event_id).await? {
         return Ok(Disposition::Duplicate);
     }
     handler.apply(&mut tx, env, &event, prepared).await?;
-    boxoffice_faults::check(&format!("{name}.before_commit"))?;
+    boxoffice_faults::check_consumer(name, "before_commit")?;
     tx.commit().await?;
-    boxoffice_faults::check(&format!("{name}.after_commit"))?;
+    boxoffice_faults::check_consumer(name, "after_commit")?;
     Ok(Disposition::Applied)
 }
 
@@ -580,7 +580,7 @@ impl<H: Handler> Runner<H> {
             let result = match handle_once(&self.pool, &*self.handler, env).await {
                 // The acknowledgement boundary: an injected failure here means the offset is
                 // not committed and the message comes again (into the inbox).
-                Ok(d) => boxoffice_faults::check(&format!("{name}.before_ack"))
+                Ok(d) => boxoffice_faults::check_consumer(name, "before_ack")
                     .map(|_| d)
                     .map_err(HandlerError::from),
                 Err(e) => Err(e),

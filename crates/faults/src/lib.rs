@@ -66,6 +66,9 @@ pub struct Injected {
 /// Evaluates fault point `point`: `Ok(())` unless it is configured and fires. With mode
 /// `abort` it does not return.
 pub fn check(point: &str) -> Result<(), Injected> {
+    if !ARMED.load(std::sync::atomic::Ordering::Relaxed) {
+        return Ok(());
+    }
     match fail::eval(point, |arg| arg) {
         None => Ok(()),
         Some(arg) => {
@@ -74,6 +77,19 @@ pub fn check(point: &str) -> Result<(), Injected> {
         }
     }
 }
+
+/// Evaluates consumer fault point `{consumer}.{boundary}` (see [`CONSUMER_BOUNDARIES`]);
+/// the name is only built when some point is armed, so the per-message cost of an inert
+/// mechanism is one atomic load.
+pub fn check_consumer(consumer: &str, boundary: &str) -> Result<(), Injected> {
+    if !ARMED.load(std::sync::atomic::Ordering::Relaxed) {
+        return Ok(());
+    }
+    check(&format!("{consumer}.{boundary}"))
+}
+
+/// Whether any point was ever armed in this process (set by [`set`] / [`configure`]).
+static ARMED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 static FIRED: std::sync::Mutex<Vec<(String, u64)>> = std::sync::Mutex::new(Vec::new());
 
@@ -122,7 +138,9 @@ pub fn set(point: &str, actions: &str) -> Result<(), String> {
     if !POINTS.contains(&point) {
         return Err(format!("unknown fault point {point:?} (see boxoffice_faults::POINTS)"));
     }
-    fail::cfg(point, actions)
+    fail::cfg(point, actions)?;
+    ARMED.store(true, std::sync::atomic::Ordering::Relaxed);
+    Ok(())
 }
 
 /// Disarms `point`.
