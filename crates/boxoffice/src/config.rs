@@ -60,7 +60,12 @@ pub struct Config {
     pub kafka_brokers: Option<String>,
     /// Prefix of every topic and consumer group name.
     pub kafka_topic_prefix: String,
-    /// Partitions of the purchase topic (design §12: ≥ the number of parallel consumers).
+    /// Partitions of every topic. Design §12: `partitions ≥ max(peak topic bytes/s ÷ tested
+    /// bytes/s per partition, parallel consumer members)`. Here a purchase event is ~0.5 KB
+    /// and an order emits ~9 events, so even 1,000 orders/s is ~4.5 MB/s — far below one
+    /// partition's tested rate — and the consumer term decides: members across every process
+    /// of the busiest consumer role (`consumers_per_role` × processes). Partitions cannot be
+    /// lowered later and ordering is per order id, so size for the largest planned scale-out.
     pub kafka_partitions: i32,
     /// Replication factor of created topics.
     pub kafka_replication: i32,
