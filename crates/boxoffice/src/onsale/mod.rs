@@ -182,7 +182,7 @@ pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
             // The simulated buyers take the direct admission route: this job measures the
             // purchase path behind the waiting room, not the queue.
             cfg.admission_direct = true;
-            cfg.waitroom_release_per_s = 0.0;
+            cfg.release_max_per_s = 0.0;
             let r = runtime::start(&cfg, &Role::ALL, cfg.pg_options()?, shutdown.clone()).await?;
             let addr = r.api_addr.context("api did not start")?;
             anyhow::ensure!(

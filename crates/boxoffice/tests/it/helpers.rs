@@ -66,7 +66,7 @@ impl TestApp {
             redis_url: test_redis_url().into(),
             redis_key_prefix: format!("t{}:", Uuid::new_v4().simple()),
             admission_direct: true,
-            waitroom_release_per_s: 0.0,
+            release_max_per_s: 0.0,
             ..Config::default()
         };
         if roles.iter().any(|r| r.needs_kafka()) {

@@ -73,7 +73,7 @@ async fn hold(app: &TestApp, api: &str, b: &Buyer, token: &str, key: &str, seat:
 /// revokes the token), and the metrics.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn waitroom_join_poll_release_and_hold(_: PgPoolOptions, opts: PgConnectOptions) {
-    let app = app(opts, |c| c.waitroom_release_per_s = 0.0).await;
+    let app = app(opts, |c| c.release_max_per_s = 0.0).await;
     let s = app.seats().await;
     let (a, b) = (app.buyer(), app.buyer());
     let r = join(&app, &app.api, &a, app.event).await;
@@ -146,10 +146,15 @@ async fn waitroom_join_poll_release_and_hold(_: PgPoolOptions, opts: PgConnectOp
     app.stop().await;
 }
 
-/// The API role's release loop admits queued buyers at the configured rate.
+/// The API role's release controller admits queued buyers.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
-async fn waitroom_release_loop_admits_queued_buyers(_: PgPoolOptions, opts: PgConnectOptions) {
-    let app = app(opts, |c| c.waitroom_release_per_s = 20.0).await;
+async fn waitroom_release_controller_admits_queued_buyers(_: PgPoolOptions, opts: PgConnectOptions) {
+    let app = app(opts, |c| {
+        c.release_max_per_s = 20.0;
+        c.release_initial_per_s = 20.0;
+        c.release_tick_ms = 100;
+    })
+    .await;
     let buyers: Vec<Buyer> = (0..3).map(|_| app.buyer()).collect();
     let mut tickets = Vec::new();
     for b in &buyers {
