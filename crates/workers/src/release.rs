@@ -534,9 +534,7 @@ impl Controller {
             .clone()
             .application_name("boxoffice-release")
             .options([("statement_timeout", self.settings.probe_timeout_ms.to_string())]);
-        tokio::time::timeout(self.bound(), opts.connect())
-            .await
-            .map_err(|_| sqlx::Error::PoolTimedOut)?
+        tokio::time::timeout(self.bound(), opts.connect()).await.map_err(|_| sqlx::Error::PoolTimedOut)?
     }
 
     fn bound(&self) -> Duration {
@@ -544,9 +542,10 @@ impl Controller {
     }
 
     async fn try_lock(&self, c: &mut PgConnection) -> Result<bool, sqlx::Error> {
-        let q = sqlx::query_scalar("SELECT pg_try_advisory_lock(hashtext('boxoffice.release'), hashtext($1))")
-            .bind(&self.settings.cell)
-            .fetch_one(&mut *c);
+        let q =
+            sqlx::query_scalar("SELECT pg_try_advisory_lock(hashtext('boxoffice.release'), hashtext($1))")
+                .bind(&self.settings.cell)
+                .fetch_one(&mut *c);
         tokio::time::timeout(self.bound(), q).await.map_err(|_| sqlx::Error::PoolTimedOut)?
     }
 
@@ -706,7 +705,8 @@ impl Controller {
             }
             s.decision = Some(d);
         });
-        metrics::gauge!("boxoffice_release_allowance_total", "cell" => cell).set(self.status.borrow().allowance);
+        metrics::gauge!("boxoffice_release_allowance_total", "cell" => cell)
+            .set(self.status.borrow().allowance);
     }
 
     /// Releases `rate·dt` positions split evenly among the events with a queue. Returns the

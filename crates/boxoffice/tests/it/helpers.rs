@@ -112,6 +112,11 @@ impl TestApp {
         }
     }
 
+    /// The release controller's status (the API role with `release_max_per_s` > 0).
+    pub fn release_status(&self) -> tokio::sync::watch::Receiver<boxoffice_workers::release::Status> {
+        self.running.as_ref().and_then(|r| r.release_status()).expect("the release controller runs")
+    }
+
     /// Stops every role and waits for them.
     pub async fn stop(mut self) {
         self.shutdown.cancel();
