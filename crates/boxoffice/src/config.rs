@@ -39,7 +39,8 @@ pub struct Config {
     /// Pool of the API role. Each role has its own pool (a bulkhead: a burst of hold
     /// requests cannot starve the saga of connections). Budget (design §12): the sum of the
     /// pools of every process ≤ PostgreSQL `max_connections` (100 by default) minus
-    /// operations; defaults: 20 + 4 + 3 + 9 + 9 + 9 + 2 = 56 for one all-roles process.
+    /// operations; defaults: 20 + 4 + 3 + 9 + 9 + 9 + 2 = 56 for one all-roles process, plus
+    /// the release controller's one dedicated connection per API process.
     pub db_pool_api: u32,
     /// Pool of the API role's Stripe webhook ingress (its own bulkhead).
     pub db_pool_webhooks: u32,
