@@ -534,7 +534,7 @@ impl Controller {
             .clone()
             .application_name("boxoffice-release")
             .options([("statement_timeout", self.settings.probe_timeout_ms.to_string())]);
-        tokio::time::timeout(self.bound(), opts.connect()).await.map_err(|_| sqlx::Error::PoolTimedOut)?
+        tokio::time::timeout(self.bound(), opts.connect()).await.map_err(|_| timed_out())?
     }
 
     fn bound(&self) -> Duration {
@@ -546,7 +546,7 @@ impl Controller {
             sqlx::query_scalar("SELECT pg_try_advisory_lock(hashtext('boxoffice.release'), hashtext($1))")
                 .bind(&self.settings.cell)
                 .fetch_one(&mut *c);
-        tokio::time::timeout(self.bound(), q).await.map_err(|_| sqlx::Error::PoolTimedOut)?
+        tokio::time::timeout(self.bound(), q).await.map_err(|_| timed_out())?
     }
 
     /// Reads every signal; the flag says the connection is no longer usable.
@@ -778,6 +778,14 @@ impl Leader {
             carry: HashMap::new(),
         }
     }
+}
+
+/// A call that outlived its bound (the connection is then dropped).
+fn timed_out() -> sqlx::Error {
+    sqlx::Error::Io(std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        "release controller: PostgreSQL call timed out",
+    ))
 }
 
 /// Whether `e` means the session is gone (and with it the advisory lock).

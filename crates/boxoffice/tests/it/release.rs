@@ -1,17 +1,19 @@
 //! The release controller in closed loop (design §3): real PostgreSQL, Redis and broker. `R`
 //! climbs to max while every signal is healthy; a real cause drives one signal over its
-//! threshold (an outbox row left unpublished for an hour, then a session blocked on a row
-//! lock) and `R` falls, naming that signal on `/metrics`; removing the cause lets `R` recover.
+//! threshold (an outbox row left unpublished for an hour, a session blocked on a row lock,
+//! messages no consumer group has read) and `R` falls, naming that signal on `/metrics`; removing the cause lets `R` recover.
 //! The queue moves by exactly the allowance `R` granted, and one controller per cell leads,
 //! another taking over when it stops.
 
 use crate::helpers::{eventually, test_brokers, test_redis_url, TestApp};
 use boxoffice::config::Config;
 use boxoffice::runtime::Role;
-use boxoffice_domain::{EventId, UserId};
+use boxoffice_domain::{EventId, Topic, UserId};
 use boxoffice_store::venue::VenueSpec;
 use boxoffice_waitroom::{Waitroom, WaitroomConfig};
-use boxoffice_workers::release::{Action, Controller, ReleaseSettings, Signal, Status};
+use boxoffice_workers::release::{Action, Controller, ReleaseSettings, Signal, Status, LAG_CONSUMERS};
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
+use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{Connection, PgConnection};
 use std::time::Duration;
@@ -44,7 +46,7 @@ fn tune(c: &mut Config, cell: &str) {
     c.release_threshold_deadlocks = 1e6;
     c.release_threshold_connection_saturation = 10.0;
     c.release_threshold_outbox_age_ms = 2_000.0;
-    c.release_threshold_consumer_lag = 1e6;
+    c.release_threshold_consumer_lag = 10.0;
     c.release_threshold_active_holds = 1e6;
     c.release_threshold_expiry_delay_ms = 1e9;
 }
@@ -76,7 +78,8 @@ fn decreased_for(s: &Status, sig: Signal) -> bool {
 
 /// R climbs to max; an old unpublished outbox row drives `outbox_age_ms` over and R falls to
 /// min; publishing it lets R recover; a session blocked on a row lock drives `lock_waits`
-/// over and R falls again; releasing the lock lets it recover. Every signal is exported, the
+/// over and R falls again; releasing the lock lets it recover; unread messages on the purchase
+/// topic drive `consumer_lag` over until the groups commit the high-water marks. Every signal is exported, the
 /// decreases are counted by reason, and the queue moved by what R allowed.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn release_rate_falls_when_a_signal_crosses_and_recovers(_: PgPoolOptions, opts: PgConnectOptions) {
@@ -169,6 +172,24 @@ async fn release_rate_falls_when_a_signal_crosses_and_recovers(_: PgPoolOptions,
     waiter.await.unwrap();
     await_status(&status, "R back at max after the lock", |s| s.rate_per_s == MAX).await;
 
+    // Messages no consumer has read: the purchase topic's consumer lag goes over.
+    let kafka = app.cfg.kafka().unwrap();
+    let topic = kafka.topic(Topic::Purchase.name());
+    let producer = boxoffice_bus::producer::build(&kafka).unwrap();
+    for i in 0..60 {
+        boxoffice_bus::producer::send(&producer, &topic, &format!("order-{i}"), b"{}", &[]).await.unwrap();
+    }
+    await_status(&status, "R falling for consumer_lag", |s| {
+        decreased_for(s, Signal::ConsumerLag) && s.rate_per_s < MAX
+    })
+    .await;
+    let m = scrape(&app).await;
+    assert!(metric(&m, "boxoffice_release_signal", &cell, "signal=\"consumer_lag\"").unwrap() > 10.0);
+    // The consumer groups catch up (commit the high-water marks): R recovers.
+    let catch_up = kafka.clone();
+    tokio::task::spawn_blocking(move || commit_high_water(&catch_up)).await.unwrap();
+    await_status(&status, "R back at max after the lag", |s| s.rate_per_s == MAX).await;
+
     // The queue moved by the allowance R granted: within one position (the carried fraction).
     app.stop().await;
     let s = status.borrow().clone();
@@ -178,8 +199,31 @@ async fn release_rate_falls_when_a_signal_crosses_and_recovers(_: PgPoolOptions,
     assert_eq!(stats.admitted_live, s.admitted);
     assert!(s.admitted as f64 <= s.allowance + 1e-6 && s.allowance < s.admitted as f64 + 1.0, "{s:?}");
     assert!(s.admitted > 0);
-    assert!(s.decreases[&Signal::OutboxAgeMs] >= 1 && s.decreases[&Signal::LockWaits] >= 1);
+    for sig in [Signal::OutboxAgeMs, Signal::LockWaits, Signal::ConsumerLag] {
+        assert!(s.decreases.get(&sig).is_some_and(|n| *n >= 1), "{sig:?}: {:?}", s.decreases);
+    }
+    println!("last readings: {:?}", s.signals);
     assert!(!s.decreases.contains_key(&Signal::PgCommitMs), "{:?}", s.decreases);
+}
+
+/// Commits the purchase topic's high-water marks for every consumer group the controller
+/// watches, as caught-up consumers would.
+fn commit_high_water(kafka: &boxoffice_bus::KafkaConfig) {
+    let topic = kafka.topic(Topic::Purchase.name());
+    for name in LAG_CONSUMERS {
+        let c: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", &kafka.brokers)
+            .set("group.id", kafka.group(name))
+            .set("enable.auto.commit", "false")
+            .create()
+            .unwrap();
+        let mut tpl = TopicPartitionList::new();
+        for p in 0..kafka.partitions {
+            let (_, high) = c.fetch_watermarks(&topic, p, Duration::from_secs(5)).unwrap();
+            tpl.add_partition_offset(&topic, p, Offset::Offset(high)).unwrap();
+        }
+        c.commit(&tpl, CommitMode::Sync).unwrap();
+    }
 }
 
 /// Two controllers of one cell on one database: exactly one holds the advisory lock and
