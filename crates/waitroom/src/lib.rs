@@ -517,7 +517,7 @@ impl Waitroom {
         Ok(s)
     }
 
-    /// Events that have people queued or pre-queued (the release loop's work list).
+    /// Events that have people queued or pre-queued (the release controller's work list).
     ///
     /// # Errors
     /// [`WaitroomError::Unavailable`] / [`WaitroomError::Timeout`].
