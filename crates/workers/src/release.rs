@@ -51,7 +51,8 @@
 //! `boxoffice_release_signal{signal}` and `boxoffice_release_signal_threshold{signal}`,
 //! `boxoffice_release_decreases_total{reason,cause}` (`cause` = `over_threshold` or
 //! `probe_failed`), `boxoffice_release_probe_errors_total{signal}`,
-//! `boxoffice_release_state` (1 increase, 0 hold, −1 decrease), `boxoffice_release_leader`
+//! `boxoffice_release_state` (1 increase, 0 hold, −1 decrease), `boxoffice_release_leader`,
+//! `boxoffice_release_sample_seconds` (the cost of one sampling of every signal)
 //! (1 on the lock holder), `boxoffice_release_admitted_total` and
 //! `boxoffice_release_allowance_total` (Σ R·Δt over ticks with a queue: admitted tracks it
 //! within one position per event).
@@ -357,6 +358,8 @@ pub struct Status {
     pub allowance: f64,
     /// Decreases per reason (signal), since start.
     pub decreases: HashMap<Signal, u64>,
+    /// How long the last sampling of every signal took, ms (the controller's own cost).
+    pub sample_ms: f64,
 }
 
 /// Reads consumer lag from the broker: committed offsets of each group against the
@@ -455,6 +458,7 @@ impl Controller {
             admitted: 0,
             allowance: 0.0,
             decreases: HashMap::new(),
+            sample_ms: 0.0,
         });
         Ok((Self { connect, room, settings, lag, status }, rx))
     }
@@ -507,7 +511,11 @@ impl Controller {
                 }
             }
             let leader = leading.as_mut().expect("leading");
+            let started = Instant::now();
             let (signals, broken) = self.sample(conn.as_mut().expect("connected"), leader).await;
+            let sample_ms = started.elapsed().as_secs_f64() * 1_000.0;
+            metrics::histogram!("boxoffice_release_sample_seconds", "cell" => cell.clone())
+                .record(sample_ms / 1_000.0);
             if broken {
                 // The connection (and with it the lock) may be gone: give it up and retake it
                 // from scratch; meanwhile another instance may take over.
@@ -518,7 +526,7 @@ impl Controller {
                 self.status.send_modify(|s| s.leader = false);
                 continue;
             }
-            self.tick(leader, signals, tick).await;
+            self.tick(leader, signals, sample_ms, tick).await;
         }
         metrics::gauge!("boxoffice_release_leader", "cell" => cell).set(0.0);
         self.status.send_modify(|s| s.leader = false);
@@ -648,7 +656,7 @@ impl Controller {
     }
 
     /// Decides the next rate from `signals`, records it and releases the tick's share.
-    async fn tick(&self, leader: &mut Leader, signals: Signals, tick: Duration) {
+    async fn tick(&self, leader: &mut Leader, signals: Signals, sample_ms: f64, tick: Duration) {
         let cell = self.settings.cell.clone();
         let d = next_rate(leader.rate, &signals, &self.settings.thresholds, &self.settings.limits);
         for sig in Signal::ALL {
@@ -695,6 +703,7 @@ impl Controller {
             s.leader = true;
             s.rate_per_s = d.rate;
             s.signals = signals;
+            s.sample_ms = sample_ms;
             s.ticks += 1;
             s.admitted += admitted;
             s.allowance += allowance;
