@@ -146,12 +146,14 @@ async fn waitroom_join_poll_release_and_hold(_: PgPoolOptions, opts: PgConnectOp
     app.stop().await;
 }
 
-/// The API role's release controller admits queued buyers.
+/// The API role's release controller admits queued buyers (its rate pinned at 20/s: the
+/// adaptive law has its own tests in `release::`).
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn waitroom_release_controller_admits_queued_buyers(_: PgPoolOptions, opts: PgConnectOptions) {
     let app = app(opts, |c| {
         c.release_max_per_s = 20.0;
         c.release_initial_per_s = 20.0;
+        c.release_min_per_s = 20.0;
         c.release_tick_ms = 100;
     })
     .await;
