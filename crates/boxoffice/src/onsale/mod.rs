@@ -48,7 +48,8 @@ pub struct OnsaleArgs {
     /// when the server's `poll_after_ms` says.
     #[arg(long, default_value_t = 0.0)]
     pub attempt_rate: f64,
-    /// Release rate of the in-process deployment's waiting room, buyers admitted per second.
+    /// Ceiling of the in-process deployment's release controller, buyers admitted per
+    /// second (R starts lower and adapts to the database's signals below this).
     #[arg(long, default_value_t = 80.0)]
     pub release_rate: f64,
     /// Kafka bootstrap servers (default: BOXOFFICE_KAFKA_BROKERS, else an embedded broker).
@@ -203,12 +204,15 @@ pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
             };
             cfg.stripe_api_base = stripe_base.clone();
             cfg.http_bind = "127.0.0.1:0".into();
-            // Buyers come through the waiting room unless told otherwise; the release loop
-            // admits them at the release rate. Every simulated buyer connects from this host,
-            // so each sends its own client address in X-Forwarded-For and this deployment
-            // trusts it: the per-IP bucket then sees a crowd, not one abusive host.
+            // Buyers come through the waiting room unless told otherwise; the release
+            // controller admits them at its adaptive rate R, at most the release rate. Every
+            // simulated buyer connects from this host, so each sends its own client address
+            // in X-Forwarded-For and this deployment trusts it: the per-IP bucket then sees a
+            // crowd, not one abusive host.
             cfg.admission_direct = args.direct_admission;
-            cfg.waitroom_release_per_s = if args.direct_admission { 0.0 } else { args.release_rate };
+            cfg.release_max_per_s = if args.direct_admission { 0.0 } else { args.release_rate };
+            cfg.release_initial_per_s = cfg.release_initial_per_s.min(args.release_rate);
+            cfg.release_min_per_s = cfg.release_min_per_s.min(cfg.release_initial_per_s);
             cfg.http_trust_forwarded_for = true;
             let r = runtime::start(&cfg, &Role::ALL, cfg.pg_options()?, shutdown.clone()).await?;
             let addr = r.api_addr.context("api did not start")?;

@@ -10,6 +10,7 @@ mod e2e;
 mod faults;
 mod holds;
 mod purchase;
+mod release;
 mod saga;
 mod waitroom;
 mod webhooks;
