@@ -51,9 +51,9 @@
 //! `boxoffice_release_signal{signal}` and `boxoffice_release_signal_threshold{signal}`,
 //! `boxoffice_release_decreases_total{reason,cause}` (`cause` = `over_threshold` or
 //! `probe_failed`), `boxoffice_release_probe_errors_total{signal}`,
-//! `boxoffice_release_state` (1 increase, 0 hold, −1 decrease), `boxoffice_release_leader`,
-//! `boxoffice_release_sample_seconds` (the cost of one sampling of every signal)
-//! (1 on the lock holder), `boxoffice_release_admitted_total` and
+//! `boxoffice_release_state` (1 increase, 0 hold, −1 decrease), `boxoffice_release_leader`
+//! (1 on the lock holder), `boxoffice_release_sample_seconds` (the cost of one sampling of
+//! every signal), `boxoffice_release_admitted_total` and
 //! `boxoffice_release_allowance_total` (Σ R·Δt over ticks with a queue: admitted tracks it
 //! within one position per event).
 
