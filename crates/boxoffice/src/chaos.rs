@@ -89,7 +89,8 @@ fn parse_key_value(s: &str) -> Result<(String, String), String> {
 }
 
 /// Role processes of a run, two of each, in this order: `api#0, api#1, relay#0, …`.
-pub const ROLES: [Role; 6] = [Role::Api, Role::Relay, Role::Saga, Role::Payments, Role::Tickets, Role::Expiry];
+pub const ROLES: [Role; 6] =
+    [Role::Api, Role::Relay, Role::Saga, Role::Payments, Role::Tickets, Role::Expiry];
 /// Processes per role.
 pub const PER_ROLE: usize = 2;
 /// Kafka partitions of the run's topics (few: this is about faults, not throughput).
@@ -106,10 +107,14 @@ fn fault_points(role: Role) -> Vec<String> {
         boxoffice_faults::CONSUMER_BOUNDARIES.iter().map(|b| format!("{name}.{b}")).collect::<Vec<_>>()
     };
     match role {
-        Role::Api => ["hold.before_commit", "hold.after_commit", "webhook.before_commit", "webhook.after_commit"]
-            .map(String::from)
-            .to_vec(),
-        Role::Relay => ["relay.before_publish", "relay.after_publish", "relay.after_commit"].map(String::from).to_vec(),
+        Role::Api => {
+            ["hold.before_commit", "hold.after_commit", "webhook.before_commit", "webhook.after_commit"]
+                .map(String::from)
+                .to_vec()
+        }
+        Role::Relay => {
+            ["relay.before_publish", "relay.after_publish", "relay.after_commit"].map(String::from).to_vec()
+        }
         Role::Saga | Role::Payments | Role::Tickets => consumer(role.name()),
         Role::Expiry => Vec::new(),
     }
@@ -472,7 +477,8 @@ impl Supervisor {
             if let Some(c) = &mut p.child {
                 if let Ok(Some(status)) = c.try_wait() {
                     p.child = None;
-                    let aborted = std::os::unix::process::ExitStatusExt::signal(&status) == Some(libc::SIGABRT);
+                    let aborted =
+                        std::os::unix::process::ExitStatusExt::signal(&status) == Some(libc::SIGABRT);
                     if aborted {
                         self.count("fault_abort", 1);
                         self.note(format!("{} aborted at an armed fault point ({status})", p.name));
@@ -495,7 +501,8 @@ impl Supervisor {
                 match self.spawn(p) {
                     Ok(pid) => {
                         self.count("restart", 1);
-                        let f = if p.faults.is_empty() { String::new() } else { format!(", armed {}", p.faults) };
+                        let f =
+                            if p.faults.is_empty() { String::new() } else { format!(", armed {}", p.faults) };
                         self.note(format!("restart {} (pid {pid}{f})", p.name));
                     }
                     Err(e) => {
@@ -547,10 +554,11 @@ impl Supervisor {
 /// Children inherit stdin/stdout/stderr and nothing else: every other descriptor is marked
 /// close-on-exec (a PostgreSQL restart started from a process that holds a lock file must
 /// not hand that lock to the server for its lifetime). With `die_with_parent`, the child is
-/// also SIGKILLed when this process dies, so a crashed run leaves no orphans.
+/// also SIGKILLed when this process dies, so a crashed run leaves no orphans, and writes no
+/// core file when it aborts at a fault point.
 fn only_stdio(cmd: &mut Command, die_with_parent: bool) {
     // SAFETY: the closure runs between fork and exec and only makes async-signal-safe system
-    // calls (close_range, fcntl, prctl); it allocates nothing and takes no lock.
+    // calls (close_range, fcntl, prctl, setrlimit); it allocates nothing and takes no lock.
     unsafe {
         cmd.pre_exec(move || {
             const CLOSE_RANGE_CLOEXEC: libc::c_uint = 1 << 2;
@@ -566,6 +574,8 @@ fn only_stdio(cmd: &mut Command, die_with_parent: bool) {
             }
             if die_with_parent {
                 libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                let no_core = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+                libc::setrlimit(libc::RLIMIT_CORE, &no_core);
             }
             Ok(())
         });
@@ -600,7 +610,11 @@ fn find_nisshi(given: Option<&Path>) -> anyhow::Result<PathBuf> {
 
 /// Round-robin TCP load balancer: each accepted connection goes to the next backend that
 /// accepts a connection within 500 ms, skipping dead ones; the bytes are copied both ways.
-async fn load_balancer(listener: tokio::net::TcpListener, backends: Vec<SocketAddr>, shutdown: CancellationToken) {
+async fn load_balancer(
+    listener: tokio::net::TcpListener,
+    backends: Vec<SocketAddr>,
+    shutdown: CancellationToken,
+) {
     let next = Arc::new(AtomicUsize::new(0));
     loop {
         let (mut client, _) = tokio::select! {
@@ -614,7 +628,8 @@ async fn load_balancer(listener: tokio::net::TcpListener, backends: Vec<SocketAd
         tokio::spawn(async move {
             for _ in 0..backends.len() {
                 let b = backends[next.fetch_add(1, Ordering::Relaxed) % backends.len()];
-                let connect = tokio::time::timeout(Duration::from_millis(500), tokio::net::TcpStream::connect(b));
+                let connect =
+                    tokio::time::timeout(Duration::from_millis(500), tokio::net::TcpStream::connect(b));
                 if let Ok(Ok(mut upstream)) = connect.await {
                     let _ = upstream.set_nodelay(true);
                     let _ = tokio::io::copy_bidirectional(&mut client, &mut upstream).await;
@@ -708,8 +723,15 @@ fn tail(path: &Path, lines: usize) -> String {
     all[all.len().saturating_sub(lines)..].join("\n")
 }
 
+/// A connection to the server's maintenance database `postgres` (the configured database
+/// may not exist: the run only needs the server).
+async fn admin_connection(cfg: &Config) -> anyhow::Result<sqlx::PgConnection> {
+    let opts = cfg.pg_options()?.database("postgres");
+    sqlx::PgConnection::connect_with(&opts).await.context("connecting to the postgres database")
+}
+
 async fn drop_database(cfg: &Config, name: &str) -> anyhow::Result<()> {
-    let mut conn = sqlx::PgConnection::connect_with(&cfg.pg_options()?).await?;
+    let mut conn = admin_connection(cfg).await?;
     sqlx::query(&format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)")).execute(&mut conn).await?;
     Ok(())
 }
@@ -916,10 +938,15 @@ async fn chaos(
         let http = http.clone();
         let (addrs, sim) = (api_addrs.clone(), sim_base.clone());
         async move {
-            let sim_ok = http.get(format!("{sim}/_sim/stats")).send().await.is_ok_and(|r| r.status().is_success());
+            let sim_ok =
+                http.get(format!("{sim}/_sim/stats")).send().await.is_ok_and(|r| r.status().is_success());
             let mut apis_ok = true;
             for a in addrs {
-                apis_ok &= http.get(format!("http://{a}/readyz")).send().await.is_ok_and(|r| r.status().is_success());
+                apis_ok &= http
+                    .get(format!("http://{a}/readyz"))
+                    .send()
+                    .await
+                    .is_ok_and(|r| r.status().is_success());
             }
             sim_ok && apis_ok
         }
@@ -944,7 +971,8 @@ async fn chaos(
     bc.seed = args.seed;
     bc.arrival_rate = buyers_n as f64 / args.duration.as_secs_f64();
     let chaos_started = Instant::now();
-    let (stats, ()) = tokio::join!(buyers::drive(bc), execute(plan, sup, base, db_name, &http, &sim_base, chaos_started));
+    let (stats, ()) =
+        tokio::join!(buyers::drive(bc), execute(plan, sup, base, db_name, &http, &sim_base, chaos_started));
     let stats = stats?;
     sup.note(format!(
         "buyers done: {} holds, {} ticketed, {} expired, {} timed out, {} http errors (retried)",
@@ -959,8 +987,7 @@ async fn chaos(
         secret_key: cfg.stripe_secret_key.clone(),
         timeout_ms: cfg.stripe_timeout_ms,
     })?;
-    let window =
-        crate::reconcile::Window { since: run_started - chrono::Duration::minutes(1), until: None };
+    let window = crate::reconcile::Window { since: run_started - chrono::Duration::minutes(1), until: None };
     let audit_opts = crate::audit::AuditOptions {
         stuck_after_ms: 0,
         event: Some(event.0),
@@ -1103,7 +1130,7 @@ async fn set_sim_faults(http: &reqwest::Client, sim_base: &str, faults: &Faults)
 
 /// Terminates every backend connected to `db_name`; returns how many.
 async fn terminate_backends(base: &Config, db_name: &str) -> anyhow::Result<i64> {
-    let mut conn = sqlx::PgConnection::connect_with(&base.pg_options()?).await?;
+    let mut conn = admin_connection(base).await?;
     let n: i64 = sqlx::query_scalar(
         "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity
           WHERE datname = $1 AND pid <> pg_backend_pid()",
@@ -1136,12 +1163,7 @@ async fn restart_postgres(base: &Config) -> anyhow::Result<()> {
         out.status,
         String::from_utf8_lossy(&out.stderr).trim()
     );
-    let opts = base.pg_options()?;
-    let up = wait_until(Duration::from_secs(60), || {
-        let opts = opts.clone();
-        async move { sqlx::PgConnection::connect_with(&opts).await.is_ok() }
-    })
-    .await;
+    let up = wait_until(Duration::from_secs(60), || async { admin_connection(base).await.is_ok() }).await;
     anyhow::ensure!(up, "PostgreSQL did not accept connections within 60 s of the restart");
     Ok(())
 }
@@ -1175,10 +1197,11 @@ mod tests {
     fn every_fault_spec_the_plan_arms_is_valid() {
         for seed in 0..50 {
             let p = plan(seed, Duration::from_secs(120), true);
-            let specs = p.initial_faults.values().cloned().chain(p.steps.iter().filter_map(|s| match &s.action {
-                Action::Kill { faults_on_restart, .. } => Some(faults_on_restart.clone()),
-                _ => None,
-            }));
+            let specs =
+                p.initial_faults.values().cloned().chain(p.steps.iter().filter_map(|s| match &s.action {
+                    Action::Kill { faults_on_restart, .. } => Some(faults_on_restart.clone()),
+                    _ => None,
+                }));
             for spec in specs {
                 boxoffice_faults::validate(&spec).unwrap_or_else(|e| panic!("{spec}: {e}"));
             }
@@ -1188,7 +1211,9 @@ mod tests {
                 .filter(|s| matches!(s.action, Action::StripeFaults { .. } | Action::ClearStripeFaults))
                 .collect();
             assert!(
-                stripe.windows(2).all(|w| std::mem::discriminant(&w[0].action) != std::mem::discriminant(&w[1].action)),
+                stripe
+                    .windows(2)
+                    .all(|w| std::mem::discriminant(&w[0].action) != std::mem::discriminant(&w[1].action)),
                 "stripe windows do not overlap (seed {seed})"
             );
         }
@@ -1196,7 +1221,10 @@ mod tests {
 
     #[test]
     fn role_env_parses_key_value() {
-        assert_eq!(parse_key_value("BOXOFFICE_LOG=debug=x").unwrap(), ("BOXOFFICE_LOG".into(), "debug=x".into()));
+        assert_eq!(
+            parse_key_value("BOXOFFICE_LOG=debug=x").unwrap(),
+            ("BOXOFFICE_LOG".into(), "debug=x".into())
+        );
         assert!(parse_key_value("nope").is_err());
     }
 }

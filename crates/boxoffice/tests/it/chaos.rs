@@ -5,9 +5,10 @@
 use std::process::Command;
 
 fn chaos_run(seed: u64) -> std::process::Output {
-    let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
+    let url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
     Command::new(env!("CARGO_BIN_EXE_boxoffice"))
-        .args(["chaos", "--json", "--duration", "20s", "--buyers", "40", "--hold-ttl", "10s"])
+        .args(["chaos", "--json", "--duration", "20s", "--buyers", "40", "--hold-ttl", "15s"])
         .args(["--seed", &seed.to_string()])
         .env("BOXOFFICE_DATABASE_URL", url)
         .output()
@@ -22,14 +23,20 @@ fn seeded_chaos_runs_keep_every_invariant() {
         let stdout = String::from_utf8_lossy(&out.stdout);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(out.status.success(), "seed {seed}: chaos failed ({}):\n{stdout}\n{stderr}", out.status);
-        let r: serde_json::Value =
-            serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("seed {seed}: {e}:\n{stdout}\n{stderr}"));
+        let r: serde_json::Value = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("seed {seed}: {e}:\n{stdout}\n{stderr}"));
         let injected = &r["injected"];
         assert!(injected["kill"].as_u64().unwrap_or(0) >= 1, "seed {seed}: no kill in {injected}");
-        assert!(injected["broker_restart"].as_u64().unwrap_or(0) >= 1, "seed {seed}: no broker restart in {injected}");
+        assert!(
+            injected["broker_restart"].as_u64().unwrap_or(0) >= 1,
+            "seed {seed}: no broker restart in {injected}"
+        );
         assert!(injected["terminate_backends"].as_u64().unwrap_or(0) >= 1, "seed {seed}: {injected}");
         assert!(injected["stripe_fault_window"].as_u64().unwrap_or(0) >= 1, "seed {seed}: {injected}");
-        assert!(injected["restart"].as_u64().unwrap_or(0) >= 1, "seed {seed}: nothing was restarted: {injected}");
+        assert!(
+            injected["restart"].as_u64().unwrap_or(0) >= 1,
+            "seed {seed}: nothing was restarted: {injected}"
+        );
         let violations = r["violations"].as_object().expect("violations");
         assert!(violations.len() >= 10, "seed {seed}: {r}");
         for (name, n) in violations {
