@@ -888,6 +888,9 @@ async fn chaos(
         ("BOXOFFICE_CONSUMER_LANES", "4".to_owned()),
         // Messages that exhaust the inline attempts during an outage come back within the run.
         ("BOXOFFICE_CONSUMER_RETRY_1M_DELAY_MS", "15000".to_owned()),
+        // Rows claimed by a relay that is then killed wait out its lease: the shortest valid
+        // one (just above the producer's 30 s delivery timeout) keeps the drain short.
+        ("BOXOFFICE_RELAY_LEASE_MS", "31000".to_owned()),
     ]
     .map(|(k, v)| (k.to_owned(), v))
     .to_vec();
