@@ -760,6 +760,9 @@ async fn chaos(
     let sim_addr: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
     let sim_base = format!("http://{sim_addr}");
     cfg.stripe_api_base = sim_base.clone();
+    // This process only seeds, drains and audits; the role processes hold the rest (at most
+    // 28 connections in all, so two runs side by side fit a default PostgreSQL).
+    cfg.db_max_connections = 3;
 
     // Database, venue.
     let pool = crate::commands::migrate_db(&cfg).await?;
@@ -877,15 +880,15 @@ async fn chaos(
         ("BOXOFFICE_ADMISSION_DIRECT", "true".to_owned()),
         ("BOXOFFICE_WAITROOM_RELEASE_PER_S", "0".to_owned()),
         ("BOXOFFICE_REDIS_KEY_PREFIX", format!("{}chaos:{tag}:", cfg.redis_key_prefix, tag = db_name)),
-        // Small pools: twelve processes share one PostgreSQL server.
-        ("BOXOFFICE_DB_POOL_API", "4".to_owned()),
-        ("BOXOFFICE_DB_POOL_WEBHOOKS", "2".to_owned()),
-        ("BOXOFFICE_DB_POOL_RELAY", "2".to_owned()),
-        ("BOXOFFICE_DB_POOL_SAGA", "3".to_owned()),
-        ("BOXOFFICE_DB_POOL_PAYMENTS", "3".to_owned()),
-        ("BOXOFFICE_DB_POOL_TICKETS", "3".to_owned()),
+        // Small pools: twelve processes share one PostgreSQL server (24 connections at most).
+        ("BOXOFFICE_DB_POOL_API", "3".to_owned()),
+        ("BOXOFFICE_DB_POOL_WEBHOOKS", "1".to_owned()),
+        ("BOXOFFICE_DB_POOL_RELAY", "1".to_owned()),
+        ("BOXOFFICE_DB_POOL_SAGA", "2".to_owned()),
+        ("BOXOFFICE_DB_POOL_PAYMENTS", "2".to_owned()),
+        ("BOXOFFICE_DB_POOL_TICKETS", "2".to_owned()),
         ("BOXOFFICE_DB_POOL_EXPIRY", "1".to_owned()),
-        ("BOXOFFICE_CONSUMER_LANES", "4".to_owned()),
+        ("BOXOFFICE_CONSUMER_LANES", "2".to_owned()),
         // Messages that exhaust the inline attempts during an outage come back within the run.
         ("BOXOFFICE_CONSUMER_RETRY_1M_DELAY_MS", "15000".to_owned()),
         // Rows claimed by a relay that is then killed wait out its lease: the shortest valid
