@@ -763,6 +763,7 @@ async fn chaos(
     // This process only seeds, drains and audits; the role processes hold the rest (at most
     // 28 connections in all, so two runs side by side fit a default PostgreSQL).
     cfg.db_max_connections = 3;
+    cfg.db_acquire_timeout_ms = 30_000;
 
     // Database, venue.
     let pool = crate::commands::migrate_db(&cfg).await?;
@@ -986,7 +987,7 @@ async fn chaos(
     ));
 
     // Drain, audit.
-    let drained = crate::onsale::drain(&pool, event.0, args.drain_timeout).await?;
+    let drained = drain(&pool, event.0, args.drain_timeout, sup).await;
     sup.note(if drained { "drained: every order final, outbox empty" } else { "drain timed out" });
     let provider = boxoffice_payments::StripeClient::new(boxoffice_payments::StripeConfig {
         api_base: sim_base.clone(),
@@ -1001,7 +1002,16 @@ async fn chaos(
         kafka: Ok(kafka),
         dlq_timeout: Duration::from_secs(30),
     };
-    let audited = crate::audit::run(&pool, &audit_opts).await?;
+    // The ledger read is retried: the database may still be refusing connections after the
+    // last outage (or to a neighbour's load); a provider or broker failure is a result.
+    let mut audited = crate::audit::run(&pool, &audit_opts).await;
+    for _ in 0..5 {
+        let Err(e) = &audited else { break };
+        sup.note(format!("audit could not read the ledger, retrying: {e:#}"));
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        audited = crate::audit::run(&pool, &audit_opts).await;
+    }
+    let audited = audited?;
     pool.close().await;
     let code = audited.exit_code();
     let counts = lock(&sup.counts).clone();
@@ -1052,6 +1062,35 @@ async fn chaos(
         }
     }
     Ok(code)
+}
+
+/// Waits until every order of `event` is final and the outbox is empty, or `timeout`; a
+/// failed read (the database refusing connections for a moment) is noted and retried.
+async fn drain(pool: &sqlx::PgPool, event: uuid::Uuid, timeout: Duration, sup: &Supervisor) -> bool {
+    let deadline = Instant::now() + timeout;
+    let mut last_error = None;
+    loop {
+        let open = sqlx::query_scalar::<_, i64>(
+            "SELECT (SELECT count(*) FROM orders WHERE event_id = $1
+                       AND status NOT IN ('ticketed', 'expired', 'failed', 'canceled', 'refunded'))
+                  + (SELECT count(*) FROM outbox WHERE published_at IS NULL)",
+        )
+        .bind(event)
+        .fetch_one(pool)
+        .await;
+        match open {
+            Ok(0) => return true,
+            Ok(_) => {}
+            Err(e) => last_error = Some(format!("{e:#}")),
+        }
+        if Instant::now() >= deadline {
+            if let Some(e) = last_error {
+                sup.note(format!("last drain check failed: {e}"));
+            }
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
 }
 
 /// Aborts a task when dropped.

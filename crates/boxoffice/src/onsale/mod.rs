@@ -311,7 +311,7 @@ pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
 }
 
 /// Waits until every order of `event` is final and the outbox is empty, or `timeout`.
-pub(crate) async fn drain(pool: &PgPool, event: uuid::Uuid, timeout: Duration) -> anyhow::Result<bool> {
+async fn drain(pool: &PgPool, event: uuid::Uuid, timeout: Duration) -> anyhow::Result<bool> {
     let deadline = Instant::now() + timeout;
     loop {
         let open: i64 = sqlx::query_scalar(

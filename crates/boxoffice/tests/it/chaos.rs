@@ -18,8 +18,9 @@ fn chaos_run(seed: u64) -> std::process::Output {
 #[test]
 fn seeded_chaos_runs_keep_every_invariant() {
     let runs: Vec<_> = [1u64, 2].map(|seed| std::thread::spawn(move || (seed, chaos_run(seed)))).into();
-    for run in runs {
-        let (seed, out) = run.join().expect("chaos thread");
+    // Both runs end (and clean up after themselves) before anything is asserted.
+    let outputs: Vec<_> = runs.into_iter().map(|r| r.join().expect("chaos thread")).collect();
+    for (seed, out) in outputs {
         let stdout = String::from_utf8_lossy(&out.stdout);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(out.status.success(), "seed {seed}: chaos failed ({}):\n{stdout}\n{stderr}", out.status);
