@@ -663,7 +663,8 @@ async fn port_open(addr: SocketAddr) -> bool {
 }
 
 /// Runs `boxoffice chaos`; returns the exit code (0: every audit count is 0; 1: a violation;
-/// 2: a check could not run). Errors when the run could not be set up.
+/// 2: a check could not run, or the run itself failed or was interrupted: the error is
+/// printed). Errors only on invalid options.
 pub async fn run(cfg: Config, args: ChaosArgs) -> anyhow::Result<i32> {
     anyhow::ensure!(args.duration >= Duration::from_secs(5), "--duration must be at least 5s");
     anyhow::ensure!(args.hold_ttl >= Duration::from_secs(1), "--hold-ttl must be at least 1s");
@@ -714,7 +715,10 @@ pub async fn run(cfg: Config, args: ChaosArgs) -> anyhow::Result<i32> {
     } else {
         let _ = std::fs::remove_dir_all(&run_dir);
     }
-    outcome
+    outcome.or_else(|e| {
+        eprintln!("error: the chaos run could not complete: {e:#}");
+        Ok(2)
+    })
 }
 
 fn tail(path: &Path, lines: usize) -> String {
