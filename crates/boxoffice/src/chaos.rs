@@ -883,7 +883,7 @@ async fn chaos(
         ("BOXOFFICE_HOLD_TTL_MS", args.hold_ttl.as_millis().to_string()),
         // Buyers take POST /events/{id}/admission: the waiting room is not under test here.
         ("BOXOFFICE_ADMISSION_DIRECT", "true".to_owned()),
-        ("BOXOFFICE_WAITROOM_RELEASE_PER_S", "0".to_owned()),
+        ("BOXOFFICE_RELEASE_MAX_PER_S", "0".to_owned()),
         ("BOXOFFICE_REDIS_KEY_PREFIX", format!("{}chaos:{tag}:", cfg.redis_key_prefix, tag = db_name)),
         // Small pools: twelve processes share one PostgreSQL server (24 connections at most).
         ("BOXOFFICE_DB_POOL_API", "3".to_owned()),
