@@ -71,7 +71,7 @@ impl ProviderViolations {
     pub fn total(&self) -> i64 {
         self.multiple_captures_at_provider
             + self.uncaptured_past_deadline_at_provider
-            + self.drift.iter().map(|(_, n)| n).sum::<i64>()
+            + self.drift.iter().filter(|(k, _)| k.is_violation()).map(|(_, n)| n).sum::<i64>()
     }
 
     /// The count of one drift kind.
@@ -133,7 +133,7 @@ impl AuditReport {
             "uncaptured_past_deadline_at_provider".into(),
             json!(p.map(|p| p.uncaptured_past_deadline_at_provider)),
         );
-        for kind in DriftKind::ALL {
+        for kind in DriftKind::ALL.into_iter().filter(|k| k.is_violation()) {
             m.insert(format!("drift_{}", kind.name()), json!(p.map(|p| p.drift_count(kind))));
         }
         m.insert("dead_letters".into(), json!(self.dead_letters.ran()));
@@ -156,6 +156,10 @@ impl AuditReport {
                 "dead_letters": self.dead_letters,
             },
             "totals": self.totals,
+            "notices": {
+                "unconfirmed_intents_missing_in_ledger": self.provider.ran()
+                    .map(|p| p.violations.drift_count(DriftKind::UnconfirmedIntentMissingInLedger)),
+            },
         })
     }
 }
@@ -265,7 +269,7 @@ pub fn render(r: &AuditReport) -> String {
         "provider authorizations past their deadline".into(),
         p.map(|p| p.uncaptured_past_deadline_at_provider),
     ));
-    for kind in DriftKind::ALL {
+    for kind in DriftKind::ALL.into_iter().filter(|k| k.is_violation()) {
         rows.push((format!("drift: {}", kind.name()), p.map(|p| p.drift_count(kind))));
     }
     rows.push(("dead letters".into(), r.dead_letters.ran().copied()));
@@ -277,6 +281,13 @@ pub fn render(r: &AuditReport) -> String {
             None => ("-".to_owned(), "not checked"),
         };
         out.push_str(&format!("  {name:<46} {count:>6}  {verdict}\n"));
+    }
+    if let Some(n) = p.map(|p| p.drift_count(DriftKind::UnconfirmedIntentMissingInLedger)).filter(|n| *n > 0)
+    {
+        out.push_str(&format!(
+            "  notice: {n} unconfirmed PaymentIntent(s) at the provider the ledger never recorded \
+             (no money can move: see `boxoffice reconcile`)\n"
+        ));
     }
     out.push_str("  checks: ledger ran");
     match &r.provider {

@@ -106,10 +106,17 @@ fn parse_duration(s: &str) -> Option<chrono::Duration> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum DriftKind {
-    /// The provider has a PaymentIntent naming one of our orders (`metadata.order_id`) and
-    /// the ledger has no payment row for it (an extra intent, or a lost row). No fact closes
-    /// it.
+    /// The provider has a PaymentIntent naming one of our orders (`metadata.order_id`) that
+    /// holds or held money (`requires_capture`, `processing`, `succeeded`) and the ledger has
+    /// no payment row for it (an extra intent, or a lost row). No fact closes it.
     IntentMissingInLedger,
+    /// The provider has a PaymentIntent naming one of our orders that never moved money
+    /// (`requires_payment_method`, `requires_confirmation`, `requires_action`, `canceled`)
+    /// and the ledger has no payment row for it: the payment worker created it and crashed
+    /// before recording it, and the order ended meanwhile. Its client secret was never stored,
+    /// so no buyer can confirm it: reported, but not an invariant violation. No fact closes
+    /// it; cancel it at the provider to tidy up.
+    UnconfirmedIntentMissingInLedger,
     /// The ledger has a payment row whose PaymentIntent the provider does not know (404).
     /// No fact closes it.
     PaymentMissingAtProvider,
@@ -131,8 +138,9 @@ pub enum DriftKind {
 
 impl DriftKind {
     /// Every kind, in report order.
-    pub const ALL: [DriftKind; 7] = [
+    pub const ALL: [DriftKind; 8] = [
         DriftKind::IntentMissingInLedger,
+        DriftKind::UnconfirmedIntentMissingInLedger,
         DriftKind::PaymentMissingAtProvider,
         DriftKind::AuthorizationNotInLedger,
         DriftKind::CaptureNotInLedger,
@@ -141,10 +149,17 @@ impl DriftKind {
         DriftKind::LedgerDisagrees,
     ];
 
+    /// Whether this drift breaks an invariant (all kinds but an unconfirmed intent the ledger
+    /// never recorded, which no one can pay).
+    pub fn is_violation(self) -> bool {
+        self != DriftKind::UnconfirmedIntentMissingInLedger
+    }
+
     /// The snake_case name used in text and JSON.
     pub fn name(self) -> &'static str {
         match self {
             DriftKind::IntentMissingInLedger => "intent_missing_in_ledger",
+            DriftKind::UnconfirmedIntentMissingInLedger => "unconfirmed_intent_missing_in_ledger",
             DriftKind::PaymentMissingAtProvider => "payment_missing_at_provider",
             DriftKind::AuthorizationNotInLedger => "authorization_not_in_ledger",
             DriftKind::CaptureNotInLedger => "capture_not_in_ledger",
@@ -251,8 +266,15 @@ pub fn compare(p: Option<&IntentWithCharge>, l: Option<&LedgerPayment>) -> Vec<D
         fixed: false,
     };
     let (Some(p), Some(l)) = (p, l) else {
-        let kind =
-            if p.is_some() { DriftKind::IntentMissingInLedger } else { DriftKind::PaymentMissingAtProvider };
+        let kind = match p {
+            Some(p)
+                if matches!(p.intent.status.as_str(), "requires_capture" | "processing" | "succeeded") =>
+            {
+                DriftKind::IntentMissingInLedger
+            }
+            Some(_) => DriftKind::UnconfirmedIntentMissingInLedger,
+            None => DriftKind::PaymentMissingAtProvider,
+        };
         return vec![drift(kind, None)];
     };
     let order = OrderId(l.payment.order_id);
@@ -718,6 +740,13 @@ mod tests {
         );
         let p = intent("succeeded", 100, 100, Some(0));
         assert_eq!(kinds(Some(&p), None), [(IntentMissingInLedger, None)]);
+        let p = intent("requires_capture", 100, 0, Some(0));
+        assert_eq!(kinds(Some(&p), None), [(IntentMissingInLedger, None)]);
+        for status in ["requires_payment_method", "canceled"] {
+            let p = intent(status, 100, 0, Some(0));
+            assert_eq!(kinds(Some(&p), None), [(UnconfirmedIntentMissingInLedger, None)]);
+        }
+        assert!(!UnconfirmedIntentMissingInLedger.is_violation() && IntentMissingInLedger.is_violation());
         let l = row("succeeded", 100, 100, 0);
         assert_eq!(kinds(None, Some(&l)), [(PaymentMissingAtProvider, None)]);
         // Without the charge (looked up one by one), refunds are not compared.
