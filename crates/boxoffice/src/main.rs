@@ -46,6 +46,10 @@ enum Command {
     },
     /// Run a whole onsale with simulated buyers and print the report (the main job).
     Onsale(boxoffice::onsale::OnsaleArgs),
+    /// Measure capacity (design §12): hold tps vs pgbench (P1), waiting-room attempts/s (P2),
+    /// end-to-end ticketed orders/s (P3), relay events/s (P4); recommend the release rate R.
+    /// Writes report.json, report.md and chart.png.
+    Bench(boxoffice::bench::BenchArgs),
     /// Check every invariant against the ledger, the payment provider (when a Stripe API base
     /// is configured) and the dead-letter topic (when a broker is configured); exit 1 on any
     /// violation, 2 when a configured check could not run.
@@ -244,7 +248,7 @@ async fn main() {
             std::process::exit(2);
         }
     };
-    init_logging(&cfg, matches!(cli.command, Command::Onsale(_)));
+    init_logging(&cfg, matches!(cli.command, Command::Onsale(_) | Command::Bench(_)));
     let result: anyhow::Result<i32> = match cli.command {
         Command::Migrate => commands::migrate(&cfg).await.map(|_| 0),
         Command::Serve { roles } => commands::serve(&cfg, &roles).await.map(|_| 0),
@@ -256,6 +260,7 @@ async fn main() {
             commands::stripe_sim(&cfg, &bind, webhook_url).await.map(|_| 0)
         }
         Command::Onsale(args) => boxoffice::onsale::run(cfg, args).await,
+        Command::Bench(args) => boxoffice::bench::run(cfg, args).await,
         Command::Audit { json, stuck_after_ms, event, since, skip_provider } => {
             match commands::audit_options(&cfg, stuck_after_ms, event, since.as_deref(), skip_provider) {
                 Ok(opts) => commands::audit(&cfg, json, &opts).await,
