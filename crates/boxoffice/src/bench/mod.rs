@@ -171,7 +171,10 @@ impl BenchArgs {
         );
         anyhow::ensure!((1..=8).contains(&self.p3_seats), "--p3-seats must be 1..=8");
         anyhow::ensure!((0.0..=1.0).contains(&self.p1_conflict_share), "--p1-conflict-share must be 0..=1");
-        anyhow::ensure!(self.p1_seconds >= 1 && self.p2_seconds >= 1 && self.p3_seconds >= 1, "durations ≥ 1 s");
+        anyhow::ensure!(
+            self.p1_seconds >= 1 && self.p2_seconds >= 1 && self.p3_seconds >= 1,
+            "durations ≥ 1 s"
+        );
         Ok(())
     }
 }
@@ -192,7 +195,10 @@ impl BenchDb {
         let admin = base.clone().database("postgres");
         let name = format!("boxoffice_bench_{tag}_{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
         let mut conn = admin.connect().await.context("connecting to PostgreSQL")?;
-        sqlx::query(&format!("CREATE DATABASE {name}")).execute(&mut conn).await.context("creating the bench database")?;
+        sqlx::query(&format!("CREATE DATABASE {name}"))
+            .execute(&mut conn)
+            .await
+            .context("creating the bench database")?;
         Ok(Self { opts: base.database(&name), name, admin })
     }
 
@@ -208,7 +214,9 @@ impl BenchDb {
     pub async fn drop_db(self) {
         let r = async {
             let mut conn = self.admin.connect().await?;
-            sqlx::query(&format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name)).execute(&mut conn).await
+            sqlx::query(&format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name))
+                .execute(&mut conn)
+                .await
         }
         .await;
         if let Err(e) = r {

@@ -99,12 +99,11 @@ async fn run_on(cfg: &Config, args: &BenchArgs, db: &BenchDb, pool: &PgPool) -> 
     let sections = (needed as u32).div_ceil(rows * seats_per_row);
     let spec = VenueSpec::small(sections, rows, seats_per_row);
     let name = format!("Bench P1 {}", uuid::Uuid::new_v4());
-    let (event, _) = venue::seed(pool, &name, &spec, chrono::Utc::now() + chrono::Duration::days(30), &cfg.purchase_cell)
-        .await?;
-    let mut deck: Vec<uuid::Uuid> = sqlx::query_scalar("SELECT id FROM seats WHERE event_id = $1")
-        .bind(event.0)
-        .fetch_all(pool)
-        .await?;
+    let (event, _) =
+        venue::seed(pool, &name, &spec, chrono::Utc::now() + chrono::Duration::days(30), &cfg.purchase_cell)
+            .await?;
+    let mut deck: Vec<uuid::Uuid> =
+        sqlx::query_scalar("SELECT id FROM seats WHERE event_id = $1").bind(event.0).fetch_all(pool).await?;
     deck.shuffle(&mut rand::thread_rng());
     eprintln!("   venue: {} seats", deck.len());
     let deck = Arc::new(Deck { seats: deck, next: AtomicUsize::new(0) });
@@ -153,10 +152,8 @@ async fn run_on(cfg: &Config, args: &BenchArgs, db: &BenchDb, pool: &PgPool) -> 
     .fetch_one(pool)
     .await?;
     let hold_rows: i64 = sqlx::query_scalar("SELECT count(*) FROM holds").fetch_one(pool).await?;
-    let best = levels
-        .iter()
-        .max_by(|a, b| a.holds_per_s.total_cmp(&b.holds_per_s))
-        .context("no P1 level ran")?;
+    let best =
+        levels.iter().max_by(|a, b| a.holds_per_s.total_cmp(&b.holds_per_s)).context("no P1 level ran")?;
     let best_pgbench_tps = levels.iter().filter_map(|l| l.pgbench_tps).max_by(|a, b| a.total_cmp(b));
     Ok(P1Result {
         venue_seats: deck.seats.len(),
@@ -353,7 +350,8 @@ impl PgBench {
 }
 
 fn find_pgbench() -> Option<String> {
-    let on_path = std::process::Command::new("pgbench").arg("--version").output().is_ok_and(|o| o.status.success());
+    let on_path =
+        std::process::Command::new("pgbench").arg("--version").output().is_ok_and(|o| o.status.success());
     if on_path {
         return Some("pgbench".into());
     }

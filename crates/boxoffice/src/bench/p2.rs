@@ -71,7 +71,12 @@ pub async fn run(cfg: &Config, args: &BenchArgs) -> anyhow::Result<P2Result> {
     result
 }
 
-async fn run_on(cfg: &mut Config, args: &BenchArgs, db: &BenchDb, pool: &sqlx::PgPool) -> anyhow::Result<P2Result> {
+async fn run_on(
+    cfg: &mut Config,
+    args: &BenchArgs,
+    db: &BenchDb,
+    pool: &sqlx::PgPool,
+) -> anyhow::Result<P2Result> {
     let name = format!("Bench P2 {}", uuid::Uuid::new_v4());
     let (event, _) =
         venue::seed(pool, &name, &VenueSpec::small(1, 1, 10), chrono::Utc::now(), &cfg.purchase_cell).await?;
@@ -84,10 +89,8 @@ async fn run_on(cfg: &mut Config, args: &BenchArgs, db: &BenchDb, pool: &sqlx::P
     let running = runtime::start(cfg, &[Role::Api], db.opts.clone(), shutdown.clone()).await?;
     let api = format!("http://{}", running.api_addr.context("api did not start")?);
     let users = Arc::new(runtime::user_tokens(cfg));
-    let http = reqwest::Client::builder()
-        .pool_max_idle_per_host(1_024)
-        .timeout(Duration::from_secs(10))
-        .build()?;
+    let http =
+        reqwest::Client::builder().pool_max_idle_per_host(1_024).timeout(Duration::from_secs(10)).build()?;
     let room = runtime::waitroom(cfg)?;
     let mut levels = Vec::new();
     let result: anyhow::Result<()> = async {
@@ -109,7 +112,10 @@ async fn run_on(cfg: &mut Config, args: &BenchArgs, db: &BenchDb, pool: &sqlx::P
     result?;
     let best = |path: &str| {
         let of_path = levels.iter().filter(|l| l.path == path);
-        let under = of_path.clone().filter(|l| l.p99_ms < P2_P99_BOUND_MS).max_by(|a, b| a.attempts_per_s.total_cmp(&b.attempts_per_s));
+        let under = of_path
+            .clone()
+            .filter(|l| l.p99_ms < P2_P99_BOUND_MS)
+            .max_by(|a, b| a.attempts_per_s.total_cmp(&b.attempts_per_s));
         under.or_else(|| of_path.max_by(|a, b| a.attempts_per_s.total_cmp(&b.attempts_per_s))).cloned()
     };
     Ok(P2Result { best_http: best("http"), best_library: best("library"), levels })
@@ -168,7 +174,11 @@ where
     (secs, counts.ok.load(Ordering::Relaxed), counts.errors.load(Ordering::Relaxed), h)
 }
 
-fn level(path: &str, c: usize, (secs, ok, errors, h): (f64, u64, u64, hdrhistogram::Histogram<u64>)) -> P2Level {
+fn level(
+    path: &str,
+    c: usize,
+    (secs, ok, errors, h): (f64, u64, u64, hdrhistogram::Histogram<u64>),
+) -> P2Level {
     let (p50_ms, p99_ms, max_ms) = quantiles_ms(&h);
     P2Level {
         path: path.into(),
@@ -211,9 +221,16 @@ async fn http_level(
             let Some(joined) = joined else { return (lat, 1) };
             lat.push(t.elapsed().as_micros() as u64);
             let t = Instant::now();
-            let polled = http.get(format!("{api}/queue/{}", joined.ticket)).header("authorization", &bearer).send().await;
+            let polled = http
+                .get(format!("{api}/queue/{}", joined.ticket))
+                .header("authorization", &bearer)
+                .send()
+                .await;
             match polled {
-                Ok(r) if r.status().is_success() && r.bytes().await.is_ok() => {
+                Ok(r) if r.status().is_success() => {
+                    if r.bytes().await.is_err() {
+                        return (lat, 1);
+                    }
                     lat.push(t.elapsed().as_micros() as u64);
                     (lat, 0)
                 }
@@ -257,8 +274,14 @@ async fn delete_keys(cfg: &Config) -> anyhow::Result<()> {
     let pattern = format!("{}*", cfg.redis_key_prefix);
     let mut cursor: u64 = 0;
     loop {
-        let (next, keys): (u64, Vec<String>) =
-            redis::cmd("SCAN").arg(cursor).arg("MATCH").arg(&pattern).arg("COUNT").arg(5_000).query_async(&mut conn).await?;
+        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(&pattern)
+            .arg("COUNT")
+            .arg(5_000)
+            .query_async(&mut conn)
+            .await?;
         if !keys.is_empty() {
             let _: () = redis::cmd("UNLINK").arg(&keys).query_async(&mut conn).await?;
         }

@@ -182,7 +182,8 @@ async fn run_on(
     let spec = venue::VenueSpec::small((needed as u32).div_ceil(rows * per_row), rows, per_row);
     let name = format!("Bench P3 {}", uuid::Uuid::new_v4());
     let (event, _) =
-        venue::seed(pool, &name, &spec, chrono::Utc::now() + chrono::Duration::days(30), &cfg.purchase_cell).await?;
+        venue::seed(pool, &name, &spec, chrono::Utc::now() + chrono::Duration::days(30), &cfg.purchase_cell)
+            .await?;
     let mut deck: Vec<uuid::Uuid> =
         sqlx::query_scalar("SELECT id FROM seats WHERE event_id = $1").bind(event.0).fetch_all(pool).await?;
     deck.shuffle(&mut rand::thread_rng());
@@ -210,7 +211,10 @@ async fn run_on(
     let addr = running.api_addr.context("api did not start")?;
     sim.set_webhook_url(Some(format!("http://{addr}/webhooks/stripe")));
     let outcome = async {
-        anyhow::ensure!(running.wait_ready(Duration::from_secs(60)).await, "consumer groups did not get their partitions");
+        anyhow::ensure!(
+            running.wait_ready(Duration::from_secs(60)).await,
+            "consumer groups did not get their partitions"
+        );
         drive(&cfg, args, event.0, deck, addr, pool).await
     }
     .await;
@@ -259,7 +263,8 @@ async fn drive(
     let samples = Arc::new(Mutex::new(Vec::<P3Sample>::new()));
     let stop_sampling = CancellationToken::new();
     let sampler = {
-        let (ctx, samples, stop, pool, rate_at) = (ctx.clone(), samples.clone(), stop_sampling.clone(), pool.clone(), rate_at.clone());
+        let (ctx, samples, stop, pool, rate_at) =
+            (ctx.clone(), samples.clone(), stop_sampling.clone(), pool.clone(), rate_at.clone());
         let lag = Arc::new(lag);
         tokio::spawn(async move {
             let mut every = tokio::time::interval(SAMPLE_EVERY);
@@ -313,7 +318,9 @@ async fn drive(
         let hists = ctx.per_second.lock().expect("per-second lock").clone();
         let samples_now = samples.lock().expect("samples lock").clone();
         plan.iter()
-            .filter(|(rate, start, secs, _)| step(args, *rate, *start, *secs, false, &hists, &samples_now).keeps_up)
+            .filter(|(rate, start, secs, _)| {
+                step(args, *rate, *start, *secs, false, &hists, &samples_now).keeps_up
+            })
             .map(|p| p.0)
             .fold(ramp.iter().copied().fold(f64::INFINITY, f64::min), f64::max)
     };
@@ -330,10 +337,11 @@ async fn drive(
     let started_buyers = stats.started;
     stop_sampling.cancel();
     let _ = sampler.await;
-    let ticketed: i64 = sqlx::query_scalar("SELECT count(*) FROM orders WHERE event_id = $1 AND status = 'ticketed'")
-        .bind(event)
-        .fetch_one(pool)
-        .await?;
+    let ticketed: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM orders WHERE event_id = $1 AND status = 'ticketed'")
+            .bind(event)
+            .fetch_one(pool)
+            .await?;
 
     let samples = samples.lock().expect("samples lock").clone();
     let hists = ctx.per_second.lock().expect("per-second lock").clone();
@@ -347,10 +355,15 @@ async fn drive(
             hold_p99_ms: quantiles_ms(h).1,
         })
         .collect();
-    let steps: Vec<P3Step> =
-        plan.iter().map(|(rate, start, secs, sus)| step(args, *rate, *start, *secs, *sus, &hists, &samples)).collect();
-    let during: Vec<f64> =
-        samples.iter().filter(|s| rate_at(s.t_s) > 0.0 && s.t_s <= plan_end).map(|s| s.outbox_age_ms as f64).collect();
+    let steps: Vec<P3Step> = plan
+        .iter()
+        .map(|(rate, start, secs, sus)| step(args, *rate, *start, *secs, *sus, &hists, &samples))
+        .collect();
+    let during: Vec<f64> = samples
+        .iter()
+        .filter(|s| rate_at(s.t_s) > 0.0 && s.t_s <= plan_end)
+        .map(|s| s.outbox_age_ms as f64)
+        .collect();
     Ok(P3Result {
         venue_seats: deck.len(),
         buyers: started_buyers,
@@ -385,7 +398,8 @@ fn step(
     }
     let holds_per_s = h.len() as f64 / secs;
     let (p50, p99, _) = quantiles_ms(&h);
-    let in_step: Vec<&P3Sample> = samples.iter().filter(|s| s.t_s >= start && s.t_s <= start + secs).collect();
+    let in_step: Vec<&P3Sample> =
+        samples.iter().filter(|s| s.t_s >= start && s.t_s <= start + secs).collect();
     let warm = start + (secs / 4.0).min(10.0);
     let steady: Vec<&&P3Sample> = in_step.iter().filter(|s| s.t_s >= warm && s.ticketed >= 0).collect();
     let ticketed_per_s = match (steady.first(), steady.last()) {
@@ -468,9 +482,11 @@ async fn buyer(ctx: &Ctx, seats: Vec<uuid::Uuid>) -> Option<()> {
         payment_intent_id: Option<String>,
         client_secret: Option<String>,
     }
-    let (s, body) =
-        send(ctx, ctx.http.post(format!("{}/events/{}/admission", ctx.api, ctx.event)).header("authorization", &bearer))
-            .await?;
+    let (s, body) = send(
+        ctx,
+        ctx.http.post(format!("{}/events/{}/admission", ctx.api, ctx.event)).header("authorization", &bearer),
+    )
+    .await?;
     if s != StatusCode::CREATED {
         return None;
     }
@@ -512,9 +528,11 @@ async fn buyer(ctx: &Ctx, seats: Vec<uuid::Uuid>) -> Option<()> {
     let (pi, secret) = loop {
         tokio::time::sleep(wait).await;
         wait = (wait * 3 / 2).min(Duration::from_secs(1));
-        let (s, body) =
-            send(ctx, ctx.http.get(format!("{}/orders/{}", ctx.api, receipt.order_id)).header("authorization", &bearer))
-                .await?;
+        let (s, body) = send(
+            ctx,
+            ctx.http.get(format!("{}/orders/{}", ctx.api, receipt.order_id)).header("authorization", &bearer),
+        )
+        .await?;
         if s == StatusCode::OK {
             let v: OrderView = serde_json::from_slice(&body).ok()?;
             if let (Some(pi), Some(secret)) = (v.payment_intent_id, v.client_secret) {
@@ -598,7 +616,11 @@ impl LagProbe {
                 .create::<BaseConsumer>()
         })
         .collect::<Result<Vec<_>, _>>()?;
-        Ok(Self { consumers, topic: k.topic(boxoffice_domain::Topic::Purchase.name()), partitions: k.partitions })
+        Ok(Self {
+            consumers,
+            topic: k.topic(boxoffice_domain::Topic::Purchase.name()),
+            partitions: k.partitions,
+        })
     }
 
     /// The largest group lag (sum over partitions); -1 when it could not be read.

@@ -70,7 +70,10 @@ pub async fn run(
         shutdown.cancel();
         running.join().await;
         let events_per_s = args.p4_events as f64 / drain_seconds;
-        eprintln!("   relay published {} events in {:.2} s: {:.0} events/s", args.p4_events, drain_seconds, events_per_s);
+        eprintln!(
+            "   relay published {} events in {:.2} s: {:.0} events/s",
+            args.p4_events, drain_seconds, events_per_s
+        );
         Ok(P4Result {
             events: args.p4_events,
             relay_batch: cfg.relay_batch,

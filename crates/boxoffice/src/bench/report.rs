@@ -100,7 +100,8 @@ impl Report {
     /// An empty report with the machine facts.
     pub async fn new(cfg: &Config, args: &BenchArgs, broker: &str) -> Self {
         let postgres = async {
-            let mut c = sqlx::ConnectOptions::connect(&cfg.pg_options().ok()?.database("postgres")).await.ok()?;
+            let mut c =
+                sqlx::ConnectOptions::connect(&cfg.pg_options().ok()?.database("postgres")).await.ok()?;
             sqlx::query_scalar::<_, String>("SELECT version()").fetch_one(&mut c).await.ok()
         }
         .await
@@ -156,16 +157,22 @@ impl Report {
                 metric: "waiting-room join+poll attempts/s (HTTP)".into(),
                 target: format!("≥ {:.0}/s at p99 < {P2_P99_BOUND_MS:.0} ms", targets::P2_ATTEMPTS_PER_S),
                 measured: best
-                    .map(|b| format!("{:.0}/s at p99 {:.1} ms (c={})", b.attempts_per_s, b.p99_ms, b.concurrency))
+                    .map(|b| {
+                        format!("{:.0}/s at p99 {:.1} ms (c={})", b.attempts_per_s, b.p99_ms, b.concurrency)
+                    })
                     .unwrap_or_else(|| "n/a".into()),
-                met: best.map(|b| b.attempts_per_s >= targets::P2_ATTEMPTS_PER_S && b.p99_ms < P2_P99_BOUND_MS),
+                met: best
+                    .map(|b| b.attempts_per_s >= targets::P2_ATTEMPTS_PER_S && b.p99_ms < P2_P99_BOUND_MS),
             });
             if let Some(b) = &p2.best_library {
                 rows.push(TargetRow {
                     phase: "P2".into(),
                     metric: "same, library calls to Redis (no HTTP)".into(),
                     target: "(diagnostic)".into(),
-                    measured: format!("{:.0}/s at p99 {:.1} ms (c={})", b.attempts_per_s, b.p99_ms, b.concurrency),
+                    measured: format!(
+                        "{:.0}/s at p99 {:.1} ms (c={})",
+                        b.attempts_per_s, b.p99_ms, b.concurrency
+                    ),
                     met: None,
                 });
             }
@@ -192,7 +199,10 @@ impl Report {
                 phase: "P4".into(),
                 metric: "relay publish events/s".into(),
                 target: format!("≥ {:.0}/s", targets::P4_EVENTS_PER_S),
-                measured: format!("{:.0}/s ({} events in {:.2} s)", p4.events_per_s, p4.events, p4.drain_seconds),
+                measured: format!(
+                    "{:.0}/s ({} events in {:.2} s)",
+                    p4.events_per_s, p4.events, p4.drain_seconds
+                ),
                 met: Some(p4.drained && p4.events_per_s >= targets::P4_EVENTS_PER_S),
             });
         }
@@ -233,7 +243,8 @@ pub fn recommend(p3: &P3Result, p1: Option<&P1Result>, args: &BenchArgs) -> Reco
 pub fn write(report: &Report, dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let json = dir.join("report.json");
-    std::fs::write(&json, serde_json::to_vec_pretty(report)?).with_context(|| format!("writing {}", json.display()))?;
+    std::fs::write(&json, serde_json::to_vec_pretty(report)?)
+        .with_context(|| format!("writing {}", json.display()))?;
     let md = dir.join("report.md");
     std::fs::write(&md, markdown(report)).with_context(|| format!("writing {}", md.display()))?;
     let mut files = vec![json, md];
@@ -281,7 +292,9 @@ pub fn markdown(r: &Report) -> String {
             rec.r_per_s,
             rec.rule,
             rec.p1_hold_ceiling_per_s
-                .map(|c| format!(" The hold transaction alone (P1) reaches {c:.0} holds/s within the hold p99 bound."))
+                .map(|c| format!(
+                    " The hold transaction alone (P1) reaches {c:.0} holds/s within the hold p99 bound."
+                ))
                 .unwrap_or_default()
         );
     }
@@ -316,7 +329,10 @@ pub fn markdown(r: &Report) -> String {
     }
     if let Some(p2) = &r.p2 {
         let _ = writeln!(s, "\n## P2: waiting room join + poll\n");
-        let _ = writeln!(s, "| Path | Concurrency | Attempts/s | p50 ms | p99 ms | Errors |\n|---|---|---|---|---|---|");
+        let _ = writeln!(
+            s,
+            "| Path | Concurrency | Attempts/s | p50 ms | p99 ms | Errors |\n|---|---|---|---|---|---|"
+        );
         for l in &p2.levels {
             let _ = writeln!(
                 s,
@@ -406,12 +422,20 @@ pub fn chart(p3: &P3Result, rec: Option<&Recommendation>, path: &Path) -> anyhow
         .draw()
         .map_err(perr)?;
     chart
-        .draw_series(LineSeries::new(secs.iter().map(|s| (s.t_s as f64, s.offered_rate)), BLACK.stroke_width(2)))
+        .draw_series(LineSeries::new(
+            secs.iter().map(|s| (s.t_s as f64, s.offered_rate)),
+            RGBColor(150, 150, 150).stroke_width(6),
+        ))
         .map_err(perr)?
         .label("offered arrivals/s (R)")
-        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK.stroke_width(2)));
+        .legend(|(x, y)| {
+            PathElement::new(vec![(x, y), (x + 20, y)], RGBColor(150, 150, 150).stroke_width(6))
+        });
     chart
-        .draw_series(LineSeries::new(secs.iter().map(|s| (s.t_s as f64, s.holds as f64)), BLUE.stroke_width(2)))
+        .draw_series(LineSeries::new(
+            secs.iter().map(|s| (s.t_s as f64, s.holds as f64)),
+            BLUE.stroke_width(2),
+        ))
         .map_err(perr)?
         .label("holds/s")
         .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLUE.stroke_width(2)));
@@ -468,7 +492,9 @@ fn register_font() {
         for p in CANDIDATES {
             if let Ok(bytes) = std::fs::read(p) {
                 let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
-                if plotters::style::register_font("sans-serif", plotters::style::FontStyle::Normal, bytes).is_ok() {
+                if plotters::style::register_font("sans-serif", plotters::style::FontStyle::Normal, bytes)
+                    .is_ok()
+                {
                     return;
                 }
             }

@@ -26,7 +26,8 @@ async fn quick_bench_reports_every_phase_without_oversell(_: PgPoolOptions, opts
         assert!(std::fs::metadata(f).expect("file exists").len() > 0, "{} is empty", f.display());
     }
 
-    let json: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap();
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap();
     for phase in ["p1", "p2", "p3", "p4"] {
         assert!(json[phase].is_object(), "report.json lacks {phase}");
     }
@@ -41,7 +42,12 @@ async fn quick_bench_reports_every_phase_without_oversell(_: PgPoolOptions, opts
     assert!(p2.levels.iter().any(|l| l.path == "library" && l.attempts > 0));
     let p3 = r.p3.as_ref().unwrap();
     assert!(p3.drained, "every P3 order reached a final state and the outbox emptied");
-    assert!(p3.holds > 0 && p3.ticketed == p3.confirmed as i64, "{} ticketed of {} paid", p3.ticketed, p3.confirmed);
+    assert!(
+        p3.holds > 0 && p3.ticketed == p3.confirmed as i64,
+        "{} ticketed of {} paid",
+        p3.ticketed,
+        p3.confirmed
+    );
     assert_eq!(p3.steps.len(), 2, "one ramp step and the sustained step");
     assert!(r.recommendation.is_some());
     let p4 = r.p4.as_ref().unwrap();
