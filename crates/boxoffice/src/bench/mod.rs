@@ -53,7 +53,7 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 10)]
     pub pgbench_scale: u32,
     /// P2 concurrency levels (concurrent simulated clients, each joining then polling).
-    #[arg(long, value_delimiter = ',', default_value = "16,64,256")]
+    #[arg(long, value_delimiter = ',', default_value = "4,16,64")]
     pub p2_concurrency: Vec<usize>,
     /// Seconds per P2 level.
     #[arg(long, default_value_t = 8)]
@@ -66,7 +66,8 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 10)]
     pub p3_step_seconds: u64,
     /// P3 sustained buyer arrival rate, per second; 0 (default) picks the largest ramp rate
-    /// that kept up. The sustained step starts after the ramp has drained.
+    /// within the thresholds (R), else the smallest ramp rate. The sustained step starts
+    /// after the ramp has drained.
     #[arg(long, default_value_t = 0.0)]
     pub p3_attempt_rate: f64,
     /// Seconds of the sustained P3 step.
@@ -312,4 +313,95 @@ pub(crate) fn quantiles_ms(h: &hdrhistogram::Histogram<u64>) -> (f64, f64, f64) 
     }
     let ms = |v: u64| v as f64 / 1_000.0;
     (ms(h.value_at_quantile(0.5)), ms(h.value_at_quantile(0.99)), ms(h.max()))
+}
+
+/// Where the CPU went during a measured window (Linux `/proc`; zeros elsewhere): the basis
+/// of "what bounds it" when a target is missed.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct CpuUse {
+    /// Window length, seconds.
+    pub seconds: f64,
+    /// Share of all cores busy (not idle or waiting for IO), percent.
+    pub machine_busy_pct: f64,
+    /// Cores used by this process (the bench's generator and every in-process role).
+    pub boxoffice_cores: f64,
+    /// Cores used by PostgreSQL processes.
+    pub postgres_cores: f64,
+    /// Cores used by everything else (Redis, a broker, other work on the machine).
+    pub other_cores: f64,
+}
+
+/// CPU counters at one instant, in clock ticks (USER_HZ, 100 per second on Linux).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct CpuSnap {
+    at: std::time::Instant,
+    own: u64,
+    postgres: u64,
+    busy: u64,
+}
+
+const TICKS_PER_S: f64 = 100.0;
+
+impl CpuSnap {
+    /// Reads the counters now.
+    pub(crate) fn now() -> Self {
+        let mut postgres = 0;
+        if let Ok(dir) = std::fs::read_dir("/proc") {
+            for e in dir.flatten() {
+                let name = e.file_name();
+                let Some(pid) = name.to_str().filter(|n| n.bytes().all(|b| b.is_ascii_digit())) else {
+                    continue;
+                };
+                if let Some((comm, ticks)) = proc_ticks(&format!("/proc/{pid}/stat")) {
+                    if comm == "postgres" {
+                        postgres += ticks;
+                    }
+                }
+            }
+        }
+        let busy = std::fs::read_to_string("/proc/stat")
+            .ok()
+            .and_then(|s| {
+                let v: Vec<u64> =
+                    s.lines().next()?.split_whitespace().skip(1).filter_map(|x| x.parse().ok()).collect();
+                // user nice system idle iowait irq softirq steal
+                let idle = v.get(3).copied().unwrap_or(0) + v.get(4).copied().unwrap_or(0);
+                Some(v.iter().take(8).sum::<u64>() - idle)
+            })
+            .unwrap_or(0);
+        Self {
+            at: std::time::Instant::now(),
+            own: proc_ticks("/proc/self/stat").map(|p| p.1).unwrap_or(0),
+            postgres,
+            busy,
+        }
+    }
+
+    /// The use between `self` (earlier) and `later`.
+    pub(crate) fn until(&self, later: &CpuSnap) -> CpuUse {
+        let seconds = (later.at - self.at).as_secs_f64().max(1e-3);
+        let cores = |a: u64, b: u64| b.saturating_sub(a) as f64 / TICKS_PER_S / seconds;
+        let busy = cores(self.busy, later.busy);
+        let own = cores(self.own, later.own);
+        let pg = cores(self.postgres, later.postgres);
+        let n = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) as f64;
+        CpuUse {
+            seconds,
+            machine_busy_pct: 100.0 * busy / n,
+            boxoffice_cores: own,
+            postgres_cores: pg,
+            other_cores: (busy - own - pg).max(0.0),
+        }
+    }
+}
+
+/// `(comm, utime + stime)` of a `/proc/<pid>/stat` file.
+fn proc_ticks(path: &str) -> Option<(String, u64)> {
+    let s = std::fs::read_to_string(path).ok()?;
+    let (open, close) = (s.find('(')?, s.rfind(')')?);
+    let comm = s[open + 1..close].to_owned();
+    let rest: Vec<&str> = s[close + 1..].split_whitespace().collect();
+    // rest[0] is field 3 (state); utime and stime are fields 14 and 15.
+    let ticks = rest.get(11)?.parse::<u64>().ok()? + rest.get(12)?.parse::<u64>().ok()?;
+    Some((comm, ticks))
 }

@@ -56,6 +56,8 @@ pub struct P1Level {
     pub pgbench_tps: Option<f64>,
     /// `holds_per_s / pgbench_tps`.
     pub ratio: Option<f64>,
+    /// Where the CPU went during the hold run.
+    pub cpu: super::CpuUse,
 }
 
 /// P1's result.
@@ -213,6 +215,7 @@ async fn hold_level(
     drop(warm);
     let counts = Arc::new(Counts::default());
     let hist = Arc::new(Mutex::new(histogram()));
+    let cpu_before = super::CpuSnap::now();
     let started = Instant::now();
     let until = started + Duration::from_secs(args.p1_seconds);
     let tasks: Vec<_> = (0..n)
@@ -261,6 +264,7 @@ async fn hold_level(
         t.await.context("a P1 task panicked")?;
     }
     let secs = started.elapsed().as_secs_f64();
+    let cpu = cpu_before.until(&super::CpuSnap::now());
     pool.close().await;
     let h = hist.lock().expect("histogram lock");
     let (p50_ms, p99_ms, max_ms) = quantiles_ms(&h);
@@ -279,6 +283,7 @@ async fn hold_level(
         max_ms,
         pgbench_tps: None,
         ratio: None,
+        cpu,
     })
 }
 

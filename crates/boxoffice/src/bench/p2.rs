@@ -41,6 +41,8 @@ pub struct P2Level {
     pub p99_ms: f64,
     /// Largest, ms.
     pub max_ms: f64,
+    /// Where the CPU went ("other" is mostly Redis).
+    pub cpu: super::CpuUse,
 }
 
 /// P2's result.
@@ -136,12 +138,13 @@ struct Counts {
 
 /// Runs `c` closed-loop clients for `secs`; each iteration calls `attempt` which returns the
 /// latencies (µs) of its successful requests and its failed-request count.
-async fn closed_loop<F, Fut>(c: usize, secs: u64, attempt: F) -> (f64, u64, u64, hdrhistogram::Histogram<u64>)
+async fn closed_loop<F, Fut>(c: usize, secs: u64, attempt: F) -> Measured
 where
     F: Fn() -> Fut + Send + Sync + 'static,
     Fut: std::future::Future<Output = (Vec<u64>, u64)> + Send + 'static,
 {
     let attempt = Arc::new(attempt);
+    let cpu_before = super::CpuSnap::now();
     let counts = Arc::new(Counts::default());
     let hist = Arc::new(Mutex::new(histogram()));
     let started = Instant::now();
@@ -170,15 +173,27 @@ where
         let _ = t.await;
     }
     let secs = started.elapsed().as_secs_f64();
+    let cpu = cpu_before.until(&super::CpuSnap::now());
     let h = hist.lock().expect("histogram lock").clone();
-    (secs, counts.ok.load(Ordering::Relaxed), counts.errors.load(Ordering::Relaxed), h)
+    Measured {
+        secs,
+        ok: counts.ok.load(Ordering::Relaxed),
+        errors: counts.errors.load(Ordering::Relaxed),
+        h,
+        cpu,
+    }
 }
 
-fn level(
-    path: &str,
-    c: usize,
-    (secs, ok, errors, h): (f64, u64, u64, hdrhistogram::Histogram<u64>),
-) -> P2Level {
+/// What one closed-loop run measured.
+struct Measured {
+    secs: f64,
+    ok: u64,
+    errors: u64,
+    h: hdrhistogram::Histogram<u64>,
+    cpu: super::CpuUse,
+}
+
+fn level(path: &str, c: usize, Measured { secs, ok, errors, h, cpu }: Measured) -> P2Level {
     let (p50_ms, p99_ms, max_ms) = quantiles_ms(&h);
     P2Level {
         path: path.into(),
@@ -190,6 +205,7 @@ fn level(
         p50_ms,
         p99_ms,
         max_ms,
+        cpu,
     }
 }
 

@@ -125,6 +125,11 @@ pub struct P3Result {
     pub max_lag: i64,
     /// The broker used.
     pub broker: String,
+    /// Where the CPU went during the sustained step.
+    pub sustained_cpu: super::CpuUse,
+    /// CPU milliseconds per order ticketed during the sustained step: this process (every
+    /// role and the generator) and PostgreSQL.
+    pub cpu_ms_per_ticketed_order: Option<(f64, f64)>,
 }
 
 /// The most buyers the run can start: the ramp, then the sustained step at its explicit rate
@@ -295,8 +300,8 @@ async fn drive(
         })
     };
 
-    // The ramp, a drain, then the sustained step (at the largest ramp rate that kept up
-    // unless --p3-attempt-rate is given), so the ramp's overload does not spill into it.
+    // The ramp, a drain, then the sustained step (at the largest ramp rate within the
+    // thresholds, else the smallest, unless --p3-attempt-rate is given), so the ramp's overload does not spill into it.
     let deck = Arc::new(deck);
     let mut seat_at = 0usize;
     let mut stats = Stats::default();
@@ -319,7 +324,7 @@ async fn drive(
         let samples_now = samples.lock().expect("samples lock").clone();
         plan.iter()
             .filter(|(rate, start, secs, _)| {
-                step(args, *rate, *start, *secs, false, &hists, &samples_now).keeps_up
+                step(args, *rate, *start, *secs, false, &hists, &samples_now).within_thresholds
             })
             .map(|p| p.0)
             .fold(ramp.iter().copied().fold(f64::INFINITY, f64::min), f64::max)
@@ -329,7 +334,11 @@ async fn drive(
     steps_run.lock().expect("steps lock").push((sustained.0, sustained.1, sustained.2));
     plan.push(sustained);
     eprintln!("   sustained step: {sustained_rate:.0} arrivals/s for {} s", args.p3_seconds);
+    let ticketed_before = ticketed_count(pool, event).await?;
+    let cpu_before = super::CpuSnap::now();
     arrivals(&ctx, &plan[plan.len() - 1..], &deck, &mut seat_at, args.p3_seats, &mut stats).await;
+    let sustained_cpu = cpu_before.until(&super::CpuSnap::now());
+    let sustained_ticketed = ticketed_count(pool, event).await? - ticketed_before;
     let arrivals_done = Instant::now();
     let drained = ramp_drained && drain(pool, event, drain_timeout).await?;
     let drain_seconds = arrivals_done.elapsed().as_secs_f64();
@@ -379,6 +388,11 @@ async fn drive(
         samples,
         seconds,
         broker: String::new(),
+        cpu_ms_per_ticketed_order: (sustained_ticketed > 0).then(|| {
+            let per = |cores: f64| cores * sustained_cpu.seconds * 1_000.0 / sustained_ticketed as f64;
+            (per(sustained_cpu.boxoffice_cores), per(sustained_cpu.postgres_cores))
+        }),
+        sustained_cpu,
     })
 }
 
@@ -569,6 +583,13 @@ async fn send(ctx: &Ctx, req: reqwest::RequestBuilder) -> Option<(StatusCode, Ve
     let r = req.send().await.ok()?;
     let s = r.status();
     Some((s, r.bytes().await.ok()?.to_vec()))
+}
+
+async fn ticketed_count(pool: &sqlx::PgPool, event: uuid::Uuid) -> anyhow::Result<i64> {
+    Ok(sqlx::query_scalar("SELECT count(*) FROM orders WHERE event_id = $1 AND status = 'ticketed'")
+        .bind(event)
+        .fetch_one(pool)
+        .await?)
 }
 
 /// Waits until every order of `event` is final and the outbox is empty, or `timeout`.

@@ -302,12 +302,12 @@ pub fn markdown(r: &Report) -> String {
         let _ = writeln!(s, "\n## P1: hold transaction vs pgbench TPC-B\n");
         let _ = writeln!(
             s,
-            "| Concurrency | Holds/s | Tx/s (incl. 409) | p50 ms | p99 ms | 409s | Errors | pgbench tps | Ratio |\n|---|---|---|---|---|---|---|---|---|"
+            "| Concurrency | Holds/s | Tx/s (incl. 409) | p50 ms | p99 ms | 409s | Errors | pgbench tps | Ratio | Machine busy | PostgreSQL cores |\n|---|---|---|---|---|---|---|---|---|---|---|"
         );
         for l in &p1.levels {
             let _ = writeln!(
                 s,
-                "| {} | {:.0} | {:.0} | {:.1} | {:.1} | {} | {} | {} | {} |",
+                "| {} | {:.0} | {:.0} | {:.1} | {:.1} | {} | {} | {} | {} | {:.0} % | {:.2} |",
                 l.concurrency,
                 l.holds_per_s,
                 l.transactions_per_s,
@@ -316,7 +316,16 @@ pub fn markdown(r: &Report) -> String {
                 l.conflicts_409,
                 l.errors,
                 opt(l.pgbench_tps, 0),
-                opt(l.ratio, 2)
+                opt(l.ratio, 2),
+                l.cpu.machine_busy_pct,
+                l.cpu.postgres_cores
+            );
+        }
+        if let Some(b) = p1.levels.iter().find(|l| l.concurrency == p1.best_concurrency) {
+            let _ = writeln!(
+                s,
+                "\nCPU at the best level (c={}): machine {:.0} % busy; PostgreSQL {:.2} cores, the bench process {:.2}, other {:.2}.",
+                b.concurrency, b.cpu.machine_busy_pct, b.cpu.postgres_cores, b.cpu.boxoffice_cores, b.cpu.other_cores
             );
         }
         let _ = writeln!(
@@ -367,6 +376,18 @@ pub fn markdown(r: &Report) -> String {
             s,
             "\n{} buyers, {} holds, {} payments confirmed, {} ticketed, {} buyer errors; drained: {} ({:.1} s after the last arrival).\n\n![P3 over time](chart.png)",
             p3.buyers, p3.holds, p3.confirmed, p3.ticketed, p3.buyer_errors, p3.drained, p3.drain_seconds
+        );
+        let c = &p3.sustained_cpu;
+        let _ = writeln!(
+            s,
+            "\nCPU during the sustained step: machine {:.0} % busy; boxoffice (every role and the generator) {:.2} cores, PostgreSQL {:.2}, other {:.2}.{}",
+            c.machine_busy_pct,
+            c.boxoffice_cores,
+            c.postgres_cores,
+            c.other_cores,
+            p3.cpu_ms_per_ticketed_order
+                .map(|(b, p)| format!(" Per ticketed order: {b:.1} CPU-ms in boxoffice, {p:.1} CPU-ms in PostgreSQL."))
+                .unwrap_or_default()
         );
     }
     if let Some(p4) = &r.p4 {
