@@ -115,6 +115,10 @@ async fn run_on(cfg: &Config, args: &BenchArgs, db: &BenchDb, pool: &PgPool) -> 
     let mut levels = Vec::new();
     let mut total_holds = 0;
     for &n in &args.p1_concurrency {
+        // Fresh statistics for each level, as autovacuum would keep them (it may be off).
+        sqlx::query("ANALYZE orders, holds, hold_seats, tickets, outbox, idempotency_keys")
+            .execute(pool)
+            .await?;
         let mut level = hold_level(db.opts.clone(), event, deck.clone(), n, args).await?;
         total_holds += level.holds;
         if let Ok(pg) = &pgbench {
