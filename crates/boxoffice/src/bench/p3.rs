@@ -132,9 +132,10 @@ pub struct P3Result {
     /// autovacuum is off (without fresh statistics the planner keeps the plans it chose for
     /// the empty tables of a fresh database: sequential scans).
     pub analyzed_every_5s: bool,
-    /// CPU milliseconds per order ticketed during the sustained step: this process (every
-    /// role and the generator) and PostgreSQL.
-    pub cpu_ms_per_ticketed_order: Option<(f64, f64)>,
+    /// CPU milliseconds per order of the sustained step (the window runs until its last
+    /// buyer has confirmed payment): `(this process — every role, the generator, the Stripe
+    /// simulator and an embedded broker —, PostgreSQL)`.
+    pub cpu_ms_per_order: Option<(f64, f64)>,
 }
 
 /// The most buyers the run can start: the ramp, then the sustained step at its explicit rate
@@ -285,11 +286,11 @@ async fn drive(
         tokio::spawn(async move {
             let mut every = tokio::time::interval(SAMPLE_EVERY);
             every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            let mut n = 0u64;
+            let mut analyzed = Instant::now();
             while !stop.is_cancelled() {
                 tokio::select! { _ = stop.cancelled() => break, _ = every.tick() => {} }
-                n += 1;
-                if analyze && n % 10 == 0 {
+                if analyze && analyzed.elapsed() >= Duration::from_secs(5) {
+                    analyzed = Instant::now();
                     let tables =
                         "orders, holds, hold_seats, payments, tickets, outbox, inbox, idempotency_keys";
                     if let Err(e) = sqlx::query(&format!("ANALYZE {tables}")).execute(&pool).await {
@@ -321,7 +322,8 @@ async fn drive(
     };
 
     // The ramp, a drain, then the sustained step (at the largest ramp rate within the
-    // thresholds, else the smallest, unless --p3-attempt-rate is given), so the ramp's overload does not spill into it.
+    // thresholds, else the smallest, unless --p3-attempt-rate is given): the drain keeps the
+    // ramp's overload out of the sustained step.
     let deck = Arc::new(deck);
     let mut seat_at = 0usize;
     let mut stats = Stats::default();
@@ -354,11 +356,11 @@ async fn drive(
     steps_run.lock().expect("steps lock").push((sustained.0, sustained.1, sustained.2));
     plan.push(sustained);
     eprintln!("   sustained step: {sustained_rate:.0} arrivals/s for {} s", args.p3_seconds);
-    let ticketed_before = ticketed_count(pool, event).await?;
+    let buyers_before = stats.started;
     let cpu_before = super::CpuSnap::now();
     arrivals(&ctx, &plan[plan.len() - 1..], &deck, &mut seat_at, args.p3_seats, &mut stats).await;
     let sustained_cpu = cpu_before.until(&super::CpuSnap::now());
-    let sustained_ticketed = ticketed_count(pool, event).await? - ticketed_before;
+    let sustained_buyers = stats.started - buyers_before;
     let arrivals_done = Instant::now();
     let drained = ramp_drained && drain(pool, event, drain_timeout).await?;
     let drain_seconds = arrivals_done.elapsed().as_secs_f64();
@@ -409,8 +411,8 @@ async fn drive(
         seconds,
         broker: String::new(),
         analyzed_every_5s: analyze,
-        cpu_ms_per_ticketed_order: (sustained_ticketed > 0).then(|| {
-            let per = |cores: f64| cores * sustained_cpu.seconds * 1_000.0 / sustained_ticketed as f64;
+        cpu_ms_per_order: (sustained_buyers > 0).then(|| {
+            let per = |cores: f64| cores * sustained_cpu.seconds * 1_000.0 / sustained_buyers as f64;
             (per(sustained_cpu.boxoffice_cores), per(sustained_cpu.postgres_cores))
         }),
         sustained_cpu,
@@ -613,13 +615,6 @@ async fn autovacuum_on(pool: &sqlx::PgPool) -> bool {
         .await
         .map(|v| v == "on")
         .unwrap_or(true)
-}
-
-async fn ticketed_count(pool: &sqlx::PgPool, event: uuid::Uuid) -> anyhow::Result<i64> {
-    Ok(sqlx::query_scalar("SELECT count(*) FROM orders WHERE event_id = $1 AND status = 'ticketed'")
-        .bind(event)
-        .fetch_one(pool)
-        .await?)
 }
 
 /// Waits until every order of `event` is final and the outbox is empty, or `timeout`.

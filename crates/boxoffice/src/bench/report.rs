@@ -212,8 +212,8 @@ impl Report {
 }
 
 /// The recommended release rate R: the largest P3 arrival rate whose step kept up (holds/s
-/// ≥ 90 % and ticketed orders/s ≥ 80 % of the rate) with hold p99 ≤ `--max-hold-p99-ms`, outbox age p99 ≤
-/// `--max-outbox-age-ms` and consumer lag ≤ `--max-lag`. P1's best holds/s under the same
+/// ≥ 90 % and ticketed orders/s ≥ 80 % of the rate) with hold p99 ≤ `--max-hold-p99-ms`,
+/// outbox age p99 ≤ `--max-outbox-age-ms` and consumer lag ≤ `--max-lag`. P1's best holds/s under the same
 /// p99 bound is reported next to it as the hold transaction's own ceiling.
 pub fn recommend(p3: &P3Result, p1: Option<&P1Result>, args: &BenchArgs) -> Recommendation {
     let r = p3.steps.iter().filter(|s| s.within_thresholds).map(|s| s.rate).fold(0.0, f64::max);
@@ -340,13 +340,21 @@ pub fn markdown(r: &Report) -> String {
         let _ = writeln!(s, "\n## P2: waiting room join + poll\n");
         let _ = writeln!(
             s,
-            "| Path | Concurrency | Attempts/s | p50 ms | p99 ms | Errors |\n|---|---|---|---|---|---|"
+            "| Path | Concurrency | Attempts/s | p50 ms | p99 ms | Errors | Machine busy | boxoffice cores | Other cores (Redis, other work) |\n|---|---|---|---|---|---|---|---|---|"
         );
         for l in &p2.levels {
             let _ = writeln!(
                 s,
-                "| {} | {} | {:.0} | {:.2} | {:.2} | {} |",
-                l.path, l.concurrency, l.attempts_per_s, l.p50_ms, l.p99_ms, l.errors
+                "| {} | {} | {:.0} | {:.2} | {:.2} | {} | {:.0} % | {:.2} | {:.2} |",
+                l.path,
+                l.concurrency,
+                l.attempts_per_s,
+                l.p50_ms,
+                l.p99_ms,
+                l.errors,
+                l.cpu.machine_busy_pct,
+                l.cpu.boxoffice_cores,
+                l.cpu.other_cores
             );
         }
     }
@@ -385,8 +393,8 @@ pub fn markdown(r: &Report) -> String {
             c.boxoffice_cores,
             c.postgres_cores,
             c.other_cores,
-            p3.cpu_ms_per_ticketed_order
-                .map(|(b, p)| format!(" Per ticketed order: {b:.1} CPU-ms in boxoffice, {p:.1} CPU-ms in PostgreSQL."))
+            p3.cpu_ms_per_order
+                .map(|(b, p)| format!(" Per order: {b:.1} CPU-ms in boxoffice, {p:.1} CPU-ms in PostgreSQL."))
                 .unwrap_or_default()
         );
         if p3.analyzed_every_5s {
