@@ -211,12 +211,21 @@ impl Report {
     }
 }
 
-/// The recommended release rate R: the largest P3 arrival rate whose step kept up (holds/s
+/// The recommended release rate R: the largest P3 ramp rate whose step kept up (holds/s
 /// ≥ 90 % and ticketed orders/s ≥ 80 % of the rate) with hold p99 ≤ `--max-hold-p99-ms`,
-/// outbox age p99 ≤ `--max-outbox-age-ms` and consumer lag ≤ `--max-lag`. P1's best holds/s under the same
-/// p99 bound is reported next to it as the hold transaction's own ceiling.
+/// outbox age p99 ≤ `--max-outbox-age-ms` and consumer lag ≤ `--max-lag`; when the 60 s
+/// sustained step at that rate broke a threshold (a backlog that grows slowly shows only in
+/// the longer step), the largest passing ramp rate below it. P1's best holds/s under the
+/// same p99 bound is reported next to it as the hold transaction's own ceiling.
 pub fn recommend(p3: &P3Result, p1: Option<&P1Result>, args: &BenchArgs) -> Recommendation {
-    let r = p3.steps.iter().filter(|s| s.within_thresholds).map(|s| s.rate).fold(0.0, f64::max);
+    let failed_sustained = p3.steps.iter().find(|s| s.sustained && !s.within_thresholds).map(|s| s.rate);
+    let r = p3
+        .steps
+        .iter()
+        .filter(|s| !s.sustained && s.within_thresholds)
+        .filter(|s| failed_sustained.is_none_or(|f| s.rate < f))
+        .map(|s| s.rate)
+        .fold(0.0, f64::max);
     let p1_hold_ceiling_per_s = p1.and_then(|p| {
         p.levels
             .iter()
@@ -227,9 +236,9 @@ pub fn recommend(p3: &P3Result, p1: Option<&P1Result>, args: &BenchArgs) -> Reco
     Recommendation {
         r_per_s: r,
         rule: format!(
-            "R = the largest P3 buyer arrival rate whose step kept up (holds/s ≥ 90 % and ticketed/s ≥ 80 % of the rate) with hold \
-             p99 ≤ {} ms, outbox age p99 ≤ {} ms and consumer lag ≤ {} messages; divide it by the number of API \
-             processes for waitroom_release_per_s",
+            "R = the largest P3 ramp rate whose step kept up (holds/s ≥ 90 % and ticketed/s ≥ 80 % of the rate) with hold \
+             p99 ≤ {} ms, outbox age p99 ≤ {} ms and consumer lag ≤ {} messages, and below the sustained step's rate if \
+             that 60 s step broke a threshold; divide it by the number of API processes for waitroom_release_per_s",
             args.max_hold_p99_ms, args.max_outbox_age_ms, args.max_lag
         ),
         max_hold_p99_ms: args.max_hold_p99_ms,
