@@ -41,7 +41,9 @@ pub struct QueueView {
     pub estimated_wait_s: Option<u64>,
     /// When the onsale opens, while `pre_queue`.
     pub opens_at: Option<DateTime<Utc>>,
-    /// Poll again after this long, ms; a position not polled for a while lapses.
+    /// Poll again after this long, ms: the configured interval near the head of the queue,
+    /// longer further back (a quarter of the estimated wait, at most a third of the time after
+    /// which an unpolled position lapses).
     pub poll_after_ms: u64,
     /// Once `admitted`: the admission token for `X-Admission-Token` (not consumed by use).
     pub admission_token: Option<String>,
@@ -80,6 +82,8 @@ fn render(st: &AppState, user: UserId, v: View) -> QueueView {
         }
         _ => None,
     };
+    let poll_after_ms =
+        poll_after_ms(st.settings.poll_interval_ms, st.waitroom.config().abandon_after_ms, estimated_wait_s);
     let admitted = token.is_some();
     let (admission_token, admission_expires_at) = match token {
         Some((t, at)) => (Some(t), at),
@@ -92,10 +96,23 @@ fn render(st: &AppState, user: UserId, v: View) -> QueueView {
         position: v.position,
         estimated_wait_s,
         opens_at: v.opens_at,
-        poll_after_ms: st.settings.poll_interval_ms,
+        poll_after_ms,
         admission_token,
         admission_expires_at,
         purchase_cell: admitted.then(|| st.admission.cell().to_owned()),
+    }
+}
+
+/// How long a client should wait before its next poll, ms: the configured interval near the
+/// head of the queue, and a quarter of the estimated wait further back (a buyer 10 minutes out
+/// gains nothing from polling every 2 s, and the crowd's polls are most of the waiting room's
+/// load), never more than a third of `abandon_after_ms`, so a client that follows the advice
+/// keeps its position even if one poll is lost.
+fn poll_after_ms(interval_ms: u64, abandon_after_ms: u64, estimated_wait_s: Option<u64>) -> u64 {
+    let ceiling = (abandon_after_ms / 3).max(interval_ms);
+    match estimated_wait_s {
+        Some(w) => (w.saturating_mul(1_000) / 4).clamp(interval_ms, ceiling),
+        None => interval_ms,
     }
 }
 
@@ -259,4 +276,22 @@ fn client_ip(st: &AppState, req: &Request) -> String {
         .get::<ConnectInfo<SocketAddr>>()
         .map(|ConnectInfo(a)| a.ip().to_string())
         .unwrap_or_else(|| "unknown".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::poll_after_ms;
+
+    #[test]
+    fn poll_interval_grows_with_the_wait_but_never_risks_the_position() {
+        // Near the head, or no estimate: the configured interval.
+        assert_eq!(poll_after_ms(2_000, 30_000, None), 2_000);
+        assert_eq!(poll_after_ms(2_000, 30_000, Some(1)), 2_000);
+        // 20 s out: a quarter of it.
+        assert_eq!(poll_after_ms(2_000, 30_000, Some(20)), 5_000);
+        // Far back: capped at a third of the lapse time.
+        assert_eq!(poll_after_ms(2_000, 30_000, Some(3_600)), 10_000);
+        // A configured interval above that cap is kept (config validation keeps it ≤ half).
+        assert_eq!(poll_after_ms(12_000, 30_000, Some(3_600)), 12_000);
+    }
 }

@@ -39,7 +39,8 @@ pub struct Config {
     /// Pool of the API role. Each role has its own pool (a bulkhead: a burst of hold
     /// requests cannot starve the saga of connections). Budget (design §12): the sum of the
     /// pools of every process ≤ PostgreSQL `max_connections` (100 by default) minus
-    /// operations; defaults: 20 + 4 + 3 + 9 + 9 + 9 + 2 = 56 for one all-roles process.
+    /// operations; defaults: 20 + 4 + 3 + 9 + 9 + 9 + 2 = 56 for one all-roles process, plus
+    /// the release controller's one dedicated connection per API process.
     pub db_pool_api: u32,
     /// Pool of the API role's Stripe webhook ingress (its own bulkhead).
     pub db_pool_webhooks: u32,
@@ -60,7 +61,12 @@ pub struct Config {
     pub kafka_brokers: Option<String>,
     /// Prefix of every topic and consumer group name.
     pub kafka_topic_prefix: String,
-    /// Partitions of the purchase topic (design §12: ≥ the number of parallel consumers).
+    /// Partitions of every topic. Design §12: `partitions ≥ max(peak topic bytes/s ÷ tested
+    /// bytes/s per partition, parallel consumer members)`. Here a purchase event is ~0.5 KB
+    /// and an order emits ~9 events, so even 1,000 orders/s is ~4.5 MB/s — far below one
+    /// partition's tested rate — and the consumer term decides: members across every process
+    /// of the busiest consumer role (`consumers_per_role` × processes). Partitions cannot be
+    /// lowered later and ordering is per order id, so size for the largest planned scale-out.
     pub kafka_partitions: i32,
     /// Replication factor of created topics.
     pub kafka_replication: i32,
@@ -115,10 +121,44 @@ pub struct Config {
     pub redis_key_prefix: String,
     /// Bound of one Redis call, connecting included, ms: a dead Redis becomes a 503 this fast.
     pub redis_timeout_ms: u64,
-    /// Positions the API role releases per second and event (the fixed-rate stand-in for the
-    /// release controller, design §3; 0 = none, release some other way). Each API process
-    /// releases this many: divide the measured safe rate by the number of API processes.
-    pub waitroom_release_per_s: f64,
+    /// Highest release rate `R` of the purchase cell, queued positions admitted per second
+    /// (split evenly among the events with a queue). The release controller (design §3, see
+    /// `boxoffice_workers::release`) runs in every API process, but only the holder of the
+    /// cell's PostgreSQL advisory lock releases. 0 turns the controller off (release by hand
+    /// with `boxoffice waitroom release`).
+    pub release_max_per_s: f64,
+    /// Lowest `R`, positions/s (> 0: the queue always moves, however slowly).
+    pub release_min_per_s: f64,
+    /// `R` when a controller takes the lock, positions/s (within min..=max).
+    pub release_initial_per_s: f64,
+    /// Additive increase of `R` per tick with every signal healthy, positions/s.
+    pub release_step_per_s: f64,
+    /// Multiplicative decrease of `R` per tick with a signal over its threshold (0 < f < 1).
+    pub release_decrease_factor: f64,
+    /// A signal above this fraction of its threshold holds `R` steady (0 < f ≤ 1; 1 = no
+    /// hold zone). This is what lowers the pressure before a threshold is crossed.
+    pub release_soft_fraction: f64,
+    /// Tick of the release controller (sample, decide, release), ms.
+    pub release_tick_ms: u64,
+    /// Bound of each signal probe, ms; a probe past it has failed (counts as over).
+    pub release_probe_timeout_ms: u64,
+    /// Threshold: commit latency of the probe transaction, ms.
+    pub release_threshold_pg_commit_ms: f64,
+    /// Threshold: sessions of the database waiting on a lock.
+    pub release_threshold_lock_waits: f64,
+    /// Threshold: deadlocks per tick (0 = any deadlock lowers `R`).
+    pub release_threshold_deadlocks: f64,
+    /// Threshold: client connections / `max_connections` of the server (0..=1).
+    pub release_threshold_connection_saturation: f64,
+    /// Threshold: age of the oldest unpublished outbox row, ms.
+    pub release_threshold_outbox_age_ms: f64,
+    /// Threshold: consumer lag of the purchase topic's consumer groups, messages (read only
+    /// when a broker is configured).
+    pub release_threshold_consumer_lag: f64,
+    /// Threshold: active holds.
+    pub release_threshold_active_holds: f64,
+    /// Threshold: how far the oldest active hold is past its expiry, ms.
+    pub release_threshold_expiry_delay_ms: f64,
     /// A queue position whose holder has not polled for this long lapses, ms.
     pub waitroom_abandon_after_ms: u64,
     /// Poll interval suggested to queued clients (`poll_after_ms`), ms; keep it well below
@@ -211,7 +251,22 @@ impl Default for Config {
             redis_url: "redis://127.0.0.1:6379".into(),
             redis_key_prefix: "boxoffice:".into(),
             redis_timeout_ms: 300,
-            waitroom_release_per_s: 50.0,
+            release_max_per_s: 50.0,
+            release_min_per_s: 1.0,
+            release_initial_per_s: 10.0,
+            release_step_per_s: 5.0,
+            release_decrease_factor: 0.5,
+            release_soft_fraction: 0.8,
+            release_tick_ms: 1_000,
+            release_probe_timeout_ms: 2_000,
+            release_threshold_pg_commit_ms: 50.0,
+            release_threshold_lock_waits: 10.0,
+            release_threshold_deadlocks: 0.0,
+            release_threshold_connection_saturation: 0.8,
+            release_threshold_outbox_age_ms: 5_000.0,
+            release_threshold_consumer_lag: 5_000.0,
+            release_threshold_active_holds: 50_000.0,
+            release_threshold_expiry_delay_ms: 10_000.0,
             waitroom_abandon_after_ms: 30_000,
             waitroom_poll_interval_ms: 2_000,
             waitroom_max_positions_per_user: 2,
@@ -303,9 +358,12 @@ impl Config {
         if self.waitroom_max_positions_per_user < 1 {
             bail!("waitroom_max_positions_per_user must be at least 1");
         }
-        let rates = [self.waitroom_release_per_s, self.rate_limit_ip_per_s, self.rate_limit_user_per_s];
+        let rates = [self.release_max_per_s, self.rate_limit_ip_per_s, self.rate_limit_user_per_s];
         if rates.iter().any(|r| !r.is_finite() || *r < 0.0) {
-            bail!("waitroom_release_per_s and rate_limit_*_per_s must be finite and >= 0");
+            bail!("release_max_per_s and rate_limit_*_per_s must be finite and >= 0");
+        }
+        if self.release_max_per_s > 0.0 {
+            self.validate_release()?;
         }
         if self.rate_limit_ip_burst < 1 || self.rate_limit_user_burst < 1 {
             bail!("rate_limit_*_burst must be at least 1");
@@ -326,6 +384,69 @@ impl Config {
         }
         boxoffice_faults::validate(&self.faults).map_err(|e| anyhow::anyhow!("faults: {e}"))?;
         Ok(())
+    }
+
+    /// Checks the release controller's settings (when it is on).
+    fn validate_release(&self) -> anyhow::Result<()> {
+        let (min, init, max) = (self.release_min_per_s, self.release_initial_per_s, self.release_max_per_s);
+        if !(min.is_finite() && init.is_finite() && min > 0.0 && min <= init && init <= max) {
+            bail!("release rates must satisfy 0 < release_min_per_s <= release_initial_per_s <= release_max_per_s");
+        }
+        if !(self.release_step_per_s.is_finite() && self.release_step_per_s > 0.0) {
+            bail!("release_step_per_s must be > 0");
+        }
+        if !(self.release_decrease_factor > 0.0 && self.release_decrease_factor < 1.0) {
+            bail!("release_decrease_factor must be in (0, 1)");
+        }
+        if !(self.release_soft_fraction > 0.0 && self.release_soft_fraction <= 1.0) {
+            bail!("release_soft_fraction must be in (0, 1]");
+        }
+        if !(50..=60_000).contains(&self.release_tick_ms) {
+            bail!("release_tick_ms must be 50..=60000");
+        }
+        if !(10..=60_000).contains(&self.release_probe_timeout_ms) {
+            bail!("release_probe_timeout_ms must be 10..=60000");
+        }
+        let t = self.release_thresholds();
+        for s in boxoffice_workers::release::Signal::ALL {
+            let v = t.of(s);
+            if !v.is_finite() || v < 0.0 {
+                bail!("release_threshold_{} must be finite and >= 0", s.name());
+            }
+        }
+        Ok(())
+    }
+
+    /// The release controller's thresholds.
+    pub fn release_thresholds(&self) -> boxoffice_workers::release::Thresholds {
+        boxoffice_workers::release::Thresholds {
+            pg_commit_ms: self.release_threshold_pg_commit_ms,
+            lock_waits: self.release_threshold_lock_waits,
+            deadlocks: self.release_threshold_deadlocks,
+            connection_saturation: self.release_threshold_connection_saturation,
+            outbox_age_ms: self.release_threshold_outbox_age_ms,
+            consumer_lag: self.release_threshold_consumer_lag,
+            active_holds: self.release_threshold_active_holds,
+            expiry_delay_ms: self.release_threshold_expiry_delay_ms,
+        }
+    }
+
+    /// The release controller's settings (cell, rates, gains, thresholds, tick).
+    pub fn release(&self) -> boxoffice_workers::release::ReleaseSettings {
+        boxoffice_workers::release::ReleaseSettings {
+            cell: self.purchase_cell.clone(),
+            initial_per_s: self.release_initial_per_s,
+            limits: boxoffice_workers::release::Limits {
+                min_per_s: self.release_min_per_s,
+                max_per_s: self.release_max_per_s,
+                step_per_s: self.release_step_per_s,
+                decrease_factor: self.release_decrease_factor,
+                soft_fraction: self.release_soft_fraction,
+            },
+            thresholds: self.release_thresholds(),
+            tick_ms: self.release_tick_ms,
+            probe_timeout_ms: self.release_probe_timeout_ms,
+        }
     }
 
     /// The Kafka settings, if a broker is configured.
@@ -447,6 +568,28 @@ mod tests {
         };
         assert!(conflict.validate().is_err(), "two keys under one kid");
         std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn release_settings_are_validated() {
+        let ok = Config::default();
+        assert_eq!(ok.release().limits.max_per_s, 50.0);
+        let bad = [
+            Config { release_min_per_s: 0.0, ..Config::default() },
+            Config { release_initial_per_s: 60.0, ..Config::default() },
+            Config { release_decrease_factor: 1.0, ..Config::default() },
+            Config { release_step_per_s: 0.0, ..Config::default() },
+            Config { release_soft_fraction: 0.0, ..Config::default() },
+            Config { release_tick_ms: 10, ..Config::default() },
+            Config { release_threshold_outbox_age_ms: -1.0, ..Config::default() },
+            Config { release_threshold_pg_commit_ms: f64::NAN, ..Config::default() },
+            Config { release_max_per_s: -1.0, ..Config::default() },
+        ];
+        for c in bad {
+            assert!(c.validate().is_err(), "{c:?}");
+        }
+        // Off: the other release settings are not looked at.
+        Config { release_max_per_s: 0.0, release_min_per_s: 0.0, ..Config::default() }.validate().unwrap();
     }
 
     #[test]

@@ -10,7 +10,7 @@ use boxoffice_api::{ApiSettings, AppState};
 use boxoffice_bus::run_consumers;
 use boxoffice_payments::{PaymentGateway, StripeClient, StripeConfig};
 use boxoffice_waitroom::{Bucket, Waitroom};
-use boxoffice_workers::{expiry, payment::PaymentWorker, relay, saga::Saga, tickets::TicketWorker};
+use boxoffice_workers::{expiry, payment::PaymentWorker, relay, release, saga::Saga, tickets::TicketWorker};
 use metrics_exporter_prometheus::PrometheusHandle;
 use rdkafka::producer::{FutureProducer, Producer};
 use secrecy::ExposeSecret;
@@ -26,7 +26,8 @@ use tokio_util::sync::CancellationToken;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Role {
     /// HTTP API (waiting room, holds, status, seat map, webhooks, health) and the waiting
-    /// room's fixed-rate release loop.
+    /// room's release controller (one per process; the holder of the cell's advisory lock
+    /// releases, the others stand by).
     Api,
     /// Outbox relay.
     Relay,
@@ -96,9 +97,15 @@ pub struct Running {
     producer: Option<FutureProducer>,
     groups: Vec<Arc<boxoffice_bus::consumer::Assignment>>,
     partitions: i64,
+    release: Option<tokio::sync::watch::Receiver<release::Status>>,
 }
 
 impl Running {
+    /// The release controller's status, when the API role runs here with the controller on.
+    pub fn release_status(&self) -> Option<tokio::sync::watch::Receiver<release::Status>> {
+        self.release.clone()
+    }
+
     /// Waits until every consumer group run here has all partitions assigned (a new member
     /// takes a few seconds to join); `false` on timeout.
     pub async fn wait_ready(&self, timeout: Duration) -> bool {
@@ -168,6 +175,7 @@ pub async fn start(
     let mut tasks: Vec<(&'static str, JoinHandle<()>)> = Vec::new();
     let mut api_addr = None;
     let mut groups = Vec::new();
+    let mut release_status = None;
     let consumers = cfg.consumers_per_role;
     for role in roles {
         let pool = PgPoolOptions::new()
@@ -193,7 +201,11 @@ pub async fn start(
                         admission_ttl_s: cfg.admission_ttl_s,
                         webhook_secret: cfg.stripe_webhook_secret.expose_secret().to_owned(),
                         admission_direct: cfg.admission_direct,
-                        release_per_s: cfg.waitroom_release_per_s,
+                        release_per_s: if cfg.release_max_per_s > 0.0 {
+                            cfg.release_initial_per_s
+                        } else {
+                            0.0
+                        },
                         poll_interval_ms: cfg.waitroom_poll_interval_ms,
                         ip_bucket: bucket(cfg.rate_limit_ip_per_s, cfg.rate_limit_ip_burst),
                         user_bucket: bucket(cfg.rate_limit_user_per_s, cfg.rate_limit_user_burst),
@@ -204,17 +216,12 @@ pub async fn start(
                     metrics_handle(),
                 );
                 tasks.push(("api", spawn_api(state, shutdown.clone(), &mut api_addr, cfg).await?));
-                if cfg.waitroom_release_per_s > 0.0 {
-                    let sd = shutdown.clone();
-                    tasks.push((
-                        "waitroom-release",
-                        tokio::spawn(boxoffice_waitroom::release_loop(
-                            room,
-                            cfg.waitroom_release_per_s,
-                            Duration::from_millis(100),
-                            async move { sd.cancelled().await },
-                        )),
-                    ));
+                if cfg.release_max_per_s > 0.0 {
+                    // Every API process runs one; the cell's advisory lock lets one release.
+                    let (controller, status) =
+                        release::Controller::new(connect.clone(), room, kafka.as_ref(), cfg.release())?;
+                    release_status = Some(status);
+                    tasks.push(("release", tokio::spawn(controller.run(shutdown.clone()))));
                 }
             }
             Role::Relay => {
@@ -260,7 +267,14 @@ pub async fn start(
             }
         }
     }
-    Ok(Running { api_addr, tasks, producer, groups, partitions: cfg.kafka_partitions as i64 })
+    Ok(Running {
+        api_addr,
+        tasks,
+        producer,
+        groups,
+        partitions: cfg.kafka_partitions as i64,
+        release: release_status,
+    })
 }
 
 async fn spawn_api(

@@ -1,6 +1,13 @@
 //! Topic provisioning. Topics are created explicitly (by `boxoffice migrate` or
 //! `boxoffice topics create`) with the configured partition count — never by broker
 //! auto-create, which would give them the broker's default size.
+//!
+//! Sizing (design §12): `partitions ≥ max(peak topic bytes/s ÷ tested bytes/s per partition,
+//! parallel consumer members)` — the consumer term decides for this workload (see
+//! `kafka_partitions` in the boxoffice configuration); retention needs `events/s × average
+//! bytes × retention s × replication factor` of broker storage, and consumers' inboxes keep
+//! their rows longer than the topics keep messages (`inbox_retention_s`), so anything that
+//! can still be replayed is still deduplicated.
 
 use crate::KafkaConfig;
 use boxoffice_domain::Topic;

@@ -147,12 +147,12 @@ pub struct Backlog {
 }
 
 /// Reads the current [`Backlog`].
-pub async fn backlog(pool: &PgPool) -> Result<Backlog, sqlx::Error> {
+pub async fn backlog<'e>(ex: impl sqlx::PgExecutor<'e>) -> Result<Backlog, sqlx::Error> {
     let (unpublished, oldest_age_ms): (i64, Option<f64>) = sqlx::query_as(
         "SELECT count(*), (EXTRACT(EPOCH FROM clock_timestamp() - min(created_at)) * 1000)::float8
            FROM outbox WHERE published_at IS NULL",
     )
-    .fetch_one(pool)
+    .fetch_one(ex)
     .await?;
     Ok(Backlog { unpublished, oldest_age_ms: oldest_age_ms.unwrap_or(0.0).max(0.0) as i64 })
 }

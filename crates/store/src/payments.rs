@@ -168,6 +168,32 @@ pub async fn update_status<'e, E: Executor<'e, Database = Postgres>>(
     Ok(())
 }
 
+/// Records a declined confirmation (`requires_payment_method` with the decline code) for
+/// PaymentIntent `pi`, but only while the payment is still pending
+/// (`requires_payment_method`, `requires_confirmation`, `requires_action`, `processing`):
+/// Stripe lets a buyer retry another card after a decline, so a decline never follows
+/// authorization, capture or cancellation. A decline fact that arrives late (its outbox row
+/// waited out a crashed relay's lease) must not move a settled payment back to pending.
+/// Returns whether the row changed.
+pub async fn record_decline<'e, E: Executor<'e, Database = Postgres>>(
+    ex: E,
+    pi: &str,
+    decline_code: &str,
+) -> Result<bool, sqlx::Error> {
+    let r = sqlx::query(
+        "UPDATE payments SET status = 'requires_payment_method',
+                last_error_code = $2,
+                updated_at = clock_timestamp()
+          WHERE payment_intent_id = $1
+            AND status IN ('requires_payment_method', 'requires_confirmation', 'requires_action', 'processing')",
+    )
+    .bind(pi)
+    .bind(decline_code)
+    .execute(ex)
+    .await?;
+    Ok(r.rows_affected() == 1)
+}
+
 /// Records Stripe's capture deadline for the authorization.
 pub async fn set_capture_before<'e, E: Executor<'e, Database = Postgres>>(
     ex: E,

@@ -24,7 +24,7 @@ impl Keys {
         EventKeys([k("meta"), k("q"), k("pre"), k("hb"), k("adm"), k("users"), self.events()])
     }
 
-    /// Events that have a queue, for the release loop.
+    /// Events that have a queue, for the release controller.
     pub fn events(&self) -> String {
         format!("{}events", self.prefix)
     }

@@ -517,7 +517,7 @@ impl Waitroom {
         Ok(s)
     }
 
-    /// Events that have people queued or pre-queued (the release loop's work list).
+    /// Events that have people queued or pre-queued (the release controller's work list).
     ///
     /// # Errors
     /// [`WaitroomError::Unavailable`] / [`WaitroomError::Timeout`].
@@ -617,58 +617,6 @@ fn record_lengths(event: EventId, queued: u64, pre: u64, admitted: u64) {
         .set(pre as f64);
     metrics::gauge!("boxoffice_waitroom_queue_length", "event" => e, "stage" => "admitted")
         .set(admitted as f64);
-}
-
-/// Releases `per_s` positions per second of every event with a queue until `shutdown`: the
-/// fixed-rate stand-in for the release controller (design §3). Fractions carry over between
-/// ticks. Every API instance running it releases at this rate: divide the rate by the number
-/// of instances. Errors are logged (once per outage, in [`Waitroom`]) and retried next tick.
-pub async fn release_loop(
-    room: Waitroom,
-    per_s: f64,
-    tick: Duration,
-    shutdown: impl Future<Output = ()> + Send,
-) {
-    if per_s <= 0.0 {
-        return;
-    }
-    tokio::pin!(shutdown);
-    let mut interval = tokio::time::interval(tick);
-    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut carry: std::collections::HashMap<EventId, f64> = std::collections::HashMap::new();
-    let mut last = tokio::time::Instant::now();
-    loop {
-        tokio::select! {
-            _ = &mut shutdown => return,
-            _ = interval.tick() => {}
-        }
-        let now = tokio::time::Instant::now();
-        let budget = per_s * now.duration_since(last).as_secs_f64();
-        last = now;
-        let Ok(events) = room.active_events().await else { continue };
-        carry.retain(|e, _| events.contains(e));
-        for event in events {
-            let c = carry.entry(event).or_insert(0.0);
-            *c += budget;
-            let n = c.floor().min(u32::MAX as f64) as u32;
-            if n == 0 {
-                continue;
-            }
-            match room.release(event, n).await {
-                Ok(r) => {
-                    *c -= n as f64;
-                    // An empty queue does not bank releases for later.
-                    if r.queued == 0 {
-                        *c = 0.0;
-                    }
-                    if !r.admitted.is_empty() {
-                        tracing::debug!(event.id = %event.0, admitted = r.admitted.len(), queued = r.queued, "released");
-                    }
-                }
-                Err(_) => break,
-            }
-        }
-    }
 }
 
 #[cfg(test)]

@@ -13,7 +13,7 @@
 //! - `adm` zset: ticket → end of its admission slot;
 //! - `users` hash: user → their ticket in this event (one position per user and event);
 //!
-//! and outside the event: `events` set (events with a queue, for the release loop), `t:{T}`
+//! and outside the event: `events` set (events with a queue, for the release controller), `t:{T}`
 //! hash (ticket → event, user), `u:{U}` zset (a user's live positions in every event → the
 //! time the position lapses, for the per-user limit), `rv:{jti}` (revoked admission tokens).
 //! The keys of one user or ticket live outside the event's hash slot: the waiting room needs

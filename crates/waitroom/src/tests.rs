@@ -70,7 +70,10 @@ async fn waitroom_queue_is_fifo_and_release_admits_the_head() {
     assert!(matches!(wr.leave(tickets[2], users[2]).await, Err(WaitroomError::UnknownTicket)));
     assert_eq!(wr.active_events().await.unwrap(), vec![event]);
     wr.release(event, 10).await.unwrap();
-    assert!(wr.active_events().await.unwrap().is_empty(), "an emptied queue leaves the release loop's list");
+    assert!(
+        wr.active_events().await.unwrap().is_empty(),
+        "an emptied queue leaves the release controller's list"
+    );
 }
 
 #[tokio::test]

@@ -6,11 +6,14 @@
 //! - [`saga`]: the orchestrator, sole owner of order transitions (invariants 2 and 6);
 //! - [`payment`]: every Stripe call, each with a stable idempotency key (invariants 4 and 6);
 //! - [`expiry`]: releases lapsed holds in bounded `SKIP LOCKED` batches (invariant 1);
-//! - [`tickets`]: issues one ticket per held seat, replay-safe (invariant 1).
+//! - [`tickets`]: issues one ticket per held seat, replay-safe (invariant 1);
+//! - [`release`]: the waiting room's adaptive release controller (design §3): admits queued
+//!   buyers at a rate `R` that follows live database, outbox and broker signals.
 
 pub mod expiry;
 pub mod payment;
 pub mod relay;
+pub mod release;
 pub mod saga;
 pub mod tickets;
 

@@ -164,16 +164,9 @@ pub async fn apply(tx: &mut Tx<'_>, env: &Envelope, event: &PurchaseEvent) -> Re
             // confirming / paid / ticketed / canceled / refunding / refunded: already handled.
         }
         PurchaseEvent::PaymentFailed { payment_intent_id, reason, .. } => {
-            // The buyer may try another card while the hold lives; nothing moves.
-            payments::update_status(
-                &mut **tx,
-                payment_intent_id,
-                "requires_payment_method",
-                None,
-                None,
-                Some(reason),
-            )
-            .await?;
+            // The buyer may try another card while the hold lives; nothing moves. A decline
+            // delivered after the payment settled (cancelled, authorized) changes nothing.
+            payments::record_decline(&mut **tx, payment_intent_id, reason).await?;
         }
         PurchaseEvent::PaymentCaptured { payment_intent_id, amount_captured_minor, .. } => {
             payments::update_status(

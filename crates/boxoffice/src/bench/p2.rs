@@ -85,7 +85,7 @@ async fn run_on(
     cfg.http_bind = "127.0.0.1:0".into();
     cfg.rate_limit_ip_per_s = 0.0;
     cfg.rate_limit_user_per_s = 0.0;
-    cfg.waitroom_release_per_s = 0.0;
+    cfg.release_max_per_s = 0.0;
     cfg.waitroom_max_positions_per_user = 1_000;
     let shutdown = CancellationToken::new();
     let running = runtime::start(cfg, &[Role::Api], db.opts.clone(), shutdown.clone()).await?;

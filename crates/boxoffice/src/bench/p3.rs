@@ -205,7 +205,7 @@ async fn run_on(
     cfg.redis_key_prefix = format!("bench{}:", &uuid::Uuid::new_v4().simple().to_string()[..8]);
     cfg.http_bind = "127.0.0.1:0".into();
     cfg.admission_direct = true;
-    cfg.waitroom_release_per_s = 0.0;
+    cfg.release_max_per_s = 0.0;
     cfg.rate_limit_ip_per_s = 0.0;
     cfg.rate_limit_user_per_s = 0.0;
     cfg.hold_ttl_ms = 600_000;

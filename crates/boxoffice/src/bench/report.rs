@@ -238,7 +238,7 @@ pub fn recommend(p3: &P3Result, p1: Option<&P1Result>, args: &BenchArgs) -> Reco
         rule: format!(
             "R = the largest P3 ramp rate whose step kept up (holds/s ≥ 90 % and ticketed/s ≥ 80 % of the rate) with hold \
              p99 ≤ {} ms, outbox age p99 ≤ {} ms and consumer lag ≤ {} messages, and below the sustained step's rate if \
-             that 60 s step broke a threshold; divide it by the number of API processes for waitroom_release_per_s",
+             that 60 s step broke a threshold; configure it as release_max_per_s, the release controller's ceiling",
             args.max_hold_p99_ms, args.max_outbox_age_ms, args.max_lag
         ),
         max_hold_p99_ms: args.max_hold_p99_ms,

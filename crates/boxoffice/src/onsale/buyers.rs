@@ -26,6 +26,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::Semaphore;
 use uuid::Uuid;
 
+use super::queue::{self, QueuePacing, QueueStats};
 use super::seatpick::{SeatMap, SeatMapBody};
 
 /// How often the shared seat map is refreshed at most (the server caches it for 1 s).
@@ -73,6 +74,17 @@ pub struct BuyerConfig {
     /// Buyers arriving per second (open loop: buyer `i` starts at `i / rate` s whatever the
     /// server's speed); 0 starts every buyer at once.
     pub arrival_rate: f64,
+    /// How buyers get their admission token.
+    pub admission: AdmissionRoute,
+}
+
+/// How a buyer gets its admission token.
+#[derive(Debug, Clone)]
+pub enum AdmissionRoute {
+    /// `POST /events/{id}/admission` (deployments with `admission_direct`): at once.
+    Direct,
+    /// Through the waiting room: join, poll, admitted at the release rate ([`super::queue`]).
+    Queue(QueuePacing),
 }
 
 impl BuyerConfig {
@@ -101,6 +113,7 @@ impl BuyerConfig {
             user_token,
             progress: false,
             arrival_rate: 0.0,
+            admission: AdmissionRoute::Direct,
         }
     }
 
@@ -140,7 +153,7 @@ pub struct Percentiles {
 
 impl Percentiles {
     /// Reads a histogram recorded in µs.
-    fn from_us(h: &Histogram<u64>) -> Self {
+    pub(crate) fn from_us(h: &Histogram<u64>) -> Self {
         let ms = |us: u64| us as f64 / 1_000.0;
         Self {
             p50: ms(h.value_at_quantile(0.50)),
@@ -198,6 +211,8 @@ pub struct BuyerStats {
     pub elapsed_ms: u64,
     /// Successful holds per second over the hold phase (start → last successful hold).
     pub holds_per_s: f64,
+    /// The waiting-room phase, when buyers came through it.
+    pub queue: Option<QueueStats>,
 }
 
 /// Defines the live counters, one `AtomicU64` per plain count of [`BuyerStats`], and their
@@ -361,21 +376,53 @@ pub async fn drive(cfg: BuyerConfig) -> anyhow::Result<BuyerStats> {
     });
 
     let mut tasks = tokio::task::JoinSet::new();
-    for i in 0..ctx.cfg.buyers {
-        let ctx = ctx.clone();
-        // Distinct, reproducible stream per buyer.
-        let seed = ctx.cfg.seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        let arrives = (ctx.cfg.arrival_rate > 0.0)
-            .then(|| ctx.started + Duration::from_secs_f64(i as f64 / ctx.cfg.arrival_rate));
-        tasks.spawn(async move {
-            if let Some(at) = arrives {
-                tokio::time::sleep_until(at.into()).await;
+    let seed_of = |i: usize| ctx.cfg.seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    let queue_stats = match ctx.cfg.admission.clone() {
+        AdmissionRoute::Direct => {
+            for i in 0..ctx.cfg.buyers {
+                let ctx = ctx.clone();
+                // Distinct, reproducible stream per buyer.
+                let seed = seed_of(i);
+                let arrives = (ctx.cfg.arrival_rate > 0.0)
+                    .then(|| ctx.started + Duration::from_secs_f64(i as f64 / ctx.cfg.arrival_rate));
+                tasks.spawn(async move {
+                    if let Some(at) = arrives {
+                        tokio::time::sleep_until(at.into()).await;
+                    }
+                    let mut buyer = Buyer::new(ctx.bearer(), StdRng::seed_from_u64(seed));
+                    buyer.run(&ctx, None).await;
+                    inc(&ctx.stats.buyers);
+                });
             }
-            let mut buyer = Buyer::new(&ctx, StdRng::seed_from_u64(seed));
-            buyer.run(&ctx).await;
-            inc(&ctx.stats.buyers);
-        });
-    }
+            None
+        }
+        AdmissionRoute::Queue(pacing) => {
+            // Each admitted buyer starts its purchase journey as soon as its token arrives.
+            let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+            let bearers: Vec<Arc<str>> = (0..ctx.cfg.buyers).map(|_| ctx.bearer()).collect();
+            let room = tokio::spawn(queue::run(
+                ctx.http.clone(),
+                ctx.cfg.api_url.clone(),
+                ctx.cfg.event_id,
+                bearers,
+                pacing,
+                tx,
+            ));
+            while let Some(a) = rx.recv().await {
+                let ctx = ctx.clone();
+                let seed = seed_of(a.idx);
+                tasks.spawn(async move {
+                    let mut buyer = Buyer::new(a.bearer, StdRng::seed_from_u64(seed));
+                    buyer.run(&ctx, Some(a.token)).await;
+                    inc(&ctx.stats.buyers);
+                });
+            }
+            let stats = room.await.context("the waiting-room phase died")??;
+            // Buyers who never got through are done as well.
+            ctx.stats.buyers.fetch_add(stats.gave_up, Ordering::Relaxed);
+            Some(stats)
+        }
+    };
     while let Some(done) = tasks.join_next().await {
         if let Err(e) = done {
             tracing::error!(error = %e, "buyer task died");
@@ -388,7 +435,9 @@ pub async fn drive(cfg: BuyerConfig) -> anyhow::Result<BuyerStats> {
         bar.set_position(get(&ctx.stats.buyers));
         bar.finish_with_message(progress_message(&ctx.stats));
     }
-    Ok(ctx.report())
+    let mut report = ctx.report();
+    report.queue = queue_stats;
+    Ok(report)
 }
 
 fn progress_bar(ctx: &Ctx) -> Option<ProgressBar> {
@@ -416,6 +465,11 @@ fn progress_message(s: &Counters) -> String {
 }
 
 impl Ctx {
+    /// `Bearer …` for a new simulated user.
+    fn bearer(&self) -> Arc<str> {
+        format!("Bearer {}", (self.cfg.user_token)(Uuid::new_v4())).into()
+    }
+
     fn api(&self, path: &str) -> String {
         format!("{}{path}", self.cfg.api_url)
     }
@@ -550,23 +604,25 @@ enum Intent {
 
 /// One buyer's identity and random stream.
 struct Buyer {
-    bearer: String,
+    bearer: Arc<str>,
     rng: StdRng,
     saw_authorized: bool,
 }
 
 impl Buyer {
-    fn new(ctx: &Ctx, rng: StdRng) -> Self {
-        Self {
-            bearer: format!("Bearer {}", (ctx.cfg.user_token)(Uuid::new_v4())),
-            rng,
-            saw_authorized: false,
-        }
+    fn new(bearer: Arc<str>, rng: StdRng) -> Self {
+        Self { bearer, rng, saw_authorized: false }
     }
 
-    async fn run(&mut self, ctx: &Ctx) {
-        let Some(admission) = self.admit(ctx).await else {
-            return;
+    /// The purchase journey; `admission` is the token from the waiting room, if any
+    /// (otherwise the direct admission route is asked).
+    async fn run(&mut self, ctx: &Ctx, admission: Option<String>) {
+        let admission = match admission {
+            Some(a) => a,
+            None => match self.admit(ctx).await {
+                Some(a) => a,
+                None => return,
+            },
         };
         let Some((order_id, held_at, ttl)) = self.hold(ctx, &admission).await else {
             return;
@@ -616,7 +672,7 @@ impl Buyer {
     async fn admit(&self, ctx: &Ctx) -> Option<String> {
         let url = ctx.api(&format!("/events/{}/admission", ctx.cfg.event_id));
         let (r, _) =
-            ctx.call(|| ctx.http.post(&url).header("authorization", &self.bearer), |_| false).await?;
+            ctx.call(|| ctx.http.post(&url).header("authorization", &*self.bearer), |_| false).await?;
         if r.status != StatusCode::CREATED {
             ctx.unexpected("admission", &r);
             return None;
@@ -651,7 +707,7 @@ impl Buyer {
             let build = || {
                 ctx.http
                     .post(&url)
-                    .header("authorization", &self.bearer)
+                    .header("authorization", &*self.bearer)
                     .header("idempotency-key", &key)
                     .header("x-admission-token", admission)
                     .json(&body)
@@ -738,7 +794,7 @@ impl Buyer {
         loop {
             let answer = {
                 let _slot = ctx.poll_slots.acquire().await.ok();
-                ctx.call(|| ctx.http.get(&url).header("authorization", &self.bearer), |_| false).await
+                ctx.call(|| ctx.http.get(&url).header("authorization", &*self.bearer), |_| false).await
             };
             match answer {
                 Some((r, _)) if r.status == StatusCode::OK => {

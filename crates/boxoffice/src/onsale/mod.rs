@@ -7,6 +7,7 @@
 //! invariant check is non-zero or could not run.
 
 pub mod buyers;
+pub mod queue;
 pub mod seatpick;
 
 use crate::commands;
@@ -32,10 +33,25 @@ pub struct OnsaleArgs {
     /// Sell this existing event instead of seeding a fresh arena.
     #[arg(long)]
     pub event: Option<uuid::Uuid>,
-    /// Drive a running deployment at this URL instead of starting the roles in-process. The
-    /// buyers use `POST /events/{id}/admission`: that deployment needs `admission_direct`.
+    /// Drive a running deployment at this URL instead of starting the roles in-process (its
+    /// own release controller admits the queue; with `--direct-admission` it needs
+    /// `admission_direct`).
     #[arg(long)]
     pub api_url: Option<String>,
+    /// Skip the waiting room: buyers take `POST /events/{id}/admission` (measures the
+    /// purchase path alone).
+    #[arg(long)]
+    pub direct_admission: bool,
+    /// Join + poll attempts per second against the waiting room, open loop (attempt `k` is
+    /// sent at `k / rate` s whatever the server's speed; new buyers join in slots no due poll
+    /// needs, so `--arrival-rate` is ignored). 0 = buyers join at `--arrival-rate` and poll
+    /// when the server's `poll_after_ms` says.
+    #[arg(long, default_value_t = 0.0)]
+    pub attempt_rate: f64,
+    /// Ceiling of the in-process deployment's release controller, buyers admitted per
+    /// second (R starts lower and adapts to the database's signals below this).
+    #[arg(long, default_value_t = 80.0)]
+    pub release_rate: f64,
     /// Kafka bootstrap servers (default: BOXOFFICE_KAFKA_BROKERS, else an embedded broker).
     #[arg(long)]
     pub kafka_brokers: Option<String>,
@@ -56,8 +72,9 @@ pub struct OnsaleArgs {
     /// Most adjacent seats one buyer asks for (1–8).
     #[arg(long, default_value_t = 4)]
     pub max_seats: usize,
-    /// Buyers arriving per second (open loop); 0 releases every buyer at once.
-    #[arg(long, default_value_t = 80.0)]
+    /// Buyers arriving (joining the queue, or holding with `--direct-admission`) per second,
+    /// open loop; 0 = every buyer at once.
+    #[arg(long, default_value_t = 100.0)]
     pub arrival_rate: f64,
     /// Concurrent HTTP requests the generator keeps in flight.
     #[arg(long, default_value_t = 64)]
@@ -108,6 +125,14 @@ impl std::str::FromStr for VenueSize {
 pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
     anyhow::ensure!(args.buyers > 0, "--buyers must be at least 1");
     anyhow::ensure!((1..=8).contains(&args.max_seats), "--max-seats must be 1..=8");
+    anyhow::ensure!(
+        args.attempt_rate >= 0.0 && args.attempt_rate.is_finite(),
+        "--attempt-rate must be a finite number >= 0"
+    );
+    anyhow::ensure!(
+        args.release_rate > 0.0 && args.release_rate.is_finite(),
+        "--release-rate must be a finite number > 0"
+    );
     cfg.hold_ttl_ms = args.hold_ttl_ms;
     cfg.validate()?;
     if let Some(b) = &args.kafka_brokers {
@@ -179,10 +204,16 @@ pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
             };
             cfg.stripe_api_base = stripe_base.clone();
             cfg.http_bind = "127.0.0.1:0".into();
-            // The simulated buyers take the direct admission route: this job measures the
-            // purchase path behind the waiting room, not the queue.
-            cfg.admission_direct = true;
-            cfg.waitroom_release_per_s = 0.0;
+            // Buyers come through the waiting room unless told otherwise; the release
+            // controller admits them at its adaptive rate R, at most the release rate. Every
+            // simulated buyer connects from this host, so each sends its own client address
+            // in X-Forwarded-For and this deployment trusts it: the per-IP bucket then sees a
+            // crowd, not one abusive host.
+            cfg.admission_direct = args.direct_admission;
+            cfg.release_max_per_s = if args.direct_admission { 0.0 } else { args.release_rate };
+            cfg.release_initial_per_s = cfg.release_initial_per_s.min(args.release_rate);
+            cfg.release_min_per_s = cfg.release_min_per_s.min(cfg.release_initial_per_s);
+            cfg.http_trust_forwarded_for = true;
             let r = runtime::start(&cfg, &Role::ALL, cfg.pg_options()?, shutdown.clone()).await?;
             let addr = r.api_addr.context("api did not start")?;
             anyhow::ensure!(
@@ -242,6 +273,15 @@ pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
         user_token: Arc::new(move |u| users.issue(boxoffice_domain::UserId(u), 3_600)),
         progress: !args.no_progress,
         arrival_rate: args.arrival_rate,
+        admission: if args.direct_admission {
+            buyers::AdmissionRoute::Direct
+        } else {
+            buyers::AdmissionRoute::Queue(queue::QueuePacing {
+                attempt_rate: args.attempt_rate,
+                arrival_rate: args.arrival_rate,
+                max_in_flight: 4_096,
+            })
+        },
     })
     .await?;
 
@@ -288,6 +328,7 @@ pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
         "hold_to_ticket_p99_ms": stats.hold_to_ticket_ms.p99,
         "holds_per_s": stats.holds_per_s,
         "max_outbox_age_ms": max_outbox_age.load(Ordering::Relaxed),
+        "waiting_room": stats.queue,
         "drained": drained,
         "elapsed_s": elapsed.as_secs_f64(),
     });
@@ -375,6 +416,34 @@ fn print_report(r: &serde_json::Value, audited: &crate::audit::AuditReport) {
         g("hold_to_ticket_p99_ms").as_f64().unwrap_or(0.0)
     );
     println!("  largest outbox age         {} ms", g("max_outbox_age_ms"));
+    if let Some(q) = r.get("waiting_room").filter(|q| !q.is_null()) {
+        let n = |k: &str| q.get(k).cloned().unwrap_or_default();
+        let p = |k: &str, s: &str| q.get(k).and_then(|v| v.get(s)).and_then(|v| v.as_f64()).unwrap_or(0.0);
+        println!(
+            "  waiting room               joins {}  polls {}  admitted {}  lapsed {}  gave up {}",
+            n("joins"),
+            n("polls"),
+            n("admitted"),
+            n("lapsed"),
+            n("gave_up")
+        );
+        println!(
+            "  join+poll attempts         {:.0}/s  p50 {:.1}  p99 {:.1} ms  (429s {}, 503s {}, errors {}, late slots {})",
+            n("attempts_per_s").as_f64().unwrap_or(0.0),
+            p("attempt_latency_ms", "p50"),
+            p("attempt_latency_ms", "p99"),
+            n("rate_limited_429"),
+            n("unavailable_503"),
+            n("errors"),
+            n("late_slots")
+        );
+        println!(
+            "  queue wait ms              p50 {:.0}  p99 {:.0}  (largest position {})",
+            p("queue_wait_ms", "p50"),
+            p("queue_wait_ms", "p99"),
+            n("max_position")
+        );
+    }
     println!("  orders by status           {}", g("orders_by_status"));
     print!("{}", crate::audit::render(audited));
     println!(

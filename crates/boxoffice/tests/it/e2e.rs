@@ -1,5 +1,6 @@
 //! The main job end to end: `boxoffice onsale` as a process (the compiled binary) on its own
-//! database against the test broker, checking the report's invariants.
+//! database against the test broker, buyers coming through the waiting room, checking the
+//! report's invariants.
 
 use crate::helpers::test_brokers;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -26,6 +27,8 @@ async fn small_onsale_through_the_binary_has_no_violations(_: PgPoolOptions, opt
                     "15000",
                     "--arrival-rate",
                     "200",
+                    "--release-rate",
+                    "150",
                     "--no-progress",
                 ])
                 .arg("--report-json")
@@ -34,6 +37,7 @@ async fn small_onsale_through_the_binary_has_no_violations(_: PgPoolOptions, opt
                 .env("BOXOFFICE_KAFKA_BROKERS", test_brokers())
                 .env("BOXOFFICE_KAFKA_TOPIC_PREFIX", format!("e2e{}.", uuid::Uuid::new_v4().simple()))
                 .env("BOXOFFICE_KAFKA_PARTITIONS", "4")
+                .env("BOXOFFICE_REDIS_KEY_PREFIX", format!("e2e{}:", uuid::Uuid::new_v4().simple()))
                 .output()
                 .unwrap()
         }
@@ -71,5 +75,10 @@ async fn small_onsale_through_the_binary_has_no_violations(_: PgPoolOptions, opt
     assert_eq!(r["seats_sold"], r["tickets"]);
     assert!(r["expired"].as_i64().unwrap() > 0, "abandoned holds expired within the run: {r}");
     assert!(stdout.contains("every invariant holds"));
+    // Every buyer came through the waiting room: joined, and was admitted by the release loop.
+    let q = &r["waiting_room"];
+    assert_eq!(q["admitted"], 400, "{q}");
+    assert!(q["joins"].as_u64().unwrap() >= 400, "{q}");
+    assert_eq!(q["gave_up"], 0, "{q}");
     let _ = std::fs::remove_dir_all(dir);
 }

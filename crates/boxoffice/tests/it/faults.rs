@@ -310,8 +310,11 @@ async fn disagreeing_webhooks_are_resolved_by_asking_stripe(_: PgPoolOptions, op
 /// Stripe (a refresh), so the early webhook is not lost.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn early_webhook_is_kept_and_rederived_from_stripe(_: PgPoolOptions, opts: PgConnectOptions) {
-    // Only the API runs: the test plays the payment worker by hand.
+    // Only the API runs: the test plays the payment worker by hand. The simulator's own
+    // webhooks stay off, so the one early webhook below is the only report of this
+    // authorization (a real one arriving after the payment row would be applied directly).
     let app = TestApp::spawn(opts, &[Role::Api], VenueSpec::small(1, 1, 4)).await;
+    app.sim.set_webhook_url(None);
     let seat = app.seats().await[0];
     let b = app.buyer();
     let r = app.hold(&b, &app.admission_token(&b), "early", &[seat]).await;

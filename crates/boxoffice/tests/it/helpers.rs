@@ -66,7 +66,7 @@ impl TestApp {
             redis_url: test_redis_url().into(),
             redis_key_prefix: format!("t{}:", Uuid::new_v4().simple()),
             admission_direct: true,
-            waitroom_release_per_s: 0.0,
+            release_max_per_s: 0.0,
             ..Config::default()
         };
         if roles.iter().any(|r| r.needs_kafka()) {
@@ -110,6 +110,11 @@ impl TestApp {
             shutdown,
             running: Some(running),
         }
+    }
+
+    /// The release controller's status (the API role with `release_max_per_s` > 0).
+    pub fn release_status(&self) -> tokio::sync::watch::Receiver<boxoffice_workers::release::Status> {
+        self.running.as_ref().and_then(|r| r.release_status()).expect("the release controller runs")
     }
 
     /// Stops every role and waits for them.

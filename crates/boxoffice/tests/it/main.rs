@@ -6,11 +6,13 @@ mod helpers;
 
 mod audit;
 mod bench;
+mod chaos;
 mod compensation;
 mod e2e;
 mod faults;
 mod holds;
 mod purchase;
+mod release;
 mod saga;
 mod waitroom;
 mod webhooks;

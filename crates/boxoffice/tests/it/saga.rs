@@ -173,6 +173,58 @@ async fn authorization_after_expiry_is_compensated(_: PgPoolOptions, opts: PgCon
     assert_eq!(l.active_rows(seat).await, 0);
 }
 
+/// A decline whose message arrives after the cancellation (its outbox row waited out a
+/// crashed relay's lease; found by `boxoffice chaos --seed 2`) must not move the cancelled
+/// payment back to `requires_payment_method`: the ledger would disagree with the provider.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn late_decline_does_not_reopen_a_cancelled_payment(_: PgPoolOptions, opts: PgConnectOptions) {
+    let l = ledger(opts).await;
+    let r = l.hold(&l.seats[..1], Duration::from_secs(60)).await;
+    let pi = l.payment(r.order_id).await;
+    let fact = |e: PurchaseEvent| Envelope::new(r.order_id, &e, Uuid::new_v4(), None);
+    let declined = fact(PurchaseEvent::PaymentFailed {
+        order_id: r.order_id,
+        payment_intent_id: pi.clone(),
+        reason: "generic_decline".into(),
+    });
+    let canceled =
+        fact(PurchaseEvent::PaymentCanceled { order_id: r.order_id, payment_intent_id: pi.clone() });
+    let payment = || async {
+        sqlx::query_as::<_, (String, Option<String>)>(
+            "SELECT status, last_error_code FROM payments WHERE payment_intent_id = $1",
+        )
+        .bind(&pi)
+        .fetch_one(&l.pool)
+        .await
+        .unwrap()
+    };
+    assert_eq!(handle_once(&l.pool, &Saga, &canceled).await.unwrap(), Disposition::Applied);
+    assert_eq!(handle_once(&l.pool, &Saga, &declined).await.unwrap(), Disposition::Applied);
+    assert_eq!(payment().await, ("canceled".to_owned(), None));
+
+    // In order, a decline is recorded while the payment is pending.
+    let r2 = l.hold(&l.seats[1..2], Duration::from_secs(60)).await;
+    let pi2 = l.payment(r2.order_id).await;
+    let declined2 = Envelope::new(
+        r2.order_id,
+        &PurchaseEvent::PaymentFailed {
+            order_id: r2.order_id,
+            payment_intent_id: pi2.clone(),
+            reason: "card_declined".into(),
+        },
+        Uuid::new_v4(),
+        None,
+    );
+    handle_once(&l.pool, &Saga, &declined2).await.unwrap();
+    let (status, code): (String, Option<String>) =
+        sqlx::query_as("SELECT status, last_error_code FROM payments WHERE payment_intent_id = $1")
+            .bind(&pi2)
+            .fetch_one(&l.pool)
+            .await
+            .unwrap();
+    assert_eq!((status.as_str(), code.as_deref()), ("requires_payment_method", Some("card_declined")));
+}
+
 /// C04: hold A expires, B holds and is ticketed for the same seat, then A's authorization
 /// arrives: A is cancelled and visible as such; B's order and ticket are untouched.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]

@@ -73,7 +73,7 @@ async fn hold(app: &TestApp, api: &str, b: &Buyer, token: &str, key: &str, seat:
 /// revokes the token), and the metrics.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn waitroom_join_poll_release_and_hold(_: PgPoolOptions, opts: PgConnectOptions) {
-    let app = app(opts, |c| c.waitroom_release_per_s = 0.0).await;
+    let app = app(opts, |c| c.release_max_per_s = 0.0).await;
     let s = app.seats().await;
     let (a, b) = (app.buyer(), app.buyer());
     let r = join(&app, &app.api, &a, app.event).await;
@@ -146,10 +146,17 @@ async fn waitroom_join_poll_release_and_hold(_: PgPoolOptions, opts: PgConnectOp
     app.stop().await;
 }
 
-/// The API role's release loop admits queued buyers at the configured rate.
+/// The API role's release controller admits queued buyers (its rate pinned at 20/s: the
+/// adaptive law has its own tests in `release::`).
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
-async fn waitroom_release_loop_admits_queued_buyers(_: PgPoolOptions, opts: PgConnectOptions) {
-    let app = app(opts, |c| c.waitroom_release_per_s = 20.0).await;
+async fn waitroom_release_controller_admits_queued_buyers(_: PgPoolOptions, opts: PgConnectOptions) {
+    let app = app(opts, |c| {
+        c.release_max_per_s = 20.0;
+        c.release_initial_per_s = 20.0;
+        c.release_min_per_s = 20.0;
+        c.release_tick_ms = 100;
+    })
+    .await;
     let buyers: Vec<Buyer> = (0..3).map(|_| app.buyer()).collect();
     let mut tickets = Vec::new();
     for b in &buyers {
@@ -428,5 +435,51 @@ async fn waitroom_redis_down_answers_503_and_changes_no_seat(_: PgPoolOptions, o
         join(&app, &app.api, &c, app.event).await.status() == 201
     })
     .await;
+    app.stop().await;
+}
+
+/// The onsale's waiting-room phase, open loop and paced by the server: every buyer joins,
+/// keeps its position by polling, and leaves with a valid admission token of its own user
+/// for this event; the release controller is the only way in.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn onsale_buyers_queue_until_released_open_loop_and_paced(_: PgPoolOptions, opts: PgConnectOptions) {
+    use boxoffice::onsale::queue::{self, QueuePacing};
+    let app = app(opts, |c| {
+        // R pinned at 50/s: this test is about the buyers' side, not the controller's law.
+        c.release_max_per_s = 50.0;
+        c.release_initial_per_s = 50.0;
+        c.release_min_per_s = 50.0;
+        c.release_tick_ms = 100;
+        c.waitroom_poll_interval_ms = 200;
+        c.waitroom_abandon_after_ms = 5_000;
+    })
+    .await;
+    let tokens = app.cfg.admission_tokens().unwrap();
+    for pacing in [
+        QueuePacing { attempt_rate: 400.0, arrival_rate: 0.0, max_in_flight: 64 },
+        QueuePacing { attempt_rate: 0.0, arrival_rate: 200.0, max_in_flight: 64 },
+    ] {
+        let buyers: Vec<_> = (0..60).map(|_| app.buyer()).collect();
+        let bearers = buyers.iter().map(|b| format!("Bearer {}", b.token).into()).collect();
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let stats = queue::run(app.http.clone(), app.api.clone(), app.event, bearers, pacing.clone(), tx)
+            .await
+            .unwrap();
+        let mut seen = std::collections::HashSet::new();
+        while let Some(a) = rx.recv().await {
+            // Bound to this buyer's user and this event, or verify refuses it.
+            let claims = tokens
+                .verify(&a.token, boxoffice_domain::UserId(buyers[a.idx].user), EventId(app.event))
+                .unwrap();
+            assert!(seen.insert(claims.jti), "one ticket per buyer: {pacing:?}");
+        }
+        assert_eq!(seen.len(), 60, "{pacing:?}: {stats:?}");
+        assert_eq!(stats.admitted, 60, "{stats:?}");
+        assert_eq!((stats.gave_up, stats.errors, stats.unavailable_503), (0, 0, 0), "{stats:?}");
+        // Released at 50/s, 60 buyers cannot all be admitted on their join: some polled.
+        assert!(stats.polls > 0 && stats.joins >= 60, "{stats:?}");
+        assert!(stats.max_position > 1, "a queue formed: {stats:?}");
+        assert_eq!(room(&app).stats(EventId(app.event)).await.unwrap().queued, 0);
+    }
     app.stop().await;
 }
