@@ -46,6 +46,10 @@ enum Command {
     },
     /// Run a whole onsale with simulated buyers and print the report (the main job).
     Onsale(boxoffice::onsale::OnsaleArgs),
+    /// Measure capacity (design §12): hold tps vs pgbench (P1), waiting-room attempts/s (P2),
+    /// end-to-end ticketed orders/s (P3), relay events/s (P4); recommend the release rate R.
+    /// Writes report.json, report.md and chart.png.
+    Bench(boxoffice::bench::BenchArgs),
     /// Run an onsale with every role as its own process (two of each) under a seeded schedule
     /// of crashes and outages (kill -9, broker and PostgreSQL restarts, Stripe faults,
     /// duplicate webhooks), then drain and audit; exit 1 on any violation.
@@ -248,7 +252,7 @@ async fn main() {
             std::process::exit(2);
         }
     };
-    init_logging(&cfg, matches!(cli.command, Command::Onsale(_) | Command::Chaos(_)));
+    init_logging(&cfg, matches!(cli.command, Command::Onsale(_) | Command::Chaos(_) | Command::Bench(_)));
     let result: anyhow::Result<i32> = match cli.command {
         Command::Migrate => commands::migrate(&cfg).await.map(|_| 0),
         Command::Serve { roles } => commands::serve(&cfg, &roles).await.map(|_| 0),
@@ -260,6 +264,7 @@ async fn main() {
             commands::stripe_sim(&cfg, &bind, webhook_url).await.map(|_| 0)
         }
         Command::Onsale(args) => boxoffice::onsale::run(cfg, args).await,
+        Command::Bench(args) => boxoffice::bench::run(cfg, args).await,
         Command::Chaos(args) => boxoffice::chaos::run(cfg, args).await,
         Command::Audit { json, stuck_after_ms, event, since, skip_provider } => {
             match commands::audit_options(&cfg, stuck_after_ms, event, since.as_deref(), skip_provider) {

@@ -5,6 +5,7 @@
 mod helpers;
 
 mod audit;
+mod bench;
 mod chaos;
 mod compensation;
 mod e2e;

@@ -1,0 +1,407 @@
+//! `boxoffice bench`: the capacity measurements of design §12 in one run on one machine,
+//! written to `report.json`, `report.md` and `chart.png` in the output directory.
+//!
+//! - P1 ([`p1`]): the hold transaction (the same `holds::reserve` the API's
+//!   `POST /events/{id}/holds` runs) from N concurrent tasks per concurrency level, next to
+//!   pgbench's TPC-B tps on the same PostgreSQL (the physical-limit anchor), then the
+//!   zero-oversell check (invariant 1: one active hold / one ticket per seat).
+//! - P2 ([`p2`]): waiting-room join + poll through the HTTP API (and the library calls
+//!   directly, to show which layer bounds it).
+//! - P3 ([`p3`]): end-to-end ticketed orders per second with every role in-process, at
+//!   stepped buyer arrival rates, with outbox age and consumer lag sampled every 500 ms.
+//! - P4 ([`p4`]): relay publish throughput (outbox rows → broker).
+//!
+//! Owns its databases: each phase that writes gets a fresh database named
+//! `boxoffice_bench_*` next to `database_url`'s, dropped at the end, so a bench never touches
+//! a deployment's ledger; Redis keys use a unique prefix and are deleted afterwards; Kafka
+//! topics use a unique prefix (on an embedded broker unless `BOXOFFICE_KAFKA_BROKERS` or
+//! `--kafka-brokers` names one). The recommended release rate R (design §3, §12) is the
+//! largest P3 arrival rate whose hold p99, outbox age p99 and consumer lag stay under the
+//! thresholds while the system keeps up (see [`report::recommend`]).
+
+pub mod p1;
+pub mod p2;
+pub mod p3;
+pub mod p4;
+pub mod report;
+
+use crate::config::Config;
+use anyhow::Context;
+use sqlx::postgres::PgConnectOptions;
+use sqlx::{ConnectOptions, PgPool};
+use std::path::PathBuf;
+
+/// Options of `boxoffice bench`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct BenchArgs {
+    /// Directory for report.json, report.md and chart.png.
+    #[arg(long, default_value = "bench-report")]
+    pub out: PathBuf,
+    /// Phases to run, comma-separated: p1, p2, p3, p4.
+    #[arg(long, value_delimiter = ',', default_value = "p1,p2,p3,p4")]
+    pub phases: Vec<Phase>,
+    /// P1 concurrency levels (concurrent hold transactions; pgbench clients).
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32,64")]
+    pub p1_concurrency: Vec<usize>,
+    /// Seconds per P1 level (holds, then pgbench, each this long).
+    #[arg(long, default_value_t = 8)]
+    pub p1_seconds: u64,
+    /// Share of P1 hold attempts that ask for a seat already dealt out (they should get 409).
+    #[arg(long, default_value_t = 0.05)]
+    pub p1_conflict_share: f64,
+    /// pgbench scale factor (`pgbench -i -s`).
+    #[arg(long, default_value_t = 10)]
+    pub pgbench_scale: u32,
+    /// P2 concurrency levels (concurrent simulated clients, each joining then polling).
+    #[arg(long, value_delimiter = ',', default_value = "4,16,64")]
+    pub p2_concurrency: Vec<usize>,
+    /// Seconds per P2 level.
+    #[arg(long, default_value_t = 8)]
+    pub p2_seconds: u64,
+    /// P3 ramp: buyer arrival rates (per second) tried for `--p3-step-seconds` each before
+    /// the sustained step.
+    #[arg(long, value_delimiter = ',', default_value = "25,50,75,100,150,200")]
+    pub p3_ramp: Vec<f64>,
+    /// Seconds per P3 ramp step.
+    #[arg(long, default_value_t = 10)]
+    pub p3_step_seconds: u64,
+    /// P3 sustained buyer arrival rate, per second; 0 (default) picks the largest ramp rate
+    /// within the thresholds (R), else the smallest ramp rate. The sustained step starts
+    /// after the ramp has drained.
+    #[arg(long, default_value_t = 0.0)]
+    pub p3_attempt_rate: f64,
+    /// Seconds of the sustained P3 step.
+    #[arg(long, default_value_t = 60)]
+    pub p3_seconds: u64,
+    /// Seats per P3 buyer.
+    #[arg(long, default_value_t = 2)]
+    pub p3_seats: usize,
+    /// Concurrent HTTP requests the P3 generator keeps in flight at most.
+    #[arg(long, default_value_t = 512)]
+    pub p3_max_in_flight: usize,
+    /// Outbox rows P4 fills and the relay drains.
+    #[arg(long, default_value_t = 200_000)]
+    pub p4_events: usize,
+    /// Threshold for R: hold latency p99, ms.
+    #[arg(long, default_value_t = 250.0)]
+    pub max_hold_p99_ms: f64,
+    /// Threshold for R: outbox age p99, ms.
+    #[arg(long, default_value_t = 1_000.0)]
+    pub max_outbox_age_ms: f64,
+    /// Threshold for R: largest consumer lag, messages (summed over partitions of a group).
+    #[arg(long, default_value_t = 5_000)]
+    pub max_lag: i64,
+    /// Kafka bootstrap servers (default: BOXOFFICE_KAFKA_BROKERS, else an embedded broker).
+    #[arg(long)]
+    pub kafka_brokers: Option<String>,
+    /// Short durations and small sizes: a smoke test of the whole bench (numbers meaningless).
+    #[arg(long)]
+    pub quick: bool,
+}
+
+/// A bench phase.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Phase {
+    /// Hold transactions vs pgbench.
+    P1,
+    /// Waiting room join + poll.
+    P2,
+    /// End-to-end ticketed orders.
+    P3,
+    /// Relay publish.
+    P4,
+}
+
+impl std::str::FromStr for Phase {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "p1" => Ok(Phase::P1),
+            "p2" => Ok(Phase::P2),
+            "p3" => Ok(Phase::P3),
+            "p4" => Ok(Phase::P4),
+            other => Err(format!("unknown phase {other:?} (p1, p2, p3, p4)")),
+        }
+    }
+}
+
+impl BenchArgs {
+    /// The documented defaults (what `boxoffice bench` runs without flags).
+    pub fn defaults() -> Self {
+        use clap::Parser;
+        #[derive(clap::Parser)]
+        struct Wrap {
+            #[command(flatten)]
+            args: BenchArgs,
+        }
+        Wrap::parse_from(["bench"]).args
+    }
+
+    /// Applies `--quick`: every phase in seconds, with tiny sizes.
+    pub fn resolved(mut self) -> Self {
+        if self.quick {
+            self.p1_concurrency = vec![1, 4];
+            self.p1_seconds = 1;
+            self.pgbench_scale = 1;
+            self.p2_concurrency = vec![8];
+            self.p2_seconds = 1;
+            self.p3_ramp = vec![10.0];
+            self.p3_step_seconds = 2;
+            self.p3_attempt_rate = 20.0;
+            self.p3_seconds = 3;
+            self.p3_max_in_flight = 64;
+            self.p4_events = 2_000;
+        }
+        self
+    }
+
+    fn validate(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(!self.phases.is_empty(), "--phases is empty");
+        anyhow::ensure!(
+            !self.p1_concurrency.is_empty() && self.p1_concurrency.iter().all(|c| (1..=90).contains(c)),
+            "--p1-concurrency levels must be 1..=90 (PostgreSQL's max_connections bounds them)"
+        );
+        anyhow::ensure!(self.p2_concurrency.iter().all(|c| *c >= 1), "--p2-concurrency levels must be ≥ 1");
+        anyhow::ensure!(
+            !self.p3_ramp.is_empty()
+                && self.p3_ramp.iter().all(|r| r.is_finite() && *r > 0.0)
+                && self.p3_attempt_rate.is_finite()
+                && self.p3_attempt_rate >= 0.0,
+            "--p3-ramp rates must be positive and --p3-attempt-rate ≥ 0"
+        );
+        anyhow::ensure!((1..=8).contains(&self.p3_seats), "--p3-seats must be 1..=8");
+        anyhow::ensure!((0.0..=1.0).contains(&self.p1_conflict_share), "--p1-conflict-share must be 0..=1");
+        anyhow::ensure!(
+            self.p1_seconds >= 1 && self.p2_seconds >= 1 && self.p3_seconds >= 1,
+            "durations ≥ 1 s"
+        );
+        Ok(())
+    }
+}
+
+/// A database created for the bench and dropped by [`BenchDb::drop_db`].
+pub struct BenchDb {
+    /// Its name.
+    pub name: String,
+    /// Connect options pointing at it.
+    pub opts: PgConnectOptions,
+    admin: PgConnectOptions,
+}
+
+impl BenchDb {
+    /// Creates `boxoffice_bench_{tag}_{random}` on the server of `cfg.database_url`.
+    pub async fn create(cfg: &Config, tag: &str) -> anyhow::Result<Self> {
+        let base = cfg.pg_options()?;
+        let admin = base.clone().database("postgres");
+        let name = format!("boxoffice_bench_{tag}_{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+        let mut conn = admin.connect().await.context("connecting to PostgreSQL")?;
+        sqlx::query(&format!("CREATE DATABASE {name}"))
+            .execute(&mut conn)
+            .await
+            .context("creating the bench database")?;
+        Ok(Self { opts: base.database(&name), name, admin })
+    }
+
+    /// Creates the database and applies every migration; returns it and a pool of `max`.
+    pub async fn migrated(cfg: &Config, tag: &str, max: u32) -> anyhow::Result<(Self, PgPool)> {
+        let db = Self::create(cfg, tag).await?;
+        let pool = boxoffice_store::connect(db.opts.clone(), max, 30_000).await?;
+        boxoffice_store::MIGRATOR.run(&pool).await.context("applying migrations")?;
+        Ok((db, pool))
+    }
+
+    /// Drops the database (closing other sessions first).
+    pub async fn drop_db(self) {
+        let r = async {
+            let mut conn = self.admin.connect().await?;
+            sqlx::query(&format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name))
+                .execute(&mut conn)
+                .await
+        }
+        .await;
+        if let Err(e) = r {
+            tracing::warn!(db = %self.name, error = %e, "could not drop the bench database");
+        }
+    }
+}
+
+/// `boxoffice bench`: runs the phases, writes the report files, prints the Markdown table.
+/// Returns the exit code: 0, or 1 when P1 found oversold seats.
+pub async fn run(cfg: Config, args: BenchArgs) -> anyhow::Result<i32> {
+    let args = args.resolved();
+    let report = run_phases(cfg, &args).await?;
+    let files = report::write(&report, &args.out)?;
+    println!("{}", report::markdown(&report));
+    for f in files {
+        eprintln!("wrote {}", f.display());
+    }
+    Ok(if report.p1.as_ref().is_some_and(|p| p.oversold_seats != 0) { 1 } else { 0 })
+}
+
+/// Runs the selected phases and returns the report (nothing written).
+pub async fn run_phases(mut cfg: Config, args: &BenchArgs) -> anyhow::Result<report::Report> {
+    args.validate()?;
+    if let Some(b) = &args.kafka_brokers {
+        cfg.kafka_brokers = Some(b.clone());
+    }
+    let mut embedded = None;
+    if cfg.kafka_brokers.is_none() && (args.phases.contains(&Phase::P3) || args.phases.contains(&Phase::P4)) {
+        let broker = boxoffice_bus::embedded::EmbeddedBroker::start(1)?;
+        cfg.kafka_brokers = Some(broker.bootstrap_servers());
+        embedded = Some(broker);
+    }
+    let broker_kind = if embedded.is_some() { "embedded (librdkafka mock cluster)" } else { "external" };
+    let mut report = report::Report::new(&cfg, args, broker_kind).await;
+    let step = |name: &str| eprintln!("== {name}");
+    if args.phases.contains(&Phase::P1) {
+        step("P1: hold transactions vs pgbench TPC-B");
+        report.p1 = Some(p1::run(&cfg, args).await?);
+    }
+    if args.phases.contains(&Phase::P2) {
+        step("P2: waiting room join + poll");
+        report.p2 = Some(p2::run(&cfg, args).await?);
+    }
+    if args.phases.contains(&Phase::P3) {
+        step("P3: end-to-end ticketed orders");
+        report.p3 = Some(p3::run(&cfg, args, embedded.as_ref()).await?);
+    }
+    if args.phases.contains(&Phase::P4) {
+        step("P4: relay publish");
+        report.p4 = Some(p4::run(&cfg, args, embedded.as_ref()).await?);
+    }
+    report.finish(args);
+    Ok(report)
+}
+
+/// A new unique Kafka topic prefix for one phase, with its topics created.
+pub(crate) async fn fresh_topics(
+    cfg: &mut Config,
+    embedded: Option<&boxoffice_bus::embedded::EmbeddedBroker>,
+) -> anyhow::Result<()> {
+    cfg.kafka_topic_prefix = format!("bench{}.", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+    let k = cfg.kafka().context("no broker")?;
+    match embedded {
+        Some(b) => b.create_topics(&k)?,
+        None => {
+            boxoffice_bus::topics::create_all(&k).await?;
+        }
+    }
+    Ok(())
+}
+
+/// Nearest-rank percentile of `v` (unsorted), `q` in 0..=1; 0 when empty.
+pub(crate) fn percentile(v: &[f64], q: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    let rank = ((q * s.len() as f64).ceil() as usize).clamp(1, s.len());
+    s[rank - 1]
+}
+
+/// Latency histogram in µs, 1 µs .. 1 h, 3 significant digits.
+pub(crate) fn histogram() -> hdrhistogram::Histogram<u64> {
+    hdrhistogram::Histogram::new_with_bounds(1, 3_600_000_000, 3).expect("valid bounds")
+}
+
+/// `(p50, p99, max)` of a µs histogram, in ms.
+pub(crate) fn quantiles_ms(h: &hdrhistogram::Histogram<u64>) -> (f64, f64, f64) {
+    if h.is_empty() {
+        return (0.0, 0.0, 0.0);
+    }
+    let ms = |v: u64| v as f64 / 1_000.0;
+    (ms(h.value_at_quantile(0.5)), ms(h.value_at_quantile(0.99)), ms(h.max()))
+}
+
+/// Where the CPU went during a measured window (Linux `/proc`; zeros elsewhere): the basis
+/// of "what bounds it" when a target is missed.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct CpuUse {
+    /// Window length, seconds.
+    pub seconds: f64,
+    /// Share of all cores busy (not idle or waiting for IO), percent.
+    pub machine_busy_pct: f64,
+    /// Cores used by this process (the bench's generator and every in-process role).
+    pub boxoffice_cores: f64,
+    /// Cores used by PostgreSQL processes.
+    pub postgres_cores: f64,
+    /// Cores used by everything else (Redis, a broker, other work on the machine).
+    pub other_cores: f64,
+}
+
+/// CPU counters at one instant, in clock ticks (USER_HZ, 100 per second on Linux).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct CpuSnap {
+    at: std::time::Instant,
+    own: u64,
+    postgres: u64,
+    busy: u64,
+}
+
+const TICKS_PER_S: f64 = 100.0;
+
+impl CpuSnap {
+    /// Reads the counters now.
+    pub(crate) fn now() -> Self {
+        let mut postgres = 0;
+        if let Ok(dir) = std::fs::read_dir("/proc") {
+            for e in dir.flatten() {
+                let name = e.file_name();
+                let Some(pid) = name.to_str().filter(|n| n.bytes().all(|b| b.is_ascii_digit())) else {
+                    continue;
+                };
+                if let Some((comm, ticks)) = proc_ticks(&format!("/proc/{pid}/stat")) {
+                    if comm == "postgres" {
+                        postgres += ticks;
+                    }
+                }
+            }
+        }
+        let busy = std::fs::read_to_string("/proc/stat")
+            .ok()
+            .and_then(|s| {
+                let v: Vec<u64> =
+                    s.lines().next()?.split_whitespace().skip(1).filter_map(|x| x.parse().ok()).collect();
+                // user nice system idle iowait irq softirq steal
+                let idle = v.get(3).copied().unwrap_or(0) + v.get(4).copied().unwrap_or(0);
+                Some(v.iter().take(8).sum::<u64>() - idle)
+            })
+            .unwrap_or(0);
+        Self {
+            at: std::time::Instant::now(),
+            own: proc_ticks("/proc/self/stat").map(|p| p.1).unwrap_or(0),
+            postgres,
+            busy,
+        }
+    }
+
+    /// The use between `self` (earlier) and `later`.
+    pub(crate) fn until(&self, later: &CpuSnap) -> CpuUse {
+        let seconds = (later.at - self.at).as_secs_f64().max(1e-3);
+        let cores = |a: u64, b: u64| b.saturating_sub(a) as f64 / TICKS_PER_S / seconds;
+        let busy = cores(self.busy, later.busy);
+        let own = cores(self.own, later.own);
+        let pg = cores(self.postgres, later.postgres);
+        let n = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) as f64;
+        CpuUse {
+            seconds,
+            machine_busy_pct: 100.0 * busy / n,
+            boxoffice_cores: own,
+            postgres_cores: pg,
+            other_cores: (busy - own - pg).max(0.0),
+        }
+    }
+}
+
+/// `(comm, utime + stime)` of a `/proc/<pid>/stat` file.
+fn proc_ticks(path: &str) -> Option<(String, u64)> {
+    let s = std::fs::read_to_string(path).ok()?;
+    let (open, close) = (s.find('(')?, s.rfind(')')?);
+    let comm = s[open + 1..close].to_owned();
+    let rest: Vec<&str> = s[close + 1..].split_whitespace().collect();
+    // rest[0] is field 3 (state); utime and stime are fields 14 and 15.
+    let ticks = rest.get(11)?.parse::<u64>().ok()? + rest.get(12)?.parse::<u64>().ok()?;
+    Some((comm, ticks))
+}

@@ -1,0 +1,392 @@
+//! P1: hold transactions per second and their latency at increasing concurrency, next to
+//! pgbench's TPC-B tps on the same PostgreSQL in the same run (the physical-limit anchor).
+//!
+//! The hold is `boxoffice_store::holds::reserve`, the transaction behind
+//! `POST /events/{id}/holds`, called in-process from N tasks on a pool of N connections.
+//! Each attempt asks for two seats dealt from a shuffled deck of the venue (so attempts do
+//! not collide by accident); a share of attempts (`--p1-conflict-share`) adds a seat dealt
+//! out earlier, and must be refused (409 `seat_unavailable`). Afterwards the ledger is
+//! checked for invariant 1: no seat with more than one unreleased hold or more than one
+//! ticket, and exactly one hold row per successful call.
+
+use super::{histogram, quantiles_ms, BenchArgs, BenchDb};
+use crate::config::Config;
+use anyhow::Context;
+use boxoffice_domain::{EventId, SeatId, UserId};
+use boxoffice_store::holds::{self, ReserveError, ReserveRequest};
+use boxoffice_store::venue::{self, VenueSpec};
+use rand::seq::SliceRandom;
+use rand::Rng;
+use serde::Serialize;
+use sqlx::postgres::PgConnectOptions;
+use sqlx::PgPool;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Seats per P1 hold attempt.
+const SEATS_PER_ATTEMPT: usize = 2;
+
+/// One concurrency level.
+#[derive(Debug, Clone, Serialize)]
+pub struct P1Level {
+    /// Concurrent hold transactions (and pgbench clients).
+    pub concurrency: usize,
+    /// Measured seconds of the hold run.
+    pub seconds: f64,
+    /// Calls of `reserve`.
+    pub attempts: u64,
+    /// Holds created.
+    pub holds: u64,
+    /// Refusals because a seat was taken (409 `seat_unavailable`).
+    pub conflicts_409: u64,
+    /// Any other error (database, pool timeout).
+    pub errors: u64,
+    /// Holds created per second.
+    pub holds_per_s: f64,
+    /// Hold transactions per second, refusals included (each is a full transaction).
+    pub transactions_per_s: f64,
+    /// Latency of one `reserve` call (retries included), ms.
+    pub p50_ms: f64,
+    /// 99th percentile, ms.
+    pub p99_ms: f64,
+    /// Largest, ms.
+    pub max_ms: f64,
+    /// pgbench TPC-B tps at the same client count (None when pgbench could not run).
+    pub pgbench_tps: Option<f64>,
+    /// `holds_per_s / pgbench_tps`.
+    pub ratio: Option<f64>,
+    /// Where the CPU went during the hold run.
+    pub cpu: super::CpuUse,
+}
+
+/// P1's result.
+#[derive(Debug, Clone, Serialize)]
+pub struct P1Result {
+    /// Seats of the venue the holds were taken from.
+    pub venue_seats: usize,
+    /// Every level, in the order run.
+    pub levels: Vec<P1Level>,
+    /// The level with the most holds per second.
+    pub best_concurrency: usize,
+    /// Its holds per second.
+    pub best_holds_per_s: f64,
+    /// The best pgbench tps over all levels.
+    pub best_pgbench_tps: Option<f64>,
+    /// `best_holds_per_s / best_pgbench_tps` (the target is ≥ 0.5).
+    pub best_ratio: Option<f64>,
+    /// Seats with more than one unreleased hold or more than one ticket (must be 0).
+    pub oversold_seats: i64,
+    /// Hold rows in the ledger minus successful calls (must be 0).
+    pub hold_count_mismatch: i64,
+    /// Why pgbench did not run, if it did not.
+    pub pgbench_error: Option<String>,
+}
+
+/// Runs P1 on a fresh database and drops it afterwards.
+pub async fn run(cfg: &Config, args: &BenchArgs) -> anyhow::Result<P1Result> {
+    let (db, pool) = BenchDb::migrated(cfg, "p1", 4).await?;
+    let result = run_on(cfg, args, &db, &pool).await;
+    pool.close().await;
+    db.drop_db().await;
+    result
+}
+
+async fn run_on(cfg: &Config, args: &BenchArgs, db: &BenchDb, pool: &PgPool) -> anyhow::Result<P1Result> {
+    // Enough seats that the deck never runs out: a generous 4,000 holds/s per level.
+    let per_level = 4_000 * args.p1_seconds as usize * SEATS_PER_ATTEMPT;
+    let needed = (per_level * args.p1_concurrency.len()).clamp(2_000, 400_000);
+    let rows = 40u32;
+    let seats_per_row = 50u32;
+    let sections = (needed as u32).div_ceil(rows * seats_per_row);
+    let spec = VenueSpec::small(sections, rows, seats_per_row);
+    let name = format!("Bench P1 {}", uuid::Uuid::new_v4());
+    let (event, _) =
+        venue::seed(pool, &name, &spec, chrono::Utc::now() + chrono::Duration::days(30), &cfg.purchase_cell)
+            .await?;
+    let mut deck: Vec<uuid::Uuid> =
+        sqlx::query_scalar("SELECT id FROM seats WHERE event_id = $1").bind(event.0).fetch_all(pool).await?;
+    deck.shuffle(&mut rand::thread_rng());
+    eprintln!("   venue: {} seats", deck.len());
+    let deck = Arc::new(Deck { seats: deck, next: AtomicUsize::new(0) });
+
+    let pgbench = PgBench::prepare(cfg, args.pgbench_scale).await;
+    let mut pgbench_error = pgbench.as_ref().err().map(|e| format!("{e:#}"));
+    let mut levels = Vec::new();
+    let mut total_holds = 0;
+    for &n in &args.p1_concurrency {
+        // Fresh statistics for each level, as autovacuum would keep them (it may be off).
+        sqlx::query("ANALYZE orders, holds, hold_seats, tickets, outbox, idempotency_keys")
+            .execute(pool)
+            .await?;
+        let mut level = hold_level(db.opts.clone(), event, deck.clone(), n, args).await?;
+        total_holds += level.holds;
+        if let Ok(pg) = &pgbench {
+            match pg.run(n, args.p1_seconds).await {
+                Ok(tps) => {
+                    level.pgbench_tps = Some(tps);
+                    level.ratio = Some(level.holds_per_s / tps);
+                }
+                Err(e) => pgbench_error = Some(format!("{e:#}")),
+            }
+        }
+        eprintln!(
+            "   c={:<3} holds/s {:>8.1}  p50 {:>6.1} ms  p99 {:>7.1} ms  409s {:<5} errors {:<4} pgbench tps {}",
+            n,
+            level.holds_per_s,
+            level.p50_ms,
+            level.p99_ms,
+            level.conflicts_409,
+            level.errors,
+            level.pgbench_tps.map(|t| format!("{t:.1}")).unwrap_or_else(|| "-".into())
+        );
+        levels.push(level);
+        if deck.exhausted() {
+            eprintln!("   the venue ran out of seats: stopping P1 here");
+            break;
+        }
+    }
+    if let Ok(pg) = pgbench {
+        pg.drop_db().await;
+    }
+
+    let oversold_seats: i64 = sqlx::query_scalar(
+        "SELECT (SELECT count(*) FROM (SELECT seat_id FROM hold_seats WHERE released_at IS NULL
+                                         GROUP BY seat_id HAVING count(*) > 1) h)
+              + (SELECT count(*) FROM (SELECT seat_id FROM tickets GROUP BY seat_id HAVING count(*) > 1) t)",
+    )
+    .fetch_one(pool)
+    .await?;
+    let hold_rows: i64 = sqlx::query_scalar("SELECT count(*) FROM holds").fetch_one(pool).await?;
+    let best =
+        levels.iter().max_by(|a, b| a.holds_per_s.total_cmp(&b.holds_per_s)).context("no P1 level ran")?;
+    let best_pgbench_tps = levels.iter().filter_map(|l| l.pgbench_tps).max_by(|a, b| a.total_cmp(b));
+    Ok(P1Result {
+        venue_seats: deck.seats.len(),
+        best_concurrency: best.concurrency,
+        best_holds_per_s: best.holds_per_s,
+        best_ratio: best_pgbench_tps.map(|t| best.holds_per_s / t),
+        best_pgbench_tps,
+        oversold_seats,
+        hold_count_mismatch: hold_rows - total_holds as i64,
+        pgbench_error,
+        levels,
+    })
+}
+
+/// The venue's seats in random order, dealt out once each.
+struct Deck {
+    seats: Vec<uuid::Uuid>,
+    next: AtomicUsize,
+}
+
+impl Deck {
+    /// `n` fresh seats, or None when the deck is spent.
+    fn deal(&self, n: usize) -> Option<Vec<uuid::Uuid>> {
+        let at = self.next.fetch_add(n, Ordering::Relaxed);
+        self.seats.get(at..at + n).map(<[_]>::to_vec)
+    }
+
+    /// A seat dealt out before (for a deliberate conflict).
+    fn dealt(&self, rng: &mut impl Rng) -> Option<uuid::Uuid> {
+        let upto = self.next.load(Ordering::Relaxed).min(self.seats.len());
+        (upto > 0).then(|| self.seats[rng.gen_range(0..upto)])
+    }
+
+    fn exhausted(&self) -> bool {
+        self.next.load(Ordering::Relaxed) + SEATS_PER_ATTEMPT > self.seats.len()
+    }
+}
+
+#[derive(Default)]
+struct Counts {
+    attempts: AtomicU64,
+    holds: AtomicU64,
+    conflicts: AtomicU64,
+    errors: AtomicU64,
+}
+
+async fn hold_level(
+    opts: PgConnectOptions,
+    event: EventId,
+    deck: Arc<Deck>,
+    n: usize,
+    args: &BenchArgs,
+) -> anyhow::Result<P1Level> {
+    let pool = boxoffice_store::connect(opts, n as u32, 30_000).await?;
+    // Open every connection before the clock starts.
+    let warm: Vec<_> = futures::future::join_all((0..n).map(|_| pool.acquire())).await;
+    drop(warm);
+    let counts = Arc::new(Counts::default());
+    let hist = Arc::new(Mutex::new(histogram()));
+    let cpu_before = super::CpuSnap::now();
+    let started = Instant::now();
+    let until = started + Duration::from_secs(args.p1_seconds);
+    let tasks: Vec<_> = (0..n)
+        .map(|_| {
+            let (pool, deck, counts, hist) = (pool.clone(), deck.clone(), counts.clone(), hist.clone());
+            let conflict_share = args.p1_conflict_share;
+            tokio::spawn(async move {
+                let mut local = histogram();
+                while Instant::now() < until {
+                    let Some(mut seats) = deck.deal(SEATS_PER_ATTEMPT) else { break };
+                    {
+                        let mut rng = rand::thread_rng();
+                        if rng.gen_bool(conflict_share) {
+                            if let Some(taken) = deck.dealt(&mut rng) {
+                                seats[0] = taken;
+                            }
+                        }
+                    }
+                    let req = ReserveRequest {
+                        user_id: UserId(uuid::Uuid::new_v4()),
+                        event_id: event,
+                        seat_ids: seats.into_iter().map(SeatId).collect(),
+                        idempotency_key: uuid::Uuid::new_v4().to_string(),
+                        correlation_id: uuid::Uuid::new_v4(),
+                        ttl: Duration::from_secs(3_600),
+                    };
+                    let t = Instant::now();
+                    let r = holds::reserve(&pool, &req).await;
+                    let _ = local.record((t.elapsed().as_micros() as u64).max(1));
+                    counts.attempts.fetch_add(1, Ordering::Relaxed);
+                    let c = match r {
+                        Ok(_) => &counts.holds,
+                        Err(ReserveError::SeatUnavailable { .. }) => &counts.conflicts,
+                        Err(e) => {
+                            tracing::debug!(error = %e, "bench hold failed");
+                            &counts.errors
+                        }
+                    };
+                    c.fetch_add(1, Ordering::Relaxed);
+                }
+                let _ = hist.lock().expect("histogram lock").add(&local);
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.context("a P1 task panicked")?;
+    }
+    let secs = started.elapsed().as_secs_f64();
+    let cpu = cpu_before.until(&super::CpuSnap::now());
+    pool.close().await;
+    let h = hist.lock().expect("histogram lock");
+    let (p50_ms, p99_ms, max_ms) = quantiles_ms(&h);
+    let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+    Ok(P1Level {
+        concurrency: n,
+        seconds: secs,
+        attempts: get(&counts.attempts),
+        holds: get(&counts.holds),
+        conflicts_409: get(&counts.conflicts),
+        errors: get(&counts.errors),
+        holds_per_s: get(&counts.holds) as f64 / secs,
+        transactions_per_s: (get(&counts.holds) + get(&counts.conflicts)) as f64 / secs,
+        p50_ms,
+        p99_ms,
+        max_ms,
+        pgbench_tps: None,
+        ratio: None,
+        cpu,
+    })
+}
+
+/// pgbench on its own initialized database.
+struct PgBench {
+    bin: String,
+    db: BenchDb,
+    conn_args: Vec<String>,
+}
+
+impl PgBench {
+    async fn prepare(cfg: &Config, scale: u32) -> anyhow::Result<Self> {
+        let bin = find_pgbench().context("pgbench not found (install postgresql-client)")?;
+        let db = BenchDb::create(cfg, "pgbench").await?;
+        let o = &db.opts;
+        let conn_args = vec![
+            "-h".to_owned(),
+            o.get_host().to_owned(),
+            "-p".to_owned(),
+            o.get_port().to_string(),
+            "-U".to_owned(),
+            o.get_username().to_owned(),
+        ];
+        let me = Self { bin, db, conn_args };
+        let mut a = me.conn_args.clone();
+        a.extend(["-i".into(), "-q".into(), "-s".into(), scale.to_string(), me.db.name.clone()]);
+        if let Err(e) = me.exec(a).await {
+            me.drop_db().await;
+            return Err(e.context("pgbench -i"));
+        }
+        Ok(me)
+    }
+
+    /// TPC-B (pgbench's default script) with `clients` clients for `secs`; returns tps.
+    async fn run(&self, clients: usize, secs: u64) -> anyhow::Result<f64> {
+        let mut a = self.conn_args.clone();
+        let threads = clients.min(std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2));
+        a.extend([
+            "-c".into(),
+            clients.to_string(),
+            "-j".into(),
+            threads.to_string(),
+            "-T".into(),
+            secs.to_string(),
+            self.db.name.clone(),
+        ]);
+        let out = self.exec(a).await?;
+        parse_tps(&out).with_context(|| format!("no tps in pgbench output: {out}"))
+    }
+
+    async fn exec(&self, args: Vec<String>) -> anyhow::Result<String> {
+        let bin = self.bin.clone();
+        let out = tokio::task::spawn_blocking(move || std::process::Command::new(bin).args(args).output())
+            .await?
+            .context("running pgbench")?;
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        anyhow::ensure!(
+            out.status.success(),
+            "pgbench failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or_default()
+        );
+        Ok(text)
+    }
+
+    async fn drop_db(self) {
+        self.db.drop_db().await;
+    }
+}
+
+fn find_pgbench() -> Option<String> {
+    let on_path =
+        std::process::Command::new("pgbench").arg("--version").output().is_ok_and(|o| o.status.success());
+    if on_path {
+        return Some("pgbench".into());
+    }
+    let mut found: Vec<_> = std::fs::read_dir("/usr/lib/postgresql")
+        .ok()?
+        .filter_map(|d| d.ok().map(|d| d.path().join("bin/pgbench")))
+        .filter(|p| p.exists())
+        .collect();
+    found.sort();
+    found.pop().map(|p| p.display().to_string())
+}
+
+/// The tps of a pgbench report: `tps = 1234.5 (without initial connection time)`.
+pub fn parse_tps(out: &str) -> Option<f64> {
+    out.lines()
+        .filter_map(|l| l.trim().strip_prefix("tps = "))
+        .filter_map(|rest| rest.split_whitespace().next()?.parse::<f64>().ok())
+        .next_back()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn parses_pgbench_tps() {
+        let out = "latency average = 3.1 ms\ntps = 2570.412345 (without initial connection time)\n";
+        assert_eq!(super::parse_tps(out), Some(2570.412345));
+        assert_eq!(super::parse_tps("nothing"), None);
+    }
+}

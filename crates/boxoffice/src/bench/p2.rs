@@ -1,0 +1,309 @@
+//! P2: waiting-room attempts per second (design §3's stampede shield). Simulated clients,
+//! each a new user, join an event's queue (`POST /events/{id}/queue`) and poll their ticket
+//! once (`GET /queue/{ticket}`), in a closed loop at several concurrency levels, through the
+//! HTTP API started in-process (the `api` role alone, rate-limit buckets off so the bench
+//! measures the queue rather than the bucket's refusals). One attempt is one request (a
+//! join or a poll). The same join + poll is then measured as direct library calls
+//! (`Waitroom::join` / `Waitroom::status`), which shows whether HTTP or Redis bounds it.
+//! Keys live under a unique Redis prefix, deleted afterwards.
+
+use super::{histogram, quantiles_ms, BenchArgs, BenchDb};
+use crate::config::Config;
+use crate::runtime::{self, Role};
+use anyhow::Context;
+use boxoffice_domain::{EventId, UserId};
+use boxoffice_store::venue::{self, VenueSpec};
+use boxoffice_waitroom::Waitroom;
+use serde::Serialize;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+
+/// One concurrency level of one path.
+#[derive(Debug, Clone, Serialize)]
+pub struct P2Level {
+    /// `http` or `library`.
+    pub path: String,
+    /// Concurrent clients.
+    pub concurrency: usize,
+    /// Measured seconds.
+    pub seconds: f64,
+    /// Requests (joins + polls) answered successfully.
+    pub attempts: u64,
+    /// Failed requests (non-2xx, transport errors, Redis errors).
+    pub errors: u64,
+    /// Successful attempts per second.
+    pub attempts_per_s: f64,
+    /// Latency of one attempt, ms.
+    pub p50_ms: f64,
+    /// 99th percentile, ms.
+    pub p99_ms: f64,
+    /// Largest, ms.
+    pub max_ms: f64,
+    /// Where the CPU went ("other" is mostly Redis).
+    pub cpu: super::CpuUse,
+}
+
+/// P2's result.
+#[derive(Debug, Clone, Serialize)]
+pub struct P2Result {
+    /// Every level of both paths.
+    pub levels: Vec<P2Level>,
+    /// Best HTTP level whose p99 is under 20 ms (the target's bound), else the best overall.
+    pub best_http: Option<P2Level>,
+    /// Best library level likewise.
+    pub best_library: Option<P2Level>,
+}
+
+/// The target's latency bound on P2 attempts, ms.
+pub const P2_P99_BOUND_MS: f64 = 20.0;
+
+/// Runs P2 (a small fresh database holds the event the queue is for).
+pub async fn run(cfg: &Config, args: &BenchArgs) -> anyhow::Result<P2Result> {
+    let (db, pool) = BenchDb::migrated(cfg, "p2", 4).await?;
+    let mut cfg = cfg.clone();
+    cfg.redis_key_prefix = format!("bench{}:", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+    let result = run_on(&mut cfg, args, &db, &pool).await;
+    if let Err(e) = delete_keys(&cfg).await {
+        tracing::warn!(error = %format!("{e:#}"), "could not delete the bench's Redis keys");
+    }
+    pool.close().await;
+    db.drop_db().await;
+    result
+}
+
+async fn run_on(
+    cfg: &mut Config,
+    args: &BenchArgs,
+    db: &BenchDb,
+    pool: &sqlx::PgPool,
+) -> anyhow::Result<P2Result> {
+    let name = format!("Bench P2 {}", uuid::Uuid::new_v4());
+    let (event, _) =
+        venue::seed(pool, &name, &VenueSpec::small(1, 1, 10), chrono::Utc::now(), &cfg.purchase_cell).await?;
+    cfg.http_bind = "127.0.0.1:0".into();
+    cfg.rate_limit_ip_per_s = 0.0;
+    cfg.rate_limit_user_per_s = 0.0;
+    cfg.release_max_per_s = 0.0;
+    cfg.waitroom_max_positions_per_user = 1_000;
+    let shutdown = CancellationToken::new();
+    let running = runtime::start(cfg, &[Role::Api], db.opts.clone(), shutdown.clone()).await?;
+    let api = format!("http://{}", running.api_addr.context("api did not start")?);
+    let users = Arc::new(runtime::user_tokens(cfg));
+    let http =
+        reqwest::Client::builder().pool_max_idle_per_host(1_024).timeout(Duration::from_secs(10)).build()?;
+    let room = runtime::waitroom(cfg)?;
+    let mut levels = Vec::new();
+    let result: anyhow::Result<()> = async {
+        for &c in &args.p2_concurrency {
+            let l = http_level(&http, &api, event, users.clone(), c, args.p2_seconds).await?;
+            print_level(&l);
+            levels.push(l);
+        }
+        for &c in &args.p2_concurrency {
+            let l = library_level(&room, event, c, args.p2_seconds).await?;
+            print_level(&l);
+            levels.push(l);
+        }
+        Ok(())
+    }
+    .await;
+    shutdown.cancel();
+    running.join().await;
+    result?;
+    let best = |path: &str| {
+        let of_path = levels.iter().filter(|l| l.path == path);
+        let under = of_path
+            .clone()
+            .filter(|l| l.p99_ms < P2_P99_BOUND_MS)
+            .max_by(|a, b| a.attempts_per_s.total_cmp(&b.attempts_per_s));
+        under.or_else(|| of_path.max_by(|a, b| a.attempts_per_s.total_cmp(&b.attempts_per_s))).cloned()
+    };
+    Ok(P2Result { best_http: best("http"), best_library: best("library"), levels })
+}
+
+fn print_level(l: &P2Level) {
+    eprintln!(
+        "   {:<7} c={:<4} attempts/s {:>8.0}  p50 {:>6.2} ms  p99 {:>7.2} ms  errors {}",
+        l.path, l.concurrency, l.attempts_per_s, l.p50_ms, l.p99_ms, l.errors
+    );
+}
+
+#[derive(Default)]
+struct Counts {
+    ok: AtomicU64,
+    errors: AtomicU64,
+}
+
+/// Runs `c` closed-loop clients for `secs`; each iteration calls `attempt` which returns the
+/// latencies (µs) of its successful requests and its failed-request count.
+async fn closed_loop<F, Fut>(c: usize, secs: u64, attempt: F) -> Measured
+where
+    F: Fn() -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = (Vec<u64>, u64)> + Send + 'static,
+{
+    let attempt = Arc::new(attempt);
+    let cpu_before = super::CpuSnap::now();
+    let counts = Arc::new(Counts::default());
+    let hist = Arc::new(Mutex::new(histogram()));
+    let started = Instant::now();
+    let until = started + Duration::from_secs(secs);
+    let tasks: Vec<_> = (0..c)
+        .map(|_| {
+            let (attempt, counts, hist) = (attempt.clone(), counts.clone(), hist.clone());
+            tokio::spawn(async move {
+                let mut local = histogram();
+                while Instant::now() < until {
+                    let (lat, errors) = attempt().await;
+                    for us in &lat {
+                        let _ = local.record((*us).max(1));
+                    }
+                    counts.ok.fetch_add(lat.len() as u64, Ordering::Relaxed);
+                    counts.errors.fetch_add(errors, Ordering::Relaxed);
+                    if errors > 0 && lat.is_empty() {
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                }
+                let _ = hist.lock().expect("histogram lock").add(&local);
+            })
+        })
+        .collect();
+    for t in tasks {
+        let _ = t.await;
+    }
+    let secs = started.elapsed().as_secs_f64();
+    let cpu = cpu_before.until(&super::CpuSnap::now());
+    let h = hist.lock().expect("histogram lock").clone();
+    Measured {
+        secs,
+        ok: counts.ok.load(Ordering::Relaxed),
+        errors: counts.errors.load(Ordering::Relaxed),
+        h,
+        cpu,
+    }
+}
+
+/// What one closed-loop run measured.
+struct Measured {
+    secs: f64,
+    ok: u64,
+    errors: u64,
+    h: hdrhistogram::Histogram<u64>,
+    cpu: super::CpuUse,
+}
+
+fn level(path: &str, c: usize, Measured { secs, ok, errors, h, cpu }: Measured) -> P2Level {
+    let (p50_ms, p99_ms, max_ms) = quantiles_ms(&h);
+    P2Level {
+        path: path.into(),
+        concurrency: c,
+        seconds: secs,
+        attempts: ok,
+        errors,
+        attempts_per_s: ok as f64 / secs,
+        p50_ms,
+        p99_ms,
+        max_ms,
+        cpu,
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct Joined {
+    ticket: uuid::Uuid,
+}
+
+async fn http_level(
+    http: &reqwest::Client,
+    api: &str,
+    event: EventId,
+    users: Arc<boxoffice_admission::UserTokens>,
+    c: usize,
+    secs: u64,
+) -> anyhow::Result<P2Level> {
+    let (http, api) = (http.clone(), api.to_owned());
+    let join_url = format!("{api}/events/{}/queue", event.0);
+    let m = closed_loop(c, secs, move || {
+        let (http, api, join_url, users) = (http.clone(), api.clone(), join_url.clone(), users.clone());
+        async move {
+            let bearer = format!("Bearer {}", users.issue(UserId(uuid::Uuid::new_v4()), 3_600));
+            let mut lat = Vec::with_capacity(2);
+            let t = Instant::now();
+            let joined = match http.post(&join_url).header("authorization", &bearer).send().await {
+                Ok(r) if r.status().is_success() => r.json::<Joined>().await.ok(),
+                _ => None,
+            };
+            let Some(joined) = joined else { return (lat, 1) };
+            lat.push(t.elapsed().as_micros() as u64);
+            let t = Instant::now();
+            let polled = http
+                .get(format!("{api}/queue/{}", joined.ticket))
+                .header("authorization", &bearer)
+                .send()
+                .await;
+            match polled {
+                Ok(r) if r.status().is_success() => {
+                    if r.bytes().await.is_err() {
+                        return (lat, 1);
+                    }
+                    lat.push(t.elapsed().as_micros() as u64);
+                    (lat, 0)
+                }
+                _ => (lat, 1),
+            }
+        }
+    })
+    .await;
+    Ok(level("http", c, m))
+}
+
+async fn library_level(room: &Waitroom, event: EventId, c: usize, secs: u64) -> anyhow::Result<P2Level> {
+    let room = room.clone();
+    let m = closed_loop(c, secs, move || {
+        let room = room.clone();
+        async move {
+            let user = UserId(uuid::Uuid::new_v4());
+            let mut lat = Vec::with_capacity(2);
+            let t = Instant::now();
+            let Ok(ticket) = room.join(event, user).await else { return (lat, 1) };
+            lat.push(t.elapsed().as_micros() as u64);
+            let t = Instant::now();
+            match room.status(ticket.ticket, user).await {
+                Ok(_) => {
+                    lat.push(t.elapsed().as_micros() as u64);
+                    (lat, 0)
+                }
+                Err(_) => (lat, 1),
+            }
+        }
+    })
+    .await;
+    Ok(level("library", c, m))
+}
+
+/// Deletes every key under the bench's prefix.
+async fn delete_keys(cfg: &Config) -> anyhow::Result<()> {
+    use secrecy::ExposeSecret;
+    let client = redis::Client::open(cfg.redis_url.expose_secret())?;
+    let mut conn = client.get_multiplexed_async_connection().await?;
+    let pattern = format!("{}*", cfg.redis_key_prefix);
+    let mut cursor: u64 = 0;
+    loop {
+        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(&pattern)
+            .arg("COUNT")
+            .arg(5_000)
+            .query_async(&mut conn)
+            .await?;
+        if !keys.is_empty() {
+            let _: () = redis::cmd("UNLINK").arg(&keys).query_async(&mut conn).await?;
+        }
+        if next == 0 {
+            return Ok(());
+        }
+        cursor = next;
+    }
+}

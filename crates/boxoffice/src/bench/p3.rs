@@ -1,0 +1,705 @@
+//! P3: end-to-end ticketed orders per second. Every role runs in-process (as `onsale` starts
+//! them: the broker, the Stripe simulator, `admission_direct`), and an open-loop generator
+//! sends buyers at stepped arrival rates (the ramp, then the sustained step): each buyer is
+//! admitted (`POST /events/{id}/admission`), holds its own seats
+//! (`POST /events/{id}/holds`, seats dealt from a shuffled deck so buyers do not collide),
+//! waits for its PaymentIntent on `GET /orders/{id}` and confirms it at the simulator as
+//! Stripe.js would; the saga, payment worker and ticket worker take it from there.
+//!
+//! Every 500 ms a sampler records ticketed orders, the outbox backlog's oldest age and the
+//! consumer lag of the saga, payment and ticket groups (committed offsets vs high
+//! watermarks on the purchase topic). Hold latencies are kept per second for the chart and
+//! for the recommended release rate R.
+
+use super::{histogram, percentile, quantiles_ms, BenchArgs, BenchDb};
+use crate::config::Config;
+use crate::runtime::{self, Role};
+use anyhow::Context;
+use boxoffice_domain::UserId;
+use boxoffice_store::{outbox, venue};
+use rand::seq::SliceRandom;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+use reqwest::StatusCode;
+use secrecy::ExposeSecret;
+use serde::Serialize;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+
+/// Sampling period of the time series.
+const SAMPLE_EVERY: Duration = Duration::from_millis(500);
+
+/// One sample of the system's state.
+#[derive(Debug, Clone, Serialize)]
+pub struct P3Sample {
+    /// Seconds since the first arrival.
+    pub t_s: f64,
+    /// Buyer arrival rate offered at that moment, per second (0 after the last step).
+    pub offered_rate: f64,
+    /// Holds created so far.
+    pub holds: u64,
+    /// Orders ticketed so far.
+    pub ticketed: i64,
+    /// Unpublished outbox rows.
+    pub outbox_unpublished: i64,
+    /// Age of the oldest unpublished outbox row, ms.
+    pub outbox_age_ms: i64,
+    /// Largest consumer lag among the saga, payment and ticket groups, messages.
+    pub max_lag: i64,
+}
+
+/// One second of holds.
+#[derive(Debug, Clone, Serialize)]
+pub struct P3Second {
+    /// Second since the first arrival.
+    pub t_s: u64,
+    /// Offered arrival rate, per second.
+    pub offered_rate: f64,
+    /// Holds sent in this second and created.
+    pub holds: u64,
+    /// p99 latency of those holds, ms.
+    pub hold_p99_ms: f64,
+}
+
+/// One arrival-rate step.
+#[derive(Debug, Clone, Serialize)]
+pub struct P3Step {
+    /// Offered buyer arrivals per second.
+    pub rate: f64,
+    /// Start, seconds since the first arrival.
+    pub start_s: f64,
+    /// Length, seconds.
+    pub seconds: f64,
+    /// Whether this is the sustained step (the last one).
+    pub sustained: bool,
+    /// Holds created per second by buyers arriving in this step.
+    pub holds_per_s: f64,
+    /// Hold latency p50 / p99, ms.
+    pub hold_p50_ms: f64,
+    /// Hold latency p99, ms.
+    pub hold_p99_ms: f64,
+    /// Orders ticketed per second during the step's steady part (after its first quarter,
+    /// at most 10 s, so the pipeline is full).
+    pub ticketed_per_s: f64,
+    /// p99 of the sampled outbox ages, ms.
+    pub outbox_age_p99_ms: f64,
+    /// Largest sampled consumer lag, messages.
+    pub max_lag: i64,
+    /// Holds and tickets kept up with arrivals: holds/s ≥ 90 % and ticketed/s ≥ 80 % of the
+    /// offered rate (ticketing trails holds by the saga's latency).
+    pub keeps_up: bool,
+    /// Kept up and every figure under its threshold: a candidate for R.
+    pub within_thresholds: bool,
+}
+
+/// P3's result.
+#[derive(Debug, Clone, Serialize)]
+pub struct P3Result {
+    /// Seats of the venue.
+    pub venue_seats: usize,
+    /// Buyers started.
+    pub buyers: u64,
+    /// Holds created.
+    pub holds: u64,
+    /// PaymentIntents confirmed at the simulator.
+    pub confirmed: u64,
+    /// Buyers that failed a step (error answers, timeouts).
+    pub buyer_errors: u64,
+    /// Orders ticketed by the end (after the drain).
+    pub ticketed: i64,
+    /// Whether every order reached a final state and the outbox emptied before the deadline.
+    pub drained: bool,
+    /// Seconds from the last arrival to drained.
+    pub drain_seconds: f64,
+    /// The steps, the sustained one last.
+    pub steps: Vec<P3Step>,
+    /// Samples every 500 ms.
+    pub samples: Vec<P3Sample>,
+    /// Per-second holds and hold p99.
+    pub seconds: Vec<P3Second>,
+    /// p99 of all outbox age samples taken while buyers arrived, ms.
+    pub outbox_age_p99_ms: f64,
+    /// Largest consumer lag sampled, messages.
+    pub max_lag: i64,
+    /// The broker used.
+    pub broker: String,
+    /// Where the CPU went during the sustained step.
+    pub sustained_cpu: super::CpuUse,
+    /// Whether the bench ran `ANALYZE` on the purchase tables every 5 s because the server's
+    /// autovacuum is off (without fresh statistics the planner keeps the plans it chose for
+    /// the empty tables of a fresh database: sequential scans).
+    pub analyzed_every_5s: bool,
+    /// CPU milliseconds per order of the sustained step (the window runs until its last
+    /// buyer has confirmed payment): `(this process — every role, the generator, the Stripe
+    /// simulator and an embedded broker —, PostgreSQL)`.
+    pub cpu_ms_per_order: Option<(f64, f64)>,
+}
+
+/// The most buyers the run can start: the ramp, then the sustained step at its explicit rate
+/// or at most the largest ramp rate.
+pub fn max_buyers(args: &BenchArgs) -> usize {
+    let ramp: f64 = args.p3_ramp.iter().map(|r| (r * args.p3_step_seconds as f64).ceil()).sum();
+    let top = args.p3_ramp.iter().copied().fold(0.0, f64::max);
+    let sustained = if args.p3_attempt_rate > 0.0 { args.p3_attempt_rate } else { top };
+    (ramp + (sustained * args.p3_seconds as f64).ceil()) as usize
+}
+
+/// Runs P3 on a fresh database (dropped afterwards), fresh topics and a fresh Redis prefix.
+pub async fn run(
+    cfg: &Config,
+    args: &BenchArgs,
+    embedded: Option<&boxoffice_bus::embedded::EmbeddedBroker>,
+) -> anyhow::Result<P3Result> {
+    let (db, pool) = BenchDb::migrated(cfg, "p3", 8).await?;
+    let result = run_on(cfg, args, embedded, &db, &pool).await.map(|mut r| {
+        r.broker = if embedded.is_some() { "embedded".into() } else { "external".into() };
+        r
+    });
+    pool.close().await;
+    db.drop_db().await;
+    result
+}
+
+/// Shared by the buyer tasks.
+struct Ctx {
+    http: reqwest::Client,
+    api: String,
+    stripe: String,
+    publishable: String,
+    event: uuid::Uuid,
+    users: boxoffice_admission::UserTokens,
+    in_flight: Semaphore,
+    started: Instant,
+    holds: AtomicU64,
+    confirmed: AtomicU64,
+    errors: AtomicU64,
+    /// Hold latency histograms (µs) by the second the hold was sent.
+    per_second: Mutex<Vec<hdrhistogram::Histogram<u64>>>,
+}
+
+async fn run_on(
+    cfg: &Config,
+    args: &BenchArgs,
+    embedded: Option<&boxoffice_bus::embedded::EmbeddedBroker>,
+    db: &BenchDb,
+    pool: &sqlx::PgPool,
+) -> anyhow::Result<P3Result> {
+    let buyers_total = max_buyers(args);
+    let needed = buyers_total * args.p3_seats + 100;
+    let (rows, per_row) = (40u32, 50u32);
+    let spec = venue::VenueSpec::small((needed as u32).div_ceil(rows * per_row), rows, per_row);
+    let name = format!("Bench P3 {}", uuid::Uuid::new_v4());
+    let (event, _) =
+        venue::seed(pool, &name, &spec, chrono::Utc::now() + chrono::Duration::days(30), &cfg.purchase_cell)
+            .await?;
+    let mut deck: Vec<uuid::Uuid> =
+        sqlx::query_scalar("SELECT id FROM seats WHERE event_id = $1").bind(event.0).fetch_all(pool).await?;
+    deck.shuffle(&mut rand::thread_rng());
+    eprintln!("   venue: {} seats for {} buyers", deck.len(), buyers_total);
+
+    let mut cfg = cfg.clone();
+    super::fresh_topics(&mut cfg, embedded).await?;
+    cfg.redis_key_prefix = format!("bench{}:", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+    cfg.http_bind = "127.0.0.1:0".into();
+    cfg.admission_direct = true;
+    cfg.release_max_per_s = 0.0;
+    cfg.rate_limit_ip_per_s = 0.0;
+    cfg.rate_limit_user_per_s = 0.0;
+    cfg.hold_ttl_ms = 600_000;
+    let shutdown = CancellationToken::new();
+    let sim = boxoffice_stripe_sim::StripeSim::new(boxoffice_stripe_sim::SimConfig {
+        webhook_secret: cfg.stripe_webhook_secret.expose_secret().to_owned(),
+        webhook_events: boxoffice_api::webhooks::HANDLED_EVENTS.iter().map(|s| s.to_string()).collect(),
+        ..Default::default()
+    });
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    cfg.stripe_api_base = format!("http://{}", l.local_addr()?);
+    tokio::spawn(sim.clone().serve(l, shutdown.clone()));
+    let running = runtime::start(&cfg, &Role::ALL, db.opts.clone(), shutdown.clone()).await?;
+    let addr = running.api_addr.context("api did not start")?;
+    sim.set_webhook_url(Some(format!("http://{addr}/webhooks/stripe")));
+    let outcome = async {
+        anyhow::ensure!(
+            running.wait_ready(Duration::from_secs(60)).await,
+            "consumer groups did not get their partitions"
+        );
+        drive(&cfg, args, event.0, deck, addr, pool).await
+    }
+    .await;
+    shutdown.cancel();
+    running.join().await;
+    outcome
+}
+
+async fn drive(
+    cfg: &Config,
+    args: &BenchArgs,
+    event: uuid::Uuid,
+    deck: Vec<uuid::Uuid>,
+    addr: std::net::SocketAddr,
+    pool: &sqlx::PgPool,
+) -> anyhow::Result<P3Result> {
+    let ctx = Arc::new(Ctx {
+        http: reqwest::Client::builder()
+            .pool_max_idle_per_host(args.p3_max_in_flight)
+            .timeout(Duration::from_secs(30))
+            .build()?,
+        api: format!("http://{addr}"),
+        stripe: cfg.stripe_api_base.clone(),
+        publishable: cfg.stripe_publishable_key.clone(),
+        event,
+        users: runtime::user_tokens(cfg),
+        in_flight: Semaphore::new(args.p3_max_in_flight),
+        started: Instant::now(),
+        holds: AtomicU64::new(0),
+        confirmed: AtomicU64::new(0),
+        errors: AtomicU64::new(0),
+        per_second: Mutex::new(Vec::new()),
+    });
+    let lag = LagProbe::new(&cfg.kafka().context("no broker")?)?;
+    // Steps as run: (rate, start s, seconds).
+    let steps_run = Arc::new(Mutex::new(Vec::<(f64, f64, f64)>::new()));
+    let rate_at = {
+        let steps_run = steps_run.clone();
+        move |t: f64| {
+            let steps = steps_run.lock().expect("steps lock");
+            steps.iter().find(|(_, start, secs)| t >= *start && t < start + secs).map(|s| s.0).unwrap_or(0.0)
+        }
+    };
+
+    // With autovacuum off nothing refreshes the statistics of the fresh tables.
+    let analyze = !autovacuum_on(pool).await;
+    if analyze {
+        eprintln!("   autovacuum is off on this server: running ANALYZE on the purchase tables every 5 s");
+    }
+
+    // Sampler.
+    let samples = Arc::new(Mutex::new(Vec::<P3Sample>::new()));
+    let stop_sampling = CancellationToken::new();
+    let sampler = {
+        let (ctx, samples, stop, pool, rate_at) =
+            (ctx.clone(), samples.clone(), stop_sampling.clone(), pool.clone(), rate_at.clone());
+        let lag = Arc::new(lag);
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(SAMPLE_EVERY);
+            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut analyzed = Instant::now();
+            while !stop.is_cancelled() {
+                tokio::select! { _ = stop.cancelled() => break, _ = every.tick() => {} }
+                if analyze && analyzed.elapsed() >= Duration::from_secs(5) {
+                    analyzed = Instant::now();
+                    let tables =
+                        "orders, holds, hold_seats, payments, tickets, outbox, inbox, idempotency_keys";
+                    if let Err(e) = sqlx::query(&format!("ANALYZE {tables}")).execute(&pool).await {
+                        tracing::warn!(error = %e, "ANALYZE failed");
+                    }
+                }
+                let t_s = ctx.started.elapsed().as_secs_f64();
+                let ticketed: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM orders WHERE event_id = $1 AND status = 'ticketed'",
+                )
+                .bind(ctx.event)
+                .fetch_one(&pool)
+                .await
+                .unwrap_or(-1);
+                let backlog = outbox::backlog(&pool).await.unwrap_or_default();
+                let l = lag.clone();
+                let max_lag = tokio::task::spawn_blocking(move || l.max_lag()).await.unwrap_or(-1);
+                samples.lock().expect("samples lock").push(P3Sample {
+                    t_s,
+                    offered_rate: rate_at(t_s),
+                    holds: ctx.holds.load(Ordering::Relaxed),
+                    ticketed,
+                    outbox_unpublished: backlog.unpublished,
+                    outbox_age_ms: backlog.oldest_age_ms,
+                    max_lag,
+                });
+            }
+        })
+    };
+
+    // The ramp, a drain, then the sustained step (at the largest ramp rate within the
+    // thresholds, else the smallest, unless --p3-attempt-rate is given): the drain keeps the
+    // ramp's overload out of the sustained step.
+    let deck = Arc::new(deck);
+    let mut seat_at = 0usize;
+    let mut stats = Stats::default();
+    let mut at = 0.0f64;
+    let ramp: Vec<f64> = args.p3_ramp.clone();
+    let step_s = args.p3_step_seconds as f64;
+    let drain_timeout = Duration::from_secs(if args.quick { 60 } else { 180 });
+    let mut plan: Vec<(f64, f64, f64, bool)> = Vec::new();
+    for rate in &ramp {
+        plan.push((*rate, at, step_s, false));
+        at += step_s;
+    }
+    steps_run.lock().expect("steps lock").extend(plan.iter().map(|p| (p.0, p.1, p.2)));
+    arrivals(&ctx, &plan, &deck, &mut seat_at, args.p3_seats, &mut stats).await;
+    let ramp_drained = drain(pool, event, drain_timeout).await?;
+    let sustained_rate = if args.p3_attempt_rate > 0.0 {
+        args.p3_attempt_rate
+    } else {
+        let hists = ctx.per_second.lock().expect("per-second lock").clone();
+        let samples_now = samples.lock().expect("samples lock").clone();
+        plan.iter()
+            .filter(|(rate, start, secs, _)| {
+                step(args, *rate, *start, *secs, false, &hists, &samples_now).within_thresholds
+            })
+            .map(|p| p.0)
+            .fold(ramp.iter().copied().fold(f64::INFINITY, f64::min), f64::max)
+    };
+    let start = ctx.started.elapsed().as_secs_f64().ceil() + 1.0;
+    let sustained = (sustained_rate, start, args.p3_seconds as f64, true);
+    steps_run.lock().expect("steps lock").push((sustained.0, sustained.1, sustained.2));
+    plan.push(sustained);
+    eprintln!("   sustained step: {sustained_rate:.0} arrivals/s for {} s", args.p3_seconds);
+    let buyers_before = stats.started;
+    let cpu_before = super::CpuSnap::now();
+    arrivals(&ctx, &plan[plan.len() - 1..], &deck, &mut seat_at, args.p3_seats, &mut stats).await;
+    let sustained_cpu = cpu_before.until(&super::CpuSnap::now());
+    let sustained_buyers = stats.started - buyers_before;
+    let arrivals_done = Instant::now();
+    let drained = ramp_drained && drain(pool, event, drain_timeout).await?;
+    let drain_seconds = arrivals_done.elapsed().as_secs_f64();
+    let plan_end = start + args.p3_seconds as f64;
+    let started_buyers = stats.started;
+    stop_sampling.cancel();
+    let _ = sampler.await;
+    let ticketed: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM orders WHERE event_id = $1 AND status = 'ticketed'")
+            .bind(event)
+            .fetch_one(pool)
+            .await?;
+
+    let samples = samples.lock().expect("samples lock").clone();
+    let hists = ctx.per_second.lock().expect("per-second lock").clone();
+    let seconds: Vec<P3Second> = hists
+        .iter()
+        .enumerate()
+        .map(|(t, h)| P3Second {
+            t_s: t as u64,
+            offered_rate: rate_at(t as f64 + 0.5),
+            holds: h.len(),
+            hold_p99_ms: quantiles_ms(h).1,
+        })
+        .collect();
+    let steps: Vec<P3Step> = plan
+        .iter()
+        .map(|(rate, start, secs, sus)| step(args, *rate, *start, *secs, *sus, &hists, &samples))
+        .collect();
+    let during: Vec<f64> = samples
+        .iter()
+        .filter(|s| rate_at(s.t_s) > 0.0 && s.t_s <= plan_end)
+        .map(|s| s.outbox_age_ms as f64)
+        .collect();
+    Ok(P3Result {
+        venue_seats: deck.len(),
+        buyers: started_buyers,
+        holds: ctx.holds.load(Ordering::Relaxed),
+        confirmed: ctx.confirmed.load(Ordering::Relaxed),
+        buyer_errors: ctx.errors.load(Ordering::Relaxed),
+        ticketed,
+        drained,
+        drain_seconds,
+        outbox_age_p99_ms: percentile(&during, 0.99),
+        max_lag: samples.iter().map(|s| s.max_lag).max().unwrap_or(0),
+        steps,
+        samples,
+        seconds,
+        broker: String::new(),
+        analyzed_every_5s: analyze,
+        cpu_ms_per_order: (sustained_buyers > 0).then(|| {
+            let per = |cores: f64| cores * sustained_cpu.seconds * 1_000.0 / sustained_buyers as f64;
+            (per(sustained_cpu.boxoffice_cores), per(sustained_cpu.postgres_cores))
+        }),
+        sustained_cpu,
+    })
+}
+
+fn step(
+    args: &BenchArgs,
+    rate: f64,
+    start: f64,
+    secs: f64,
+    sustained: bool,
+    hists: &[hdrhistogram::Histogram<u64>],
+    samples: &[P3Sample],
+) -> P3Step {
+    let mut h = histogram();
+    let (from, to) = (start.floor() as usize, (start + secs).ceil() as usize);
+    for sec in hists.iter().take(to).skip(from) {
+        let _ = h.add(sec);
+    }
+    let holds_per_s = h.len() as f64 / secs;
+    let (p50, p99, _) = quantiles_ms(&h);
+    let in_step: Vec<&P3Sample> =
+        samples.iter().filter(|s| s.t_s >= start && s.t_s <= start + secs).collect();
+    let warm = start + (secs / 4.0).min(10.0);
+    let steady: Vec<&&P3Sample> = in_step.iter().filter(|s| s.t_s >= warm && s.ticketed >= 0).collect();
+    let ticketed_per_s = match (steady.first(), steady.last()) {
+        (Some(a), Some(b)) if b.t_s > a.t_s => (b.ticketed - a.ticketed) as f64 / (b.t_s - a.t_s),
+        _ => 0.0,
+    };
+    let ages: Vec<f64> = in_step.iter().map(|s| s.outbox_age_ms as f64).collect();
+    let outbox_age_p99_ms = percentile(&ages, 0.99);
+    let max_lag = in_step.iter().map(|s| s.max_lag).max().unwrap_or(0);
+    let keeps_up = holds_per_s >= 0.9 * rate && ticketed_per_s >= 0.8 * rate;
+    let within_thresholds = keeps_up
+        && p99 <= args.max_hold_p99_ms
+        && outbox_age_p99_ms <= args.max_outbox_age_ms
+        && max_lag <= args.max_lag;
+    P3Step {
+        rate,
+        start_s: start,
+        seconds: secs,
+        sustained,
+        holds_per_s,
+        hold_p50_ms: p50,
+        hold_p99_ms: p99,
+        ticketed_per_s,
+        outbox_age_p99_ms,
+        max_lag,
+        keeps_up,
+        within_thresholds,
+    }
+}
+
+#[derive(Default)]
+struct Stats {
+    started: u64,
+}
+
+/// Starts the buyers of `steps` (rate, start s, seconds, _) at their open-loop arrival times,
+/// each with its own seats, and waits for all of them.
+async fn arrivals(
+    ctx: &Arc<Ctx>,
+    steps: &[(f64, f64, f64, bool)],
+    deck: &Arc<Vec<uuid::Uuid>>,
+    seat_at: &mut usize,
+    seats_each: usize,
+    stats: &mut Stats,
+) {
+    let mut buyers = tokio::task::JoinSet::new();
+    for (rate, start, secs, _) in steps {
+        let n = (rate * secs).ceil() as usize;
+        for i in 0..n {
+            let when = ctx.started + Duration::from_secs_f64(start + i as f64 / rate);
+            let Some(seats) = deck.get(*seat_at..*seat_at + seats_each).map(<[_]>::to_vec) else { break };
+            *seat_at += seats_each;
+            let ctx = ctx.clone();
+            stats.started += 1;
+            buyers.spawn(async move {
+                tokio::time::sleep_until(when.into()).await;
+                if buyer(&ctx, seats).await.is_none() {
+                    ctx.errors.fetch_add(1, Ordering::Relaxed);
+                }
+            });
+        }
+    }
+    while buyers.join_next().await.is_some() {}
+}
+
+/// One buyer's journey up to its confirmed payment; None on any unexpected answer.
+async fn buyer(ctx: &Ctx, seats: Vec<uuid::Uuid>) -> Option<()> {
+    let bearer = format!("Bearer {}", ctx.users.issue(UserId(uuid::Uuid::new_v4()), 3_600));
+    #[derive(serde::Deserialize)]
+    struct Admission {
+        admission_token: String,
+    }
+    #[derive(serde::Deserialize)]
+    struct Receipt {
+        order_id: uuid::Uuid,
+    }
+    #[derive(serde::Deserialize)]
+    struct OrderView {
+        status: String,
+        payment_intent_id: Option<String>,
+        client_secret: Option<String>,
+    }
+    let (s, body) = send(
+        ctx,
+        ctx.http.post(format!("{}/events/{}/admission", ctx.api, ctx.event)).header("authorization", &bearer),
+    )
+    .await?;
+    if s != StatusCode::CREATED {
+        return None;
+    }
+    let admission: Admission = serde_json::from_slice(&body).ok()?;
+    let body = serde_json::json!({ "seat_ids": seats });
+    let permit = ctx.in_flight.acquire().await.ok()?;
+    let sent = Instant::now();
+    let r = ctx
+        .http
+        .post(format!("{}/events/{}/holds", ctx.api, ctx.event))
+        .header("authorization", &bearer)
+        .header("idempotency-key", uuid::Uuid::new_v4().to_string())
+        .header("x-admission-token", &admission.admission_token)
+        .json(&body)
+        .send()
+        .await
+        .ok()?;
+    let status = r.status();
+    let bytes = r.bytes().await.ok()?;
+    let us = sent.elapsed().as_micros() as u64;
+    drop(permit);
+    if status != StatusCode::ACCEPTED {
+        return None;
+    }
+    let second = (sent - ctx.started).as_secs() as usize;
+    {
+        let mut per = ctx.per_second.lock().expect("per-second lock");
+        while per.len() <= second {
+            per.push(histogram());
+        }
+        let _ = per[second].record(us.max(1));
+    }
+    ctx.holds.fetch_add(1, Ordering::Relaxed);
+    let receipt: Receipt = serde_json::from_slice(&bytes).ok()?;
+
+    // Wait for the PaymentIntent the saga asks the payment worker to create.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut wait = Duration::from_millis(200);
+    let (pi, secret) = loop {
+        tokio::time::sleep(wait).await;
+        wait = (wait * 3 / 2).min(Duration::from_secs(1));
+        let (s, body) = send(
+            ctx,
+            ctx.http.get(format!("{}/orders/{}", ctx.api, receipt.order_id)).header("authorization", &bearer),
+        )
+        .await?;
+        if s == StatusCode::OK {
+            let v: OrderView = serde_json::from_slice(&body).ok()?;
+            if let (Some(pi), Some(secret)) = (v.payment_intent_id, v.client_secret) {
+                break (pi, secret);
+            }
+            if matches!(v.status.as_str(), "expired" | "failed" | "canceled") {
+                return None;
+            }
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+    };
+    let form = [("payment_method", "pm_card_visa"), ("client_secret", secret.as_str())];
+    let (s, _) = send(
+        ctx,
+        ctx.http
+            .post(format!("{}/v1/payment_intents/{pi}/confirm", ctx.stripe))
+            .bearer_auth(&ctx.publishable)
+            .header("idempotency-key", format!("confirm:{}", receipt.order_id))
+            .form(&form),
+    )
+    .await?;
+    if s != StatusCode::OK {
+        return None;
+    }
+    ctx.confirmed.fetch_add(1, Ordering::Relaxed);
+    Some(())
+}
+
+/// Sends under an in-flight permit and reads the body.
+async fn send(ctx: &Ctx, req: reqwest::RequestBuilder) -> Option<(StatusCode, Vec<u8>)> {
+    let _permit = ctx.in_flight.acquire().await.ok()?;
+    let r = req.send().await.ok()?;
+    let s = r.status();
+    Some((s, r.bytes().await.ok()?.to_vec()))
+}
+
+/// Whether the server runs autovacuum (and with it the automatic ANALYZE).
+async fn autovacuum_on(pool: &sqlx::PgPool) -> bool {
+    sqlx::query_scalar::<_, String>("SHOW autovacuum")
+        .fetch_one(pool)
+        .await
+        .map(|v| v == "on")
+        .unwrap_or(true)
+}
+
+/// Waits until every order of `event` is final and the outbox is empty, or `timeout`.
+async fn drain(pool: &sqlx::PgPool, event: uuid::Uuid, timeout: Duration) -> anyhow::Result<bool> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let open: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM orders WHERE event_id = $1
+                AND status NOT IN ('ticketed', 'expired', 'failed', 'canceled', 'refunded')",
+        )
+        .bind(event)
+        .fetch_one(pool)
+        .await?;
+        if open == 0 && outbox::backlog(pool).await?.unpublished == 0 {
+            return Ok(true);
+        }
+        if Instant::now() >= deadline {
+            return Ok(false);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Reads the consumer lag of the purchase topic's consumer groups without joining them:
+/// committed offsets (OffsetFetch) against high watermarks.
+struct LagProbe {
+    consumers: Vec<BaseConsumer>,
+    topic: String,
+    partitions: i32,
+}
+
+impl LagProbe {
+    fn new(k: &boxoffice_bus::KafkaConfig) -> anyhow::Result<Self> {
+        let consumers = [
+            boxoffice_workers::saga::NAME,
+            boxoffice_workers::payment::NAME,
+            boxoffice_workers::tickets::NAME,
+        ]
+        .iter()
+        .map(|name| {
+            ClientConfig::new()
+                .set("bootstrap.servers", &k.brokers)
+                .set("group.id", k.group(name))
+                .set("enable.auto.commit", "false")
+                .create::<BaseConsumer>()
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self {
+            consumers,
+            topic: k.topic(boxoffice_domain::Topic::Purchase.name()),
+            partitions: k.partitions,
+        })
+    }
+
+    /// The largest group lag (sum over partitions); -1 when it could not be read.
+    fn max_lag(&self) -> i64 {
+        let timeout = Duration::from_secs(2);
+        let mut tpl = TopicPartitionList::new();
+        for p in 0..self.partitions {
+            tpl.add_partition(&self.topic, p);
+        }
+        let Some(first) = self.consumers.first() else { return -1 };
+        let mut high = Vec::with_capacity(self.partitions as usize);
+        for p in 0..self.partitions {
+            match first.fetch_watermarks(&self.topic, p, timeout) {
+                Ok((lo, hi)) => high.push((lo, hi)),
+                Err(_) => return -1,
+            }
+        }
+        let mut max = 0;
+        for c in &self.consumers {
+            let Ok(committed) = c.committed_offsets(tpl.clone(), timeout) else { return -1 };
+            let lag: i64 = committed
+                .elements()
+                .iter()
+                .map(|e| {
+                    let (lo, hi) = high[e.partition() as usize];
+                    match e.offset() {
+                        Offset::Offset(o) => (hi - o).max(0),
+                        _ => (hi - lo).max(0),
+                    }
+                })
+                .sum();
+            max = max.max(lag);
+        }
+        max
+    }
+}

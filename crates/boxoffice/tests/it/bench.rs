@@ -1,0 +1,61 @@
+//! `boxoffice bench` as a smoke test: every phase with `--quick` sizes against the test
+//! PostgreSQL, Redis and broker. Asserts the report files exist and hold every phase, that
+//! P1 found no oversold seat and lost no hold, and that P3 and P4 drained; never speed.
+
+use crate::helpers::{test_brokers, test_redis_url};
+use boxoffice::bench::{self, report, BenchArgs};
+use boxoffice::config::Config;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::ConnectOptions;
+
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn quick_bench_reports_every_phase_without_oversell(_: PgPoolOptions, opts: PgConnectOptions) {
+    let cfg = Config {
+        database_url: opts.to_url_lossy().to_string().into(),
+        kafka_brokers: Some(test_brokers()),
+        kafka_partitions: 4,
+        redis_url: test_redis_url().into(),
+        ..Config::default()
+    };
+    let out = std::env::temp_dir().join(format!("boxoffice-bench-{}", uuid::Uuid::new_v4()));
+    let args = BenchArgs { quick: true, out: out.clone(), ..BenchArgs::defaults() }.resolved();
+    let r = bench::run_phases(cfg, &args).await.expect("bench runs");
+    let files = report::write(&r, &out).expect("report written");
+    assert_eq!(files.len(), 3, "report.json, report.md, chart.png: {files:?}");
+    for f in &files {
+        assert!(std::fs::metadata(f).expect("file exists").len() > 0, "{} is empty", f.display());
+    }
+
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap();
+    for phase in ["p1", "p2", "p3", "p4"] {
+        assert!(json[phase].is_object(), "report.json lacks {phase}");
+    }
+    let p1 = r.p1.as_ref().unwrap();
+    assert_eq!(p1.levels.len(), 2);
+    assert!(p1.levels.iter().all(|l| l.holds > 0), "every P1 level created holds: {:?}", p1.levels);
+    assert_eq!(p1.oversold_seats, 0, "invariant 1: no seat held or sold twice");
+    assert_eq!(p1.hold_count_mismatch, 0, "one hold row per successful hold transaction");
+    assert!(p1.levels.iter().all(|l| l.pgbench_tps.is_some()), "pgbench ran: {:?}", p1.pgbench_error);
+    let p2 = r.p2.as_ref().unwrap();
+    assert!(p2.levels.iter().any(|l| l.path == "http" && l.attempts > 0));
+    assert!(p2.levels.iter().any(|l| l.path == "library" && l.attempts > 0));
+    let p3 = r.p3.as_ref().unwrap();
+    assert!(p3.drained, "every P3 order reached a final state and the outbox emptied");
+    assert!(
+        p3.holds > 0 && p3.ticketed == p3.confirmed as i64,
+        "{} ticketed of {} paid",
+        p3.ticketed,
+        p3.confirmed
+    );
+    assert_eq!(p3.steps.len(), 2, "one ramp step and the sustained step");
+    assert!(r.recommendation.is_some());
+    let p4 = r.p4.as_ref().unwrap();
+    assert!(p4.drained && p4.events == 2_000);
+
+    let md = std::fs::read_to_string(out.join("report.md")).unwrap();
+    for phase in ["| P1 |", "| P2 |", "| P3 |", "| P4 |", "Recommended R"] {
+        assert!(md.contains(phase), "report.md lacks {phase}");
+    }
+    std::fs::remove_dir_all(&out).unwrap();
+}
