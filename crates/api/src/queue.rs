@@ -37,7 +37,8 @@ pub struct QueueView {
     pub state: String,
     /// 1-based position while `queued`.
     pub position: Option<u64>,
-    /// Estimated wait while `queued`, seconds (position ÷ release rate).
+    /// Estimated wait while `queued`, seconds: position ÷ the release controller's ceiling
+    /// `release_max_per_s` (a lower bound when the controller has lowered R).
     pub estimated_wait_s: Option<u64>,
     /// When the onsale opens, while `pre_queue`.
     pub opens_at: Option<DateTime<Utc>>,

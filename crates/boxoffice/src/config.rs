@@ -148,7 +148,10 @@ pub struct Config {
     pub release_threshold_lock_waits: f64,
     /// Threshold: deadlocks per tick (0 = any deadlock lowers `R`).
     pub release_threshold_deadlocks: f64,
-    /// Threshold: client connections / `max_connections` of the server (0..=1).
+    /// Threshold: client connections / `max_connections` of the whole server (0..=1),
+    /// whichever database they use — the server refuses new connections at 1, whoever holds
+    /// them. The default 0.9 puts the hold zone (× `release_soft_fraction`) at 0.72, above one
+    /// all-roles process's budget plus operations (65 of the default 100).
     pub release_threshold_connection_saturation: f64,
     /// Threshold: age of the oldest unpublished outbox row, ms.
     pub release_threshold_outbox_age_ms: f64,
@@ -262,7 +265,7 @@ impl Default for Config {
             release_threshold_pg_commit_ms: 50.0,
             release_threshold_lock_waits: 10.0,
             release_threshold_deadlocks: 0.0,
-            release_threshold_connection_saturation: 0.8,
+            release_threshold_connection_saturation: 0.9,
             release_threshold_outbox_age_ms: 5_000.0,
             release_threshold_consumer_lag: 5_000.0,
             release_threshold_active_holds: 50_000.0,

@@ -201,11 +201,9 @@ pub async fn start(
                         admission_ttl_s: cfg.admission_ttl_s,
                         webhook_secret: cfg.stripe_webhook_secret.expose_secret().to_owned(),
                         admission_direct: cfg.admission_direct,
-                        release_per_s: if cfg.release_max_per_s > 0.0 {
-                            cfg.release_initial_per_s
-                        } else {
-                            0.0
-                        },
+                        // The estimated wait assumes R at its ceiling, where the controller
+                        // sits while the ledger is healthy (only the leader knows live R).
+                        release_per_s: cfg.release_max_per_s,
                         poll_interval_ms: cfg.waitroom_poll_interval_ms,
                         ip_bucket: bucket(cfg.rate_limit_ip_per_s, cfg.rate_limit_ip_burst),
                         user_bucket: bucket(cfg.rate_limit_user_per_s, cfg.rate_limit_user_burst),

@@ -195,7 +195,7 @@ impl Default for Thresholds {
             pg_commit_ms: 50.0,
             lock_waits: 10.0,
             deadlocks: 0.0,
-            connection_saturation: 0.8,
+            connection_saturation: 0.9,
             outbox_age_ms: 5_000.0,
             consumer_lag: 5_000.0,
             active_holds: 50_000.0,

@@ -246,6 +246,26 @@ pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
         (h, sd)
     };
 
+    // Sample the release controller's R from the API's /metrics while buyers queue.
+    let release_samples = Arc::new(std::sync::Mutex::new(Vec::<f64>::new()));
+    let release_sampler = {
+        let (samples, sd, url) =
+            (release_samples.clone(), shutdown.child_token(), format!("{api_url}/metrics"));
+        let h = tokio::spawn({
+            let sd = sd.clone();
+            async move {
+                let http = reqwest::Client::new();
+                while !sd.is_cancelled() {
+                    if let Some((r, _)) = scrape_release(&http, &url).await {
+                        samples.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(r);
+                    }
+                    tokio::select! { _ = sd.cancelled() => {}, _ = tokio::time::sleep(Duration::from_secs(1)) => {} }
+                }
+            }
+        });
+        (h, sd)
+    };
+
     let users = runtime::user_tokens(&cfg);
     let started = Instant::now();
     // The provider checks cover every PaymentIntent this run can have created.
@@ -289,6 +309,24 @@ pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
     let elapsed = started.elapsed();
     sampler.1.cancel();
     let _ = sampler.0.await;
+    release_sampler.1.cancel();
+    let _ = release_sampler.0.await;
+    let release = {
+        let samples = release_samples.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+        let decreases = scrape_release(&reqwest::Client::new(), &format!("{api_url}/metrics"))
+            .await
+            .map(|(_, d)| d)
+            .unwrap_or_default();
+        (!samples.is_empty()).then(|| {
+            json!({
+                "samples": samples.len(),
+                "min_per_s": samples.iter().copied().fold(f64::INFINITY, f64::min),
+                "max_per_s": samples.iter().copied().fold(0.0, f64::max),
+                "mean_per_s": samples.iter().sum::<f64>() / samples.len() as f64,
+                "decreases": decreases,
+            })
+        })
+    };
 
     let audit_opts = crate::audit::AuditOptions {
         stuck_after_ms: 0,
@@ -329,6 +367,7 @@ pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
         "holds_per_s": stats.holds_per_s,
         "max_outbox_age_ms": max_outbox_age.load(Ordering::Relaxed),
         "waiting_room": stats.queue,
+        "release_controller": release,
         "drained": drained,
         "elapsed_s": elapsed.as_secs_f64(),
     });
@@ -443,6 +482,27 @@ fn print_report(r: &serde_json::Value, audited: &crate::audit::AuditReport) {
             p("queue_wait_ms", "p99"),
             n("max_position")
         );
+        if n("idle_slots").as_u64().unwrap_or(0) > 0 {
+            println!(
+                "  open-loop slots idle       {} (no poll due and every buyer already joined)",
+                n("idle_slots")
+            );
+        }
+    }
+    if let Some(c) = r.get("release_controller").filter(|c| !c.is_null()) {
+        let f = |k: &str| c.get(k).and_then(|v| v.as_f64()).unwrap_or(0.0);
+        let decreases = c
+            .get("decreases")
+            .and_then(|d| d.as_object())
+            .filter(|d| !d.is_empty())
+            .map(|d| d.iter().map(|(k, v)| format!("{k} {v}")).collect::<Vec<_>>().join(", "))
+            .unwrap_or_else(|| "none".into());
+        println!(
+            "  release rate R             min {:.0}  mean {:.0}  max {:.0} /s  (decreases: {decreases})",
+            f("min_per_s"),
+            f("mean_per_s"),
+            f("max_per_s")
+        );
     }
     println!("  orders by status           {}", g("orders_by_status"));
     print!("{}", crate::audit::render(audited));
@@ -454,4 +514,53 @@ fn print_report(r: &serde_json::Value, audited: &crate::audit::AuditReport) {
             _ => "INCOMPLETE — a check could not run (see above)",
         }
     );
+}
+
+/// Reads the release controller's current R (`boxoffice_release_rate_per_s`, summed over
+/// cells) and its decreases by reason (`boxoffice_release_decreases_total`) from a
+/// Prometheus text page; `None` when the page cannot be read or has no R (the controller is
+/// off or not leading in that process).
+async fn scrape_release(
+    http: &reqwest::Client,
+    url: &str,
+) -> Option<(f64, std::collections::BTreeMap<String, f64>)> {
+    let text = http.get(url).timeout(Duration::from_secs(2)).send().await.ok()?.text().await.ok()?;
+    parse_release_metrics(&text)
+}
+
+fn parse_release_metrics(text: &str) -> Option<(f64, std::collections::BTreeMap<String, f64>)> {
+    let mut rate = None;
+    let mut decreases = std::collections::BTreeMap::new();
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        let Some((series, value)) = line.rsplit_once(' ') else { continue };
+        let Ok(value) = value.parse::<f64>() else { continue };
+        if series == "boxoffice_release_rate_per_s" || series.starts_with("boxoffice_release_rate_per_s{") {
+            *rate.get_or_insert(0.0) += value;
+        } else if series.starts_with("boxoffice_release_decreases_total{") {
+            let reason = series
+                .split_once("reason=\"")
+                .and_then(|(_, rest)| rest.split_once('"'))
+                .map_or("unknown", |(r, _)| r);
+            *decreases.entry(reason.to_owned()).or_insert(0.0) += value;
+        }
+    }
+    rate.map(|r| (r, decreases))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn release_metrics_are_read_from_the_prometheus_page() {
+        let page = "# TYPE boxoffice_release_rate_per_s gauge\n\
+            boxoffice_release_rate_per_s{cell=\"cell-1\"} 42.5\n\
+            boxoffice_release_decreases_total{cell=\"cell-1\",reason=\"outbox_age_ms\",cause=\"over_threshold\"} 3\n\
+            boxoffice_release_decreases_total{cell=\"cell-1\",reason=\"outbox_age_ms\",cause=\"probe_failed\"} 1\n\
+            boxoffice_release_decreases_total{cell=\"cell-1\",reason=\"lock_waits\",cause=\"over_threshold\"} 2\n\
+            boxoffice_release_rate_per_s_other 9\n";
+        let (r, d) = super::parse_release_metrics(page).unwrap();
+        assert_eq!(r, 42.5);
+        assert_eq!(d.get("outbox_age_ms"), Some(&4.0));
+        assert_eq!(d.get("lock_waits"), Some(&2.0));
+        assert!(super::parse_release_metrics("boxoffice_other 1\n").is_none());
+    }
 }

@@ -80,5 +80,8 @@ async fn small_onsale_through_the_binary_has_no_violations(_: PgPoolOptions, opt
     assert_eq!(q["admitted"], 400, "{q}");
     assert!(q["joins"].as_u64().unwrap() >= 400, "{q}");
     assert_eq!(q["gave_up"], 0, "{q}");
+    // The release controller admitted them, at a rate the report read from /metrics.
+    let rc = &r["release_controller"];
+    assert!(rc["max_per_s"].as_f64().unwrap() > 0.0 && rc["samples"].as_u64().unwrap() > 0, "{rc}");
     let _ = std::fs::remove_dir_all(dir);
 }
