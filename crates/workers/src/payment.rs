@@ -56,7 +56,15 @@ pub enum Prepared {
     Refunded { payment_intent_id: String, amount_minor: i64 },
     /// The PaymentIntent as Stripe reports it now (a refresh), with its charge's refunded
     /// amount in minor units.
-    Observed { intent: PaymentIntent, amount_refunded_minor: i64 },
+    Observed {
+        /// The PaymentIntent.
+        intent: PaymentIntent,
+        /// Refunded on its charge, minor units.
+        amount_refunded_minor: i64,
+        /// While authorized: the charge's capture deadline (`payment_method_details.card.
+        /// capture_before`), when Stripe states one.
+        capture_before: Option<chrono::DateTime<chrono::Utc>>,
+    },
 }
 
 fn stripe_err(e: StripeError) -> HandlerError {
@@ -165,13 +173,20 @@ impl Handler for PaymentWorker {
             }
             PurchaseEvent::PaymentIntentRefreshRequested { payment_intent_id, .. } => {
                 let pi = g.retrieve_payment_intent(payment_intent_id).await.map_err(stripe_err)?;
-                let refunded = match (&pi.status[..], &pi.latest_charge) {
+                // The charge holds what the PaymentIntent does not: refunds, and the
+                // authorization's real capture deadline (Stripe: "Place a hold on a payment
+                // method", `capture_before`), which the saga stores instead of the default.
+                let (refunded, capture_before) = match (&pi.status[..], &pi.latest_charge) {
                     ("succeeded", Some(charge)) => {
-                        g.retrieve_charge(charge).await.map_err(stripe_err)?.amount_refunded
+                        (g.retrieve_charge(charge).await.map_err(stripe_err)?.amount_refunded, None)
                     }
-                    _ => 0,
+                    ("requires_capture", Some(charge)) => {
+                        let c = g.retrieve_charge(charge).await.map_err(stripe_err)?;
+                        (0, c.capture_before().and_then(|t| chrono::DateTime::from_timestamp(t, 0)))
+                    }
+                    _ => (0, None),
                 };
-                Ok(Prepared::Observed { intent: pi, amount_refunded_minor: refunded })
+                Ok(Prepared::Observed { intent: pi, amount_refunded_minor: refunded, capture_before })
             }
             _ => Ok(Prepared::Skipped("not_a_payment_command")),
         }
@@ -248,12 +263,12 @@ impl Handler for PaymentWorker {
             }
             (
                 PurchaseEvent::PaymentIntentRefreshRequested { reason, .. },
-                Prepared::Observed { intent: pi, amount_refunded_minor },
+                Prepared::Observed { intent: pi, amount_refunded_minor, capture_before },
             ) => {
                 tracing::info!(order.id = %order_id, payment_intent.status = %pi.status, reason = %reason,
                     "PaymentIntent re-fetched after a disagreeing webhook");
                 metrics::counter!("boxoffice_payment_intent_refreshes_total").increment(1);
-                emit.extend(observed_facts(order_id, &pi, amount_refunded_minor));
+                emit.extend(observed_facts(order_id, &pi, amount_refunded_minor, capture_before));
             }
             (e, p) => {
                 return Err(HandlerError::permanent("unexpected_outcome", anyhow::anyhow!("{e:?} -> {p:?}")));
@@ -284,11 +299,14 @@ async fn facts_from_intent(
 }
 
 /// Every fact a re-fetched PaymentIntent states, for the saga to act on (it ignores facts
-/// the order has moved past). Amounts in minor units.
+/// the order has moved past). Amounts in minor units; `capture_before` is the authorization's
+/// deadline from its charge, carried on `PaymentAuthorized` (the saga otherwise assumes
+/// Stripe's default window).
 pub fn observed_facts(
     order_id: OrderId,
     pi: &PaymentIntent,
     amount_refunded_minor: i64,
+    capture_before: Option<chrono::DateTime<chrono::Utc>>,
 ) -> Vec<PurchaseEvent> {
     let payment_intent_id = pi.id.clone();
     match pi.status.as_str() {
@@ -296,7 +314,7 @@ pub fn observed_facts(
             order_id,
             payment_intent_id,
             amount_capturable_minor: pi.amount_capturable,
-            capture_before: None,
+            capture_before,
         }],
         "succeeded" => {
             let mut v = vec![PurchaseEvent::PaymentCaptured {

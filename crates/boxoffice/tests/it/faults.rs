@@ -413,5 +413,22 @@ async fn early_webhook_is_kept_and_rederived_from_stripe(_: PgPoolOptions, opts:
         1,
         "the authorization the early webhook reported, re-derived from Stripe"
     );
+    // It carries the charge's own capture deadline (the simulator's card window: 7 days), so
+    // the saga stores Stripe's date rather than assuming one.
+    let authorized: serde_json::Value = sqlx::query_scalar(
+        "SELECT payload FROM outbox WHERE event_type = 'PaymentAuthorized' AND message_key = $1",
+    )
+    .bind(order.to_string())
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    let authorized: Envelope = serde_json::from_value(authorized).unwrap();
+    let PurchaseEvent::PaymentAuthorized { capture_before: Some(deadline), .. } =
+        authorized.decode().unwrap()
+    else {
+        panic!("PaymentAuthorized without the charge's capture_before")
+    };
+    let days = (deadline - chrono::Utc::now()).num_hours() as f64 / 24.0;
+    assert!((6.9..=7.01).contains(&days), "capture_before {deadline} is {days} days out");
     app.stop().await;
 }
