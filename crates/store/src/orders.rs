@@ -281,3 +281,15 @@ pub async fn view(pool: &PgPool, id: OrderId, owner: UserId) -> Result<Option<Or
         updated_at: r.updated_at,
     }))
 }
+
+/// Orders of `event` not yet in a final state (`ticketed`, `expired`, `failed`, `canceled`,
+/// `refunded`): what a drain waits for.
+pub async fn open_in_event(pool: &PgPool, event: Uuid) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM orders WHERE event_id = $1
+            AND status NOT IN ('ticketed', 'expired', 'failed', 'canceled', 'refunded')",
+    )
+    .bind(event)
+    .fetch_one(pool)
+    .await
+}

@@ -362,15 +362,29 @@ pub struct Status {
     pub sample_ms: f64,
 }
 
+/// Consumer lag of the purchase topic, in messages.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ConsumerLag {
+    /// Max over groups and partitions of high-water − committed (the controller's signal).
+    pub max_partition: i64,
+    /// Max over groups of the lag summed over the group's partitions (a group's backlog).
+    pub max_group_total: i64,
+}
+
 /// Reads consumer lag from the broker: committed offsets of each group against the
-/// high-water marks of the purchase topic. Blocking (librdkafka): called on a blocking thread.
-struct LagProbe {
+/// high-water marks of the purchase topic, without joining the groups. Blocking
+/// (librdkafka): call it on a blocking thread.
+pub struct ConsumerLagProbe {
     topic: String,
     groups: Vec<(String, BaseConsumer)>,
 }
 
-impl LagProbe {
-    fn new(cfg: &KafkaConfig, consumers: &[&str]) -> anyhow::Result<Self> {
+impl ConsumerLagProbe {
+    /// A probe of the groups of `consumers` (consumer names, e.g. [`LAG_CONSUMERS`]).
+    ///
+    /// # Errors
+    /// When a Kafka client cannot be created from `cfg`.
+    pub fn new(cfg: &KafkaConfig, consumers: &[&str]) -> anyhow::Result<Self> {
         let groups = consumers
             .iter()
             .map(|c| {
@@ -388,10 +402,13 @@ impl LagProbe {
         Ok(Self { topic: cfg.topic(Topic::Purchase.name()), groups })
     }
 
-    /// Max over groups and partitions of high-water − committed (an uncommitted partition
+    /// The lag now: high-water − committed per group and partition (an uncommitted partition
     /// counts from its low-water mark: the consumers start at `earliest`).
-    fn read(&self, timeout: Duration) -> anyhow::Result<i64> {
-        let Some((_, any)) = self.groups.first() else { return Ok(0) };
+    ///
+    /// # Errors
+    /// When the broker does not answer within `timeout` per call.
+    pub fn read(&self, timeout: Duration) -> anyhow::Result<ConsumerLag> {
+        let Some((_, any)) = self.groups.first() else { return Ok(ConsumerLag::default()) };
         let md = any.fetch_metadata(Some(&self.topic), timeout)?;
         let partitions: Vec<i32> =
             md.topics().iter().flat_map(|t| t.partitions().iter().map(|p| p.id())).collect();
@@ -400,7 +417,7 @@ impl LagProbe {
         for p in &partitions {
             marks.insert(*p, any.fetch_watermarks(&self.topic, *p, timeout)?);
         }
-        let mut max = 0i64;
+        let (mut max, mut max_total) = (0i64, 0i64);
         for (group, c) in &self.groups {
             let mut tpl = TopicPartitionList::new();
             for p in &partitions {
@@ -409,16 +426,20 @@ impl LagProbe {
             let committed = c
                 .committed_offsets(tpl, timeout)
                 .map_err(|e| anyhow::anyhow!("committed offsets of {group}: {e}"))?;
+            let mut total = 0i64;
             for e in committed.elements() {
                 let (low, high) = marks.get(&e.partition()).copied().unwrap_or((0, 0));
                 let from = match e.offset() {
                     Offset::Offset(o) => o,
                     _ => low,
                 };
-                max = max.max(high - from);
+                let lag = (high - from).max(0);
+                max = max.max(lag);
+                total += lag;
             }
+            max_total = max_total.max(total);
         }
-        Ok(max.max(0))
+        Ok(ConsumerLag { max_partition: max, max_group_total: max_total })
     }
 }
 
@@ -428,7 +449,7 @@ pub struct Controller {
     connect: PgConnectOptions,
     room: Waitroom,
     settings: ReleaseSettings,
-    lag: Option<Arc<LagProbe>>,
+    lag: Option<Arc<ConsumerLagProbe>>,
     status: watch::Sender<Status>,
 }
 
@@ -448,7 +469,7 @@ impl Controller {
         kafka: Option<&KafkaConfig>,
         settings: ReleaseSettings,
     ) -> anyhow::Result<(Self, watch::Receiver<Status>)> {
-        let lag = kafka.map(|k| LagProbe::new(k, &LAG_CONSUMERS)).transpose()?.map(Arc::new);
+        let lag = kafka.map(|k| ConsumerLagProbe::new(k, &LAG_CONSUMERS)).transpose()?.map(Arc::new);
         let (status, rx) = watch::channel(Status {
             leader: false,
             rate_per_s: settings.initial_per_s,
@@ -643,7 +664,7 @@ impl Controller {
             let (lag, t) = (lag.clone(), Duration::from_millis(self.settings.probe_timeout_ms));
             let r = tokio::time::timeout(bound, tokio::task::spawn_blocking(move || lag.read(t))).await;
             let reading = match r {
-                Ok(Ok(Ok(v))) => Reading::Value(v as f64),
+                Ok(Ok(Ok(v))) => Reading::Value(v.max_partition as f64),
                 Ok(Ok(Err(e))) => {
                     tracing::debug!(signal = "consumer_lag", error = %e, "release probe failed");
                     Reading::Failed

@@ -18,8 +18,6 @@ use anyhow::Context;
 use boxoffice_domain::UserId;
 use boxoffice_store::{outbox, venue};
 use rand::seq::SliceRandom;
-use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use reqwest::StatusCode;
 use secrecy::ExposeSecret;
 use serde::Serialize;
@@ -259,7 +257,10 @@ async fn drive(
         errors: AtomicU64::new(0),
         per_second: Mutex::new(Vec::new()),
     });
-    let lag = LagProbe::new(&cfg.kafka().context("no broker")?)?;
+    let lag = boxoffice_workers::release::ConsumerLagProbe::new(
+        &cfg.kafka().context("no broker")?,
+        &boxoffice_workers::release::LAG_CONSUMERS,
+    )?;
     // Steps as run: (rate, start s, seconds).
     let steps_run = Arc::new(Mutex::new(Vec::<(f64, f64, f64)>::new()));
     let rate_at = {
@@ -307,7 +308,12 @@ async fn drive(
                 .unwrap_or(-1);
                 let backlog = outbox::backlog(&pool).await.unwrap_or_default();
                 let l = lag.clone();
-                let max_lag = tokio::task::spawn_blocking(move || l.max_lag()).await.unwrap_or(-1);
+                // A group's whole backlog (summed over partitions); -1 when unreadable.
+                let max_lag = tokio::task::spawn_blocking(move || l.read(Duration::from_secs(2)))
+                    .await
+                    .ok()
+                    .and_then(Result::ok)
+                    .map_or(-1, |l| l.max_group_total);
                 samples.lock().expect("samples lock").push(P3Sample {
                     t_s,
                     offered_rate: rate_at(t_s),
@@ -338,7 +344,7 @@ async fn drive(
     }
     steps_run.lock().expect("steps lock").extend(plan.iter().map(|p| (p.0, p.1, p.2)));
     arrivals(&ctx, &plan, &deck, &mut seat_at, args.p3_seats, &mut stats).await;
-    let ramp_drained = drain(pool, event, drain_timeout).await?;
+    let ramp_drained = crate::onsale::drain(pool, event, drain_timeout).await?;
     let sustained_rate = if args.p3_attempt_rate > 0.0 {
         args.p3_attempt_rate
     } else {
@@ -362,7 +368,7 @@ async fn drive(
     let sustained_cpu = cpu_before.until(&super::CpuSnap::now());
     let sustained_buyers = stats.started - buyers_before;
     let arrivals_done = Instant::now();
-    let drained = ramp_drained && drain(pool, event, drain_timeout).await?;
+    let drained = ramp_drained && crate::onsale::drain(pool, event, drain_timeout).await?;
     let drain_seconds = arrivals_done.elapsed().as_secs_f64();
     let plan_end = start + args.p3_seconds as f64;
     let started_buyers = stats.started;
@@ -615,91 +621,4 @@ async fn autovacuum_on(pool: &sqlx::PgPool) -> bool {
         .await
         .map(|v| v == "on")
         .unwrap_or(true)
-}
-
-/// Waits until every order of `event` is final and the outbox is empty, or `timeout`.
-async fn drain(pool: &sqlx::PgPool, event: uuid::Uuid, timeout: Duration) -> anyhow::Result<bool> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        let open: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM orders WHERE event_id = $1
-                AND status NOT IN ('ticketed', 'expired', 'failed', 'canceled', 'refunded')",
-        )
-        .bind(event)
-        .fetch_one(pool)
-        .await?;
-        if open == 0 && outbox::backlog(pool).await?.unpublished == 0 {
-            return Ok(true);
-        }
-        if Instant::now() >= deadline {
-            return Ok(false);
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-}
-
-/// Reads the consumer lag of the purchase topic's consumer groups without joining them:
-/// committed offsets (OffsetFetch) against high watermarks.
-struct LagProbe {
-    consumers: Vec<BaseConsumer>,
-    topic: String,
-    partitions: i32,
-}
-
-impl LagProbe {
-    fn new(k: &boxoffice_bus::KafkaConfig) -> anyhow::Result<Self> {
-        let consumers = [
-            boxoffice_workers::saga::NAME,
-            boxoffice_workers::payment::NAME,
-            boxoffice_workers::tickets::NAME,
-        ]
-        .iter()
-        .map(|name| {
-            ClientConfig::new()
-                .set("bootstrap.servers", &k.brokers)
-                .set("group.id", k.group(name))
-                .set("enable.auto.commit", "false")
-                .create::<BaseConsumer>()
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-        Ok(Self {
-            consumers,
-            topic: k.topic(boxoffice_domain::Topic::Purchase.name()),
-            partitions: k.partitions,
-        })
-    }
-
-    /// The largest group lag (sum over partitions); -1 when it could not be read.
-    fn max_lag(&self) -> i64 {
-        let timeout = Duration::from_secs(2);
-        let mut tpl = TopicPartitionList::new();
-        for p in 0..self.partitions {
-            tpl.add_partition(&self.topic, p);
-        }
-        let Some(first) = self.consumers.first() else { return -1 };
-        let mut high = Vec::with_capacity(self.partitions as usize);
-        for p in 0..self.partitions {
-            match first.fetch_watermarks(&self.topic, p, timeout) {
-                Ok((lo, hi)) => high.push((lo, hi)),
-                Err(_) => return -1,
-            }
-        }
-        let mut max = 0;
-        for c in &self.consumers {
-            let Ok(committed) = c.committed_offsets(tpl.clone(), timeout) else { return -1 };
-            let lag: i64 = committed
-                .elements()
-                .iter()
-                .map(|e| {
-                    let (lo, hi) = high[e.partition() as usize];
-                    match e.offset() {
-                        Offset::Offset(o) => (hi - o).max(0),
-                        _ => (hi - lo).max(0),
-                    }
-                })
-                .sum();
-            max = max.max(lag);
-        }
-        max
-    }
 }

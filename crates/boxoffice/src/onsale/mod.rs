@@ -391,16 +391,10 @@ pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
 }
 
 /// Waits until every order of `event` is final and the outbox is empty, or `timeout`.
-async fn drain(pool: &PgPool, event: uuid::Uuid, timeout: Duration) -> anyhow::Result<bool> {
+pub(crate) async fn drain(pool: &PgPool, event: uuid::Uuid, timeout: Duration) -> anyhow::Result<bool> {
     let deadline = Instant::now() + timeout;
     loop {
-        let open: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM orders WHERE event_id = $1
-                AND status NOT IN ('ticketed', 'expired', 'failed', 'canceled', 'refunded')",
-        )
-        .bind(event)
-        .fetch_one(pool)
-        .await?;
+        let open = boxoffice_store::orders::open_in_event(pool, event).await?;
         let backlog = outbox::backlog(pool).await?;
         if open == 0 && backlog.unpublished == 0 {
             return Ok(true);
