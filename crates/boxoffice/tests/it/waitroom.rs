@@ -27,6 +27,15 @@ async fn app(opts: PgConnectOptions, tweak: impl FnOnce(&mut Config)) -> TestApp
     .await
 }
 
+/// The release controller at a fixed `rate` per second (min = initial = max), ticking every
+/// 100 ms: for tests about the queue, not the controller's law.
+fn pin_release_rate(c: &mut Config, rate: f64) {
+    c.release_max_per_s = rate;
+    c.release_initial_per_s = rate;
+    c.release_min_per_s = rate;
+    c.release_tick_ms = 100;
+}
+
 fn room(app: &TestApp) -> Waitroom {
     runtime::waitroom(&app.cfg).unwrap()
 }
@@ -150,13 +159,7 @@ async fn waitroom_join_poll_release_and_hold(_: PgPoolOptions, opts: PgConnectOp
 /// adaptive law has its own tests in `release::`).
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn waitroom_release_controller_admits_queued_buyers(_: PgPoolOptions, opts: PgConnectOptions) {
-    let app = app(opts, |c| {
-        c.release_max_per_s = 20.0;
-        c.release_initial_per_s = 20.0;
-        c.release_min_per_s = 20.0;
-        c.release_tick_ms = 100;
-    })
-    .await;
+    let app = app(opts, |c| pin_release_rate(c, 20.0)).await;
     let buyers: Vec<Buyer> = (0..3).map(|_| app.buyer()).collect();
     let mut tickets = Vec::new();
     for b in &buyers {
@@ -446,10 +449,7 @@ async fn onsale_buyers_queue_until_released_open_loop_and_paced(_: PgPoolOptions
     use boxoffice::onsale::queue::{self, QueuePacing};
     let app = app(opts, |c| {
         // R pinned at 50/s: this test is about the buyers' side, not the controller's law.
-        c.release_max_per_s = 50.0;
-        c.release_initial_per_s = 50.0;
-        c.release_min_per_s = 50.0;
-        c.release_tick_ms = 100;
+        pin_release_rate(c, 50.0);
         c.waitroom_poll_interval_ms = 200;
         c.waitroom_abandon_after_ms = 5_000;
     })
