@@ -95,6 +95,7 @@ pub struct BenchArgs {
     #[arg(long)]
     pub kafka_brokers: Option<String>,
     /// Short durations and small sizes: a smoke test of the whole bench (numbers meaningless).
+    /// Replaces the levels, ramp, durations and sizes given by the other options.
     #[arg(long)]
     pub quick: bool,
 }
