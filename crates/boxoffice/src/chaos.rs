@@ -1074,13 +1074,10 @@ async fn drain(pool: &sqlx::PgPool, event: uuid::Uuid, timeout: Duration, sup: &
     let deadline = Instant::now() + timeout;
     let mut last_error = None;
     loop {
-        let open = sqlx::query_scalar::<_, i64>(
-            "SELECT (SELECT count(*) FROM orders WHERE event_id = $1
-                       AND status NOT IN ('ticketed', 'expired', 'failed', 'canceled', 'refunded'))
-                  + (SELECT count(*) FROM outbox WHERE published_at IS NULL)",
-        )
-        .bind(event)
-        .fetch_one(pool)
+        let open = async {
+            let orders = boxoffice_store::orders::open_in_event(pool, event).await?;
+            Ok::<_, sqlx::Error>(orders + boxoffice_store::outbox::backlog(pool).await?.unpublished)
+        }
         .await;
         match open {
             Ok(0) => return true,

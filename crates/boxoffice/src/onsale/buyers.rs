@@ -341,7 +341,6 @@ pub async fn drive(cfg: BuyerConfig) -> anyhow::Result<BuyerStats> {
         .connect_timeout(Duration::from_secs(5))
         .build()
         .context("building the HTTP client")?;
-    let hist = || Histogram::<u64>::new_with_bounds(1, 3_600_000_000, 3);
     let started = Instant::now();
     let mut ctx = Ctx {
         in_flight: Semaphore::new(cfg.max_in_flight),
@@ -354,8 +353,8 @@ pub async fn drive(cfg: BuyerConfig) -> anyhow::Result<BuyerStats> {
             taken: Mutex::new(HashMap::new()),
         },
         stats: Counters::default(),
-        hold_latency_us: Mutex::new(hist()?),
-        hold_to_ticket_us: Mutex::new(hist()?),
+        hold_latency_us: Mutex::new(crate::bench::histogram()),
+        hold_to_ticket_us: Mutex::new(crate::bench::histogram()),
         started,
     };
     let first = ctx.fetch_map().await.context("loading the seat map before the onsale")?;

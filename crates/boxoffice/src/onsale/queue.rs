@@ -187,7 +187,6 @@ pub async fn run(
         "attempt_rate must be >= 0"
     );
     anyhow::ensure!(pacing.max_in_flight >= 1, "max_in_flight must be at least 1");
-    let hist = || Histogram::<u64>::new_with_bounds(1, 3_600_000_000, 3);
     let n = bearers.len();
     let room = Arc::new(Room {
         api_url,
@@ -210,8 +209,8 @@ pub async fn run(
         wake: Notify::new(),
         in_flight: Arc::new(Semaphore::new(pacing.max_in_flight)),
         stats: Counters::default(),
-        attempt_us: Mutex::new(hist()?),
-        wait_us: Mutex::new(hist()?),
+        attempt_us: Mutex::new(crate::bench::histogram()),
+        wait_us: Mutex::new(crate::bench::histogram()),
         admitted,
         started: Instant::now(),
     });
