@@ -163,6 +163,7 @@ impl From<ReserveError> for Problem {
             ),
             ReserveError::Db(e) => Problem::database(&e),
             ReserveError::Fault(f) => f.into(),
+            ReserveError::Ledger(e) => e.into(),
         }
     }
 }

@@ -21,9 +21,10 @@
 //! Fault points: `webhook.before_commit`, `webhook.after_commit` (committed, not answered:
 //! Stripe redelivers and the duplicate is acknowledged without effect).
 
+use boxoffice_domain::PaymentIntentStatus;
 use boxoffice_domain::{Envelope, OrderId, PurchaseEvent};
 use boxoffice_payments::webhook::Event;
-use boxoffice_store::{outbox, payments, stripe_events};
+use boxoffice_store::{orders, outbox, payments, stripe_events};
 use serde_json::Value;
 use sqlx::PgPool;
 use uuid::Uuid;
@@ -104,12 +105,8 @@ async fn ingest_tx(pool: &PgPool, event: &Event) -> Result<Ingested, IngestError
     match (order, pi.as_deref()) {
         (Some(order), Some(pi)) if handled => {
             let local = payments::get(&mut *tx, order).await?;
-            let order_amount: Option<i64> =
-                sqlx::query_scalar("SELECT amount_minor FROM orders WHERE id = $1")
-                    .bind(order.0)
-                    .fetch_optional(&mut *tx)
-                    .await?;
-            let fact = match judge(&event.r#type, object, local.as_ref(), order_amount, pi) {
+            let known = orders::amount_and_correlation(&mut *tx, order).await?;
+            let fact = match judge(&event.r#type, object, local.as_ref(), known.map(|k| k.0), pi) {
                 Verdict::Act => map_event(&event.r#type, object, order, pi),
                 Verdict::Stale => {
                     tracing::warn!(stripe.event_id = %event.id, stripe.event_type = %event.r#type, order.id = %order,
@@ -133,20 +130,9 @@ async fn ingest_tx(pool: &PgPool, event: &Event) -> Result<Ingested, IngestError
                 {
                     // Mirror the provider's state for the status endpoint (`authorized`); the
                     // order itself is moved only by the saga.
-                    sqlx::query(
-                        "UPDATE payments SET status = 'requires_capture', updated_at = clock_timestamp()
-                          WHERE payment_intent_id = $1
-                            AND status IN ('requires_payment_method', 'requires_confirmation', 'requires_action')",
-                    )
-                    .bind(pi)
-                    .execute(&mut *tx)
-                    .await?;
+                    payments::mirror_authorized(&mut *tx, pi).await?;
                 }
-                let correlation: Option<Uuid> =
-                    sqlx::query_scalar("SELECT correlation_id FROM orders WHERE id = $1")
-                        .bind(order.0)
-                        .fetch_optional(&mut *tx)
-                        .await?;
+                let correlation = known.map(|k| k.1);
                 let env = Envelope::new(order, &fact, correlation.unwrap_or_else(Uuid::new_v4), None);
                 outbox::insert(&mut tx, boxoffice_domain::Topic::Purchase, &env).await?;
             }
@@ -204,8 +190,12 @@ fn judge(
     }
     if let Some(p) = local {
         let contradicts = match event_type {
-            "payment_intent.amount_capturable_updated" | "payment_intent.succeeded" => p.status == "canceled",
-            "payment_intent.canceled" | "payment_intent.payment_failed" => p.status == "succeeded",
+            "payment_intent.amount_capturable_updated" | "payment_intent.succeeded" => {
+                p.status == PaymentIntentStatus::Canceled
+            }
+            "payment_intent.canceled" | "payment_intent.payment_failed" => {
+                p.status == PaymentIntentStatus::Succeeded
+            }
             "charge.refunded" => {
                 amount(object, "amount_refunded") > p.amount_captured_minor.max(p.amount_minor)
             }

@@ -16,7 +16,7 @@
 
 use crate::reconcile::{self, DriftKind, Window};
 use boxoffice_bus::KafkaConfig;
-use boxoffice_payments::StripeClient;
+use boxoffice_payments::{PaymentIntentStatus, StripeClient};
 use boxoffice_store::audit::{Totals, Violations};
 use serde::Serialize;
 use serde_json::json;
@@ -221,10 +221,10 @@ async fn provider_checks(
     let mut past_deadline = 0;
     for i in &scan.intents {
         let pi = &i.intent;
-        if pi.status == "succeeded" || pi.amount_received > 0 {
+        if pi.status == PaymentIntentStatus::Succeeded || pi.amount_received > 0 {
             *captures_per_order.entry(i.order_id().unwrap_or_default()).or_default() += 1;
         }
-        if pi.status == "requires_capture" {
+        if pi.status == PaymentIntentStatus::RequiresCapture {
             let local = scan.ledger.get(&pi.id).is_some_and(|l| l.deadline_passed);
             let provider = i.charge.as_ref().and_then(|c| c.capture_before()).is_some_and(|t| t < now);
             past_deadline += i64::from(local || provider);

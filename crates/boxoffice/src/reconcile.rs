@@ -19,7 +19,7 @@
 //! shows whether it persists. Failure: a provider or database error aborts the scan.
 
 use anyhow::Context;
-use boxoffice_domain::{Envelope, OrderId, PurchaseEvent};
+use boxoffice_domain::{Envelope, OrderId, OrderStatus, PaymentIntentStatus, PurchaseEvent};
 use boxoffice_payments::{CreatedWindow, IntentWithCharge, StripeClient};
 use boxoffice_store::payments::{self as ledger, LedgerPayment};
 use chrono::{DateTime, TimeZone, Utc};
@@ -173,8 +173,8 @@ impl DriftKind {
 /// What the provider says about a PaymentIntent. Amounts are minor units.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct ProviderSide {
-    /// Stripe's status (`requires_capture`, `succeeded`, `canceled`, …).
-    pub status: String,
+    /// Stripe's status.
+    pub status: PaymentIntentStatus,
     /// Amount intended.
     pub amount: i64,
     /// Amount captured.
@@ -187,7 +187,7 @@ pub struct ProviderSide {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct LedgerSide {
     /// The mirrored PaymentIntent status.
-    pub status: String,
+    pub status: PaymentIntentStatus,
     /// Amount authorized.
     pub amount_minor: i64,
     /// Amount captured.
@@ -195,7 +195,7 @@ pub struct LedgerSide {
     /// Amount refunded.
     pub amount_refunded_minor: i64,
     /// The order's status.
-    pub order_status: String,
+    pub order_status: OrderStatus,
 }
 
 /// One difference between provider and ledger for one PaymentIntent.
@@ -231,8 +231,8 @@ impl Drift {
 }
 
 /// Local statuses of a payment that is not yet authorized.
-fn pending(status: &str) -> bool {
-    matches!(status, "requires_payment_method" | "requires_confirmation" | "requires_action" | "processing")
+fn pending(status: &PaymentIntentStatus) -> bool {
+    status.is_unsettled()
 }
 
 /// Compares one PaymentIntent with its ledger row (either may be missing, not both) and
@@ -254,7 +254,7 @@ pub fn compare(p: Option<&IntentWithCharge>, l: Option<&LedgerPayment>) -> Vec<D
         amount_minor: l.payment.amount_minor,
         amount_captured_minor: l.payment.amount_captured_minor,
         amount_refunded_minor: l.payment.amount_refunded_minor,
-        order_status: l.order_status.clone(),
+        order_status: l.order_status,
     });
     let drift = |kind: DriftKind, fact: Option<PurchaseEvent>| Drift {
         payment_intent_id: pi_id.clone(),
@@ -268,7 +268,12 @@ pub fn compare(p: Option<&IntentWithCharge>, l: Option<&LedgerPayment>) -> Vec<D
     let (Some(p), Some(l)) = (p, l) else {
         let kind = match p {
             Some(p)
-                if matches!(p.intent.status.as_str(), "requires_capture" | "processing" | "succeeded") =>
+                if matches!(
+                    p.intent.status,
+                    PaymentIntentStatus::RequiresCapture
+                        | PaymentIntentStatus::Processing
+                        | PaymentIntentStatus::Succeeded
+                ) =>
             {
                 DriftKind::IntentMissingInLedger
             }
@@ -282,8 +287,8 @@ pub fn compare(p: Option<&IntentWithCharge>, l: Option<&LedgerPayment>) -> Vec<D
     let row = &l.payment;
     let mut out = Vec::new();
     let mut disagrees = pi.amount != row.amount_minor || row.amount_captured_minor > pi.amount_received;
-    match pi.status.as_str() {
-        "requires_capture" => {
+    match pi.status {
+        PaymentIntentStatus::RequiresCapture => {
             if pending(&row.status) {
                 out.push(drift(
                     DriftKind::AuthorizationNotInLedger,
@@ -298,14 +303,16 @@ pub fn compare(p: Option<&IntentWithCharge>, l: Option<&LedgerPayment>) -> Vec<D
                             .and_then(|t| Utc.timestamp_opt(t, 0).single()),
                     }),
                 ));
-            } else if row.status != "requires_capture" {
+            } else if row.status != PaymentIntentStatus::RequiresCapture {
                 disagrees = true;
             }
         }
-        "succeeded" => {
-            if row.status == "canceled" {
+        PaymentIntentStatus::Succeeded => {
+            if row.status == PaymentIntentStatus::Canceled {
                 disagrees = true;
-            } else if row.amount_captured_minor < pi.amount_received || row.status != "succeeded" {
+            } else if row.amount_captured_minor < pi.amount_received
+                || row.status != PaymentIntentStatus::Succeeded
+            {
                 out.push(drift(
                     DriftKind::CaptureNotInLedger,
                     Some(PurchaseEvent::PaymentCaptured {
@@ -331,10 +338,10 @@ pub fn compare(p: Option<&IntentWithCharge>, l: Option<&LedgerPayment>) -> Vec<D
                 }
             }
         }
-        "canceled" => {
+        PaymentIntentStatus::Canceled => {
             if row.amount_captured_minor > 0 {
                 disagrees = true;
-            } else if row.status != "canceled" {
+            } else if row.status != PaymentIntentStatus::Canceled {
                 out.push(drift(
                     DriftKind::CancelNotInLedger,
                     Some(PurchaseEvent::PaymentCanceled {
@@ -475,10 +482,8 @@ pub async fn fix(pool: &PgPool, drift: &mut [Drift]) -> anyhow::Result<usize> {
     for (pi, idx) in by_intent {
         let order = drift[idx[0]].order_id.expect("filtered above");
         let mut tx = pool.begin().await?;
-        let correlation: Option<Uuid> = sqlx::query_scalar("SELECT correlation_id FROM orders WHERE id = $1")
-            .bind(order)
-            .fetch_optional(&mut *tx)
-            .await?;
+        let correlation: Option<Uuid> =
+            boxoffice_store::orders::amount_and_correlation(&mut *tx, OrderId(order)).await?.map(|k| k.1);
         let Some(correlation) = correlation else {
             tracing::warn!(order.id = %order, stripe.payment_intent = %pi, "order does not exist; drift left for an operator");
             continue;
@@ -675,7 +680,7 @@ mod tests {
                 capture_before: None,
             },
             event_id: Uuid::nil(),
-            order_status: "ticketed".into(),
+            order_status: OrderStatus::Ticketed,
             correlation_id: Uuid::nil(),
             created_at: now(),
             deadline_passed: false,

@@ -35,7 +35,7 @@
 
 use crate::{KafkaConfig, RetryPolicy};
 use async_trait::async_trait;
-use boxoffice_domain::{Envelope, PurchaseEvent, Topic};
+use boxoffice_domain::{Envelope, EventKind, PurchaseEvent, Topic};
 use boxoffice_store::{inbox, Tx};
 use rand::Rng;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer};
@@ -95,6 +95,7 @@ impl From<boxoffice_store::StoreError> for HandlerError {
     fn from(e: boxoffice_store::StoreError) -> Self {
         match e {
             boxoffice_store::StoreError::Db(e) => e.into(),
+            e @ boxoffice_store::StoreError::IllegalTransition(_) => Self::permanent("illegal_transition", e),
             other => Self::permanent("corrupt_row", other),
         }
     }
@@ -109,8 +110,9 @@ pub trait Handler: Send + Sync + 'static {
     /// The consumer's name: its inbox key and consumer group (`ticketing-{name}`).
     fn name(&self) -> &'static str;
 
-    /// Whether this consumer acts on `event_type`; other messages are acknowledged unread.
-    fn wants(&self, event_type: &str) -> bool;
+    /// Whether this consumer acts on facts of `kind`; other messages (and event types this
+    /// build does not know) are acknowledged unread.
+    fn wants(&self, kind: EventKind) -> bool;
 
     /// Whether `prepare` calls out (e.g. to Stripe): then the runner first checks the inbox
     /// so a known duplicate costs no remote call. Handlers without remote work skip that
@@ -156,20 +158,12 @@ pub async fn handle_once<H: Handler>(
     handler: &H,
     env: &Envelope,
 ) -> Result<Disposition, HandlerError> {
-    if !handler.wants(&env.event_type) {
+    if !EventKind::of(&env.event_type).is_some_and(|kind| handler.wants(kind)) {
         return Ok(Disposition::Ignored);
     }
     let event = env.decode().map_err(|e| HandlerError::permanent("bad_payload", e))?;
-    if handler.calls_out() {
-        let seen: bool =
-            sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM inbox WHERE consumer = $1 AND event_id = $2)")
-                .bind(handler.name())
-                .bind(env.event_id)
-                .fetch_one(pool)
-                .await?;
-        if seen {
-            return Ok(Disposition::Duplicate);
-        }
+    if handler.calls_out() && inbox::seen(pool, handler.name(), env.event_id).await? {
+        return Ok(Disposition::Duplicate);
     }
     let name = handler.name();
     boxoffice_faults::check_consumer(name, "before_remote")?;

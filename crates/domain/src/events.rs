@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 use crate::ids::{EventId, HoldId, OrderId, SeatId};
+use crate::status::PaymentIntentStatus;
 
 /// The schema version this build writes and reads.
 pub const SCHEMA_VERSION: u32 = 1;
@@ -153,7 +154,16 @@ impl Envelope {
 }
 
 /// Every fact and command of the purchase saga (design §6, §9). Amounts are minor units.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+///
+/// [`EventKind`] is derived from these variants (one unit variant each, named alike): the
+/// envelope's `event_type` text is the variant's name, and consumers route on `EventKind`
+/// rather than on strings.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, strum::EnumDiscriminants)]
+#[strum_discriminants(
+    name(EventKind),
+    vis(pub),
+    derive(Hash, strum::EnumString, strum::IntoStaticStr, strum::Display, strum::VariantArray)
+)]
 #[serde(tag = "event_type", content = "payload")]
 pub enum PurchaseEvent {
     /// Fact: the hold transaction committed an order, a hold and its seats.
@@ -169,7 +179,7 @@ pub enum PurchaseEvent {
     /// Command to the payment worker: create the manual-capture PaymentIntent.
     PaymentAuthorizationRequested { order_id: OrderId, hold_id: HoldId, amount_minor: i64, currency: String },
     /// Fact: a PaymentIntent exists for the order.
-    PaymentIntentCreated { order_id: OrderId, payment_intent_id: String, status: String },
+    PaymentIntentCreated { order_id: OrderId, payment_intent_id: String, status: PaymentIntentStatus },
     /// Fact: Stripe reserved the funds (`requires_capture`).
     PaymentAuthorized {
         order_id: OrderId,
@@ -210,7 +220,25 @@ pub enum PurchaseEvent {
     PaymentIntentRefreshRequested { order_id: OrderId, payment_intent_id: String, reason: String },
 }
 
+impl EventKind {
+    /// The kind named by an envelope's `event_type`; `None` for a type this build does not
+    /// know (a newer producer's), which consumers acknowledge unread.
+    pub fn of(event_type: &str) -> Option<EventKind> {
+        event_type.parse().ok()
+    }
+
+    /// The `event_type` text (the variant's name).
+    pub fn as_str(self) -> &'static str {
+        self.into()
+    }
+}
+
 impl PurchaseEvent {
+    /// The event's kind.
+    pub fn kind(&self) -> EventKind {
+        self.into()
+    }
+
     /// The order the event belongs to.
     pub fn order_id(&self) -> OrderId {
         use PurchaseEvent::*;
@@ -252,6 +280,18 @@ mod tests {
         let next = back.follow(&ev);
         assert_eq!(next.causation_id, Some(env.event_id));
         assert_eq!(next.correlation_id, env.correlation_id);
+    }
+
+    #[test]
+    fn event_kinds_are_the_envelope_types() {
+        use strum::VariantArray;
+        let order = OrderId::new();
+        let ev = PurchaseEvent::HoldExpired { order_id: order, hold_id: HoldId::new() };
+        let env = Envelope::new(order, &ev, Uuid::new_v4(), None);
+        assert_eq!(EventKind::of(&env.event_type), Some(ev.kind()));
+        assert_eq!(ev.kind().as_str(), "HoldExpired");
+        assert_eq!(EventKind::of("SomethingNew"), None);
+        assert_eq!(EventKind::VARIANTS.len(), 17);
     }
 
     #[test]

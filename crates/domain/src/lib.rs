@@ -1,16 +1,19 @@
-//! boxoffice's pure domain: identifiers, money, the order and hold state machines and the
-//! versioned event envelope with every purchase-saga payload.
+//! boxoffice's pure domain: identifiers, money, the order, hold and PaymentIntent state
+//! machines, the versioned event envelope with every purchase-saga payload, and the saga's
+//! decision table.
 //!
 //! Nothing here performs IO. The state machines encode which transitions are legal so that
-//! the saga (invariant 2: no order is confirmed without a live hold and an authorized payment)
-//! and the status endpoint agree on one vocabulary.
+//! the saga (invariant 2: no order is confirmed without a live hold and an authorized payment),
+//! the store that writes the rows and the status endpoint agree on one vocabulary; [`saga`]
+//! decides what each fact does, and the workers execute it.
 
 pub mod events;
 pub mod ids;
 pub mod money;
+pub mod saga;
 pub mod status;
 
-pub use events::{Envelope, PurchaseEvent, Topic};
+pub use events::{Envelope, EventKind, PurchaseEvent, Topic};
 pub use ids::{EventId, HoldId, OrderId, SeatId, UserId};
 pub use money::Money;
-pub use status::{HoldStatus, OrderStatus};
+pub use status::{HoldStatus, OrderStatus, PaymentIntentStatus, PaymentUpdate};

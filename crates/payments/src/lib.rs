@@ -27,5 +27,5 @@ pub use client::{PaymentGateway, StripeClient, StripeConfig};
 pub use error::StripeError;
 pub use types::{
     CardDetails, Charge, CreatePaymentIntent, CreatedWindow, IntentWithCharge, PaymentIntent,
-    PaymentMethodDetails, Refund,
+    PaymentIntentStatus, PaymentMethodDetails, Refund,
 };

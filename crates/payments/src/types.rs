@@ -7,6 +7,7 @@
 use std::collections::HashMap;
 use std::fmt;
 
+pub use boxoffice_domain::PaymentIntentStatus;
 use serde::{Deserialize, Serialize};
 
 /// Parameters of `POST /v1/payment_intents` (<https://docs.stripe.com/api/payment_intents/create>).
@@ -30,9 +31,8 @@ pub struct CreatePaymentIntent {
 pub struct PaymentIntent {
     /// `pi_…`
     pub id: String,
-    /// One of `requires_payment_method`, `requires_confirmation`, `requires_action`,
-    /// `processing`, `requires_capture`, `canceled`, `succeeded`.
-    pub status: String,
+    /// The lifecycle status; a value this build does not know is kept as `Unknown`.
+    pub status: PaymentIntentStatus,
     /// Amount intended to be collected, minor units.
     pub amount: i64,
     /// Amount that can still be captured (non-zero only in `requires_capture`), minor units.

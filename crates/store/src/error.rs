@@ -9,6 +9,41 @@ pub enum StoreError {
     /// A stored value could not be read back (a bug or a manual edit).
     #[error("corrupt row: {0}")]
     Corrupt(String),
+    /// A status write the domain's transition table does not list; nothing was written.
+    #[error(transparent)]
+    IllegalTransition(#[from] IllegalTransition),
+}
+
+/// A refused status move: a bug or a stale fact, never applied.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("illegal {aggregate} transition {from} -> {to}")]
+pub struct IllegalTransition {
+    /// `order`, `hold` or `payment`.
+    pub aggregate: &'static str,
+    /// The stored status.
+    pub from: String,
+    /// The requested status.
+    pub to: String,
+}
+
+impl IllegalTransition {
+    /// An order move `from → to`.
+    pub fn order(from: boxoffice_domain::OrderStatus, to: boxoffice_domain::OrderStatus) -> Self {
+        Self { aggregate: "order", from: from.to_string(), to: to.to_string() }
+    }
+
+    /// A hold move `from → to`.
+    pub fn hold(from: boxoffice_domain::HoldStatus, to: boxoffice_domain::HoldStatus) -> Self {
+        Self { aggregate: "hold", from: from.to_string(), to: to.to_string() }
+    }
+
+    /// A payment mirror move `from → to`.
+    pub fn payment(
+        from: &boxoffice_domain::PaymentIntentStatus,
+        to: &boxoffice_domain::PaymentIntentStatus,
+    ) -> Self {
+        Self { aggregate: "payment", from: from.to_string(), to: to.to_string() }
+    }
 }
 
 impl StoreError {
@@ -17,7 +52,7 @@ impl StoreError {
     pub fn is_retryable(&self) -> bool {
         match self {
             StoreError::Db(e) => is_retryable(e),
-            StoreError::Corrupt(_) => false,
+            StoreError::Corrupt(_) | StoreError::IllegalTransition(_) => false,
         }
     }
 }

@@ -9,13 +9,16 @@
 //! the claim back, so only successful holds are remembered.
 
 use crate::error::constraint;
-use crate::{outbox, Tx};
-use boxoffice_domain::{Envelope, EventId, HoldId, OrderId, OrderStatus, PurchaseEvent, SeatId, UserId};
+use crate::{outbox, StoreError, Tx};
+use boxoffice_domain::{
+    saga, Envelope, EventId, HoldId, HoldStatus, OrderId, OrderStatus, PurchaseEvent, SeatId, UserId,
+};
 use chrono::{DateTime, Utc};
 use rand::Rng;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use sqlx::PgPool;
+use std::collections::HashMap;
 use std::time::Duration;
 use uuid::Uuid;
 
@@ -138,6 +141,19 @@ pub enum ReserveError {
     /// A fault point fired (`hold.before_commit` / `hold.after_commit`). → 503
     #[error(transparent)]
     Fault(#[from] boxoffice_faults::Injected),
+    /// A ledger row contradicted its own rules (a corrupt row or a refused status move while
+    /// reclaiming a lapsed hold). → 500
+    #[error(transparent)]
+    Ledger(StoreError),
+}
+
+impl From<StoreError> for ReserveError {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::Db(e) => ReserveError::Db(e),
+            other => ReserveError::Ledger(other),
+        }
+    }
 }
 
 /// Runs the hold transaction, retrying the whole transaction with jittered backoff on
@@ -170,6 +186,9 @@ pub async fn reserve(pool: &PgPool, req: &ReserveRequest) -> Result<ReserveOutco
     }
 }
 
+/// One attempt of the hold transaction, as named steps in the ledger's lock order: the
+/// idempotency key (remembered answer or claim), the seat rows, their current owners (lapsed
+/// holds reclaimed), then the order, hold, seats, `HoldCreated` and the stored answer.
 async fn reserve_once(
     pool: &PgPool,
     req: &ReserveRequest,
@@ -177,28 +196,46 @@ async fn reserve_once(
     hash: &str,
 ) -> Result<ReserveOutcome, ReserveError> {
     let mut tx = pool.begin().await?;
-    let user = req.user_id.0;
+    if let Some(replayed) = claim_idempotency_key(&mut tx, req, hash).await? {
+        return Ok(ReserveOutcome::Replayed(replayed));
+    }
+    let locked = lock_seats(&mut tx, req.event_id, seats).await?;
+    take_seats_from_lapsed_holds(&mut tx, seats).await?;
+    let receipt = insert_hold(&mut tx, req, seats, &locked).await?;
+    store_receipt(&mut tx, req, &receipt).await?;
+    boxoffice_faults::check("hold.before_commit")?;
+    tx.commit().await?;
+    // Committed but unanswered: the client's retry with the same key gets this receipt.
+    boxoffice_faults::check("hold.after_commit")?;
+    Ok(ReserveOutcome::Created(receipt))
+}
 
-    // 1. A key seen before answers from memory.
+/// Step 1: a key seen before answers from memory (`Some(receipt)`), or refuses a different
+/// body / a request still in flight; otherwise the key is claimed in this transaction. A
+/// concurrent claim blocks on the insert until its transaction ends; if it committed, the
+/// retry answers from memory, if it rolled back, we own the key.
+async fn claim_idempotency_key(
+    tx: &mut Tx<'_>,
+    req: &ReserveRequest,
+    hash: &str,
+) -> Result<Option<HoldReceipt>, ReserveError> {
+    let user = req.user_id.0;
     let existing: Option<(String, Option<sqlx::types::Json<HoldReceipt>>)> = sqlx::query_as(
         "SELECT request_hash, response FROM idempotency_keys WHERE user_id = $1 AND idempotency_key = $2",
     )
     .bind(user)
     .bind(&req.idempotency_key)
-    .fetch_optional(&mut *tx)
+    .fetch_optional(&mut **tx)
     .await?;
     if let Some((stored_hash, response)) = existing {
         if stored_hash != hash {
             return Err(ReserveError::IdempotencyConflict);
         }
         return match response {
-            Some(r) => Ok(ReserveOutcome::Replayed(r.0)),
+            Some(r) => Ok(Some(r.0)),
             None => Err(ReserveError::InProgress),
         };
     }
-
-    // 2. Claim the key. A concurrent claim blocks here until its transaction ends; if it
-    //    committed we retry and answer from step 1, if it rolled back we own the key.
     let claimed = sqlx::query(
         "INSERT INTO idempotency_keys (user_id, idempotency_key, request_hash, expires_at)
          VALUES ($1, $2, $3, now() + make_interval(hours => $4))
@@ -208,26 +245,40 @@ async fn reserve_once(
     .bind(&req.idempotency_key)
     .bind(hash)
     .bind(IDEMPOTENCY_RETENTION_HOURS as i32)
-    .execute(&mut *tx)
+    .execute(&mut **tx)
     .await?;
     if claimed.rows_affected() == 0 {
         return Err(ReserveError::InProgress);
     }
+    Ok(None)
+}
 
-    // 3. Lock the requested seats in id order.
+/// A seat row locked by the hold transaction.
+struct LockedSeat {
+    price_minor: i64,
+    currency: String,
+}
+
+/// Step 2: locks the requested seats of `event` in id order; refuses unknown seats (422) or
+/// an unknown event (404).
+async fn lock_seats(
+    tx: &mut Tx<'_>,
+    event: EventId,
+    seats: &[SeatId],
+) -> Result<Vec<LockedSeat>, ReserveError> {
     let seat_uuids: Vec<Uuid> = seats.iter().map(|s| s.0).collect();
     let locked: Vec<(Uuid, i64, String)> = sqlx::query_as(
         "SELECT id, price_minor, currency FROM seats
           WHERE event_id = $1 AND id = ANY($2) ORDER BY id FOR UPDATE",
     )
-    .bind(req.event_id.0)
+    .bind(event.0)
     .bind(&seat_uuids)
-    .fetch_all(&mut *tx)
+    .fetch_all(&mut **tx)
     .await?;
     if locked.len() != seats.len() {
         let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM events WHERE id = $1)")
-            .bind(req.event_id.0)
-            .fetch_one(&mut *tx)
+            .bind(event.0)
+            .fetch_one(&mut **tx)
             .await?;
         if !exists {
             return Err(ReserveError::EventNotFound);
@@ -237,11 +288,18 @@ async fn reserve_once(
             seat_ids: seats.iter().filter(|s| !found.contains(&s.0)).copied().collect(),
         });
     }
+    Ok(locked.into_iter().map(|(_, price_minor, currency)| LockedSeat { price_minor, currency }).collect())
+}
 
-    // 4. Who owns these seats now: sold seats, and unreleased hold rows with whether their
-    //    hold has lapsed. The hold is read by primary key alone and the lapse computed from
-    //    the row: a `status = 'active'` filter would invite the partial expiry index, which
-    //    holds every active hold during an onsale.
+/// Step 3, all or nothing: any seat sold or held by a live hold refuses the request (409);
+/// holds that are `active` but past expiry are reclaimed through the expiry's own routine
+/// ([`expire_if_due`]), under their own row lock (which re-checks status and expiry).
+///
+/// The owner query reads each hold by primary key alone and computes the lapse from the row:
+/// a `status = 'active'` filter would invite the partial expiry index, which holds every
+/// active hold during an onsale.
+async fn take_seats_from_lapsed_holds(tx: &mut Tx<'_>, seats: &[SeatId]) -> Result<(), ReserveError> {
+    let seat_uuids: Vec<Uuid> = seats.iter().map(|s| s.0).collect();
     let owners: Vec<(Uuid, Option<Uuid>, bool)> = sqlx::query_as(
         "SELECT hs.seat_id, hs.hold_id,
                 COALESCE((SELECT h.status = 'active' AND h.expires_at < clock_timestamp()
@@ -251,11 +309,8 @@ async fn reserve_once(
          SELECT t.seat_id, NULL, false FROM tickets t WHERE t.seat_id = ANY($1)",
     )
     .bind(&seat_uuids)
-    .fetch_all(&mut *tx)
+    .fetch_all(&mut **tx)
     .await?;
-    // 5. All or nothing: any seat that is sold or held by a live hold refuses the request.
-    //    Holds that are `active` but past expiry are reclaimed through the same routine the
-    //    expiry worker uses, under their own row lock (which re-checks status and expiry).
     let live: Vec<SeatId> = owners.iter().filter(|o| !o.2).map(|o| SeatId(o.0)).collect();
     if !live.is_empty() {
         return Err(ReserveError::SeatUnavailable { seat_ids: live });
@@ -264,41 +319,53 @@ async fn reserve_once(
     lapsed.sort();
     lapsed.dedup();
     for hold in lapsed {
-        if !expire_if_due(&mut tx, HoldId(hold)).await? {
+        if !expire_if_due(tx, HoldId(hold)).await? {
             // Confirmed or extended between our read and its lock: the seat stays taken.
             return Err(ReserveError::SeatUnavailable { seat_ids: seats.to_vec() });
         }
     }
+    Ok(())
+}
 
-    // 6. Order, hold, seats, HoldCreated and the stored response, all in this transaction.
+/// Step 4: the order (`held`), its `active` hold expiring `req.ttl` from now by the database
+/// clock, the hold's seat rows, and `HoldCreated` in the outbox.
+async fn insert_hold(
+    tx: &mut Tx<'_>,
+    req: &ReserveRequest,
+    seats: &[SeatId],
+    locked: &[LockedSeat],
+) -> Result<HoldReceipt, ReserveError> {
     let order_id = OrderId::new();
     let hold_id = HoldId::new();
-    let amount_minor: i64 = locked.iter().map(|r| r.1).sum();
-    let currency = locked[0].2.clone();
+    let amount_minor: i64 = locked.iter().map(|r| r.price_minor).sum();
+    let currency = locked[0].currency.clone();
     let expires_at: DateTime<Utc> = sqlx::query_scalar(
         "INSERT INTO orders (id, user_id, event_id, status, amount_minor, currency, correlation_id)
-         VALUES ($1, $2, $3, 'held', $4, $5, $6)
-         RETURNING clock_timestamp() + make_interval(secs => $7::double precision / 1000.0)",
+         VALUES ($1, $2, $3, $4, $5, $6, $7)
+         RETURNING clock_timestamp() + make_interval(secs => $8::double precision / 1000.0)",
     )
     .bind(order_id.0)
-    .bind(user)
+    .bind(req.user_id.0)
     .bind(req.event_id.0)
+    .bind(OrderStatus::Held.as_str())
     .bind(amount_minor)
     .bind(&currency)
     .bind(req.correlation_id)
     .bind(req.ttl.as_millis() as f64)
-    .fetch_one(&mut *tx)
+    .fetch_one(&mut **tx)
     .await?;
-    sqlx::query("INSERT INTO holds (id, order_id, status, expires_at) VALUES ($1, $2, 'active', $3)")
+    sqlx::query("INSERT INTO holds (id, order_id, status, expires_at) VALUES ($1, $2, $3, $4)")
         .bind(hold_id.0)
         .bind(order_id.0)
+        .bind(HoldStatus::Active.as_str())
         .bind(expires_at)
-        .execute(&mut *tx)
+        .execute(&mut **tx)
         .await?;
+    let seat_uuids: Vec<Uuid> = seats.iter().map(|s| s.0).collect();
     let inserted = sqlx::query("INSERT INTO hold_seats (hold_id, seat_id) SELECT $1, unnest($2::uuid[])")
         .bind(hold_id.0)
         .bind(&seat_uuids)
-        .execute(&mut *tx)
+        .execute(&mut **tx)
         .await;
     if let Err(e) = inserted {
         // Only reachable if some path took a seat without its row lock: the index is the
@@ -333,22 +400,27 @@ async fn reserve_once(
         req.correlation_id,
         None,
     );
-    outbox::insert(&mut tx, boxoffice_domain::Topic::Purchase, &event).await?;
+    outbox::insert(tx, boxoffice_domain::Topic::Purchase, &event).await?;
+    Ok(receipt)
+}
+
+/// Step 5: the answer stored with the claimed key, so a retry returns it (invariant 3).
+async fn store_receipt(
+    tx: &mut Tx<'_>,
+    req: &ReserveRequest,
+    receipt: &HoldReceipt,
+) -> Result<(), ReserveError> {
     sqlx::query(
         "UPDATE idempotency_keys SET order_id = $3, response_status = 202, response = $4
           WHERE user_id = $1 AND idempotency_key = $2",
     )
-    .bind(user)
+    .bind(req.user_id.0)
     .bind(&req.idempotency_key)
-    .bind(order_id.0)
-    .bind(sqlx::types::Json(&receipt))
-    .execute(&mut *tx)
+    .bind(receipt.order_id.0)
+    .bind(sqlx::types::Json(receipt))
+    .execute(&mut **tx)
     .await?;
-    boxoffice_faults::check("hold.before_commit")?;
-    tx.commit().await?;
-    // Committed but unanswered: the client's retry with the same key gets this receipt.
-    boxoffice_faults::check("hold.after_commit")?;
-    Ok(ReserveOutcome::Created(receipt))
+    Ok(())
 }
 
 /// A hold as locked by a worker.
@@ -358,8 +430,9 @@ pub struct HoldRow {
     pub id: Uuid,
     /// Owning order.
     pub order_id: Uuid,
-    /// `active`, `confirmed`, `expired` or `released`.
-    pub status: String,
+    /// Stored status; [`transition`] keeps it current.
+    #[sqlx(try_from = "String")]
+    pub status: HoldStatus,
     /// Expiry instant.
     pub expires_at: DateTime<Utc>,
     /// Whether `expires_at` is in the past by the database clock at lock time.
@@ -386,121 +459,121 @@ async fn lock_where(tx: &mut Tx<'_>, column: &'static str, id: Uuid) -> Result<O
     sqlx::query_as(&sql).bind(id).fetch_optional(&mut **tx).await
 }
 
-/// Sets the hold's status and, for `expired` / `released`, releases its seats.
-pub async fn set_status(
+/// Moves the locked `hold` to `to` if [`HoldStatus::can_transition_to`] allows it, releasing
+/// its seats when `to` gives them back (`expired`, `released`). With [`expire_batch`] the
+/// only writer of `holds.status`.
+///
+/// Errors: [`StoreError::IllegalTransition`] (nothing written), [`StoreError::Corrupt`] if the
+/// row changed under the caller's lock.
+pub async fn transition(
     tx: &mut Tx<'_>,
-    hold: Uuid,
-    status: boxoffice_domain::HoldStatus,
-) -> Result<(), sqlx::Error> {
-    sqlx::query("UPDATE holds SET status = $2 WHERE id = $1")
-        .bind(hold)
-        .bind(status.as_str())
-        .execute(&mut **tx)
-        .await?;
-    if matches!(status, boxoffice_domain::HoldStatus::Expired | boxoffice_domain::HoldStatus::Released) {
-        // Filter on hold_id only (the primary key): with `released_at IS NULL` in the WHERE the
-        // planner may pick the partial unique index, whose dead entries make it slow under churn.
-        sqlx::query(
-            "UPDATE hold_seats SET released_at = COALESCE(released_at, clock_timestamp()) WHERE hold_id = $1",
-        )
-        .bind(hold)
-        .execute(&mut **tx)
-        .await?;
+    hold: &mut HoldRow,
+    to: HoldStatus,
+) -> Result<HoldStatus, StoreError> {
+    let from = hold.status;
+    if !from.can_transition_to(to) {
+        return Err(crate::IllegalTransition::hold(from, to).into());
     }
+    let r = sqlx::query("UPDATE holds SET status = $2 WHERE id = $1 AND status = $3")
+        .bind(hold.id)
+        .bind(to.as_str())
+        .bind(from.as_str())
+        .execute(&mut **tx)
+        .await?;
+    if r.rows_affected() != 1 {
+        return Err(StoreError::Corrupt(format!("hold {} left {from} under its row lock", hold.id)));
+    }
+    if to.releases_seats() {
+        release_seats(tx, &[hold.id]).await?;
+    }
+    hold.status = to;
+    Ok(from)
+}
+
+/// Marks the seats of `holds` released. Filters on `hold_id` only (the primary key): with
+/// `released_at IS NULL` in the WHERE the planner may pick the partial unique index, whose
+/// dead entries make it slow under churn.
+async fn release_seats(tx: &mut Tx<'_>, holds: &[Uuid]) -> Result<(), sqlx::Error> {
+    sqlx::query("UPDATE hold_seats SET released_at = COALESCE(released_at, clock_timestamp()) WHERE hold_id = ANY($1)")
+        .bind(holds)
+        .execute(&mut **tx)
+        .await?;
     Ok(())
 }
 
-/// Expires `hold` if it is still `active` and past its expiry (checked under its row lock):
-/// releases its seats, moves a still-unpaid order to `expired`, and emits `HoldExpired` plus
-/// `AuthorizationCancelRequested` when a PaymentIntent exists. Returns whether it expired.
-pub async fn expire_if_due(tx: &mut Tx<'_>, hold: HoldId) -> Result<bool, sqlx::Error> {
+/// Expires `hold` if it is still `active` and past its expiry (checked under its row lock),
+/// with the lapsed-hold compensation of [`expire_batch`]. Returns whether it expired.
+pub async fn expire_if_due(tx: &mut Tx<'_>, hold: HoldId) -> Result<bool, StoreError> {
     let Some(row) = lock(tx, hold).await? else {
         return Ok(false);
     };
-    if row.status != "active" || !row.lapsed {
+    if row.status != HoldStatus::Active || !row.lapsed {
         return Ok(false);
     }
     expire_locked(tx, &row).await?;
     Ok(true)
 }
 
-/// Expires a hold the caller has locked and found lapsed (the hold transaction's reclaim
-/// and the saga's late-authorization branch).
-pub async fn expire_locked(tx: &mut Tx<'_>, hold: &HoldRow) -> Result<(), sqlx::Error> {
-    expire_batch(tx, &[(hold.id, hold.order_id)]).await
+/// Expires a hold the caller has locked (the hold transaction's reclaim and the saga's
+/// `ExpireHold` compensation). Returns whether its order moved to `expired`.
+pub async fn expire_locked(tx: &mut Tx<'_>, hold: &HoldRow) -> Result<bool, StoreError> {
+    Ok(!expire_batch(tx, &[(hold.id, hold.order_id)]).await?.is_empty())
 }
 
-/// Expires locked, lapsed holds `(hold_id, order_id)` set-wise, in a handful of statements
-/// whatever the batch size: holds → `expired` and their seats released, still-unpaid orders
-/// → `expired`, one `HoldExpired` per hold and one `AuthorizationCancelRequested` per
-/// PaymentIntent not yet asked to cancel. Orders are locked in id order.
-pub async fn expire_batch(tx: &mut Tx<'_>, holds: &[(Uuid, Uuid)]) -> Result<(), sqlx::Error> {
+/// Expires locked, active holds `(hold_id, order_id)` set-wise, in a handful of statements
+/// whatever the batch size, and applies the saga's lapsed-hold compensation to their orders:
+/// holds → `expired` and their seats released; the orders that
+/// [`saga::lapsed_hold_expires_order`] names → `expired`; each payment not yet asked to cancel
+/// (and not settled) marked; the facts [`saga::lapsed_hold_facts`] decides into the outbox.
+/// Orders are locked in id order. Returns the orders moved to `expired`.
+pub async fn expire_batch(tx: &mut Tx<'_>, holds: &[(Uuid, Uuid)]) -> Result<Vec<Uuid>, StoreError> {
     if holds.is_empty() {
-        return Ok(());
+        return Ok(vec![]);
     }
     let hold_ids: Vec<Uuid> = holds.iter().map(|h| h.0).collect();
     let order_ids: Vec<Uuid> = holds.iter().map(|h| h.1).collect();
-    sqlx::query("UPDATE holds SET status = 'expired' WHERE id = ANY($1)")
+    let sources: Vec<&str> = HoldStatus::sources_of(HoldStatus::Expired).iter().map(|s| s.as_str()).collect();
+    let expired = sqlx::query("UPDATE holds SET status = 'expired' WHERE id = ANY($1) AND status = ANY($2)")
         .bind(&hold_ids)
+        .bind(&sources)
         .execute(&mut **tx)
         .await?;
-    // hold_id only, for the primary key (see `set_status`).
-    sqlx::query("UPDATE hold_seats SET released_at = COALESCE(released_at, clock_timestamp()) WHERE hold_id = ANY($1)")
-        .bind(&hold_ids)
-        .execute(&mut **tx)
-        .await?;
-    let correlations: Vec<(Uuid, Uuid)> =
-        sqlx::query_as("SELECT id, correlation_id FROM orders WHERE id = ANY($1) ORDER BY id FOR UPDATE")
-            .bind(&order_ids)
-            .fetch_all(&mut **tx)
-            .await?;
-    sqlx::query(
-        "UPDATE orders SET status = 'expired', failure_reason = 'hold_expired', version = version + 1,
-                updated_at = clock_timestamp()
-          WHERE id = ANY($1) AND status IN ('held', 'payment_required')",
-    )
-    .bind(&order_ids)
-    .execute(&mut **tx)
-    .await?;
-    let cancels: Vec<(Uuid, String)> = sqlx::query_as(
-        "UPDATE payments SET cancel_requested_at = clock_timestamp()
-          WHERE order_id = ANY($1) AND cancel_requested_at IS NULL AND status NOT IN ('canceled', 'succeeded')
-          RETURNING order_id, payment_intent_id",
-    )
-    .bind(&order_ids)
-    .fetch_all(&mut **tx)
-    .await?;
-    let correlation: std::collections::HashMap<Uuid, Uuid> = correlations.into_iter().collect();
+    if expired.rows_affected() != hold_ids.len() as u64 {
+        return Err(StoreError::Corrupt("a locked hold left active before its expiry".into()));
+    }
+    release_seats(tx, &hold_ids).await?;
+    let orders = crate::orders::lock_many(tx, &order_ids).await?;
+    let unpaid: Vec<Uuid> =
+        orders.iter().filter(|o| saga::lapsed_hold_expires_order(o.status)).map(|o| o.id).collect();
+    let moved = crate::orders::expire_unpaid(tx, &unpaid, saga::reason::HOLD_EXPIRED).await?;
+    let cancels: HashMap<Uuid, String> =
+        crate::payments::request_cancel_many(&mut **tx, &order_ids).await?.into_iter().collect();
+    let correlation: HashMap<Uuid, Uuid> = orders.iter().map(|o| (o.id, o.correlation_id)).collect();
     let mut events = Vec::with_capacity(holds.len() + cancels.len());
-    let mut cause_of = std::collections::HashMap::new();
     for (hold, order) in holds {
         let order_id = OrderId(*order);
-        let env = Envelope::new(
+        let mut facts =
+            saga::lapsed_hold_facts(order_id, HoldId(*hold), cancels.get(order).cloned()).into_iter();
+        let Some(first) = facts.next() else { continue };
+        let head = Envelope::new(
             order_id,
-            &PurchaseEvent::HoldExpired { order_id, hold_id: HoldId(*hold) },
+            &first,
             correlation.get(order).copied().unwrap_or_else(Uuid::new_v4),
             None,
         );
-        cause_of.insert(*order, env.clone());
-        events.push(env);
-    }
-    for (order, pi) in cancels {
-        let order_id = OrderId(order);
-        events.push(cause_of[&order].follow(&PurchaseEvent::AuthorizationCancelRequested {
-            order_id,
-            payment_intent_id: pi,
-            reason: "hold_expired".into(),
-        }));
+        let follows: Vec<Envelope> = facts.map(|f| head.follow(&f)).collect();
+        events.push(head);
+        events.extend(follows);
     }
     outbox::insert_all(tx, &events).await?;
     metrics::counter!("boxoffice_holds_expired_total").increment(holds.len() as u64);
-    Ok(())
+    Ok(moved)
 }
 
 /// Expires up to `limit` lapsed active holds in one transaction (`FOR UPDATE SKIP LOCKED`,
 /// so several expiry workers never claim the same hold). Returns how many expired and the
 /// largest delay between a hold's expiry and its release, in ms.
-pub async fn expire_due(pool: &PgPool, limit: i64) -> Result<(usize, i64), sqlx::Error> {
+pub async fn expire_due(pool: &PgPool, limit: i64) -> Result<(usize, i64), StoreError> {
     let mut tx = pool.begin().await?;
     let rows: Vec<(Uuid, Uuid, f64)> = sqlx::query_as(
         "SELECT id, order_id, (EXTRACT(EPOCH FROM clock_timestamp() - expires_at) * 1000)::float8 FROM holds
@@ -517,19 +590,27 @@ pub async fn expire_due(pool: &PgPool, limit: i64) -> Result<(usize, i64), sqlx:
     Ok((rows.len(), max_delay))
 }
 
-/// Case C09: authorizations that are confirmed but still uncaptured within `margin_s`
-/// seconds of Stripe's capture deadline are given up on purpose rather than left to lapse:
-/// the hold is released, the order fails with `capture_deadline`, the authorization is
-/// cancelled (`AuthorizationCancelRequested`) and an incident is recorded. Returns how many
-/// orders were released. Several workers may run this at once (`SKIP LOCKED`).
-pub async fn release_lapsing_authorizations(
-    pool: &PgPool,
+/// A confirmed order whose authorization nears Stripe's capture deadline uncaptured (case C09).
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct LapsingAuthorization {
+    /// The order's hold.
+    pub hold_id: Uuid,
+    /// The order.
+    pub order_id: Uuid,
+    /// Its PaymentIntent.
+    pub payment_intent_id: String,
+}
+
+/// Locks (`FOR UPDATE OF` the hold, `SKIP LOCKED`, so several workers share the sweep) up to
+/// `limit` confirmed orders whose authorization is uncaptured within `margin_s` seconds of its
+/// capture deadline and has no cancel requested, soonest deadline first.
+pub async fn lock_lapsing_authorizations(
+    tx: &mut Tx<'_>,
     margin_s: i64,
     limit: i64,
-) -> Result<usize, sqlx::Error> {
-    let mut tx = pool.begin().await?;
-    let rows: Vec<(Uuid, Uuid, String)> = sqlx::query_as(
-        "SELECT h.id, o.id, p.payment_intent_id
+) -> Result<Vec<LapsingAuthorization>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT h.id AS hold_id, o.id AS order_id, p.payment_intent_id
            FROM payments p JOIN orders o ON o.id = p.order_id JOIN holds h ON h.order_id = o.id
           WHERE o.status = 'confirming' AND p.cancel_requested_at IS NULL
             AND p.capture_before < clock_timestamp() + make_interval(secs => $1::double precision)
@@ -538,42 +619,6 @@ pub async fn release_lapsing_authorizations(
     )
     .bind(margin_s as f64)
     .bind(limit)
-    .fetch_all(&mut *tx)
-    .await?;
-    let mut released = 0;
-    for (hold, order, pi) in rows {
-        let order_id = OrderId(order);
-        let Some(o) = crate::orders::lock(&mut tx, order_id).await? else { continue };
-        if o.status != OrderStatus::Confirming.as_str() {
-            continue; // captured or failed meanwhile
-        }
-        set_status(&mut tx, hold, boxoffice_domain::HoldStatus::Released).await?;
-        crate::orders::set_status(&mut tx, order_id, OrderStatus::Failed, Some("capture_deadline")).await?;
-        crate::stripe_events::incident(
-            &mut tx,
-            Some(order_id),
-            "capture_deadline",
-            serde_json::json!({ "payment_intent_id": pi }),
-        )
-        .await?;
-        if let Some(pi) = crate::payments::request_cancel(&mut *tx, order_id).await? {
-            let env = Envelope::new(
-                order_id,
-                &PurchaseEvent::AuthorizationCancelRequested {
-                    order_id,
-                    payment_intent_id: pi,
-                    reason: "capture_deadline".into(),
-                },
-                o.correlation_id,
-                None,
-            );
-            outbox::insert(&mut tx, boxoffice_domain::Topic::Purchase, &env).await?;
-        }
-        released += 1;
-    }
-    tx.commit().await?;
-    if released > 0 {
-        metrics::counter!("boxoffice_capture_deadline_releases_total").increment(released as u64);
-    }
-    Ok(released)
+    .fetch_all(&mut **tx)
+    .await
 }

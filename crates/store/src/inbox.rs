@@ -16,6 +16,16 @@ pub async fn record(tx: &mut Tx<'_>, consumer: &str, event_id: Uuid) -> Result<b
     Ok(r.rows_affected() == 1)
 }
 
+/// Whether `consumer` already applied `event_id` (outside any transaction: a pre-check that
+/// spares a remote call for a known duplicate; [`record`] stays the guard).
+pub async fn seen(pool: &sqlx::PgPool, consumer: &str, event_id: Uuid) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM inbox WHERE consumer = $1 AND event_id = $2)")
+        .bind(consumer)
+        .bind(event_id)
+        .fetch_one(pool)
+        .await
+}
+
 /// Deletes up to `limit` inbox rows older than `retention_s` seconds. Keep the retention
 /// longer than the topic's, so no message that can still be redelivered loses its row.
 pub async fn prune(pool: &sqlx::PgPool, retention_s: i64, limit: i64) -> Result<u64, sqlx::Error> {

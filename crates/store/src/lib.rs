@@ -17,11 +17,12 @@ pub mod inbox;
 pub mod orders;
 pub mod outbox;
 pub mod payments;
+pub mod signals;
 pub mod stripe_events;
 pub mod tickets;
 pub mod venue;
 
-pub use error::{is_retryable, StoreError};
+pub use error::{is_retryable, IllegalTransition, StoreError};
 
 use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};

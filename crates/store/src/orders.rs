@@ -1,11 +1,12 @@
 //! Orders: row locks and status writes for the saga, and the owner's read model for
 //! `GET /orders/{id}`.
 //!
-//! Every status write goes through [`set_status`], which refuses transitions that
+//! [`transition`] (one locked order) and [`expire_unpaid`] (the expiry's set-wise move) are
+//! the only writers of `orders.status`; both refuse moves that
 //! [`OrderStatus::can_transition_to`] does not list (invariant 2).
 
-use crate::Tx;
-use boxoffice_domain::{OrderId, OrderStatus, UserId};
+use crate::{StoreError, Tx};
+use boxoffice_domain::{HoldStatus, OrderId, OrderStatus, PaymentIntentStatus, UserId};
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 use sqlx::PgPool;
@@ -20,8 +21,9 @@ pub struct OrderRow {
     pub user_id: Uuid,
     /// Event.
     pub event_id: Uuid,
-    /// Stored status text (see [`OrderStatus`]).
-    pub status: String,
+    /// Stored status; [`transition`] keeps it current.
+    #[sqlx(try_from = "String")]
+    pub status: OrderStatus,
     /// Total in minor units.
     pub amount_minor: i64,
     /// Currency.
@@ -31,11 +33,9 @@ pub struct OrderRow {
 }
 
 impl OrderRow {
-    /// The parsed status.
-    pub fn status(&self) -> Result<OrderStatus, crate::StoreError> {
+    /// The status.
+    pub fn status(&self) -> OrderStatus {
         self.status
-            .parse()
-            .map_err(|e: boxoffice_domain::status::UnknownStatus| crate::StoreError::Corrupt(e.to_string()))
     }
 }
 
@@ -62,52 +62,118 @@ pub async fn by_ids(pool: &PgPool, ids: &[Uuid]) -> Result<Vec<OrderRow>, sqlx::
     .await
 }
 
-/// An illegal transition was attempted: a bug or a stale event, never applied.
-#[derive(Debug, thiserror::Error)]
-#[error("illegal order transition {from} -> {to}")]
-pub struct IllegalTransition {
-    /// Current status.
-    pub from: OrderStatus,
-    /// Requested status.
-    pub to: OrderStatus,
-}
-
-/// Moves a locked order to `to` if the state machine allows it from its current status;
-/// records `reason` for failure states. Returns the previous status.
+/// Moves the locked `order` to `to` if [`OrderStatus::can_transition_to`] allows it from its
+/// current status; records `reason` as `failure_reason` when given; bumps `version` and
+/// updates `order.status`. Returns the previous status.
+///
+/// Errors: [`StoreError::IllegalTransition`] for a move the table does not list (nothing is
+/// written), [`StoreError::Corrupt`] if the row changed under the caller's lock.
 pub async fn transition(
     tx: &mut Tx<'_>,
-    order: &OrderRow,
+    order: &mut OrderRow,
     to: OrderStatus,
     reason: Option<&str>,
-) -> Result<Result<OrderStatus, IllegalTransition>, crate::StoreError> {
-    let from = order.status()?;
+) -> Result<OrderStatus, StoreError> {
+    let from = order.status;
     if !from.can_transition_to(to) {
-        return Ok(Err(IllegalTransition { from, to }));
+        return Err(crate::IllegalTransition::order(from, to).into());
     }
-    set_status(tx, OrderId(order.id), to, reason).await?;
-    Ok(Ok(from))
-}
-
-/// Writes a status without checking the state machine (callers have checked it under the
-/// row lock). Bumps `version`.
-pub async fn set_status(
-    tx: &mut Tx<'_>,
-    id: OrderId,
-    to: OrderStatus,
-    reason: Option<&str>,
-) -> Result<(), sqlx::Error> {
-    sqlx::query(
+    let r = sqlx::query(
         "UPDATE orders SET status = $2, failure_reason = COALESCE($3, failure_reason),
                 version = version + 1, updated_at = clock_timestamp()
-          WHERE id = $1",
+          WHERE id = $1 AND status = $4",
     )
-    .bind(id.0)
+    .bind(order.id)
     .bind(to.as_str())
     .bind(reason)
+    .bind(from.as_str())
     .execute(&mut **tx)
     .await?;
+    if r.rows_affected() != 1 {
+        return Err(StoreError::Corrupt(format!("order {} left {from} under its row lock", order.id)));
+    }
+    order.status = to;
     metrics::counter!("boxoffice_order_transitions_total", "to" => to.as_str()).increment(1);
-    Ok(())
+    Ok(from)
+}
+
+/// The lapsed-hold compensation's set-wise move: orders `ids` (locked by the caller) still
+/// waiting for an authorization → `expired` with reason `reason`. Only rows in a status the
+/// table lets reach `expired` are written. Returns the ids moved.
+pub async fn expire_unpaid(tx: &mut Tx<'_>, ids: &[Uuid], reason: &str) -> Result<Vec<Uuid>, sqlx::Error> {
+    if ids.is_empty() {
+        return Ok(vec![]);
+    }
+    let sources: Vec<&str> =
+        OrderStatus::sources_of(OrderStatus::Expired).iter().map(|s| s.as_str()).collect();
+    let moved: Vec<Uuid> = sqlx::query_scalar(
+        "UPDATE orders SET status = 'expired', failure_reason = $3, version = version + 1,
+                updated_at = clock_timestamp()
+          WHERE id = ANY($1) AND status = ANY($2)
+          RETURNING id",
+    )
+    .bind(ids)
+    .bind(&sources)
+    .bind(reason)
+    .fetch_all(&mut **tx)
+    .await?;
+    if !moved.is_empty() {
+        metrics::counter!("boxoffice_order_transitions_total", "to" => OrderStatus::Expired.as_str())
+            .increment(moved.len() as u64);
+    }
+    Ok(moved)
+}
+
+/// Locks orders `ids` in id order (`FOR UPDATE`; the lock order after their holds).
+pub async fn lock_many(tx: &mut Tx<'_>, ids: &[Uuid]) -> Result<Vec<OrderRow>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT id, user_id, event_id, status, amount_minor, currency, correlation_id
+           FROM orders WHERE id = ANY($1) ORDER BY id FOR UPDATE",
+    )
+    .bind(ids)
+    .fetch_all(&mut **tx)
+    .await
+}
+
+/// The status of order `id` (no lock), or `None` when it does not exist: the payment worker's
+/// pre-checks outside any transaction.
+pub async fn status(pool: &PgPool, id: OrderId) -> Result<Option<OrderStatus>, StoreError> {
+    let s: Option<String> =
+        sqlx::query_scalar("SELECT status FROM orders WHERE id = $1").bind(id.0).fetch_optional(pool).await?;
+    s.map(|s| OrderStatus::try_from(s).map_err(|e| StoreError::Corrupt(e.to_string()))).transpose()
+}
+
+/// The order's status and its hold's (no lock), or `None` when either is missing: the
+/// capture pre-check (case C06: capture only a confirmed hold).
+pub async fn status_with_hold(
+    pool: &PgPool,
+    id: OrderId,
+) -> Result<Option<(OrderStatus, HoldStatus)>, StoreError> {
+    let row: Option<(String, String)> = sqlx::query_as(
+        "SELECT o.status, h.status FROM orders o JOIN holds h ON h.order_id = o.id WHERE o.id = $1",
+    )
+    .bind(id.0)
+    .fetch_optional(pool)
+    .await?;
+    row.map(|(o, h)| {
+        Ok((
+            OrderStatus::try_from(o).map_err(|e| StoreError::Corrupt(e.to_string()))?,
+            HoldStatus::try_from(h).map_err(|e| StoreError::Corrupt(e.to_string()))?,
+        ))
+    })
+    .transpose()
+}
+
+/// The order's total (minor units) and correlation id, or `None` when it does not exist:
+/// what webhook ingress compares a Stripe amount with and copies onto the fact it records.
+pub async fn amount_and_correlation<'e, E: sqlx::Executor<'e, Database = sqlx::Postgres>>(
+    ex: E,
+    id: OrderId,
+) -> Result<Option<(i64, Uuid)>, sqlx::Error> {
+    sqlx::query_as("SELECT amount_minor, correlation_id FROM orders WHERE id = $1")
+        .bind(id.0)
+        .fetch_optional(ex)
+        .await
 }
 
 /// A ticket as shown to its owner.
@@ -143,8 +209,8 @@ pub struct OrderView {
     pub currency: String,
     /// Hold id.
     pub hold_id: Option<Uuid>,
-    /// Hold status (`active`, `confirmed`, `expired`, `released`).
-    pub hold_status: Option<String>,
+    /// Hold status.
+    pub hold_status: Option<HoldStatus>,
     /// When the hold lapses unless payment is authorized.
     pub hold_expires_at: Option<DateTime<Utc>>,
     /// Seats of the hold, sorted by label.
@@ -213,7 +279,7 @@ struct TicketRow {
 
 /// Reads the order for its owner in one statement; `None` when it does not exist *or*
 /// belongs to someone else (the API answers 404 for both, so order ids cannot be probed).
-pub async fn view(pool: &PgPool, id: OrderId, owner: UserId) -> Result<Option<OrderView>, crate::StoreError> {
+pub async fn view(pool: &PgPool, id: OrderId, owner: UserId) -> Result<Option<OrderView>, StoreError> {
     let row: Option<ViewRow> = sqlx::query_as(
         "SELECT o.id, o.user_id, o.event_id, o.status, o.failure_reason, o.amount_minor, o.currency,
                 o.created_at, o.updated_at, h.id AS hold_id, h.status AS hold_status,
@@ -236,18 +302,15 @@ pub async fn view(pool: &PgPool, id: OrderId, owner: UserId) -> Result<Option<Or
     .await?;
     let Some(r) = row else { return Ok(None) };
     debug_assert_eq!(r.user_id, owner.0);
-    let mut status: OrderStatus = r
-        .status
-        .parse()
-        .map_err(|e: boxoffice_domain::status::UnknownStatus| crate::StoreError::Corrupt(e.to_string()))?;
-    if status.awaits_authorization() && r.payment_status.as_deref() == Some("requires_capture") {
+    let corrupt = |e: boxoffice_domain::status::UnknownStatus| StoreError::Corrupt(e.to_string());
+    let mut status = OrderStatus::try_from(r.status).map_err(corrupt)?;
+    let hold_status = r.hold_status.map(HoldStatus::try_from).transpose().map_err(corrupt)?;
+    let payment_status = r.payment_status.map(PaymentIntentStatus::from);
+    if status.awaits_authorization() && payment_status == Some(PaymentIntentStatus::RequiresCapture) {
         status = OrderStatus::Authorized;
     }
     let payment_pending = matches!(status, OrderStatus::PaymentRequired | OrderStatus::Held)
-        && matches!(
-            r.payment_status.as_deref(),
-            Some("requires_payment_method" | "requires_confirmation" | "requires_action")
-        );
+        && payment_status.as_ref().is_some_and(PaymentIntentStatus::awaits_buyer);
     Ok(Some(OrderView {
         order_id: r.id,
         event_id: r.event_id,
@@ -256,7 +319,7 @@ pub async fn view(pool: &PgPool, id: OrderId, owner: UserId) -> Result<Option<Or
         amount_minor: r.amount_minor,
         currency: r.currency,
         hold_id: r.hold_id,
-        hold_status: r.hold_status,
+        hold_status,
         hold_expires_at: r.hold_expires_at,
         seats: r
             .seats
@@ -285,11 +348,10 @@ pub async fn view(pool: &PgPool, id: OrderId, owner: UserId) -> Result<Option<Or
 /// Orders of `event` not yet in a final state (`ticketed`, `expired`, `failed`, `canceled`,
 /// `refunded`): what a drain waits for.
 pub async fn open_in_event(pool: &PgPool, event: Uuid) -> Result<i64, sqlx::Error> {
-    sqlx::query_scalar(
-        "SELECT count(*) FROM orders WHERE event_id = $1
-            AND status NOT IN ('ticketed', 'expired', 'failed', 'canceled', 'refunded')",
-    )
-    .bind(event)
-    .fetch_one(pool)
-    .await
+    let finals: Vec<&str> = OrderStatus::ALL.iter().filter(|s| s.is_final()).map(|s| s.as_str()).collect();
+    sqlx::query_scalar("SELECT count(*) FROM orders WHERE event_id = $1 AND NOT (status = ANY($2))")
+        .bind(event)
+        .bind(&finals)
+        .fetch_one(pool)
+        .await
 }

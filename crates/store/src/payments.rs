@@ -3,8 +3,14 @@
 //! One payment row per order (`order_id` primary key, `payment_intent_id` unique). The
 //! client secret is stored for the owner's status endpoint only and is cleared once payment
 //! is no longer pending; it never leaves this table except through that endpoint.
+//!
+//! `payments.status` mirrors the provider's PaymentIntent status. Its writers are
+//! [`transition`], [`record_decline`] and [`mirror_authorized`], one statement each, all
+//! filtered by [`PaymentIntentStatus::can_transition_to`]: the mirror never leaves a final
+//! status (`canceled`, `succeeded`) for another, as Stripe never does.
 
-use boxoffice_domain::OrderId;
+use crate::{IllegalTransition, StoreError};
+use boxoffice_domain::{OrderId, OrderStatus, PaymentIntentStatus, PaymentUpdate};
 use chrono::{DateTime, Utc};
 use sqlx::{Executor, PgPool, Postgres};
 use uuid::Uuid;
@@ -16,8 +22,9 @@ pub struct PaymentRow {
     pub order_id: Uuid,
     /// Stripe PaymentIntent id (`pi_…`).
     pub payment_intent_id: String,
-    /// Last known PaymentIntent status (Stripe's vocabulary).
-    pub status: String,
+    /// Last known PaymentIntent status.
+    #[sqlx(try_from = "String")]
+    pub status: PaymentIntentStatus,
     /// Authorized amount, minor units.
     pub amount_minor: i64,
     /// Currency.
@@ -39,8 +46,9 @@ pub struct LedgerPayment {
     pub payment: PaymentRow,
     /// The order's event.
     pub event_id: Uuid,
-    /// The order's status text.
-    pub order_status: String,
+    /// The order's status.
+    #[sqlx(try_from = "String")]
+    pub order_status: OrderStatus,
     /// The buyer journey's correlation id (copied onto facts emitted for the order).
     pub correlation_id: Uuid,
     /// When the row was written.
@@ -119,10 +127,11 @@ pub async fn insert_created<'e, E: Executor<'e, Database = Postgres>>(
     order: OrderId,
     payment_intent_id: &str,
     client_secret: Option<&str>,
-    status: &str,
+    status: impl Into<PaymentIntentStatus>,
     amount_minor: i64,
     currency: &str,
 ) -> Result<bool, sqlx::Error> {
+    let status: PaymentIntentStatus = status.into();
     let r = sqlx::query(
         "INSERT INTO payments (order_id, payment_intent_id, client_secret, status, amount_minor, currency)
          VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (order_id) DO NOTHING",
@@ -130,7 +139,7 @@ pub async fn insert_created<'e, E: Executor<'e, Database = Postgres>>(
     .bind(order.0)
     .bind(payment_intent_id)
     .bind(client_secret)
-    .bind(status)
+    .bind(status.as_str())
     .bind(amount_minor)
     .bind(currency)
     .execute(ex)
@@ -138,38 +147,74 @@ pub async fn insert_created<'e, E: Executor<'e, Database = Postgres>>(
     Ok(r.rows_affected() == 1)
 }
 
-/// Updates the mirrored status (and amounts where given) of the payment for PaymentIntent
-/// `pi`; clears the client secret once payment is no longer pending.
-pub async fn update_status<'e, E: Executor<'e, Database = Postgres>>(
+/// Writes `update` to the payment of PaymentIntent `pi` when its stored status is one of
+/// `from` (known statuses; a stored status this build does not know is always accepted):
+/// status, amounts and error code where given, and the client secret cleared once the buyer
+/// no longer has anything to confirm. Returns whether a row was written (`false`: no such
+/// row, or a status outside `from`).
+async fn write_status<'e, E: Executor<'e, Database = Postgres>>(
     ex: E,
     pi: &str,
-    status: &str,
-    amount_captured_minor: Option<i64>,
-    amount_refunded_minor: Option<i64>,
-    last_error_code: Option<&str>,
-) -> Result<(), sqlx::Error> {
-    sqlx::query(
+    update: &PaymentUpdate,
+    from: &[PaymentIntentStatus],
+) -> Result<bool, sqlx::Error> {
+    let from: Vec<&str> = from.iter().map(PaymentIntentStatus::as_str).collect();
+    let known: Vec<&str> = PaymentIntentStatus::KNOWN.iter().map(PaymentIntentStatus::as_str).collect();
+    let keep_secret: Vec<&str> = PaymentIntentStatus::KNOWN
+        .iter()
+        .filter(|s| s.awaits_buyer())
+        .map(PaymentIntentStatus::as_str)
+        .collect();
+    let r = sqlx::query(
         "UPDATE payments SET status = $2,
                 amount_captured_minor = COALESCE($3, amount_captured_minor),
                 amount_refunded_minor = COALESCE($4, amount_refunded_minor),
                 last_error_code = COALESCE($5, last_error_code),
-                client_secret = CASE WHEN $2 IN ('requires_payment_method', 'requires_confirmation', 'requires_action')
-                                     THEN client_secret ELSE NULL END,
+                client_secret = CASE WHEN $2 = ANY($6) THEN client_secret ELSE NULL END,
                 updated_at = clock_timestamp()
-          WHERE payment_intent_id = $1",
+          WHERE payment_intent_id = $1 AND (status = ANY($7) OR NOT (status = ANY($8)))",
     )
     .bind(pi)
-    .bind(status)
-    .bind(amount_captured_minor)
-    .bind(amount_refunded_minor)
-    .bind(last_error_code)
+    .bind(update.status.as_str())
+    .bind(update.amount_captured_minor)
+    .bind(update.amount_refunded_minor)
+    .bind(update.last_error_code.as_deref())
+    .bind(&keep_secret)
+    .bind(&from)
+    .bind(&known)
     .execute(ex)
     .await?;
-    Ok(())
+    Ok(r.rows_affected() > 0)
+}
+
+/// Mirrors `update` on the payment of PaymentIntent `pi` if the transition table allows the
+/// move from its stored status. Returns `Ok(false)` when no payment records `pi` (a fact that
+/// overtook the payment worker's commit changes nothing).
+///
+/// Errors: [`StoreError::IllegalTransition`] when the stored status is final and differs
+/// (nothing is written).
+pub async fn transition(
+    tx: &mut crate::Tx<'_>,
+    pi: &str,
+    update: &PaymentUpdate,
+) -> Result<bool, StoreError> {
+    let from = PaymentIntentStatus::sources_of(&update.status);
+    if write_status(&mut **tx, pi, update, &from).await? {
+        return Ok(true);
+    }
+    let stored: Option<String> =
+        sqlx::query_scalar("SELECT status FROM payments WHERE payment_intent_id = $1")
+            .bind(pi)
+            .fetch_optional(&mut **tx)
+            .await?;
+    match stored.map(PaymentIntentStatus::from) {
+        None => Ok(false),
+        Some(stored) => Err(IllegalTransition::payment(&stored, &update.status).into()),
+    }
 }
 
 /// Records a declined confirmation (`requires_payment_method` with the decline code) for
-/// PaymentIntent `pi`, but only while the payment is still pending
+/// PaymentIntent `pi`, but only while the payment is unsettled
 /// (`requires_payment_method`, `requires_confirmation`, `requires_action`, `processing`):
 /// Stripe lets a buyer retry another card after a decline, so a decline never follows
 /// authorization, capture or cancellation. A decline fact that arrives late (its outbox row
@@ -180,18 +225,25 @@ pub async fn record_decline<'e, E: Executor<'e, Database = Postgres>>(
     pi: &str,
     decline_code: &str,
 ) -> Result<bool, sqlx::Error> {
-    let r = sqlx::query(
-        "UPDATE payments SET status = 'requires_payment_method',
-                last_error_code = $2,
-                updated_at = clock_timestamp()
-          WHERE payment_intent_id = $1
-            AND status IN ('requires_payment_method', 'requires_confirmation', 'requires_action', 'processing')",
-    )
-    .bind(pi)
-    .bind(decline_code)
-    .execute(ex)
-    .await?;
-    Ok(r.rows_affected() == 1)
+    let update = PaymentUpdate {
+        last_error_code: Some(decline_code.to_owned()),
+        ..PaymentUpdate::status(PaymentIntentStatus::RequiresPaymentMethod)
+    };
+    let from: Vec<PaymentIntentStatus> =
+        PaymentIntentStatus::KNOWN.into_iter().filter(PaymentIntentStatus::is_unsettled).collect();
+    write_status(ex, pi, &update, &from).await
+}
+
+/// Mirrors a reported authorization (`requires_capture`) for the status endpoint while the
+/// payment still waits for the buyer; the order itself is moved only by the saga. Returns
+/// whether the row changed.
+pub async fn mirror_authorized<'e, E: Executor<'e, Database = Postgres>>(
+    ex: E,
+    pi: &str,
+) -> Result<bool, sqlx::Error> {
+    let from: Vec<PaymentIntentStatus> =
+        PaymentIntentStatus::KNOWN.into_iter().filter(PaymentIntentStatus::awaits_buyer).collect();
+    write_status(ex, pi, &PaymentUpdate::status(PaymentIntentStatus::RequiresCapture), &from).await
 }
 
 /// Records Stripe's capture deadline for the authorization.
@@ -216,13 +268,25 @@ pub async fn request_cancel<'e, E: Executor<'e, Database = Postgres>>(
     ex: E,
     order: OrderId,
 ) -> Result<Option<String>, sqlx::Error> {
-    sqlx::query_scalar(
+    Ok(request_cancel_many(ex, &[order.0]).await?.into_iter().next().map(|(_, pi)| pi))
+}
+
+/// [`request_cancel`] for several orders at once: `(order_id, payment_intent_id)` of each
+/// payment marked now (not settled, no cancel requested before).
+pub async fn request_cancel_many<'e, E: Executor<'e, Database = Postgres>>(
+    ex: E,
+    orders: &[uuid::Uuid],
+) -> Result<Vec<(uuid::Uuid, String)>, sqlx::Error> {
+    let settled: Vec<&str> =
+        PaymentIntentStatus::KNOWN.iter().filter(|s| s.is_final()).map(PaymentIntentStatus::as_str).collect();
+    sqlx::query_as(
         "UPDATE payments SET cancel_requested_at = clock_timestamp()
-          WHERE order_id = $1 AND cancel_requested_at IS NULL AND status NOT IN ('canceled', 'succeeded')
-          RETURNING payment_intent_id",
+          WHERE order_id = ANY($1) AND cancel_requested_at IS NULL AND NOT (status = ANY($2))
+          RETURNING order_id, payment_intent_id",
     )
-    .bind(order.0)
-    .fetch_optional(ex)
+    .bind(orders)
+    .bind(&settled)
+    .fetch_all(ex)
     .await
 }
 

@@ -43,12 +43,8 @@ pub async fn run(pool: PgPool, settings: ExpirySettings, shutdown: CancellationT
             if let Err(e) = prune(&pool, &settings).await {
                 tracing::warn!(error = %e, "pruning inbox / idempotency keys failed");
             }
-            match boxoffice_store::holds::release_lapsing_authorizations(
-                &pool,
-                settings.capture_deadline_margin_s,
-                100,
-            )
-            .await
+            match crate::saga::release_lapsing_authorizations(&pool, settings.capture_deadline_margin_s, 100)
+                .await
             {
                 Ok(0) => {}
                 Ok(n) => tracing::warn!(released = n, "authorizations near their capture deadline released"),

@@ -19,9 +19,11 @@
 
 use async_trait::async_trait;
 use boxoffice_bus::{Handler, HandlerError};
-use boxoffice_domain::{Envelope, OrderId, OrderStatus, PurchaseEvent};
-use boxoffice_payments::{CreatePaymentIntent, PaymentGateway, PaymentIntent, StripeError};
-use boxoffice_store::{outbox, payments, stripe_events, Tx};
+use boxoffice_domain::{Envelope, EventKind, HoldStatus, OrderId, OrderStatus, PaymentUpdate, PurchaseEvent};
+use boxoffice_payments::{
+    CreatePaymentIntent, PaymentGateway, PaymentIntent, PaymentIntentStatus, StripeError,
+};
+use boxoffice_store::{orders, outbox, payments, stripe_events, Tx};
 use sqlx::PgPool;
 use std::sync::Arc;
 
@@ -42,6 +44,15 @@ impl PaymentWorker {
         Self { gateway, pool }
     }
 }
+
+/// The commands this worker carries out (its consumer routes on these).
+pub const COMMANDS: [EventKind; 5] = [
+    EventKind::PaymentAuthorizationRequested,
+    EventKind::CaptureRequested,
+    EventKind::AuthorizationCancelRequested,
+    EventKind::RefundRequested,
+    EventKind::PaymentIntentRefreshRequested,
+];
 
 /// What the provider said, carried from `prepare` to `apply`.
 #[derive(Debug)]
@@ -87,22 +98,15 @@ impl Handler for PaymentWorker {
         true
     }
 
-    fn wants(&self, event_type: &str) -> bool {
-        matches!(
-            event_type,
-            "PaymentAuthorizationRequested"
-                | "CaptureRequested"
-                | "AuthorizationCancelRequested"
-                | "RefundRequested"
-                | "PaymentIntentRefreshRequested"
-        )
+    fn wants(&self, kind: EventKind) -> bool {
+        COMMANDS.contains(&kind)
     }
 
     async fn prepare(&self, env: &Envelope, event: &PurchaseEvent) -> Result<Prepared, HandlerError> {
         let g = &*self.gateway;
         match event {
             PurchaseEvent::PaymentAuthorizationRequested { order_id, hold_id, amount_minor, currency } => {
-                let status = order_status(&self.pool, *order_id).await?;
+                let status = orders::status(&self.pool, *order_id).await?;
                 if status != Some(OrderStatus::Held) {
                     return Ok(Prepared::Skipped("order_not_held"));
                 }
@@ -122,22 +126,17 @@ impl Handler for PaymentWorker {
             }
             PurchaseEvent::CaptureRequested { order_id, payment_intent_id, .. } => {
                 // Case C06: never capture without a confirmed hold.
-                let confirmed: Option<(String, String)> = sqlx::query_as(
-                    "SELECT o.status, h.status FROM orders o JOIN holds h ON h.order_id = o.id WHERE o.id = $1",
-                )
-                .bind(order_id.0)
-                .fetch_optional(&self.pool)
-                .await?;
-                match confirmed.as_ref().map(|(o, h)| (o.as_str(), h.as_str())) {
-                    Some(("confirming", "confirmed")) => {}
-                    _ => return Ok(Prepared::Skipped("hold_not_confirmed")),
+                if orders::status_with_hold(&self.pool, *order_id).await?
+                    != Some((OrderStatus::Confirming, HoldStatus::Confirmed))
+                {
+                    return Ok(Prepared::Skipped("hold_not_confirmed"));
                 }
                 match g.capture_payment_intent(payment_intent_id, &format!("capture:{order_id}")).await {
                     Ok(pi) => Ok(Prepared::Intent(pi)),
                     Err(e) if !e.is_retryable() && matches!(e, StripeError::Api { .. }) => {
                         // Already captured or no longer capturable: ask Stripe what is true.
                         let pi = g.retrieve_payment_intent(payment_intent_id).await.map_err(stripe_err)?;
-                        if pi.status == "succeeded" {
+                        if pi.status == PaymentIntentStatus::Succeeded {
                             Ok(Prepared::Intent(pi))
                         } else {
                             Ok(Prepared::CaptureRefused {
@@ -176,11 +175,11 @@ impl Handler for PaymentWorker {
                 // The charge holds what the PaymentIntent does not: refunds, and the
                 // authorization's real capture deadline (Stripe: "Place a hold on a payment
                 // method", `capture_before`), which the saga stores instead of the default.
-                let (refunded, capture_before) = match (&pi.status[..], &pi.latest_charge) {
-                    ("succeeded", Some(charge)) => {
+                let (refunded, capture_before) = match (&pi.status, &pi.latest_charge) {
+                    (PaymentIntentStatus::Succeeded, Some(charge)) => {
                         (g.retrieve_charge(charge).await.map_err(stripe_err)?.amount_refunded, None)
                     }
-                    ("requires_capture", Some(charge)) => {
+                    (PaymentIntentStatus::RequiresCapture, Some(charge)) => {
                         let c = g.retrieve_charge(charge).await.map_err(stripe_err)?;
                         (0, c.capture_before().and_then(|t| chrono::DateTime::from_timestamp(t, 0)))
                     }
@@ -214,7 +213,7 @@ impl Handler for PaymentWorker {
                     order_id,
                     &pi.id,
                     pi.client_secret.as_deref(),
-                    &pi.status,
+                    pi.status.clone(),
                     *amount_minor,
                     currency,
                 )
@@ -247,7 +246,11 @@ impl Handler for PaymentWorker {
                 Prepared::CaptureRefused { payment_intent_id, reason, intent },
             ) => {
                 if let Some(pi) = &intent {
-                    payments::update_status(&mut **tx, &pi.id, &pi.status, None, None, Some(&reason)).await?;
+                    let update = PaymentUpdate {
+                        last_error_code: Some(reason.clone()),
+                        ..PaymentUpdate::status(pi.status.clone())
+                    };
+                    payments::transition(tx, &pi.id, &update).await?;
                 }
                 emit.push(PurchaseEvent::CaptureFailed { order_id, payment_intent_id, reason });
             }
@@ -286,14 +289,16 @@ async fn facts_from_intent(
     order_id: OrderId,
     pi: &PaymentIntent,
 ) -> Result<Vec<PurchaseEvent>, HandlerError> {
-    payments::update_status(&mut **tx, &pi.id, &pi.status, None, None, None).await?;
-    Ok(match pi.status.as_str() {
-        "succeeded" => vec![PurchaseEvent::PaymentCaptured {
+    payments::transition(tx, &pi.id, &PaymentUpdate::status(pi.status.clone())).await?;
+    Ok(match pi.status {
+        PaymentIntentStatus::Succeeded => vec![PurchaseEvent::PaymentCaptured {
             order_id,
             payment_intent_id: pi.id.clone(),
             amount_captured_minor: pi.amount_received,
         }],
-        "canceled" => vec![PurchaseEvent::PaymentCanceled { order_id, payment_intent_id: pi.id.clone() }],
+        PaymentIntentStatus::Canceled => {
+            vec![PurchaseEvent::PaymentCanceled { order_id, payment_intent_id: pi.id.clone() }]
+        }
         _ => vec![],
     })
 }
@@ -309,14 +314,14 @@ pub fn observed_facts(
     capture_before: Option<chrono::DateTime<chrono::Utc>>,
 ) -> Vec<PurchaseEvent> {
     let payment_intent_id = pi.id.clone();
-    match pi.status.as_str() {
-        "requires_capture" => vec![PurchaseEvent::PaymentAuthorized {
+    match pi.status {
+        PaymentIntentStatus::RequiresCapture => vec![PurchaseEvent::PaymentAuthorized {
             order_id,
             payment_intent_id,
             amount_capturable_minor: pi.amount_capturable,
             capture_before,
         }],
-        "succeeded" => {
+        PaymentIntentStatus::Succeeded => {
             let mut v = vec![PurchaseEvent::PaymentCaptured {
                 order_id,
                 payment_intent_id: payment_intent_id.clone(),
@@ -327,8 +332,8 @@ pub fn observed_facts(
             }
             v
         }
-        "canceled" => vec![PurchaseEvent::PaymentCanceled { order_id, payment_intent_id }],
-        "requires_payment_method" => vec![PurchaseEvent::PaymentFailed {
+        PaymentIntentStatus::Canceled => vec![PurchaseEvent::PaymentCanceled { order_id, payment_intent_id }],
+        PaymentIntentStatus::RequiresPaymentMethod => vec![PurchaseEvent::PaymentFailed {
             order_id,
             payment_intent_id,
             reason: pi
@@ -341,12 +346,4 @@ pub fn observed_facts(
         }],
         _ => vec![],
     }
-}
-
-async fn order_status(pool: &PgPool, order: OrderId) -> Result<Option<OrderStatus>, HandlerError> {
-    let s: Option<String> = sqlx::query_scalar("SELECT status FROM orders WHERE id = $1")
-        .bind(order.0)
-        .fetch_optional(pool)
-        .await?;
-    Ok(s.and_then(|s| s.parse().ok()))
 }

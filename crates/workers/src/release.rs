@@ -59,6 +59,7 @@
 
 use boxoffice_bus::KafkaConfig;
 use boxoffice_domain::{EventId, Topic};
+use boxoffice_store::signals;
 use boxoffice_waitroom::Waitroom;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
@@ -571,10 +572,7 @@ impl Controller {
     }
 
     async fn try_lock(&self, c: &mut PgConnection) -> Result<bool, sqlx::Error> {
-        let q =
-            sqlx::query_scalar("SELECT pg_try_advisory_lock(hashtext('boxoffice.release'), hashtext($1))")
-                .bind(&self.settings.cell)
-                .fetch_one(&mut *c);
+        let q = signals::try_leader_lock(c, &self.settings.cell);
         tokio::time::timeout(self.bound(), q).await.map_err(|_| timed_out())?
     }
 
@@ -603,63 +601,24 @@ impl Controller {
                 s.set($signal, reading);
             }};
         }
-        probe!(Signal::PgCommitMs, async {
-            let t = Instant::now();
-            sqlx::query(
-                "INSERT INTO release_probe (cell, beat_at, beats) VALUES ($1, clock_timestamp(), 1)
-                 ON CONFLICT (cell) DO UPDATE SET beat_at = excluded.beat_at, beats = release_probe.beats + 1",
-            )
-            .bind(cell)
-            .execute(&mut *c)
-            .await?;
-            Ok(t.elapsed().as_secs_f64() * 1_000.0)
-        });
+        probe!(Signal::PgCommitMs, signals::commit_latency_ms(&mut *c, cell));
         if broken {
             return (s, true);
         }
-        probe!(
-            Signal::LockWaits,
-            sqlx::query_scalar::<_, f64>(
-                "SELECT count(*)::float8 FROM pg_stat_activity
-                  WHERE datname = current_database() AND wait_event_type = 'Lock'"
-            )
-            .fetch_one(&mut *c)
-        );
+        probe!(Signal::LockWaits, signals::lock_waits(&mut *c));
         probe!(Signal::Deadlocks, async {
-            let total: f64 = sqlx::query_scalar(
-                "SELECT deadlocks::float8 FROM pg_stat_database WHERE datname = current_database()",
-            )
-            .fetch_one(&mut *c)
-            .await?;
+            let total = signals::deadlocks_total(&mut *c).await?;
             // The first reading after taking the lock is a baseline, not a burst.
             let delta = leader.last_deadlocks.map(|prev| (total - prev).max(0.0)).unwrap_or(0.0);
             leader.last_deadlocks = Some(total);
             Ok(delta)
         });
-        probe!(
-            Signal::ConnectionSaturation,
-            sqlx::query_scalar::<_, f64>(
-                "SELECT (SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend')::float8
-                        / current_setting('max_connections')::float8"
-            )
-            .fetch_one(&mut *c)
-        );
+        probe!(Signal::ConnectionSaturation, signals::connection_saturation(&mut *c));
         probe!(Signal::OutboxAgeMs, async {
             Ok(boxoffice_store::outbox::backlog(&mut *c).await?.oldest_age_ms as f64)
         });
-        probe!(
-            Signal::ActiveHolds,
-            sqlx::query_scalar::<_, f64>("SELECT count(*)::float8 FROM holds WHERE status = 'active'")
-                .fetch_one(&mut *c)
-        );
-        probe!(
-            Signal::ExpiryDelayMs,
-            sqlx::query_scalar::<_, f64>(
-                "SELECT COALESCE(EXTRACT(EPOCH FROM clock_timestamp() - min(expires_at)) * 1000, 0)::float8
-                   FROM holds WHERE status = 'active' AND expires_at < clock_timestamp()"
-            )
-            .fetch_one(&mut *c)
-        );
+        probe!(Signal::ActiveHolds, signals::active_holds(&mut *c));
+        probe!(Signal::ExpiryDelayMs, signals::expiry_delay_ms(&mut *c));
         if let Some(lag) = &self.lag {
             let (lag, t) = (lag.clone(), Duration::from_millis(self.settings.probe_timeout_ms));
             let r = tokio::time::timeout(bound, tokio::task::spawn_blocking(move || lag.read(t))).await;

@@ -1,22 +1,11 @@
-//! The purchase saga orchestrator (design §9): the only code that moves an order between
-//! states. Each transition locks the hold, then the order (the ledger's lock order), checks
-//! the state machine, writes the new state and emits the next command through the outbox —
-//! all in the consumer's inbox transaction.
+//! The purchase saga orchestrator (design §9): consumes the saga's facts and executes what
+//! [`boxoffice_domain::saga::decide`] decides — the decision table, with every step's
+//! compensation beside it, lives there; this module reads the order's [`Snapshot`] under the
+//! ledger's lock order (hold, then order), executes each [`Step`] through the store's
+//! transition functions (which refuse any move the status tables do not list) and emits the
+//! next facts and commands through the outbox — all in the consumer's inbox transaction.
 //!
-//! Transitions and their compensations:
-//!
-//! | fact                 | when                                   | effect                                                  |
-//! |----------------------|----------------------------------------|---------------------------------------------------------|
-//! | HoldCreated          | order `held`                           | PaymentAuthorizationRequested                           |
-//! | PaymentIntentCreated | order `held`                           | → `payment_required`                                    |
-//! |                      | order already ended                    | AuthorizationCancelRequested (compensation)             |
-//! | PaymentAuthorized    | hold active and not lapsed             | hold confirmed, → `confirming`, OrderConfirmed + CaptureRequested |
-//! |                      | hold lapsed / expired / order ended    | expire the hold if needed, → `canceled`, AuthorizationCancelRequested |
-//! | PaymentCaptured      | order `confirming`                     | → `paid`, TicketIssueRequested                          |
-//! |                      | order ended without seats              | incident, → `refunding`, RefundRequested (compensation) |
-//! | CaptureFailed        | order `confirming`                     | release hold, → `failed`, AuthorizationCancelRequested  |
-//! | PaymentCanceled      | order `confirming` (auth expired)      | release hold, → `failed`                                |
-//! | PaymentRefunded      | order `refunding`                      | → `refunded`                                            |
+//! It also runs the capture-deadline sweep (case C09) through the same executor.
 //!
 //! Duplicate facts (a webhook and a re-fetch both reporting the authorization, invariant 4)
 //! find the order already moved and change nothing: state, not message identity, makes the
@@ -24,8 +13,12 @@
 
 use async_trait::async_trait;
 use boxoffice_bus::{Handler, HandlerError};
-use boxoffice_domain::{Envelope, HoldId, HoldStatus, OrderId, OrderStatus, PurchaseEvent};
-use boxoffice_store::{holds, orders, outbox, payments, stripe_events, Tx};
+use boxoffice_domain::saga::{self, HoldSnapshot, IntentMatch, Snapshot, Step};
+use boxoffice_domain::{Envelope, EventKind, OrderId, PurchaseEvent, Topic};
+use boxoffice_store::holds::HoldRow;
+use boxoffice_store::orders::OrderRow;
+use boxoffice_store::{holds, orders, outbox, payments, stripe_events, StoreError, Tx};
+use sqlx::PgPool;
 
 /// The saga consumer.
 #[derive(Debug, Default, Clone)]
@@ -42,18 +35,8 @@ impl Handler for Saga {
         NAME
     }
 
-    fn wants(&self, event_type: &str) -> bool {
-        matches!(
-            event_type,
-            "HoldCreated"
-                | "PaymentIntentCreated"
-                | "PaymentAuthorized"
-                | "PaymentFailed"
-                | "PaymentCaptured"
-                | "CaptureFailed"
-                | "PaymentCanceled"
-                | "PaymentRefunded"
-        )
+    fn wants(&self, kind: EventKind) -> bool {
+        saga::FACTS.contains(&kind)
     }
 
     async fn prepare(&self, _: &Envelope, _: &PurchaseEvent) -> Result<(), HandlerError> {
@@ -71,227 +54,187 @@ impl Handler for Saga {
     }
 }
 
+/// The rows one decision works on, locked in the ledger's order (hold, then order).
+struct Locked {
+    hold: Option<HoldRow>,
+    order: OrderRow,
+    /// The payment row's PaymentIntent id and status, when recorded.
+    payment: Option<payments::PaymentRow>,
+}
+
+impl Locked {
+    /// `None` when the order does not exist.
+    async fn load(tx: &mut Tx<'_>, order_id: OrderId) -> Result<Option<Locked>, StoreError> {
+        let hold = holds::lock_for_order(tx, order_id).await?;
+        let Some(order) = orders::lock(tx, order_id).await? else {
+            return Ok(None);
+        };
+        let payment = payments::get(&mut **tx, order_id).await?;
+        Ok(Some(Locked { hold, order, payment }))
+    }
+
+    fn snapshot(&self, payment_intent_id: Option<&str>) -> Snapshot {
+        let intent = match (&self.payment, payment_intent_id) {
+            (None, _) => IntentMatch::Unrecorded,
+            (Some(p), Some(pi)) if p.payment_intent_id != pi => IntentMatch::Other,
+            (Some(_), _) => IntentMatch::Current,
+        };
+        Snapshot {
+            order: self.order.status,
+            amount_minor: self.order.amount_minor,
+            hold: self.hold.as_ref().map(|h| HoldSnapshot {
+                id: boxoffice_domain::HoldId(h.id),
+                status: h.status,
+                lapsed: h.lapsed,
+            }),
+            intent,
+            payment: self.payment.as_ref().map(|p| p.status.clone()),
+        }
+    }
+}
+
 /// Applies one saga fact inside `tx` (which already holds the inbox row).
 pub async fn apply(tx: &mut Tx<'_>, env: &Envelope, event: &PurchaseEvent) -> Result<(), HandlerError> {
     let order_id = event.order_id();
-    let hold = holds::lock_for_order(tx, order_id).await?;
-    let Some(order) = orders::lock(tx, order_id).await? else {
+    let Some(mut locked) = Locked::load(tx, order_id).await? else {
         return Err(HandlerError::permanent(
             "unknown_order",
             anyhow::anyhow!("order {order_id} does not exist"),
         ));
     };
-    let status = order.status()?;
-    let mut emit: Vec<PurchaseEvent> = Vec::new();
-
-    match event {
-        PurchaseEvent::HoldCreated { hold_id, amount_minor, currency, .. } => {
-            if status == OrderStatus::Held {
-                emit.push(PurchaseEvent::PaymentAuthorizationRequested {
-                    order_id,
-                    hold_id: *hold_id,
-                    amount_minor: *amount_minor,
-                    currency: currency.clone(),
-                });
-            }
-        }
-        PurchaseEvent::PaymentIntentCreated { payment_intent_id, .. } => {
-            if status == OrderStatus::Held {
-                orders::set_status(tx, order_id, OrderStatus::PaymentRequired, None).await?;
-            } else if status.is_final() && !matches!(status, OrderStatus::Ticketed) {
-                emit.extend(cancel_once(tx, order_id, payment_intent_id, "order_already_ended").await?);
-            }
-        }
-        PurchaseEvent::PaymentAuthorized { payment_intent_id, capture_before, .. } => {
-            if let Some(when) = capture_before {
-                payments::set_capture_before(&mut **tx, payment_intent_id, *when).await?;
-            }
-            if !is_current_intent(tx, order_id, payment_intent_id).await? {
-                tracing::warn!(order.id = %order_id, "authorization for a PaymentIntent that is not the order's; cancelling it");
-                emit.push(cancel(order_id, payment_intent_id, "not_current_payment_intent"));
-            } else if status.awaits_authorization() {
-                let hold = hold.ok_or_else(|| {
-                    HandlerError::permanent("missing_hold", anyhow::anyhow!("order {order_id} has no hold"))
-                })?;
-                if hold.status == HoldStatus::Active.as_str() && !hold.lapsed {
-                    // Invariant 2: confirmed only with a live hold and an authorized payment.
-                    holds::set_status(tx, hold.id, HoldStatus::Confirmed).await?;
-                    orders::set_status(tx, order_id, OrderStatus::Confirming, None).await?;
-                    payments::update_status(
-                        &mut **tx,
-                        payment_intent_id,
-                        "requires_capture",
-                        None,
-                        None,
-                        None,
-                    )
-                    .await?;
-                    // Case C09: the deadline the expiry worker watches.
-                    payments::default_capture_before(&mut **tx, payment_intent_id).await?;
-                    emit.push(PurchaseEvent::OrderConfirmed { order_id, hold_id: HoldId(hold.id) });
-                    emit.push(PurchaseEvent::CaptureRequested {
-                        order_id,
-                        payment_intent_id: payment_intent_id.clone(),
-                        amount_minor: order.amount_minor,
-                    });
-                } else {
-                    // Expiry won the race (or is due and has not run yet): one legal end
-                    // state, the seats released and the authorization cancelled.
-                    if hold.status == HoldStatus::Active.as_str() {
-                        // Emits HoldExpired (and the cancel request, once per payment).
-                        holds::expire_locked(tx, &hold).await?;
-                    }
-                    emit.extend(
-                        cancel_once(tx, order_id, payment_intent_id, "authorization_after_expiry").await?,
-                    );
-                    orders::set_status(
-                        tx,
-                        order_id,
-                        OrderStatus::Canceled,
-                        Some("authorization_after_expiry"),
-                    )
-                    .await?;
-                    metrics::counter!("boxoffice_late_authorizations_total").increment(1);
-                }
-            } else if matches!(status, OrderStatus::Expired | OrderStatus::Failed) {
-                emit.extend(
-                    cancel_once(tx, order_id, payment_intent_id, "authorization_after_expiry").await?,
-                );
-                orders::set_status(tx, order_id, OrderStatus::Canceled, Some("authorization_after_expiry"))
-                    .await?;
-                metrics::counter!("boxoffice_late_authorizations_total").increment(1);
-            }
-            // confirming / paid / ticketed / canceled / refunding / refunded: already handled.
-        }
-        PurchaseEvent::PaymentFailed { payment_intent_id, reason, .. } => {
-            // The buyer may try another card while the hold lives; nothing moves. A decline
-            // delivered after the payment settled (cancelled, authorized) changes nothing.
-            payments::record_decline(&mut **tx, payment_intent_id, reason).await?;
-        }
-        PurchaseEvent::PaymentCaptured { payment_intent_id, amount_captured_minor, .. } => {
-            payments::update_status(
-                &mut **tx,
-                payment_intent_id,
-                "succeeded",
-                Some(*amount_captured_minor),
-                None,
-                None,
-            )
-            .await?;
-            match status {
-                OrderStatus::Confirming => {
-                    orders::set_status(tx, order_id, OrderStatus::Paid, None).await?;
-                    let hold = hold.ok_or_else(|| {
-                        HandlerError::permanent(
-                            "missing_hold",
-                            anyhow::anyhow!("order {order_id} has no hold"),
-                        )
-                    })?;
-                    emit.push(PurchaseEvent::TicketIssueRequested { order_id, hold_id: HoldId(hold.id) });
-                }
-                s if s.is_final() && s != OrderStatus::Ticketed || s.awaits_authorization() => {
-                    // Invariant 6: money captured for an order that no longer owns seats.
-                    stripe_events::incident(
-                        tx,
-                        Some(order_id),
-                        "capture_after_release",
-                        serde_json::json!({"payment_intent_id": payment_intent_id, "order_status": s.as_str(),
-                                           "amount_captured_minor": amount_captured_minor}),
-                    )
-                    .await?;
-                    if let Some(h) = &hold {
-                        if h.status == HoldStatus::Active.as_str() {
-                            holds::expire_locked(tx, h).await?;
-                        }
-                    }
-                    orders::set_status(tx, order_id, OrderStatus::Refunding, Some("capture_after_release"))
-                        .await?;
-                    emit.push(PurchaseEvent::RefundRequested {
-                        order_id,
-                        payment_intent_id: payment_intent_id.clone(),
-                        amount_minor: *amount_captured_minor,
-                        reason: "capture_after_release".into(),
-                    });
-                }
-                _ => {} // paid / ticketed / refunding / refunded: duplicate fact
-            }
-        }
-        PurchaseEvent::CaptureFailed { payment_intent_id, reason, .. } => {
-            if status == OrderStatus::Confirming {
-                if let Some(h) = &hold {
-                    holds::set_status(tx, h.id, HoldStatus::Released).await?;
-                }
-                orders::set_status(tx, order_id, OrderStatus::Failed, Some(reason)).await?;
-                emit.extend(cancel_once(tx, order_id, payment_intent_id, "capture_failed").await?);
-            }
-        }
-        PurchaseEvent::PaymentCanceled { payment_intent_id, .. } => {
-            payments::update_status(&mut **tx, payment_intent_id, "canceled", None, None, None).await?;
-            if status == OrderStatus::Confirming {
-                // The authorization lapsed or was cancelled before capture (case C09).
-                if let Some(h) = &hold {
-                    holds::set_status(tx, h.id, HoldStatus::Released).await?;
-                }
-                orders::set_status(tx, order_id, OrderStatus::Failed, Some("authorization_canceled")).await?;
-                metrics::counter!("boxoffice_authorizations_lost_before_capture_total").increment(1);
-            }
-        }
-        PurchaseEvent::PaymentRefunded { payment_intent_id, amount_refunded_minor, .. } => {
-            payments::update_status(
-                &mut **tx,
-                payment_intent_id,
-                "succeeded",
-                None,
-                Some(*amount_refunded_minor),
-                None,
-            )
-            .await?;
-            if status == OrderStatus::Refunding {
-                orders::set_status(tx, order_id, OrderStatus::Refunded, None).await?;
-            }
-        }
-        other => {
-            return Err(HandlerError::permanent(
-                "unexpected_event",
-                anyhow::anyhow!("saga does not handle {}", env.event_type).context(format!("{other:?}")),
-            ))
-        }
-    }
+    let pi = payment_intent_of(event);
+    let steps = saga::decide(&locked.snapshot(pi), event).map_err(|r| {
+        HandlerError::permanent(r.code(), anyhow::anyhow!(r.clone()).context(format!("{event:?}")))
+    })?;
+    let emit = execute(tx, &mut locked, pi.unwrap_or_default(), &steps).await?;
     let envelopes: Vec<Envelope> = emit.iter().map(|e| env.follow(e)).collect();
     outbox::insert_all(tx, &envelopes).await?;
     Ok(())
 }
 
-fn cancel(order_id: OrderId, payment_intent_id: &str, reason: &str) -> PurchaseEvent {
-    PurchaseEvent::AuthorizationCancelRequested {
-        order_id,
-        payment_intent_id: payment_intent_id.to_owned(),
-        reason: reason.to_owned(),
+/// Executes `steps` for the locked rows, in order; returns the facts and commands to emit.
+/// `pi` is the PaymentIntent the fact is about (payment steps apply to it).
+async fn execute(
+    tx: &mut Tx<'_>,
+    locked: &mut Locked,
+    pi: &str,
+    steps: &[Step],
+) -> Result<Vec<PurchaseEvent>, StoreError> {
+    let order_id = OrderId(locked.order.id);
+    let mut emit = Vec::new();
+    for step in steps {
+        match step {
+            Step::SetCaptureBefore(when) => payments::set_capture_before(&mut **tx, pi, *when).await?,
+            Step::MirrorPayment(update) => {
+                payments::transition(tx, pi, update).await?;
+            }
+            Step::RecordDecline { reason } => {
+                payments::record_decline(&mut **tx, pi, reason).await?;
+            }
+            Step::DefaultCaptureBefore => payments::default_capture_before(&mut **tx, pi).await?,
+            Step::MoveHold(to) => {
+                let hold = locked.hold.as_mut().ok_or_else(|| missing_hold(order_id))?;
+                holds::transition(tx, hold, *to).await?;
+            }
+            Step::ExpireHold => {
+                let hold = locked.hold.as_mut().ok_or_else(|| missing_hold(order_id))?;
+                // Emits HoldExpired (and the cancel request, once per payment).
+                if holds::expire_locked(tx, hold).await? {
+                    locked.order.status = boxoffice_domain::OrderStatus::Expired;
+                }
+                hold.status = boxoffice_domain::HoldStatus::Expired;
+            }
+            Step::MoveOrder { to, reason } => {
+                orders::transition(tx, &mut locked.order, *to, reason.as_deref()).await?;
+            }
+            Step::CancelAuthorization { payment_intent_id, reason } => {
+                emit.extend(cancel_once(tx, locked, payment_intent_id, reason).await?);
+            }
+            Step::Incident { kind, details } => {
+                stripe_events::incident(tx, Some(order_id), kind, details.clone()).await?;
+            }
+            Step::Emit(e) => emit.push(e.clone()),
+            Step::Count(name) => metrics::counter!(*name).increment(1),
+        }
     }
+    Ok(emit)
 }
 
-/// The cancel command for the order's authorization, unless one was already requested. When
-/// the payment row is not recorded yet (the webhook overtook the payment worker), the cancel
-/// is emitted anyway: Stripe's idempotency key `cancel:{order_id}` makes repeats harmless.
+fn missing_hold(order: OrderId) -> StoreError {
+    StoreError::Corrupt(format!("order {order} has no hold"))
+}
+
+/// The cancel command for authorization `pi`: for the order's recorded PaymentIntent only
+/// the first time (one cancel per payment); for any other, or when the payment row is not
+/// recorded yet (the webhook overtook the payment worker), emitted anyway — Stripe's
+/// idempotency key `cancel:{order_id}` makes repeats harmless.
 async fn cancel_once(
     tx: &mut Tx<'_>,
-    order_id: OrderId,
+    locked: &Locked,
     pi: &str,
     reason: &str,
 ) -> Result<Option<PurchaseEvent>, sqlx::Error> {
-    match payments::get(&mut **tx, order_id).await? {
+    let order_id = OrderId(locked.order.id);
+    let cancel = |payment_intent_id: String| PurchaseEvent::AuthorizationCancelRequested {
+        order_id,
+        payment_intent_id,
+        reason: reason.to_owned(),
+    };
+    match &locked.payment {
         Some(p) if p.payment_intent_id == pi => {
-            Ok(payments::request_cancel(&mut **tx, order_id).await?.map(|pi| cancel(order_id, &pi, reason)))
+            Ok(payments::request_cancel(&mut **tx, order_id).await?.map(cancel))
         }
-        _ => Ok(Some(cancel(order_id, pi, reason))),
+        _ => Ok(Some(cancel(pi.to_owned()))),
     }
 }
 
-/// Whether `pi` is the order's recorded PaymentIntent (or none is recorded yet, in which
-/// case the fact is accepted: the webhook can overtake the payment worker's commit).
-async fn is_current_intent(tx: &mut Tx<'_>, order: OrderId, pi: &str) -> Result<bool, sqlx::Error> {
-    Ok(match payments::get(&mut **tx, order).await? {
-        Some(p) => p.payment_intent_id == pi,
-        None => true,
-    })
+/// The PaymentIntent a saga fact is about.
+fn payment_intent_of(event: &PurchaseEvent) -> Option<&str> {
+    use PurchaseEvent as E;
+    match event {
+        E::PaymentIntentCreated { payment_intent_id, .. }
+        | E::PaymentAuthorized { payment_intent_id, .. }
+        | E::PaymentFailed { payment_intent_id, .. }
+        | E::PaymentCaptured { payment_intent_id, .. }
+        | E::CaptureFailed { payment_intent_id, .. }
+        | E::PaymentCanceled { payment_intent_id, .. }
+        | E::PaymentRefunded { payment_intent_id, .. } => Some(payment_intent_id),
+        _ => None,
+    }
+}
+
+/// Case C09: confirmed orders whose authorization is still uncaptured within `margin_s`
+/// seconds of Stripe's capture deadline are given up on purpose rather than left to lapse
+/// ([`saga::give_up_before_capture_deadline`]): hold released, order `failed` with
+/// `capture_deadline`, an incident, and `AuthorizationCancelRequested`. Returns how many
+/// orders were released. Several workers may run this at once (`SKIP LOCKED`).
+pub async fn release_lapsing_authorizations(
+    pool: &PgPool,
+    margin_s: i64,
+    limit: i64,
+) -> Result<usize, StoreError> {
+    let mut tx = pool.begin().await?;
+    let due = holds::lock_lapsing_authorizations(&mut tx, margin_s, limit).await?;
+    let mut released = 0;
+    for due in due {
+        let Some(mut locked) = Locked::load(&mut tx, OrderId(due.order_id)).await? else { continue };
+        let steps = saga::give_up_before_capture_deadline(&locked.snapshot(None), &due.payment_intent_id);
+        if steps.is_empty() {
+            continue; // captured or failed meanwhile
+        }
+        let emit = execute(&mut tx, &mut locked, &due.payment_intent_id, &steps).await?;
+        let facts: Vec<Envelope> = emit
+            .iter()
+            .map(|e| Envelope::new(OrderId(due.order_id), e, locked.order.correlation_id, None))
+            .collect();
+        for env in &facts {
+            outbox::insert(&mut tx, Topic::Purchase, env).await?;
+        }
+        released += 1;
+    }
+    tx.commit().await?;
+    if released > 0 {
+        metrics::counter!("boxoffice_capture_deadline_releases_total").increment(released as u64);
+    }
+    Ok(released)
 }

@@ -6,7 +6,7 @@
 
 use async_trait::async_trait;
 use boxoffice_bus::{Handler, HandlerError};
-use boxoffice_domain::{Envelope, HoldStatus, OrderStatus, PurchaseEvent};
+use boxoffice_domain::{Envelope, EventKind, HoldStatus, OrderStatus, PurchaseEvent};
 use boxoffice_store::{holds, orders, outbox, tickets, Tx};
 
 /// The ticket consumer.
@@ -24,8 +24,8 @@ impl Handler for TicketWorker {
         NAME
     }
 
-    fn wants(&self, event_type: &str) -> bool {
-        event_type == "TicketIssueRequested"
+    fn wants(&self, kind: EventKind) -> bool {
+        kind == EventKind::TicketIssueRequested
     }
 
     async fn prepare(&self, _: &Envelope, _: &PurchaseEvent) -> Result<(), HandlerError> {
@@ -43,26 +43,26 @@ impl Handler for TicketWorker {
             return Err(HandlerError::permanent("unexpected_event", anyhow::anyhow!("{}", env.event_type)));
         };
         let hold = holds::lock(tx, *hold_id).await?;
-        let Some(order) = orders::lock(tx, *order_id).await? else {
+        let Some(mut order) = orders::lock(tx, *order_id).await? else {
             return Err(HandlerError::permanent("unknown_order", anyhow::anyhow!("order {order_id}")));
         };
-        let status = order.status()?;
+        let status = order.status;
         if status != OrderStatus::Paid {
             tracing::info!(order.id = %order_id, status = %status, "ticket issue requested for an order that is not paid; nothing to do");
             return Ok(());
         }
-        let Some(hold) = hold else {
+        let Some(mut hold) = hold else {
             return Err(HandlerError::permanent("missing_hold", anyhow::anyhow!("hold {hold_id}")));
         };
-        if hold.status != HoldStatus::Confirmed.as_str() {
+        if hold.status != HoldStatus::Confirmed {
             return Err(HandlerError::permanent(
                 "hold_not_confirmed",
                 anyhow::anyhow!("hold {hold_id} is {}", hold.status),
             ));
         }
         let ids = tickets::issue(tx, *order_id, *hold_id, order.event_id).await?;
-        holds::set_status(tx, hold.id, HoldStatus::Released).await?;
-        orders::set_status(tx, *order_id, OrderStatus::Ticketed, None).await?;
+        holds::transition(tx, &mut hold, HoldStatus::Released).await?;
+        orders::transition(tx, &mut order, OrderStatus::Ticketed, None).await?;
         outbox::insert_all(
             tx,
             &[env.follow(&PurchaseEvent::TicketIssued { order_id: *order_id, ticket_ids: ids.clone() })],

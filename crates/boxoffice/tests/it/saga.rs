@@ -364,14 +364,18 @@ async fn c09_capture_deadline_releases_or_cancels_deliberately(_: PgPoolOptions,
         "a default deadline is tracked"
     );
     // Far from the deadline nothing happens; within the margin the order is released.
-    assert_eq!(holds::release_lapsing_authorizations(&l.pool, 3_600, 10).await.unwrap(), 0);
+    assert_eq!(boxoffice_workers::saga::release_lapsing_authorizations(&l.pool, 3_600, 10).await.unwrap(), 0);
     sqlx::query("UPDATE payments SET capture_before = now() + interval '30 minutes' WHERE order_id = $1")
         .bind(near.order_id.0)
         .execute(&l.pool)
         .await
         .unwrap();
-    assert_eq!(holds::release_lapsing_authorizations(&l.pool, 3_600, 10).await.unwrap(), 1);
-    assert_eq!(holds::release_lapsing_authorizations(&l.pool, 3_600, 10).await.unwrap(), 0, "once");
+    assert_eq!(boxoffice_workers::saga::release_lapsing_authorizations(&l.pool, 3_600, 10).await.unwrap(), 1);
+    assert_eq!(
+        boxoffice_workers::saga::release_lapsing_authorizations(&l.pool, 3_600, 10).await.unwrap(),
+        0,
+        "once"
+    );
     assert_eq!(l.status(near.order_id).await, "failed");
     assert_eq!(l.active_rows(s1).await, 0);
     assert_eq!(l.outbox("AuthorizationCancelRequested", near.order_id).await, 1);

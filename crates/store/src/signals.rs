@@ -1,0 +1,72 @@
+//! The ledger's load signals read by the waiting room's release controller (design §3): one
+//! small query each, on the controller's own connection, plus the leader lock that lets one
+//! controller per purchase cell release buyers. Reads only, apart from the one-row commit
+//! probe (`release_probe`).
+
+use sqlx::PgConnection;
+use std::time::Instant;
+
+/// Upserts this cell's row of `release_probe` and returns the commit latency in ms: what one
+/// small write costs the database right now.
+pub async fn commit_latency_ms(c: &mut PgConnection, cell: &str) -> Result<f64, sqlx::Error> {
+    let t = Instant::now();
+    sqlx::query(
+        "INSERT INTO release_probe (cell, beat_at, beats) VALUES ($1, clock_timestamp(), 1)
+         ON CONFLICT (cell) DO UPDATE SET beat_at = excluded.beat_at, beats = release_probe.beats + 1",
+    )
+    .bind(cell)
+    .execute(&mut *c)
+    .await?;
+    Ok(t.elapsed().as_secs_f64() * 1_000.0)
+}
+
+/// Sessions of this database waiting on a lock now.
+pub async fn lock_waits(c: &mut PgConnection) -> Result<f64, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT count(*)::float8 FROM pg_stat_activity
+          WHERE datname = current_database() AND wait_event_type = 'Lock'",
+    )
+    .fetch_one(&mut *c)
+    .await
+}
+
+/// Deadlocks this database has detected since its statistics were reset (a running total).
+pub async fn deadlocks_total(c: &mut PgConnection) -> Result<f64, sqlx::Error> {
+    sqlx::query_scalar("SELECT deadlocks::float8 FROM pg_stat_database WHERE datname = current_database()")
+        .fetch_one(&mut *c)
+        .await
+}
+
+/// Client connections of the whole server over `max_connections` (0–1).
+pub async fn connection_saturation(c: &mut PgConnection) -> Result<f64, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT (SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend')::float8
+                / current_setting('max_connections')::float8",
+    )
+    .fetch_one(&mut *c)
+    .await
+}
+
+/// Holds in status `active`.
+pub async fn active_holds(c: &mut PgConnection) -> Result<f64, sqlx::Error> {
+    sqlx::query_scalar("SELECT count(*)::float8 FROM holds WHERE status = 'active'").fetch_one(&mut *c).await
+}
+
+/// How long the oldest lapsed, still active hold has waited for the expiry worker, ms (0 when
+/// none).
+pub async fn expiry_delay_ms(c: &mut PgConnection) -> Result<f64, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT COALESCE(EXTRACT(EPOCH FROM clock_timestamp() - min(expires_at)) * 1000, 0)::float8
+           FROM holds WHERE status = 'active' AND expires_at < clock_timestamp()",
+    )
+    .fetch_one(&mut *c)
+    .await
+}
+
+/// Tries the session advisory lock that makes this connection the release leader of `cell`.
+pub async fn try_leader_lock(c: &mut PgConnection, cell: &str) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar("SELECT pg_try_advisory_lock(hashtext('boxoffice.release'), hashtext($1))")
+        .bind(cell)
+        .fetch_one(&mut *c)
+        .await
+}
