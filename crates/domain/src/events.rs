@@ -239,6 +239,30 @@ impl PurchaseEvent {
         self.into()
     }
 
+    /// The PaymentIntent the event is about, for the facts and commands that name one.
+    pub fn payment_intent_id(&self) -> Option<&str> {
+        use PurchaseEvent::*;
+        match self {
+            PaymentIntentCreated { payment_intent_id, .. }
+            | PaymentAuthorized { payment_intent_id, .. }
+            | PaymentFailed { payment_intent_id, .. }
+            | CaptureRequested { payment_intent_id, .. }
+            | PaymentCaptured { payment_intent_id, .. }
+            | CaptureFailed { payment_intent_id, .. }
+            | AuthorizationCancelRequested { payment_intent_id, .. }
+            | PaymentCanceled { payment_intent_id, .. }
+            | RefundRequested { payment_intent_id, .. }
+            | PaymentRefunded { payment_intent_id, .. }
+            | PaymentIntentRefreshRequested { payment_intent_id, .. } => Some(payment_intent_id),
+            HoldCreated { .. }
+            | PaymentAuthorizationRequested { .. }
+            | OrderConfirmed { .. }
+            | TicketIssueRequested { .. }
+            | TicketIssued { .. }
+            | HoldExpired { .. } => None,
+        }
+    }
+
     /// The order the event belongs to.
     pub fn order_id(&self) -> OrderId {
         use PurchaseEvent::*;

@@ -102,7 +102,7 @@ pub async fn apply(tx: &mut Tx<'_>, env: &Envelope, event: &PurchaseEvent) -> Re
             anyhow::anyhow!("order {order_id} does not exist"),
         ));
     };
-    let pi = payment_intent_of(event);
+    let pi = event.payment_intent_id();
     let steps = saga::decide(&locked.snapshot(pi), event).map_err(|r| {
         HandlerError::permanent(r.code(), anyhow::anyhow!(r.clone()).context(format!("{event:?}")))
     })?;
@@ -185,21 +185,6 @@ async fn cancel_once(
             Ok(payments::request_cancel(&mut **tx, order_id).await?.map(cancel))
         }
         _ => Ok(Some(cancel(pi.to_owned()))),
-    }
-}
-
-/// The PaymentIntent a saga fact is about.
-fn payment_intent_of(event: &PurchaseEvent) -> Option<&str> {
-    use PurchaseEvent as E;
-    match event {
-        E::PaymentIntentCreated { payment_intent_id, .. }
-        | E::PaymentAuthorized { payment_intent_id, .. }
-        | E::PaymentFailed { payment_intent_id, .. }
-        | E::PaymentCaptured { payment_intent_id, .. }
-        | E::CaptureFailed { payment_intent_id, .. }
-        | E::PaymentCanceled { payment_intent_id, .. }
-        | E::PaymentRefunded { payment_intent_id, .. } => Some(payment_intent_id),
-        _ => None,
     }
 }
 

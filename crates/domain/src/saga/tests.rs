@@ -115,23 +115,9 @@ impl World {
 
     /// One fact through the saga.
     fn apply(&mut self, fact: &PurchaseEvent) {
-        let pi = payment_intent(fact).unwrap_or(PI);
+        let pi = fact.payment_intent_id().unwrap_or(PI);
         let steps = decide(&self.snapshot(pi), fact).expect("the saga takes every fact of a held order");
         self.execute(&steps, pi);
-    }
-}
-
-fn payment_intent(fact: &PurchaseEvent) -> Option<&str> {
-    use PurchaseEvent as E;
-    match fact {
-        E::PaymentIntentCreated { payment_intent_id, .. }
-        | E::PaymentAuthorized { payment_intent_id, .. }
-        | E::PaymentFailed { payment_intent_id, .. }
-        | E::PaymentCaptured { payment_intent_id, .. }
-        | E::CaptureFailed { payment_intent_id, .. }
-        | E::PaymentCanceled { payment_intent_id, .. }
-        | E::PaymentRefunded { payment_intent_id, .. } => Some(payment_intent_id),
-        _ => None,
     }
 }
 
