@@ -3,6 +3,8 @@
 //! the waiting-room and admission-key commands). The drills (`boxoffice-drills`) and the
 //! integration tests drive the same functions the binary does.
 
+#![warn(missing_docs)]
+
 pub mod audit;
 pub mod commands;
 pub mod config;

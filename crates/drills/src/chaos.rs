@@ -8,8 +8,7 @@
 //! else the `boxoffice` file next to this executable), a round-robin TCP load balancer in
 //! front of the two API processes (buyers and webhooks go through it, so an API crash costs a
 //! retry, not the onsale), the simulated buyers of [`boxoffice_harness::buyers`], and a
-//! supervisor that restarts
-//! whatever died. The schedule ([`plan`], a pure function of the seed) kills role processes
+//! supervisor that restarts whatever died. The schedule ([`plan`], a pure function of the seed) kills role processes
 //! with SIGKILL, restarts the broker, terminates the run database's PostgreSQL backends,
 //! opens Stripe fault windows (latency, 500 after apply, dropped responses, duplicated,
 //! delayed and reordered webhooks) and, with `--restart-postgres`, restarts PostgreSQL; it
@@ -616,6 +615,16 @@ fn find_nisshi(given: Option<&Path>) -> anyhow::Result<PathBuf> {
         .context("the nisshi broker is needed: install it (`cargo install nisshi --locked`, scripts/test does) or pass --nisshi")
 }
 
+/// The programs a run starts.
+struct Programs {
+    /// The broker.
+    nisshi: PathBuf,
+    /// This binary, for the `stripe-sim` process.
+    drills: PathBuf,
+    /// The product binary, for the role processes.
+    boxoffice: PathBuf,
+}
+
 /// The product binary: `--boxoffice-bin`/`BOXOFFICE_BIN`, else `boxoffice` next to `exe`.
 fn find_boxoffice(given: Option<&Path>, exe: &Path) -> anyhow::Result<PathBuf> {
     let path = match given {
@@ -699,7 +708,12 @@ pub async fn run(cfg: Config, args: ChaosArgs) -> anyhow::Result<i32> {
         }
         return Ok(0);
     }
-    let nisshi = find_nisshi(args.nisshi.as_deref())?;
+    let drills = std::env::current_exe().context("locating the boxoffice-drills binary")?;
+    let programs = Programs {
+        nisshi: find_nisshi(args.nisshi.as_deref())?,
+        boxoffice: find_boxoffice(args.boxoffice_bin.as_deref(), &drills)?,
+        drills,
+    };
     let tag = format!("{}_{}", args.seed, &uuid::Uuid::new_v4().simple().to_string()[..8]);
     let run_dir = std::env::temp_dir().join(format!("boxoffice-chaos-{tag}"));
     std::fs::create_dir_all(&run_dir).with_context(|| format!("creating {}", run_dir.display()))?;
@@ -715,7 +729,7 @@ pub async fn run(cfg: Config, args: ChaosArgs) -> anyhow::Result<i32> {
     });
     let lb_shutdown = CancellationToken::new();
     let outcome = tokio::select! {
-        r = chaos(&cfg, &args, &plan, &sup, &run_dir, &db_name, &nisshi, lb_shutdown.clone()) => r,
+        r = chaos(&cfg, &args, &plan, &sup, &run_dir, &db_name, &programs, lb_shutdown.clone()) => r,
         _ = boxoffice::commands::wait_for_signal() => Err(anyhow::anyhow!("interrupted")),
     };
     lb_shutdown.cancel();
@@ -771,12 +785,10 @@ async fn chaos(
     sup: &Arc<Supervisor>,
     run_dir: &Path,
     db_name: &str,
-    nisshi: &Path,
+    programs: &Programs,
     lb_shutdown: CancellationToken,
 ) -> anyhow::Result<i32> {
     let run_started = chrono::Utc::now();
-    let exe = std::env::current_exe().context("locating the boxoffice-drills binary")?;
-    let product = find_boxoffice(args.boxoffice_bin.as_deref(), &exe)?;
     let db_opts = base.pg_options()?.database(db_name);
     let db_url = db_opts.to_url_lossy().to_string();
     let mut cfg = base.clone();
@@ -817,7 +829,7 @@ async fn chaos(
     let mut procs = vec![Proc {
         name: "broker".into(),
         kind: ProcKind::Broker,
-        program: nisshi.to_owned(),
+        program: programs.nisshi.clone(),
         args: [
             "broker",
             "--listener-url",
@@ -878,7 +890,7 @@ async fn chaos(
     procs.push(Proc {
         name: "stripe-sim".into(),
         kind: ProcKind::StripeSim,
-        program: exe.clone(),
+        program: programs.drills.clone(),
         args: vec![
             "stripe-sim".into(),
             "--bind".into(),
@@ -938,7 +950,7 @@ async fn chaos(
             log: run_dir.join(format!("{}.log", name.replace('#', "-"))),
             name,
             kind: ProcKind::Role(role),
-            program: product.clone(),
+            program: programs.boxoffice.clone(),
             args: vec!["serve".into(), "--roles".into(), role.name().into()],
             env,
             cwd: run_dir.to_owned(),

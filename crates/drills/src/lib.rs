@@ -3,7 +3,7 @@
 //!
 //! - [`onsale`] (`boxoffice-drills onsale`): the main job, a whole onsale with simulated
 //!   buyers through the HTTP API, then the audit and the report.
-//! - [`bench`] (`boxoffice-drills bench`): the capacity measurements of design §12.
+//! - [`bench`](mod@bench) (`boxoffice-drills bench`): the capacity measurements of design §12.
 //! - [`chaos`] (`boxoffice-drills chaos`): an onsale with every role as its own
 //!   `boxoffice serve` process under a seeded schedule of crashes and outages.
 //! - [`stripe_sim`] (`boxoffice-drills stripe-sim`): the Stripe simulator's server.
@@ -23,6 +23,8 @@
 //! Placing the tests in the product crate instead would make `boxoffice` reachable and
 //! `boxoffice-drills` not, with the same problem reversed and the drills as the product's
 //! dependency.
+
+#![warn(missing_docs)]
 
 pub mod bench;
 pub mod chaos;
