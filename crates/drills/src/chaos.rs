@@ -4,19 +4,20 @@
 //! Owns the chaos run: a fresh database (`boxoffice_chaos_<seed>_<random>`), its own nisshi
 //! broker on a free port with SQLite storage (a broker restart keeps topics and committed
 //! offsets), a `boxoffice-drills stripe-sim` process (a child of this very binary), two
-//! processes of each role (`boxoffice serve --roles X`, the product binary: `--boxoffice-bin`,
-//! else the `boxoffice` file next to this executable), a round-robin TCP load balancer in
-//! front of the two API processes (buyers and webhooks go through it, so an API crash costs a
-//! retry, not the onsale), the simulated buyers of [`boxoffice_harness::buyers`], and a
-//! supervisor that restarts whatever died. The schedule ([`plan`], a pure function of the seed) kills role processes
-//! with SIGKILL, restarts the broker, terminates the run database's PostgreSQL backends,
-//! opens Stripe fault windows (latency, 500 after apply, dropped responses, duplicated,
-//! delayed and reordered webhooks) and, with `--restart-postgres`, restarts PostgreSQL; it
-//! also arms one-shot abort-mode fault points (`BOXOFFICE_FAULTS`, [`boxoffice_faults`]) in
-//! some processes so they die at a purchase-path boundary on their own.
+//! processes of each role (`boxoffice serve --roles X`, the product binary:
+//! `--boxoffice-bin`, else the `boxoffice` file next to this executable), a round-robin TCP
+//! load balancer in front of the two API processes (buyers and webhooks go through it, so an
+//! API crash costs a retry, not the onsale), the simulated buyers of
+//! [`boxoffice_harness::buyers`], and a supervisor that restarts whatever died. The schedule
+//! ([`plan`], a pure function of the seed) kills role processes with SIGKILL, restarts the
+//! broker, terminates the run database's PostgreSQL backends, opens Stripe fault windows
+//! (latency, 500 after apply, dropped responses, duplicated, delayed and reordered webhooks)
+//! and, with `--restart-postgres`, restarts PostgreSQL; it also arms one-shot abort-mode
+//! fault points (`BOXOFFICE_FAULTS`, [`boxoffice_faults`]) in some processes so they die at a
+//! purchase-path boundary on their own.
 //!
-//! After `--duration` the faults stop, every process is brought back, the saga drains and
-//! the audit runs ([`boxoffice::audit::run`]: ledger, provider, dead letters). It protects every
+//! After `--duration` the faults stop, every process is brought back, the saga drains and the
+//! audit runs ([`boxoffice::audit::run`]: ledger, provider, dead letters). It protects every
 //! invariant of the purchase path at once: the run passes only when each audit count is 0
 //! after crashes at arbitrary points (exit 1 on any violation, 2 when a check could not run).
 

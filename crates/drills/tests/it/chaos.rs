@@ -1,6 +1,7 @@
 //! `boxoffice-drills chaos` as a process (the compiled binary, which starts the product
 //! binary's role processes): two short seeded runs side by side, each with every role as two
-//! processes, its own broker and Stripe simulator, killed and restarted on schedule. Both must end with every audit count at 0 and tickets sold.
+//! processes, its own broker and Stripe simulator, killed and restarted on schedule. Both
+//! must end with every audit count at 0 and tickets sold.
 
 use std::process::Command;
 

@@ -1,6 +1,6 @@
-//! The main job end to end: `boxoffice-drills onsale` as a process (the compiled binary) on its own
-//! database against the test broker, buyers coming through the waiting room, checking the
-//! report's invariants.
+//! The main job end to end: `boxoffice-drills onsale` as a process (the compiled binary) on
+//! its own database against the test broker, buyers coming through the waiting room, checking
+//! the report's invariants.
 
 use crate::helpers::test_brokers;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
