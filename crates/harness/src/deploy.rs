@@ -9,8 +9,8 @@
 //! joins, and the simulator learns the webhook URL only once the API role has bound its
 //! port 0. [`Deployment::start`] returns when every consumer group has its partitions; when a
 //! role cannot start or the groups are not ready in time it stops what it started and
-//! errors. Nothing here outlives the [`Deployment`]: [`Deployment::stop`] stops the roles and
-//! the simulator.
+//! errors. [`Deployment::stop`] stops the roles and the simulator; a deployment dropped
+//! without it keeps running until the tokio runtime ends (as a test's does).
 
 use anyhow::Context;
 use boxoffice::config::Config;
