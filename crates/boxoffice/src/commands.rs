@@ -1,6 +1,5 @@
-//! The binary's commands other than `onsale`: migrate, serve, seed-venue, stripe-sim, audit,
-//! reconcile, dlq and topics create. Each returns the process exit code or an error with
-//! context.
+//! The binary's commands: migrate, serve, seed-venue, audit, reconcile, dlq, topics create
+//! and admission-keygen. Each returns the process exit code or an error with context.
 
 use crate::audit;
 use crate::config::Config;
@@ -73,41 +72,48 @@ pub async fn wait_for_signal() {
     let _ = ctrl_c.await;
 }
 
-/// `boxoffice seed-venue`: creates the event and its arena (idempotent); prints the event id.
-pub async fn seed_venue(
-    cfg: &Config,
-    name: &str,
-    small: Option<(u32, u32, u32)>,
-) -> anyhow::Result<uuid::Uuid> {
+/// A small venue size, `SECTIONS,ROWS,SEATS` on the command line (`seed-venue --small`,
+/// the onsale drill's `--small-venue`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VenueSize {
+    /// Sections.
+    pub sections: u32,
+    /// Rows per section.
+    pub rows: u32,
+    /// Seats per row.
+    pub seats_per_row: u32,
+}
+
+impl VenueSize {
+    /// The venue of this size.
+    pub fn spec(self) -> VenueSpec {
+        VenueSpec::small(self.sections, self.rows, self.seats_per_row)
+    }
+}
+
+impl std::str::FromStr for VenueSize {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let v: Vec<u32> = s
+            .split(',')
+            .map(|p| p.trim().parse::<u32>().map_err(|e| format!("{p:?}: {e}")))
+            .collect::<Result<_, _>>()?;
+        match v.as_slice() {
+            [a, b, c] if *a > 0 && *b > 0 && *c > 0 => Ok(Self { sections: *a, rows: *b, seats_per_row: *c }),
+            _ => Err("expected SECTIONS,ROWS,SEATS, three positive numbers".into()),
+        }
+    }
+}
+
+/// `boxoffice seed-venue`: creates the event and its venue — `small`, or the 18,000-seat
+/// arena — (idempotent); prints the event id.
+pub async fn seed_venue(cfg: &Config, name: &str, small: Option<VenueSize>) -> anyhow::Result<uuid::Uuid> {
     let pool = migrate_db(cfg).await?;
-    let spec = match small {
-        Some((s, r, n)) => VenueSpec::small(s, r, n),
-        None => VenueSpec::arena(),
-    };
+    let spec = small.map_or_else(VenueSpec::arena, VenueSize::spec);
     let starts = chrono::Utc::now() + chrono::Duration::days(30);
     let (event, seats) = venue::seed(&pool, name, &spec, starts, &cfg.purchase_cell).await?;
     println!("event {event} \"{name}\" at {}: {seats} seats", spec.name);
     Ok(event.0)
-}
-
-/// `boxoffice stripe-sim`: serves the Stripe simulator until SIGTERM / ctrl-c.
-pub async fn stripe_sim(cfg: &Config, bind: &str, webhook_url: Option<String>) -> anyhow::Result<()> {
-    let sim = boxoffice_stripe_sim::StripeSim::new(boxoffice_stripe_sim::SimConfig {
-        webhook_url,
-        webhook_secret: cfg.stripe_webhook_secret.expose_secret().to_owned(),
-        webhook_events: boxoffice_api::webhooks::HANDLED_EVENTS.iter().map(|s| s.to_string()).collect(),
-        ..Default::default()
-    });
-    let listener = tokio::net::TcpListener::bind(bind).await.with_context(|| format!("binding {bind}"))?;
-    tracing::info!(addr = %listener.local_addr()?, "stripe simulator listening");
-    let shutdown = CancellationToken::new();
-    let s2 = shutdown.clone();
-    tokio::spawn(async move {
-        wait_for_signal().await;
-        s2.cancel();
-    });
-    sim.serve(listener, shutdown).await?;
-    Ok(())
 }
 
 /// The [`audit::AuditOptions`] of `cfg`: the provider checks run when a Stripe API base is

@@ -56,7 +56,7 @@ pub struct Config {
     pub db_pool_expiry: u32,
     /// How long a request waits for a connection before answering 503, ms.
     pub db_acquire_timeout_ms: u64,
-    /// Kafka bootstrap servers; unset means "none configured" (`onsale` then starts an
+    /// Kafka bootstrap servers; unset means "none configured" (the onsale drill then starts an
     /// embedded broker; `serve` refuses roles that need one).
     pub kafka_brokers: Option<String>,
     /// Prefix of every topic and consumer group name.

@@ -1,14 +1,13 @@
-//! The boxoffice binary's library half: configuration, the role runtime, and the commands
-//! (`migrate`, `serve`, `seed-venue`, `stripe-sim`, `onsale`, `bench`, `audit`, `reconcile`,
-//! `dlq`, `topics create`, `chaos`).
-//! Integration tests drive the same functions the binary does.
+//! The boxoffice binary's library half: configuration, the role runtime, and the product's
+//! commands (`migrate`, `serve`, `seed-venue`, `audit`, `reconcile`, `dlq`, `topics create`,
+//! the waiting-room and admission-key commands). The drills (`boxoffice-drills`) and the
+//! integration tests drive the same functions the binary does.
+
+#![warn(missing_docs)]
 
 pub mod audit;
-pub mod bench;
-pub mod chaos;
 pub mod commands;
 pub mod config;
-pub mod onsale;
 pub mod reconcile;
 pub mod runtime;
 

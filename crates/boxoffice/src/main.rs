@@ -1,4 +1,6 @@
-//! `boxoffice`: one binary, every role. See `boxoffice --help`.
+//! `boxoffice`: the product binary, every role and the operator's commands. See `boxoffice
+//! --help`. Load generation, benchmarks, the chaos drill and the Stripe simulator's server
+//! live in `boxoffice-drills` (crate `crates/drills`).
 
 use boxoffice::commands;
 use boxoffice::config::Config;
@@ -33,27 +35,8 @@ enum Command {
         name: String,
         /// A small venue `SECTIONS,ROWS,SEATS` instead of the 18,000-seat arena.
         #[arg(long)]
-        small: Option<boxoffice::onsale::VenueSize>,
+        small: Option<commands::VenueSize>,
     },
-    /// Run the Stripe simulator.
-    StripeSim {
-        /// Listen address.
-        #[arg(long, default_value = "127.0.0.1:12111")]
-        bind: String,
-        /// Where to deliver signed webhooks, e.g. http://127.0.0.1:8080/webhooks/stripe.
-        #[arg(long)]
-        webhook_url: Option<String>,
-    },
-    /// Run a whole onsale with simulated buyers and print the report (the main job).
-    Onsale(boxoffice::onsale::OnsaleArgs),
-    /// Measure capacity (design §12): hold tps vs pgbench (P1), waiting-room attempts/s (P2),
-    /// end-to-end ticketed orders/s (P3), relay events/s (P4); recommend the release rate R.
-    /// Writes report.json, report.md and chart.png.
-    Bench(boxoffice::bench::BenchArgs),
-    /// Run an onsale with every role as its own process (two of each) under a seeded schedule
-    /// of crashes and outages (kill -9, broker and PostgreSQL restarts, Stripe faults,
-    /// duplicate webhooks), then drain and audit; exit 1 on any violation.
-    Chaos(boxoffice::chaos::ChaosArgs),
     /// Check every invariant against the ledger, the payment provider (when a Stripe API base
     /// is configured) and the dead-letter topic (when a broker is configured); exit 1 on any
     /// violation, 2 when a configured check could not run.
@@ -195,19 +178,6 @@ enum TopicsAction {
     Create,
 }
 
-fn init_logging(cfg: &Config, quiet: bool) {
-    // sqlx reports slow statements at WARN; the onsale's quiet mode keeps its report readable.
-    let default = if quiet { "warn,sqlx=error" } else { "info,sqlx=warn,rdkafka=warn" };
-    let filter = tracing_subscriber::EnvFilter::try_from_env("BOXOFFICE_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
-    if cfg.log_format == "json" {
-        builder.json().init();
-    } else {
-        builder.init();
-    }
-}
-
 async fn waitroom(cfg: &Config, action: WaitroomAction) -> anyhow::Result<()> {
     let room = boxoffice::runtime::waitroom(cfg)?;
     let event = |e: uuid::Uuid| boxoffice_domain::EventId(e);
@@ -252,20 +222,11 @@ async fn main() {
             std::process::exit(2);
         }
     };
-    init_logging(&cfg, matches!(cli.command, Command::Onsale(_) | Command::Chaos(_) | Command::Bench(_)));
+    boxoffice::runtime::init_logging(&cfg, "info,sqlx=warn,rdkafka=warn");
     let result: anyhow::Result<i32> = match cli.command {
         Command::Migrate => commands::migrate(&cfg).await.map(|_| 0),
         Command::Serve { roles } => commands::serve(&cfg, &roles).await.map(|_| 0),
-        Command::SeedVenue { name, small } => {
-            let small = small.map(|v| (v.sections, v.rows, v.seats_per_row));
-            commands::seed_venue(&cfg, &name, small).await.map(|_| 0)
-        }
-        Command::StripeSim { bind, webhook_url } => {
-            commands::stripe_sim(&cfg, &bind, webhook_url).await.map(|_| 0)
-        }
-        Command::Onsale(args) => boxoffice::onsale::run(cfg, args).await,
-        Command::Bench(args) => boxoffice::bench::run(cfg, args).await,
-        Command::Chaos(args) => boxoffice::chaos::run(cfg, args).await,
+        Command::SeedVenue { name, small } => commands::seed_venue(&cfg, &name, small).await.map(|_| 0),
         Command::Audit { json, stuck_after_ms, event, since, skip_provider } => {
             match commands::audit_options(&cfg, stuck_after_ms, event, since.as_deref(), skip_provider) {
                 Ok(opts) => commands::audit(&cfg, json, &opts).await,

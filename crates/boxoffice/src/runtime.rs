@@ -307,3 +307,16 @@ pub fn waitroom(cfg: &Config) -> anyhow::Result<Waitroom> {
 pub fn user_tokens(cfg: &Config) -> UserTokens {
     UserTokens::new(cfg.user_jwt_secret.expose_secret().as_bytes())
 }
+
+/// Installs the process's log subscriber on stderr: `BOXOFFICE_LOG` (an `EnvFilter`), else
+/// `default_filter`; JSON lines when `cfg.log_format` is `json`.
+pub fn init_logging(cfg: &Config, default_filter: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("BOXOFFICE_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    if cfg.log_format == "json" {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+}

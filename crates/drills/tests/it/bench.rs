@@ -1,10 +1,10 @@
-//! `boxoffice bench` as a smoke test: every phase with `--quick` sizes against the test
+//! `boxoffice-drills bench` as a smoke test: every phase with `--quick` sizes against the test
 //! PostgreSQL, Redis and broker. Asserts the report files exist and hold every phase, that
 //! P1 found no oversold seat and lost no hold, and that P3 and P4 drained; never speed.
 
 use crate::helpers::{test_brokers, test_redis_url};
-use boxoffice::bench::{self, report, BenchArgs};
 use boxoffice::config::Config;
+use boxoffice_drills::bench::{self, report, BenchArgs};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::ConnectOptions;
 

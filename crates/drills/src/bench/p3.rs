@@ -1,25 +1,29 @@
-//! P3: end-to-end ticketed orders per second. Every role runs in-process (as `onsale` starts
-//! them: the broker, the Stripe simulator, `admission_direct`), and an open-loop generator
+//! P3: end-to-end ticketed orders per second. Every role runs in-process (the deployment of
+//! [`boxoffice_harness::deploy`], as the onsale starts it: the broker, the Stripe simulator,
+//! here with `admission_direct`), and an open-loop generator
 //! sends buyers at stepped arrival rates (the ramp, then the sustained step): each buyer is
 //! admitted (`POST /events/{id}/admission`), holds its own seats
 //! (`POST /events/{id}/holds`, seats dealt from a shuffled deck so buyers do not collide),
 //! waits for its PaymentIntent on `GET /orders/{id}` and confirms it at the simulator as
-//! Stripe.js would; the saga, payment worker and ticket worker take it from there.
+//! Stripe.js would (every request through [`boxoffice_harness::client`]); the saga, payment
+//! worker and ticket worker take it from there.
 //!
 //! Every 500 ms a sampler records ticketed orders, the outbox backlog's oldest age and the
 //! consumer lag of the saga, payment and ticket groups (committed offsets vs high
 //! watermarks on the purchase topic). Hold latencies are kept per second for the chart and
 //! for the recommended release rate R.
 
-use super::{histogram, percentile, quantiles_ms, BenchArgs, BenchDb};
-use crate::config::Config;
-use crate::runtime::{self, Role};
+use super::{BenchArgs, BenchDb, Deck};
 use anyhow::Context;
+use boxoffice::config::Config;
+use boxoffice::runtime::{self, Role};
 use boxoffice_domain::UserId;
+use boxoffice_harness::client::{self, Admission, BuyerClient, HoldReceipt, OrderView};
+use boxoffice_harness::deploy::{self, Deployment};
+use boxoffice_harness::drain::Drain;
+use boxoffice_harness::stats::{self, histogram, percentile, quantiles_ms};
 use boxoffice_store::{outbox, venue};
-use rand::seq::SliceRandom;
 use reqwest::StatusCode;
-use secrecy::ExposeSecret;
 use serde::Serialize;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -163,8 +167,7 @@ pub async fn run(
 
 /// Shared by the buyer tasks.
 struct Ctx {
-    http: reqwest::Client,
-    api: String,
+    client: BuyerClient,
     stripe: String,
     publishable: String,
     event: uuid::Uuid,
@@ -193,42 +196,28 @@ async fn run_on(
     let (event, _) =
         venue::seed(pool, &name, &spec, chrono::Utc::now() + chrono::Duration::days(30), &cfg.purchase_cell)
             .await?;
-    let mut deck: Vec<uuid::Uuid> =
-        sqlx::query_scalar("SELECT id FROM seats WHERE event_id = $1").bind(event.0).fetch_all(pool).await?;
-    deck.shuffle(&mut rand::thread_rng());
+    let deck = Deck::load(pool, event.0).await?;
     eprintln!("   venue: {} seats for {} buyers", deck.len(), buyers_total);
 
     let mut cfg = cfg.clone();
-    super::fresh_topics(&mut cfg, embedded).await?;
+    super::fresh_topic_prefix(&mut cfg);
     cfg.redis_key_prefix = format!("bench{}:", &uuid::Uuid::new_v4().simple().to_string()[..8]);
-    cfg.http_bind = "127.0.0.1:0".into();
     cfg.admission_direct = true;
     cfg.release_max_per_s = 0.0;
     cfg.rate_limit_ip_per_s = 0.0;
     cfg.rate_limit_user_per_s = 0.0;
     cfg.hold_ttl_ms = 600_000;
-    let shutdown = CancellationToken::new();
-    let sim = boxoffice_stripe_sim::StripeSim::new(boxoffice_stripe_sim::SimConfig {
-        webhook_secret: cfg.stripe_webhook_secret.expose_secret().to_owned(),
-        webhook_events: boxoffice_api::webhooks::HANDLED_EVENTS.iter().map(|s| s.to_string()).collect(),
-        ..Default::default()
-    });
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    cfg.stripe_api_base = format!("http://{}", l.local_addr()?);
-    tokio::spawn(sim.clone().serve(l, shutdown.clone()));
-    let running = runtime::start(&cfg, &Role::ALL, db.opts.clone(), shutdown.clone()).await?;
-    let addr = running.api_addr.context("api did not start")?;
-    sim.set_webhook_url(Some(format!("http://{addr}/webhooks/stripe")));
+    let deployment = Deployment::start(
+        cfg,
+        deploy::Options { embedded, ..deploy::Options::new(&Role::ALL, db.opts.clone()) },
+    )
+    .await?;
     let outcome = async {
-        anyhow::ensure!(
-            running.wait_ready(Duration::from_secs(60)).await,
-            "consumer groups did not get their partitions"
-        );
-        drive(&cfg, args, event.0, deck, addr, pool).await
+        let addr = deployment.api_addr.context("api did not start")?;
+        drive(&deployment.cfg, args, event.0, deck, addr, pool).await
     }
     .await;
-    shutdown.cancel();
-    running.join().await;
+    deployment.stop().await;
     outcome
 }
 
@@ -236,16 +225,18 @@ async fn drive(
     cfg: &Config,
     args: &BenchArgs,
     event: uuid::Uuid,
-    deck: Vec<uuid::Uuid>,
+    deck: Deck,
     addr: std::net::SocketAddr,
     pool: &sqlx::PgPool,
 ) -> anyhow::Result<P3Result> {
     let ctx = Arc::new(Ctx {
-        http: reqwest::Client::builder()
-            .pool_max_idle_per_host(args.p3_max_in_flight)
-            .timeout(Duration::from_secs(30))
-            .build()?,
-        api: format!("http://{addr}"),
+        client: BuyerClient::new(
+            reqwest::Client::builder()
+                .pool_max_idle_per_host(args.p3_max_in_flight)
+                .timeout(Duration::from_secs(30))
+                .build()?,
+            format!("http://{addr}"),
+        ),
         stripe: cfg.stripe_api_base.clone(),
         publishable: cfg.stripe_publishable_key.clone(),
         event,
@@ -331,7 +322,6 @@ async fn drive(
     // thresholds, else the smallest, unless --p3-attempt-rate is given): the drain keeps the
     // ramp's overload out of the sustained step.
     let deck = Arc::new(deck);
-    let mut seat_at = 0usize;
     let mut stats = Stats::default();
     let mut at = 0.0f64;
     let ramp: Vec<f64> = args.p3_ramp.clone();
@@ -343,8 +333,8 @@ async fn drive(
         at += step_s;
     }
     steps_run.lock().expect("steps lock").extend(plan.iter().map(|p| (p.0, p.1, p.2)));
-    arrivals(&ctx, &plan, &deck, &mut seat_at, args.p3_seats, &mut stats).await;
-    let ramp_drained = crate::onsale::drain(pool, event, drain_timeout).await?;
+    arrivals(&ctx, &plan, &deck, args.p3_seats, &mut stats).await;
+    let ramp_drained = drain(pool, event, drain_timeout).await?;
     let sustained_rate = if args.p3_attempt_rate > 0.0 {
         args.p3_attempt_rate
     } else {
@@ -364,11 +354,11 @@ async fn drive(
     eprintln!("   sustained step: {sustained_rate:.0} arrivals/s for {} s", args.p3_seconds);
     let buyers_before = stats.started;
     let cpu_before = super::CpuSnap::now();
-    arrivals(&ctx, &plan[plan.len() - 1..], &deck, &mut seat_at, args.p3_seats, &mut stats).await;
+    arrivals(&ctx, &plan[plan.len() - 1..], &deck, args.p3_seats, &mut stats).await;
     let sustained_cpu = cpu_before.until(&super::CpuSnap::now());
     let sustained_buyers = stats.started - buyers_before;
     let arrivals_done = Instant::now();
-    let drained = ramp_drained && crate::onsale::drain(pool, event, drain_timeout).await?;
+    let drained = ramp_drained && drain(pool, event, drain_timeout).await?;
     let drain_seconds = arrivals_done.elapsed().as_secs_f64();
     let plan_end = start + args.p3_seconds as f64;
     let started_buyers = stats.started;
@@ -483,8 +473,7 @@ struct Stats {
 async fn arrivals(
     ctx: &Arc<Ctx>,
     steps: &[(f64, f64, f64, bool)],
-    deck: &Arc<Vec<uuid::Uuid>>,
-    seat_at: &mut usize,
+    deck: &Deck,
     seats_each: usize,
     stats: &mut Stats,
 ) {
@@ -493,8 +482,7 @@ async fn arrivals(
         let n = (rate * secs).ceil() as usize;
         for i in 0..n {
             let when = ctx.started + Duration::from_secs_f64(start + i as f64 / rate);
-            let Some(seats) = deck.get(*seat_at..*seat_at + seats_each).map(<[_]>::to_vec) else { break };
-            *seat_at += seats_each;
+            let Some(seats) = deck.deal(seats_each) else { break };
             let ctx = ctx.clone();
             stats.started += 1;
             buyers.spawn(async move {
@@ -511,45 +499,19 @@ async fn arrivals(
 /// One buyer's journey up to its confirmed payment; None on any unexpected answer.
 async fn buyer(ctx: &Ctx, seats: Vec<uuid::Uuid>) -> Option<()> {
     let bearer = format!("Bearer {}", ctx.users.issue(UserId(uuid::Uuid::new_v4()), 3_600));
-    #[derive(serde::Deserialize)]
-    struct Admission {
-        admission_token: String,
-    }
-    #[derive(serde::Deserialize)]
-    struct Receipt {
-        order_id: uuid::Uuid,
-    }
-    #[derive(serde::Deserialize)]
-    struct OrderView {
-        status: String,
-        payment_intent_id: Option<String>,
-        client_secret: Option<String>,
-    }
-    let (s, body) = send(
-        ctx,
-        ctx.http.post(format!("{}/events/{}/admission", ctx.api, ctx.event)).header("authorization", &bearer),
-    )
-    .await?;
+    let (s, body) = send(ctx, ctx.client.admit(&bearer, ctx.event)).await?;
     if s != StatusCode::CREATED {
         return None;
     }
     let admission: Admission = serde_json::from_slice(&body).ok()?;
-    let body = serde_json::json!({ "seat_ids": seats });
+    let key = uuid::Uuid::new_v4().to_string();
     let permit = ctx.in_flight.acquire().await.ok()?;
     let sent = Instant::now();
-    let r = ctx
-        .http
-        .post(format!("{}/events/{}/holds", ctx.api, ctx.event))
-        .header("authorization", &bearer)
-        .header("idempotency-key", uuid::Uuid::new_v4().to_string())
-        .header("x-admission-token", &admission.admission_token)
-        .json(&body)
-        .send()
-        .await
-        .ok()?;
+    let r =
+        ctx.client.hold(&bearer, ctx.event, &admission.admission_token, &key, &seats).send().await.ok()?;
     let status = r.status();
     let bytes = r.bytes().await.ok()?;
-    let us = sent.elapsed().as_micros() as u64;
+    let took = sent.elapsed();
     drop(permit);
     if status != StatusCode::ACCEPTED {
         return None;
@@ -560,10 +522,10 @@ async fn buyer(ctx: &Ctx, seats: Vec<uuid::Uuid>) -> Option<()> {
         while per.len() <= second {
             per.push(histogram());
         }
-        let _ = per[second].record(us.max(1));
+        stats::record(&mut per[second], took);
     }
     ctx.holds.fetch_add(1, Ordering::Relaxed);
-    let receipt: Receipt = serde_json::from_slice(&bytes).ok()?;
+    let receipt: HoldReceipt = serde_json::from_slice(&bytes).ok()?;
 
     // Wait for the PaymentIntent the saga asks the payment worker to create.
     let deadline = Instant::now() + Duration::from_secs(120);
@@ -571,11 +533,7 @@ async fn buyer(ctx: &Ctx, seats: Vec<uuid::Uuid>) -> Option<()> {
     let (pi, secret) = loop {
         tokio::time::sleep(wait).await;
         wait = (wait * 3 / 2).min(Duration::from_secs(1));
-        let (s, body) = send(
-            ctx,
-            ctx.http.get(format!("{}/orders/{}", ctx.api, receipt.order_id)).header("authorization", &bearer),
-        )
-        .await?;
+        let (s, body) = send(ctx, ctx.client.order(&bearer, receipt.order_id)).await?;
         if s == StatusCode::OK {
             let v: OrderView = serde_json::from_slice(&body).ok()?;
             if let (Some(pi), Some(secret)) = (v.payment_intent_id, v.client_secret) {
@@ -589,16 +547,16 @@ async fn buyer(ctx: &Ctx, seats: Vec<uuid::Uuid>) -> Option<()> {
             return None;
         }
     };
-    let form = [("payment_method", "pm_card_visa"), ("client_secret", secret.as_str())];
-    let (s, _) = send(
-        ctx,
-        ctx.http
-            .post(format!("{}/v1/payment_intents/{pi}/confirm", ctx.stripe))
-            .bearer_auth(&ctx.publishable)
-            .header("idempotency-key", format!("confirm:{}", receipt.order_id))
-            .form(&form),
-    )
-    .await?;
+    let confirm = client::confirm_payment(
+        &ctx.client.http,
+        &ctx.stripe,
+        &ctx.publishable,
+        &pi,
+        &secret,
+        "pm_card_visa",
+        &format!("confirm:{}", receipt.order_id),
+    );
+    let (s, _) = send(ctx, confirm).await?;
     if s != StatusCode::OK {
         return None;
     }
@@ -612,6 +570,15 @@ async fn send(ctx: &Ctx, req: reqwest::RequestBuilder) -> Option<(StatusCode, Ve
     let r = req.send().await.ok()?;
     let s = r.status();
     Some((s, r.bytes().await.ok()?.to_vec()))
+}
+
+/// Waits for every order of `event` to be final and the outbox empty; `false` at `timeout`.
+async fn drain(pool: &sqlx::PgPool, event: uuid::Uuid, timeout: Duration) -> anyhow::Result<bool> {
+    let drained = Drain::orders_of(event, timeout).run(pool).await?;
+    if !drained.done {
+        eprintln!("{drained}");
+    }
+    Ok(drained.done)
 }
 
 /// Whether the server runs autovacuum (and with it the automatic ANALYZE).

@@ -6,9 +6,11 @@
 //! only measures it.
 
 use super::{BenchArgs, BenchDb};
-use crate::config::Config;
-use crate::runtime::{self, Role};
+use boxoffice::config::Config;
+use boxoffice::runtime::{self, Role};
 use boxoffice_domain::{Envelope, EventId, HoldId, OrderId, PurchaseEvent, SeatId};
+use boxoffice_harness::deploy;
+use boxoffice_harness::drain::Drain;
 use boxoffice_store::outbox;
 use serde::Serialize;
 use std::time::{Duration, Instant};
@@ -47,7 +49,8 @@ pub async fn run(
     let (db, pool) = BenchDb::migrated(cfg, "p4", 4).await?;
     let result = async {
         let mut cfg = cfg.clone();
-        super::fresh_topics(&mut cfg, embedded).await?;
+        super::fresh_topic_prefix(&mut cfg);
+        deploy::create_topics(&cfg, embedded).await?;
         let filled = Instant::now();
         fill(&pool, args.p4_events).await?;
         let fill_seconds = filled.elapsed().as_secs_f64();
@@ -55,17 +58,8 @@ pub async fn run(
         let shutdown = CancellationToken::new();
         let started = Instant::now();
         let running = runtime::start(&cfg, &[Role::Relay], db.opts.clone(), shutdown.clone()).await?;
-        let deadline = started + Duration::from_secs(600);
-        let drained = loop {
-            let b = outbox::backlog(&pool).await?;
-            if b.unpublished == 0 {
-                break true;
-            }
-            if Instant::now() >= deadline {
-                break false;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        };
+        let drained =
+            Drain::outbox(Duration::from_secs(600), Duration::from_millis(20)).run(&pool).await?.done;
         let drain_seconds = started.elapsed().as_secs_f64();
         shutdown.cancel();
         running.join().await;

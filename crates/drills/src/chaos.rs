@@ -1,28 +1,32 @@
-//! `boxoffice chaos`: an onsale with every role as its own operating-system process, under a
-//! seeded schedule of crashes and outages, followed by the audit.
+//! `boxoffice-drills chaos`: an onsale with every role as its own operating-system process,
+//! under a seeded schedule of crashes and outages, followed by the audit.
 //!
 //! Owns the chaos run: a fresh database (`boxoffice_chaos_<seed>_<random>`), its own nisshi
 //! broker on a free port with SQLite storage (a broker restart keeps topics and committed
-//! offsets), a `boxoffice stripe-sim` process, two processes of each role (`serve --roles X`,
-//! children of this very binary), a round-robin TCP load balancer in front of the two API
-//! processes (buyers and webhooks go through it, so an API crash costs a retry, not the
-//! onsale), the simulated buyers of [`crate::onsale::buyers`], and a supervisor that restarts
-//! whatever died. The schedule ([`plan`], a pure function of the seed) kills role processes
-//! with SIGKILL, restarts the broker, terminates the run database's PostgreSQL backends,
-//! opens Stripe fault windows (latency, 500 after apply, dropped responses, duplicated,
-//! delayed and reordered webhooks) and, with `--restart-postgres`, restarts PostgreSQL; it
-//! also arms one-shot abort-mode fault points (`BOXOFFICE_FAULTS`, [`boxoffice_faults`]) in
-//! some processes so they die at a purchase-path boundary on their own.
+//! offsets), a `boxoffice-drills stripe-sim` process (a child of this very binary), two
+//! processes of each role (`boxoffice serve --roles X`, the product binary:
+//! `--boxoffice-bin`, else the `boxoffice` file next to this executable), a round-robin TCP
+//! load balancer in front of the two API processes (buyers and webhooks go through it, so an
+//! API crash costs a retry, not the onsale), the simulated buyers of
+//! [`boxoffice_harness::buyers`], and a supervisor that restarts whatever died. The schedule
+//! ([`plan`], a pure function of the seed) kills role processes with SIGKILL, restarts the
+//! broker, terminates the run database's PostgreSQL backends, opens Stripe fault windows
+//! (latency, 500 after apply, dropped responses, duplicated, delayed and reordered webhooks)
+//! and, with `--restart-postgres`, restarts PostgreSQL; it also arms one-shot abort-mode
+//! fault points (`BOXOFFICE_FAULTS`, [`boxoffice_faults`]) in some processes so they die at a
+//! purchase-path boundary on their own.
 //!
-//! After `--duration` the faults stop, every process is brought back, the saga drains and
-//! the audit runs ([`crate::audit::run`]: ledger, provider, dead letters). It protects every
+//! After `--duration` the faults stop, every process is brought back, the saga drains and the
+//! audit runs ([`boxoffice::audit::run`]: ledger, provider, dead letters). It protects every
 //! invariant of the purchase path at once: the run passes only when each audit count is 0
 //! after crashes at arbitrary points (exit 1 on any violation, 2 when a check could not run).
 
-use crate::config::Config;
-use crate::onsale::buyers;
-use crate::runtime::Role;
 use anyhow::Context;
+use boxoffice::config::Config;
+use boxoffice::runtime::Role;
+use boxoffice_harness::buyers;
+use boxoffice_harness::deploy;
+use boxoffice_harness::drain::Drain;
 use boxoffice_store::venue;
 use boxoffice_stripe_sim::Faults;
 use rand::rngs::StdRng;
@@ -41,7 +45,7 @@ use std::time::{Duration, Instant};
 use tokio::process::{Child, Command};
 use tokio_util::sync::CancellationToken;
 
-/// Options of `boxoffice chaos`.
+/// Options of `boxoffice-drills chaos`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ChaosArgs {
     /// Seed of the fault schedule and of the buyers' choices: the same seed gives the same
@@ -79,6 +83,10 @@ pub struct ChaosArgs {
     /// The nisshi broker binary (default: `nisshi` on PATH, else ~/.cargo/bin/nisshi).
     #[arg(long, env = "BOXOFFICE_NISSHI_BIN")]
     pub nisshi: Option<PathBuf>,
+    /// The product binary whose `serve --roles X` processes the run starts (default: the
+    /// `boxoffice` file next to this executable, where cargo puts both).
+    #[arg(long, env = "BOXOFFICE_BIN")]
+    pub boxoffice_bin: Option<PathBuf>,
 }
 
 fn parse_key_value(s: &str) -> Result<(String, String), String> {
@@ -608,6 +616,30 @@ fn find_nisshi(given: Option<&Path>) -> anyhow::Result<PathBuf> {
         .context("the nisshi broker is needed: install it (`cargo install nisshi --locked`, scripts/test does) or pass --nisshi")
 }
 
+/// The programs a run starts.
+struct Programs {
+    /// The broker.
+    nisshi: PathBuf,
+    /// This binary, for the `stripe-sim` process.
+    drills: PathBuf,
+    /// The product binary, for the role processes.
+    boxoffice: PathBuf,
+}
+
+/// The product binary: `--boxoffice-bin`/`BOXOFFICE_BIN`, else `boxoffice` next to `exe`.
+fn find_boxoffice(given: Option<&Path>, exe: &Path) -> anyhow::Result<PathBuf> {
+    let path = match given {
+        Some(p) => p.to_owned(),
+        None => exe.with_file_name("boxoffice"),
+    };
+    anyhow::ensure!(
+        path.is_file(),
+        "the product binary {} was not found: build it (`cargo build -p boxoffice`) or pass --boxoffice-bin",
+        path.display()
+    );
+    Ok(path)
+}
+
 /// Round-robin TCP load balancer: each accepted connection goes to the next backend that
 /// accepts a connection within 500 ms, skipping dead ones; the bytes are copied both ways.
 async fn load_balancer(
@@ -662,7 +694,7 @@ async fn port_open(addr: SocketAddr) -> bool {
     tokio::net::TcpStream::connect(addr).await.is_ok()
 }
 
-/// Runs `boxoffice chaos`; returns the exit code (0: every audit count is 0; 1: a violation;
+/// Runs `boxoffice-drills chaos`; returns the exit code (0: every audit count is 0; 1: a violation;
 /// 2: a check could not run, or the run itself failed or was interrupted: the error is
 /// printed). Errors only on invalid options.
 pub async fn run(cfg: Config, args: ChaosArgs) -> anyhow::Result<i32> {
@@ -677,7 +709,12 @@ pub async fn run(cfg: Config, args: ChaosArgs) -> anyhow::Result<i32> {
         }
         return Ok(0);
     }
-    let nisshi = find_nisshi(args.nisshi.as_deref())?;
+    let drills = std::env::current_exe().context("locating the boxoffice-drills binary")?;
+    let programs = Programs {
+        nisshi: find_nisshi(args.nisshi.as_deref())?,
+        boxoffice: find_boxoffice(args.boxoffice_bin.as_deref(), &drills)?,
+        drills,
+    };
     let tag = format!("{}_{}", args.seed, &uuid::Uuid::new_v4().simple().to_string()[..8]);
     let run_dir = std::env::temp_dir().join(format!("boxoffice-chaos-{tag}"));
     std::fs::create_dir_all(&run_dir).with_context(|| format!("creating {}", run_dir.display()))?;
@@ -693,8 +730,8 @@ pub async fn run(cfg: Config, args: ChaosArgs) -> anyhow::Result<i32> {
     });
     let lb_shutdown = CancellationToken::new();
     let outcome = tokio::select! {
-        r = chaos(&cfg, &args, &plan, &sup, &run_dir, &db_name, &nisshi, lb_shutdown.clone()) => r,
-        _ = crate::commands::wait_for_signal() => Err(anyhow::anyhow!("interrupted")),
+        r = chaos(&cfg, &args, &plan, &sup, &run_dir, &db_name, &programs, lb_shutdown.clone()) => r,
+        _ = boxoffice::commands::wait_for_signal() => Err(anyhow::anyhow!("interrupted")),
     };
     lb_shutdown.cancel();
     sup.stop_all().await;
@@ -749,11 +786,10 @@ async fn chaos(
     sup: &Arc<Supervisor>,
     run_dir: &Path,
     db_name: &str,
-    nisshi: &Path,
+    programs: &Programs,
     lb_shutdown: CancellationToken,
 ) -> anyhow::Result<i32> {
     let run_started = chrono::Utc::now();
-    let exe = std::env::current_exe().context("locating the boxoffice binary")?;
     let db_opts = base.pg_options()?.database(db_name);
     let db_url = db_opts.to_url_lossy().to_string();
     let mut cfg = base.clone();
@@ -770,7 +806,7 @@ async fn chaos(
     cfg.db_acquire_timeout_ms = 30_000;
 
     // Database, venue.
-    let pool = crate::commands::migrate_db(&cfg).await?;
+    let pool = boxoffice::commands::migrate_db(&cfg).await?;
     let buyers_n = args.buyers.unwrap_or((args.duration.as_secs() as usize * 2).max(10));
     let rows = (buyers_n as u32 * 5 / 2).div_ceil(40).max(2);
     let spec = venue::VenueSpec::small(2, rows, 20);
@@ -794,7 +830,7 @@ async fn chaos(
     let mut procs = vec![Proc {
         name: "broker".into(),
         kind: ProcKind::Broker,
-        program: nisshi.to_owned(),
+        program: programs.nisshi.clone(),
         args: [
             "broker",
             "--listener-url",
@@ -826,7 +862,7 @@ async fn chaos(
     let kafka = cfg.kafka().expect("set above");
     let mut created = Err(anyhow::anyhow!("not tried"));
     for _ in 0..20 {
-        created = boxoffice_bus::topics::create_all(&kafka).await;
+        created = deploy::create_topics(&cfg, None).await;
         if created.is_ok() {
             break;
         }
@@ -855,7 +891,7 @@ async fn chaos(
     procs.push(Proc {
         name: "stripe-sim".into(),
         kind: ProcKind::StripeSim,
-        program: exe.clone(),
+        program: programs.drills.clone(),
         args: vec![
             "stripe-sim".into(),
             "--bind".into(),
@@ -915,7 +951,7 @@ async fn chaos(
             log: run_dir.join(format!("{}.log", name.replace('#', "-"))),
             name,
             kind: ProcKind::Role(role),
-            program: exe.clone(),
+            program: programs.boxoffice.clone(),
             args: vec!["serve".into(), "--roles".into(), role.name().into()],
             env,
             cwd: run_dir.to_owned(),
@@ -967,7 +1003,7 @@ async fn chaos(
     sup.note(format!("ready: api behind {lb_addr}, broker {broker_addr}, stripe simulator {sim_addr}"));
 
     // Buyers and the schedule, side by side.
-    let users = crate::runtime::user_tokens(&cfg);
+    let users = boxoffice::runtime::user_tokens(&cfg);
     let mut bc = buyers::BuyerConfig::new(
         api_url.clone(),
         sim_base.clone(),
@@ -991,15 +1027,25 @@ async fn chaos(
     ));
 
     // Drain, audit.
-    let drained = drain(&pool, event.0, args.drain_timeout, sup).await;
+    let drained = Drain::orders_of(event.0, args.drain_timeout)
+        .every(Duration::from_millis(250))
+        .retrying_errors()
+        .run(&pool)
+        .await
+        .unwrap_or_default();
+    if let (false, Some(e)) = (drained.done, &drained.last_error) {
+        sup.note(format!("last drain check failed: {e}"));
+    }
+    let drained = drained.done;
     sup.note(if drained { "drained: every order final, outbox empty" } else { "drain timed out" });
     let provider = boxoffice_payments::StripeClient::new(boxoffice_payments::StripeConfig {
         api_base: sim_base.clone(),
         secret_key: cfg.stripe_secret_key.clone(),
         timeout_ms: cfg.stripe_timeout_ms,
     })?;
-    let window = crate::reconcile::Window { since: run_started - chrono::Duration::minutes(1), until: None };
-    let audit_opts = crate::audit::AuditOptions {
+    let window =
+        boxoffice::reconcile::Window { since: run_started - chrono::Duration::minutes(1), until: None };
+    let audit_opts = boxoffice::audit::AuditOptions {
         stuck_after_ms: 0,
         event: Some(event.0),
         provider: Ok((provider, window)),
@@ -1008,12 +1054,12 @@ async fn chaos(
     };
     // The ledger read is retried: the database may still be refusing connections after the
     // last outage (or to a neighbour's load); a provider or broker failure is a result.
-    let mut audited = crate::audit::run(&pool, &audit_opts).await;
+    let mut audited = boxoffice::audit::run(&pool, &audit_opts).await;
     for _ in 0..5 {
         let Err(e) = &audited else { break };
         sup.note(format!("audit could not read the ledger, retrying: {e:#}"));
         tokio::time::sleep(Duration::from_secs(2)).await;
-        audited = crate::audit::run(&pool, &audit_opts).await;
+        audited = boxoffice::audit::run(&pool, &audit_opts).await;
     }
     let audited = audited?;
     pool.close().await;
@@ -1058,7 +1104,7 @@ async fn chaos(
             totals.tickets, totals.seats_sold, totals.captured, totals.refunds
         );
         println!("  drained         {drained}");
-        print!("{}", crate::audit::render(&audited));
+        print!("{}", boxoffice::audit::render(&audited));
         match code {
             0 => println!("result: every invariant holds"),
             1 => println!("result: {} VIOLATION(S)", audited.total()),
@@ -1066,32 +1112,6 @@ async fn chaos(
         }
     }
     Ok(code)
-}
-
-/// Waits until every order of `event` is final and the outbox is empty, or `timeout`; a
-/// failed read (the database refusing connections for a moment) is noted and retried.
-async fn drain(pool: &sqlx::PgPool, event: uuid::Uuid, timeout: Duration, sup: &Supervisor) -> bool {
-    let deadline = Instant::now() + timeout;
-    let mut last_error = None;
-    loop {
-        let open = async {
-            let orders = boxoffice_store::orders::open_in_event(pool, event).await?;
-            Ok::<_, sqlx::Error>(orders + boxoffice_store::outbox::backlog(pool).await?.unpublished)
-        }
-        .await;
-        match open {
-            Ok(0) => return true,
-            Ok(_) => {}
-            Err(e) => last_error = Some(format!("{e:#}")),
-        }
-        if Instant::now() >= deadline {
-            if let Some(e) = last_error {
-                sup.note(format!("last drain check failed: {e}"));
-            }
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
 }
 
 /// Aborts a task when dropped.

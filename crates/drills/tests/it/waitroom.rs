@@ -9,6 +9,7 @@ use boxoffice::config::{AdmissionPublicKey, Config};
 use boxoffice::runtime::{self, Role};
 use boxoffice_admission::{AdmissionClaims, AdmissionSigningKey, AdmissionTokens};
 use boxoffice_domain::EventId;
+use boxoffice_harness::client::BuyerClient;
 use boxoffice_store::venue::{self, VenueSpec};
 use boxoffice_waitroom::Waitroom;
 use serde_json::Value;
@@ -40,12 +41,18 @@ fn room(app: &TestApp) -> Waitroom {
     runtime::waitroom(&app.cfg).unwrap()
 }
 
+/// The buyer's requests against `api` (the app's, or another API process on its database).
+fn client(app: &TestApp, api: &str) -> BuyerClient {
+    BuyerClient::new(app.http.clone(), api)
+}
+
 async fn join(app: &TestApp, api: &str, b: &Buyer, event: Uuid) -> reqwest::Response {
-    app.http.post(format!("{api}/events/{event}/queue")).bearer_auth(&b.token).send().await.unwrap()
+    client(app, api).join_queue(&b.bearer(), event).send().await.unwrap()
 }
 
 async fn poll(app: &TestApp, api: &str, b: &Buyer, ticket: &str) -> reqwest::Response {
-    app.http.get(format!("{api}/queue/{ticket}")).bearer_auth(&b.token).send().await.unwrap()
+    let ticket = ticket.parse().expect("a queue ticket id");
+    client(app, api).poll_queue(&b.bearer(), ticket).send().await.unwrap()
 }
 
 /// Joins and returns the ticket.
@@ -66,15 +73,7 @@ async fn admitted(app: &TestApp, b: &Buyer) -> (String, String) {
 }
 
 async fn hold(app: &TestApp, api: &str, b: &Buyer, token: &str, key: &str, seat: Uuid) -> reqwest::Response {
-    app.http
-        .post(format!("{api}/events/{}/holds", app.event))
-        .bearer_auth(&b.token)
-        .header("Idempotency-Key", key)
-        .header("X-Admission-Token", token)
-        .json(&serde_json::json!({ "seat_ids": [seat] }))
-        .send()
-        .await
-        .unwrap()
+    client(app, api).hold(&b.bearer(), app.event, token, key, &[seat]).send().await.unwrap()
 }
 
 /// The whole flow: join (201, then 200 with the same ticket), poll, release, the token on
@@ -446,7 +445,7 @@ async fn waitroom_redis_down_answers_503_and_changes_no_seat(_: PgPoolOptions, o
 /// for this event; the release controller is the only way in.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn onsale_buyers_queue_until_released_open_loop_and_paced(_: PgPoolOptions, opts: PgConnectOptions) {
-    use boxoffice::onsale::queue::{self, QueuePacing};
+    use boxoffice_harness::queue::{self, QueuePacing};
     let app = app(opts, |c| {
         // R pinned at 50/s: this test is about the buyers' side, not the controller's law.
         pin_release_rate(c, 50.0);
@@ -462,9 +461,8 @@ async fn onsale_buyers_queue_until_released_open_loop_and_paced(_: PgPoolOptions
         let buyers: Vec<_> = (0..60).map(|_| app.buyer()).collect();
         let bearers = buyers.iter().map(|b| format!("Bearer {}", b.token).into()).collect();
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-        let stats = queue::run(app.http.clone(), app.api.clone(), app.event, bearers, pacing.clone(), tx)
-            .await
-            .unwrap();
+        let client = BuyerClient::new(app.http.clone(), &app.api);
+        let stats = queue::run(client, app.event, bearers, pacing.clone(), tx).await.unwrap();
         let mut seen = std::collections::HashSet::new();
         while let Some(a) = rx.recv().await {
             // Bound to this buyer's user and this event, or verify refuses it.

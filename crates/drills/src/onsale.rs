@@ -1,30 +1,29 @@
-//! `boxoffice onsale`, the main job: a real onsale driven through the HTTP API as buyers
-//! would. It migrates, seeds a fresh arena event (or uses `--event`), starts every role
-//! in-process (with an embedded Kafka-protocol broker when none is configured, and the Stripe
-//! simulator) unless `--api-url` points at a running deployment, drives the simulated buyers
-//! ([`buyers`]), waits for the saga to drain, runs the audit (ledger, the run's PaymentIntents
-//! at the provider, dead letters) and prints the report. The exit code is non-zero when any
-//! invariant check is non-zero or could not run.
+//! `boxoffice-drills onsale`, the main job: a real onsale driven through the HTTP API as
+//! buyers would. It migrates, seeds a fresh arena event (or uses `--event`), starts every role
+//! in-process ([`boxoffice_harness::deploy`], with an embedded Kafka-protocol broker when none
+//! is configured, and the Stripe simulator) unless `--api-url` points at a running
+//! deployment, drives the simulated buyers ([`boxoffice_harness::buyers`]), waits for the saga
+//! to drain, runs the audit (ledger, the run's PaymentIntents at the provider, dead letters)
+//! and prints the report. The exit code is non-zero when any invariant check is non-zero or
+//! could not run.
 
-pub mod buyers;
-pub mod queue;
-pub mod seatpick;
-
-use crate::commands;
-use crate::config::Config;
-use crate::runtime::{self, Role};
 use anyhow::Context;
+use boxoffice::commands::{self, VenueSize};
+use boxoffice::config::Config;
+use boxoffice::runtime::{self, Role};
+use boxoffice_harness::buyers;
+use boxoffice_harness::deploy::{self, Deployment};
+use boxoffice_harness::drain::Drain;
+use boxoffice_harness::queue;
 use boxoffice_store::{outbox, venue};
-use secrecy::ExposeSecret;
 use serde_json::json;
-use sqlx::PgPool;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
-/// Options of `boxoffice onsale`.
+/// Options of `boxoffice-drills onsale`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct OnsaleArgs {
     /// Simulated buyers.
@@ -96,31 +95,6 @@ pub struct OnsaleArgs {
     pub no_progress: bool,
 }
 
-/// A small venue size, `SECTIONS,ROWS,SEATS` on the command line.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct VenueSize {
-    /// Sections.
-    pub sections: u32,
-    /// Rows per section.
-    pub rows: u32,
-    /// Seats per row.
-    pub seats_per_row: u32,
-}
-
-impl std::str::FromStr for VenueSize {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        let v: Vec<u32> = s
-            .split(',')
-            .map(|p| p.trim().parse::<u32>().map_err(|e| format!("{p:?}: {e}")))
-            .collect::<Result<_, _>>()?;
-        match v.as_slice() {
-            [a, b, c] if *a > 0 && *b > 0 && *c > 0 => Ok(Self { sections: *a, rows: *b, seats_per_row: *c }),
-            _ => Err("expected SECTIONS,ROWS,SEATS, three positive numbers".into()),
-        }
-    }
-}
-
 /// Runs the onsale; returns the exit code (0 when every invariant check is 0).
 pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
     anyhow::ensure!(args.buyers > 0, "--buyers must be at least 1");
@@ -138,16 +112,12 @@ pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
     if let Some(b) = &args.kafka_brokers {
         cfg.kafka_brokers = Some(b.clone());
     }
-    let shutdown = CancellationToken::new();
     let pool = commands::migrate_db(&cfg).await?;
 
     let event = match args.event {
         Some(e) => e,
         None => {
-            let spec = match &args.small_venue {
-                Some(v) => venue::VenueSpec::small(v.sections, v.rows, v.seats_per_row),
-                None => venue::VenueSpec::arena(),
-            };
+            let spec = args.small_venue.map_or_else(venue::VenueSpec::arena, VenueSize::spec);
             let name = format!("Arena Onsale {}", chrono::Utc::now().format("%Y-%m-%d %H:%M:%S%.3f"));
             let (id, seats) = venue::seed(
                 &pool,
@@ -163,47 +133,20 @@ pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
     };
 
     // In-process deployment unless --api-url is given.
-    let mut _embedded = None;
-    let mut sim = None;
-    let mut running = None;
+    let embedded = match args.api_url {
+        Some(_) => None,
+        None => deploy::embedded_broker_unless_configured(&mut cfg)?,
+    };
+    if embedded.is_some() {
+        eprintln!("embedded Kafka-protocol broker at {}", cfg.kafka_brokers.as_deref().unwrap_or_default());
+    }
+    let mut deployment = None;
     let (api_url, stripe_base) = match &args.api_url {
         Some(url) => (
             url.trim_end_matches('/').to_owned(),
             args.stripe_api_base.clone().unwrap_or(cfg.stripe_api_base.clone()),
         ),
         None => {
-            if cfg.kafka_brokers.is_none() {
-                let broker = boxoffice_bus::embedded::EmbeddedBroker::start(1)?;
-                cfg.kafka_brokers = Some(broker.bootstrap_servers());
-                broker.create_topics(&cfg.kafka().expect("just set"))?;
-                eprintln!(
-                    "embedded Kafka-protocol broker at {}",
-                    cfg.kafka_brokers.as_deref().unwrap_or_default()
-                );
-                _embedded = Some(broker);
-            } else {
-                boxoffice_bus::topics::create_all(&cfg.kafka().expect("set")).await?;
-            }
-            let stripe_base = match &args.stripe_api_base {
-                Some(b) => b.clone(),
-                None => {
-                    let s = boxoffice_stripe_sim::StripeSim::new(boxoffice_stripe_sim::SimConfig {
-                        webhook_secret: cfg.stripe_webhook_secret.expose_secret().to_owned(),
-                        webhook_events: boxoffice_api::webhooks::HANDLED_EVENTS
-                            .iter()
-                            .map(|s| s.to_string())
-                            .collect(),
-                        ..Default::default()
-                    });
-                    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-                    let base = format!("http://{}", l.local_addr()?);
-                    tokio::spawn(s.clone().serve(l, shutdown.clone()));
-                    sim = Some(s);
-                    base
-                }
-            };
-            cfg.stripe_api_base = stripe_base.clone();
-            cfg.http_bind = "127.0.0.1:0".into();
             // Buyers come through the waiting room unless told otherwise; the release
             // controller admits them at its adaptive rate R, at most the release rate. Every
             // simulated buyer connects from this host, so each sends its own client address
@@ -214,24 +157,24 @@ pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
             cfg.release_initial_per_s = cfg.release_initial_per_s.min(args.release_rate);
             cfg.release_min_per_s = cfg.release_min_per_s.min(cfg.release_initial_per_s);
             cfg.http_trust_forwarded_for = true;
-            let r = runtime::start(&cfg, &Role::ALL, cfg.pg_options()?, shutdown.clone()).await?;
-            let addr = r.api_addr.context("api did not start")?;
-            anyhow::ensure!(
-                r.wait_ready(Duration::from_secs(60)).await,
-                "consumer groups did not get their partitions"
-            );
-            if let Some(s) = &sim {
-                s.set_webhook_url(Some(format!("http://{addr}/webhooks/stripe")));
-            }
-            running = Some(r);
-            (format!("http://{addr}"), stripe_base)
+            let opts = deploy::Options {
+                stripe_api_base: args.stripe_api_base.clone(),
+                embedded: embedded.as_ref(),
+                ..deploy::Options::new(&Role::ALL, cfg.pg_options()?)
+            };
+            let d = Deployment::start(cfg.clone(), opts).await?;
+            let api = d.api_url().context("api did not start")?;
+            let stripe_base = d.cfg.stripe_api_base.clone();
+            cfg = d.cfg.clone();
+            deployment = Some(d);
+            (api, stripe_base)
         }
     };
 
     // Sample the outbox age while the onsale runs.
     let max_outbox_age = Arc::new(AtomicI64::new(0));
     let sampler = {
-        let (pool, max, sd) = (pool.clone(), max_outbox_age.clone(), shutdown.child_token());
+        let (pool, max, sd) = (pool.clone(), max_outbox_age.clone(), CancellationToken::new());
         let h = tokio::spawn({
             let sd = sd.clone();
             async move {
@@ -250,7 +193,7 @@ pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
     let release_samples = Arc::new(std::sync::Mutex::new(Vec::<f64>::new()));
     let release_sampler = {
         let (samples, sd, url) =
-            (release_samples.clone(), shutdown.child_token(), format!("{api_url}/metrics"));
+            (release_samples.clone(), CancellationToken::new(), format!("{api_url}/metrics"));
         let h = tokio::spawn({
             let sd = sd.clone();
             async move {
@@ -269,8 +212,10 @@ pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
     let users = runtime::user_tokens(&cfg);
     let started = Instant::now();
     // The provider checks cover every PaymentIntent this run can have created.
-    let provider_window =
-        crate::reconcile::Window { since: chrono::Utc::now() - chrono::Duration::minutes(1), until: None };
+    let provider_window = boxoffice::reconcile::Window {
+        since: chrono::Utc::now() - chrono::Duration::minutes(1),
+        until: None,
+    };
     let provider = boxoffice_payments::StripeClient::new(boxoffice_payments::StripeConfig {
         api_base: stripe_base.clone(),
         secret_key: cfg.stripe_secret_key.clone(),
@@ -305,7 +250,11 @@ pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
     })
     .await?;
 
-    let drained = drain(&pool, event, Duration::from_secs(args.drain_timeout_s)).await?;
+    let drained = Drain::orders_of(event, Duration::from_secs(args.drain_timeout_s)).run(&pool).await?;
+    if !drained.done {
+        eprintln!("{drained}");
+    }
+    let drained = drained.done;
     let elapsed = started.elapsed();
     sampler.1.cancel();
     let _ = sampler.0.await;
@@ -328,14 +277,14 @@ pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
         })
     };
 
-    let audit_opts = crate::audit::AuditOptions {
+    let audit_opts = boxoffice::audit::AuditOptions {
         stuck_after_ms: 0,
         event: Some(event),
         provider: Ok((provider, provider_window)),
         kafka: cfg.kafka().ok_or_else(|| "no broker configured".to_owned()),
         dlq_timeout: Duration::from_secs(30),
     };
-    let audited = crate::audit::run(&pool, &audit_opts).await?;
+    let audited = boxoffice::audit::run(&pool, &audit_opts).await?;
     let totals = &audited.totals;
     let mut report = json!({
         "event_id": event,
@@ -383,31 +332,13 @@ pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
             .with_context(|| format!("writing {}", path.display()))?;
     }
 
-    shutdown.cancel();
-    if let Some(r) = running {
-        r.join().await;
+    if let Some(d) = deployment {
+        d.stop().await;
     }
     Ok(audited.exit_code())
 }
 
-/// Waits until every order of `event` is final and the outbox is empty, or `timeout`.
-pub(crate) async fn drain(pool: &PgPool, event: uuid::Uuid, timeout: Duration) -> anyhow::Result<bool> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        let open = boxoffice_store::orders::open_in_event(pool, event).await?;
-        let backlog = outbox::backlog(pool).await?;
-        if open == 0 && backlog.unpublished == 0 {
-            return Ok(true);
-        }
-        if Instant::now() >= deadline {
-            eprintln!("drain timed out: {open} open orders, {} unpublished outbox rows", backlog.unpublished);
-            return Ok(false);
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-}
-
-fn print_report(r: &serde_json::Value, audited: &crate::audit::AuditReport) {
+fn print_report(r: &serde_json::Value, audited: &boxoffice::audit::AuditReport) {
     let g = |k: &str| r.get(k).cloned().unwrap_or_default();
     println!();
     println!("boxoffice onsale report");
@@ -499,7 +430,7 @@ fn print_report(r: &serde_json::Value, audited: &crate::audit::AuditReport) {
         );
     }
     println!("  orders by status           {}", g("orders_by_status"));
-    print!("{}", crate::audit::render(audited));
+    print!("{}", boxoffice::audit::render(audited));
     println!(
         "result: {}",
         match audited.exit_code() {

@@ -1,18 +1,20 @@
-//! `boxoffice chaos` as a process (the compiled binary): two short seeded runs side by side,
-//! each with every role as two processes, its own broker and Stripe simulator, killed and
-//! restarted on schedule. Both must end with every audit count at 0 and tickets sold.
+//! `boxoffice-drills chaos` as a process (the compiled binary, which starts the product
+//! binary's role processes): two short seeded runs side by side, each with every role as two
+//! processes, its own broker and Stripe simulator, killed and restarted on schedule. Both
+//! must end with every audit count at 0 and tickets sold.
 
 use std::process::Command;
 
 fn chaos_run(seed: u64) -> std::process::Output {
     let url = std::env::var("DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
-    Command::new(env!("CARGO_BIN_EXE_boxoffice"))
+    Command::new(env!("CARGO_BIN_EXE_boxoffice-drills"))
         .args(["chaos", "--json", "--duration", "20s", "--buyers", "40", "--hold-ttl", "15s"])
         .args(["--seed", &seed.to_string()])
         .env("BOXOFFICE_DATABASE_URL", url)
+        .env("BOXOFFICE_BIN", crate::helpers::product_bin())
         .output()
-        .expect("running boxoffice chaos")
+        .expect("running boxoffice-drills chaos")
 }
 
 #[test]

@@ -1,7 +1,7 @@
 //! The waiting-room phase of the simulated buyers (design §3): every buyer joins the event's
 //! queue (`POST /events/{id}/queue`), polls its ticket (`GET /queue/{ticket}`) as the server
 //! advises (`poll_after_ms`) until the release controller admits it, and hands its admission
-//! token to the purchase journey of [`super::buyers`].
+//! token to the purchase journey of [`crate::buyers`].
 //!
 //! Owns the dispatcher of join and poll attempts and their statistics. Two pacing modes:
 //! - **paced by the server** (`attempt_rate = 0`): new buyers join at the arrival rate and each
@@ -26,11 +26,12 @@ use std::time::{Duration, Instant};
 use hdrhistogram::Histogram;
 use rand::Rng;
 use reqwest::StatusCode;
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use tokio::sync::{mpsc, Notify, Semaphore};
 use uuid::Uuid;
 
-use super::buyers::Percentiles;
+use crate::client::{self, BuyerClient, QueueView};
+use crate::stats::{self, Percentiles};
 
 /// Consecutive failed attempts (transport errors, 5xx, unexpected answers) after which a
 /// buyer stops queueing.
@@ -83,16 +84,6 @@ pub struct QueueStats {
     pub queue_wait_ms: Percentiles,
     /// Largest position a buyer was told, 1-based.
     pub max_position: u64,
-}
-
-/// The answer of join and poll (the members the generator reads).
-#[derive(Deserialize)]
-struct QueueView {
-    ticket: Uuid,
-    state: String,
-    position: Option<u64>,
-    poll_after_ms: u64,
-    admission_token: Option<String>,
 }
 
 /// An admitted buyer: its index, bearer header and admission token.
@@ -150,9 +141,8 @@ struct Counters {
 }
 
 struct Room {
-    api_url: String,
+    client: BuyerClient,
     event_id: Uuid,
-    http: reqwest::Client,
     buyers: Vec<Mutex<Waiting>>,
     schedule: Mutex<Schedule>,
     wake: Notify,
@@ -175,8 +165,7 @@ fn inc(c: &AtomicU64) {
 /// Runs the waiting-room phase for `bearers.len()` buyers and sends each admitted buyer on
 /// `admitted` as soon as its token arrives; returns when every buyer is admitted or gave up.
 pub async fn run(
-    http: reqwest::Client,
-    api_url: String,
+    client: BuyerClient,
     event_id: Uuid,
     bearers: Vec<Arc<str>>,
     pacing: QueuePacing,
@@ -189,16 +178,15 @@ pub async fn run(
     anyhow::ensure!(pacing.max_in_flight >= 1, "max_in_flight must be at least 1");
     let n = bearers.len();
     let room = Arc::new(Room {
-        api_url,
+        client,
         event_id,
-        http,
         buyers: bearers
             .into_iter()
             .enumerate()
             .map(|(i, bearer)| {
                 Mutex::new(Waiting {
                     bearer,
-                    forwarded_for: format!("10.{}.{}.{}", (i >> 16) & 0xff, (i >> 8) & 0xff, i & 0xff),
+                    forwarded_for: client::forwarded_for(i),
                     ticket: None,
                     first_join: None,
                     failures: 0,
@@ -209,8 +197,8 @@ pub async fn run(
         wake: Notify::new(),
         in_flight: Arc::new(Semaphore::new(pacing.max_in_flight)),
         stats: Counters::default(),
-        attempt_us: Mutex::new(crate::bench::histogram()),
-        wait_us: Mutex::new(crate::bench::histogram()),
+        attempt_us: Mutex::new(stats::histogram()),
+        wait_us: Mutex::new(stats::histogram()),
         admitted,
         started: Instant::now(),
     });
@@ -357,20 +345,17 @@ impl Room {
         let req = match (kind, ticket) {
             (Kind::Poll, Some(t)) => {
                 inc(&self.stats.polls);
-                self.http.get(format!("{}/queue/{t}", self.api_url))
+                self.client.poll_queue(&bearer, t)
             }
             _ => {
                 inc(&self.stats.joins);
                 let mut b = lock(&self.buyers[idx]);
                 b.first_join.get_or_insert(from);
                 drop(b);
-                self.http.post(format!("{}/events/{}/queue", self.api_url, self.event_id))
+                self.client.join_queue(&bearer, self.event_id)
             }
         };
-        let req = req
-            .header("authorization", &*bearer)
-            .header("x-forwarded-for", forwarded_for)
-            .timeout(ATTEMPT_TIMEOUT);
+        let req = req.header("x-forwarded-for", forwarded_for).timeout(ATTEMPT_TIMEOUT);
         let answer = async {
             let resp = req.send().await?;
             let status = resp.status();
@@ -383,8 +368,7 @@ impl Room {
             Ok::<_, reqwest::Error>((status, retry_after, body))
         }
         .await;
-        let us = from.elapsed().as_micros() as u64;
-        let _ = lock(&self.attempt_us).record(us.max(1));
+        stats::record(&mut lock(&self.attempt_us), from.elapsed());
         self.stats.last_answer_ms.fetch_max(self.started.elapsed().as_millis() as u64, Ordering::Relaxed);
         let backoff = || Duration::from_millis(rand::thread_rng().gen_range(500..1_500));
         let (status, retry_after, body) = match answer {
@@ -414,7 +398,7 @@ impl Room {
                 match (view.state.as_str(), view.admission_token) {
                     ("admitted", Some(token)) => {
                         if let Some(t) = first_join {
-                            let _ = lock(&self.wait_us).record((t.elapsed().as_micros() as u64).max(1));
+                            stats::record(&mut lock(&self.wait_us), t.elapsed());
                         }
                         inc(&self.stats.admitted);
                         let _ = self.admitted.send(Admitted { idx, bearer, token });

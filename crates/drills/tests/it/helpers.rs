@@ -1,20 +1,36 @@
-//! Test harness: spawns the roles on a per-test database (API on port 0), an in-process
-//! Stripe simulator whose webhooks reach that API, and per-test Kafka topics (a unique prefix
-//! on the shared broker), plus small HTTP helpers for buyers.
+//! Test helpers on top of `boxoffice-harness`: a [`TestApp`] is the harness's in-process
+//! deployment (roles on a per-test database, API on port 0, an in-process Stripe simulator
+//! whose webhooks reach that API, per-test Kafka topics under a unique prefix on the shared
+//! broker) plus the seeded event, with the buyer's requests of the harness's client and small
+//! polling and assertion helpers. Also where the tests find the product binary.
 
 use boxoffice::config::Config;
-use boxoffice::runtime::{self, Role, Running};
+use boxoffice::runtime::{self, Role};
 use boxoffice_domain::{EventId, UserId};
+use boxoffice_harness::client::BuyerClient;
+use boxoffice_harness::deploy::{self, Deployment};
 use boxoffice_store::venue::{self, VenueSpec};
-use boxoffice_stripe_sim::{SimConfig, StripeSim};
-use secrecy::ExposeSecret;
-use serde_json::{json, Value};
+use boxoffice_stripe_sim::StripeSim;
+use serde_json::Value;
 use sqlx::postgres::PgConnectOptions;
 use sqlx::PgPool;
 use std::future::Future;
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
-use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
+
+/// The product binary, `boxoffice`: cargo builds only this package's binaries for its tests
+/// (`boxoffice-drills`), so the product's is found next to it in the same target directory,
+/// where `scripts/test` builds it first (see the crate docs).
+pub fn product_bin() -> PathBuf {
+    let path = std::path::Path::new(env!("CARGO_BIN_EXE_boxoffice-drills")).with_file_name("boxoffice");
+    assert!(
+        path.is_file(),
+        "{} is missing: build every binary first (`cargo build --workspace --bins --tests`; scripts/test does)",
+        path.display()
+    );
+    path
+}
 
 /// Bootstrap servers of the test broker; the suite needs one (scripts/test starts it).
 pub fn test_brokers() -> String {
@@ -35,13 +51,20 @@ pub struct TestApp {
     pub http: reqwest::Client,
     pub sim: StripeSim,
     pub event: Uuid,
-    pub shutdown: CancellationToken,
-    running: Option<Running>,
+    client: BuyerClient,
+    deployment: Option<Deployment>,
 }
 
 pub struct Buyer {
     pub user: Uuid,
     pub token: String,
+}
+
+impl Buyer {
+    /// The `authorization` header value, `Bearer …`.
+    pub fn bearer(&self) -> String {
+        format!("Bearer {}", self.token)
+    }
 }
 
 impl TestApp {
@@ -73,55 +96,44 @@ impl TestApp {
             cfg.kafka_brokers = Some(test_brokers());
             cfg.kafka_topic_prefix = format!("t{}.", Uuid::new_v4().simple());
         }
-        let shutdown = CancellationToken::new();
-        let sim = StripeSim::new(SimConfig {
-            webhook_secret: cfg.stripe_webhook_secret.expose_secret().to_owned(),
-            webhook_initial_backoff_ms: 20,
-            webhook_events: boxoffice_api::webhooks::HANDLED_EVENTS.iter().map(|s| s.to_string()).collect(),
-            ..Default::default()
-        });
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        cfg.stripe_api_base = format!("http://{}", l.local_addr().unwrap());
-        tokio::spawn(sim.clone().serve(l, shutdown.clone()));
         tweak(&mut cfg);
-        if let Some(k) = cfg.kafka() {
-            boxoffice_bus::topics::create_all(&k).await.expect("topics");
-        }
         let (event, _) =
             venue::seed(&pool, "Test Event", &venue_spec, chrono::Utc::now(), &cfg.purchase_cell)
                 .await
                 .expect("seed");
-        let running = runtime::start(&cfg, roles, opts, shutdown.clone()).await.expect("roles");
-        assert!(
-            running.wait_ready(Duration::from_secs(30)).await,
-            "consumer groups never got their partitions"
-        );
-        let api = running.api_addr.map(|a| format!("http://{a}")).unwrap_or_default();
-        if !api.is_empty() {
-            sim.set_webhook_url(Some(format!("{api}/webhooks/stripe")));
-        }
+        let deployment = Deployment::start(
+            cfg,
+            deploy::Options {
+                webhook_initial_backoff_ms: Some(20),
+                ready_timeout: Duration::from_secs(30),
+                ..deploy::Options::new(roles, opts)
+            },
+        )
+        .await
+        .expect("roles start and consumer groups get their partitions");
+        let api = deployment.api_url().unwrap_or_default();
+        let http = reqwest::Client::builder().timeout(Duration::from_secs(30)).build().unwrap();
         TestApp {
             pool,
-            cfg,
+            cfg: deployment.cfg.clone(),
+            client: BuyerClient::new(http.clone(), &api),
             api,
-            http: reqwest::Client::builder().timeout(Duration::from_secs(30)).build().unwrap(),
-            sim,
+            http,
+            sim: deployment.sim.clone().expect("the in-process simulator"),
             event: event.0,
-            shutdown,
-            running: Some(running),
+            deployment: Some(deployment),
         }
     }
 
     /// The release controller's status (the API role with `release_max_per_s` > 0).
     pub fn release_status(&self) -> tokio::sync::watch::Receiver<boxoffice_workers::release::Status> {
-        self.running.as_ref().and_then(|r| r.release_status()).expect("the release controller runs")
+        self.deployment.as_ref().and_then(|d| d.release_status()).expect("the release controller runs")
     }
 
     /// Stops every role and waits for them.
     pub async fn stop(mut self) {
-        self.shutdown.cancel();
-        if let Some(r) = self.running.take() {
-            r.join().await;
+        if let Some(d) = self.deployment.take() {
+            d.stop().await;
         }
     }
 
@@ -149,25 +161,11 @@ impl TestApp {
     }
 
     pub async fn hold(&self, b: &Buyer, admission: &str, key: &str, seats: &[Uuid]) -> reqwest::Response {
-        self.http
-            .post(format!("{}/events/{}/holds", self.api, self.event))
-            .bearer_auth(&b.token)
-            .header("Idempotency-Key", key)
-            .header("X-Admission-Token", admission)
-            .json(&json!({ "seat_ids": seats }))
-            .send()
-            .await
-            .expect("request")
+        self.client.hold(&b.bearer(), self.event, admission, key, seats).send().await.expect("request")
     }
 
     pub async fn order(&self, b: &Buyer, order: Uuid) -> (u16, Value) {
-        let r = self
-            .http
-            .get(format!("{}/orders/{order}", self.api))
-            .bearer_auth(&b.token)
-            .send()
-            .await
-            .expect("request");
+        let r = self.client.order(&b.bearer(), order).send().await.expect("request");
         (r.status().as_u16(), r.json().await.unwrap_or(Value::Null))
     }
 

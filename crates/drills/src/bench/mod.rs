@@ -1,4 +1,4 @@
-//! `boxoffice bench`: the capacity measurements of design §12 in one run on one machine,
+//! `boxoffice-drills bench`: the capacity measurements of design §12 in one run on one machine,
 //! written to `report.json`, `report.md` and `chart.png` in the output directory.
 //!
 //! - P1 ([`p1`]): the hold transaction (the same `holds::reserve` the API's
@@ -7,8 +7,9 @@
 //!   zero-oversell check (invariant 1: one active hold / one ticket per seat).
 //! - P2 ([`p2`]): waiting-room join + poll through the HTTP API (and the library calls
 //!   directly, to show which layer bounds it).
-//! - P3 ([`p3`]): end-to-end ticketed orders per second with every role in-process, at
-//!   stepped buyer arrival rates, with outbox age and consumer lag sampled every 500 ms.
+//! - P3 ([`p3`]): end-to-end ticketed orders per second with every role in-process
+//!   ([`boxoffice_harness::deploy`]), at stepped buyer arrival rates, with outbox age and
+//!   consumer lag sampled every 500 ms.
 //! - P4 ([`p4`]): relay publish throughput (outbox rows → broker).
 //!
 //! Owns its databases: each phase that writes gets a fresh database named
@@ -25,13 +26,16 @@ pub mod p3;
 pub mod p4;
 pub mod report;
 
-use crate::config::Config;
 use anyhow::Context;
+use boxoffice::config::Config;
+use boxoffice_harness::deploy;
+use rand::seq::SliceRandom;
 use sqlx::postgres::PgConnectOptions;
 use sqlx::{ConnectOptions, PgPool};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
-/// Options of `boxoffice bench`.
+/// Options of `boxoffice-drills bench`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct BenchArgs {
     /// Directory for report.json, report.md and chart.png.
@@ -128,7 +132,7 @@ impl std::str::FromStr for Phase {
 }
 
 impl BenchArgs {
-    /// The documented defaults (what `boxoffice bench` runs without flags).
+    /// The documented defaults (what `boxoffice-drills bench` runs without flags).
     pub fn defaults() -> Self {
         use clap::Parser;
         #[derive(clap::Parser)]
@@ -227,7 +231,7 @@ impl BenchDb {
     }
 }
 
-/// `boxoffice bench`: runs the phases, writes the report files, prints the Markdown table.
+/// `boxoffice-drills bench`: runs the phases, writes the report files, prints the Markdown table.
 /// Returns the exit code: 0, or 1 when P1 found oversold seats.
 pub async fn run(cfg: Config, args: BenchArgs) -> anyhow::Result<i32> {
     let args = args.resolved();
@@ -246,12 +250,11 @@ pub async fn run_phases(mut cfg: Config, args: &BenchArgs) -> anyhow::Result<rep
     if let Some(b) = &args.kafka_brokers {
         cfg.kafka_brokers = Some(b.clone());
     }
-    let mut embedded = None;
-    if cfg.kafka_brokers.is_none() && (args.phases.contains(&Phase::P3) || args.phases.contains(&Phase::P4)) {
-        let broker = boxoffice_bus::embedded::EmbeddedBroker::start(1)?;
-        cfg.kafka_brokers = Some(broker.bootstrap_servers());
-        embedded = Some(broker);
-    }
+    let embedded = if args.phases.contains(&Phase::P3) || args.phases.contains(&Phase::P4) {
+        deploy::embedded_broker_unless_configured(&mut cfg)?
+    } else {
+        None
+    };
     let broker_kind = if embedded.is_some() { "embedded (librdkafka mock cluster)" } else { "external" };
     let mut report = report::Report::new(&cfg, args, broker_kind).await;
     let step = |name: &str| eprintln!("== {name}");
@@ -275,45 +278,51 @@ pub async fn run_phases(mut cfg: Config, args: &BenchArgs) -> anyhow::Result<rep
     Ok(report)
 }
 
-/// A new unique Kafka topic prefix for one phase, with its topics created.
-pub(crate) async fn fresh_topics(
-    cfg: &mut Config,
-    embedded: Option<&boxoffice_bus::embedded::EmbeddedBroker>,
-) -> anyhow::Result<()> {
+/// A new unique Kafka topic prefix for one phase (its topics are created by whoever starts
+/// the roles).
+pub(crate) fn fresh_topic_prefix(cfg: &mut Config) {
     cfg.kafka_topic_prefix = format!("bench{}.", &uuid::Uuid::new_v4().simple().to_string()[..8]);
-    let k = cfg.kafka().context("no broker")?;
-    match embedded {
-        Some(b) => b.create_topics(&k)?,
-        None => {
-            boxoffice_bus::topics::create_all(&k).await?;
-        }
-    }
-    Ok(())
 }
 
-/// Nearest-rank percentile of `v` (unsorted), `q` in 0..=1; 0 when empty.
-pub(crate) fn percentile(v: &[f64], q: f64) -> f64 {
-    if v.is_empty() {
-        return 0.0;
-    }
-    let mut s = v.to_vec();
-    s.sort_by(|a, b| a.total_cmp(b));
-    let rank = ((q * s.len() as f64).ceil() as usize).clamp(1, s.len());
-    s[rank - 1]
+/// An event's seats in random order, each dealt out once (so the bench's holds do not collide
+/// by accident).
+pub(crate) struct Deck {
+    seats: Vec<uuid::Uuid>,
+    next: AtomicUsize,
 }
 
-/// Latency histogram in µs, 1 µs .. 1 h, 3 significant digits.
-pub(crate) fn histogram() -> hdrhistogram::Histogram<u64> {
-    hdrhistogram::Histogram::new_with_bounds(1, 3_600_000_000, 3).expect("valid bounds")
-}
-
-/// `(p50, p99, max)` of a µs histogram, in ms.
-pub(crate) fn quantiles_ms(h: &hdrhistogram::Histogram<u64>) -> (f64, f64, f64) {
-    if h.is_empty() {
-        return (0.0, 0.0, 0.0);
+impl Deck {
+    /// Every seat of `event`, shuffled.
+    pub(crate) async fn load(pool: &PgPool, event: uuid::Uuid) -> Result<Self, sqlx::Error> {
+        let mut seats: Vec<uuid::Uuid> = sqlx::query_scalar("SELECT id FROM seats WHERE event_id = $1")
+            .bind(event)
+            .fetch_all(pool)
+            .await?;
+        seats.shuffle(&mut rand::thread_rng());
+        Ok(Self { seats, next: AtomicUsize::new(0) })
     }
-    let ms = |v: u64| v as f64 / 1_000.0;
-    (ms(h.value_at_quantile(0.5)), ms(h.value_at_quantile(0.99)), ms(h.max()))
+
+    /// How many seats the deck holds.
+    pub(crate) fn len(&self) -> usize {
+        self.seats.len()
+    }
+
+    /// `n` fresh seats, or None when the deck is spent.
+    pub(crate) fn deal(&self, n: usize) -> Option<Vec<uuid::Uuid>> {
+        let at = self.next.fetch_add(n, Ordering::Relaxed);
+        self.seats.get(at..at + n).map(<[_]>::to_vec)
+    }
+
+    /// A seat dealt out before (for a deliberate conflict).
+    pub(crate) fn dealt(&self, rng: &mut impl rand::Rng) -> Option<uuid::Uuid> {
+        let upto = self.next.load(Ordering::Relaxed).min(self.seats.len());
+        (upto > 0).then(|| self.seats[rng.gen_range(0..upto)])
+    }
+
+    /// Whether fewer than `n` seats are left.
+    pub(crate) fn exhausted(&self, n: usize) -> bool {
+        self.next.load(Ordering::Relaxed) + n > self.seats.len()
+    }
 }
 
 /// Where the CPU went during a measured window (Linux `/proc`; zeros elsewhere): the basis

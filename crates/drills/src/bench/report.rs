@@ -8,8 +8,8 @@ use super::p2::{P2Result, P2_P99_BOUND_MS};
 use super::p3::P3Result;
 use super::p4::P4Result;
 use super::BenchArgs;
-use crate::config::Config;
 use anyhow::Context;
+use boxoffice::config::Config;
 use serde::Serialize;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -75,7 +75,7 @@ pub struct Recommendation {
     pub p1_hold_ceiling_per_s: Option<f64>,
 }
 
-/// Everything `boxoffice bench` measured.
+/// Everything `boxoffice-drills bench` measured.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
     /// The machine.

@@ -7,11 +7,13 @@
 //! (`Waitroom::join` / `Waitroom::status`), which shows whether HTTP or Redis bounds it.
 //! Keys live under a unique Redis prefix, deleted afterwards.
 
-use super::{histogram, quantiles_ms, BenchArgs, BenchDb};
-use crate::config::Config;
-use crate::runtime::{self, Role};
+use super::{BenchArgs, BenchDb};
 use anyhow::Context;
+use boxoffice::config::Config;
+use boxoffice::runtime::{self, Role};
 use boxoffice_domain::{EventId, UserId};
+use boxoffice_harness::client::{BuyerClient, QueueView};
+use boxoffice_harness::stats::{self, histogram, quantiles_ms};
 use boxoffice_store::venue::{self, VenueSpec};
 use boxoffice_waitroom::Waitroom;
 use serde::Serialize;
@@ -93,11 +95,12 @@ async fn run_on(
     let users = Arc::new(runtime::user_tokens(cfg));
     let http =
         reqwest::Client::builder().pool_max_idle_per_host(1_024).timeout(Duration::from_secs(10)).build()?;
+    let client = BuyerClient::new(http, api);
     let room = runtime::waitroom(cfg)?;
     let mut levels = Vec::new();
     let result: anyhow::Result<()> = async {
         for &c in &args.p2_concurrency {
-            let l = http_level(&http, &api, event, users.clone(), c, args.p2_seconds).await?;
+            let l = http_level(&client, event, users.clone(), c, args.p2_seconds).await?;
             print_level(&l);
             levels.push(l);
         }
@@ -137,11 +140,11 @@ struct Counts {
 }
 
 /// Runs `c` closed-loop clients for `secs`; each iteration calls `attempt` which returns the
-/// latencies (µs) of its successful requests and its failed-request count.
+/// latencies of its successful requests and its failed-request count.
 async fn closed_loop<F, Fut>(c: usize, secs: u64, attempt: F) -> Measured
 where
     F: Fn() -> Fut + Send + Sync + 'static,
-    Fut: std::future::Future<Output = (Vec<u64>, u64)> + Send + 'static,
+    Fut: std::future::Future<Output = (Vec<Duration>, u64)> + Send + 'static,
 {
     let attempt = Arc::new(attempt);
     let cpu_before = super::CpuSnap::now();
@@ -156,8 +159,8 @@ where
                 let mut local = histogram();
                 while Instant::now() < until {
                     let (lat, errors) = attempt().await;
-                    for us in &lat {
-                        let _ = local.record((*us).max(1));
+                    for d in &lat {
+                        stats::record(&mut local, *d);
                     }
                     counts.ok.fetch_add(lat.len() as u64, Ordering::Relaxed);
                     counts.errors.fetch_add(errors, Ordering::Relaxed);
@@ -209,45 +212,33 @@ fn level(path: &str, c: usize, Measured { secs, ok, errors, h, cpu }: Measured) 
     }
 }
 
-#[derive(serde::Deserialize)]
-struct Joined {
-    ticket: uuid::Uuid,
-}
-
 async fn http_level(
-    http: &reqwest::Client,
-    api: &str,
+    client: &BuyerClient,
     event: EventId,
     users: Arc<boxoffice_admission::UserTokens>,
     c: usize,
     secs: u64,
 ) -> anyhow::Result<P2Level> {
-    let (http, api) = (http.clone(), api.to_owned());
-    let join_url = format!("{api}/events/{}/queue", event.0);
+    let client = client.clone();
     let m = closed_loop(c, secs, move || {
-        let (http, api, join_url, users) = (http.clone(), api.clone(), join_url.clone(), users.clone());
+        let (client, users) = (client.clone(), users.clone());
         async move {
             let bearer = format!("Bearer {}", users.issue(UserId(uuid::Uuid::new_v4()), 3_600));
             let mut lat = Vec::with_capacity(2);
             let t = Instant::now();
-            let joined = match http.post(&join_url).header("authorization", &bearer).send().await {
-                Ok(r) if r.status().is_success() => r.json::<Joined>().await.ok(),
+            let joined = match client.join_queue(&bearer, event.0).send().await {
+                Ok(r) if r.status().is_success() => r.json::<QueueView>().await.ok(),
                 _ => None,
             };
             let Some(joined) = joined else { return (lat, 1) };
-            lat.push(t.elapsed().as_micros() as u64);
+            lat.push(t.elapsed());
             let t = Instant::now();
-            let polled = http
-                .get(format!("{api}/queue/{}", joined.ticket))
-                .header("authorization", &bearer)
-                .send()
-                .await;
-            match polled {
+            match client.poll_queue(&bearer, joined.ticket).send().await {
                 Ok(r) if r.status().is_success() => {
                     if r.bytes().await.is_err() {
                         return (lat, 1);
                     }
-                    lat.push(t.elapsed().as_micros() as u64);
+                    lat.push(t.elapsed());
                     (lat, 0)
                 }
                 _ => (lat, 1),
@@ -267,11 +258,11 @@ async fn library_level(room: &Waitroom, event: EventId, c: usize, secs: u64) -> 
             let mut lat = Vec::with_capacity(2);
             let t = Instant::now();
             let Ok(ticket) = room.join(event, user).await else { return (lat, 1) };
-            lat.push(t.elapsed().as_micros() as u64);
+            lat.push(t.elapsed());
             let t = Instant::now();
             match room.status(ticket.ticket, user).await {
                 Ok(_) => {
-                    lat.push(t.elapsed().as_micros() as u64);
+                    lat.push(t.elapsed());
                     (lat, 0)
                 }
                 Err(_) => (lat, 1),

@@ -1,6 +1,7 @@
-//! The simulated buyers of `boxoffice onsale`: N concurrent tokio tasks that walk the
-//! purchase path over HTTP only (admission → seat map → hold → pay at the Stripe simulator
-//! like Stripe.js → poll the order to a final state), and the statistics they produce.
+//! The simulated buyers of the onsale and the chaos drill: N concurrent tokio tasks that
+//! walk the purchase path over HTTP only (admission → seat map → hold → pay at the Stripe
+//! simulator like Stripe.js → poll the order to a final state), and the statistics they
+//! produce. Every request goes through [`crate::client`].
 //!
 //! Owns: one shared reqwest client, a semaphore capping in-flight requests, ONE shared seat
 //! map refreshed single-flight at most every ~1 s (plus the seats this generator saw taken
@@ -22,12 +23,14 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use reqwest::{RequestBuilder, StatusCode};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use tokio::sync::Semaphore;
 use uuid::Uuid;
 
-use super::queue::{self, QueuePacing, QueueStats};
-use super::seatpick::{SeatMap, SeatMapBody};
+use crate::client::{self, Admission, BuyerClient, HoldReceipt, OrderView, Problem};
+use crate::queue::{self, QueuePacing, QueueStats};
+use crate::seatpick::{SeatMap, SeatMapBody};
+use crate::stats::{self, Percentiles};
 
 /// How often the shared seat map is refreshed at most (the server caches it for 1 s).
 const MAP_REFRESH: Duration = Duration::from_millis(1_000);
@@ -35,8 +38,6 @@ const MAP_REFRESH: Duration = Duration::from_millis(1_000);
 const MAX_TRIES: u32 = 6;
 /// Per-request timeout of the shared HTTP client.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
-/// Order states after which nothing changes any more.
-const FINAL_STATES: [&str; 5] = ["ticketed", "expired", "failed", "canceled", "refunded"];
 
 /// What `drive` needs to know. Times in ms; shares in `0.0..=1.0`.
 #[derive(Clone)]
@@ -83,7 +84,7 @@ pub struct BuyerConfig {
 pub enum AdmissionRoute {
     /// `POST /events/{id}/admission` (deployments with `admission_direct`): at once.
     Direct,
-    /// Through the waiting room: join, poll, admitted at the release rate ([`super::queue`]).
+    /// Through the waiting room: join, poll, admitted at the release rate ([`crate::queue`]).
     Queue(QueuePacing),
 }
 
@@ -133,35 +134,6 @@ impl BuyerConfig {
             "arrival_rate must be >= 0"
         );
         Ok(())
-    }
-}
-
-/// Latency percentiles in ms over `count` samples (all zero when there are none).
-#[derive(Debug, Clone, Default, Serialize)]
-pub struct Percentiles {
-    /// Median, ms.
-    pub p50: f64,
-    /// 95th percentile, ms.
-    pub p95: f64,
-    /// 99th percentile, ms.
-    pub p99: f64,
-    /// Maximum, ms.
-    pub max: f64,
-    /// Number of samples.
-    pub count: u64,
-}
-
-impl Percentiles {
-    /// Reads a histogram recorded in µs.
-    pub(crate) fn from_us(h: &Histogram<u64>) -> Self {
-        let ms = |us: u64| us as f64 / 1_000.0;
-        Self {
-            p50: ms(h.value_at_quantile(0.50)),
-            p95: ms(h.value_at_quantile(0.95)),
-            p99: ms(h.value_at_quantile(0.99)),
-            max: ms(h.max()),
-            count: h.len(),
-        }
     }
 }
 
@@ -288,36 +260,10 @@ struct Reply {
     body: Vec<u8>,
 }
 
-/// A problem+json error body (only the members the buyers act on).
-#[derive(Deserialize, Default)]
-struct Problem {
-    code: Option<String>,
-    #[serde(default)]
-    unavailable_seat_ids: Vec<Uuid>,
-}
-
-#[derive(Deserialize)]
-struct Admission {
-    admission_token: String,
-}
-
-#[derive(Deserialize)]
-struct HoldReceipt {
-    order_id: Uuid,
-    expires_at: chrono::DateTime<chrono::Utc>,
-}
-
-#[derive(Deserialize)]
-struct OrderView {
-    status: String,
-    payment_intent_id: Option<String>,
-    client_secret: Option<String>,
-}
-
 /// Everything the buyer tasks share.
 struct Ctx {
     cfg: BuyerConfig,
-    http: reqwest::Client,
+    client: BuyerClient,
     in_flight: Semaphore,
     /// Polls take one of these first, so status polling never holds more than a quarter of
     /// the in-flight slots and cannot starve holds and payments.
@@ -345,16 +291,16 @@ pub async fn drive(cfg: BuyerConfig) -> anyhow::Result<BuyerStats> {
     let mut ctx = Ctx {
         in_flight: Semaphore::new(cfg.max_in_flight),
         poll_slots: Semaphore::new((cfg.max_in_flight / 4).max(1)),
+        client: BuyerClient::new(http, cfg.api_url.clone()),
         cfg,
-        http,
         map: SharedMap {
             current: RwLock::new(Arc::new(Snapshot { map: SeatMap::default(), fetched_at: started })),
             refreshing: tokio::sync::Mutex::new(started),
             taken: Mutex::new(HashMap::new()),
         },
         stats: Counters::default(),
-        hold_latency_us: Mutex::new(crate::bench::histogram()),
-        hold_to_ticket_us: Mutex::new(crate::bench::histogram()),
+        hold_latency_us: Mutex::new(stats::histogram()),
+        hold_to_ticket_us: Mutex::new(stats::histogram()),
         started,
     };
     let first = ctx.fetch_map().await.context("loading the seat map before the onsale")?;
@@ -399,14 +345,7 @@ pub async fn drive(cfg: BuyerConfig) -> anyhow::Result<BuyerStats> {
             // Each admitted buyer starts its purchase journey as soon as its token arrives.
             let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
             let bearers: Vec<Arc<str>> = (0..ctx.cfg.buyers).map(|_| ctx.bearer()).collect();
-            let room = tokio::spawn(queue::run(
-                ctx.http.clone(),
-                ctx.cfg.api_url.clone(),
-                ctx.cfg.event_id,
-                bearers,
-                pacing,
-                tx,
-            ));
+            let room = tokio::spawn(queue::run(ctx.client.clone(), ctx.cfg.event_id, bearers, pacing, tx));
             while let Some(a) = rx.recv().await {
                 let ctx = ctx.clone();
                 let seed = seed_of(a.idx);
@@ -469,10 +408,6 @@ impl Ctx {
         format!("Bearer {}", (self.cfg.user_token)(Uuid::new_v4())).into()
     }
 
-    fn api(&self, path: &str) -> String {
-        format!("{}{path}", self.cfg.api_url)
-    }
-
     /// Sends one request under an in-flight permit and reads the whole answer; also returns
     /// when the permit was granted (the request left the generator's queue).
     async fn send(&self, req: RequestBuilder) -> (Result<Reply, reqwest::Error>, Instant) {
@@ -531,8 +466,10 @@ impl Ctx {
 
     async fn fetch_map(&self) -> anyhow::Result<Snapshot> {
         let fetched_at = Instant::now();
-        let url = self.api(&format!("/events/{}/seats", self.cfg.event_id));
-        let (r, _) = self.call(|| self.http.get(&url), |_| false).await.context("GET seats: no answer")?;
+        let (r, _) = self
+            .call(|| self.client.seat_map(self.cfg.event_id), |_| false)
+            .await
+            .context("GET seats: no answer")?;
         anyhow::ensure!(r.status == StatusCode::OK, "GET seats: {}", r.status);
         let body: SeatMapBody = serde_json::from_slice(&r.body).context("GET seats: bad body")?;
         Ok(Snapshot { map: SeatMap::from_seats(body.seats), fetched_at })
@@ -648,8 +585,7 @@ impl Buyer {
             Some(view) => {
                 let counter = match view.status.as_str() {
                     "ticketed" => {
-                        let us = held_at.elapsed().as_micros() as u64;
-                        let _ = lock(&ctx.hold_to_ticket_us).record(us.max(1));
+                        stats::record(&mut lock(&ctx.hold_to_ticket_us), held_at.elapsed());
                         &ctx.stats.ticketed_orders
                     }
                     "expired" => &ctx.stats.expired,
@@ -669,9 +605,7 @@ impl Buyer {
 
     /// `POST /events/{id}/admission` → the admission token.
     async fn admit(&self, ctx: &Ctx) -> Option<String> {
-        let url = ctx.api(&format!("/events/{}/admission", ctx.cfg.event_id));
-        let (r, _) =
-            ctx.call(|| ctx.http.post(&url).header("authorization", &*self.bearer), |_| false).await?;
+        let (r, _) = ctx.call(|| ctx.client.admit(&self.bearer, ctx.cfg.event_id), |_| false).await?;
         if r.status != StatusCode::CREATED {
             ctx.unexpected("admission", &r);
             return None;
@@ -688,7 +622,6 @@ impl Buyer {
     /// Picks and holds seats, trying new picks after 409 `seat_unavailable`. Returns the
     /// order id and when the 202 arrived.
     async fn hold(&mut self, ctx: &Ctx, admission: &str) -> Option<(Uuid, Instant, Duration)> {
-        let url = ctx.api(&format!("/events/{}/holds", ctx.cfg.event_id));
         let want = self.rng.gen_range(1..=ctx.cfg.max_seats);
         for _ in 0..ctx.cfg.hold_attempts {
             let snap = ctx.snapshot().await;
@@ -702,15 +635,7 @@ impl Buyer {
             };
             inc(&ctx.stats.hold_attempts);
             let key = Uuid::new_v4().to_string();
-            let body = serde_json::json!({ "seat_ids": seats });
-            let build = || {
-                ctx.http
-                    .post(&url)
-                    .header("authorization", &*self.bearer)
-                    .header("idempotency-key", &key)
-                    .header("x-admission-token", admission)
-                    .json(&body)
-            };
+            let build = || ctx.client.hold(&self.bearer, ctx.cfg.event_id, admission, &key, &seats);
             let busy = |r: &Reply| {
                 r.status == StatusCode::CONFLICT
                     && problem(r).code.as_deref() == Some("idempotency_key_in_use")
@@ -723,8 +648,7 @@ impl Buyer {
                         return None;
                     };
                     let held_at = Instant::now();
-                    let us = (held_at - first_sent).as_micros() as u64;
-                    let _ = lock(&ctx.hold_latency_us).record(us.max(1));
+                    stats::record(&mut lock(&ctx.hold_latency_us), held_at - first_sent);
                     inc(&ctx.stats.holds);
                     let since_start = (held_at - ctx.started).as_millis() as u64;
                     ctx.stats.last_hold_ms.fetch_max(since_start, Ordering::Relaxed);
@@ -757,15 +681,17 @@ impl Buyer {
         let (Some(pi), Some(secret)) = (view.payment_intent_id, view.client_secret) else {
             return; // final before payment was possible (e.g. expired)
         };
-        let url = format!("{}/v1/payment_intents/{pi}/confirm", ctx.cfg.stripe_api_base);
         let key = format!("confirm:{order_id}");
-        let form = [("payment_method", card), ("client_secret", secret.as_str())];
         let build = || {
-            ctx.http
-                .post(&url)
-                .bearer_auth(&ctx.cfg.stripe_publishable_key)
-                .header("idempotency-key", &key)
-                .form(&form)
+            client::confirm_payment(
+                &ctx.client.http,
+                &ctx.cfg.stripe_api_base,
+                &ctx.cfg.stripe_publishable_key,
+                &pi,
+                &secret,
+                card,
+                &key,
+            )
         };
         let Some((r, _)) = ctx.call(build, |_| false).await else {
             return;
@@ -787,13 +713,12 @@ impl Buyer {
         deadline: Instant,
         done: impl Fn(&OrderView) -> bool,
     ) -> Option<OrderView> {
-        let url = ctx.api(&format!("/orders/{order_id}"));
         let base = ctx.cfg.poll_interval_ms.max(1) as f64;
         let mut interval_ms = base;
         loop {
             let answer = {
                 let _slot = ctx.poll_slots.acquire().await.ok();
-                ctx.call(|| ctx.http.get(&url).header("authorization", &*self.bearer), |_| false).await
+                ctx.call(|| ctx.client.order(&self.bearer, order_id), |_| false).await
             };
             match answer {
                 Some((r, _)) if r.status == StatusCode::OK => {
@@ -802,7 +727,7 @@ impl Buyer {
                             if matches!(view.status.as_str(), "confirming" | "paid" | "ticketed") {
                                 self.saw_authorized = true;
                             }
-                            if FINAL_STATES.contains(&view.status.as_str()) || done(&view) {
+                            if view.is_final() || done(&view) {
                                 return Some(view);
                             }
                         }
@@ -823,7 +748,7 @@ impl Buyer {
     }
 }
 
-/// Parses a problem+json body; an unparsable body yields an empty problem.
+/// The problem+json body of an answer (empty when it has none).
 fn problem(r: &Reply) -> Problem {
-    serde_json::from_slice(&r.body).unwrap_or_default()
+    Problem::parse(&r.body)
 }

@@ -158,7 +158,7 @@ async fn second_capture_at_the_provider_and_dead_letters_fail_the_audit(
     let out = tokio::task::spawn_blocking({
         let (base, prefix) = (app.cfg.stripe_api_base.clone(), app.cfg.kafka_topic_prefix.clone());
         move || {
-            std::process::Command::new(env!("CARGO_BIN_EXE_boxoffice"))
+            std::process::Command::new(crate::helpers::product_bin())
                 .args(["audit", "--json"])
                 .env("BOXOFFICE_DATABASE_URL", url)
                 .env("BOXOFFICE_STRIPE_API_BASE", base)

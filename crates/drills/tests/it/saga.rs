@@ -174,7 +174,7 @@ async fn authorization_after_expiry_is_compensated(_: PgPoolOptions, opts: PgCon
 }
 
 /// A decline whose message arrives after the cancellation (its outbox row waited out a
-/// crashed relay's lease; found by `boxoffice chaos --seed 2`) must not move the cancelled
+/// crashed relay's lease; found by `boxoffice-drills chaos --seed 2`) must not move the cancelled
 /// payment back to `requires_payment_method`: the ledger would disagree with the provider.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn late_decline_does_not_reopen_a_cancelled_payment(_: PgPoolOptions, opts: PgConnectOptions) {

@@ -9,18 +9,18 @@
 //! checked for invariant 1: no seat with more than one unreleased hold or more than one
 //! ticket, and exactly one hold row per successful call.
 
-use super::{histogram, quantiles_ms, BenchArgs, BenchDb};
-use crate::config::Config;
+use super::{BenchArgs, BenchDb, Deck};
 use anyhow::Context;
+use boxoffice::config::Config;
 use boxoffice_domain::{EventId, SeatId, UserId};
+use boxoffice_harness::stats::{self, histogram, quantiles_ms};
 use boxoffice_store::holds::{self, ReserveError, ReserveRequest};
 use boxoffice_store::venue::{self, VenueSpec};
-use rand::seq::SliceRandom;
 use rand::Rng;
 use serde::Serialize;
 use sqlx::postgres::PgConnectOptions;
 use sqlx::PgPool;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -104,11 +104,8 @@ async fn run_on(cfg: &Config, args: &BenchArgs, db: &BenchDb, pool: &PgPool) -> 
     let (event, _) =
         venue::seed(pool, &name, &spec, chrono::Utc::now() + chrono::Duration::days(30), &cfg.purchase_cell)
             .await?;
-    let mut deck: Vec<uuid::Uuid> =
-        sqlx::query_scalar("SELECT id FROM seats WHERE event_id = $1").bind(event.0).fetch_all(pool).await?;
-    deck.shuffle(&mut rand::thread_rng());
+    let deck = Arc::new(Deck::load(pool, event.0).await?);
     eprintln!("   venue: {} seats", deck.len());
-    let deck = Arc::new(Deck { seats: deck, next: AtomicUsize::new(0) });
 
     let pgbench = PgBench::prepare(cfg, args.pgbench_scale).await;
     let mut pgbench_error = pgbench.as_ref().err().map(|e| format!("{e:#}"));
@@ -141,7 +138,7 @@ async fn run_on(cfg: &Config, args: &BenchArgs, db: &BenchDb, pool: &PgPool) -> 
             level.pgbench_tps.map(|t| format!("{t:.1}")).unwrap_or_else(|| "-".into())
         );
         levels.push(level);
-        if deck.exhausted() {
+        if deck.exhausted(SEATS_PER_ATTEMPT) {
             eprintln!("   the venue ran out of seats: stopping P1 here");
             break;
         }
@@ -162,7 +159,7 @@ async fn run_on(cfg: &Config, args: &BenchArgs, db: &BenchDb, pool: &PgPool) -> 
         levels.iter().max_by(|a, b| a.holds_per_s.total_cmp(&b.holds_per_s)).context("no P1 level ran")?;
     let best_pgbench_tps = levels.iter().filter_map(|l| l.pgbench_tps).max_by(|a, b| a.total_cmp(b));
     Ok(P1Result {
-        venue_seats: deck.seats.len(),
+        venue_seats: deck.len(),
         best_concurrency: best.concurrency,
         best_holds_per_s: best.holds_per_s,
         best_ratio: best_pgbench_tps.map(|t| best.holds_per_s / t),
@@ -172,30 +169,6 @@ async fn run_on(cfg: &Config, args: &BenchArgs, db: &BenchDb, pool: &PgPool) -> 
         pgbench_error,
         levels,
     })
-}
-
-/// The venue's seats in random order, dealt out once each.
-struct Deck {
-    seats: Vec<uuid::Uuid>,
-    next: AtomicUsize,
-}
-
-impl Deck {
-    /// `n` fresh seats, or None when the deck is spent.
-    fn deal(&self, n: usize) -> Option<Vec<uuid::Uuid>> {
-        let at = self.next.fetch_add(n, Ordering::Relaxed);
-        self.seats.get(at..at + n).map(<[_]>::to_vec)
-    }
-
-    /// A seat dealt out before (for a deliberate conflict).
-    fn dealt(&self, rng: &mut impl Rng) -> Option<uuid::Uuid> {
-        let upto = self.next.load(Ordering::Relaxed).min(self.seats.len());
-        (upto > 0).then(|| self.seats[rng.gen_range(0..upto)])
-    }
-
-    fn exhausted(&self) -> bool {
-        self.next.load(Ordering::Relaxed) + SEATS_PER_ATTEMPT > self.seats.len()
-    }
 }
 
 #[derive(Default)]
@@ -248,7 +221,7 @@ async fn hold_level(
                     };
                     let t = Instant::now();
                     let r = holds::reserve(&pool, &req).await;
-                    let _ = local.record((t.elapsed().as_micros() as u64).max(1));
+                    stats::record(&mut local, t.elapsed());
                     counts.attempts.fetch_add(1, Ordering::Relaxed);
                     let c = match r {
                         Ok(_) => &counts.holds,

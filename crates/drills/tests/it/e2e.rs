@@ -1,6 +1,6 @@
-//! The main job end to end: `boxoffice onsale` as a process (the compiled binary) on its own
-//! database against the test broker, buyers coming through the waiting room, checking the
-//! report's invariants.
+//! The main job end to end: `boxoffice-drills onsale` as a process (the compiled binary) on
+//! its own database against the test broker, buyers coming through the waiting room, checking
+//! the report's invariants.
 
 use crate::helpers::test_brokers;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -16,7 +16,7 @@ async fn small_onsale_through_the_binary_has_no_violations(_: PgPoolOptions, opt
     let out = tokio::task::spawn_blocking({
         let report = report.clone();
         move || {
-            Command::new(env!("CARGO_BIN_EXE_boxoffice"))
+            Command::new(env!("CARGO_BIN_EXE_boxoffice-drills"))
                 .args([
                     "onsale",
                     "--buyers",
