@@ -46,6 +46,26 @@ impl Problem {
         Self::new(StatusCode::BAD_REQUEST, code, "Bad request", detail)
     }
 
+    /// 403 `sales_not_open`: the event's sales window (in the ledger) has not opened, or the
+    /// event was never scheduled; `opens_at` when known.
+    pub fn sales_not_open(opens_at: Option<chrono::DateTime<chrono::Utc>>) -> Self {
+        Self::new(
+            StatusCode::FORBIDDEN,
+            "sales_not_open",
+            "Sales not open",
+            match opens_at {
+                Some(t) => format!("sales for this event open at {}", t.to_rfc3339()),
+                None => "sales for this event are not scheduled".to_owned(),
+            },
+        )
+        .with(json!({ "opens_at": opens_at }))
+    }
+
+    /// 403 `sales_closed`: the event's sales window has closed.
+    pub fn sales_closed() -> Self {
+        Self::new(StatusCode::FORBIDDEN, "sales_closed", "Sales closed", "sales for this event have closed")
+    }
+
     /// 404.
     pub fn not_found(what: &str) -> Self {
         Self::new(StatusCode::NOT_FOUND, "not_found", "Not found", format!("{what} not found"))
@@ -161,6 +181,15 @@ impl From<ReserveError> for Problem {
                 "Invalid seat count",
                 format!("a hold takes 1 to 8 distinct seats, got {n}"),
             ),
+            ReserveError::BuyerLimit { limit, max, has } => Problem::new(
+                StatusCode::CONFLICT,
+                "buyer_limit_reached",
+                "Buyer limit reached",
+                format!("this event allows {max} per buyer ({limit}); you have {has}"),
+            )
+            .with(json!({ "limit": limit.as_str(), "max": max, "current": has })),
+            ReserveError::SalesNotOpen { opens_at } => Problem::sales_not_open(opens_at),
+            ReserveError::SalesClosed => Problem::sales_closed(),
             ReserveError::Db(e) => Problem::database(&e),
             ReserveError::Fault(f) => f.into(),
             ReserveError::Ledger(e) => e.into(),

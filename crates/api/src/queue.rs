@@ -18,7 +18,8 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use boxoffice_admission::AdmissionClaims;
 use boxoffice_domain::{EventId, UserId};
-use boxoffice_waitroom::{Bucket, RateDecision, TicketState};
+use boxoffice_store::venue::SalesWindow;
+use boxoffice_waitroom::{Bucket, RateDecision, TicketState, WaitroomError};
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 use std::net::SocketAddr;
@@ -132,6 +133,7 @@ fn no_store(mut resp: Response) -> Response {
         (status = 201, description = "Queued (or pre-queued before the onsale opens); `Location: /queue/{ticket}`", body = QueueView),
         (status = 200, description = "The user already queues for this event: the same ticket", body = QueueView),
         (status = 401, description = "No or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 403, description = "`sales_not_open`: the event was never scheduled; `sales_closed`: its sales window has closed", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 404, description = "No such event", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 409, description = "`queue_position_limit`: the user holds too many positions across events", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 429, description = "`rate_limited` (per IP or per user); `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
@@ -142,7 +144,7 @@ pub(crate) async fn join(
     user: User,
     IdPath(event): IdPath<Uuid>,
 ) -> Result<Response, Problem> {
-    ensure_event(&st, event).await?;
+    ensure_on_sale(&st, event).await?;
     let t = st.waitroom.join(EventId(event), user.0).await?;
     let view = View {
         ticket: t.ticket,
@@ -209,14 +211,44 @@ pub(crate) async fn leave(
 
 /// 404 unless the event exists; positive answers are cached for the process's life (events
 /// are never deleted), so a stampede of joins costs the ledger one query per event.
-async fn ensure_event(st: &AppState, event: Uuid) -> Result<(), Problem> {
-    if st.known_events.lock().expect("known events poisoned").contains(&event) {
-        return Ok(());
+/// The event's sales window from the ledger (through [`crate::state::EVENT_CACHE_TTL`]'s
+/// cache, absences included); 404 when the event does not exist.
+async fn sales_window(st: &AppState, event: Uuid) -> Result<SalesWindow, Problem> {
+    let cached = st.event_windows.lock().expect("event cache poisoned").get(&event).copied();
+    let window = match cached {
+        Some((at, w)) if at.elapsed() < crate::state::EVENT_CACHE_TTL => w,
+        _ => {
+            let w = boxoffice_store::venue::sales_window(&st.pool, EventId(event)).await?.map(|(w, _)| w);
+            let mut cache = st.event_windows.lock().expect("event cache poisoned");
+            if cache.len() > 100_000 {
+                cache.clear(); // junk ids must not grow it without bound
+            }
+            cache.insert(event, (std::time::Instant::now(), w));
+            w
+        }
+    };
+    window.ok_or_else(|| Problem::not_found("event"))
+}
+
+/// Case C18: the opening is the ledger's. Joins after closing, or for an event never
+/// scheduled, are refused (403); before the opening the waiting room's cached schedule is
+/// (re)written from the ledger first — a Redis that restarted and forgot it would otherwise
+/// queue first come, first served and open at once.
+async fn ensure_on_sale(st: &AppState, event: Uuid) -> Result<(), Problem> {
+    let window = sales_window(st, event).await?;
+    let now = chrono::Utc::now();
+    let Some(opens_at) = window.opens_at else {
+        return Err(Problem::sales_not_open(None));
+    };
+    if window.closes_at.is_some_and(|c| c <= now) {
+        return Err(Problem::sales_closed());
     }
-    if !boxoffice_store::venue::event_exists(&st.pool, EventId(event)).await? {
-        return Err(Problem::not_found("event"));
+    if opens_at > now {
+        match st.waitroom.schedule(EventId(event), opens_at, None).await {
+            Ok(()) | Err(WaitroomError::AlreadyOpen) => {}
+            Err(e) => return Err(e.into()),
+        }
     }
-    st.known_events.lock().expect("known events poisoned").insert(event);
     Ok(())
 }
 

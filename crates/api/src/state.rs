@@ -6,7 +6,8 @@ use bytes::Bytes;
 use metrics_exporter_prometheus::PrometheusHandle;
 use rdkafka::producer::FutureProducer;
 use sqlx::PgPool;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
+use boxoffice_store::venue::SalesWindow;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use uuid::Uuid;
@@ -59,6 +60,11 @@ impl Default for ApiSettings {
     }
 }
 
+/// How long a sales window (or an event's absence) read from the ledger is served from memory.
+/// A schedule change reaches the waiting room's joins within this time; the hold transaction
+/// always reads the ledger itself.
+pub const EVENT_CACHE_TTL: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Everything a handler needs; cheap to clone.
 #[derive(Clone)]
 pub struct AppState {
@@ -73,8 +79,10 @@ pub struct AppState {
     pub admission: AdmissionTokens,
     /// The waiting room (Redis): queue, rate buckets, revocation set.
     pub waitroom: Waitroom,
-    /// Events known to exist, so queue joins in a stampede do not each ask the ledger.
-    pub known_events: Arc<Mutex<HashSet<Uuid>>>,
+    /// Each event's sales window as last read from the ledger (`None`: no such event), with
+    /// when it was read, so queue joins in a stampede do not each ask the ledger; entries
+    /// live [`EVENT_CACHE_TTL`].
+    pub event_windows: Arc<Mutex<HashMap<Uuid, (Instant, Option<SalesWindow>)>>>,
     /// Tuning.
     pub settings: Arc<ApiSettings>,
     /// The producer whose health `/readyz` reports (absent when no relay runs here).
@@ -106,7 +114,7 @@ impl AppState {
             users,
             admission,
             waitroom,
-            known_events: Arc::default(),
+            event_windows: Arc::default(),
             settings: Arc::new(settings),
             producer,
             metrics,

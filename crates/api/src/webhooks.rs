@@ -1,22 +1,26 @@
 //! Stripe webhook ingress (design §10): the raw body's `Stripe-Signature` is verified before
 //! anything is parsed (bad → 400, nothing written); the Stripe event id is recorded in
-//! `stripe_events` and the mapped domain fact is inserted into the outbox in the same
-//! transaction; 2xx is answered only after that commit. A redelivered event finds its row
-//! and is acknowledged without effect (invariant 4). Events we do not act on are recorded and
-//! acknowledged, so Stripe stops retrying them. Whole bodies are never logged.
+//! `stripe_events` together with what the event leads to, in one transaction; 2xx is answered
+//! only after that commit. A redelivered event finds its row and is acknowledged without
+//! effect (invariant 4). Events we do not act on are recorded and acknowledged, so Stripe
+//! stops retrying them. Whole bodies are never logged.
 //!
-//! A webhook is a hint, not the truth (Stripe delivers at least once, late and in any order):
-//! - **early**: an event for a PaymentIntent whose payment row is not committed yet is mapped
-//!   through the order id in its metadata; if it names no order either, it is kept as
-//!   pending and re-derived from Stripe once the payment row exists (the payment worker);
+//! A webhook is a claim, not the truth (Stripe delivers at least once, late and in any order,
+//! and whoever holds the signing secret can sign anything), so no webhook moves an order, a
+//! hold or a payment row by itself (case C16):
+//! - **known**: a claim the ledger already records (a redelivered authorization after the
+//!   saga confirmed, a capture the payment worker recorded from its own call) is recorded and
+//!   has nothing left to do;
+//! - **news**: any other claim for the order's PaymentIntent — the saga's next step included,
+//!   and any amount or status that contradicts the ledger — is recorded with a
+//!   `PaymentIntentRefreshRequested` command: the payment worker re-fetches the PaymentIntent
+//!   (and its charge) and the saga acts on what the provider says (counted in
+//!   `boxoffice_webhook_claims_verified_total` by reason);
+//! - **early**: an event whose PaymentIntent names no order (no payment row, no metadata) is
+//!   kept as pending and re-derived from Stripe once the payment row exists;
 //! - **stale**: an event for a PaymentIntent that is not the order's current one is recorded
-//!   and ignored — except an authorization, which the saga cancels (nobody may keep a
-//!   buyer's funds reserved for nothing);
-//! - **disagreeing**: an amount different from the order's, or a status contradicting a
-//!   settled one in the ledger (captured vs canceled), is not acted on; instead the payment
-//!   worker re-fetches the PaymentIntent and reports what Stripe says now
-//!   (`PaymentIntentRefreshRequested`);
-//! - out-of-order facts are harmless: the saga moves on the order's state, not on arrival.
+//!   and ignored — except an authorization, which is checked the same way and then cancelled
+//!   by the saga (nobody may keep a buyer's funds reserved for nothing).
 //!
 //! Fault points: `webhook.before_commit`, `webhook.after_commit` (committed, not answered:
 //! Stripe redelivers and the duplicate is acknowledged without effect).
@@ -42,13 +46,14 @@ pub const HANDLED_EVENTS: [&str; 5] = [
 /// What happened to a verified event.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Ingested {
-    /// First delivery; the fact (if any) is in the outbox.
+    /// First delivery; the ledger already records its claim, or it is an event we do not act on.
     Recorded,
     /// Seen before: acknowledged, nothing written.
     Duplicate,
     /// Its PaymentIntent is not known yet: kept until the payment row exists.
     Pending,
-    /// It disagreed with the ledger: a re-fetch of the PaymentIntent is queued instead.
+    /// It claims news: a re-fetch of the PaymentIntent is queued, and the provider's answer
+    /// is what the saga acts on.
     Refresh,
     /// It concerns a PaymentIntent that is not the order's current one: recorded, ignored.
     Stale,
@@ -77,7 +82,8 @@ pub enum IngestError {
     Fault(#[from] boxoffice_faults::Injected),
 }
 
-/// Records a verified Stripe event and its domain fact in one transaction.
+/// Records a signature-checked Stripe event and what it leads to (nothing, a re-fetch, or
+/// pending) in one transaction.
 pub async fn ingest(pool: &PgPool, event: &Event) -> Result<Ingested, IngestError> {
     let outcome = ingest_tx(pool, event).await?;
     boxoffice_faults::check("webhook.after_commit")?;
@@ -106,35 +112,29 @@ async fn ingest_tx(pool: &PgPool, event: &Event) -> Result<Ingested, IngestError
         (Some(order), Some(pi)) if handled => {
             let local = payments::get(&mut *tx, order).await?;
             let known = orders::amount_and_correlation(&mut *tx, order).await?;
-            let fact = match judge(&event.r#type, object, local.as_ref(), known.map(|k| k.0), pi) {
-                Verdict::Act => map_event(&event.r#type, object, order, pi),
+            match judge(&event.r#type, object, local.as_ref(), known.map(|k| k.0), pi) {
+                Verdict::Known => {}
                 Verdict::Stale => {
                     tracing::warn!(stripe.event_id = %event.id, stripe.event_type = %event.r#type, order.id = %order,
                         "webhook for a PaymentIntent that is not the order's current one: ignored");
                     outcome = Ingested::Stale;
-                    None
                 }
-                Verdict::Refresh(reason) => {
-                    tracing::warn!(stripe.event_id = %event.id, stripe.event_type = %event.r#type, order.id = %order,
-                        reason, "webhook disagrees with the ledger: re-fetching the PaymentIntent");
+                Verdict::Verify(reason) => {
+                    if reason != UNVERIFIED_CLAIM {
+                        tracing::warn!(stripe.event_id = %event.id, stripe.event_type = %event.r#type, order.id = %order,
+                            reason, "webhook contradicts the ledger: asking the provider");
+                    }
+                    metrics::counter!("boxoffice_webhook_claims_verified_total", "reason" => reason).increment(1);
                     outcome = Ingested::Refresh;
-                    Some(PurchaseEvent::PaymentIntentRefreshRequested {
+                    let fact = PurchaseEvent::PaymentIntentRefreshRequested {
                         order_id: order,
                         payment_intent_id: pi.to_owned(),
                         reason: reason.to_owned(),
-                    })
+                    };
+                    let correlation = known.map(|k| k.1).unwrap_or_else(Uuid::new_v4);
+                    let env = Envelope::new(order, &fact, correlation, None);
+                    outbox::insert(&mut tx, boxoffice_domain::Topic::Purchase, &env).await?;
                 }
-            };
-            if let Some(fact) = fact {
-                if event.r#type == "payment_intent.amount_capturable_updated" && outcome == Ingested::Recorded
-                {
-                    // Mirror the provider's state for the status endpoint (`authorized`); the
-                    // order itself is moved only by the saga.
-                    payments::mirror_authorized(&mut *tx, pi).await?;
-                }
-                let correlation = known.map(|k| k.1);
-                let env = Envelope::new(order, &fact, correlation.unwrap_or_else(Uuid::new_v4), None);
-                outbox::insert(&mut tx, boxoffice_domain::Topic::Purchase, &env).await?;
             }
         }
         (None, Some(_)) if handled => {
@@ -150,17 +150,27 @@ async fn ingest_tx(pool: &PgPool, event: &Event) -> Result<Ingested, IngestError
     Ok(outcome)
 }
 
+/// The reason sent with a claim that brings news the ledger has not recorded (every claim is
+/// checked with the provider before it has any effect, case C16).
+const UNVERIFIED_CLAIM: &str = "webhook_claim";
+
 /// What to do with a handled event, given the ledger's view.
 #[derive(Debug, PartialEq, Eq)]
 enum Verdict {
-    /// Map it to its fact.
-    Act,
-    /// It is about another PaymentIntent than the order's current one: ignore.
+    /// The ledger already records what it claims: nothing to do.
+    Known,
+    /// It is about another PaymentIntent than the order's current one (and is not an
+    /// authorization, which must be cancelled): ignore.
     Stale,
-    /// It contradicts the ledger: ask Stripe (the reason is logged and sent along).
-    Refresh(&'static str),
+    /// Ask the provider what is true (`PaymentIntentRefreshRequested`); the reason is logged,
+    /// counted and sent along.
+    Verify(&'static str),
 }
 
+/// A webhook is a claim: signed by the provider's key, but it may be late, reordered, or
+/// forged by whoever holds the secret. Only a claim the ledger already records is taken as
+/// is (and then has nothing to do); every other one — the next step of the saga included —
+/// is checked by re-fetching the PaymentIntent, and the saga acts on the provider's answer.
 fn judge(
     event_type: &str,
     object: &Value,
@@ -170,9 +180,9 @@ fn judge(
 ) -> Verdict {
     if let Some(p) = local {
         if p.payment_intent_id != pi {
-            // A stray authorization is still mapped: the saga cancels it.
+            // A stray authorization is checked too: the saga cancels it once confirmed.
             return if event_type == "payment_intent.amount_capturable_updated" {
-                Verdict::Act
+                Verdict::Verify("not_current_payment_intent")
             } else {
                 Verdict::Stale
             };
@@ -185,27 +195,37 @@ fn judge(
     };
     if let (Some(field), Some(expected)) = (amount_field, order_amount) {
         if amount(object, field) != expected {
-            return Verdict::Refresh("amount_mismatch");
+            return Verdict::Verify("amount_mismatch");
         }
     }
-    if let Some(p) = local {
-        let contradicts = match event_type {
-            "payment_intent.amount_capturable_updated" | "payment_intent.succeeded" => {
-                p.status == PaymentIntentStatus::Canceled
-            }
-            "payment_intent.canceled" | "payment_intent.payment_failed" => {
-                p.status == PaymentIntentStatus::Succeeded
-            }
-            "charge.refunded" => {
-                amount(object, "amount_refunded") > p.amount_captured_minor.max(p.amount_minor)
-            }
-            _ => false,
-        };
-        if contradicts {
-            return Verdict::Refresh("status_contradicts_ledger");
+    let Some(p) = local else { return Verdict::Verify(UNVERIFIED_CLAIM) };
+    let contradicts = match event_type {
+        "payment_intent.amount_capturable_updated" | "payment_intent.succeeded" => {
+            p.status == PaymentIntentStatus::Canceled
         }
+        "payment_intent.canceled" | "payment_intent.payment_failed" => p.status == PaymentIntentStatus::Succeeded,
+        "charge.refunded" => amount(object, "amount_refunded") > p.amount_captured_minor.max(p.amount_minor),
+        _ => false,
+    };
+    if contradicts {
+        return Verdict::Verify("status_contradicts_ledger");
     }
-    Verdict::Act
+    let known = match event_type {
+        "payment_intent.amount_capturable_updated" => {
+            matches!(p.status, PaymentIntentStatus::RequiresCapture | PaymentIntentStatus::Succeeded)
+        }
+        "payment_intent.succeeded" => {
+            p.status == PaymentIntentStatus::Succeeded && p.amount_captured_minor >= amount(object, "amount_received")
+        }
+        "payment_intent.canceled" => p.status == PaymentIntentStatus::Canceled,
+        "charge.refunded" => amount(object, "amount_refunded") <= p.amount_refunded_minor,
+        _ => false,
+    };
+    if known {
+        Verdict::Known
+    } else {
+        Verdict::Verify(UNVERIFIED_CLAIM)
+    }
 }
 
 fn payment_intent_id(event_type: &str, object: &Value) -> Option<String> {
@@ -219,39 +239,4 @@ fn order_id(object: &Value) -> Option<OrderId> {
 
 fn amount(object: &Value, field: &str) -> i64 {
     object.get(field).and_then(Value::as_i64).unwrap_or(0)
-}
-
-/// Maps a Stripe event type to the saga fact it reports.
-pub fn map_event(event_type: &str, object: &Value, order_id: OrderId, pi: &str) -> Option<PurchaseEvent> {
-    let payment_intent_id = pi.to_owned();
-    Some(match event_type {
-        "payment_intent.amount_capturable_updated" => PurchaseEvent::PaymentAuthorized {
-            order_id,
-            payment_intent_id,
-            amount_capturable_minor: amount(object, "amount_capturable"),
-            capture_before: None,
-        },
-        "payment_intent.succeeded" => PurchaseEvent::PaymentCaptured {
-            order_id,
-            payment_intent_id,
-            amount_captured_minor: amount(object, "amount_received"),
-        },
-        "payment_intent.payment_failed" => PurchaseEvent::PaymentFailed {
-            order_id,
-            payment_intent_id,
-            reason: object
-                .pointer("/last_payment_error/decline_code")
-                .or_else(|| object.pointer("/last_payment_error/code"))
-                .and_then(Value::as_str)
-                .unwrap_or("payment_failed")
-                .to_owned(),
-        },
-        "payment_intent.canceled" => PurchaseEvent::PaymentCanceled { order_id, payment_intent_id },
-        "charge.refunded" => PurchaseEvent::PaymentRefunded {
-            order_id,
-            payment_intent_id,
-            amount_refunded_minor: amount(object, "amount_refunded"),
-        },
-        _ => return None,
-    })
 }

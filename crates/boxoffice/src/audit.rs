@@ -256,6 +256,7 @@ pub fn render(r: &AuditReport) -> String {
         ("seats with more than one active hold".into(), Some(v.double_active_holds)),
         ("tickets without captured payment".into(), Some(v.tickets_without_capture)),
         ("captured payments without ticket or refund".into(), Some(v.captured_without_ticket_or_refund)),
+        ("valid tickets of a refunded payment".into(), Some(v.tickets_valid_after_refund)),
         ("authorizations past their capture deadline".into(), Some(v.uncaptured_past_deadline)),
         ("orders stuck in a non-final state".into(), Some(v.stuck_orders)),
         ("unpublished outbox rows (older than 5 s)".into(), Some(v.unpublished_outbox)),

@@ -131,6 +131,10 @@ pub enum DriftKind {
     CancelNotInLedger,
     /// The provider refunded more than the ledger records. Closed by `PaymentRefunded`.
     RefundNotInLedger,
+    /// The provider refunded the whole capture and the order is still `ticketed` (its tickets
+    /// valid), whatever the ledger's refunded amount says (case C14). Closed by
+    /// `PaymentRefunded`, which voids the tickets.
+    TicketsValidAfterRefund,
     /// The ledger records something the provider does not: a different amount, more
     /// captured or refunded, or a later status. No fact closes it.
     LedgerDisagrees,
@@ -138,7 +142,7 @@ pub enum DriftKind {
 
 impl DriftKind {
     /// Every kind, in report order.
-    pub const ALL: [DriftKind; 8] = [
+    pub const ALL: [DriftKind; 9] = [
         DriftKind::IntentMissingInLedger,
         DriftKind::UnconfirmedIntentMissingInLedger,
         DriftKind::PaymentMissingAtProvider,
@@ -146,6 +150,7 @@ impl DriftKind {
         DriftKind::CaptureNotInLedger,
         DriftKind::CancelNotInLedger,
         DriftKind::RefundNotInLedger,
+        DriftKind::TicketsValidAfterRefund,
         DriftKind::LedgerDisagrees,
     ];
 
@@ -165,6 +170,7 @@ impl DriftKind {
             DriftKind::CaptureNotInLedger => "capture_not_in_ledger",
             DriftKind::CancelNotInLedger => "cancel_not_in_ledger",
             DriftKind::RefundNotInLedger => "refund_not_in_ledger",
+            DriftKind::TicketsValidAfterRefund => "tickets_valid_after_refund",
             DriftKind::LedgerDisagrees => "ledger_disagrees_with_provider",
         }
     }
@@ -335,6 +341,16 @@ pub fn compare(p: Option<&IntentWithCharge>, l: Option<&LedgerPayment>) -> Vec<D
                     ));
                 } else if refunded < row.amount_refunded_minor {
                     disagrees = true;
+                } else if l.order_status == OrderStatus::Ticketed && pi.amount_received > 0 && refunded >= pi.amount_received {
+                    // Recorded on the payment, but the tickets were never voided.
+                    out.push(drift(
+                        DriftKind::TicketsValidAfterRefund,
+                        Some(PurchaseEvent::PaymentRefunded {
+                            order_id: order,
+                            payment_intent_id: pi.id.clone(),
+                            amount_refunded_minor: refunded,
+                        }),
+                    ));
                 }
             }
         }

@@ -203,6 +203,9 @@ pub enum PurchaseEvent {
     TicketIssueRequested { order_id: OrderId, hold_id: HoldId },
     /// Fact: one ticket exists per held seat.
     TicketIssued { order_id: OrderId, ticket_ids: Vec<Uuid> },
+    /// Fact: the tickets of an order were voided (its money went back); the seats are not
+    /// resold unless an operator chooses to.
+    TicketsVoided { order_id: OrderId, ticket_ids: Vec<Uuid>, reason: String },
     /// Fact: the hold timed out and its seats were released.
     HoldExpired { order_id: OrderId, hold_id: HoldId },
     /// Command to the payment worker: cancel the uncaptured PaymentIntent (compensation).
@@ -259,6 +262,7 @@ impl PurchaseEvent {
             | OrderConfirmed { .. }
             | TicketIssueRequested { .. }
             | TicketIssued { .. }
+            | TicketsVoided { .. }
             | HoldExpired { .. } => None,
         }
     }
@@ -278,6 +282,7 @@ impl PurchaseEvent {
             | CaptureFailed { order_id, .. }
             | TicketIssueRequested { order_id, .. }
             | TicketIssued { order_id, .. }
+            | TicketsVoided { order_id, .. }
             | HoldExpired { order_id, .. }
             | AuthorizationCancelRequested { order_id, .. }
             | PaymentCanceled { order_id, .. }
@@ -315,7 +320,7 @@ mod tests {
         assert_eq!(EventKind::of(&env.event_type), Some(ev.kind()));
         assert_eq!(ev.kind().as_str(), "HoldExpired");
         assert_eq!(EventKind::of("SomethingNew"), None);
-        assert_eq!(EventKind::VARIANTS.len(), 17);
+        assert_eq!(EventKind::VARIANTS.len(), 18);
     }
 
     #[test]

@@ -23,6 +23,8 @@
 //! | CaptureFailed        | order `confirming`                     | release hold, → `failed`, cancel the authorization      |
 //! | PaymentCanceled      | order `confirming` (auth expired)      | release hold, → `failed`                                |
 //! | PaymentRefunded      | order `refunding`                      | → `refunded`                                            |
+//! |                      | order `ticketed`, refunded in full     | → `refunded`, tickets void, TicketsVoided (case C14)    |
+//! |                      | order `paid` / `ticketed`, in part     | recorded, incident; tickets stay valid                  |
 //!
 //! Invariant 2: only `PaymentAuthorized` for the order's PaymentIntent with an active,
 //! unlapsed hold confirms. Invariant 6: a late authorization is cancelled and a capture for an
@@ -66,6 +68,10 @@ pub mod reason {
     pub const AUTHORIZATION_CANCELED: &str = "authorization_canceled";
     /// The authorization neared Stripe's capture deadline uncaptured (case C09).
     pub const CAPTURE_DEADLINE: &str = "capture_deadline";
+    /// The captured money was refunded in full at the provider, not by the saga (case C14).
+    pub const REFUNDED_AT_PROVIDER: &str = "refunded_at_provider";
+    /// Part of the captured money was refunded at the provider; the tickets stay valid.
+    pub const PARTIAL_REFUND: &str = "partial_refund";
 }
 
 /// What the saga knows about an order when a fact arrives (read under its row locks).
@@ -147,6 +153,12 @@ pub enum Step {
     CancelAuthorization {
         /// The PaymentIntent to cancel.
         payment_intent_id: String,
+        /// Why (one of [`reason`]).
+        reason: &'static str,
+    },
+    /// Void every valid ticket of the order (kept, marked; the seats are not resold) and emit
+    /// `TicketsVoided`.
+    VoidTickets {
         /// Why (one of [`reason`]).
         reason: &'static str,
     },
@@ -421,14 +433,25 @@ fn canceled(s: &Snapshot) -> Vec<Step> {
     steps
 }
 
-/// + PaymentRefunded: the refund compensation completed.
+/// + PaymentRefunded: the refund compensation completed. A refund nobody here asked for (case
+/// C14): in full, the ticketed order is `refunded` and its tickets void; in part, it is
+/// recorded and reported, and the tickets stay valid.
 fn refunded(s: &Snapshot, amount: i64) -> Vec<Step> {
     let mut steps = vec![Step::MirrorPayment(PaymentUpdate {
         amount_refunded_minor: Some(amount),
         ..PaymentUpdate::status(PaymentIntentStatus::Succeeded)
     })];
-    if s.order == OrderStatus::Refunding {
-        steps.push(move_order(OrderStatus::Refunded));
+    match s.order {
+        OrderStatus::Refunding => steps.push(move_order(OrderStatus::Refunded)),
+        OrderStatus::Ticketed if amount >= s.amount_minor => steps.extend([
+            Step::MoveOrder { to: OrderStatus::Refunded, reason: Some(reason::REFUNDED_AT_PROVIDER.into()) },
+            Step::VoidTickets { reason: reason::REFUNDED_AT_PROVIDER },
+        ]),
+        OrderStatus::Ticketed | OrderStatus::Paid => steps.push(Step::Incident {
+            kind: reason::PARTIAL_REFUND,
+            details: serde_json::json!({ "amount_refunded_minor": amount, "amount_minor": s.amount_minor }),
+        }),
+        _ => {}
     }
     steps
 }

@@ -111,6 +111,8 @@ impl OrderStatus {
                 | (Paid, Ticketed)
                 | (Confirming | Paid | Expired | Failed | Canceled, Refunding)
                 | (Refunding, Refunded)
+                // The money went back at the provider (a dashboard refund): tickets are void.
+                | (Ticketed, Refunded)
         )
     }
 }
@@ -367,10 +369,11 @@ mod tests {
 
     #[test]
     fn final_states_only_leave_for_refunds() {
+        assert!(Ticketed.can_transition_to(Refunded), "a refund at the provider voids the tickets");
         for from in OrderStatus::ALL.into_iter().filter(|s| s.is_final()) {
             for to in OrderStatus::ALL {
                 if from.can_transition_to(to) {
-                    assert!(matches!(to, Refunding | Canceled), "{from} -> {to} must not be legal");
+                    assert!(matches!(to, Refunding | Refunded | Canceled), "{from} -> {to} must not be legal");
                 }
             }
         }

@@ -20,6 +20,9 @@ pub struct Violations {
     pub tickets_without_capture: i64,
     /// Payments captured for orders with neither tickets nor a full refund (invariant 6).
     pub captured_without_ticket_or_refund: i64,
+    /// Valid (unvoided) tickets whose payment was refunded in full (case C14): money back and
+    /// the seat still admitted.
+    pub tickets_valid_after_refund: i64,
     /// Authorizations the ledger still shows as `requires_capture` although their
     /// `capture_before` has passed (database clock): money held on a card that can no longer
     /// be captured and was never released (invariant 6, case C09).
@@ -43,6 +46,7 @@ impl Violations {
             + self.double_active_holds
             + self.tickets_without_capture
             + self.captured_without_ticket_or_refund
+            + self.tickets_valid_after_refund
             + self.uncaptured_past_deadline
             + self.stuck_orders
             + self.unpublished_outbox
@@ -103,6 +107,12 @@ pub async fn violations(
                  AND NOT EXISTS (SELECT 1 FROM tickets t WHERE t.order_id = p.order_id)
                  AND ($1::uuid IS NULL OR o.event_id = $1)",
         )
+        .fetch_one(pool)
+        .await?,
+        tickets_valid_after_refund: q("SELECT count(*) FROM tickets t JOIN payments p ON p.order_id = t.order_id
+               WHERE t.voided_at IS NULL AND p.amount_captured_minor > 0
+                 AND p.amount_refunded_minor >= p.amount_captured_minor
+                 AND ($1::uuid IS NULL OR t.event_id = $1)")
         .fetch_one(pool)
         .await?,
         uncaptured_past_deadline: q("SELECT count(*) FROM payments p JOIN orders o ON o.id = p.order_id

@@ -135,6 +135,25 @@ pub enum ReserveError {
     /// Seat count outside 1–8. → 422
     #[error("a hold takes 1 to 8 seats, got {0}")]
     SeatCount(usize),
+    /// The hold would take the buyer past one of the event's per-buyer limits. → 409
+    #[error("buyer limit {limit} reached: {has} of {max}")]
+    BuyerLimit {
+        /// Which limit.
+        limit: BuyerLimit,
+        /// The event's maximum.
+        max: i64,
+        /// What the buyer has now (seats, or active holds), without this request.
+        has: i64,
+    },
+    /// The event's sales window has not opened (or was never scheduled). → 403
+    #[error("sales are not open")]
+    SalesNotOpen {
+        /// When they open, if scheduled.
+        opens_at: Option<DateTime<Utc>>,
+    },
+    /// The event's sales window has closed. → 403
+    #[error("sales are closed")]
+    SalesClosed,
     /// The database failed (after retries for transient errors). → 503 or 500
     #[error("database error")]
     Db(#[from] sqlx::Error),
@@ -153,6 +172,32 @@ impl From<StoreError> for ReserveError {
             StoreError::Db(e) => ReserveError::Db(e),
             other => ReserveError::Ledger(other),
         }
+    }
+}
+
+/// The per-buyer limits an event stores (`events.max_seats_per_buyer`,
+/// `events.max_active_holds_per_buyer`; case C13).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BuyerLimit {
+    /// Seats across the buyer's active holds, live orders and tickets of the event.
+    MaxSeatsPerBuyer,
+    /// Active (unexpired, unconfirmed) holds of the buyer in the event.
+    MaxActiveHoldsPerBuyer,
+}
+
+impl BuyerLimit {
+    /// The limit's name, as stored and as shown in problem details.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BuyerLimit::MaxSeatsPerBuyer => "max_seats_per_buyer",
+            BuyerLimit::MaxActiveHoldsPerBuyer => "max_active_holds_per_buyer",
+        }
+    }
+}
+
+impl std::fmt::Display for BuyerLimit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 
@@ -199,6 +244,7 @@ async fn reserve_once(
     if let Some(replayed) = claim_idempotency_key(&mut tx, req, hash).await? {
         return Ok(ReserveOutcome::Replayed(replayed));
     }
+    check_event_rules(&mut tx, req, seats.len()).await?;
     let locked = lock_seats(&mut tx, req.event_id, seats).await?;
     take_seats_from_lapsed_holds(&mut tx, seats).await?;
     let receipt = insert_hold(&mut tx, req, seats, &locked).await?;
@@ -208,6 +254,87 @@ async fn reserve_once(
     // Committed but unanswered: the client's retry with the same key gets this receipt.
     boxoffice_faults::check("hold.after_commit")?;
     Ok(ReserveOutcome::Created(receipt))
+}
+
+/// The event's rules, read from the event row after taking the buyer's lock for this event
+/// (a transaction-scoped advisory lock on (event, user), so one buyer's concurrent holds are
+/// counted one after the other and N requests with N keys can never pass the cap together).
+struct EventRules {
+    max_seats_per_buyer: i32,
+    max_active_holds_per_buyer: i32,
+    sales_open_at: Option<DateTime<Utc>>,
+    sales_close_at: Option<DateTime<Utc>>,
+    now: DateTime<Utc>,
+    seats_held: i64,
+    active_holds: i64,
+    tickets: i64,
+}
+
+/// Step 2: the event exists (404), its sales window is open by the database clock (403
+/// `sales_not_open` / `sales_closed`), and the buyer stays within the event's limits (409
+/// `buyer_limit_reached`): seats across unreleased holds that are confirmed or active and
+/// unexpired, plus tickets, plus `requested` must not exceed `max_seats_per_buyer`; active
+/// unexpired holds must stay below `max_active_holds_per_buyer`.
+async fn check_event_rules(tx: &mut Tx<'_>, req: &ReserveRequest, requested: usize) -> Result<(), ReserveError> {
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1::text || '/' || $2::text, 0))")
+        .bind(req.event_id.0)
+        .bind(req.user_id.0)
+        .execute(&mut **tx)
+        .await?;
+    let rules: Option<EventRules> = sqlx::query_as::<_, (i32, i32, Option<DateTime<Utc>>, Option<DateTime<Utc>>, DateTime<Utc>, i64, i64, i64)>(
+        "SELECT e.max_seats_per_buyer, e.max_active_holds_per_buyer, e.sales_open_at, e.sales_close_at,
+                clock_timestamp(),
+                (SELECT count(*) FROM orders o JOIN holds h ON h.order_id = o.id
+                   JOIN hold_seats hs ON hs.hold_id = h.id AND hs.released_at IS NULL
+                  WHERE o.event_id = e.id AND o.user_id = $2
+                    AND (h.status = 'confirmed' OR (h.status = 'active' AND h.expires_at > clock_timestamp()))),
+                (SELECT count(*) FROM orders o JOIN holds h ON h.order_id = o.id
+                  WHERE o.event_id = e.id AND o.user_id = $2
+                    AND h.status = 'active' AND h.expires_at > clock_timestamp()),
+                (SELECT count(*) FROM orders o JOIN tickets t ON t.order_id = o.id
+                  WHERE o.event_id = e.id AND o.user_id = $2 AND t.voided_at IS NULL)
+           FROM events e WHERE e.id = $1",
+    )
+    .bind(req.event_id.0)
+    .bind(req.user_id.0)
+    .fetch_optional(&mut **tx)
+    .await?
+    .map(|r| EventRules {
+        max_seats_per_buyer: r.0,
+        max_active_holds_per_buyer: r.1,
+        sales_open_at: r.2,
+        sales_close_at: r.3,
+        now: r.4,
+        seats_held: r.5,
+        active_holds: r.6,
+        tickets: r.7,
+    });
+    let Some(rules) = rules else {
+        return Err(ReserveError::EventNotFound);
+    };
+    match rules.sales_open_at {
+        Some(open) if open <= rules.now => {}
+        opens_at => return Err(ReserveError::SalesNotOpen { opens_at }),
+    }
+    if rules.sales_close_at.is_some_and(|close| close <= rules.now) {
+        return Err(ReserveError::SalesClosed);
+    }
+    let has = rules.seats_held + rules.tickets;
+    if has + requested as i64 > i64::from(rules.max_seats_per_buyer) {
+        return Err(ReserveError::BuyerLimit {
+            limit: BuyerLimit::MaxSeatsPerBuyer,
+            max: rules.max_seats_per_buyer.into(),
+            has,
+        });
+    }
+    if rules.active_holds >= i64::from(rules.max_active_holds_per_buyer) {
+        return Err(ReserveError::BuyerLimit {
+            limit: BuyerLimit::MaxActiveHoldsPerBuyer,
+            max: rules.max_active_holds_per_buyer.into(),
+            has: rules.active_holds,
+        });
+    }
+    Ok(())
 }
 
 /// Step 1: a key seen before answers from memory (`Some(receipt)`), or refuses a different

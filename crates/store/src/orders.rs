@@ -188,6 +188,9 @@ pub struct TicketView {
     pub seat_label: String,
     /// When it was issued.
     pub issued_at: DateTime<Utc>,
+    /// When it was voided (its money went back); a void ticket admits nobody.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub voided_at: Option<DateTime<Utc>>,
 }
 
 /// The owner's view of an order (`GET /orders/{id}`).
@@ -275,6 +278,7 @@ struct TicketRow {
     seat_id: Uuid,
     seat_label: String,
     issued_at: DateTime<Utc>,
+    voided_at: Option<DateTime<Utc>>,
 }
 
 /// Reads the order for its owner in one statement; `None` when it does not exist *or*
@@ -289,7 +293,8 @@ pub async fn view(pool: &PgPool, id: OrderId, owner: UserId) -> Result<Option<Or
                                           ORDER BY s.label)
                             FROM hold_seats hs JOIN seats s ON s.id = hs.seat_id WHERE hs.hold_id = h.id), '[]') AS seats,
                 COALESCE((SELECT json_agg(json_build_object('ticket_id', t.id, 'seat_id', t.seat_id, 'seat_label', s.label,
-                                                            'issued_at', t.issued_at) ORDER BY s.label)
+                                                            'issued_at', t.issued_at, 'voided_at', t.voided_at)
+                                          ORDER BY s.label)
                             FROM tickets t JOIN seats s ON s.id = t.seat_id WHERE t.order_id = o.id), '[]') AS tickets
            FROM orders o
            LEFT JOIN holds h ON h.order_id = o.id
@@ -338,6 +343,7 @@ pub async fn view(pool: &PgPool, id: OrderId, owner: UserId) -> Result<Option<Or
                 seat_id: t.seat_id,
                 seat_label: t.seat_label,
                 issued_at: t.issued_at,
+                voided_at: t.voided_at,
             })
             .collect(),
         created_at: r.created_at,

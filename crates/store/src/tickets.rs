@@ -1,6 +1,7 @@
 //! Ticket issuance (design §11): one ticket per held seat, id derived from (order, seat), so a
 //! replay inserts nothing new (invariant 1: `ticket_seat_uq` makes a second ticket for a seat
-//! impossible whatever the path).
+//! impossible whatever the path); and voiding, which marks a ticket and never deletes it, so
+//! the seat stays taken (case C14).
 
 use crate::Tx;
 use boxoffice_domain::{ids::ticket_id, HoldId, OrderId, SeatId};
@@ -33,4 +34,18 @@ pub async fn issue(
     .execute(&mut **tx)
     .await?;
     Ok(ids)
+}
+
+/// Voids the valid tickets of `order` with `reason` (`voided_at` set, never deleted; the seat
+/// stays taken). Returns the ids voided now (empty on a replay).
+pub async fn void(tx: &mut Tx<'_>, order: OrderId, reason: &str) -> Result<Vec<Uuid>, sqlx::Error> {
+    sqlx::query_scalar(
+        "UPDATE tickets SET voided_at = clock_timestamp(), void_reason = $2
+          WHERE order_id = $1 AND voided_at IS NULL
+         RETURNING id",
+    )
+    .bind(order.0)
+    .bind(reason)
+    .fetch_all(&mut **tx)
+    .await
 }

@@ -1,5 +1,7 @@
-//! Events and their reserved-seating venues: idempotent seeding and the (possibly stale)
-//! availability map. The map is a hint for buyers; only the hold transaction decides.
+//! Events and their reserved-seating venues: idempotent seeding, the sales window, and the
+//! (possibly stale) availability map. The map is a hint for buyers; only the hold transaction
+//! decides. The sales window (`sales_open_at`, `sales_close_at`) is the ledger's: the hold
+//! transaction checks it, and the waiting room only caches it (case C18).
 
 use boxoffice_domain::EventId;
 use chrono::{DateTime, Utc};
@@ -7,8 +9,6 @@ use serde::Serialize;
 use sqlx::PgPool;
 use uuid::Uuid;
 
-/// Namespace for deterministic event and seat ids, so seeding twice changes nothing.
-const VENUE_NAMESPACE: Uuid = Uuid::from_u128(0x2b9c_71e4_0d55_4c1a_8e3f_5a6b_7c8d_9e0f);
 
 /// One block of seats with a single price level.
 #[derive(Debug, Clone)]
@@ -97,13 +97,10 @@ impl VenueSpec {
     }
 }
 
-/// The deterministic id of the event called `name`.
-pub fn event_id_for(name: &str) -> EventId {
-    EventId(Uuid::new_v5(&VENUE_NAMESPACE, name.as_bytes()))
-}
-
-/// Creates event `name` (id [`event_id_for`]) with every seat of `venue`, or does nothing for
-/// what already exists. Returns the event id and the number of seats the event has.
+/// Creates event `name` with every seat of `venue`, or does nothing for what already exists
+/// (events are unique by name; a new event gets a random id, so ids cannot be guessed from
+/// names). A new event is on sale from now with no closing time; [`schedule_sales`] changes
+/// that. Returns the event id and the number of seats the event has.
 pub async fn seed(
     pool: &PgPool,
     name: &str,
@@ -111,19 +108,21 @@ pub async fn seed(
     starts_at: DateTime<Utc>,
     purchase_cell: &str,
 ) -> Result<(EventId, i64), sqlx::Error> {
-    let event = event_id_for(name);
     let mut tx = pool.begin().await?;
     sqlx::query(
-        "INSERT INTO events (id, name, venue, starts_at, purchase_cell) VALUES ($1, $2, $3, $4, $5)
-         ON CONFLICT (id) DO NOTHING",
+        "INSERT INTO events (id, name, venue, starts_at, purchase_cell, sales_open_at)
+         VALUES (gen_random_uuid(), $1, $2, $3, $4, clock_timestamp())
+         ON CONFLICT (name) DO NOTHING",
     )
-    .bind(event.0)
     .bind(name)
     .bind(&venue.name)
     .bind(starts_at)
     .bind(purchase_cell)
     .execute(&mut *tx)
     .await?;
+    let event = EventId(
+        sqlx::query_scalar("SELECT id FROM events WHERE name = $1").bind(name).fetch_one(&mut *tx).await?,
+    );
     let mut batch = SeatBatch::default();
     for sec in &venue.sections {
         for row in 1..=sec.rows {
@@ -197,6 +196,58 @@ impl SeatBatch {
         *self = SeatBatch::default();
         Ok(())
     }
+}
+
+/// An event's sales window: when buyers may hold seats (`None` opening: not scheduled, not on
+/// sale; `None` closing: open-ended).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SalesWindow {
+    /// When sales open.
+    pub opens_at: Option<DateTime<Utc>>,
+    /// When sales close.
+    pub closes_at: Option<DateTime<Utc>>,
+}
+
+impl SalesWindow {
+    /// Whether sales are open at `now`.
+    pub fn is_open_at(&self, now: DateTime<Utc>) -> bool {
+        self.opens_at.is_some_and(|o| o <= now) && !self.closes_at.is_some_and(|c| c <= now)
+    }
+}
+
+/// Sets the sales window of `event`. Returns `false` when the event does not exist.
+///
+/// Errors: a check violation when `closes_at` is not after `opens_at`.
+pub async fn schedule_sales(pool: &PgPool, event: EventId, window: SalesWindow) -> Result<bool, sqlx::Error> {
+    let r = sqlx::query("UPDATE events SET sales_open_at = $2, sales_close_at = $3 WHERE id = $1")
+        .bind(event.0)
+        .bind(window.opens_at)
+        .bind(window.closes_at)
+        .execute(pool)
+        .await?;
+    Ok(r.rows_affected() == 1)
+}
+
+/// The sales window of `event` and the database clock's now, or `None` when the event does
+/// not exist.
+pub async fn sales_window(pool: &PgPool, event: EventId) -> Result<Option<(SalesWindow, DateTime<Utc>)>, sqlx::Error> {
+    let row: Option<(Option<DateTime<Utc>>, Option<DateTime<Utc>>, DateTime<Utc>)> =
+        sqlx::query_as("SELECT sales_open_at, sales_close_at, clock_timestamp() FROM events WHERE id = $1")
+            .bind(event.0)
+            .fetch_optional(pool)
+            .await?;
+    Ok(row.map(|(opens_at, closes_at, now)| (SalesWindow { opens_at, closes_at }, now)))
+}
+
+/// The per-buyer limits of `event`: `(max_seats_per_buyer, max_active_holds_per_buyer)`.
+pub async fn set_buyer_limits(pool: &PgPool, event: EventId, max_seats: i32, max_active_holds: i32) -> Result<bool, sqlx::Error> {
+    let r = sqlx::query("UPDATE events SET max_seats_per_buyer = $2, max_active_holds_per_buyer = $3 WHERE id = $1")
+        .bind(event.0)
+        .bind(max_seats)
+        .bind(max_active_holds)
+        .execute(pool)
+        .await?;
+    Ok(r.rows_affected() == 1)
 }
 
 /// One seat on the availability map.

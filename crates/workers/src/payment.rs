@@ -63,6 +63,9 @@ pub enum Prepared {
     Intent(PaymentIntent),
     /// A capture refused permanently.
     CaptureRefused { payment_intent_id: String, reason: String, intent: Option<PaymentIntent> },
+    /// The provider contradicts the claim that asked for a re-fetch (the PaymentIntent does
+    /// not exist, or belongs to another order): nothing is acted on; an incident is recorded.
+    Refuted { payment_intent_id: String, why: &'static str },
     /// A refund went through.
     Refunded { payment_intent_id: String, amount_minor: i64 },
     /// The PaymentIntent as Stripe reports it now (a refresh), with its charge's refunded
@@ -170,8 +173,25 @@ impl Handler for PaymentWorker {
                     amount_minor: refund.amount,
                 })
             }
-            PurchaseEvent::PaymentIntentRefreshRequested { payment_intent_id, .. } => {
-                let pi = g.retrieve_payment_intent(payment_intent_id).await.map_err(stripe_err)?;
+            PurchaseEvent::PaymentIntentRefreshRequested { order_id, payment_intent_id, .. } => {
+                let pi = match g.retrieve_payment_intent(payment_intent_id).await {
+                    Ok(pi) => pi,
+                    Err(e) if e.status() == Some(404) => {
+                        return Ok(Prepared::Refuted {
+                            payment_intent_id: payment_intent_id.clone(),
+                            why: "unknown_payment_intent",
+                        })
+                    }
+                    Err(e) => return Err(stripe_err(e)),
+                };
+                // A claim names its order in the PaymentIntent's metadata; the provider's copy
+                // must name the same one, or the claim is about someone else's money.
+                if pi.metadata.get("order_id") != Some(&order_id.to_string()) {
+                    return Ok(Prepared::Refuted {
+                        payment_intent_id: payment_intent_id.clone(),
+                        why: "payment_intent_of_another_order",
+                    });
+                }
                 // The charge holds what the PaymentIntent does not: refunds, and the
                 // authorization's real capture deadline (Stripe: "Place a hold on a payment
                 // method", `capture_before`), which the saga stores instead of the default.
@@ -201,6 +221,18 @@ impl Handler for PaymentWorker {
         let order_id = event.order_id();
         let mut emit = Vec::new();
         match (event, prepared) {
+            (_, Prepared::Refuted { payment_intent_id, why }) => {
+                tracing::warn!(order.id = %order_id, stripe.payment_intent = %payment_intent_id, reason = why,
+                    "the provider refutes a webhook's claim; nothing acted on");
+                metrics::counter!("boxoffice_webhook_claims_refuted_total", "reason" => why).increment(1);
+                stripe_events::incident(
+                    tx,
+                    Some(order_id),
+                    "webhook_claim_refuted",
+                    serde_json::json!({ "payment_intent_id": payment_intent_id, "reason": why }),
+                )
+                .await?;
+            }
             (_, Prepared::Skipped(why)) => {
                 tracing::info!(order.id = %order_id, event.type = %env.event_type, reason = why, "payment command skipped");
             }

@@ -17,7 +17,7 @@ use boxoffice_domain::saga::{self, HoldSnapshot, IntentMatch, Snapshot, Step};
 use boxoffice_domain::{Envelope, EventKind, OrderId, PurchaseEvent, Topic};
 use boxoffice_store::holds::HoldRow;
 use boxoffice_store::orders::OrderRow;
-use boxoffice_store::{holds, orders, outbox, payments, stripe_events, StoreError, Tx};
+use boxoffice_store::{holds, orders, outbox, payments, stripe_events, tickets, StoreError, Tx};
 use sqlx::PgPool;
 
 /// The saga consumer.
@@ -149,6 +149,14 @@ async fn execute(
             }
             Step::CancelAuthorization { payment_intent_id, reason } => {
                 emit.extend(cancel_once(tx, locked, payment_intent_id, reason).await?);
+            }
+            Step::VoidTickets { reason } => {
+                let ticket_ids = tickets::void(tx, order_id, reason).await?;
+                if !ticket_ids.is_empty() {
+                    metrics::counter!("boxoffice_tickets_voided_total", "reason" => *reason)
+                        .increment(ticket_ids.len() as u64);
+                    emit.push(PurchaseEvent::TicketsVoided { order_id, ticket_ids, reason: (*reason).to_owned() });
+                }
             }
             Step::Incident { kind, details } => {
                 stripe_events::incident(tx, Some(order_id), kind, details.clone()).await?;

@@ -81,6 +81,10 @@ impl World {
                     }
                 }
                 Step::Emit(e) => self.emitted.push(e.kind()),
+                Step::VoidTickets { .. } => {
+                    assert_eq!(self.order, OrderStatus::Refunded, "tickets are voided only with the order refunded");
+                    self.emitted.push(EventKind::TicketsVoided);
+                }
                 Step::SetCaptureBefore(_)
                 | Step::DefaultCaptureBefore
                 | Step::Incident { .. }
@@ -208,7 +212,7 @@ fn every_state_and_fact_pair_has_its_outcome() {
         ),
         (EventKind::CaptureFailed, ["-", "-", "-", "failed", "-", "-", "-", "-", "-", "-", "-"]),
         (EventKind::PaymentCanceled, ["-", "-", "-", "failed", "-", "-", "-", "-", "-", "-", "-"]),
-        (EventKind::PaymentRefunded, ["-", "-", "-", "-", "-", "-", "-", "-", "-", "refunded", "-"]),
+        (EventKind::PaymentRefunded, ["-", "-", "-", "-", "-", "refunded", "-", "-", "-", "refunded", "-"]),
     ];
     assert_eq!(table.len(), FACTS.len());
     for (kind, row) in table {
