@@ -1,13 +1,13 @@
 //! Shared state of the API role.
 
 use boxoffice_admission::{AdmissionTokens, UserTokens};
+use boxoffice_store::venue::SalesWindow;
 use boxoffice_waitroom::{Bucket, Waitroom};
 use bytes::Bytes;
 use metrics_exporter_prometheus::PrometheusHandle;
 use rdkafka::producer::FutureProducer;
 use sqlx::PgPool;
 use std::collections::HashMap;
-use boxoffice_store::venue::SalesWindow;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use uuid::Uuid;

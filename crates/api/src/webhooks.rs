@@ -124,7 +124,8 @@ async fn ingest_tx(pool: &PgPool, event: &Event) -> Result<Ingested, IngestError
                         tracing::warn!(stripe.event_id = %event.id, stripe.event_type = %event.r#type, order.id = %order,
                             reason, "webhook contradicts the ledger: asking the provider");
                     }
-                    metrics::counter!("boxoffice_webhook_claims_verified_total", "reason" => reason).increment(1);
+                    metrics::counter!("boxoffice_webhook_claims_verified_total", "reason" => reason)
+                        .increment(1);
                     outcome = Ingested::Refresh;
                     let fact = PurchaseEvent::PaymentIntentRefreshRequested {
                         order_id: order,
@@ -203,7 +204,9 @@ fn judge(
         "payment_intent.amount_capturable_updated" | "payment_intent.succeeded" => {
             p.status == PaymentIntentStatus::Canceled
         }
-        "payment_intent.canceled" | "payment_intent.payment_failed" => p.status == PaymentIntentStatus::Succeeded,
+        "payment_intent.canceled" | "payment_intent.payment_failed" => {
+            p.status == PaymentIntentStatus::Succeeded
+        }
         "charge.refunded" => amount(object, "amount_refunded") > p.amount_captured_minor.max(p.amount_minor),
         _ => false,
     };
@@ -215,7 +218,8 @@ fn judge(
             matches!(p.status, PaymentIntentStatus::RequiresCapture | PaymentIntentStatus::Succeeded)
         }
         "payment_intent.succeeded" => {
-            p.status == PaymentIntentStatus::Succeeded && p.amount_captured_minor >= amount(object, "amount_received")
+            p.status == PaymentIntentStatus::Succeeded
+                && p.amount_captured_minor >= amount(object, "amount_received")
         }
         "payment_intent.canceled" => p.status == PaymentIntentStatus::Canceled,
         "charge.refunded" => amount(object, "amount_refunded") <= p.amount_refunded_minor,

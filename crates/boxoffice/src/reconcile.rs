@@ -341,7 +341,10 @@ pub fn compare(p: Option<&IntentWithCharge>, l: Option<&LedgerPayment>) -> Vec<D
                     ));
                 } else if refunded < row.amount_refunded_minor {
                     disagrees = true;
-                } else if l.order_status == OrderStatus::Ticketed && pi.amount_received > 0 && refunded >= pi.amount_received {
+                } else if l.order_status == OrderStatus::Ticketed
+                    && pi.amount_received > 0
+                    && refunded >= pi.amount_received
+                {
                     // Recorded on the payment, but the tickets were never voided.
                     out.push(drift(
                         DriftKind::TicketsValidAfterRefund,
@@ -694,6 +697,7 @@ mod tests {
                 amount_captured_minor: captured,
                 amount_refunded_minor: refunded,
                 capture_before: None,
+                last_error_code: None,
             },
             event_id: Uuid::nil(),
             order_status: OrderStatus::Ticketed,
@@ -714,13 +718,29 @@ mod tests {
     fn agreeing_sides_have_no_drift() {
         for (p, l) in [
             (intent("succeeded", 100, 100, Some(0)), row("succeeded", 100, 100, 0)),
-            (intent("succeeded", 100, 100, Some(100)), row("succeeded", 100, 100, 100)),
             (intent("canceled", 100, 0, Some(100)), row("canceled", 100, 0, 0)),
             (intent("requires_capture", 100, 0, Some(0)), row("requires_capture", 100, 0, 0)),
             (intent("requires_payment_method", 100, 0, None), row("requires_payment_method", 100, 0, 0)),
         ] {
             assert!(compare(Some(&p), Some(&l)).is_empty(), "{p:?} vs {l:?}");
         }
+        let mut refunded = row("succeeded", 100, 100, 100);
+        refunded.order_status = OrderStatus::Refunded;
+        let p = intent("succeeded", 100, 100, Some(100));
+        assert!(compare(Some(&p), Some(&refunded)).is_empty(), "a refunded order agrees with its refund");
+    }
+
+    #[test]
+    fn valid_tickets_of_a_refunded_payment_are_drift() {
+        // Case C14: the ledger recorded the refund, but the order is still ticketed.
+        let p = intent("succeeded", 100, 100, Some(100));
+        assert_eq!(
+            kinds(Some(&p), Some(&row("succeeded", 100, 100, 100))),
+            [(DriftKind::TicketsValidAfterRefund, Some("PaymentRefunded"))]
+        );
+        // A partial refund leaves the tickets valid: no drift.
+        let p = intent("succeeded", 100, 100, Some(40));
+        assert!(kinds(Some(&p), Some(&row("succeeded", 100, 100, 40))).is_empty());
     }
 
     #[test]

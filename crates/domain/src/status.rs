@@ -373,7 +373,10 @@ mod tests {
         for from in OrderStatus::ALL.into_iter().filter(|s| s.is_final()) {
             for to in OrderStatus::ALL {
                 if from.can_transition_to(to) {
-                    assert!(matches!(to, Refunding | Refunded | Canceled), "{from} -> {to} must not be legal");
+                    assert!(
+                        matches!(to, Refunding | Refunded | Canceled),
+                        "{from} -> {to} must not be legal"
+                    );
                 }
             }
         }

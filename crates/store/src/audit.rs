@@ -109,10 +109,12 @@ pub async fn violations(
         )
         .fetch_one(pool)
         .await?,
-        tickets_valid_after_refund: q("SELECT count(*) FROM tickets t JOIN payments p ON p.order_id = t.order_id
+        tickets_valid_after_refund: q(
+            "SELECT count(*) FROM tickets t JOIN payments p ON p.order_id = t.order_id
                WHERE t.voided_at IS NULL AND p.amount_captured_minor > 0
                  AND p.amount_refunded_minor >= p.amount_captured_minor
-                 AND ($1::uuid IS NULL OR t.event_id = $1)")
+                 AND ($1::uuid IS NULL OR t.event_id = $1)",
+        )
         .fetch_one(pool)
         .await?,
         uncaptured_past_deadline: q("SELECT count(*) FROM payments p JOIN orders o ON o.id = p.order_id

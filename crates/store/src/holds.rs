@@ -275,7 +275,11 @@ struct EventRules {
 /// `buyer_limit_reached`): seats across unreleased holds that are confirmed or active and
 /// unexpired, plus tickets, plus `requested` must not exceed `max_seats_per_buyer`; active
 /// unexpired holds must stay below `max_active_holds_per_buyer`.
-async fn check_event_rules(tx: &mut Tx<'_>, req: &ReserveRequest, requested: usize) -> Result<(), ReserveError> {
+async fn check_event_rules(
+    tx: &mut Tx<'_>,
+    req: &ReserveRequest,
+    requested: usize,
+) -> Result<(), ReserveError> {
     sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1::text || '/' || $2::text, 0))")
         .bind(req.event_id.0)
         .bind(req.user_id.0)

@@ -35,6 +35,8 @@ pub struct PaymentRow {
     pub amount_refunded_minor: i64,
     /// Stripe's capture deadline for the authorization, when known.
     pub capture_before: Option<DateTime<Utc>>,
+    /// Stripe's error code of the last failed operation (a decline), when any.
+    pub last_error_code: Option<String>,
 }
 
 /// A payment row with what reconciliation against the provider needs about it and its
@@ -59,7 +61,7 @@ pub struct LedgerPayment {
 
 const LEDGER_PAYMENT_SELECT: &str =
     "SELECT p.order_id, p.payment_intent_id, p.status, p.amount_minor, p.currency,
-        p.amount_captured_minor, p.amount_refunded_minor, p.capture_before,
+        p.amount_captured_minor, p.amount_refunded_minor, p.capture_before, p.last_error_code,
         o.event_id, o.status AS order_status, o.correlation_id, p.created_at,
         COALESCE(p.capture_before < clock_timestamp(), false) AS deadline_passed
    FROM payments p JOIN orders o ON o.id = p.order_id";
@@ -100,7 +102,7 @@ pub async fn get<'e, E: Executor<'e, Database = Postgres>>(
 ) -> Result<Option<PaymentRow>, sqlx::Error> {
     sqlx::query_as(
         "SELECT order_id, payment_intent_id, status, amount_minor, currency, amount_captured_minor,
-                amount_refunded_minor, capture_before
+                amount_refunded_minor, capture_before, last_error_code
            FROM payments WHERE order_id = $1",
     )
     .bind(order.0)

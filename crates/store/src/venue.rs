@@ -9,7 +9,6 @@ use serde::Serialize;
 use sqlx::PgPool;
 use uuid::Uuid;
 
-
 /// One block of seats with a single price level.
 #[derive(Debug, Clone)]
 pub struct SectionSpec {
@@ -230,7 +229,10 @@ pub async fn schedule_sales(pool: &PgPool, event: EventId, window: SalesWindow) 
 
 /// The sales window of `event` and the database clock's now, or `None` when the event does
 /// not exist.
-pub async fn sales_window(pool: &PgPool, event: EventId) -> Result<Option<(SalesWindow, DateTime<Utc>)>, sqlx::Error> {
+pub async fn sales_window(
+    pool: &PgPool,
+    event: EventId,
+) -> Result<Option<(SalesWindow, DateTime<Utc>)>, sqlx::Error> {
     let row: Option<(Option<DateTime<Utc>>, Option<DateTime<Utc>>, DateTime<Utc>)> =
         sqlx::query_as("SELECT sales_open_at, sales_close_at, clock_timestamp() FROM events WHERE id = $1")
             .bind(event.0)
@@ -240,13 +242,20 @@ pub async fn sales_window(pool: &PgPool, event: EventId) -> Result<Option<(Sales
 }
 
 /// The per-buyer limits of `event`: `(max_seats_per_buyer, max_active_holds_per_buyer)`.
-pub async fn set_buyer_limits(pool: &PgPool, event: EventId, max_seats: i32, max_active_holds: i32) -> Result<bool, sqlx::Error> {
-    let r = sqlx::query("UPDATE events SET max_seats_per_buyer = $2, max_active_holds_per_buyer = $3 WHERE id = $1")
-        .bind(event.0)
-        .bind(max_seats)
-        .bind(max_active_holds)
-        .execute(pool)
-        .await?;
+pub async fn set_buyer_limits(
+    pool: &PgPool,
+    event: EventId,
+    max_seats: i32,
+    max_active_holds: i32,
+) -> Result<bool, sqlx::Error> {
+    let r = sqlx::query(
+        "UPDATE events SET max_seats_per_buyer = $2, max_active_holds_per_buyer = $3 WHERE id = $1",
+    )
+    .bind(event.0)
+    .bind(max_seats)
+    .bind(max_active_holds)
+    .execute(pool)
+    .await?;
     Ok(r.rows_affected() == 1)
 }
 

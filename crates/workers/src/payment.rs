@@ -184,9 +184,13 @@ impl Handler for PaymentWorker {
                     }
                     Err(e) => return Err(stripe_err(e)),
                 };
-                // A claim names its order in the PaymentIntent's metadata; the provider's copy
-                // must name the same one, or the claim is about someone else's money.
-                if pi.metadata.get("order_id") != Some(&order_id.to_string()) {
+                // The intent must be the order's: the one the ledger recorded for it, or one whose
+                // metadata (the provider's copy) names it; otherwise the claim is about someone
+                // else's money.
+                let recorded = payments::get(&self.pool, *order_id).await?;
+                let ours = recorded.is_some_and(|p| p.payment_intent_id == pi.id)
+                    || pi.metadata.get("order_id") == Some(&order_id.to_string());
+                if !ours {
                     return Ok(Prepared::Refuted {
                         payment_intent_id: payment_intent_id.clone(),
                         why: "payment_intent_of_another_order",
@@ -301,9 +305,14 @@ impl Handler for PaymentWorker {
                 Prepared::Observed { intent: pi, amount_refunded_minor, capture_before },
             ) => {
                 tracing::info!(order.id = %order_id, payment_intent.status = %pi.status, reason = %reason,
-                    "PaymentIntent re-fetched after a disagreeing webhook");
+                    "PaymentIntent re-fetched");
                 metrics::counter!("boxoffice_payment_intent_refreshes_total").increment(1);
-                emit.extend(observed_facts(order_id, &pi, amount_refunded_minor, capture_before));
+                let local = payments::get(&mut **tx, order_id).await?;
+                emit.extend(
+                    observed_facts(order_id, &pi, amount_refunded_minor, capture_before)
+                        .into_iter()
+                        .filter(|f| is_news(local.as_ref(), f)),
+                );
             }
             (e, p) => {
                 return Err(HandlerError::permanent("unexpected_outcome", anyhow::anyhow!("{e:?} -> {p:?}")));
@@ -333,6 +342,30 @@ async fn facts_from_intent(
         }
         _ => vec![],
     })
+}
+
+/// Whether `fact`, observed at the provider, tells the ledger something its payment row does
+/// not record yet. A re-fetch reports only news, so a replayed refresh (or one that raced the
+/// fact it was asked to check) adds nothing to the outbox. Facts about a PaymentIntent that
+/// is not the recorded one are always news (the saga cancels a stray authorization).
+pub fn is_news(local: Option<&payments::PaymentRow>, fact: &PurchaseEvent) -> bool {
+    let Some(p) = local.filter(|p| Some(p.payment_intent_id.as_str()) == fact.payment_intent_id()) else {
+        return true;
+    };
+    match fact {
+        PurchaseEvent::PaymentAuthorized { .. } => p.status.is_unsettled(),
+        PurchaseEvent::PaymentCaptured { amount_captured_minor, .. } => {
+            p.status != PaymentIntentStatus::Succeeded || p.amount_captured_minor < *amount_captured_minor
+        }
+        PurchaseEvent::PaymentRefunded { amount_refunded_minor, .. } => {
+            p.amount_refunded_minor < *amount_refunded_minor
+        }
+        PurchaseEvent::PaymentCanceled { .. } => p.status != PaymentIntentStatus::Canceled,
+        PurchaseEvent::PaymentFailed { reason, .. } => {
+            p.status.is_unsettled() && p.last_error_code.as_deref() != Some(reason.as_str())
+        }
+        _ => true,
+    }
 }
 
 /// Every fact a re-fetched PaymentIntent states, for the saga to act on (it ignores facts
@@ -365,17 +398,22 @@ pub fn observed_facts(
             v
         }
         PaymentIntentStatus::Canceled => vec![PurchaseEvent::PaymentCanceled { order_id, payment_intent_id }],
-        PaymentIntentStatus::RequiresPaymentMethod => vec![PurchaseEvent::PaymentFailed {
-            order_id,
-            payment_intent_id,
-            reason: pi
-                .last_payment_error
-                .as_ref()
-                .and_then(|e| e.get("decline_code").or_else(|| e.get("code")))
-                .and_then(|v| v.as_str())
-                .unwrap_or("payment_failed")
-                .to_owned(),
-        }],
+        // A declined confirmation; a PaymentIntent nobody tried to pay yet states nothing.
+        PaymentIntentStatus::RequiresPaymentMethod => pi
+            .last_payment_error
+            .as_ref()
+            .map(|e| PurchaseEvent::PaymentFailed {
+                order_id,
+                payment_intent_id,
+                reason: e
+                    .get("decline_code")
+                    .or_else(|| e.get("code"))
+                    .and_then(|v| v.as_str())
+                    .unwrap_or("payment_failed")
+                    .to_owned(),
+            })
+            .into_iter()
+            .collect(),
         _ => vec![],
     }
 }

@@ -155,7 +155,11 @@ async fn execute(
                 if !ticket_ids.is_empty() {
                     metrics::counter!("boxoffice_tickets_voided_total", "reason" => *reason)
                         .increment(ticket_ids.len() as u64);
-                    emit.push(PurchaseEvent::TicketsVoided { order_id, ticket_ids, reason: (*reason).to_owned() });
+                    emit.push(PurchaseEvent::TicketsVoided {
+                        order_id,
+                        ticket_ids,
+                        reason: (*reason).to_owned(),
+                    });
                 }
             }
             Step::Incident { kind, details } => {

@@ -82,7 +82,11 @@ impl World {
                 }
                 Step::Emit(e) => self.emitted.push(e.kind()),
                 Step::VoidTickets { .. } => {
-                    assert_eq!(self.order, OrderStatus::Refunded, "tickets are voided only with the order refunded");
+                    assert_eq!(
+                        self.order,
+                        OrderStatus::Refunded,
+                        "tickets are voided only with the order refunded"
+                    );
                     self.emitted.push(EventKind::TicketsVoided);
                 }
                 Step::SetCaptureBefore(_)

@@ -366,3 +366,120 @@ async fn authorization_past_its_deadline_is_seen_on_both_sides(_: PgPoolOptions,
     assert_eq!(r.to_json()["checks"]["provider"]["status"], "not_checked");
     app.stop().await;
 }
+
+/// Refunds `amount` (all that remains when `None`) of `pi` directly at the provider, as an
+/// operator does from the dashboard.
+async fn refund_at_provider(app: &TestApp, pi: &str, amount: Option<i64>) {
+    let mut form = vec![("payment_intent", pi.to_owned())];
+    if let Some(a) = amount {
+        form.push(("amount", a.to_string()));
+    }
+    let r = app
+        .http
+        .post(format!("{}/v1/refunds", app.cfg.stripe_api_base))
+        .bearer_auth(secrecy::ExposeSecret::expose_secret(&app.cfg.stripe_secret_key))
+        .header("Idempotency-Key", Uuid::new_v4().to_string())
+        .form(&form)
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_success(), "refund at the provider: {}", r.text().await.unwrap());
+}
+
+async fn order_status(app: &TestApp, order: Uuid) -> String {
+    sqlx::query_scalar("SELECT status FROM orders WHERE id = $1")
+        .bind(order)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap()
+}
+
+async fn valid_tickets(app: &TestApp, order: Uuid) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM tickets WHERE order_id = $1 AND voided_at IS NULL")
+        .bind(order)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap()
+}
+
+/// C14: a ticketed order refunded in full from the provider's dashboard ends `refunded` with
+/// its tickets void (kept, marked) and a `TicketsVoided` fact; a partial refund is recorded
+/// and reported, and the tickets stay valid; the audit is clean afterwards. A ledger whose
+/// tickets stayed valid after a full refund is a violation that `reconcile --fix` closes.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn c14_a_refund_at_the_provider_voids_the_tickets(_: PgPoolOptions, opts: PgConnectOptions) {
+    let app = TestApp::spawn(opts, &Role::ALL, VenueSpec::small(1, 1, 4)).await;
+    let s = app.seats().await;
+    let (full, full_pi) = buy(&app, s[0], "full").await;
+    let (part, part_pi) = buy(&app, s[1], "part").await;
+    settle(&app).await;
+
+    refund_at_provider(&app, &full_pi, None).await;
+    refund_at_provider(&app, &part_pi, Some(5_000)).await;
+    let pool = app.pool.clone();
+    eventually(WAIT, "the full refund voided the tickets", || {
+        let pool = pool.clone();
+        async move { crate::helpers::outbox_count(&pool, "TicketsVoided", full).await == 1 }
+    })
+    .await;
+    eventually(WAIT, "the partial refund was recorded", || {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>("SELECT amount_refunded_minor FROM payments WHERE order_id = $1")
+                .bind(part)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+                == 5_000
+        }
+    })
+    .await;
+    settle(&app).await;
+    assert_eq!((order_status(&app, full).await.as_str(), valid_tickets(&app, full).await), ("refunded", 0));
+    assert_eq!(
+        app.count("SELECT count(*) FROM tickets WHERE void_reason = 'refunded_at_provider'").await,
+        1,
+        "kept, marked"
+    );
+    assert_eq!((order_status(&app, part).await.as_str(), valid_tickets(&app, part).await), ("ticketed", 1));
+    assert_eq!(app.count("SELECT count(*) FROM incidents WHERE kind = 'partial_refund'").await, 1);
+    let r = run_audit(&app).await;
+    assert_eq!((r.total(), r.exit_code()), (0, 0), "{}", audit::render(&r));
+
+    // A ledger that recorded the refund but kept the tickets valid (as before voiding existed).
+    sqlx::query("UPDATE tickets SET voided_at = NULL, void_reason = NULL WHERE order_id = $1")
+        .bind(full)
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE orders SET status = 'ticketed' WHERE id = $1")
+        .bind(full)
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    let r = run_audit(&app).await;
+    assert_eq!(r.ledger.tickets_valid_after_refund, 1, "{}", audit::render(&r));
+    assert_eq!(provider(&r).drift_count(DriftKind::TicketsValidAfterRefund), 1);
+    assert_eq!(r.exit_code(), 1);
+    let fixed = run_reconcile(&app, true).await;
+    assert_eq!(fixed.facts_emitted, 1, "{}", reconcile::render(&fixed));
+    eventually(WAIT, "the saga voided the tickets again", || {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM tickets WHERE order_id = $1 AND voided_at IS NULL",
+            )
+            .bind(full)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+                == 0
+        }
+    })
+    .await;
+    settle(&app).await;
+    assert_eq!(order_status(&app, full).await, "refunded");
+    let r = run_audit(&app).await;
+    assert_eq!((r.total(), r.exit_code()), (0, 0), "{}", audit::render(&r));
+    app.stop().await;
+}

@@ -145,7 +145,8 @@ async fn c05_capture_after_release_is_refunded(_: PgPoolOptions, opts: PgConnect
         .unwrap();
     boxoffice_store::holds::expire_due(&app.pool, 10).await.unwrap();
 
-    // The late capture arrives as a signed webhook: acknowledged 2xx, never a 4xx.
+    // The late capture is first claimed by a signed webhook: acknowledged 2xx, never a 4xx,
+    // and not believed — it only asks the provider (case C16).
     let body = serde_json::to_vec(&serde_json::json!({
         "id": "evt_late_capture", "object": "event", "type": "payment_intent.succeeded",
         "created": chrono::Utc::now().timestamp(), "livemode": false, "api_version": "2024-06-20",
@@ -165,14 +166,19 @@ async fn c05_capture_after_release_is_refunded(_: PgPoolOptions, opts: PgConnect
         .await
         .unwrap();
     assert_eq!(r.status(), 200);
-    let fact: serde_json::Value = sqlx::query_scalar(
-        "SELECT payload FROM outbox WHERE event_type = 'PaymentCaptured' AND message_key = $1",
-    )
-    .bind(order.to_string())
-    .fetch_one(&app.pool)
-    .await
-    .unwrap();
-    let fact: Envelope = serde_json::from_value(fact).unwrap();
+    assert_eq!(app.outbox_count("PaymentIntentRefreshRequested", order).await, 1);
+    assert_eq!(app.outbox_count("PaymentCaptured", order).await, 0, "a claim is not a fact");
+    // The provider confirms the capture (what the re-fetch reports).
+    let fact = Envelope::new(
+        oid,
+        &PurchaseEvent::PaymentCaptured {
+            order_id: oid,
+            payment_intent_id: pi.into(),
+            amount_captured_minor: 18_500,
+        },
+        Uuid::new_v4(),
+        None,
+    );
     handle_once(&app.pool, &Saga, &fact).await.unwrap();
     // The same fact again (e.g. from the capture response path) does nothing more.
     let mut again = fact.clone();

@@ -238,6 +238,34 @@ fn pi_event(
     })
 }
 
+/// Re-fetches of `order`'s PaymentIntent requested with `reason`.
+async fn refreshes(app: &TestApp, order: Uuid, reason: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM outbox WHERE event_type = 'PaymentIntentRefreshRequested' AND message_key = $1
+            AND payload -> 'payload' ->> 'reason' = $2",
+    )
+    .bind(order.to_string())
+    .bind(reason)
+    .fetch_one(&app.pool)
+    .await
+    .unwrap()
+}
+
+/// Re-fetches of `order`'s PaymentIntent requested with `reason` that the payment worker has
+/// applied.
+pub async fn refreshes_applied(pool: &sqlx::PgPool, order: Uuid, reason: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM inbox i JOIN outbox o ON o.id = i.event_id
+          WHERE i.consumer = 'payments' AND o.event_type = 'PaymentIntentRefreshRequested'
+            AND o.message_key = $1 AND o.payload -> 'payload' ->> 'reason' = $2",
+    )
+    .bind(order.to_string())
+    .bind(reason)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
 /// A webhook that disagrees with the ledger is not acted on: the PaymentIntent is re-fetched
 /// and Stripe's answer decides. A forged-looking "authorized for 1 cent" does not confirm
 /// the order; a "canceled" for a captured payment does not release a sold seat.
@@ -263,12 +291,12 @@ async fn disagreeing_webhooks_are_resolved_by_asking_stripe(_: PgPoolOptions, op
     );
     deliver(&app, &wrong).await;
     let pool = app.pool.clone();
-    eventually(WAIT, "the refresh reported Stripe's view", || {
+    assert_eq!(refreshes(&app, order, "amount_mismatch").await, 1);
+    eventually(WAIT, "the refresh asked Stripe", || {
         let pool = pool.clone();
-        async move { crate::helpers::outbox_count(&pool, "PaymentFailed", order).await == 1 }
+        async move { refreshes_applied(&pool, order, "amount_mismatch").await == 1 }
     })
     .await;
-    assert_eq!(app.outbox_count("PaymentIntentRefreshRequested", order).await, 1);
     assert_eq!(app.outbox_count("PaymentAuthorized", order).await, 0, "the webhook's claim was not trusted");
     let (_, view) = app.order(&b, order).await;
     assert_eq!(view["status"], "payment_required");
@@ -276,15 +304,22 @@ async fn disagreeing_webhooks_are_resolved_by_asking_stripe(_: PgPoolOptions, op
     // The real authorization goes through; then a "canceled" contradicting the capture.
     app.pay(&b, order, "pm_card_visa").await.expect("authorized");
     app.await_order(&b, order, WAIT, |v| v["status"] == "ticketed").await;
+    app.assert_drained_and_clean().await;
+    let captured_before = app.outbox_count("PaymentCaptured", order).await;
     let contradiction =
         pi_event("evt_contradiction", "payment_intent.canceled", &pi, "canceled", 0, Some(order));
     deliver(&app, &contradiction).await;
+    assert_eq!(refreshes(&app, order, "status_contradicts_ledger").await, 1);
     eventually(WAIT, "the second refresh was applied", || {
         let pool = pool.clone();
-        async move { crate::helpers::outbox_count(&pool, "PaymentCaptured", order).await == 2 }
+        async move { refreshes_applied(&pool, order, "status_contradicts_ledger").await == 1 }
     })
     .await;
-    assert_eq!(app.outbox_count("PaymentIntentRefreshRequested", order).await, 2);
+    assert_eq!(
+        app.outbox_count("PaymentCaptured", order).await,
+        captured_before,
+        "Stripe's answer is no news"
+    );
     assert_eq!(app.outbox_count("PaymentCanceled", order).await, 0);
     app.assert_drained_and_clean().await;
     let (_, view) = app.order(&b, order).await;
@@ -430,5 +465,137 @@ async fn early_webhook_is_kept_and_rederived_from_stripe(_: PgPoolOptions, opts:
     };
     let days = (deadline - chrono::Utc::now()).num_hours() as f64 / 24.0;
     assert!((6.9..=7.01).contains(&days), "capture_before {deadline} is {days} days out");
+    app.stop().await;
+}
+
+/// A signed claim for each handled event type about an order whose PaymentIntent the provider
+/// still reports as `requires_payment_method` (case C16).
+fn forged_claims(order: Uuid, pi: &str, round: &str) -> Vec<serde_json::Value> {
+    let mut claims: Vec<serde_json::Value> = [
+        ("payment_intent.amount_capturable_updated", "requires_capture", 18_500),
+        ("payment_intent.succeeded", "succeeded", 0),
+        ("payment_intent.payment_failed", "requires_payment_method", 0),
+        ("payment_intent.canceled", "canceled", 0),
+    ]
+    .into_iter()
+    .map(|(kind, status, capturable)| {
+        let mut e =
+            pi_event(&format!("evt_forged_{round}_{kind}"), kind, pi, status, capturable, Some(order));
+        if kind == "payment_intent.succeeded" {
+            e["data"]["object"]["amount_received"] = 18_500.into();
+        }
+        if kind == "payment_intent.payment_failed" {
+            e["data"]["object"]["last_payment_error"] =
+                serde_json::json!({"code": "card_declined", "decline_code": "stolen_card"});
+        }
+        e
+    })
+    .collect();
+    claims.push(serde_json::json!({
+        "id": format!("evt_forged_{round}_refund"), "object": "event", "type": "charge.refunded",
+        "created": chrono::Utc::now().timestamp(), "livemode": false, "api_version": "2024-06-20",
+        "data": {"object": {"id": "ch_forged", "object": "charge", "payment_intent": pi, "amount": 18_500,
+                 "amount_captured": 18_500, "amount_refunded": 18_500, "refunded": true, "currency": "usd",
+                 "metadata": {"order_id": order.to_string()}}}
+    }));
+    claims
+}
+
+/// C16: forged-but-signed claims of every handled type, for an unpaid order and then for a
+/// ticketed one, change nothing — not the order, not its hold, not its payment row — until the
+/// provider confirms; each is answered 2xx once its re-fetch is durable, and the provider's
+/// answer is what the saga acts on.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn c16_forged_signed_claims_change_nothing_until_the_provider_confirms(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    let app = TestApp::spawn(opts, &Role::ALL, VenueSpec::small(1, 1, 4)).await;
+    let seat = app.seats().await[0];
+    let b = app.buyer();
+    let r = app.hold(&b, &app.admission_token(&b), "c16", &[seat]).await;
+    let order: Uuid =
+        r.json::<serde_json::Value>().await.unwrap()["order_id"].as_str().unwrap().parse().unwrap();
+    let before = app
+        .await_order(&b, order, WAIT, |v| v["status"] == "payment_required" && v.get("client_secret").is_some())
+        .await;
+    let pi = before["payment_intent_id"].as_str().unwrap().to_owned();
+    let ledger = |pool: sqlx::PgPool| async move {
+        sqlx::query_as::<_, (String, String, chrono::DateTime<chrono::Utc>, String, i64, i64)>(
+            "SELECT o.status, h.status, h.expires_at, p.status, p.amount_captured_minor, p.amount_refunded_minor
+               FROM orders o JOIN holds h ON h.order_id = o.id JOIN payments p ON p.order_id = o.id WHERE o.id = $1",
+        )
+        .bind(order)
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    };
+    let unpaid = ledger(app.pool.clone()).await;
+    assert_eq!(
+        (unpaid.0.as_str(), unpaid.1.as_str(), unpaid.3.as_str()),
+        ("payment_required", "active", "requires_payment_method")
+    );
+
+    let claims = forged_claims(order, &pi, "unpaid");
+    for claim in &claims {
+        deliver(&app, claim).await;
+    }
+    let pool = app.pool.clone();
+    let n = claims.len() as i64;
+    eventually(WAIT, "every claim was checked with the provider", || {
+        let pool = pool.clone();
+        async move { refreshes_applied(&pool, order, "webhook_claim").await == n }
+    })
+    .await;
+    assert_eq!(
+        ledger(app.pool.clone()).await,
+        unpaid,
+        "nothing moved on a claim the provider does not confirm"
+    );
+    for fact in [
+        "PaymentAuthorized",
+        "PaymentCaptured",
+        "PaymentFailed",
+        "PaymentCanceled",
+        "PaymentRefunded",
+        "HoldExpired",
+    ] {
+        assert_eq!(app.outbox_count(fact, order).await, 0, "{fact}");
+    }
+    let (_, view) = app.order(&b, order).await;
+    assert_eq!(
+        (view["status"].as_str(), view["client_secret"].is_string()),
+        (Some("payment_required"), true)
+    );
+
+    // The buyer pays for real: the provider's answer is acted on.
+    app.pay(&b, order, "pm_card_visa").await.expect("authorized");
+    app.await_order(&b, order, WAIT, |v| v["status"] == "ticketed").await;
+    app.assert_drained_and_clean().await;
+    let ticketed = ledger(app.pool.clone()).await;
+    let checked = |pool: sqlx::PgPool| async move {
+        refreshes_applied(&pool, order, "webhook_claim").await
+            + refreshes_applied(&pool, order, "status_contradicts_ledger").await
+    };
+    let checked_before = checked(app.pool.clone()).await;
+
+    // The same lies about the ticketed order: no refund, no cancel, no voided ticket. The
+    // ledger already knows the authorization and the capture; the decline and the cancel
+    // contradict it and the refund is news: three re-fetches.
+    let claims = forged_claims(order, &pi, "ticketed");
+    for claim in &claims {
+        deliver(&app, claim).await;
+    }
+    eventually(WAIT, "every claim about the ticketed order was checked", || {
+        let pool = pool.clone();
+        async move { checked(pool).await == checked_before + 3 }
+    })
+    .await;
+    app.assert_drained_and_clean().await;
+    assert_eq!(ledger(app.pool.clone()).await, ticketed);
+    assert_eq!(app.count("SELECT count(*) FROM tickets WHERE voided_at IS NULL").await, 1);
+    for fact in ["PaymentCanceled", "PaymentRefunded", "RefundRequested", "TicketsVoided"] {
+        assert_eq!(app.outbox_count(fact, order).await, 0, "{fact}");
+    }
     app.stop().await;
 }

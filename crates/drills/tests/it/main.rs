@@ -14,6 +14,7 @@ mod compensation;
 mod e2e;
 mod faults;
 mod holds;
+mod limits;
 mod purchase;
 mod release;
 mod saga;

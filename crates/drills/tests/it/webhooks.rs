@@ -1,5 +1,6 @@
 //! Stripe webhook ingress (case C08): signature first, dedupe on Stripe's event id, the outbox
-//! continuation in the same transaction, 2xx only after commit.
+//! continuation (a re-fetch of the claimed PaymentIntent) in the same transaction, 2xx only
+//! after commit.
 
 use crate::helpers::{barrier, problem, TestApp};
 use boxoffice::runtime::Role;
@@ -85,10 +86,11 @@ async fn c08_duplicate_webhooks_have_one_effect(_: PgPoolOptions, opts: PgConnec
         assert_eq!(send(body.clone(), sig).await.unwrap().status(), 200);
     }
     assert_eq!(app.count("SELECT count(*) FROM stripe_events WHERE stripe_event_id = 'evt_dup_1'").await, 1);
-    assert_eq!(app.outbox_count("PaymentAuthorized", order).await, 1);
-    // The provider's state is mirrored for the owner: authorized, no client secret any more.
+    assert_eq!(app.outbox_count("PaymentIntentRefreshRequested", order).await, 1);
+    assert_eq!(app.outbox_count("PaymentAuthorized", order).await, 0, "a claim is checked, not believed");
+    // Nothing changes for the owner until the provider confirms (case C16).
     let (_, view) = app.order(&b, order).await;
-    assert_eq!(view["status"], "authorized");
-    assert!(view.get("client_secret").is_none());
+    assert_eq!(view["status"], "held");
+    assert!(view.get("client_secret").is_some());
     app.stop().await;
 }
