@@ -107,13 +107,50 @@ impl std::str::FromStr for VenueSize {
 
 /// `boxoffice seed-venue`: creates the event and its venue — `small`, or the 18,000-seat
 /// arena — (idempotent); prints the event id.
-pub async fn seed_venue(cfg: &Config, name: &str, small: Option<VenueSize>) -> anyhow::Result<uuid::Uuid> {
+pub async fn seed_venue(
+    cfg: &Config,
+    name: &str,
+    small: Option<VenueSize>,
+    rules: &EventRules,
+) -> anyhow::Result<uuid::Uuid> {
     let pool = migrate_db(cfg).await?;
     let spec = small.map_or_else(VenueSpec::arena, VenueSize::spec);
     let starts = chrono::Utc::now() + chrono::Duration::days(30);
     let (event, seats) = venue::seed(&pool, name, &spec, starts, &cfg.purchase_cell).await?;
+    if rules.opens_at.is_some() || rules.closes_at.is_some() {
+        let window = venue::SalesWindow {
+            opens_at: Some(rules.opens_at.unwrap_or_else(chrono::Utc::now)),
+            closes_at: rules.closes_at,
+        };
+        venue::schedule_sales(&pool, event, window).await.context("setting the sales window")?;
+    }
+    if rules.max_seats_per_buyer.is_some() || rules.max_active_holds_per_buyer.is_some() {
+        let (seats_cap, holds_cap) = venue::buyer_limits(&pool, event).await?;
+        venue::set_buyer_limits(
+            &pool,
+            event,
+            rules.max_seats_per_buyer.unwrap_or(seats_cap),
+            rules.max_active_holds_per_buyer.unwrap_or(holds_cap),
+        )
+        .await
+        .context("setting the buyer limits")?;
+    }
     println!("event {event} \"{name}\" at {}: {seats} seats", spec.name);
     Ok(event.0)
+}
+
+/// What `seed-venue` may set on the event beside its seats; `None` keeps what the event has
+/// (a new event: on sale from now, open-ended, 8 seats and 1 active hold per buyer).
+#[derive(Debug, Clone, Default)]
+pub struct EventRules {
+    /// When sales open (RFC 3339).
+    pub opens_at: Option<chrono::DateTime<chrono::Utc>>,
+    /// When sales close.
+    pub closes_at: Option<chrono::DateTime<chrono::Utc>>,
+    /// Seats one buyer may have across active holds, live orders and tickets.
+    pub max_seats_per_buyer: Option<i32>,
+    /// Active holds one buyer may have at once.
+    pub max_active_holds_per_buyer: Option<i32>,
 }
 
 /// The [`audit::AuditOptions`] of `cfg`: the provider checks run when a Stripe API base is

@@ -30,12 +30,26 @@ enum Command {
     },
     /// Create an event with a reserved-seating venue (idempotent).
     SeedVenue {
-        /// Event name; the event id is derived from it.
+        /// Event name, unique; seeding the same name again changes nothing (the event's id is
+        /// random and printed).
         #[arg(long, default_value = "Arena Onsale")]
         name: String,
         /// A small venue `SECTIONS,ROWS,SEATS` instead of the 18,000-seat arena.
         #[arg(long)]
         small: Option<commands::VenueSize>,
+        /// When sales open, RFC 3339 (a new event: now).
+        #[arg(long)]
+        opens_at: Option<chrono::DateTime<chrono::Utc>>,
+        /// When sales close, RFC 3339 (a new event: never).
+        #[arg(long)]
+        closes_at: Option<chrono::DateTime<chrono::Utc>>,
+        /// Seats one buyer may have across active holds, live orders and tickets (a new
+        /// event: 8).
+        #[arg(long)]
+        max_seats_per_buyer: Option<i32>,
+        /// Active holds one buyer may have at once (a new event: 1).
+        #[arg(long)]
+        max_active_holds_per_buyer: Option<i32>,
     },
     /// Check every invariant against the ledger, the payment provider (when a Stripe API base
     /// is configured) and the dead-letter topic (when a broker is configured); exit 1 on any
@@ -139,9 +153,13 @@ enum WaitroomAction {
         /// The event.
         #[arg(long)]
         event: uuid::Uuid,
-        /// Opening time, RFC 3339 (e.g. 2026-06-01T10:00:00Z).
+        /// Opening time, RFC 3339 (e.g. 2026-06-01T10:00:00Z): written to the ledger (the hold
+        /// transaction's authority), then to the waiting room.
         #[arg(long)]
         opens_at: chrono::DateTime<chrono::Utc>,
+        /// Closing time, RFC 3339; none by default.
+        #[arg(long)]
+        closes_at: Option<chrono::DateTime<chrono::Utc>>,
         /// Seed of the pre-queue draw (reproducible order); default: a random secret.
         #[arg(long)]
         seed: Option<String>,
@@ -182,7 +200,12 @@ async fn waitroom(cfg: &Config, action: WaitroomAction) -> anyhow::Result<()> {
     let room = boxoffice::runtime::waitroom(cfg)?;
     let event = |e: uuid::Uuid| boxoffice_domain::EventId(e);
     match action {
-        WaitroomAction::Schedule { event: e, opens_at, seed } => {
+        WaitroomAction::Schedule { event: e, opens_at, closes_at, seed } => {
+            let pool = commands::migrate_db(cfg).await?;
+            let window = boxoffice_store::venue::SalesWindow { opens_at: Some(opens_at), closes_at };
+            if !boxoffice_store::venue::schedule_sales(&pool, event(e), window).await? {
+                anyhow::bail!("no event {e}");
+            }
             room.schedule(event(e), opens_at, seed.as_deref()).await?;
             println!("event {e} opens at {opens_at}");
         }
@@ -226,7 +249,18 @@ async fn main() {
     let result: anyhow::Result<i32> = match cli.command {
         Command::Migrate => commands::migrate(&cfg).await.map(|_| 0),
         Command::Serve { roles } => commands::serve(&cfg, &roles).await.map(|_| 0),
-        Command::SeedVenue { name, small } => commands::seed_venue(&cfg, &name, small).await.map(|_| 0),
+        Command::SeedVenue {
+            name,
+            small,
+            opens_at,
+            closes_at,
+            max_seats_per_buyer,
+            max_active_holds_per_buyer,
+        } => {
+            let rules =
+                commands::EventRules { opens_at, closes_at, max_seats_per_buyer, max_active_holds_per_buyer };
+            commands::seed_venue(&cfg, &name, small, &rules).await.map(|_| 0)
+        }
         Command::Audit { json, stuck_after_ms, event, since, skip_provider } => {
             match commands::audit_options(&cfg, stuck_after_ms, event, since.as_deref(), skip_provider) {
                 Ok(opts) => commands::audit(&cfg, json, &opts).await,

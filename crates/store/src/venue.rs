@@ -242,6 +242,15 @@ pub async fn sales_window(
 }
 
 /// The per-buyer limits of `event`: `(max_seats_per_buyer, max_active_holds_per_buyer)`.
+pub async fn buyer_limits(pool: &PgPool, event: EventId) -> Result<(i32, i32), sqlx::Error> {
+    sqlx::query_as("SELECT max_seats_per_buyer, max_active_holds_per_buyer FROM events WHERE id = $1")
+        .bind(event.0)
+        .fetch_one(pool)
+        .await
+}
+
+/// Sets the per-buyer limits of `event` (both > 0). Returns `false` when the event does not
+/// exist.
 pub async fn set_buyer_limits(
     pool: &PgPool,
     event: EventId,

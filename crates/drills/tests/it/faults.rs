@@ -517,7 +517,9 @@ async fn c16_forged_signed_claims_change_nothing_until_the_provider_confirms(
     let order: Uuid =
         r.json::<serde_json::Value>().await.unwrap()["order_id"].as_str().unwrap().parse().unwrap();
     let before = app
-        .await_order(&b, order, WAIT, |v| v["status"] == "payment_required" && v.get("client_secret").is_some())
+        .await_order(&b, order, WAIT, |v| {
+            v["status"] == "payment_required" && v.get("client_secret").is_some()
+        })
         .await;
     let pi = before["payment_intent_id"].as_str().unwrap().to_owned();
     let ledger = |pool: sqlx::PgPool| async move {
