@@ -65,6 +65,9 @@ impl Default for ApiSettings {
 /// always reads the ledger itself.
 pub const EVENT_CACHE_TTL: std::time::Duration = std::time::Duration::from_secs(2);
 
+/// A sales window read from the ledger at an instant (`None`: no such event).
+pub type CachedWindow = (Instant, Option<SalesWindow>);
+
 /// Everything a handler needs; cheap to clone.
 #[derive(Clone)]
 pub struct AppState {
@@ -82,7 +85,7 @@ pub struct AppState {
     /// Each event's sales window as last read from the ledger (`None`: no such event), with
     /// when it was read, so queue joins in a stampede do not each ask the ledger; entries
     /// live [`EVENT_CACHE_TTL`].
-    pub event_windows: Arc<Mutex<HashMap<Uuid, (Instant, Option<SalesWindow>)>>>,
+    pub event_windows: Arc<Mutex<HashMap<Uuid, CachedWindow>>>,
     /// Tuning.
     pub settings: Arc<ApiSettings>,
     /// The producer whose health `/readyz` reports (absent when no relay runs here).

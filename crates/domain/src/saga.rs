@@ -257,7 +257,7 @@ pub fn give_up_before_capture_deadline(s: &Snapshot, payment_intent_id: &str) ->
     steps
 }
 
-/// + HoldCreated: ask the payment worker for a manual-capture PaymentIntent.
+/// Forward, on HoldCreated: ask the payment worker for a manual-capture PaymentIntent.
 fn request_authorization(
     s: &Snapshot,
     order_id: OrderId,
@@ -276,7 +276,7 @@ fn request_authorization(
     })]
 }
 
-/// + PaymentIntentCreated: the buyer may pay. - An order that ended meanwhile gets the
+/// Forward, on PaymentIntentCreated: the buyer may pay. Compensation: An order that ended meanwhile gets the
 /// intent cancelled (nobody may pay for nothing).
 fn intent_created(s: &Snapshot, payment_intent_id: &str) -> Vec<Step> {
     match s.order {
@@ -288,7 +288,7 @@ fn intent_created(s: &Snapshot, payment_intent_id: &str) -> Vec<Step> {
     }
 }
 
-/// + PaymentAuthorized: confirm a live hold and request the capture. - Cancel an
+/// Forward, on PaymentAuthorized: confirm a live hold and request the capture. Compensation: Cancel an
 /// authorization that came too late or names another PaymentIntent.
 fn authorized(
     s: &Snapshot,
@@ -353,7 +353,7 @@ fn cancel_late_authorization(payment_intent_id: &str) -> Vec<Step> {
     ]
 }
 
-/// + PaymentCaptured: the order is paid; issue its tickets. - Money captured for an order
+/// Forward, on PaymentCaptured: the order is paid; issue its tickets. Compensation: Money captured for an order
 /// that no longer owns seats is refunded.
 fn captured(
     s: &Snapshot,
@@ -409,7 +409,7 @@ fn refund_capture(s: &Snapshot, order_id: OrderId, payment_intent_id: &str, amou
     steps
 }
 
-/// - CaptureFailed: the confirmed order cannot be paid; release its seats and cancel the
+/// Compensation, on CaptureFailed: the confirmed order cannot be paid; release its seats and cancel the
 /// authorization.
 fn capture_failed(s: &Snapshot, payment_intent_id: &str, why: &str) -> Vec<Step> {
     if s.order != OrderStatus::Confirming {
@@ -421,7 +421,7 @@ fn capture_failed(s: &Snapshot, payment_intent_id: &str, why: &str) -> Vec<Step>
     steps
 }
 
-/// - PaymentCanceled: the authorization lapsed or was cancelled before capture (case C09);
+/// Compensation, on PaymentCanceled: the authorization lapsed or was cancelled before capture (case C09);
 /// a confirmed order fails and gives its seats back.
 fn canceled(s: &Snapshot) -> Vec<Step> {
     let mut steps = vec![Step::MirrorPayment(PaymentUpdate::status(PaymentIntentStatus::Canceled))];
@@ -433,7 +433,7 @@ fn canceled(s: &Snapshot) -> Vec<Step> {
     steps
 }
 
-/// + PaymentRefunded: the refund compensation completed. A refund nobody here asked for (case
+/// Forward, on PaymentRefunded: the refund compensation completed. A refund nobody here asked for (case
 /// C14): in full, the ticketed order is `refunded` and its tickets void; in part, it is
 /// recorded and reported, and the tickets stay valid.
 fn refunded(s: &Snapshot, amount: i64) -> Vec<Step> {

@@ -729,8 +729,17 @@ pub async fn run(cfg: Config, args: ChaosArgs) -> anyhow::Result<i32> {
         stopping: AtomicBool::new(false),
     });
     let lb_shutdown = CancellationToken::new();
+    let run = Run {
+        base: &cfg,
+        args: &args,
+        plan: &plan,
+        sup: &sup,
+        run_dir: &run_dir,
+        db_name: &db_name,
+        programs: &programs,
+    };
     let outcome = tokio::select! {
-        r = chaos(&cfg, &args, &plan, &sup, &run_dir, &db_name, &programs, lb_shutdown.clone()) => r,
+        r = chaos(&run, lb_shutdown.clone()) => r,
         _ = boxoffice::commands::wait_for_signal() => Err(anyhow::anyhow!("interrupted")),
     };
     lb_shutdown.cancel();
@@ -777,18 +786,57 @@ async fn drop_database(cfg: &Config, name: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The run proper: set-up, buyers under the schedule, drain, audit, report.
-#[allow(clippy::too_many_arguments)]
-async fn chaos(
-    base: &Config,
-    args: &ChaosArgs,
-    plan: &Plan,
-    sup: &Arc<Supervisor>,
-    run_dir: &Path,
-    db_name: &str,
-    programs: &Programs,
-    lb_shutdown: CancellationToken,
-) -> anyhow::Result<i32> {
+/// What a chaos run works with, fixed before it starts.
+struct Run<'a> {
+    base: &'a Config,
+    args: &'a ChaosArgs,
+    plan: &'a Plan,
+    sup: &'a Arc<Supervisor>,
+    run_dir: &'a Path,
+    db_name: &'a str,
+    programs: &'a Programs,
+}
+
+/// After [`prepare`]: the run's own database (seeded), configuration and addresses.
+struct Prepared {
+    run_started: chrono::DateTime<chrono::Utc>,
+    cfg: Config,
+    db_url: String,
+    pool: sqlx::PgPool,
+    event: boxoffice_domain::EventId,
+    buyers: usize,
+    broker_addr: SocketAddr,
+    sim_addr: SocketAddr,
+    sim_base: String,
+}
+
+/// After [`deploy`]: every process started and answering, behind the load balancer.
+struct Deployed {
+    api_url: String,
+    http: reqwest::Client,
+    _ticker: AbortOnDrop,
+}
+
+/// After [`drain_and_audit`].
+struct Audited {
+    drained: bool,
+    report: boxoffice::audit::AuditReport,
+}
+
+/// The run proper, phase by phase: set-up, processes, buyers under the schedule, drain and
+/// audit, report. Returns the exit code.
+async fn chaos(run: &Run<'_>, lb_shutdown: CancellationToken) -> anyhow::Result<i32> {
+    let prepared = prepare(run).await?;
+    let deployed = deploy(run, &prepared, lb_shutdown).await?;
+    let stats = drive_buyers(run, &prepared, &deployed).await?;
+    let audited = drain_and_audit(run, &prepared).await?;
+    report(run, &prepared, &stats, &audited)
+}
+
+/// Phase 1: the run's configuration (its database, a free broker and simulator port), the
+/// database migrated and seeded with a venue sized for the buyers.
+async fn prepare(run: &Run<'_>) -> anyhow::Result<Prepared> {
+    let (base, args, db_name, sup) = (run.base, run.args, run.db_name, run.sup);
     let run_started = chrono::Utc::now();
     let db_opts = base.pg_options()?.database(db_name);
     let db_url = db_opts.to_url_lossy().to_string();
@@ -805,7 +853,6 @@ async fn chaos(
     cfg.db_max_connections = 3;
     cfg.db_acquire_timeout_ms = 30_000;
 
-    // Database, venue.
     let pool = boxoffice::commands::migrate_db(&cfg).await?;
     let buyers_n = args.buyers.unwrap_or((args.duration.as_secs() as usize * 2).max(10));
     let rows = (buyers_n as u32 * 5 / 2).div_ceil(40).max(2);
@@ -822,36 +869,18 @@ async fn chaos(
         "database {db_name}, event {} with {seats} seats, {buyers_n} buyers over {:.0}s, run directory {}",
         event.0,
         args.duration.as_secs_f64(),
-        run_dir.display()
+        run.run_dir.display()
     ));
+    Ok(Prepared { run_started, cfg, db_url, pool, event, buyers: buyers_n, broker_addr, sim_addr, sim_base })
+}
 
-    // Broker (persistent storage in the run directory) and topics.
-    let broker_url = format!("tcp://{broker_addr}");
-    let mut procs = vec![Proc {
-        name: "broker".into(),
-        kind: ProcKind::Broker,
-        program: programs.nisshi.clone(),
-        args: [
-            "broker",
-            "--listener-url",
-            &broker_url,
-            "--advertised-listener-url",
-            &broker_url,
-            "--storage-engine",
-            "sqlite://nisshi.db",
-            "--group-initial-rebalance-delay",
-            "500ms",
-        ]
-        .map(String::from)
-        .to_vec(),
-        env: Vec::new(),
-        cwd: run_dir.to_owned(),
-        log: run_dir.join("broker.log"),
-        child: None,
-        faults: String::new(),
-        restart_at: None,
-        starts: 0,
-    }];
+/// Phase 2: the broker (persistent storage in the run directory) and its topics, the load
+/// balancer in front of the API processes, the simulator delivering webhooks through it,
+/// two processes of each role, the supervisor loop; returns once all of them answer.
+async fn deploy(run: &Run<'_>, p: &Prepared, lb_shutdown: CancellationToken) -> anyhow::Result<Deployed> {
+    let (sup, run_dir, programs) = (run.sup, run.run_dir, run.programs);
+    let (cfg, broker_addr, sim_addr) = (&p.cfg, p.broker_addr, p.sim_addr);
+    let mut procs = vec![broker_proc(run, broker_addr)];
     let pid = sup.spawn(&mut procs[0])?;
     sup.note(format!("start broker (pid {pid}, storage {}/nisshi.db)", run_dir.display()));
     anyhow::ensure!(
@@ -859,10 +888,9 @@ async fn chaos(
         "the broker did not open {broker_addr} (see {})",
         run_dir.join("broker.log").display()
     );
-    let kafka = cfg.kafka().expect("set above");
     let mut created = Err(anyhow::anyhow!("not tried"));
     for _ in 0..20 {
-        created = deploy::create_topics(&cfg, None).await;
+        created = deploy::create_topics(cfg, None).await;
         if created.is_ok() {
             break;
         }
@@ -879,15 +907,7 @@ async fn chaos(
     tokio::spawn(load_balancer(lb, api_addrs.clone(), lb_shutdown));
     let api_url = format!("http://{lb_addr}");
 
-    // The Stripe simulator, delivering webhooks through the load balancer.
-    let secrets = [
-        ("BOXOFFICE_USER_JWT_SECRET", cfg.user_jwt_secret.expose_secret().to_owned()),
-        ("BOXOFFICE_STRIPE_SECRET_KEY", cfg.stripe_secret_key.expose_secret().to_owned()),
-        ("BOXOFFICE_STRIPE_WEBHOOK_SECRET", cfg.stripe_webhook_secret.expose_secret().to_owned()),
-        ("BOXOFFICE_ADMISSION_KID", cfg.admission_kid.clone()),
-        ("BOXOFFICE_ADMISSION_PRIVATE_KEY", cfg.admission_private_key.expose_secret().to_owned()),
-    ]
-    .map(|(k, v)| (k.to_owned(), v));
+    let secrets = secret_env(cfg);
     procs.push(Proc {
         name: "stripe-sim".into(),
         kind: ProcKind::StripeSim,
@@ -899,7 +919,7 @@ async fn chaos(
             "--webhook-url".into(),
             format!("{api_url}/webhooks/stripe"),
         ],
-        env: secrets.to_vec(),
+        env: secrets.clone(),
         cwd: run_dir.to_owned(),
         log: run_dir.join("stripe-sim.log"),
         child: None,
@@ -907,14 +927,108 @@ async fn chaos(
         restart_at: None,
         starts: 0,
     });
+    procs.extend(role_procs(run, p, &api_addrs, &secrets));
+    for proc in procs.iter_mut().skip(1) {
+        let pid = sup.spawn(proc)?;
+        let f = if proc.faults.is_empty() { String::new() } else { format!(", armed {}", proc.faults) };
+        sup.note(format!("start {} (pid {pid}{f})", proc.name));
+    }
+    *sup.procs.lock().await = procs;
 
-    // The role processes.
+    let ticker = {
+        let sup = sup.clone();
+        tokio::spawn(async move {
+            loop {
+                sup.tick().await;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    };
+    let ticker = AbortOnDrop(ticker);
+
+    // Ready: the simulator and both APIs answer (database and broker reachable).
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(5)).build()?;
+    let ready = wait_until(Duration::from_secs(60), || {
+        let http = http.clone();
+        let (addrs, sim) = (api_addrs.clone(), p.sim_base.clone());
+        async move {
+            let sim_ok =
+                http.get(format!("{sim}/_sim/stats")).send().await.is_ok_and(|r| r.status().is_success());
+            let mut apis_ok = true;
+            for a in addrs {
+                apis_ok &= http
+                    .get(format!("http://{a}/readyz"))
+                    .send()
+                    .await
+                    .is_ok_and(|r| r.status().is_success());
+            }
+            sim_ok && apis_ok
+        }
+    })
+    .await;
+    anyhow::ensure!(ready, "the Stripe simulator or the API processes did not become ready within 60 s");
+    sup.note(format!("ready: api behind {lb_addr}, broker {broker_addr}, stripe simulator {sim_addr}"));
+    Ok(Deployed { api_url, http, _ticker: ticker })
+}
+
+/// The broker process, with SQLite storage in the run directory so a restart keeps topics and
+/// committed offsets.
+fn broker_proc(run: &Run<'_>, broker_addr: SocketAddr) -> Proc {
+    let broker_url = format!("tcp://{broker_addr}");
+    Proc {
+        name: "broker".into(),
+        kind: ProcKind::Broker,
+        program: run.programs.nisshi.clone(),
+        args: [
+            "broker",
+            "--listener-url",
+            &broker_url,
+            "--advertised-listener-url",
+            &broker_url,
+            "--storage-engine",
+            "sqlite://nisshi.db",
+            "--group-initial-rebalance-delay",
+            "500ms",
+        ]
+        .map(String::from)
+        .to_vec(),
+        env: Vec::new(),
+        cwd: run.run_dir.to_owned(),
+        log: run.run_dir.join("broker.log"),
+        child: None,
+        faults: String::new(),
+        restart_at: None,
+        starts: 0,
+    }
+}
+
+/// The secrets every child process shares with this one, as `BOXOFFICE_*` variables.
+fn secret_env(cfg: &Config) -> Vec<(String, String)> {
+    [
+        ("BOXOFFICE_USER_JWT_SECRET", cfg.user_jwt_secret.expose_secret().to_owned()),
+        ("BOXOFFICE_STRIPE_SECRET_KEY", cfg.stripe_secret_key.expose_secret().to_owned()),
+        ("BOXOFFICE_STRIPE_WEBHOOK_SECRET", cfg.stripe_webhook_secret.expose_secret().to_owned()),
+        ("BOXOFFICE_ADMISSION_KID", cfg.admission_kid.clone()),
+        ("BOXOFFICE_ADMISSION_PRIVATE_KEY", cfg.admission_private_key.expose_secret().to_owned()),
+    ]
+    .map(|(k, v)| (k.to_owned(), v))
+    .to_vec()
+}
+
+/// Two `serve --roles X` processes per role, with the plan's initial fault points armed.
+fn role_procs(
+    run: &Run<'_>,
+    p: &Prepared,
+    api_addrs: &[SocketAddr],
+    secrets: &[(String, String)],
+) -> Vec<Proc> {
+    let (cfg, args, db_name) = (&p.cfg, run.args, run.db_name);
     let mut common: Vec<(String, String)> = [
-        ("BOXOFFICE_DATABASE_URL", db_url.clone()),
-        ("BOXOFFICE_KAFKA_BROKERS", broker_addr.to_string()),
+        ("BOXOFFICE_DATABASE_URL", p.db_url.clone()),
+        ("BOXOFFICE_KAFKA_BROKERS", p.broker_addr.to_string()),
         ("BOXOFFICE_KAFKA_TOPIC_PREFIX", cfg.kafka_topic_prefix.clone()),
         ("BOXOFFICE_KAFKA_PARTITIONS", PARTITIONS.to_owned()),
-        ("BOXOFFICE_STRIPE_API_BASE", sim_base.clone()),
+        ("BOXOFFICE_STRIPE_API_BASE", p.sim_base.clone()),
         ("BOXOFFICE_STRIPE_TIMEOUT_MS", "3000".to_owned()),
         ("BOXOFFICE_HOLD_TTL_MS", args.hold_ttl.as_millis().to_string()),
         // Buyers take POST /events/{id}/admission: the waiting room is not under test here.
@@ -940,6 +1054,7 @@ async fn chaos(
     .to_vec();
     common.extend(secrets.iter().cloned());
     common.extend(args.role_env.iter().cloned());
+    let mut procs = Vec::new();
     for (i, name) in role_process_names().into_iter().enumerate() {
         let role = ROLES[i / PER_ROLE];
         let mut env = common.clone();
@@ -947,90 +1062,61 @@ async fn chaos(
             env.insert(0, ("BOXOFFICE_HTTP_BIND".into(), api_addrs[i % PER_ROLE].to_string()));
         }
         procs.push(Proc {
-            faults: plan.initial_faults.get(&name).cloned().unwrap_or_default(),
-            log: run_dir.join(format!("{}.log", name.replace('#', "-"))),
+            faults: run.plan.initial_faults.get(&name).cloned().unwrap_or_default(),
+            log: run.run_dir.join(format!("{}.log", name.replace('#', "-"))),
             name,
             kind: ProcKind::Role(role),
-            program: programs.boxoffice.clone(),
+            program: run.programs.boxoffice.clone(),
             args: vec!["serve".into(), "--roles".into(), role.name().into()],
             env,
-            cwd: run_dir.to_owned(),
+            cwd: run.run_dir.to_owned(),
             child: None,
             restart_at: None,
             starts: 0,
         });
     }
-    for p in procs.iter_mut().skip(1) {
-        let pid = sup.spawn(p)?;
-        let f = if p.faults.is_empty() { String::new() } else { format!(", armed {}", p.faults) };
-        sup.note(format!("start {} (pid {pid}{f})", p.name));
-    }
-    *sup.procs.lock().await = procs;
+    procs
+}
 
-    // The supervisor loop.
-    let ticker = {
-        let sup = sup.clone();
-        tokio::spawn(async move {
-            loop {
-                sup.tick().await;
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        })
-    };
-    let _ticker = AbortOnDrop(ticker);
-
-    // Ready: the simulator and both APIs answer (database and broker reachable).
-    let http = reqwest::Client::builder().timeout(Duration::from_secs(5)).build()?;
-    let ready = wait_until(Duration::from_secs(60), || {
-        let http = http.clone();
-        let (addrs, sim) = (api_addrs.clone(), sim_base.clone());
-        async move {
-            let sim_ok =
-                http.get(format!("{sim}/_sim/stats")).send().await.is_ok_and(|r| r.status().is_success());
-            let mut apis_ok = true;
-            for a in addrs {
-                apis_ok &= http
-                    .get(format!("http://{a}/readyz"))
-                    .send()
-                    .await
-                    .is_ok_and(|r| r.status().is_success());
-            }
-            sim_ok && apis_ok
-        }
-    })
-    .await;
-    anyhow::ensure!(ready, "the Stripe simulator or the API processes did not become ready within 60 s");
-    sup.note(format!("ready: api behind {lb_addr}, broker {broker_addr}, stripe simulator {sim_addr}"));
-
-    // Buyers and the schedule, side by side.
-    let users = boxoffice::runtime::user_tokens(&cfg);
+/// Phase 3: the simulated buyers and the fault schedule, side by side.
+async fn drive_buyers(run: &Run<'_>, p: &Prepared, d: &Deployed) -> anyhow::Result<buyers::BuyerStats> {
+    let (args, sup) = (run.args, run.sup);
+    let users = boxoffice::runtime::user_tokens(&p.cfg);
     let mut bc = buyers::BuyerConfig::new(
-        api_url.clone(),
-        sim_base.clone(),
-        cfg.stripe_publishable_key.clone(),
-        event.0,
+        d.api_url.clone(),
+        p.sim_base.clone(),
+        p.cfg.stripe_publishable_key.clone(),
+        p.event.0,
         Arc::new(move |u| users.issue(boxoffice_domain::UserId(u), 3_600)),
     );
-    bc.buyers = buyers_n;
+    bc.buyers = p.buyers;
     bc.max_in_flight = 16;
     bc.poll_interval_ms = 500;
     bc.final_timeout_ms = args.hold_ttl.as_millis() as u64 + 60_000;
     bc.seed = args.seed;
-    bc.arrival_rate = buyers_n as f64 / args.duration.as_secs_f64();
+    bc.arrival_rate = p.buyers as f64 / args.duration.as_secs_f64();
     let chaos_started = Instant::now();
-    let (stats, ()) =
-        tokio::join!(buyers::drive(bc), execute(plan, sup, base, db_name, &http, &sim_base, chaos_started));
+    let (stats, ()) = tokio::join!(
+        buyers::drive(bc),
+        execute(run.plan, sup, run.base, run.db_name, &d.http, &p.sim_base, chaos_started)
+    );
     let stats = stats?;
     sup.note(format!(
         "buyers done: {} holds, {} ticketed, {} expired, {} timed out, {} http errors (retried)",
         stats.holds, stats.ticketed_orders, stats.expired, stats.timed_out, stats.http_errors
     ));
+    Ok(stats)
+}
 
-    // Drain, audit.
-    let drained = Drain::orders_of(event.0, args.drain_timeout)
+/// Phase 4: every order final and the outbox empty (riding out a database that still refuses
+/// connections), then every invariant checked against the ledger, the simulator and the
+/// dead-letter topic.
+async fn drain_and_audit(run: &Run<'_>, p: &Prepared) -> anyhow::Result<Audited> {
+    let (args, sup, pool, cfg) = (run.args, run.sup, &p.pool, &p.cfg);
+    let drained = Drain::orders_of(p.event.0, args.drain_timeout)
         .every(Duration::from_millis(250))
         .retrying_errors()
-        .run(&pool)
+        .run(pool)
         .await
         .unwrap_or_default();
     if let (false, Some(e)) = (drained.done, &drained.last_error) {
@@ -1039,30 +1125,38 @@ async fn chaos(
     let drained = drained.done;
     sup.note(if drained { "drained: every order final, outbox empty" } else { "drain timed out" });
     let provider = boxoffice_payments::StripeClient::new(boxoffice_payments::StripeConfig {
-        api_base: sim_base.clone(),
+        api_base: p.sim_base.clone(),
         secret_key: cfg.stripe_secret_key.clone(),
         timeout_ms: cfg.stripe_timeout_ms,
     })?;
     let window =
-        boxoffice::reconcile::Window { since: run_started - chrono::Duration::minutes(1), until: None };
+        boxoffice::reconcile::Window { since: p.run_started - chrono::Duration::minutes(1), until: None };
     let audit_opts = boxoffice::audit::AuditOptions {
         stuck_after_ms: 0,
-        event: Some(event.0),
+        event: Some(p.event.0),
         provider: Ok((provider, window)),
-        kafka: Ok(kafka),
+        kafka: Ok(cfg.kafka().expect("set in prepare")),
         dlq_timeout: Duration::from_secs(30),
     };
     // The ledger read is retried: the database may still be refusing connections after the
     // last outage (or to a neighbour's load); a provider or broker failure is a result.
-    let mut audited = boxoffice::audit::run(&pool, &audit_opts).await;
+    let mut audited = boxoffice::audit::run(pool, &audit_opts).await;
     for _ in 0..5 {
         let Err(e) = &audited else { break };
         sup.note(format!("audit could not read the ledger, retrying: {e:#}"));
         tokio::time::sleep(Duration::from_secs(2)).await;
-        audited = boxoffice::audit::run(&pool, &audit_opts).await;
+        audited = boxoffice::audit::run(pool, &audit_opts).await;
     }
-    let audited = audited?;
+    let report = audited?;
     pool.close().await;
+    Ok(Audited { drained, report })
+}
+
+/// Phase 5: the report (JSON or text) and the exit code: 0 when every count is 0, 1 on any
+/// violation, 2 when a check could not run.
+fn report(run: &Run<'_>, p: &Prepared, stats: &buyers::BuyerStats, a: &Audited) -> anyhow::Result<i32> {
+    let (args, sup, db_name, buyers_n) = (run.args, run.sup, run.db_name, p.buyers);
+    let (audited, drained, event) = (&a.report, a.drained, p.event);
     let code = audited.exit_code();
     let counts = lock(&sup.counts).clone();
     let totals = &audited.totals;
@@ -1104,7 +1198,7 @@ async fn chaos(
             totals.tickets, totals.seats_sold, totals.captured, totals.refunds
         );
         println!("  drained         {drained}");
-        print!("{}", boxoffice::audit::render(&audited));
+        print!("{}", boxoffice::audit::render(audited));
         match code {
             0 => println!("result: every invariant holds"),
             1 => println!("result: {} VIOLATION(S)", audited.total()),

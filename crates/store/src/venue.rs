@@ -210,7 +210,7 @@ pub struct SalesWindow {
 impl SalesWindow {
     /// Whether sales are open at `now`.
     pub fn is_open_at(&self, now: DateTime<Utc>) -> bool {
-        self.opens_at.is_some_and(|o| o <= now) && !self.closes_at.is_some_and(|c| c <= now)
+        self.opens_at.is_some_and(|o| o <= now) && self.closes_at.is_none_or(|c| c > now)
     }
 }
 
@@ -233,7 +233,8 @@ pub async fn sales_window(
     pool: &PgPool,
     event: EventId,
 ) -> Result<Option<(SalesWindow, DateTime<Utc>)>, sqlx::Error> {
-    let row: Option<(Option<DateTime<Utc>>, Option<DateTime<Utc>>, DateTime<Utc>)> =
+    type Row = (Option<DateTime<Utc>>, Option<DateTime<Utc>>, DateTime<Utc>);
+    let row: Option<Row> =
         sqlx::query_as("SELECT sales_open_at, sales_close_at, clock_timestamp() FROM events WHERE id = $1")
             .bind(event.0)
             .fetch_optional(pool)

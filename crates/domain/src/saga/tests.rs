@@ -71,8 +71,8 @@ impl World {
                     }
                 }
                 Step::CancelAuthorization { payment_intent_id, .. } => {
-                    if payment_intent_id == PI && self.payment.is_some() {
-                        if !self.cancel_requested && !self.payment.as_ref().unwrap().is_final() {
+                    if let (true, Some(payment)) = (payment_intent_id == PI, &self.payment) {
+                        if !self.cancel_requested && !payment.is_final() {
                             self.cancel_requested = true;
                             self.emitted.push(EventKind::AuthorizationCancelRequested);
                         }
