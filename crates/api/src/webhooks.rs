@@ -18,6 +18,8 @@
 //!   `boxoffice_webhook_claims_verified_total` by reason);
 //! - **early**: an event whose PaymentIntent names no order (no payment row, no metadata) is
 //!   kept as pending and re-derived from Stripe once the payment row exists;
+//! - **disputes**: `charge.dispute.created` / `.closed` lead to a `DisputeRefreshRequested`
+//!   (the payment worker retrieves the dispute) unless the ledger records its status already;
 //! - **stale**: an event for a PaymentIntent that is not the order's current one is recorded
 //!   and ignored — except an authorization, which is checked the same way and then cancelled
 //!   by the saga (nobody may keep a buyer's funds reserved for nothing).
@@ -35,12 +37,14 @@ use uuid::Uuid;
 
 /// The event types this endpoint subscribes to (Stripe's `enabled_events`); anything else
 /// that arrives is recorded and acknowledged.
-pub const HANDLED_EVENTS: [&str; 5] = [
+pub const HANDLED_EVENTS: [&str; 7] = [
     "payment_intent.amount_capturable_updated",
     "payment_intent.succeeded",
     "payment_intent.payment_failed",
     "payment_intent.canceled",
     "charge.refunded",
+    "charge.dispute.created",
+    "charge.dispute.closed",
 ];
 
 /// What happened to a verified event.
@@ -127,10 +131,17 @@ async fn ingest_tx(pool: &PgPool, event: &Event) -> Result<Ingested, IngestError
                     metrics::counter!("boxoffice_webhook_claims_verified_total", "reason" => reason)
                         .increment(1);
                     outcome = Ingested::Refresh;
-                    let fact = PurchaseEvent::PaymentIntentRefreshRequested {
-                        order_id: order,
-                        payment_intent_id: pi.to_owned(),
-                        reason: reason.to_owned(),
+                    let fact = match dispute_id(&event.r#type, object) {
+                        Some(dispute_id) => PurchaseEvent::DisputeRefreshRequested {
+                            order_id: order,
+                            payment_intent_id: pi.to_owned(),
+                            dispute_id,
+                        },
+                        None => PurchaseEvent::PaymentIntentRefreshRequested {
+                            order_id: order,
+                            payment_intent_id: pi.to_owned(),
+                            reason: reason.to_owned(),
+                        },
                     };
                     let correlation = known.map(|k| k.1).unwrap_or_else(Uuid::new_v4);
                     let env = Envelope::new(order, &fact, correlation, None);
@@ -214,6 +225,9 @@ fn judge(
         return Verdict::Verify("status_contradicts_ledger");
     }
     let known = match event_type {
+        "charge.dispute.created" | "charge.dispute.closed" => {
+            p.dispute_status.as_deref() == object.get("status").and_then(Value::as_str)
+        }
         "payment_intent.amount_capturable_updated" => {
             matches!(p.status, PaymentIntentStatus::RequiresCapture | PaymentIntentStatus::Succeeded)
         }
@@ -230,6 +244,14 @@ fn judge(
     } else {
         Verdict::Verify(UNVERIFIED_CLAIM)
     }
+}
+
+/// The dispute a `charge.dispute.*` event is about.
+fn dispute_id(event_type: &str, object: &Value) -> Option<String> {
+    event_type
+        .starts_with("charge.dispute.")
+        .then(|| object.get("id").and_then(Value::as_str).map(str::to_owned))
+        .flatten()
 }
 
 fn payment_intent_id(event_type: &str, object: &Value) -> Option<String> {

@@ -698,6 +698,7 @@ mod tests {
                 amount_refunded_minor: refunded,
                 capture_before: None,
                 last_error_code: None,
+                dispute_status: None,
             },
             event_id: Uuid::nil(),
             order_status: OrderStatus::Ticketed,

@@ -203,6 +203,12 @@ pub enum PurchaseEvent {
     TicketIssueRequested { order_id: OrderId, hold_id: HoldId },
     /// Fact: one ticket exists per held seat.
     TicketIssued { order_id: OrderId, ticket_ids: Vec<Uuid> },
+    /// Command to the payment worker: a webhook claims dispute `dispute_id` of the order's
+    /// charge changed; retrieve it and report what Stripe says.
+    DisputeRefreshRequested { order_id: OrderId, payment_intent_id: String, dispute_id: String },
+    /// Fact: the provider reports dispute `dispute_id` of the order's charge in `status`
+    /// (Stripe's: `needs_response`, `under_review`, `won`, `lost`, …).
+    PaymentDisputed { order_id: OrderId, payment_intent_id: String, dispute_id: String, status: String },
     /// Fact: the tickets of an order were voided (its money went back); the seats are not
     /// resold unless an operator chooses to.
     TicketsVoided { order_id: OrderId, ticket_ids: Vec<Uuid>, reason: String },
@@ -256,7 +262,9 @@ impl PurchaseEvent {
             | PaymentCanceled { payment_intent_id, .. }
             | RefundRequested { payment_intent_id, .. }
             | PaymentRefunded { payment_intent_id, .. }
-            | PaymentIntentRefreshRequested { payment_intent_id, .. } => Some(payment_intent_id),
+            | PaymentIntentRefreshRequested { payment_intent_id, .. }
+            | DisputeRefreshRequested { payment_intent_id, .. }
+            | PaymentDisputed { payment_intent_id, .. } => Some(payment_intent_id),
             HoldCreated { .. }
             | PaymentAuthorizationRequested { .. }
             | OrderConfirmed { .. }
@@ -283,6 +291,8 @@ impl PurchaseEvent {
             | TicketIssueRequested { order_id, .. }
             | TicketIssued { order_id, .. }
             | TicketsVoided { order_id, .. }
+            | DisputeRefreshRequested { order_id, .. }
+            | PaymentDisputed { order_id, .. }
             | HoldExpired { order_id, .. }
             | AuthorizationCancelRequested { order_id, .. }
             | PaymentCanceled { order_id, .. }
@@ -320,7 +330,7 @@ mod tests {
         assert_eq!(EventKind::of(&env.event_type), Some(ev.kind()));
         assert_eq!(ev.kind().as_str(), "HoldExpired");
         assert_eq!(EventKind::of("SomethingNew"), None);
-        assert_eq!(EventKind::VARIANTS.len(), 18);
+        assert_eq!(EventKind::VARIANTS.len(), 20);
     }
 
     #[test]

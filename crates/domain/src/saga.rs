@@ -25,6 +25,9 @@
 //! | PaymentRefunded      | order `refunding`                      | → `refunded`                                            |
 //! |                      | order `ticketed`, refunded in full     | → `refunded`, tickets void, TicketsVoided (case C14)    |
 //! |                      | order `paid` / `ticketed`, in part     | recorded, incident; tickets stay valid                  |
+//! | PaymentDisputed      | opened, order `ticketed`               | incident, tickets flagged (or void, per the event)      |
+//! |                      | lost, order `ticketed`                 | → `refunded`, tickets void, TicketsVoided (case C15)    |
+//! |                      | won                                    | tickets valid again                                     |
 //!
 //! Invariant 2: only `PaymentAuthorized` for the order's PaymentIntent with an active,
 //! unlapsed hold confirms. Invariant 6: a late authorization is cancelled and a capture for an
@@ -38,7 +41,7 @@ use crate::ids::{HoldId, OrderId};
 use crate::status::{HoldStatus, OrderStatus, PaymentIntentStatus, PaymentUpdate};
 
 /// The facts the saga consumes (its consumer routes on these).
-pub const FACTS: [EventKind; 8] = [
+pub const FACTS: [EventKind; 9] = [
     EventKind::HoldCreated,
     EventKind::PaymentIntentCreated,
     EventKind::PaymentAuthorized,
@@ -47,6 +50,7 @@ pub const FACTS: [EventKind; 8] = [
     EventKind::CaptureFailed,
     EventKind::PaymentCanceled,
     EventKind::PaymentRefunded,
+    EventKind::PaymentDisputed,
 ];
 
 /// Why an order failed, expired or was canceled (`orders.failure_reason`), and why a
@@ -72,6 +76,10 @@ pub mod reason {
     pub const REFUNDED_AT_PROVIDER: &str = "refunded_at_provider";
     /// Part of the captured money was refunded at the provider; the tickets stay valid.
     pub const PARTIAL_REFUND: &str = "partial_refund";
+    /// The cardholder's bank opened a dispute of the order's charge (case C15).
+    pub const DISPUTE_OPENED: &str = "dispute_opened";
+    /// The dispute closed lost: the money went back to the cardholder.
+    pub const DISPUTE_LOST: &str = "dispute_lost";
 }
 
 /// What the saga knows about an order when a fact arrives (read under its row locks).
@@ -88,6 +96,51 @@ pub struct Snapshot {
     pub intent: IntentMatch,
     /// The recorded payment's mirrored status (`None` until the payment worker records it).
     pub payment: Option<PaymentIntentStatus>,
+    /// What the event does with tickets under an open dispute.
+    pub dispute_policy: DisputePolicy,
+}
+
+/// What an open dispute does to an order's tickets (`events.dispute_policy`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DisputePolicy {
+    /// Keep them valid, flagged as disputed (the default).
+    #[default]
+    Keep,
+    /// Void them until the dispute is won.
+    Void,
+}
+
+impl DisputePolicy {
+    /// The stored text (`keep`, `void`); anything else reads as `keep`.
+    pub fn parse(s: &str) -> Self {
+        if s == "void" {
+            Self::Void
+        } else {
+            Self::Keep
+        }
+    }
+}
+
+/// Where a dispute stands, from Stripe's dispute status.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DisputeOutcome {
+    /// Still open (`needs_response`, `under_review`, `warning_*` but `warning_closed`).
+    Open,
+    /// Closed in the merchant's favour (`won`, `warning_closed`).
+    Won,
+    /// Closed in the cardholder's favour: the money went back (`lost`).
+    Lost,
+}
+
+impl DisputeOutcome {
+    /// The outcome of Stripe's dispute `status`.
+    pub fn of(status: &str) -> Self {
+        match status {
+            "won" | "warning_closed" => Self::Won,
+            "lost" => Self::Lost,
+            _ => Self::Open,
+        }
+    }
 }
 
 /// A locked hold as the saga sees it.
@@ -162,6 +215,18 @@ pub enum Step {
         /// Why (one of [`reason`]).
         reason: &'static str,
     },
+    /// Mirror the provider's dispute on the payment row.
+    MirrorDispute {
+        /// `dp_…`
+        dispute_id: String,
+        /// Stripe's dispute status.
+        status: String,
+    },
+    /// Flag the order's tickets as disputed (they stay valid).
+    FlagTicketsDisputed,
+    /// A dispute was won: clear the flag, and make valid again the tickets voided because the
+    /// dispute opened.
+    RestoreDisputedTickets,
     /// Record an incident for an operator.
     Incident {
         /// Incident kind.
@@ -214,6 +279,7 @@ pub fn decide(s: &Snapshot, fact: &PurchaseEvent) -> Result<Vec<Step>, Refusal> 
         E::CaptureFailed { payment_intent_id, reason, .. } => capture_failed(s, payment_intent_id, reason),
         E::PaymentCanceled { .. } => canceled(s),
         E::PaymentRefunded { amount_refunded_minor, .. } => refunded(s, *amount_refunded_minor),
+        E::PaymentDisputed { dispute_id, status, .. } => disputed(s, dispute_id, status),
         other => return Err(Refusal::NotASagaFact(other.kind())),
     })
 }
@@ -452,6 +518,45 @@ fn refunded(s: &Snapshot, amount: i64) -> Vec<Step> {
             details: serde_json::json!({ "amount_refunded_minor": amount, "amount_minor": s.amount_minor }),
         }),
         _ => {}
+    }
+    steps
+}
+
+/// Case C15, on PaymentDisputed: the dispute is mirrored; once opened an incident, and the
+/// tickets flagged (or voided, per the event's policy); lost, the order is `refunded` and its
+/// tickets void (nothing is resold); won, the tickets are valid again.
+fn disputed(s: &Snapshot, dispute_id: &str, status: &str) -> Vec<Step> {
+    let mut steps =
+        vec![Step::MirrorDispute { dispute_id: dispute_id.to_owned(), status: status.to_owned() }];
+    if s.order != OrderStatus::Ticketed {
+        if s.order != OrderStatus::Refunded {
+            steps.push(Step::Incident {
+                kind: reason::DISPUTE_OPENED,
+                details: serde_json::json!({ "dispute_id": dispute_id, "status": status, "order_status": s.order.as_str() }),
+            });
+        }
+        return steps;
+    }
+    match DisputeOutcome::of(status) {
+        DisputeOutcome::Open => {
+            steps.push(Step::Incident {
+                kind: reason::DISPUTE_OPENED,
+                details: serde_json::json!({ "dispute_id": dispute_id, "status": status }),
+            });
+            steps.push(match s.dispute_policy {
+                DisputePolicy::Keep => Step::FlagTicketsDisputed,
+                DisputePolicy::Void => Step::VoidTickets { reason: reason::DISPUTE_OPENED },
+            });
+        }
+        DisputeOutcome::Lost => steps.extend([
+            Step::MoveOrder { to: OrderStatus::Refunded, reason: Some(reason::DISPUTE_LOST.into()) },
+            Step::VoidTickets { reason: reason::DISPUTE_LOST },
+            Step::Incident {
+                kind: reason::DISPUTE_LOST,
+                details: serde_json::json!({ "dispute_id": dispute_id }),
+            },
+        ]),
+        DisputeOutcome::Won => steps.push(Step::RestoreDisputedTickets),
     }
     steps
 }

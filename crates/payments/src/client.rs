@@ -18,7 +18,7 @@ use serde::de::DeserializeOwned;
 
 use crate::types::{push_metadata, List};
 use crate::{
-    Charge, CreatePaymentIntent, CreatedWindow, IntentWithCharge, PaymentIntent, Refund, StripeError,
+    Charge, CreatePaymentIntent, CreatedWindow, Dispute, IntentWithCharge, PaymentIntent, Refund, StripeError,
 };
 
 /// Stripe caps idempotency keys at 255 characters.
@@ -50,6 +50,10 @@ pub trait PaymentGateway: Send + Sync + 'static {
     /// `GET /v1/charges/{id}` (<https://docs.stripe.com/api/charges/retrieve>): how much of a
     /// captured payment was refunded. Unknown id: `Api { status: 404, code: "resource_missing" }`.
     async fn retrieve_charge(&self, id: &str) -> Result<Charge, StripeError>;
+
+    /// `GET /v1/disputes/{id}` (<https://docs.stripe.com/api/disputes/retrieve>). Unknown id:
+    /// `Api { status: 404, code: "resource_missing" }`.
+    async fn retrieve_dispute(&self, id: &str) -> Result<Dispute, StripeError>;
 
     /// `POST /v1/payment_intents/{id}/capture`: captures the full authorized amount
     /// (<https://docs.stripe.com/api/payment_intents/capture>). Only from `requires_capture`;
@@ -345,6 +349,10 @@ impl PaymentGateway for StripeClient {
 
     async fn retrieve_charge(&self, id: &str) -> Result<Charge, StripeError> {
         self.send(Method::GET, &["charges", id], Auth::Secret, &[], None, None).await
+    }
+
+    async fn retrieve_dispute(&self, id: &str) -> Result<Dispute, StripeError> {
+        self.send(Method::GET, &["disputes", id], Auth::Secret, &[], None, None).await
     }
 
     async fn capture_payment_intent(

@@ -26,6 +26,6 @@ pub mod webhook;
 pub use client::{PaymentGateway, StripeClient, StripeConfig};
 pub use error::StripeError;
 pub use types::{
-    CardDetails, Charge, CreatePaymentIntent, CreatedWindow, IntentWithCharge, PaymentIntent,
+    CardDetails, Charge, CreatePaymentIntent, CreatedWindow, Dispute, IntentWithCharge, PaymentIntent,
     PaymentIntentStatus, PaymentMethodDetails, Refund,
 };

@@ -90,6 +90,27 @@ impl fmt::Debug for PaymentIntent {
     }
 }
 
+/// A Stripe Dispute (<https://docs.stripe.com/api/disputes/object>): the cardholder's bank
+/// contests a captured charge.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+pub struct Dispute {
+    /// `dp_…`
+    pub id: String,
+    /// `warning_needs_response`, `warning_under_review`, `warning_closed`, `needs_response`,
+    /// `under_review`, `won` or `lost`.
+    pub status: String,
+    /// Disputed amount, minor units.
+    pub amount: i64,
+    /// `ch_…` disputed.
+    pub charge: String,
+    /// `pi_…` of the charge.
+    #[serde(default)]
+    pub payment_intent: Option<String>,
+    /// Why the cardholder disputes (`fraudulent`, `product_not_received`, …).
+    #[serde(default)]
+    pub reason: Option<String>,
+}
+
 /// A Stripe Refund (<https://docs.stripe.com/api/refunds/object>).
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 pub struct Refund {

@@ -20,8 +20,8 @@ pub struct Violations {
     pub tickets_without_capture: i64,
     /// Payments captured for orders with neither tickets nor a full refund (invariant 6).
     pub captured_without_ticket_or_refund: i64,
-    /// Valid (unvoided) tickets whose payment was refunded in full (case C14): money back and
-    /// the seat still admitted.
+    /// Valid (unvoided) tickets whose payment was refunded in full (case C14) or whose
+    /// charge's dispute was lost (case C15): money back and the seat still admitted.
     pub tickets_valid_after_refund: i64,
     /// Authorizations the ledger still shows as `requires_capture` although their
     /// `capture_before` has passed (database clock): money held on a card that can no longer
@@ -112,7 +112,7 @@ pub async fn violations(
         tickets_valid_after_refund: q(
             "SELECT count(*) FROM tickets t JOIN payments p ON p.order_id = t.order_id
                WHERE t.voided_at IS NULL AND p.amount_captured_minor > 0
-                 AND p.amount_refunded_minor >= p.amount_captured_minor
+                 AND (p.amount_refunded_minor >= p.amount_captured_minor OR p.dispute_status = 'lost')
                  AND ($1::uuid IS NULL OR t.event_id = $1)",
         )
         .fetch_one(pool)

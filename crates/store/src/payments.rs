@@ -37,6 +37,8 @@ pub struct PaymentRow {
     pub capture_before: Option<DateTime<Utc>>,
     /// Stripe's error code of the last failed operation (a decline), when any.
     pub last_error_code: Option<String>,
+    /// The provider's last word on a dispute of the charge (`needs_response`, `won`, `lost`, …).
+    pub dispute_status: Option<String>,
 }
 
 /// A payment row with what reconciliation against the provider needs about it and its
@@ -62,6 +64,7 @@ pub struct LedgerPayment {
 const LEDGER_PAYMENT_SELECT: &str =
     "SELECT p.order_id, p.payment_intent_id, p.status, p.amount_minor, p.currency,
         p.amount_captured_minor, p.amount_refunded_minor, p.capture_before, p.last_error_code,
+        p.dispute_status,
         o.event_id, o.status AS order_status, o.correlation_id, p.created_at,
         COALESCE(p.capture_before < clock_timestamp(), false) AS deadline_passed
    FROM payments p JOIN orders o ON o.id = p.order_id";
@@ -102,7 +105,7 @@ pub async fn get<'e, E: Executor<'e, Database = Postgres>>(
 ) -> Result<Option<PaymentRow>, sqlx::Error> {
     sqlx::query_as(
         "SELECT order_id, payment_intent_id, status, amount_minor, currency, amount_captured_minor,
-                amount_refunded_minor, capture_before, last_error_code
+                amount_refunded_minor, capture_before, last_error_code, dispute_status
            FROM payments WHERE order_id = $1",
     )
     .bind(order.0)
@@ -246,6 +249,25 @@ pub async fn mirror_authorized<'e, E: Executor<'e, Database = Postgres>>(
     let from: Vec<PaymentIntentStatus> =
         PaymentIntentStatus::KNOWN.into_iter().filter(PaymentIntentStatus::awaits_buyer).collect();
     write_status(ex, pi, &PaymentUpdate::status(PaymentIntentStatus::RequiresCapture), &from).await
+}
+
+/// Records the provider's view of dispute `dispute_id` of PaymentIntent `pi`'s charge.
+pub async fn mirror_dispute<'e, E: Executor<'e, Database = Postgres>>(
+    ex: E,
+    pi: &str,
+    dispute_id: &str,
+    status: &str,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "UPDATE payments SET dispute_id = $2, dispute_status = $3, updated_at = clock_timestamp()
+          WHERE payment_intent_id = $1",
+    )
+    .bind(pi)
+    .bind(dispute_id)
+    .bind(status)
+    .execute(ex)
+    .await?;
+    Ok(())
 }
 
 /// Records Stripe's capture deadline for the authorization.

@@ -49,3 +49,32 @@ pub async fn void(tx: &mut Tx<'_>, order: OrderId, reason: &str) -> Result<Vec<U
     .fetch_all(&mut **tx)
     .await
 }
+
+/// Flags the valid tickets of `order` as disputed (they stay valid). Returns how many.
+pub async fn flag_disputed(tx: &mut Tx<'_>, order: OrderId) -> Result<u64, sqlx::Error> {
+    let r = sqlx::query(
+        "UPDATE tickets SET disputed_at = COALESCE(disputed_at, clock_timestamp())
+          WHERE order_id = $1 AND voided_at IS NULL",
+    )
+    .bind(order.0)
+    .execute(&mut **tx)
+    .await?;
+    Ok(r.rows_affected())
+}
+
+/// A dispute of `order` was won: clears the disputed flag, and makes valid again the tickets
+/// voided with `voided_for` (the reason an open dispute voids them). Returns how many tickets
+/// changed.
+pub async fn restore_disputed(tx: &mut Tx<'_>, order: OrderId, voided_for: &str) -> Result<u64, sqlx::Error> {
+    let r = sqlx::query(
+        "UPDATE tickets SET disputed_at = NULL,
+                voided_at = CASE WHEN void_reason = $2 THEN NULL ELSE voided_at END,
+                void_reason = CASE WHEN void_reason = $2 THEN NULL ELSE void_reason END
+          WHERE order_id = $1 AND (disputed_at IS NOT NULL OR void_reason = $2)",
+    )
+    .bind(order.0)
+    .bind(voided_for)
+    .execute(&mut **tx)
+    .await?;
+    Ok(r.rows_affected())
+}

@@ -242,6 +242,25 @@ pub async fn sales_window(
     Ok(row.map(|(opens_at, closes_at, now)| (SalesWindow { opens_at, closes_at }, now)))
 }
 
+/// What an open dispute does to `event`'s tickets (`events.dispute_policy`: `keep` or `void`).
+pub async fn dispute_policy<'e, E: sqlx::Executor<'e, Database = sqlx::Postgres>>(
+    ex: E,
+    event: Uuid,
+) -> Result<String, sqlx::Error> {
+    sqlx::query_scalar("SELECT dispute_policy FROM events WHERE id = $1").bind(event).fetch_one(ex).await
+}
+
+/// Sets what an open dispute does to `event`'s tickets (`keep` or `void`). Returns `false`
+/// when the event does not exist.
+pub async fn set_dispute_policy(pool: &PgPool, event: EventId, policy: &str) -> Result<bool, sqlx::Error> {
+    let r = sqlx::query("UPDATE events SET dispute_policy = $2 WHERE id = $1")
+        .bind(event.0)
+        .bind(policy)
+        .execute(pool)
+        .await?;
+    Ok(r.rows_affected() == 1)
+}
+
 /// The per-buyer limits of `event`: `(max_seats_per_buyer, max_active_holds_per_buyer)`.
 pub async fn buyer_limits(pool: &PgPool, event: EventId) -> Result<(i32, i32), sqlx::Error> {
     sqlx::query_as("SELECT max_seats_per_buyer, max_active_holds_per_buyer FROM events WHERE id = $1")

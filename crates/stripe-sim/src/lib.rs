@@ -238,6 +238,23 @@ impl StripeSim {
         self.with_ledger(self.now(), |st| st.payment_intent_json(id))
     }
 
+    /// The cardholder's bank disputes the captured charge of `payment_intent`; returns the
+    /// dispute id (`dp_…`). Emits `charge.dispute.created`.
+    pub fn open_dispute(&self, payment_intent: &str) -> Result<String, String> {
+        let now = self.now();
+        self.with_ledger(now, |st| st.open_dispute(payment_intent, now))
+            .map(|d| d["id"].as_str().unwrap_or_default().to_owned())
+            .map_err(|e| format!("{}", serde_json::Value::Object(e.error)))
+    }
+
+    /// Closes dispute `id`, `won` or lost. Emits `charge.dispute.closed`.
+    pub fn close_dispute(&self, id: &str, won: bool) -> Result<(), String> {
+        let now = self.now();
+        self.with_ledger(now, |st| st.close_dispute(id, won, now))
+            .map(|_| ())
+            .map_err(|e| format!("{}", serde_json::Value::Object(e.error)))
+    }
+
     /// A snapshot of the counters.
     pub fn stats(&self) -> SimStats {
         let ledger = lock(&self.shared.ledger);

@@ -40,6 +40,7 @@ pub(crate) fn router(sim: StripeSim) -> Router {
         .route("/v1/charges/{id}", get(retrieve_charge))
         .route("/v1/refunds", post(create_refund))
         .route("/v1/refunds/{id}", get(retrieve_refund))
+        .route("/v1/disputes/{id}", get(retrieve_dispute))
         .route("/_sim/faults", post(set_faults).get(get_faults))
         .route("/_sim/clock/advance", post(advance_clock))
         .route("/_sim/stats", get(stats))
@@ -129,6 +130,14 @@ async fn retrieve_refund(
     headers: HeaderMap,
 ) -> Response {
     read(&sim, &headers, None, Keys::SecretOnly, |st, _| st.refund_by_id(&id)).await
+}
+
+async fn retrieve_dispute(
+    State(sim): State<StripeSim>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    read(&sim, &headers, None, Keys::SecretOnly, |st, _| st.dispute(&id)).await
 }
 
 async fn unknown_route(method: Method, uri: Uri) -> Response {

@@ -217,6 +217,36 @@ impl Refund {
     }
 }
 
+/// A Dispute (<https://docs.stripe.com/api/disputes/object>): a chargeback the cardholder's
+/// bank opened against a captured charge.
+struct Dispute {
+    id: String,
+    amount: i64,
+    charge: String,
+    payment_intent: String,
+    currency: String,
+    created: i64,
+    /// `needs_response` while open; `won` or `lost` once closed.
+    status: &'static str,
+}
+
+impl Dispute {
+    fn to_json(&self) -> Value {
+        json!({
+            "id": self.id,
+            "object": "dispute",
+            "amount": self.amount,
+            "charge": self.charge,
+            "created": self.created,
+            "currency": self.currency,
+            "livemode": false,
+            "payment_intent": self.payment_intent,
+            "reason": "fraudulent",
+            "status": self.status,
+        })
+    }
+}
+
 /// Operation counters, read by `StripeSim::stats`.
 #[derive(Default)]
 pub(crate) struct Counters {
@@ -239,6 +269,7 @@ pub(crate) struct State {
     pi_order: Vec<String>,
     charges: HashMap<String, Charge>,
     refunds: HashMap<String, Refund>,
+    disputes: HashMap<String, Dispute>,
     /// `(capture_before, pi id)` of every intent in `requires_capture`.
     expiries: BTreeSet<(i64, String)>,
     outbox: Vec<Value>,
@@ -601,6 +632,47 @@ impl State {
         self.emit("charge.refunded", charge_obj, ctx.now, Some(ctx));
         self.emit("refund.created", obj.clone(), ctx.now, Some(ctx));
         Ok(obj)
+    }
+
+    /// Test control: the cardholder's bank disputes the captured charge of `payment_intent`
+    /// (`needs_response`), emitting `charge.dispute.created`. Returns the dispute.
+    pub fn open_dispute(&mut self, payment_intent: &str, now: i64) -> Result<Value, ApiError> {
+        let pi = self
+            .payment_intents
+            .get(payment_intent)
+            .ok_or_else(|| ApiError::no_such("payment_intent", payment_intent))?;
+        if pi.status != "succeeded" {
+            return Err(ApiError::unexpected_state(pi.to_json(), "disputed", pi.status));
+        }
+        let charge_id = pi.latest_charge.clone().unwrap_or_default();
+        let ch = self.charges.get(&charge_id).ok_or_else(|| ApiError::no_such("charge", &charge_id))?;
+        let d = Dispute {
+            id: new_id("dp"),
+            amount: ch.amount_captured,
+            charge: charge_id,
+            payment_intent: payment_intent.to_owned(),
+            currency: ch.currency.clone(),
+            created: now,
+            status: "needs_response",
+        };
+        let obj = d.to_json();
+        self.disputes.insert(d.id.clone(), d);
+        self.emit("charge.dispute.created", obj.clone(), now, None);
+        Ok(obj)
+    }
+
+    /// Test control: dispute `id` closes `won` or lost, emitting `charge.dispute.closed`.
+    pub fn close_dispute(&mut self, id: &str, won: bool, now: i64) -> Result<Value, ApiError> {
+        let d = self.disputes.get_mut(id).ok_or_else(|| ApiError::no_such("dispute", id))?;
+        d.status = if won { "won" } else { "lost" };
+        let obj = d.to_json();
+        self.emit("charge.dispute.closed", obj.clone(), now, None);
+        Ok(obj)
+    }
+
+    /// `GET /v1/disputes/{id}`.
+    pub fn dispute(&self, id: &str) -> Result<Value, ApiError> {
+        self.disputes.get(id).map(Dispute::to_json).ok_or_else(|| ApiError::no_such("dispute", id))
     }
 
     /// `GET /v1/payment_intents`: newest first, filtered by `created[gt|gte|lt|lte]`, paged by

@@ -9,6 +9,7 @@
 //! | AuthorizationCancelRequested   | cancel                               | `cancel:{order_id}`     |
 //! | RefundRequested                | refund                               | `refund:{order_id}`     |
 //! | PaymentIntentRefreshRequested  | retrieve PaymentIntent (+ its charge) | (read-only)            |
+//! | DisputeRefreshRequested        | retrieve Dispute                     | (read-only)              |
 //!
 //! The provider's answer is then recorded (payment row + the resulting fact in the outbox) in
 //! the consumer's inbox transaction. If the worker crashes after the provider succeeded but
@@ -46,12 +47,13 @@ impl PaymentWorker {
 }
 
 /// The commands this worker carries out (its consumer routes on these).
-pub const COMMANDS: [EventKind; 5] = [
+pub const COMMANDS: [EventKind; 6] = [
     EventKind::PaymentAuthorizationRequested,
     EventKind::CaptureRequested,
     EventKind::AuthorizationCancelRequested,
     EventKind::RefundRequested,
     EventKind::PaymentIntentRefreshRequested,
+    EventKind::DisputeRefreshRequested,
 ];
 
 /// What the provider said, carried from `prepare` to `apply`.
@@ -66,6 +68,8 @@ pub enum Prepared {
     /// The provider contradicts the claim that asked for a re-fetch (the PaymentIntent does
     /// not exist, or belongs to another order): nothing is acted on; an incident is recorded.
     Refuted { payment_intent_id: String, why: &'static str },
+    /// A dispute as Stripe reports it now (a refresh), about the order's PaymentIntent.
+    ObservedDispute { dispute: boxoffice_payments::Dispute },
     /// A refund went through.
     Refunded { payment_intent_id: String, amount_minor: i64 },
     /// The PaymentIntent as Stripe reports it now (a refresh), with its charge's refunded
@@ -211,6 +215,29 @@ impl Handler for PaymentWorker {
                 };
                 Ok(Prepared::Observed { intent: pi, amount_refunded_minor: refunded, capture_before })
             }
+            PurchaseEvent::DisputeRefreshRequested { order_id, payment_intent_id, dispute_id } => {
+                let dispute = match g.retrieve_dispute(dispute_id).await {
+                    Ok(d) => d,
+                    Err(e) if e.status() == Some(404) => {
+                        return Ok(Prepared::Refuted {
+                            payment_intent_id: payment_intent_id.clone(),
+                            why: "unknown_dispute",
+                        })
+                    }
+                    Err(e) => return Err(stripe_err(e)),
+                };
+                // The dispute must be of the order's recorded PaymentIntent.
+                let recorded = payments::get(&self.pool, *order_id).await?;
+                let ours = dispute.payment_intent.as_deref() == Some(payment_intent_id.as_str())
+                    && recorded.is_some_and(|p| &p.payment_intent_id == payment_intent_id);
+                if !ours {
+                    return Ok(Prepared::Refuted {
+                        payment_intent_id: payment_intent_id.clone(),
+                        why: "dispute_of_another_payment",
+                    });
+                }
+                Ok(Prepared::ObservedDispute { dispute })
+            }
             _ => Ok(Prepared::Skipped("not_a_payment_command")),
         }
     }
@@ -313,6 +340,20 @@ impl Handler for PaymentWorker {
                         .into_iter()
                         .filter(|f| is_news(local.as_ref(), f)),
                 );
+            }
+            (
+                PurchaseEvent::DisputeRefreshRequested { payment_intent_id, .. },
+                Prepared::ObservedDispute { dispute },
+            ) => {
+                let local = payments::get(&mut **tx, order_id).await?;
+                if local.and_then(|p| p.dispute_status).as_deref() != Some(dispute.status.as_str()) {
+                    emit.push(PurchaseEvent::PaymentDisputed {
+                        order_id,
+                        payment_intent_id: payment_intent_id.clone(),
+                        dispute_id: dispute.id,
+                        status: dispute.status,
+                    });
+                }
             }
             (e, p) => {
                 return Err(HandlerError::permanent("unexpected_outcome", anyhow::anyhow!("{e:?} -> {p:?}")));

@@ -13,7 +13,7 @@
 
 use async_trait::async_trait;
 use boxoffice_bus::{Handler, HandlerError};
-use boxoffice_domain::saga::{self, HoldSnapshot, IntentMatch, Snapshot, Step};
+use boxoffice_domain::saga::{self, DisputePolicy, HoldSnapshot, IntentMatch, Snapshot, Step};
 use boxoffice_domain::{Envelope, EventKind, OrderId, PurchaseEvent, Topic};
 use boxoffice_store::holds::HoldRow;
 use boxoffice_store::orders::OrderRow;
@@ -60,6 +60,8 @@ struct Locked {
     order: OrderRow,
     /// The payment row's PaymentIntent id and status, when recorded.
     payment: Option<payments::PaymentRow>,
+    /// The event's dispute policy (read only for dispute facts; `keep` otherwise).
+    dispute_policy: DisputePolicy,
 }
 
 impl Locked {
@@ -70,7 +72,7 @@ impl Locked {
             return Ok(None);
         };
         let payment = payments::get(&mut **tx, order_id).await?;
-        Ok(Some(Locked { hold, order, payment }))
+        Ok(Some(Locked { hold, order, payment, dispute_policy: DisputePolicy::Keep }))
     }
 
     fn snapshot(&self, payment_intent_id: Option<&str>) -> Snapshot {
@@ -89,6 +91,7 @@ impl Locked {
             }),
             intent,
             payment: self.payment.as_ref().map(|p| p.status.clone()),
+            dispute_policy: self.dispute_policy,
         }
     }
 }
@@ -102,6 +105,10 @@ pub async fn apply(tx: &mut Tx<'_>, env: &Envelope, event: &PurchaseEvent) -> Re
             anyhow::anyhow!("order {order_id} does not exist"),
         ));
     };
+    if event.kind() == EventKind::PaymentDisputed {
+        let policy = boxoffice_store::venue::dispute_policy(&mut **tx, locked.order.event_id).await?;
+        locked.dispute_policy = DisputePolicy::parse(&policy);
+    }
     let pi = event.payment_intent_id();
     let steps = saga::decide(&locked.snapshot(pi), event).map_err(|r| {
         HandlerError::permanent(r.code(), anyhow::anyhow!(r.clone()).context(format!("{event:?}")))
@@ -161,6 +168,15 @@ async fn execute(
                         reason: (*reason).to_owned(),
                     });
                 }
+            }
+            Step::MirrorDispute { dispute_id, status } => {
+                payments::mirror_dispute(&mut **tx, pi, dispute_id, status).await?;
+            }
+            Step::FlagTicketsDisputed => {
+                tickets::flag_disputed(tx, order_id).await?;
+            }
+            Step::RestoreDisputedTickets => {
+                tickets::restore_disputed(tx, order_id, saga::reason::DISPUTE_OPENED).await?;
             }
             Step::Incident { kind, details } => {
                 stripe_events::incident(tx, Some(order_id), kind, details.clone()).await?;

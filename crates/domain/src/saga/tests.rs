@@ -44,6 +44,7 @@ impl World {
                 IntentMatch::Other
             },
             payment: self.payment.clone(),
+            dispute_policy: DisputePolicy::Keep,
         }
     }
 
@@ -89,6 +90,7 @@ impl World {
                     );
                     self.emitted.push(EventKind::TicketsVoided);
                 }
+                Step::MirrorDispute { .. } | Step::FlagTicketsDisputed | Step::RestoreDisputedTickets => {}
                 Step::SetCaptureBefore(_)
                 | Step::DefaultCaptureBefore
                 | Step::Incident { .. }
@@ -166,6 +168,12 @@ fn fact(kind: EventKind, pi: &str) -> PurchaseEvent {
         EventKind::PaymentRefunded => {
             PurchaseEvent::PaymentRefunded { order_id, payment_intent_id: pi, amount_refunded_minor: 18_500 }
         }
+        EventKind::PaymentDisputed => PurchaseEvent::PaymentDisputed {
+            order_id,
+            payment_intent_id: pi,
+            dispute_id: "dp_1".into(),
+            status: "lost".into(),
+        },
         other => panic!("{other} is not a saga fact"),
     }
 }
@@ -187,7 +195,7 @@ fn hold_beside(status: OrderStatus) -> HoldStatus {
 fn every_state_and_fact_pair_has_its_outcome() {
     use OrderStatus::*;
     //                       held        payment_req  authorized  confirming paid      ticketed expired     failed      canceled    refunding refunded
-    let table: [(EventKind, [&str; 11]); 8] = [
+    let table: [(EventKind, [&str; 11]); 9] = [
         (EventKind::HoldCreated, ["-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-"]),
         (
             EventKind::PaymentIntentCreated,
@@ -217,6 +225,8 @@ fn every_state_and_fact_pair_has_its_outcome() {
         (EventKind::CaptureFailed, ["-", "-", "-", "failed", "-", "-", "-", "-", "-", "-", "-"]),
         (EventKind::PaymentCanceled, ["-", "-", "-", "failed", "-", "-", "-", "-", "-", "-", "-"]),
         (EventKind::PaymentRefunded, ["-", "-", "-", "-", "-", "refunded", "-", "-", "-", "refunded", "-"]),
+        // A lost dispute.
+        (EventKind::PaymentDisputed, ["-", "-", "-", "-", "-", "refunded", "-", "-", "-", "-", "-"]),
     ];
     assert_eq!(table.len(), FACTS.len());
     for (kind, row) in table {
@@ -317,7 +327,10 @@ fn provider_could_report(kind: EventKind, p: Option<&PaymentIntentStatus>) -> bo
             false
         }
         (EventKind::PaymentCanceled, Some(PaymentIntentStatus::Succeeded)) => false,
-        (EventKind::PaymentRefunded, Some(p)) => *p == PaymentIntentStatus::Succeeded,
+        (EventKind::PaymentRefunded | EventKind::PaymentDisputed, Some(p)) => {
+            *p == PaymentIntentStatus::Succeeded
+        }
+        (EventKind::PaymentDisputed, None) => false,
         _ => true,
     }
 }

@@ -483,3 +483,76 @@ async fn c14_a_refund_at_the_provider_voids_the_tickets(_: PgPoolOptions, opts: 
     assert_eq!((r.total(), r.exit_code()), (0, 0), "{}", audit::render(&r));
     app.stop().await;
 }
+
+/// C15: a ticketed order's charge is disputed, then the dispute closes lost: an incident on
+/// creation and the tickets flagged (the event keeps them valid by default); on the lost
+/// dispute the tickets are void and the order `refunded`; nothing is resold. With the event's
+/// policy `void`, an open dispute voids the tickets and a won one makes them valid again.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn c15_a_lost_dispute_voids_the_tickets(_: PgPoolOptions, opts: PgConnectOptions) {
+    let app = TestApp::spawn(opts, &Role::ALL, VenueSpec::small(1, 1, 4)).await;
+    let s = app.seats().await;
+    let (lost, lost_pi) = buy(&app, s[0], "lost").await;
+    settle(&app).await;
+    let pool = app.pool.clone();
+    let ticket_flags = |order: Uuid| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_as::<_, (bool, bool)>(
+                "SELECT voided_at IS NOT NULL, disputed_at IS NOT NULL FROM tickets WHERE order_id = $1",
+            )
+            .bind(order)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+
+    let dispute = app.sim.open_dispute(&lost_pi).unwrap();
+    eventually(WAIT, "the open dispute flagged the tickets", || async {
+        ticket_flags(lost).await == (false, true)
+    })
+    .await;
+    assert_eq!(app.count("SELECT count(*) FROM incidents WHERE kind = 'dispute_opened'").await, 1);
+    assert_eq!(order_status(&app, lost).await, "ticketed");
+    app.sim.close_dispute(&dispute, false).unwrap();
+    eventually(WAIT, "the lost dispute voided the tickets", || async { ticket_flags(lost).await.0 }).await;
+    settle(&app).await;
+    assert_eq!(order_status(&app, lost).await, "refunded");
+    assert_eq!(app.outbox_count("TicketsVoided", lost).await, 1);
+    assert_eq!(
+        app.count("SELECT count(*) FROM tickets WHERE void_reason = 'dispute_lost'").await,
+        1,
+        "kept, marked"
+    );
+    let r = run_audit(&app).await;
+    assert_eq!((r.total(), r.exit_code()), (0, 0), "{}", audit::render(&r));
+    // The seat is not back on sale.
+    let b = app.buyer();
+    let (status, code, _) =
+        crate::helpers::problem(app.hold(&b, &app.admission_token(&b), "resale", &[s[0]]).await).await;
+    assert_eq!((status, code.as_str()), (409, "seat_unavailable"));
+
+    // The event voids tickets under an open dispute; a won dispute restores them.
+    assert!(boxoffice_store::venue::set_dispute_policy(
+        &app.pool,
+        boxoffice_domain::EventId(app.event),
+        "void"
+    )
+    .await
+    .unwrap());
+    let (won, won_pi) = buy(&app, s[1], "won").await;
+    settle(&app).await;
+    let dispute = app.sim.open_dispute(&won_pi).unwrap();
+    eventually(WAIT, "the open dispute voided the tickets", || async { ticket_flags(won).await.0 }).await;
+    app.sim.close_dispute(&dispute, true).unwrap();
+    eventually(WAIT, "the won dispute restored the tickets", || async {
+        ticket_flags(won).await == (false, false)
+    })
+    .await;
+    settle(&app).await;
+    assert_eq!(order_status(&app, won).await, "ticketed");
+    let r = run_audit(&app).await;
+    assert_eq!((r.total(), r.exit_code()), (0, 0), "{}", audit::render(&r));
+    app.stop().await;
+}
