@@ -85,6 +85,77 @@ pub enum Prepared {
     },
 }
 
+impl PaymentWorker {
+    /// A re-fetch of PaymentIntent `payment_intent_id`, claimed to be `order`'s, with what its
+    /// charge adds; refuted when the provider does not know it or it is someone else's.
+    async fn refresh_intent(
+        &self,
+        order: OrderId,
+        payment_intent_id: &str,
+    ) -> Result<Prepared, HandlerError> {
+        let g = &*self.gateway;
+        let pi = match g.retrieve_payment_intent(payment_intent_id).await {
+            Ok(pi) => pi,
+            Err(e) if e.status() == Some(404) => {
+                return Ok(Prepared::Refuted {
+                    payment_intent_id: payment_intent_id.to_owned(),
+                    why: "unknown_payment_intent",
+                })
+            }
+            Err(e) => return Err(stripe_err(e)),
+        };
+        // The intent must be the order's: the one the ledger recorded for it, or one whose
+        // metadata (the provider's copy) names it; otherwise the claim is about someone
+        // else's money.
+        let recorded = payments::get(&self.pool, order).await?;
+        let ours = recorded.is_some_and(|p| p.payment_intent_id == pi.id)
+            || pi.metadata.get("order_id") == Some(&order.to_string());
+        if !ours {
+            return Ok(Prepared::Refuted {
+                payment_intent_id: payment_intent_id.to_owned(),
+                why: "payment_intent_of_another_order",
+            });
+        }
+        // The charge holds what the PaymentIntent does not: refunds, and the authorization's
+        // real capture deadline (Stripe: "Place a hold on a payment method", `capture_before`),
+        // which the saga stores instead of the default.
+        let (refunded, capture_before) = match (&pi.status, &pi.latest_charge) {
+            (PaymentIntentStatus::Succeeded, Some(charge)) => {
+                (g.retrieve_charge(charge).await.map_err(stripe_err)?.amount_refunded, None)
+            }
+            (PaymentIntentStatus::RequiresCapture, Some(charge)) => {
+                let c = g.retrieve_charge(charge).await.map_err(stripe_err)?;
+                (0, c.capture_before().and_then(|t| chrono::DateTime::from_timestamp(t, 0)))
+            }
+            _ => (0, None),
+        };
+        Ok(Prepared::Observed { intent: pi, amount_refunded_minor: refunded, capture_before })
+    }
+
+    /// A re-fetch of dispute `dispute_id`, claimed to be of `order`'s recorded PaymentIntent
+    /// `payment_intent_id`; refuted when the provider does not know it or it is another's.
+    async fn refresh_dispute(
+        &self,
+        order: OrderId,
+        payment_intent_id: &str,
+        dispute_id: &str,
+    ) -> Result<Prepared, HandlerError> {
+        let refuted = |why| Ok(Prepared::Refuted { payment_intent_id: payment_intent_id.to_owned(), why });
+        let dispute = match self.gateway.retrieve_dispute(dispute_id).await {
+            Ok(d) => d,
+            Err(e) if e.status() == Some(404) => return refuted("unknown_dispute"),
+            Err(e) => return Err(stripe_err(e)),
+        };
+        let recorded = payments::get(&self.pool, order).await?;
+        let ours = dispute.payment_intent.as_deref() == Some(payment_intent_id)
+            && recorded.is_some_and(|p| p.payment_intent_id == payment_intent_id);
+        if !ours {
+            return refuted("dispute_of_another_payment");
+        }
+        Ok(Prepared::ObservedDispute { dispute })
+    }
+}
+
 fn stripe_err(e: StripeError) -> HandlerError {
     if e.is_retryable() {
         HandlerError::Transient(e.into())
@@ -178,65 +249,10 @@ impl Handler for PaymentWorker {
                 })
             }
             PurchaseEvent::PaymentIntentRefreshRequested { order_id, payment_intent_id, .. } => {
-                let pi = match g.retrieve_payment_intent(payment_intent_id).await {
-                    Ok(pi) => pi,
-                    Err(e) if e.status() == Some(404) => {
-                        return Ok(Prepared::Refuted {
-                            payment_intent_id: payment_intent_id.clone(),
-                            why: "unknown_payment_intent",
-                        })
-                    }
-                    Err(e) => return Err(stripe_err(e)),
-                };
-                // The intent must be the order's: the one the ledger recorded for it, or one whose
-                // metadata (the provider's copy) names it; otherwise the claim is about someone
-                // else's money.
-                let recorded = payments::get(&self.pool, *order_id).await?;
-                let ours = recorded.is_some_and(|p| p.payment_intent_id == pi.id)
-                    || pi.metadata.get("order_id") == Some(&order_id.to_string());
-                if !ours {
-                    return Ok(Prepared::Refuted {
-                        payment_intent_id: payment_intent_id.clone(),
-                        why: "payment_intent_of_another_order",
-                    });
-                }
-                // The charge holds what the PaymentIntent does not: refunds, and the
-                // authorization's real capture deadline (Stripe: "Place a hold on a payment
-                // method", `capture_before`), which the saga stores instead of the default.
-                let (refunded, capture_before) = match (&pi.status, &pi.latest_charge) {
-                    (PaymentIntentStatus::Succeeded, Some(charge)) => {
-                        (g.retrieve_charge(charge).await.map_err(stripe_err)?.amount_refunded, None)
-                    }
-                    (PaymentIntentStatus::RequiresCapture, Some(charge)) => {
-                        let c = g.retrieve_charge(charge).await.map_err(stripe_err)?;
-                        (0, c.capture_before().and_then(|t| chrono::DateTime::from_timestamp(t, 0)))
-                    }
-                    _ => (0, None),
-                };
-                Ok(Prepared::Observed { intent: pi, amount_refunded_minor: refunded, capture_before })
+                self.refresh_intent(*order_id, payment_intent_id).await
             }
             PurchaseEvent::DisputeRefreshRequested { order_id, payment_intent_id, dispute_id } => {
-                let dispute = match g.retrieve_dispute(dispute_id).await {
-                    Ok(d) => d,
-                    Err(e) if e.status() == Some(404) => {
-                        return Ok(Prepared::Refuted {
-                            payment_intent_id: payment_intent_id.clone(),
-                            why: "unknown_dispute",
-                        })
-                    }
-                    Err(e) => return Err(stripe_err(e)),
-                };
-                // The dispute must be of the order's recorded PaymentIntent.
-                let recorded = payments::get(&self.pool, *order_id).await?;
-                let ours = dispute.payment_intent.as_deref() == Some(payment_intent_id.as_str())
-                    && recorded.is_some_and(|p| &p.payment_intent_id == payment_intent_id);
-                if !ours {
-                    return Ok(Prepared::Refuted {
-                        payment_intent_id: payment_intent_id.clone(),
-                        why: "dispute_of_another_payment",
-                    });
-                }
-                Ok(Prepared::ObservedDispute { dispute })
+                self.refresh_dispute(*order_id, payment_intent_id, dispute_id).await
             }
             _ => Ok(Prepared::Skipped("not_a_payment_command")),
         }
@@ -253,16 +269,7 @@ impl Handler for PaymentWorker {
         let mut emit = Vec::new();
         match (event, prepared) {
             (_, Prepared::Refuted { payment_intent_id, why }) => {
-                tracing::warn!(order.id = %order_id, stripe.payment_intent = %payment_intent_id, reason = why,
-                    "the provider refutes a webhook's claim; nothing acted on");
-                metrics::counter!("boxoffice_webhook_claims_refuted_total", "reason" => why).increment(1);
-                stripe_events::incident(
-                    tx,
-                    Some(order_id),
-                    "webhook_claim_refuted",
-                    serde_json::json!({ "payment_intent_id": payment_intent_id, "reason": why }),
-                )
-                .await?;
+                record_refuted(tx, order_id, &payment_intent_id, why).await?;
             }
             (_, Prepared::Skipped(why)) => {
                 tracing::info!(order.id = %order_id, event.type = %env.event_type, reason = why, "payment command skipped");
@@ -271,32 +278,7 @@ impl Handler for PaymentWorker {
                 PurchaseEvent::PaymentAuthorizationRequested { amount_minor, currency, .. },
                 Prepared::Intent(pi),
             ) => {
-                let inserted = payments::insert_created(
-                    &mut **tx,
-                    order_id,
-                    &pi.id,
-                    pi.client_secret.as_deref(),
-                    pi.status.clone(),
-                    *amount_minor,
-                    currency,
-                )
-                .await?;
-                if inserted {
-                    emit.push(PurchaseEvent::PaymentIntentCreated {
-                        order_id,
-                        payment_intent_id: pi.id.clone(),
-                        status: pi.status.clone(),
-                    });
-                    // Webhooks that overtook this row were kept as pending: re-derive what
-                    // they reported from Stripe rather than lose it.
-                    if stripe_events::resolve_pending(tx, &pi.id, order_id).await? > 0 {
-                        emit.push(PurchaseEvent::PaymentIntentRefreshRequested {
-                            order_id,
-                            payment_intent_id: pi.id.clone(),
-                            reason: "early_webhook".into(),
-                        });
-                    }
-                }
+                emit.extend(record_created(tx, order_id, &pi, *amount_minor, currency).await?);
             }
             (
                 PurchaseEvent::CaptureRequested { .. } | PurchaseEvent::AuthorizationCancelRequested { .. },
@@ -363,6 +345,63 @@ impl Handler for PaymentWorker {
         outbox::insert_all(tx, &envelopes).await?;
         Ok(())
     }
+}
+
+/// Records a newly created PaymentIntent and emits `PaymentIntentCreated` (once); webhooks that
+/// overtook the row were kept as pending, and are re-derived from Stripe rather than lost.
+async fn record_created(
+    tx: &mut Tx<'_>,
+    order_id: OrderId,
+    pi: &PaymentIntent,
+    amount_minor: i64,
+    currency: &str,
+) -> Result<Vec<PurchaseEvent>, HandlerError> {
+    let inserted = payments::insert_created(
+        &mut **tx,
+        order_id,
+        &pi.id,
+        pi.client_secret.as_deref(),
+        pi.status.clone(),
+        amount_minor,
+        currency,
+    )
+    .await?;
+    let mut emit = vec![];
+    if inserted {
+        emit.push(PurchaseEvent::PaymentIntentCreated {
+            order_id,
+            payment_intent_id: pi.id.clone(),
+            status: pi.status.clone(),
+        });
+        if stripe_events::resolve_pending(tx, &pi.id, order_id).await? > 0 {
+            emit.push(PurchaseEvent::PaymentIntentRefreshRequested {
+                order_id,
+                payment_intent_id: pi.id.clone(),
+                reason: "early_webhook".into(),
+            });
+        }
+    }
+    Ok(emit)
+}
+
+/// The provider contradicts a claim: nothing is acted on; an incident and a metric say so.
+async fn record_refuted(
+    tx: &mut Tx<'_>,
+    order_id: OrderId,
+    payment_intent_id: &str,
+    why: &'static str,
+) -> Result<(), HandlerError> {
+    tracing::warn!(order.id = %order_id, stripe.payment_intent = %payment_intent_id, reason = why,
+        "the provider refutes a webhook's claim; nothing acted on");
+    metrics::counter!("boxoffice_webhook_claims_refuted_total", "reason" => why).increment(1);
+    stripe_events::incident(
+        tx,
+        Some(order_id),
+        "webhook_claim_refuted",
+        serde_json::json!({ "payment_intent_id": payment_intent_id, "reason": why }),
+    )
+    .await?;
+    Ok(())
 }
 
 /// Turns the provider's view of a PaymentIntent into the fact the saga needs.
