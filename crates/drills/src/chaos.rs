@@ -910,6 +910,9 @@ async fn chaos(
 
     // The role processes.
     let mut common: Vec<(String, String)> = [
+        // The drill's own environment (development unless configured otherwise): the role
+        // processes run with its secrets.
+        ("BOXOFFICE_ENV", cfg.env.as_str().to_owned()),
         ("BOXOFFICE_DATABASE_URL", db_url.clone()),
         ("BOXOFFICE_KAFKA_BROKERS", broker_addr.to_string()),
         ("BOXOFFICE_KAFKA_TOPIC_PREFIX", cfg.kafka_topic_prefix.clone()),
