@@ -17,5 +17,6 @@ mod holds;
 mod purchase;
 mod release;
 mod saga;
+mod secrets;
 mod waitroom;
 mod webhooks;
