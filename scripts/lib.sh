@@ -12,11 +12,14 @@ log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
 
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 
-# Debian packages the Kafka client (librdkafka, built from source by rdkafka's cmake-build).
+# Debian packages the Kafka client (librdkafka, built from source by rdkafka's cmake-build,
+# with OpenSSL for TLS and SASL/SCRAM to the brokers).
 ensure_build_deps() {
   local missing=()
   command -v cmake >/dev/null 2>&1 || missing+=(cmake)
+  command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
   dpkg -s libcurl4-openssl-dev >/dev/null 2>&1 || missing+=(libcurl4-openssl-dev)
+  dpkg -s libssl-dev >/dev/null 2>&1 || missing+=(libssl-dev)
   command -v pg_isready >/dev/null 2>&1 || missing+=(postgresql-client)
   if [ ${#missing[@]} -gt 0 ]; then
     log "installing ${missing[*]}"

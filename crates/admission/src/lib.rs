@@ -1,7 +1,9 @@
 //! Signed tokens at the edge of the purchase path (design §3).
 //!
-//! - [`UserTokens`]: the buyer's bearer JWT (`sub` = user id). In production it comes from
-//!   the identity provider; boxoffice only verifies it (a dev signing key by config).
+//! - [`UserTokens`] (module [`user`]): the buyer's bearer JWT. In production it comes from
+//!   the identity provider and is verified with the provider's public keys (a JWKS file or
+//!   URL, RS256/ES256/EdDSA by `kid`) against the configured issuer, audience and maximum
+//!   lifetime; a shared HS256 secret that can also mint tokens exists for development only.
 //! - [`AdmissionTokens`]: proof that the waiting room admitted this buyer for this event and
 //!   purchase cell until `exp`. An EdDSA (Ed25519) JWT bound to user, event, cell and expiry;
 //!   carries a `jti` for revocation and a `kid` naming the key that signed it. The key ring
@@ -16,6 +18,12 @@
 //! Every rejection names its reason ([`AdmissionError`]) so the API can answer a clear 403.
 //! Keys are never logged: [`AdmissionSigningKey`]'s `Debug` shows only its `kid`.
 
+pub mod user;
+
+pub use user::{
+    Jwks, JwksError, JwksSettings, JwksSource, UserClaims, UserTokenError, UserTokenPolicy, UserTokens,
+};
+
 use boxoffice_domain::{EventId, UserId};
 use chrono::Utc;
 use ed25519_dalek::pkcs8::spki::der::pem::LineEnding;
@@ -26,63 +34,6 @@ use jsonwebtoken::{
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use uuid::Uuid;
-
-/// Claims of a user bearer token.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct UserClaims {
-    /// The user id.
-    pub sub: Uuid,
-    /// Issued at, unix seconds.
-    pub iat: i64,
-    /// Expiry, unix seconds.
-    pub exp: i64,
-}
-
-/// Why a user token was refused (→ 401).
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-pub enum UserTokenError {
-    /// Past `exp`.
-    #[error("the bearer token has expired")]
-    Expired,
-    /// Not a JWT signed by our key.
-    #[error("the bearer token is invalid")]
-    Invalid,
-}
-
-/// Issues and verifies user bearer tokens (HS256).
-#[derive(Clone)]
-pub struct UserTokens {
-    enc: EncodingKey,
-    dec: DecodingKey,
-}
-
-impl UserTokens {
-    /// Keys from a shared secret (at least 32 bytes recommended).
-    pub fn new(secret: &[u8]) -> Self {
-        Self { enc: EncodingKey::from_secret(secret), dec: DecodingKey::from_secret(secret) }
-    }
-
-    /// A token for `user` valid for `ttl_s` seconds.
-    pub fn issue(&self, user: UserId, ttl_s: i64) -> String {
-        let now = Utc::now().timestamp();
-        encode(
-            &Header::new(Algorithm::HS256),
-            &UserClaims { sub: user.0, iat: now, exp: now + ttl_s },
-            &self.enc,
-        )
-        .expect("HS256 signing cannot fail")
-    }
-
-    /// The user of a valid token.
-    pub fn verify(&self, token: &str) -> Result<UserId, UserTokenError> {
-        let mut v = Validation::new(Algorithm::HS256);
-        v.leeway = 0;
-        decode::<UserClaims>(token, &self.dec, &v).map(|d| UserId(d.claims.sub)).map_err(|e| match e.kind() {
-            ErrorKind::ExpiredSignature => UserTokenError::Expired,
-            _ => UserTokenError::Invalid,
-        })
-    }
-}
 
 /// Claims of an admission token (design §3).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -502,18 +453,5 @@ mod tests {
             AdmissionSigningKey::generate("g").verifying_key(),
             AdmissionSigningKey::generate("g").verifying_key()
         );
-    }
-
-    #[test]
-    fn user_tokens_round_trip_and_reject_tampering() {
-        let ut = UserTokens::new(b"user-secret-user-secret-user-sec");
-        let u = UserId::new();
-        let t = ut.issue(u, 60);
-        assert_eq!(ut.verify(&t), Ok(u));
-        let mut bad = t.clone();
-        bad.pop();
-        bad.push(if t.ends_with('A') { 'B' } else { 'A' });
-        assert_eq!(ut.verify(&bad), Err(UserTokenError::Invalid));
-        assert_eq!(ut.verify(&ut.issue(u, -10)), Err(UserTokenError::Expired));
     }
 }

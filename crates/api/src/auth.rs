@@ -1,6 +1,7 @@
 //! Request extractors for identity and request metadata: the bearer user (401 when absent or
-//! invalid), the `Idempotency-Key` (400 when absent or malformed) and JSON bodies whose
-//! rejections become problem+json (400 syntax, 413 size, 415 content type, 422 shape).
+//! refused by [`boxoffice_admission::UserTokens`], with the reason as the problem's detail),
+//! the `Idempotency-Key` (400 when absent or malformed) and JSON bodies whose rejections
+//! become problem+json (400 syntax, 413 size, 415 content type, 422 shape).
 
 use crate::problem::Problem;
 use crate::state::AppState;
@@ -8,7 +9,6 @@ use axum::extract::rejection::{JsonRejection, PathRejection};
 use axum::extract::{FromRequest, FromRequestParts, Path, Request};
 use axum::http::request::Parts;
 use axum::http::StatusCode;
-use boxoffice_admission::UserTokenError;
 use boxoffice_domain::UserId;
 use serde::de::DeserializeOwned;
 
@@ -31,10 +31,10 @@ impl FromRequestParts<AppState> for User {
         let token = header
             .strip_prefix("Bearer ")
             .ok_or_else(|| unauthorized("the Authorization header must use the Bearer scheme"))?;
-        state.users.verify(token.trim()).map(User).map_err(|e| match e {
-            UserTokenError::Expired => unauthorized("the bearer token has expired"),
-            UserTokenError::Invalid => unauthorized("the bearer token is invalid"),
-        })
+        // Each refusal's own reason (expired, wrong issuer or audience, unknown key, an
+        // algorithm not accepted here, ...) is the detail; an unknown `kid` first re-reads
+        // the identity provider's keys (rate-limited).
+        state.users.authenticate(token.trim()).await.map(User).map_err(|e| unauthorized(&e.to_string()))
     }
 }
 

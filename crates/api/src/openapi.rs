@@ -61,7 +61,17 @@ impl Modify for BearerAuth {
         components.add_security_scheme(
             "bearer",
             SecurityScheme::Http(
-                HttpBuilder::new().scheme(HttpAuthScheme::Bearer).bearer_format("JWT").build(),
+                HttpBuilder::new()
+                    .scheme(HttpAuthScheme::Bearer)
+                    .bearer_format("JWT")
+                    .description(Some(
+                        "A buyer token from the identity provider: RS256, ES256 or EdDSA, verified with \
+                         the provider's JWKS key named by `kid`, with the configured `iss` and `aud`, \
+                         `exp` and `iat` (at most the configured lifetime apart). HS256 tokens are \
+                         accepted in development only. A refused token is a 401 `unauthenticated` \
+                         problem whose `detail` names the reason.",
+                    ))
+                    .build(),
             ),
         );
     }

@@ -273,7 +273,7 @@ async fn stripe_webhook(
     let event = boxoffice_payments::webhook::verify(
         &body,
         sig,
-        &st.settings.webhook_secret,
+        secrecy::ExposeSecret::expose_secret(&st.settings.webhook_secret),
         st.settings.webhook_tolerance_s,
         chrono::Utc::now().timestamp(),
     )

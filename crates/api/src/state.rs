@@ -6,6 +6,7 @@ use boxoffice_waitroom::{Bucket, Waitroom};
 use bytes::Bytes;
 use metrics_exporter_prometheus::PrometheusHandle;
 use rdkafka::producer::FutureProducer;
+use secrecy::SecretString;
 use sqlx::PgPool;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -21,8 +22,8 @@ pub struct ApiSettings {
     pub admission_ttl_s: i64,
     /// How long a rendered seat map may be served, ms.
     pub seat_map_max_age_ms: u64,
-    /// Stripe webhook endpoint secret (`whsec_…`).
-    pub webhook_secret: String,
+    /// Stripe webhook endpoint secret (`whsec_…`; secret, `Debug` redacts it).
+    pub webhook_secret: SecretString,
     /// Allowed clock skew for webhook timestamps, seconds.
     pub webhook_tolerance_s: i64,
     /// Largest accepted request body, bytes (→ 413 beyond).
@@ -47,7 +48,7 @@ impl Default for ApiSettings {
             hold_ttl: Duration::from_secs(300),
             admission_ttl_s: 900,
             seat_map_max_age_ms: 1_000,
-            webhook_secret: String::new(),
+            webhook_secret: SecretString::default(),
             webhook_tolerance_s: 300,
             max_body_bytes: 64 * 1024,
             admission_direct: false,
@@ -76,7 +77,7 @@ pub struct AppState {
     /// A separate pool for Stripe webhook ingress, so a burst of hold requests cannot delay
     /// the facts that move paid orders forward.
     pub webhook_pool: PgPool,
-    /// Bearer-token verification.
+    /// Bearer-token verification (the identity provider's keys; HS256 in development).
     pub users: UserTokens,
     /// Admission-token signing and verification.
     pub admission: AdmissionTokens,

@@ -44,8 +44,14 @@ pub async fn topics_create(cfg: &Config) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `boxoffice serve --roles …`: runs until SIGTERM / ctrl-c, then shuts down gracefully.
+/// `boxoffice serve --roles …`: runs until SIGTERM / ctrl-c, then shuts down gracefully. In
+/// development it first logs one warning per built-in development secret in use (see
+/// [`Config::development_warnings`]).
 pub async fn serve(cfg: &Config, roles: &[Role]) -> anyhow::Result<()> {
+    // Production refused these at load time; development runs with them, said once each.
+    for (setting, problem) in cfg.development_warnings() {
+        tracing::warn!(setting, env = cfg.env.as_str(), "{setting}: {problem}; production refuses it");
+    }
     let shutdown = CancellationToken::new();
     let running = runtime::start(cfg, roles, cfg.pg_options()?, shutdown.clone()).await?;
     if let Some(addr) = running.api_addr {

@@ -3,6 +3,17 @@
 //! environment variables (e.g. `BOXOFFICE_DATABASE_URL`, `BOXOFFICE_KAFKA_BROKERS`,
 //! `BOXOFFICE_HOLD_TTL_MS`). Validated before anything starts; secrets are
 //! [`secrecy::SecretString`] and never printed (`Debug` redacts them).
+//!
+//! The defaults are a development configuration: their secrets (user-token secret, admission
+//! key, Stripe keys) are public in this repository. [`Config::env`] says which rules apply:
+//! in [`Environment::Production`] (the product binary's default) [`Config::validate`]
+//! refuses a built-in development secret, a secret shorter than its minimum, a test key or
+//! development webhook secret against Stripe's live API, buyer tokens not verified with an
+//! identity provider's keys, and SASL PLAIN in the clear — naming every offending key at
+//! once ([`SecretFindings`]), never a value. In [`Environment::Development`] (the drills and
+//! the tests) the same findings are warnings ([`Config::development_warnings`], logged by
+//! `serve`). A live Stripe key is refused in development, and wherever it would be sent to
+//! a base other than `api.stripe.com`.
 
 use anyhow::{bail, Context};
 use boxoffice_admission::{AdmissionSigningKey, AdmissionTokens, AdmissionVerifyingKey};
@@ -11,6 +22,121 @@ use figment::Figment;
 use secrecy::{ExposeSecret, SecretString};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
+
+/// Which rules the configuration is held to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Environment {
+    /// Built-in development secrets allowed (each one warned about by `serve`), HS256 buyer
+    /// tokens accepted. The drills, the tests and local runs.
+    #[serde(alias = "dev")]
+    Development,
+    /// Real money: every secret set and strong, buyer tokens only from the identity provider.
+    #[serde(alias = "prod")]
+    Production,
+}
+
+impl Environment {
+    /// The value of `env` / `BOXOFFICE_ENV`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Development => "development",
+            Self::Production => "production",
+        }
+    }
+}
+
+/// The built-in development HS256 user-token secret (public).
+pub const DEV_USER_JWT_SECRET: &str = "dev-user-secret-change-me-0123456789";
+/// The built-in development Stripe secret key (public).
+pub const DEV_STRIPE_SECRET_KEY: &str = "sk_test_boxoffice_dev";
+/// The built-in development webhook secrets (public): the configuration's and the simulator's.
+pub const DEV_WEBHOOK_SECRETS: [&str; 2] = ["whsec_boxoffice_dev", "whsec_boxoffice_sim"];
+/// Shortest HS256 user-token secret, bytes (a key as long as the hash: RFC 7518 §3.2).
+pub const MIN_USER_JWT_SECRET_BYTES: usize = 32;
+/// Shortest Stripe secret key, characters (`sk_live_` + 24, Stripe's shortest).
+pub const MIN_STRIPE_SECRET_KEY_CHARS: usize = 32;
+/// Shortest Stripe webhook secret, characters (Stripe's are `whsec_` + 32 or more).
+pub const MIN_WEBHOOK_SECRET_CHARS: usize = 32;
+/// Shortest Kafka SASL password, characters.
+pub const MIN_KAFKA_PASSWORD_CHARS: usize = 16;
+
+/// How a [`SecretFinding`] weighs in each environment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Severity {
+    /// A warning in development, a refusal in production.
+    Development,
+    /// Silent in development, a refusal in production.
+    ProductionOnly,
+    /// A refusal in every environment.
+    Always,
+}
+
+/// One problem with one setting. Names the setting, never its value.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SecretFinding {
+    /// The setting's key (in the file; `BOXOFFICE_` + upper case in the environment).
+    pub key: &'static str,
+    /// What is wrong.
+    pub problem: String,
+    /// Where it is refused.
+    pub severity: Severity,
+}
+
+/// The refusal of a configuration: every offending setting, one line each.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{}", render_refusal(*env, findings))]
+pub struct SecretFindings {
+    /// The environment the configuration was checked for.
+    pub env: Environment,
+    /// The findings that refuse it (grouped by key in the message).
+    pub findings: Vec<SecretFinding>,
+}
+
+impl SecretFindings {
+    /// The offending keys, in order, each once.
+    pub fn keys(&self) -> Vec<&'static str> {
+        let mut keys: Vec<&'static str> = Vec::new();
+        for f in &self.findings {
+            if !keys.contains(&f.key) {
+                keys.push(f.key);
+            }
+        }
+        keys
+    }
+}
+
+/// One line per key, its problems joined.
+fn by_key(findings: &[SecretFinding]) -> Vec<(&'static str, String)> {
+    let mut out: Vec<(&'static str, String)> = Vec::new();
+    for f in findings {
+        match out.iter_mut().find(|(k, _)| *k == f.key) {
+            Some((_, p)) => {
+                p.push_str("; ");
+                p.push_str(&f.problem);
+            }
+            None => out.push((f.key, f.problem.clone())),
+        }
+    }
+    out
+}
+
+fn render_refusal(env: Environment, findings: &[SecretFinding]) -> String {
+    let lines = by_key(findings);
+    let mut s = format!(
+        "refusing to start in {}: {} setting{} must change (no secret is printed)",
+        env.as_str(),
+        lines.len(),
+        if lines.len() == 1 { "" } else { "s" }
+    );
+    for (key, problem) in lines {
+        s.push_str(&format!("\n  - {key}: {problem}"));
+    }
+    if env == Environment::Production {
+        s.push_str("\nFor a local run with the built-in development values set BOXOFFICE_ENV=development.");
+    }
+    s
+}
 
 /// An admission-token verification key besides the signing key's own public half: a retired
 /// signing key kept until the tokens it signed have expired (`admission_ttl_s`), or the next
@@ -27,9 +153,20 @@ fn redact<S: serde::Serializer>(_: &SecretString, s: S) -> Result<S::Ok, S::Erro
     s.serialize_str("[redacted]")
 }
 
+fn redact_opt<S: serde::Serializer>(v: &Option<SecretString>, s: S) -> Result<S::Ok, S::Error> {
+    match v {
+        Some(_) => s.serialize_some("[redacted]"),
+        None => s.serialize_none(),
+    }
+}
+
 /// Every setting. Durations are milliseconds unless the name says otherwise.
 #[derive(Clone, Debug, Deserialize, Serialize)]
 pub struct Config {
+    /// `development` or `production` (`BOXOFFICE_ENV`; see [`Environment`]). Default:
+    /// `production` for the product binary `boxoffice` (every command), `development` for
+    /// `boxoffice-drills` and [`Config::default`].
+    pub env: Environment,
     /// PostgreSQL URL (may contain a password: secret). Default
     /// `postgres://postgres@127.0.0.1:5432/boxoffice`.
     #[serde(serialize_with = "redact")]
@@ -61,6 +198,20 @@ pub struct Config {
     pub kafka_brokers: Option<String>,
     /// Prefix of every topic and consumer group name.
     pub kafka_topic_prefix: String,
+    /// librdkafka `security.protocol` of the producer and every consumer: `plaintext`,
+    /// `ssl`, `sasl_plaintext` or `sasl_ssl` (unset: plaintext).
+    pub kafka_security_protocol: Option<boxoffice_bus::SecurityProtocol>,
+    /// `sasl.mechanism`: `PLAIN`, `SCRAM-SHA-256` or `SCRAM-SHA-512` (with a `sasl_*`
+    /// protocol; production refuses PLAIN over `sasl_plaintext`).
+    pub kafka_sasl_mechanism: Option<boxoffice_bus::SaslMechanism>,
+    /// `sasl.username`.
+    pub kafka_sasl_username: Option<String>,
+    /// `sasl.password` (secret; at least 16 characters in production).
+    #[serde(serialize_with = "redact_opt")]
+    pub kafka_sasl_password: Option<SecretString>,
+    /// `ssl.ca.location`: PEM file of the CAs that sign the brokers' certificates (with
+    /// `ssl`/`sasl_ssl`; unset: the system's CAs).
+    pub kafka_ssl_ca_location: Option<String>,
     /// Partitions of every topic. Design §12: `partitions ≥ max(peak topic bytes/s ÷ tested
     /// bytes/s per partition, parallel consumer members)`. Here a purchase event is ~0.5 KB
     /// and an order emits ~9 events, so even 1,000 orders/s is ~4.5 MB/s — far below one
@@ -89,10 +240,31 @@ pub struct Config {
     pub http_bind: String,
     /// This deployment's purchase cell (bound into admission tokens).
     pub purchase_cell: String,
-    /// HMAC secret verifying buyers' bearer JWTs (dev default; the identity provider's key in
-    /// production).
+    /// HS256 secret that mints and verifies buyers' bearer tokens in development only (at
+    /// least 32 bytes; the default is public). Production never accepts HS256.
     #[serde(serialize_with = "redact")]
     pub user_jwt_secret: SecretString,
+    /// The identity provider's JWKS URL (`jwks_uri`, `https` in production). Buyer tokens
+    /// signed with RS256, ES256 or EdDSA are verified with its keys, selected by `kid`.
+    /// Production needs this or `user_jwks_file`.
+    pub user_jwks_url: Option<String>,
+    /// A JWKS file instead of a URL (same format, re-read like the URL).
+    pub user_jwks_file: Option<String>,
+    /// Required `iss` of buyer tokens (required in production).
+    pub user_jwt_issuer: Option<String>,
+    /// Required `aud` of buyer tokens: this API's identifier at the provider (required in
+    /// production). Unset: tokens that carry an `aud` are refused.
+    pub user_jwt_audience: Option<String>,
+    /// Longest accepted buyer-token lifetime (`exp − iat`), seconds; tokens without `iat`
+    /// are refused. Default 7200.
+    pub user_jwt_max_lifetime_s: i64,
+    /// Clock skew allowed on `exp`, `nbf` and `iat`, seconds.
+    pub user_jwt_leeway_s: u64,
+    /// The cached JWKS is re-read in the background once older than this, seconds.
+    pub user_jwks_refresh_s: u64,
+    /// Re-reads of the JWKS, including those a token with an unknown `kid` triggers, happen
+    /// at most this often, seconds.
+    pub user_jwks_min_refresh_s: u64,
     /// `kid` of the admission-token signing key (placed in every token header).
     pub admission_kid: String,
     /// Ed25519 private key signing admission tokens: PKCS#8 PEM (`-----BEGIN PRIVATE KEY-----`,
@@ -187,12 +359,14 @@ pub struct Config {
     /// Empty means "no provider configured": `audit` then skips its provider checks and
     /// `reconcile` refuses to run.
     pub stripe_api_base: String,
-    /// Stripe secret key (`sk_…`).
+    /// Stripe secret key (`sk_…`/`rk_…`; at least 32 characters in production, a live key
+    /// against `https://api.stripe.com`; a live key is refused in development and against
+    /// any other base).
     #[serde(serialize_with = "redact")]
     pub stripe_secret_key: SecretString,
     /// Stripe publishable key (`pk_…`), used by simulated buyers only.
     pub stripe_publishable_key: String,
-    /// Stripe webhook endpoint secret (`whsec_…`).
+    /// Stripe webhook endpoint secret (`whsec_…`; at least 32 characters in production).
     #[serde(serialize_with = "redact")]
     pub stripe_webhook_secret: SecretString,
     /// Timeout of one Stripe call, ms.
@@ -223,6 +397,7 @@ pub struct Config {
 impl Default for Config {
     fn default() -> Self {
         Self {
+            env: Environment::Development,
             database_url: "postgres://postgres@127.0.0.1:5432/boxoffice".into(),
             db_max_connections: 8,
             db_pool_api: 20,
@@ -235,6 +410,11 @@ impl Default for Config {
             db_acquire_timeout_ms: 3_000,
             kafka_brokers: None,
             kafka_topic_prefix: String::new(),
+            kafka_security_protocol: None,
+            kafka_sasl_mechanism: None,
+            kafka_sasl_username: None,
+            kafka_sasl_password: None,
+            kafka_ssl_ca_location: None,
             kafka_partitions: 12,
             kafka_replication: 1,
             consumers_per_role: 1,
@@ -245,7 +425,15 @@ impl Default for Config {
             consumer_max_attempts: 8,
             http_bind: "127.0.0.1:8080".into(),
             purchase_cell: "cell-1".into(),
-            user_jwt_secret: "dev-user-secret-change-me-0123456789".into(),
+            user_jwt_secret: DEV_USER_JWT_SECRET.into(),
+            user_jwks_url: None,
+            user_jwks_file: None,
+            user_jwt_issuer: None,
+            user_jwt_audience: None,
+            user_jwt_max_lifetime_s: 7_200,
+            user_jwt_leeway_s: 30,
+            user_jwks_refresh_s: 300,
+            user_jwks_min_refresh_s: 30,
             admission_kid: boxoffice_admission::DEV_KID.into(),
             admission_private_key: AdmissionSigningKey::dev().to_pkcs8_pem().into(),
             admission_public_keys: Vec::new(),
@@ -280,9 +468,9 @@ impl Default for Config {
             http_trust_forwarded_for: false,
             hold_ttl_ms: 300_000,
             stripe_api_base: "https://api.stripe.com".into(),
-            stripe_secret_key: "sk_test_boxoffice_dev".into(),
+            stripe_secret_key: DEV_STRIPE_SECRET_KEY.into(),
             stripe_publishable_key: "pk_test_boxoffice_dev".into(),
-            stripe_webhook_secret: "whsec_boxoffice_dev".into(),
+            stripe_webhook_secret: DEV_WEBHOOK_SECRETS[0].into(),
             stripe_timeout_ms: 10_000,
             relay_batch: 500,
             relay_lease_ms: 45_000,
@@ -298,12 +486,14 @@ impl Default for Config {
 }
 
 impl Config {
-    /// Defaults → `file` (if any) → `BOXOFFICE_*` environment, then [`Config::validate`].
-    pub fn load(file: Option<&Path>) -> anyhow::Result<Self> {
+    /// Defaults (with `env` = `default_env`) → `file` (if any) → `BOXOFFICE_*` environment,
+    /// then [`Config::validate`]. A refusal of the secrets is a [`SecretFindings`] error.
+    pub fn load(file: Option<&Path>, default_env: Environment) -> anyhow::Result<Self> {
         let mut fig = Figment::from(Serialized::defaults(Config::default()));
         // Serialized defaults carry "[redacted]" for secrets: put the real defaults back.
         let d = Config::default();
         fig = fig
+            .merge(Serialized::default("env", default_env))
             .merge(Serialized::default("database_url", d.database_url.expose_secret()))
             .merge(Serialized::default("user_jwt_secret", d.user_jwt_secret.expose_secret()))
             .merge(Serialized::default("stripe_secret_key", d.stripe_secret_key.expose_secret()))
@@ -371,14 +561,13 @@ impl Config {
         if self.rate_limit_ip_burst < 1 || self.rate_limit_user_burst < 1 {
             bail!("rate_limit_*_burst must be at least 1");
         }
-        if self.user_jwt_secret.expose_secret().len() < 16 {
-            bail!("user_jwt_secret must be 16+ bytes");
-        }
         if self.stripe_webhook_secret.expose_secret().is_empty()
             || self.stripe_secret_key.expose_secret().is_empty()
         {
             bail!("stripe_secret_key and stripe_webhook_secret are required");
         }
+        self.validate_user_tokens()?;
+        self.validate_kafka_security()?;
         if self.relay_lease_ms <= 30_000 {
             bail!("relay_lease_ms must exceed the producer's 30 s delivery timeout");
         }
@@ -386,7 +575,260 @@ impl Config {
             bail!("log_format must be text or json");
         }
         boxoffice_faults::validate(&self.faults).map_err(|e| anyhow::anyhow!("faults: {e}"))?;
+        let refused: Vec<SecretFinding> = self
+            .secret_findings()
+            .into_iter()
+            .filter(|f| self.env == Environment::Production || f.severity == Severity::Always)
+            .collect();
+        if !refused.is_empty() {
+            return Err(SecretFindings { env: self.env, findings: refused }.into());
+        }
         Ok(())
+    }
+
+    /// Checks the buyer-token settings' shapes (what production requires is a finding).
+    fn validate_user_tokens(&self) -> anyhow::Result<()> {
+        if self.user_jwks_url.is_some() && self.user_jwks_file.is_some() {
+            bail!("set user_jwks_url or user_jwks_file, not both");
+        }
+        if let Some(url) = &self.user_jwks_url {
+            if !(url.starts_with("https://") || url.starts_with("http://")) {
+                bail!("user_jwks_url must be an http(s) URL");
+            }
+        }
+        if self.user_jwt_max_lifetime_s < 1 {
+            bail!("user_jwt_max_lifetime_s must be at least 1");
+        }
+        if self.user_jwt_leeway_s > 300 {
+            bail!("user_jwt_leeway_s must be at most 300");
+        }
+        if self.user_jwks_refresh_s < 1 || self.user_jwks_min_refresh_s > self.user_jwks_refresh_s {
+            bail!("user_jwks_refresh_s must be at least 1 and at least user_jwks_min_refresh_s");
+        }
+        Ok(())
+    }
+
+    /// Checks that the Kafka security settings fit together.
+    fn validate_kafka_security(&self) -> anyhow::Result<()> {
+        use boxoffice_bus::SecurityProtocol;
+        let protocol = self.kafka_security_protocol.unwrap_or(SecurityProtocol::Plaintext);
+        let sasl_set = self.kafka_sasl_mechanism.is_some()
+            || self.kafka_sasl_username.is_some()
+            || self.kafka_sasl_password.is_some();
+        if protocol.is_sasl() {
+            if self.kafka_sasl_mechanism.is_none()
+                || self.kafka_sasl_username.as_deref().is_none_or(str::is_empty)
+                || self.kafka_sasl_password.as_ref().is_none_or(|p| p.expose_secret().is_empty())
+            {
+                bail!(
+                    "kafka_security_protocol {} needs kafka_sasl_mechanism, kafka_sasl_username and kafka_sasl_password",
+                    protocol.as_str()
+                );
+            }
+        } else if sasl_set {
+            bail!("kafka_sasl_* settings need kafka_security_protocol sasl_ssl or sasl_plaintext");
+        }
+        if let Some(ca) = &self.kafka_ssl_ca_location {
+            if !protocol.is_tls() {
+                bail!("kafka_ssl_ca_location needs kafka_security_protocol ssl or sasl_ssl");
+            }
+            if !Path::new(ca).is_file() {
+                bail!("kafka_ssl_ca_location: no file at {ca:?}");
+            }
+        }
+        Ok(())
+    }
+
+    /// Every secret-related problem of this configuration for its [`Config::env`], whatever
+    /// its [`Severity`]. Names settings, never values.
+    pub fn secret_findings(&self) -> Vec<SecretFinding> {
+        let prod = self.env == Environment::Production;
+        let mut out = Vec::new();
+        let mut push = |key: &'static str, severity: Severity, problem: String| {
+            out.push(SecretFinding { key, problem, severity });
+        };
+        let builtin = "the built-in development value (public in the source)";
+
+        // Buyer tokens.
+        if prod {
+            let (url, file) = (self.user_jwks_url.as_deref(), self.user_jwks_file.as_deref());
+            if url.is_none_or(str::is_empty) && file.is_none_or(str::is_empty) {
+                push(
+                    "user_jwks_url",
+                    Severity::ProductionOnly,
+                    "not set (nor user_jwks_file): production verifies buyer tokens only with the \
+                     identity provider's keys (RS256, ES256, EdDSA); HS256 with user_jwt_secret is \
+                     development only"
+                        .into(),
+                );
+            }
+            if url.is_some_and(|u| !u.starts_with("https://")) {
+                push("user_jwks_url", Severity::ProductionOnly, "must be an https URL in production".into());
+            }
+            if self.user_jwt_issuer.as_deref().is_none_or(str::is_empty) {
+                push(
+                    "user_jwt_issuer",
+                    Severity::ProductionOnly,
+                    "not set: production requires the identity provider's issuer (`iss`)".into(),
+                );
+            }
+            if self.user_jwt_audience.as_deref().is_none_or(str::is_empty) {
+                push(
+                    "user_jwt_audience",
+                    Severity::ProductionOnly,
+                    "not set: production requires this API's audience (`aud`)".into(),
+                );
+            }
+        } else {
+            let secret = self.user_jwt_secret.expose_secret();
+            if secret == DEV_USER_JWT_SECRET {
+                push("user_jwt_secret", Severity::Development, builtin.into());
+            } else if secret.len() < MIN_USER_JWT_SECRET_BYTES {
+                push(
+                    "user_jwt_secret",
+                    Severity::Development,
+                    format!("shorter than {MIN_USER_JWT_SECRET_BYTES} bytes"),
+                );
+            }
+        }
+
+        // Admission tokens: the development key mints tokens that skip the queue.
+        let dev_key = AdmissionSigningKey::dev().verifying_key();
+        let signing = pem_or_file(self.admission_private_key.expose_secret(), "admission_private_key")
+            .ok()
+            .and_then(|pem| AdmissionSigningKey::from_pem(&self.admission_kid, &pem).ok());
+        if signing.is_some_and(|k| k.verifying_key().to_pem() == dev_key.to_pem()) {
+            push(
+                "admission_private_key",
+                Severity::Development,
+                format!("{builtin}: generate one with `boxoffice admission-keygen --kid K`"),
+            );
+        }
+        let dev_pem = dev_key.to_pem();
+        let lists_dev = self.admission_public_keys.iter().any(|k| {
+            pem_or_file(&k.public_key, "admission_public_keys").is_ok_and(|p| p.trim() == dev_pem.trim())
+        });
+        if lists_dev {
+            push(
+                "admission_public_keys",
+                Severity::Development,
+                "lists the built-in development key: tokens anyone can mint would be accepted".into(),
+            );
+        }
+
+        // Stripe.
+        let key = self.stripe_secret_key.expose_secret();
+        let base = self.stripe_api_base.trim();
+        let live_api = boxoffice_payments::is_stripe_api(base);
+        let mode = boxoffice_payments::KeyMode::of(key);
+        if key == DEV_STRIPE_SECRET_KEY {
+            push("stripe_secret_key", Severity::Development, builtin.into());
+        }
+        if key.len() < MIN_STRIPE_SECRET_KEY_CHARS {
+            push(
+                "stripe_secret_key",
+                Severity::Development,
+                format!("shorter than {MIN_STRIPE_SECRET_KEY_CHARS} characters"),
+            );
+        }
+        if prod && live_api && mode == boxoffice_payments::KeyMode::Test {
+            push(
+                "stripe_secret_key",
+                Severity::ProductionOnly,
+                format!("a test key (sk_test_…/rk_test_…) against {base}: production takes a live key"),
+            );
+        }
+        if mode == boxoffice_payments::KeyMode::Live && !base.is_empty() && !live_api {
+            push(
+                "stripe_secret_key",
+                Severity::Always,
+                format!("a live key (sk_live_…/rk_live_…) would be sent to {base}, which is not https://api.stripe.com"),
+            );
+        }
+        if mode == boxoffice_payments::KeyMode::Live && !prod {
+            push(
+                "stripe_secret_key",
+                Severity::Always,
+                "a live key in development (which accepts HS256 buyer tokens): live payments need env = production"
+                    .into(),
+            );
+        }
+        let webhook = self.stripe_webhook_secret.expose_secret();
+        if DEV_WEBHOOK_SECRETS.contains(&webhook) {
+            let problem = if prod && live_api {
+                format!("{builtin}, with {base}: anyone could sign webhooks that move orders")
+            } else {
+                builtin.into()
+            };
+            push("stripe_webhook_secret", Severity::Development, problem);
+        }
+        if webhook.len() < MIN_WEBHOOK_SECRET_CHARS {
+            push(
+                "stripe_webhook_secret",
+                Severity::Development,
+                format!("shorter than {MIN_WEBHOOK_SECRET_CHARS} characters"),
+            );
+        }
+
+        // Kafka.
+        if let Some(p) = &self.kafka_sasl_password {
+            if p.expose_secret().len() < MIN_KAFKA_PASSWORD_CHARS {
+                push(
+                    "kafka_sasl_password",
+                    Severity::Development,
+                    format!("shorter than {MIN_KAFKA_PASSWORD_CHARS} characters"),
+                );
+            }
+        }
+        if prod
+            && self.kafka_security_protocol == Some(boxoffice_bus::SecurityProtocol::SaslPlaintext)
+            && self.kafka_sasl_mechanism == Some(boxoffice_bus::SaslMechanism::Plain)
+        {
+            push(
+                "kafka_security_protocol",
+                Severity::ProductionOnly,
+                "SASL PLAIN over sasl_plaintext sends the password in the clear: use sasl_ssl".into(),
+            );
+        }
+        out
+    }
+
+    /// In development, one line per setting whose value is a built-in development default or
+    /// too short (what production would refuse); empty in production, where
+    /// [`Config::validate`] refuses them instead.
+    pub fn development_warnings(&self) -> Vec<(&'static str, String)> {
+        if self.env == Environment::Production {
+            return Vec::new();
+        }
+        let dev: Vec<SecretFinding> =
+            self.secret_findings().into_iter().filter(|f| f.severity == Severity::Development).collect();
+        by_key(&dev)
+    }
+
+    /// What buyer tokens must satisfy.
+    pub fn user_token_policy(&self) -> boxoffice_admission::UserTokenPolicy {
+        let non_empty = |v: &Option<String>| v.clone().filter(|s| !s.is_empty());
+        boxoffice_admission::UserTokenPolicy {
+            issuer: non_empty(&self.user_jwt_issuer),
+            audience: non_empty(&self.user_jwt_audience),
+            max_lifetime_s: self.user_jwt_max_lifetime_s,
+            leeway_s: self.user_jwt_leeway_s,
+        }
+    }
+
+    /// Where and how often the identity provider's keys are read, when configured.
+    pub fn jwks_settings(&self) -> Option<boxoffice_admission::JwksSettings> {
+        use boxoffice_admission::{JwksSettings, JwksSource};
+        let source = match (&self.user_jwks_url, &self.user_jwks_file) {
+            (Some(url), _) if !url.is_empty() => JwksSource::Url(url.clone()),
+            (_, Some(file)) if !file.is_empty() => JwksSource::File(file.into()),
+            _ => return None,
+        };
+        Some(JwksSettings {
+            refresh_after: std::time::Duration::from_secs(self.user_jwks_refresh_s),
+            min_refresh_interval: std::time::Duration::from_secs(self.user_jwks_min_refresh_s),
+            ..JwksSettings::new(source)
+        })
     }
 
     /// Checks the release controller's settings (when it is on).
@@ -456,6 +898,13 @@ impl Config {
     pub fn kafka(&self) -> Option<boxoffice_bus::KafkaConfig> {
         self.kafka_brokers.as_ref().map(|b| boxoffice_bus::KafkaConfig {
             brokers: b.clone(),
+            security: boxoffice_bus::KafkaSecurity {
+                protocol: self.kafka_security_protocol,
+                sasl_mechanism: self.kafka_sasl_mechanism,
+                sasl_username: self.kafka_sasl_username.clone(),
+                sasl_password: self.kafka_sasl_password.clone(),
+                ssl_ca_location: self.kafka_ssl_ca_location.clone(),
+            },
             prefix: self.kafka_topic_prefix.clone(),
             partitions: self.kafka_partitions,
             replication: self.kafka_replication,
@@ -488,7 +937,7 @@ impl Config {
     /// The waiting room's settings.
     pub fn waitroom(&self) -> boxoffice_waitroom::WaitroomConfig {
         boxoffice_waitroom::WaitroomConfig {
-            redis_url: self.redis_url.expose_secret().to_owned(),
+            redis_url: self.redis_url.clone(),
             key_prefix: self.redis_key_prefix.clone(),
             timeout_ms: self.redis_timeout_ms,
             abandon_after_ms: self.waitroom_abandon_after_ms,
@@ -527,15 +976,248 @@ fn pem_or_file(value: &str, setting: &str) -> anyhow::Result<String> {
 mod tests {
     use super::*;
 
+    /// The configuration a production deployment would run with: nothing built in.
+    fn production() -> Config {
+        let key = AdmissionSigningKey::from_seed("prod-1", [42; 32]);
+        Config {
+            env: Environment::Production,
+            user_jwks_url: Some("https://id.example.test/.well-known/jwks.json".into()),
+            user_jwt_issuer: Some("https://id.example.test/".into()),
+            user_jwt_audience: Some("boxoffice-api".into()),
+            admission_kid: "prod-1".into(),
+            admission_private_key: key.to_pkcs8_pem().into(),
+            stripe_secret_key: "sk_live_0123456789abcdefghijklmnopqrstuv".into(),
+            stripe_webhook_secret: "whsec_0123456789abcdefghijklmnopqrstuvwx".into(),
+            ..Config::default()
+        }
+    }
+
+    fn refusal(c: &Config) -> SecretFindings {
+        c.validate().expect_err("refused").downcast::<SecretFindings>().expect("a secrets refusal")
+    }
+
     #[test]
-    fn defaults_validate_and_debug_redacts_secrets() {
+    fn development_defaults_validate_with_one_warning_per_builtin_secret() {
         let c = Config::default();
+        assert_eq!(c.env, Environment::Development);
         c.validate().unwrap();
-        let dbg = format!("{c:?}");
-        assert!(!dbg.contains("whsec_boxoffice_dev"));
-        assert!(!dbg.contains("dev-user-secret"));
-        assert!(!dbg.contains("PRIVATE KEY"));
-        assert!(!dbg.contains("redis://"));
+        let keys: Vec<&str> = c.development_warnings().iter().map(|(k, _)| *k).collect();
+        assert_eq!(
+            keys,
+            ["user_jwt_secret", "admission_private_key", "stripe_secret_key", "stripe_webhook_secret"]
+        );
+        assert!(production().development_warnings().is_empty());
+        let replaced = Config { env: Environment::Development, ..production() };
+        let keys: Vec<&str> = replaced.development_warnings().iter().map(|(k, _)| *k).collect();
+        assert_eq!(keys, ["user_jwt_secret"], "only the HS256 secret is still built in");
+    }
+
+    #[test]
+    fn production_refuses_every_builtin_secret_by_name_without_printing_any() {
+        let c = Config { env: Environment::Production, ..Config::default() };
+        let r = refusal(&c);
+        assert_eq!(
+            r.keys(),
+            [
+                "user_jwks_url",
+                "user_jwt_issuer",
+                "user_jwt_audience",
+                "admission_private_key",
+                "stripe_secret_key",
+                "stripe_webhook_secret"
+            ]
+        );
+        let msg = format!("{:#}", anyhow::Error::from(r));
+        for secret in [
+            DEV_USER_JWT_SECRET,
+            DEV_STRIPE_SECRET_KEY,
+            DEV_WEBHOOK_SECRETS[0],
+            "PRIVATE KEY",
+            &AdmissionSigningKey::dev().to_pkcs8_pem(),
+        ] {
+            assert!(!msg.contains(secret), "{msg}");
+        }
+        for stated in ["shorter than 32 characters", "a test key", "https://api.stripe.com", "BOXOFFICE_ENV"]
+        {
+            assert!(msg.contains(stated), "{stated}: {msg}");
+        }
+        production().validate().unwrap();
+    }
+
+    #[test]
+    fn each_weak_production_setting_is_named_alone() {
+        let dev_public = AdmissionSigningKey::dev().verifying_key().to_pem();
+        let cases: Vec<(&str, Config)> = vec![
+            (
+                "stripe_secret_key",
+                Config {
+                    stripe_secret_key: "sk_test_0123456789abcdefghijklmnopqrstuv".into(),
+                    ..production()
+                },
+            ),
+            ("stripe_secret_key", Config { stripe_secret_key: "sk_live_short".into(), ..production() }),
+            ("stripe_webhook_secret", Config { stripe_webhook_secret: "whsec_short".into(), ..production() }),
+            (
+                "stripe_webhook_secret",
+                Config { stripe_webhook_secret: DEV_WEBHOOK_SECRETS[1].into(), ..production() },
+            ),
+            (
+                "admission_private_key",
+                Config {
+                    admission_kid: boxoffice_admission::DEV_KID.into(),
+                    admission_private_key: AdmissionSigningKey::dev().to_pkcs8_pem().into(),
+                    ..production()
+                },
+            ),
+            (
+                "admission_public_keys",
+                Config {
+                    admission_public_keys: vec![AdmissionPublicKey {
+                        kid: "old".into(),
+                        public_key: dev_public,
+                    }],
+                    ..production()
+                },
+            ),
+            (
+                "user_jwks_url",
+                Config { user_jwks_url: Some("http://id.example.test/jwks.json".into()), ..production() },
+            ),
+            ("user_jwks_url", Config { user_jwks_url: None, ..production() }),
+            ("user_jwt_issuer", Config { user_jwt_issuer: Some(String::new()), ..production() }),
+            ("user_jwt_audience", Config { user_jwt_audience: None, ..production() }),
+            (
+                "kafka_security_protocol",
+                Config {
+                    kafka_security_protocol: Some(boxoffice_bus::SecurityProtocol::SaslPlaintext),
+                    kafka_sasl_mechanism: Some(boxoffice_bus::SaslMechanism::Plain),
+                    kafka_sasl_username: Some("boxoffice".into()),
+                    kafka_sasl_password: Some("a-long-kafka-password".into()),
+                    ..production()
+                },
+            ),
+            (
+                "kafka_sasl_password",
+                Config {
+                    kafka_security_protocol: Some(boxoffice_bus::SecurityProtocol::SaslSsl),
+                    kafka_sasl_mechanism: Some(boxoffice_bus::SaslMechanism::ScramSha512),
+                    kafka_sasl_username: Some("boxoffice".into()),
+                    kafka_sasl_password: Some("short".into()),
+                    ..production()
+                },
+            ),
+        ];
+        for (key, c) in cases {
+            assert_eq!(refusal(&c).keys(), [key], "{key}");
+        }
+        // A file instead of a URL is fine; the HS256 secret is not used in production.
+        Config {
+            user_jwks_url: None,
+            user_jwks_file: Some("/etc/boxoffice/jwks.json".into()),
+            ..production()
+        }
+        .validate()
+        .unwrap();
+        Config { user_jwt_secret: "short".into(), ..production() }.validate().unwrap();
+    }
+
+    /// A live key is only ever sent to api.stripe.com, and never runs in development.
+    #[test]
+    fn a_live_key_is_refused_off_stripe_and_in_development() {
+        let sim = Config { stripe_api_base: "http://127.0.0.1:12111".into(), ..production() };
+        let r = refusal(&sim);
+        assert_eq!(r.keys(), ["stripe_secret_key"]);
+        assert!(r.to_string().contains("would be sent to http://127.0.0.1:12111"), "{r}");
+        let dev = Config { env: Environment::Development, ..sim.clone() };
+        assert_eq!(refusal(&dev).keys(), ["stripe_secret_key"]);
+        let dev_live = Config { env: Environment::Development, ..production() };
+        assert!(refusal(&dev_live).to_string().contains("live payments need env = production"));
+        // A test key against the simulator is what the drills run with.
+        Config { stripe_secret_key: DEV_STRIPE_SECRET_KEY.into(), ..dev }.validate().unwrap();
+        // No provider configured: nothing is sent anywhere.
+        Config { stripe_api_base: String::new(), ..production() }.validate().unwrap();
+    }
+
+    #[test]
+    fn kafka_security_settings_fit_together_and_reach_the_clients() {
+        use boxoffice_bus::{SaslMechanism, SecurityProtocol};
+        let sasl = Config {
+            kafka_brokers: Some("kafka-1:9093".into()),
+            kafka_security_protocol: Some(SecurityProtocol::SaslSsl),
+            kafka_sasl_mechanism: Some(SaslMechanism::ScramSha256),
+            kafka_sasl_username: Some("boxoffice".into()),
+            kafka_sasl_password: Some("a-long-kafka-password".into()),
+            ..production()
+        };
+        sasl.validate().unwrap();
+        let k = sasl.kafka().unwrap();
+        assert_eq!(k.security.protocol, Some(SecurityProtocol::SaslSsl));
+        let c = k.client_config();
+        assert_eq!(c.get("sasl.mechanism"), Some("SCRAM-SHA-256"));
+        assert_eq!(c.get("sasl.password"), Some("a-long-kafka-password"));
+        let bad = [
+            Config { kafka_sasl_password: None, ..sasl.clone() },
+            Config { kafka_security_protocol: Some(SecurityProtocol::Ssl), ..sasl.clone() },
+            Config { kafka_security_protocol: None, ..sasl.clone() },
+            Config { kafka_ssl_ca_location: Some("/nonexistent/ca.pem".into()), ..sasl.clone() },
+            Config {
+                kafka_security_protocol: Some(SecurityProtocol::Plaintext),
+                kafka_ssl_ca_location: Some("/etc/hostname".into()),
+                ..Config::default()
+            },
+        ];
+        for c in bad {
+            assert!(c.validate().is_err(), "{c:?}");
+        }
+    }
+
+    /// Every secret of every settings struct derived from the configuration stays out of
+    /// `Debug` and of the serialized defaults.
+    #[test]
+    fn debug_output_contains_no_secret() {
+        let secrets = [
+            "pg-password-4f2a",
+            "redis-password-9c1e",
+            "user-jwt-secret-7b3d-0123456789abcdef",
+            "sk_live_stripe-key-5e6f-0123456789abcdef",
+            "whsec_webhook-secret-8a9b-0123456789abcdef",
+            "kafka-password-1d2c-0123",
+        ];
+        let key = AdmissionSigningKey::from_seed("k", [7; 32]);
+        let c = Config {
+            database_url: format!("postgres://boxoffice:{}@db:5432/boxoffice", secrets[0]).into(),
+            redis_url: format!("redis://:{}@redis:6379", secrets[1]).into(),
+            user_jwt_secret: secrets[2].into(),
+            stripe_secret_key: secrets[3].into(),
+            stripe_webhook_secret: secrets[4].into(),
+            kafka_brokers: Some("kafka-1:9093".into()),
+            kafka_security_protocol: Some(boxoffice_bus::SecurityProtocol::SaslSsl),
+            kafka_sasl_mechanism: Some(boxoffice_bus::SaslMechanism::ScramSha512),
+            kafka_sasl_username: Some("boxoffice".into()),
+            kafka_sasl_password: Some(secrets[5].into()),
+            admission_kid: "k".into(),
+            admission_private_key: key.to_pkcs8_pem().into(),
+            ..production()
+        };
+        c.validate().unwrap();
+        let api = boxoffice_api::ApiSettings {
+            webhook_secret: c.stripe_webhook_secret.clone(),
+            ..boxoffice_api::ApiSettings::default()
+        };
+        let outputs = [
+            format!("{c:?}"),
+            format!("{:?}", c.kafka().unwrap()),
+            format!("{:?}", c.waitroom()),
+            format!("{:?}", c.stripe().unwrap()),
+            format!("{api:?}"),
+            format!("{:?}", crate::runtime::user_tokens(&c)),
+            serde_json::to_string(&c).unwrap(),
+        ];
+        for out in &outputs {
+            for secret in secrets.iter().copied().chain([key.to_pkcs8_pem().as_str(), "PRIVATE KEY"]) {
+                assert!(!out.contains(secret), "{secret} in {out}");
+            }
+        }
     }
 
     #[test]
@@ -596,9 +1278,12 @@ mod tests {
     }
 
     #[test]
-    fn load_applies_defaults() {
-        let c = Config::load(None).unwrap();
+    fn load_applies_defaults_and_the_binarys_environment() {
+        let c = Config::load(None, Environment::Development).unwrap();
+        assert_eq!(c.env, Environment::Development);
         assert_eq!(c.stripe_webhook_secret.expose_secret(), "whsec_boxoffice_dev");
         assert_eq!(c.kafka_partitions, 12);
+        let refused = Config::load(None, Environment::Production).unwrap_err();
+        assert!(refused.downcast_ref::<SecretFindings>().is_some(), "{refused:#}");
     }
 }

@@ -3,7 +3,7 @@
 //! live in `boxoffice-drills` (crate `crates/drills`).
 
 use boxoffice::commands;
-use boxoffice::config::Config;
+use boxoffice::config::{Config, Environment};
 use boxoffice::runtime::Role;
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
@@ -91,7 +91,7 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Print a buyer bearer token signed with the configured user key (development and demos;
+    /// Print a buyer bearer token signed with the HS256 `user_jwt_secret` (development only;
     /// production tokens come from the identity provider).
     UserToken {
         /// The user id (default: a new random one).
@@ -238,7 +238,19 @@ async fn waitroom(cfg: &Config, action: WaitroomAction) -> anyhow::Result<()> {
 #[tokio::main]
 async fn main() {
     let cli = Cli::parse();
-    let cfg = match Config::load(cli.config.as_deref()) {
+    if let Command::AdmissionKeygen { kid, out } = &cli.command {
+        // Needs no configuration: keys are made before there is a production one.
+        match commands::admission_keygen(kid, out) {
+            Ok(()) => std::process::exit(0),
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                std::process::exit(1);
+            }
+        }
+    }
+    // Every command of the product binary holds the configuration to production's rules
+    // unless `env` / BOXOFFICE_ENV says development: a refusal exits 2, naming each setting.
+    let cfg = match Config::load(cli.config.as_deref(), Environment::Production) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("error: {e:#}");
@@ -276,12 +288,15 @@ async fn main() {
             commands::dlq_replay(&cfg, &ids).await.map(|_| 0)
         }
         Command::Waitroom { action } => waitroom(&cfg, action).await.map(|_| 0),
-        Command::AdmissionKeygen { kid, out } => commands::admission_keygen(&kid, &out).map(|_| 0),
-        Command::UserToken { user, ttl_s } => {
+        Command::AdmissionKeygen { .. } => unreachable!("handled before the configuration is loaded"),
+        Command::UserToken { user, ttl_s } if cfg.env == Environment::Development => {
             let user = boxoffice_domain::UserId(user.unwrap_or_else(uuid::Uuid::new_v4));
             println!("{}", boxoffice::runtime::user_tokens(&cfg).issue(user, ttl_s));
             Ok(0)
         }
+        Command::UserToken { .. } => Err(anyhow::anyhow!(
+            "user-token mints HS256 development tokens, which production refuses: set BOXOFFICE_ENV=development"
+        )),
     };
     match result {
         Ok(code) => std::process::exit(code),

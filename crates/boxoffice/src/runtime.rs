@@ -3,7 +3,7 @@
 //! consumers stop after the message in hand (uncommitted offsets replay into the inbox), the
 //! relay finishes its batch, and the producer is flushed last.
 
-use crate::config::Config;
+use crate::config::{Config, Environment};
 use anyhow::Context;
 use boxoffice_admission::{AdmissionTokens, UserTokens};
 use boxoffice_api::{ApiSettings, AppState};
@@ -193,13 +193,13 @@ pub async fn start(
                 let state = AppState::new(
                     pool.clone(),
                     webhook_pool,
-                    UserTokens::new(cfg.user_jwt_secret.expose_secret().as_bytes()),
+                    user_verifier(cfg).await?,
                     admission_tokens(cfg)?,
                     room.clone(),
                     ApiSettings {
                         hold_ttl: Duration::from_millis(cfg.hold_ttl_ms),
                         admission_ttl_s: cfg.admission_ttl_s,
-                        webhook_secret: cfg.stripe_webhook_secret.expose_secret().to_owned(),
+                        webhook_secret: cfg.stripe_webhook_secret.clone(),
                         admission_direct: cfg.admission_direct,
                         // The estimated wait assumes R at its ceiling, where the controller
                         // sits while the ledger is healthy (only the leader knows live R).
@@ -303,9 +303,28 @@ pub fn waitroom(cfg: &Config) -> anyhow::Result<Waitroom> {
     Waitroom::new(cfg.waitroom()).context("invalid redis_url")
 }
 
-/// The bearer-token keys of `cfg`.
+/// The development bearer-token minter of `cfg`: HS256 with `user_jwt_secret`, tokens
+/// carrying the configured issuer and audience (what `boxoffice user-token`, the drills and
+/// the tests hand to their buyers). Production verifies with [`user_verifier`] only.
 pub fn user_tokens(cfg: &Config) -> UserTokens {
-    UserTokens::new(cfg.user_jwt_secret.expose_secret().as_bytes())
+    UserTokens::with(cfg.user_token_policy(), Some(cfg.user_jwt_secret.expose_secret().as_bytes()), None)
+}
+
+/// The API's bearer-token verifier: the identity provider's keys when `user_jwks_url` or
+/// `user_jwks_file` is set (read once here: the API does not start without them), and the
+/// HS256 `user_jwt_secret` in development only.
+///
+/// # Errors
+/// When the key set cannot be read or holds no usable key.
+pub async fn user_verifier(cfg: &Config) -> anyhow::Result<UserTokens> {
+    let jwks = match cfg.jwks_settings() {
+        Some(s) => {
+            Some(boxoffice_admission::Jwks::load(s).await.context("loading the identity provider's keys")?)
+        }
+        None => None,
+    };
+    let hs256 = (cfg.env == Environment::Development).then(|| cfg.user_jwt_secret.expose_secret().as_bytes());
+    Ok(UserTokens::with(cfg.user_token_policy(), hs256, jwks))
 }
 
 /// Installs the process's log subscriber on stderr: `BOXOFFICE_LOG` (an `EnvFilter`), else

@@ -41,7 +41,6 @@ use rand::Rng;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer};
 use rdkafka::message::{Headers, Message, OwnedMessage};
 use rdkafka::producer::FutureProducer;
-use rdkafka::ClientConfig;
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
 use sqlx::PgPool;
 use std::collections::{BTreeSet, HashMap};
@@ -341,8 +340,8 @@ pub fn run_consumers<H: Handler>(
     for i in 0..instances.max(1) {
         for stage in [Stage::Main, Stage::Retry5s, Stage::Retry1m] {
             let group = format!("{}{}", handler.name(), stage.group_suffix());
-            let consumer: GroupConsumer = ClientConfig::new()
-                .set("bootstrap.servers", &cfg.brokers)
+            let consumer: GroupConsumer = cfg
+                .client_config()
                 .set("group.id", cfg.group(&group))
                 .set("client.id", format!("{}-{}-{}", group, std::process::id(), i))
                 .set("enable.auto.commit", "false")

@@ -8,7 +8,7 @@ use boxoffice_domain::Topic;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::Message;
 use rdkafka::producer::FutureProducer;
-use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+use rdkafka::{Offset, TopicPartitionList};
 use serde::Serialize;
 use std::time::{Duration, Instant};
 
@@ -33,8 +33,8 @@ pub async fn list(cfg: &KafkaConfig, timeout: Duration) -> anyhow::Result<Vec<De
 
 fn list_blocking(cfg: &KafkaConfig, timeout: Duration) -> anyhow::Result<Vec<DeadLetter>> {
     let topic = cfg.topic(Topic::DeadLetter.name());
-    let consumer: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", &cfg.brokers)
+    let consumer: BaseConsumer = cfg
+        .client_config()
         .set("group.id", format!("{}ticketing-dlq-reader", cfg.prefix))
         .set("enable.auto.commit", "false")
         .set("enable.partition.eof", "false")

@@ -13,5 +13,5 @@ pub mod embedded;
 pub mod producer;
 pub mod topics;
 
-pub use config::{KafkaConfig, RetryPolicy};
+pub use config::{KafkaConfig, KafkaSecurity, RetryPolicy, SaslMechanism, SecurityProtocol};
 pub use consumer::{run_consumers, Handler, HandlerError};

@@ -5,13 +5,12 @@
 use crate::KafkaConfig;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
-use rdkafka::ClientConfig;
 use std::time::Duration;
 
 /// Builds the producer used by the relay and the dead-letter router.
 pub fn build(cfg: &KafkaConfig) -> anyhow::Result<FutureProducer> {
-    Ok(ClientConfig::new()
-        .set("bootstrap.servers", &cfg.brokers)
+    Ok(cfg
+        .client_config()
         .set("enable.idempotence", "true")
         .set("acks", "all")
         .set("linger.ms", "2")

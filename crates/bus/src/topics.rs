@@ -14,14 +14,12 @@ use boxoffice_domain::Topic;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::types::RDKafkaErrorCode;
-use rdkafka::ClientConfig;
 use std::time::Duration;
 
 /// Creates every topic of [`Topic::ALL`] that does not exist yet; existing topics are left
 /// as they are. Returns the physical names created.
 pub async fn create_all(cfg: &KafkaConfig) -> anyhow::Result<Vec<String>> {
-    let admin: AdminClient<DefaultClientContext> =
-        ClientConfig::new().set("bootstrap.servers", &cfg.brokers).create()?;
+    let admin: AdminClient<DefaultClientContext> = cfg.client_config().create()?;
     let names: Vec<String> = Topic::ALL.iter().map(|t| cfg.topic(t.name())).collect();
     let new: Vec<NewTopic> = names
         .iter()

@@ -1024,6 +1024,9 @@ fn role_procs(
 ) -> Vec<Proc> {
     let (cfg, args, db_name) = (&p.cfg, run.args, run.db_name);
     let mut common: Vec<(String, String)> = [
+        // The drill's own environment (development unless configured otherwise): the role
+        // processes run with its secrets.
+        ("BOXOFFICE_ENV", cfg.env.as_str().to_owned()),
         ("BOXOFFICE_DATABASE_URL", p.db_url.clone()),
         ("BOXOFFICE_KAFKA_BROKERS", p.broker_addr.to_string()),
         ("BOXOFFICE_KAFKA_TOPIC_PREFIX", cfg.kafka_topic_prefix.clone()),

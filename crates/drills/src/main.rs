@@ -1,7 +1,7 @@
 //! `boxoffice-drills`: the onsale load generator, the capacity bench, the chaos drill and the
 //! Stripe simulator's server, apart from the product binary. See `boxoffice-drills --help`.
 
-use boxoffice::config::Config;
+use boxoffice::config::{Config, Environment};
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
 
@@ -46,7 +46,8 @@ enum Command {
 #[tokio::main]
 async fn main() {
     let cli = Cli::parse();
-    let cfg = match Config::load(cli.config.as_deref()) {
+    // The drills run in development unless `env` / BOXOFFICE_ENV says otherwise.
+    let cfg = match Config::load(cli.config.as_deref(), Environment::Development) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("error: {e:#}");

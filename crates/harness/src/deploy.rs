@@ -17,7 +17,6 @@ use boxoffice::config::Config;
 use boxoffice::runtime::{self, Role, Running};
 use boxoffice_bus::embedded::EmbeddedBroker;
 use boxoffice_stripe_sim::{SimConfig, StripeSim};
-use secrecy::ExposeSecret;
 use sqlx::postgres::PgConnectOptions;
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -28,7 +27,7 @@ use tokio_util::sync::CancellationToken;
 /// URL yet.
 pub fn sim_config(cfg: &Config) -> SimConfig {
     SimConfig {
-        webhook_secret: cfg.stripe_webhook_secret.expose_secret().to_owned(),
+        webhook_secret: cfg.stripe_webhook_secret.clone(),
         webhook_events: boxoffice_api::webhooks::HANDLED_EVENTS.iter().map(|s| s.to_string()).collect(),
         ..SimConfig::default()
     }

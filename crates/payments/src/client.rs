@@ -97,6 +97,42 @@ pub struct StripeConfig {
     pub timeout_ms: u64,
 }
 
+/// Stripe's own API host. A live key is only ever meant for it.
+pub const STRIPE_API_HOST: &str = "api.stripe.com";
+
+/// Whether `api_base` points at Stripe's own API (host [`STRIPE_API_HOST`], any scheme or
+/// port), rather than a simulator or another host.
+pub fn is_stripe_api(api_base: &str) -> bool {
+    Url::parse(api_base.trim())
+        .ok()
+        .and_then(|u| u.host_str().map(|h| h.trim_end_matches('.').eq_ignore_ascii_case(STRIPE_API_HOST)))
+        .unwrap_or(false)
+}
+
+/// The mode of a Stripe secret or restricted key, read from its prefix.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeyMode {
+    /// `sk_live_…` / `rk_live_…`: moves real money.
+    Live,
+    /// `sk_test_…` / `rk_test_…`: Stripe's test mode.
+    Test,
+    /// Anything else (not a Stripe key).
+    Unknown,
+}
+
+impl KeyMode {
+    /// The mode of `key` (never echoes it).
+    pub fn of(key: &str) -> Self {
+        if key.starts_with("sk_live_") || key.starts_with("rk_live_") {
+            Self::Live
+        } else if key.starts_with("sk_test_") || key.starts_with("rk_test_") {
+            Self::Test
+        } else {
+            Self::Unknown
+        }
+    }
+}
+
 /// Production [`PaymentGateway`]: a cheap-to-clone handle (one connection pool, `Arc` inside).
 #[derive(Clone)]
 pub struct StripeClient {
@@ -501,6 +537,21 @@ mod tests {
         plain["latest_charge"] = "ch_2".into();
         let l: IntentWithCharge = serde_json::from_value(plain).unwrap();
         assert_eq!((l.intent.latest_charge.as_deref(), l.charge), (Some("ch_2"), None));
+    }
+
+    #[test]
+    fn stripe_base_and_key_mode_are_recognized() {
+        for base in ["https://api.stripe.com", "https://API.stripe.com:443/", "http://api.stripe.com."] {
+            assert!(is_stripe_api(base), "{base}");
+        }
+        for base in ["http://127.0.0.1:12111", "https://api.stripe.com.evil.test", "", "api.stripe.com"] {
+            assert!(!is_stripe_api(base), "{base}");
+        }
+        assert_eq!(KeyMode::of("sk_live_x"), KeyMode::Live);
+        assert_eq!(KeyMode::of("rk_live_x"), KeyMode::Live);
+        assert_eq!(KeyMode::of("sk_test_x"), KeyMode::Test);
+        assert_eq!(KeyMode::of("rk_test_x"), KeyMode::Test);
+        assert_eq!(KeyMode::of("pk_live_x"), KeyMode::Unknown);
     }
 
     #[test]

@@ -23,7 +23,7 @@ mod error;
 mod types;
 pub mod webhook;
 
-pub use client::{PaymentGateway, StripeClient, StripeConfig};
+pub use client::{is_stripe_api, KeyMode, PaymentGateway, StripeClient, StripeConfig, STRIPE_API_HOST};
 pub use error::StripeError;
 pub use types::{
     CardDetails, Charge, CreatePaymentIntent, CreatedWindow, Dispute, IntentWithCharge, PaymentIntent,

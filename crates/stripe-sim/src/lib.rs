@@ -36,6 +36,7 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use secrecy::{ExposeSecret, SecretString};
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
@@ -51,8 +52,9 @@ use webhooks::WebhookQueue;
 pub struct SimConfig {
     /// Where to POST events (e.g. `http://127.0.0.1:8080/webhooks/stripe`); `None` drops them.
     pub webhook_url: Option<String>,
-    /// The endpoint's signing secret (`whsec_…`), shared with the receiver's `webhook::verify`.
-    pub webhook_secret: String,
+    /// The endpoint's signing secret (`whsec_…`), shared with the receiver's `webhook::verify`
+    /// (secret: `Debug` redacts it).
+    pub webhook_secret: SecretString,
     /// Initial faults (default: none).
     pub faults: Faults,
     /// Delivery attempts per event copy, first included (default 12).
@@ -68,7 +70,7 @@ impl Default for SimConfig {
     fn default() -> Self {
         Self {
             webhook_url: None,
-            webhook_secret: "whsec_boxoffice_sim".to_owned(),
+            webhook_secret: "whsec_boxoffice_sim".into(),
             faults: Faults::default(),
             webhook_max_attempts: 12,
             webhook_initial_backoff_ms: 100,
@@ -81,7 +83,7 @@ impl fmt::Debug for SimConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("SimConfig")
             .field("webhook_url", &self.webhook_url)
-            .field("webhook_secret", &"[redacted]")
+            .field("webhook_secret", &self.webhook_secret)
             .field("faults", &self.faults)
             .field("webhook_max_attempts", &self.webhook_max_attempts)
             .field("webhook_initial_backoff_ms", &self.webhook_initial_backoff_ms)
@@ -158,7 +160,7 @@ impl StripeSim {
                 faults: Mutex::new(FaultState::new(cfg.faults)),
                 webhooks: WebhookQueue::new(),
                 webhook_url: Mutex::new(cfg.webhook_url),
-                webhook_secret: cfg.webhook_secret,
+                webhook_secret: cfg.webhook_secret.expose_secret().to_owned(),
                 webhook_max_attempts: cfg.webhook_max_attempts,
                 webhook_initial_backoff_ms: cfg.webhook_initial_backoff_ms,
                 webhook_events: cfg.webhook_events,

@@ -28,6 +28,7 @@ use boxoffice_domain::{EventId, UserId};
 use chrono::{DateTime, Utc};
 use keys::Keys;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use secrecy::{ExposeSecret, SecretString};
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -37,8 +38,9 @@ use uuid::Uuid;
 /// Settings of the waiting room.
 #[derive(Debug, Clone)]
 pub struct WaitroomConfig {
-    /// Redis URL, e.g. `redis://127.0.0.1:6379` (may carry a password: never log it).
-    pub redis_url: String,
+    /// Redis URL, e.g. `redis://127.0.0.1:6379` (may carry a password: secret, `Debug`
+    /// redacts it).
+    pub redis_url: SecretString,
     /// Prefix of every key (one deployment or test per prefix).
     pub key_prefix: String,
     /// Bound of one Redis call, connecting included, ms. A dead Redis costs at most this.
@@ -257,7 +259,7 @@ impl Waitroom {
     /// # Errors
     /// [`WaitroomError::Redis`] for a malformed URL.
     pub fn new(cfg: WaitroomConfig) -> Result<Self, WaitroomError> {
-        let client = redis::Client::open(cfg.redis_url.as_str()).map_err(WaitroomError::Redis)?;
+        let client = redis::Client::open(cfg.redis_url.expose_secret()).map_err(WaitroomError::Redis)?;
         let t = Duration::from_millis(cfg.timeout_ms);
         let mgr_cfg = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(t))

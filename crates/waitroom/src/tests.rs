@@ -10,7 +10,7 @@ fn redis_url() -> String {
 
 fn room_with(tweak: impl FnOnce(&mut WaitroomConfig)) -> Waitroom {
     let mut cfg = WaitroomConfig {
-        redis_url: redis_url(),
+        redis_url: redis_url().into(),
         key_prefix: format!("test:{}:", Uuid::new_v4().simple()),
         timeout_ms: 2_000,
         ..WaitroomConfig::default()
@@ -220,7 +220,7 @@ async fn waitroom_unreachable_redis_fails_fast() {
         l.local_addr().unwrap().port()
     };
     let wr = room_with(|c| {
-        c.redis_url = format!("redis://127.0.0.1:{port}");
+        c.redis_url = format!("redis://127.0.0.1:{port}").into();
         c.timeout_ms = 300;
     });
     let started = Instant::now();

@@ -62,7 +62,7 @@ use boxoffice_domain::{EventId, Topic};
 use boxoffice_store::signals;
 use boxoffice_waitroom::Waitroom;
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+use rdkafka::{Offset, TopicPartitionList};
 use sqlx::postgres::PgConnectOptions;
 use sqlx::{ConnectOptions, Connection, PgConnection};
 use std::collections::HashMap;
@@ -392,8 +392,8 @@ impl ConsumerLagProbe {
                 let group = cfg.group(c);
                 // A plain client with the group's id: it never joins the group (no subscribe),
                 // it only fetches the group's committed offsets.
-                let consumer: BaseConsumer = ClientConfig::new()
-                    .set("bootstrap.servers", &cfg.brokers)
+                let consumer: BaseConsumer = cfg
+                    .client_config()
                     .set("group.id", &group)
                     .set("enable.auto.commit", "false")
                     .create()?;

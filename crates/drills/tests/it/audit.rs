@@ -160,6 +160,7 @@ async fn second_capture_at_the_provider_and_dead_letters_fail_the_audit(
         move || {
             std::process::Command::new(crate::helpers::product_bin())
                 .args(["audit", "--json"])
+                .env("BOXOFFICE_ENV", "development")
                 .env("BOXOFFICE_DATABASE_URL", url)
                 .env("BOXOFFICE_STRIPE_API_BASE", base)
                 .env("BOXOFFICE_KAFKA_BROKERS", test_brokers())

@@ -18,5 +18,6 @@ mod limits;
 mod purchase;
 mod release;
 mod saga;
+mod secrets;
 mod waitroom;
 mod webhooks;

@@ -231,7 +231,7 @@ fn commit_high_water(kafka: &boxoffice_bus::KafkaConfig) {
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn release_controller_has_one_leader_per_cell_and_fails_over(_: PgPoolOptions, opts: PgConnectOptions) {
     let room = Waitroom::new(WaitroomConfig {
-        redis_url: test_redis_url(),
+        redis_url: test_redis_url().into(),
         key_prefix: format!("t{}:", Uuid::new_v4().simple()),
         ..Default::default()
     })
