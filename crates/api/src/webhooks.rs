@@ -84,6 +84,18 @@ pub enum IngestError {
     /// A fault point fired (`webhook.before_commit` / `webhook.after_commit`).
     #[error(transparent)]
     Fault(#[from] boxoffice_faults::Injected),
+    /// A signed event whose ids no Stripe object has (longer than [`MAX_ID_LEN`] bytes, or with
+    /// a NUL byte): nothing is written.
+    #[error("malformed Stripe event: {0}")]
+    Malformed(&'static str),
+}
+
+/// The longest Stripe id (event, PaymentIntent, dispute) or event type accepted, bytes.
+/// Stripe's are far shorter; a longer one is not Stripe's.
+pub const MAX_ID_LEN: usize = 255;
+
+fn well_formed(s: &str) -> bool {
+    s.len() <= MAX_ID_LEN && !s.contains('\0')
 }
 
 /// Records a signature-checked Stripe event and what it leads to (nothing, a re-fetch, or
@@ -98,6 +110,14 @@ pub async fn ingest(pool: &PgPool, event: &Event) -> Result<Ingested, IngestErro
 async fn ingest_tx(pool: &PgPool, event: &Event) -> Result<Ingested, IngestError> {
     let object = &event.data.object;
     let pi = payment_intent_id(&event.r#type, object);
+    if !well_formed(&event.id) || !well_formed(&event.r#type) {
+        return Err(IngestError::Malformed("event id or type"));
+    }
+    if pi.as_deref().is_some_and(|p| !well_formed(p))
+        || dispute_id(&event.r#type, object).is_some_and(|d| !well_formed(&d))
+    {
+        return Err(IngestError::Malformed("object id"));
+    }
     let mut tx = pool.begin().await?;
     let order = match order_id(object) {
         Some(o) => Some(o),

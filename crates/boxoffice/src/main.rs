@@ -201,12 +201,15 @@ async fn waitroom(cfg: &Config, action: WaitroomAction) -> anyhow::Result<()> {
     let event = |e: uuid::Uuid| boxoffice_domain::EventId(e);
     match action {
         WaitroomAction::Schedule { event: e, opens_at, closes_at, seed } => {
+            // The waiting room first: it refuses once the queue has opened, and then nothing
+            // may change (a later opening in the ledger would admit the queue early).
             let pool = commands::migrate_db(cfg).await?;
-            let window = boxoffice_store::venue::SalesWindow { opens_at: Some(opens_at), closes_at };
-            if !boxoffice_store::venue::schedule_sales(&pool, event(e), window).await? {
+            if !boxoffice_store::venue::event_exists(&pool, event(e)).await? {
                 anyhow::bail!("no event {e}");
             }
             room.schedule(event(e), opens_at, seed.as_deref()).await?;
+            let window = boxoffice_store::venue::SalesWindow { opens_at: Some(opens_at), closes_at };
+            boxoffice_store::venue::schedule_sales(&pool, event(e), window).await?;
             println!("event {e} opens at {opens_at}");
         }
         WaitroomAction::Release { event: e, n } => {

@@ -22,6 +22,7 @@
 //! |                      | order without seats                    | incident, → `refunding`, RefundRequested (compensation) |
 //! | CaptureFailed        | order `confirming`                     | release hold, → `failed`, cancel the authorization      |
 //! | PaymentCanceled      | order `confirming` (auth expired)      | release hold, → `failed`                                |
+//! |                      | unpaid order, its own intent           | expire the hold, → `canceled` (nobody can pay it)       |
 //! | PaymentRefunded      | order `refunding`                      | → `refunded`                                            |
 //! |                      | order `ticketed`, refunded in full     | → `refunded`, tickets void, TicketsVoided (case C14)    |
 //! |                      | order `paid` / `ticketed`, in part     | recorded, incident; tickets stay valid                  |
@@ -495,6 +496,16 @@ fn canceled(s: &Snapshot) -> Vec<Step> {
         steps.extend(release_hold(s));
         steps.push(fail(reason::AUTHORIZATION_CANCELED));
         steps.push(Step::Count("boxoffice_authorizations_lost_before_capture_total"));
+    } else if s.order.awaits_authorization() && s.intent == IntentMatch::Current {
+        // The buyer's only PaymentIntent was cancelled at the provider: nobody can pay this
+        // order any more, so its seats go back now rather than at the hold's expiry.
+        if s.hold.is_some_and(|h| h.status == HoldStatus::Active) {
+            steps.push(Step::ExpireHold);
+        }
+        steps.push(Step::MoveOrder {
+            to: OrderStatus::Canceled,
+            reason: Some(reason::AUTHORIZATION_CANCELED.into()),
+        });
     }
     steps
 }

@@ -272,9 +272,12 @@ struct EventRules {
 
 /// Step 2: the event exists (404), its sales window is open by the database clock (403
 /// `sales_not_open` / `sales_closed`), and the buyer stays within the event's limits (409
-/// `buyer_limit_reached`): seats across unreleased holds that are confirmed or active and
-/// unexpired, plus tickets, plus `requested` must not exceed `max_seats_per_buyer`; active
-/// unexpired holds must stay below `max_active_holds_per_buyer`.
+/// `buyer_limit_reached`): seats across the buyer's unreleased `active` or `confirmed` holds,
+/// plus valid tickets, plus `requested` must not exceed `max_seats_per_buyer`; `active` holds
+/// must stay below `max_active_holds_per_buyer`. A hold past its expiry still counts until the
+/// expiry releases it: the saga may be confirming it right now (it decided under its own row
+/// lock, before the lapse, and has not committed), so only a released hold gives its seats
+/// back to the buyer's allowance.
 async fn check_event_rules(
     tx: &mut Tx<'_>,
     req: &ReserveRequest,
@@ -285,16 +288,17 @@ async fn check_event_rules(
         .bind(req.user_id.0)
         .execute(&mut **tx)
         .await?;
-    let rules: Option<EventRules> = sqlx::query_as::<_, (i32, i32, Option<DateTime<Utc>>, Option<DateTime<Utc>>, DateTime<Utc>, i64, i64, i64)>(
+    let rules: Option<EventRules> = sqlx::query_as::<
+        _,
+        (i32, i32, Option<DateTime<Utc>>, Option<DateTime<Utc>>, DateTime<Utc>, i64, i64, i64),
+    >(
         "SELECT e.max_seats_per_buyer, e.max_active_holds_per_buyer, e.sales_open_at, e.sales_close_at,
                 clock_timestamp(),
                 (SELECT count(*) FROM orders o JOIN holds h ON h.order_id = o.id
                    JOIN hold_seats hs ON hs.hold_id = h.id AND hs.released_at IS NULL
-                  WHERE o.event_id = e.id AND o.user_id = $2
-                    AND (h.status = 'confirmed' OR (h.status = 'active' AND h.expires_at > clock_timestamp()))),
+                  WHERE o.event_id = e.id AND o.user_id = $2 AND h.status IN ('active', 'confirmed')),
                 (SELECT count(*) FROM orders o JOIN holds h ON h.order_id = o.id
-                  WHERE o.event_id = e.id AND o.user_id = $2
-                    AND h.status = 'active' AND h.expires_at > clock_timestamp()),
+                  WHERE o.event_id = e.id AND o.user_id = $2 AND h.status = 'active'),
                 (SELECT count(*) FROM orders o JOIN tickets t ON t.order_id = o.id
                   WHERE o.event_id = e.id AND o.user_id = $2 AND t.voided_at IS NULL)
            FROM events e WHERE e.id = $1",

@@ -42,6 +42,8 @@ pub(crate) fn router(sim: StripeSim) -> Router {
         .route("/v1/refunds/{id}", get(retrieve_refund))
         .route("/v1/disputes/{id}", get(retrieve_dispute))
         .route("/_sim/faults", post(set_faults).get(get_faults))
+        .route("/_sim/disputes", post(open_dispute))
+        .route("/_sim/disputes/{id}/close", post(close_dispute))
         .route("/_sim/clock/advance", post(advance_clock))
         .route("/_sim/stats", get(stats))
         .fallback(unknown_route)
@@ -342,6 +344,36 @@ struct Advance {
 async fn advance_clock(State(sim): State<StripeSim>, Json(a): Json<Advance>) -> Json<Value> {
     sim.advance_clock(a.seconds);
     Json(json!({ "now": sim.now() }))
+}
+
+#[derive(serde::Deserialize)]
+struct OpenDispute {
+    payment_intent: String,
+}
+
+/// Test control: the cardholder's bank disputes the captured charge of a PaymentIntent.
+async fn open_dispute(State(sim): State<StripeSim>, Json(d): Json<OpenDispute>) -> Response {
+    match sim.open_dispute(&d.payment_intent) {
+        Ok(id) => Json(json!({ "id": id })).into_response(),
+        Err(e) => (StatusCode::BAD_REQUEST, e).into_response(),
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct CloseDispute {
+    won: bool,
+}
+
+/// Test control: a dispute closes, won or lost.
+async fn close_dispute(
+    State(sim): State<StripeSim>,
+    Path(id): Path<String>,
+    Json(c): Json<CloseDispute>,
+) -> Response {
+    match sim.close_dispute(&id, c.won) {
+        Ok(()) => Json(json!({ "id": id, "status": if c.won { "won" } else { "lost" } })).into_response(),
+        Err(e) => (StatusCode::BAD_REQUEST, e).into_response(),
+    }
 }
 
 async fn stats(State(sim): State<StripeSim>) -> Json<crate::SimStats> {

@@ -223,7 +223,10 @@ fn every_state_and_fact_pair_has_its_outcome() {
             ],
         ),
         (EventKind::CaptureFailed, ["-", "-", "-", "failed", "-", "-", "-", "-", "-", "-", "-"]),
-        (EventKind::PaymentCanceled, ["-", "-", "-", "failed", "-", "-", "-", "-", "-", "-", "-"]),
+        (
+            EventKind::PaymentCanceled,
+            ["canceled", "canceled", "canceled", "failed", "-", "-", "-", "-", "-", "-", "-"],
+        ),
         (EventKind::PaymentRefunded, ["-", "-", "-", "-", "-", "refunded", "-", "-", "-", "refunded", "-"]),
         // A lost dispute.
         (EventKind::PaymentDisputed, ["-", "-", "-", "-", "-", "refunded", "-", "-", "-", "-", "-"]),
