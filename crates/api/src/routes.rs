@@ -23,18 +23,26 @@ use uuid::Uuid;
 /// The whole API.
 pub fn router(state: AppState) -> Router {
     let limit = state.settings.max_body_bytes;
+    use axum::middleware::from_fn_with_state as buckets;
     let queue = Router::new()
         .route("/events/{event_id}/queue", post(crate::queue::join))
         .route("/queue/{ticket}", get(crate::queue::status).delete(crate::queue::leave))
-        .route_layer(axum::middleware::from_fn_with_state(state.clone(), crate::queue::rate_limit));
-    let mut app = Router::new();
+        .route_layer(buckets(state.clone(), crate::limits::queue));
+    let mut purchase = Router::new();
     if state.settings.admission_direct {
-        app = app.route("/events/{event_id}/admission", post(admit));
+        purchase = purchase.route("/events/{event_id}/admission", post(admit));
     }
-    app.merge(queue)
+    let purchase = purchase
         .route("/events/{event_id}/holds", post(create_hold))
-        .route("/events/{event_id}/seats", get(seat_map))
         .route("/orders/{order_id}", get(get_order))
+        .route_layer(buckets(state.clone(), crate::limits::purchase));
+    let catalog = Router::new()
+        .route("/events/{event_id}/seats", get(seat_map))
+        .route_layer(buckets(state.clone(), crate::limits::seats));
+    Router::new()
+        .merge(queue)
+        .merge(purchase)
+        .merge(catalog)
         .route("/webhooks/stripe", post(stripe_webhook))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
@@ -125,10 +133,13 @@ async fn create_hold(
     body: ApiJson<HoldBody>,
 ) -> Result<Response, Problem> {
     let started = Instant::now();
+    // An unknown event is a 404 whatever the token says (from the event cache: no query
+    // per request).
+    crate::queue::sales_window(&st, event).await?;
     let token =
         headers.get("x-admission-token").and_then(|v| v.to_str().ok()).ok_or(AdmissionError::Missing)?;
     let claims = st.admission.verify(token, user.0, EventId(event))?;
-    check_revocation(&st, claims.jti).await?;
+    st.revocations.check(claims.jti).await?;
     let ApiJson(body) = body;
     let correlation_id = headers
         .get("x-request-id")
@@ -160,23 +171,6 @@ async fn create_hold(
         resp.headers_mut().insert("idempotent-replayed", HeaderValue::from_static("true"));
     }
     Ok(resp)
-}
-
-/// Refuses a revoked admission token. When Redis cannot answer, the check fails open: the
-/// token's signature, binding and expiry were already verified locally, a revocation is rare
-/// and lasts at most one admission slot, and failing closed would turn a Redis outage into a
-/// stop of sales for buyers already admitted, while the ledger alone guards the seats.
-/// Counted in `boxoffice_admission_revocation_fail_open_total`.
-async fn check_revocation(st: &AppState, jti: Uuid) -> Result<(), Problem> {
-    match st.waitroom.is_revoked(jti).await {
-        Ok(true) => Err(AdmissionError::Revoked.into()),
-        Ok(false) => Ok(()),
-        Err(e) => {
-            metrics::counter!("boxoffice_admission_revocation_fail_open_total").increment(1);
-            tracing::debug!(error = %ErrorChain(&e), "revocation check failed open");
-            Ok(())
-        }
-    }
 }
 
 /// `GET /orders/{order_id}` → 200 order view, 404 when missing or not the caller's.
@@ -213,44 +207,37 @@ async fn get_order(
         (status = 404, description = "No such event", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
     ))]
 async fn seat_map(State(st): State<AppState>, IdPath(event): IdPath<Uuid>) -> Result<Response, Problem> {
-    let max_age = std::time::Duration::from_millis(st.settings.seat_map_max_age_ms);
-    let cached = |st: &AppState| {
-        st.seat_maps
-            .lock()
-            .expect("seat map cache poisoned")
-            .get(&event)
-            .filter(|(at, _)| at.elapsed() < max_age)
-            .map(|(_, b)| b.clone())
-    };
-    let body = match cached(&st) {
-        Some(b) => b,
-        None => {
-            let _render = st.seat_map_render.lock().await;
-            match cached(&st) {
-                Some(b) => b,
-                None => {
-                    let Some(seats) = venue::seat_map(&st.pool, EventId(event)).await? else {
-                        return Err(Problem::not_found("event"));
-                    };
-                    let body = Bytes::from(
-                        serde_json::to_vec(&crate::openapi::SeatMap {
-                            event_id: event,
-                            generated_at: chrono::Utc::now(),
-                            seats,
-                        })
-                        .expect("seat map serializes"),
-                    );
-                    st.seat_maps
-                        .lock()
-                        .expect("seat map cache poisoned")
-                        .insert(event, (Instant::now(), body.clone()));
-                    body
-                }
-            }
-        }
+    // Per event and single-flight: concurrent misses for one id wait for one render, other
+    // ids render beside it; an unknown id is cached as `None` like a map, so junk ids reach
+    // the ledger at most once per id and max age.
+    let body = st
+        .seat_maps
+        .try_get_with(event, render_seat_map(&st, event))
+        .await
+        .map_err(|e| Problem::database(&e))?;
+    let Some(body) = body else {
+        return Err(Problem::not_found("event"));
     };
     Ok(([(header::CONTENT_TYPE, "application/json"), (header::CACHE_CONTROL, "max-age=1")], body)
         .into_response())
+}
+
+/// One read of the ledger for `event`'s map (`None`: no such event), serialized once.
+/// Counted in `boxoffice_seat_map_renders_total{outcome}` (`found`, `unknown`).
+async fn render_seat_map(st: &AppState, event: Uuid) -> Result<Option<Bytes>, sqlx::Error> {
+    let seats = venue::seat_map(&st.pool, EventId(event)).await?;
+    let outcome = if seats.is_some() { "found" } else { "unknown" };
+    metrics::counter!("boxoffice_seat_map_renders_total", "outcome" => outcome).increment(1);
+    Ok(seats.map(|seats| {
+        Bytes::from(
+            serde_json::to_vec(&crate::openapi::SeatMap {
+                event_id: event,
+                generated_at: chrono::Utc::now(),
+                seats,
+            })
+            .expect("seat map serializes"),
+        )
+    }))
 }
 
 /// `POST /webhooks/stripe`: 400 on a missing/bad signature (nothing written), 200 once the
@@ -267,8 +254,9 @@ async fn seat_map(State(st): State<AppState>, IdPath(event): IdPath<Uuid>) -> Re
 async fn stripe_webhook(
     State(st): State<AppState>,
     headers: HeaderMap,
-    body: Bytes,
+    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
 ) -> Result<Response, Problem> {
+    let body = body.map_err(crate::problem::body_rejection)?;
     let sig = headers.get("stripe-signature").and_then(|v| v.to_str().ok()).unwrap_or("");
     let event = boxoffice_payments::webhook::verify(
         &body,
