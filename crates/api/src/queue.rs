@@ -130,12 +130,13 @@ fn no_store(mut resp: Response) -> Response {
     responses(
         (status = 201, description = "Queued (or pre-queued before the onsale opens); `Location: /queue/{ticket}`", body = QueueView),
         (status = 200, description = "The user already queues for this event: the same ticket", body = QueueView),
-        (status = 401, description = "No or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 400, description = "`invalid_path`: the event id is not a UUID", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 401, description = "`unauthenticated`: no or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 403, description = "`sales_not_open`: the event was never scheduled; `sales_closed`: its sales window has closed", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 404, description = "No such event", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 404, description = "`not_found`: no such event", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 409, description = "`queue_position_limit`: the user holds too many positions across events", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 429, description = "`rate_limited` (per IP or per user); `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 503, description = "`waitroom_unavailable`: Redis is unreachable; `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 429, description = "`rate_limited` (per IP or per user, named in `scope`); `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 503, description = "`waitroom_unavailable`: Redis is unreachable; `unavailable`: the database is; `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
     ))]
 pub(crate) async fn join(
     State(st): State<AppState>,
@@ -165,9 +166,10 @@ pub(crate) async fn join(
     security(("bearer" = [])),
     responses(
         (status = 200, description = "Position and estimated wait, or the admission token once admitted. Polling keeps the position.", body = QueueView),
-        (status = 401, description = "No or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 400, description = "`invalid_path`: the ticket is not a UUID", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 401, description = "`unauthenticated`: no or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 404, description = "`queue_ticket_not_found`: unknown, not the caller's, left, lapsed, or the slot ended", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 429, description = "`rate_limited`; `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 429, description = "`rate_limited` (per IP or per user, named in `scope`); `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 503, description = "`waitroom_unavailable`: Redis is unreachable; `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
     ))]
 pub(crate) async fn status(
@@ -194,11 +196,12 @@ pub(crate) async fn status(
     params(("ticket" = Uuid, Path, description = "Queue ticket")),
     security(("bearer" = [])),
     responses(
-        (status = 204, description = "Left the queue"),
-        (status = 401, description = "No or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 204, description = "Left the queue (a running admission slot's token is revoked)"),
+        (status = 400, description = "`invalid_path`: the ticket is not a UUID", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 401, description = "`unauthenticated`: no or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 404, description = "`queue_ticket_not_found`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 429, description = "`rate_limited`; `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 503, description = "`waitroom_unavailable`: Redis is unreachable; `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 429, description = "`rate_limited` (per IP or per user, named in `scope`); `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 503, description = "`waitroom_unavailable`: Redis is unreachable; `unavailable`: the revocation could not be recorded in the database (nothing changed); `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
     ))]
 pub(crate) async fn leave(
     State(st): State<AppState>,

@@ -71,8 +71,11 @@ pub fn router(state: AppState) -> Router {
     security(("bearer" = [])),
     responses(
         (status = 201, description = "Admitted (only when the deployment enables `admission_direct`; otherwise 404)", body = crate::openapi::Admission),
-        (status = 401, description = "No or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 404, description = "No such event", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 400, description = "`invalid_path`: the event id is not a UUID", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 401, description = "`unauthenticated`: no or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 404, description = "`not_found`: no such event (or the deployment does not serve this route)", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 429, description = "`rate_limited` (per IP or per user, named in `scope`); `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 503, description = "`unavailable`: the database is unavailable; `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
     ))]
 async fn admit(
     State(st): State<AppState>,
@@ -109,20 +112,25 @@ pub struct HoldBody {
 #[utoipa::path(post, path = "/events/{event_id}/holds", tag = "purchase",
     params(
         ("event_id" = Uuid, Path, description = "Event id"),
-        ("Idempotency-Key" = String, Header, description = "1–255 visible ASCII characters; same user + key + body returns the original order"),
+        ("Idempotency-Key" = String, Header, min_length = 1, max_length = 255, pattern = "^[!-~]+$",
+            description = "1–255 visible ASCII characters (`!` to `~`); the same user + key + body returns the original order"),
         ("X-Admission-Token" = String, Header, description = "Admission token for this user, event and purchase cell"),
     ),
     request_body = HoldBody,
     security(("bearer" = [])),
     responses(
         (status = 202, description = "Seats held; `Location: /orders/{order_id}`. A replay carries `Idempotent-Replayed: true`.", body = boxoffice_store::holds::HoldReceipt),
-        (status = 400, description = "Malformed JSON or missing/invalid Idempotency-Key", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 401, description = "No or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 403, description = "Missing, malformed, expired, foreign (user, event, cell), tampered, unknown-key or revoked admission token (the `code` says which); `sales_not_open` (with `opens_at`) or `sales_closed`: outside the event's sales window", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 409, description = "`seat_unavailable` (nothing was held), `buyer_limit_reached` (the event's `max_seats_per_buyer` or `max_active_holds_per_buyer`, named in `limit`), `idempotency_key_conflict` or `idempotency_key_in_use`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 413, description = "Body too large", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 422, description = "Seat count outside 1–8, unknown seats, or a body of the wrong shape", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 503, description = "Database unavailable; retry with the same Idempotency-Key", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 400, description = "`invalid_path` (the event id is not a UUID), `idempotency_key_missing`, `idempotency_key_invalid`, `malformed_json` or `unreadable_body`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 401, description = "`unauthenticated`: no or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 403, description = "`admission_token_missing`, `_malformed`, `_expired`, `_wrong_user`, `_wrong_event`, `_wrong_cell`, `_bad_signature`, `_unknown_kid` or `_revoked` (the admission token); `sales_not_open` (with `opens_at`) or `sales_closed`: outside the event's sales window", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 404, description = "`not_found`: no such event (whatever the admission token says)", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 408, description = "`request_body_timeout`: the body stalled; nothing was held", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 409, description = "`seat_unavailable` (nothing was held), `buyer_limit_reached` (the event's `max_seats_per_buyer` or `max_active_holds_per_buyer`, named in `limit`), `idempotency_key_conflict` or `idempotency_key_in_use` (`Retry-After`)", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 413, description = "`body_too_large`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 415, description = "`unsupported_media_type`: the body must be `application/json`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 422, description = "`seat_count` (outside 1–8), `unknown_seats` (not this event's), or `invalid_body` (a body of the wrong shape)", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 429, description = "`rate_limited` (per IP or per user, named in `scope`); `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 503, description = "`unavailable` (the database), `fault_injected`, or `revocation_check_failed` (Redis answered with an error); retry with the same Idempotency-Key after `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
     ))]
 async fn create_hold(
     State(st): State<AppState>,
@@ -179,8 +187,11 @@ async fn create_hold(
     security(("bearer" = [])),
     responses(
         (status = 200, description = "The order's workflow state; `client_secret` only while payment is pending", body = boxoffice_store::orders::OrderView),
-        (status = 401, description = "No or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 404, description = "No such order, or not the caller's", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 400, description = "`invalid_path`: the order id is not a UUID", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 401, description = "`unauthenticated`: no or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 404, description = "`not_found`: no such order, or not the caller's", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 429, description = "`rate_limited` (per IP or per user, named in `scope`); `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 503, description = "`unavailable`: the database is unavailable; `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
     ))]
 async fn get_order(
     State(st): State<AppState>,
@@ -204,7 +215,10 @@ async fn get_order(
     params(("event_id" = Uuid, Path, description = "Event id")),
     responses(
         (status = 200, description = "Availability map, at most 1 s stale (a hint, never a promise)", body = crate::openapi::SeatMap),
-        (status = 404, description = "No such event", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 400, description = "`invalid_path`: the event id is not a UUID", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 404, description = "`not_found`: no such event", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 429, description = "`rate_limited` (per IP, `scope` = `ip`); `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 503, description = "`unavailable`: the database is unavailable; `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
     ))]
 async fn seat_map(State(st): State<AppState>, IdPath(event): IdPath<Uuid>) -> Result<Response, Problem> {
     // Per event and single-flight: concurrent misses for one id wait for one render, other
@@ -248,8 +262,10 @@ async fn render_seat_map(st: &AppState, event: Uuid) -> Result<Option<Bytes>, sq
     request_body(content = String, description = "A Stripe Event, raw JSON", content_type = "application/json"),
     responses(
         (status = 200, description = "Recorded (or a known duplicate)", body = crate::openapi::WebhookAck),
-        (status = 400, description = "Missing or invalid signature; nothing written", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 503, description = "Database unavailable; Stripe retries", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 400, description = "`invalid_signature` (missing or not verifying; nothing written) or `unreadable_body`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 408, description = "`request_body_timeout`: the body stalled; nothing written", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 413, description = "`body_too_large`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 503, description = "`unavailable` or `fault_injected`: nothing committed; Stripe retries", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
     ))]
 async fn stripe_webhook(
     State(st): State<AppState>,
