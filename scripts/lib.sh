@@ -78,8 +78,7 @@ SCHEMATHESIS_VERSION="4.32.5"
 SCHEMATHESIS_VENV="${BOXOFFICE_SCHEMATHESIS_VENV:-$HOME/.cache/boxoffice/venv}"
 ensure_schemathesis() {
   local st="$SCHEMATHESIS_VENV/bin/st"
-  if [ -x "$st" ] && "$SCHEMATHESIS_VENV/bin/python" -m pip show schemathesis 2>/dev/null \
-      | grep -qx "Version: $SCHEMATHESIS_VERSION"; then return; fi
+  if [ -x "$st" ] && [ "$("$st" --version 2>/dev/null)" = "st, version $SCHEMATHESIS_VERSION" ]; then return; fi
   if ! python3 -m venv --help >/dev/null 2>&1; then
     log "installing python3-venv"
     as_root apt-get update -qq

@@ -63,7 +63,11 @@ impl Modify for EdgeResponses {
         use utoipa::openapi::{header::HeaderBuilder, ContentBuilder, Ref, RefOr, ResponseBuilder};
         let retry_after = || {
             HeaderBuilder::new()
-                .schema(utoipa::openapi::ObjectBuilder::new().schema_type(utoipa::openapi::Type::Integer).minimum(Some(1)))
+                .schema(
+                    utoipa::openapi::ObjectBuilder::new()
+                        .schema_type(utoipa::openapi::Type::Integer)
+                        .minimum(Some(1)),
+                )
                 .description(Some("Seconds to wait before retrying"))
                 .build()
         };
@@ -79,7 +83,9 @@ impl Modify for EdgeResponses {
                             .description(format!("Unavailable{edge}; `Retry-After`"))
                             .content(
                                 "application/problem+json",
-                                ContentBuilder::new().schema(Some(Ref::from_schema_name("ProblemDocument"))).build(),
+                                ContentBuilder::new()
+                                    .schema(Some(Ref::from_schema_name("ProblemDocument")))
+                                    .build(),
                             )
                             .build();
                         responses.insert("503".into(), RefOr::T(r));

@@ -399,3 +399,35 @@ pub fn ensure_problem(resp: Response) -> Response {
     }
     Response::from_parts(parts, body)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bare_error_answers_get_a_problem_body_and_keep_their_headers() {
+        let bare = Response::builder()
+            .status(StatusCode::METHOD_NOT_ALLOWED)
+            .header(header::ALLOW, "GET")
+            .header(header::CONTENT_TYPE, "text/plain")
+            .body(axum::body::Body::from("nope"))
+            .unwrap();
+        let r = ensure_problem(bare);
+        assert_eq!(r.status(), StatusCode::METHOD_NOT_ALLOWED);
+        assert_eq!(r.headers()[header::ALLOW], "GET");
+        assert_eq!(r.headers()[header::CONTENT_TYPE], "application/problem+json");
+        let timeout = ensure_problem(
+            Response::builder()
+                .status(StatusCode::SERVICE_UNAVAILABLE)
+                .body(axum::body::Body::empty())
+                .unwrap(),
+        );
+        assert_eq!(timeout.headers()[header::CONTENT_TYPE], "application/problem+json");
+        assert_eq!(timeout.headers()[header::RETRY_AFTER], "1");
+        let ok = ensure_problem(Response::new(axum::body::Body::from("fine")));
+        assert!(ok.headers().get(header::CONTENT_TYPE).is_none(), "successes pass untouched");
+        let problem = Problem::overloaded().into_response();
+        let same = ensure_problem(problem);
+        assert_eq!(same.headers()[header::RETRY_AFTER], "1");
+    }
+}

@@ -711,6 +711,31 @@ mod tests {
     }
 
     #[test]
+    fn edge_settings_are_validated_and_mapped() {
+        let c = Config::default();
+        let edge = c.edge();
+        assert_eq!(edge.header_read_timeout, std::time::Duration::from_secs(5));
+        assert_eq!((edge.max_concurrent_requests, edge.max_connections), (512, 4_096));
+        let limits = c.rate_limits();
+        assert!(limits.purchase.ip.is_some() && limits.purchase.user.is_some() && limits.seats.ip.is_some());
+        let off = Config { rate_limit_seats_ip_per_s: 0.0, ..Config::default() }.rate_limits();
+        assert!(off.seats.ip.is_none(), "0 turns a bucket off");
+        let bad = [
+            Config { http_header_read_timeout_ms: 0, ..Config::default() },
+            Config { http_request_timeout_ms: 10_000_000, ..Config::default() },
+            Config { http_request_body_timeout_ms: 10, ..Config::default() },
+            Config { http_max_concurrent_requests: 0, ..Config::default() },
+            Config { http_max_connections: 0, ..Config::default() },
+            Config { http_trusted_proxy_hops: 100, ..Config::default() },
+            Config { rate_limit_purchase_user_per_s: -1.0, ..Config::default() },
+            Config { rate_limit_seats_ip_burst: 0, ..Config::default() },
+        ];
+        for c in bad {
+            assert!(c.validate().is_err(), "{c:?}");
+        }
+    }
+
+    #[test]
     fn load_applies_defaults() {
         let c = Config::load(None).unwrap();
         assert_eq!(c.stripe_webhook_secret.expose_secret(), "whsec_boxoffice_dev");

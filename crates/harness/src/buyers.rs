@@ -608,7 +608,16 @@ impl Buyer {
 
     /// `POST /events/{id}/admission` → the admission token.
     async fn admit(&self, ctx: &Ctx) -> Option<String> {
-        let (r, _) = ctx.call(|| ctx.client.admit(&self.bearer, ctx.cfg.event_id).header("x-forwarded-for", &self.forwarded_for), |_| false).await?;
+        let (r, _) = ctx
+            .call(
+                || {
+                    ctx.client
+                        .admit(&self.bearer, ctx.cfg.event_id)
+                        .header("x-forwarded-for", &self.forwarded_for)
+                },
+                |_| false,
+            )
+            .await?;
         if r.status != StatusCode::CREATED {
             ctx.unexpected("admission", &r);
             return None;
@@ -725,7 +734,15 @@ impl Buyer {
         loop {
             let answer = {
                 let _slot = ctx.poll_slots.acquire().await.ok();
-                ctx.call(|| ctx.client.order(&self.bearer, order_id).header("x-forwarded-for", &self.forwarded_for), |_| false).await
+                ctx.call(
+                    || {
+                        ctx.client
+                            .order(&self.bearer, order_id)
+                            .header("x-forwarded-for", &self.forwarded_for)
+                    },
+                    |_| false,
+                )
+                .await
             };
             match answer {
                 Some((r, _)) if r.status == StatusCode::OK => {

@@ -30,7 +30,11 @@ fn st_bin() -> PathBuf {
     let path = std::env::var_os("BOXOFFICE_SCHEMATHESIS_BIN").map(PathBuf::from).unwrap_or_else(|| {
         PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/boxoffice/venv/bin/st")
     });
-    assert!(path.is_file(), "{} is missing: scripts/test installs Schemathesis (ensure_schemathesis)", path.display());
+    assert!(
+        path.is_file(),
+        "{} is missing: scripts/test installs Schemathesis (ensure_schemathesis)",
+        path.display()
+    );
     path
 }
 
@@ -81,7 +85,9 @@ async fn schemathesis_finds_no_contract_violation(_: PgPoolOptions, opts: PgConn
     let database = opts.get_database().expect("a per-test database").to_owned();
     let pool = boxoffice_store::connect(opts, 2, 10_000).await.unwrap();
     let (event, _) =
-        venue::seed(&pool, "Contract Event", &VenueSpec::small(1, 2, 5), chrono::Utc::now(), "cell-1").await.unwrap();
+        venue::seed(&pool, "Contract Event", &VenueSpec::small(1, 2, 5), chrono::Utc::now(), "cell-1")
+            .await
+            .unwrap();
     let dir = std::env::temp_dir().join(format!("boxoffice-contract-{}", Uuid::new_v4().simple()));
     std::fs::create_dir_all(&dir).unwrap();
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
@@ -123,7 +129,8 @@ async fn schemathesis_finds_no_contract_violation(_: PgPoolOptions, opts: PgConn
         http.get(format!("{api}/healthz")).send().await.is_ok_and(|r| r.status() == 200)
     })
     .await;
-    let bearer = runtime::user_tokens(&boxoffice::config::Config::default()).issue(UserId(Uuid::new_v4()), 3_600);
+    let bearer =
+        runtime::user_tokens(&boxoffice::config::Config::default()).issue(UserId(Uuid::new_v4()), 3_600);
     eprintln!("schemathesis: {}", st.display());
 
     let generated = st_run(&dir, WEBHOOK_EXCEPTION, &api, &bearer, "generated").await;
@@ -131,9 +138,8 @@ async fn schemathesis_finds_no_contract_violation(_: PgPoolOptions, opts: PgConn
     let seeded = st_run(&dir, &with_event, &api, &bearer, "seeded-event").await;
     let _ = server.kill().await;
     for (name, (ok, text)) in [("generated", &generated), ("seeded-event", &seeded)] {
-        let summary: Vec<&str> =
-            text.lines().skip_while(|l| !l.contains("SUMMARY")).filter(|l| !l.trim().is_empty()).collect();
-        eprintln!("--- schemathesis ({name}) ---\n{}", summary.join("\n"));
+        let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+        eprintln!("--- schemathesis ({name}) ---\n{}", lines[lines.len().saturating_sub(25)..].join("\n"));
         if !ok {
             let log = std::fs::read_to_string(dir.join("serve.log")).unwrap_or_default();
             panic!("schemathesis ({name}) found contract violations:\n{text}\n--- server log ---\n{log}");
