@@ -16,9 +16,10 @@
 //!   answer comes from PostgreSQL (one indexed lookup), and this process starts re-seeding
 //!   Redis in the background (one at a time), after which misses are trusted again;
 //! - Redis **unavailable** (timeout, refused/reset/closed connection, still loading) → the
-//!   answer comes from PostgreSQL; for [`boxoffice_api::limits::SKIP_REDIS_AFTER_FAILURE`]
-//!   after such a failure Redis is not asked at all, so a Redis that stops answering does not
-//!   add `redis_timeout_ms` to every hold;
+//!   answer comes from PostgreSQL; for [`crate::limits::SKIP_REDIS_AFTER_FAILURE`] after
+//!   such a failure Redis is not asked at all, so a Redis that stops answering does not add
+//!   `redis_timeout_ms` to every hold (the first check after that window finds a restarted
+//!   Redis unseeded and starts the re-seed);
 //! - any **other** Redis error (a wrong password, an unexpected answer) → fail closed: 503
 //!   `revocation_check_failed` with `Retry-After`, because a Redis that answers wrongly might
 //!   also be hiding a revocation.
@@ -36,8 +37,6 @@
 //! Metrics: `boxoffice_admission_revocation_ledger_checks_total{reason}` (`redis_unavailable`,
 //! `redis_unseeded`), `boxoffice_admission_revocation_failed_closed_total`,
 //! `boxoffice_admission_revocation_reseeds_total{outcome}`.
-//!
-//! [`boxoffice_api::limits::SKIP_REDIS_AFTER_FAILURE`]: crate::limits::SKIP_REDIS_AFTER_FAILURE
 
 use crate::problem::{ErrorChain, Problem};
 use axum::http::StatusCode;

@@ -82,7 +82,8 @@ pub enum WaitroomError {
     /// Redis did not answer within `timeout_ms` (→ 503 with `Retry-After`).
     #[error("the waiting room's Redis did not answer within {0} ms")]
     Timeout(u64),
-    /// Redis answered with an error or an unexpected shape: a bug (→ 500).
+    /// Redis answered with an error or an unexpected shape (a wrong password, a script
+    /// error, …): a fault, never unavailability (→ 500; the revocation check fails closed).
     #[error("the waiting room's Redis answered with an error")]
     Redis(#[source] redis::RedisError),
     /// The user already holds `limit` live positions (→ 429).
@@ -102,7 +103,7 @@ pub enum WaitroomError {
 }
 
 impl WaitroomError {
-    /// Whether Redis could not be reached (the caller answers 503 or fails open).
+    /// Whether Redis could not be reached (the caller answers 503 or falls back).
     pub fn is_unavailable(&self) -> bool {
         matches!(self, Self::Unavailable(_) | Self::Timeout(_))
     }
