@@ -147,7 +147,7 @@ pub async fn serve(
                     req
                 });
                 let conn = http.serve_connection(io, TowerToHyperService::new(svc));
-                (p, futures_boxed(graceful.watch(conn)))
+                (p, boxed(graceful.watch(conn)))
             }
             Err(_) => {
                 let Ok(p) = shed_slots.clone().try_acquire_owned() else {
@@ -161,7 +161,7 @@ pub async fn serve(
                     Ok::<_, Infallible>(Problem::overloaded().into_response())
                 });
                 let conn = shed_http.serve_connection(io, TowerToHyperService::new(svc));
-                (p, futures_boxed(graceful.watch(conn)))
+                (p, boxed(graceful.watch(conn)))
             }
         };
         tokio::spawn(async move {
@@ -185,7 +185,7 @@ pub async fn serve(
 
 type ConnFuture = std::pin::Pin<Box<dyn std::future::Future<Output = hyper::Result<()>> + Send>>;
 
-fn futures_boxed(f: impl std::future::Future<Output = hyper::Result<()>> + Send + 'static) -> ConnFuture {
+fn boxed(f: impl std::future::Future<Output = hyper::Result<()>> + Send + 'static) -> ConnFuture {
     Box::pin(f)
 }
 

@@ -73,6 +73,17 @@ pub async fn revoke(pool: &PgPool, room: &Waitroom, jti: Uuid, until_exp: i64) -
     room.revoke(jti, until_exp).await.map_err(RevokeError::Redis)
 }
 
+/// Why re-seeding Redis from the ledger failed (the ledger keeps answering meanwhile).
+#[derive(Debug, thiserror::Error)]
+pub enum ReseedError {
+    /// Reading (or pruning) the ledger failed.
+    #[error("reading the revocation ledger failed")]
+    Ledger(#[from] sqlx::Error),
+    /// Writing to Redis failed.
+    #[error("writing the revocation set to Redis failed")]
+    Redis(#[from] WaitroomError),
+}
+
 /// The hold endpoint's revocation check (see the module doc); cheap to clone.
 #[derive(Clone)]
 pub struct Revocations {
@@ -141,7 +152,7 @@ impl Revocations {
                 Ok(true) => "seeded",
                 Ok(false) => "superseded",
                 Err(e) => {
-                    tracing::warn!(error = %e, "re-seeding Redis's revocation set failed; the ledger answers meanwhile");
+                    tracing::warn!(error = %ErrorChain(&e), "re-seeding Redis's revocation set failed; the ledger answers meanwhile");
                     "failed"
                 }
             };
@@ -156,12 +167,12 @@ impl Revocations {
     /// (the next miss starts over).
     ///
     /// # Errors
-    /// The database's or Redis's error, as text for the log.
-    pub async fn reseed(&self) -> Result<bool, String> {
-        let pruned = ledger::prune_expired(&self.pool).await.map_err(|e| ErrorChain(&e).to_string())?;
-        let rows = ledger::unexpired(&self.pool).await.map_err(|e| ErrorChain(&e).to_string())?;
+    /// [`ReseedError::Ledger`] or [`ReseedError::Redis`]; nothing is marked seeded then.
+    pub async fn reseed(&self) -> Result<bool, ReseedError> {
+        let pruned = ledger::prune_expired(&self.pool).await?;
+        let rows = ledger::unexpired(&self.pool).await?;
         let entries: Vec<(Uuid, i64)> = rows.iter().map(|(j, until)| (*j, until.timestamp() + 1)).collect();
-        let marked = self.room.seed_revocations(&entries).await.map_err(|e| ErrorChain(&e).to_string())?;
+        let marked = self.room.seed_revocations(&entries).await?;
         tracing::info!(
             revocations = entries.len(),
             pruned,
