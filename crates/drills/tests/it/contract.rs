@@ -71,9 +71,24 @@ async fn st_run(dir: &std::path::Path, config: &str, api: &str, bearer: &str, na
         .await
         .unwrap_or_else(|_| panic!("st run ({name}) did not finish within {RUN_LIMIT:?}"))
         .expect("st runs");
-    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + "\n" + &String::from_utf8_lossy(&out.stderr);
     eprintln!("schemathesis ({name}) exit {:?} in {:?}", out.status.code(), started.elapsed());
     (out.status.success(), text)
+}
+
+/// Schemathesis's closing summary: from its `SUMMARY` banner to the closing line.
+fn summary(text: &str) -> String {
+    let mut out = Vec::new();
+    for line in text.lines().skip_while(|l| !l.contains("SUMMARY")).skip(1) {
+        if !line.trim().is_empty() {
+            out.push(line);
+        }
+        if line.starts_with('=') {
+            break;
+        }
+    }
+    out.join("\n")
 }
 
 /// Every status the server returns is declared with its problem codes, every constraint the
@@ -138,8 +153,7 @@ async fn schemathesis_finds_no_contract_violation(_: PgPoolOptions, opts: PgConn
     let seeded = st_run(&dir, &with_event, &api, &bearer, "seeded-event").await;
     let _ = server.kill().await;
     for (name, (ok, text)) in [("generated", &generated), ("seeded-event", &seeded)] {
-        let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
-        eprintln!("--- schemathesis ({name}) ---\n{}", lines[lines.len().saturating_sub(25)..].join("\n"));
+        eprintln!("--- schemathesis ({name}) ---\n{}", summary(text));
         if !ok {
             let log = std::fs::read_to_string(dir.join("serve.log")).unwrap_or_default();
             panic!("schemathesis ({name}) found contract violations:\n{text}\n--- server log ---\n{log}");
