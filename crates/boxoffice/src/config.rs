@@ -216,6 +216,10 @@ pub struct Config {
     /// places from the right (what the outermost trusted proxy saw). 0 (the default) ignores
     /// the header and counts the socket's peer; set it only behind proxies that append.
     pub http_trusted_proxy_hops: u32,
+    /// Replaced by `http_trusted_proxy_hops` (`true` was 1 hop); refused when set, so a
+    /// deployment that trusted its proxy does not silently count every buyer as the proxy.
+    #[serde(default, skip_serializing)]
+    pub http_trust_forwarded_for: Option<bool>,
     /// Hold time to live, ms (default 5 minutes).
     pub hold_ttl_ms: u64,
     /// Stripe API base URL: `https://api.stripe.com` in production, the simulator otherwise.
@@ -324,6 +328,7 @@ impl Default for Config {
             rate_limit_seats_ip_per_s: 10.0,
             rate_limit_seats_ip_burst: 20,
             http_trusted_proxy_hops: 0,
+            http_trust_forwarded_for: None,
             hold_ttl_ms: 300_000,
             stripe_api_base: "https://api.stripe.com".into(),
             stripe_secret_key: "sk_test_boxoffice_dev".into(),
@@ -464,6 +469,9 @@ impl Config {
         }
         if self.http_max_concurrent_requests < 1 || self.http_max_connections < 1 {
             bail!("http_max_concurrent_requests and http_max_connections must be at least 1");
+        }
+        if self.http_trust_forwarded_for.is_some() {
+            bail!("http_trust_forwarded_for was replaced by http_trusted_proxy_hops (true = 1 hop)");
         }
         if self.http_trusted_proxy_hops > 16 {
             bail!("http_trusted_proxy_hops must be 0..=16");
@@ -727,6 +735,7 @@ mod tests {
             Config { http_max_concurrent_requests: 0, ..Config::default() },
             Config { http_max_connections: 0, ..Config::default() },
             Config { http_trusted_proxy_hops: 100, ..Config::default() },
+            Config { http_trust_forwarded_for: Some(true), ..Config::default() },
             Config { rate_limit_purchase_user_per_s: -1.0, ..Config::default() },
             Config { rate_limit_seats_ip_burst: 0, ..Config::default() },
         ];
