@@ -79,10 +79,10 @@ SCHEMATHESIS_VENV="${BOXOFFICE_SCHEMATHESIS_VENV:-$HOME/.cache/boxoffice/venv}"
 ensure_schemathesis() {
   local st="$SCHEMATHESIS_VENV/bin/st"
   if [ -x "$st" ] && [ "$("$st" --version 2>/dev/null)" = "st, version $SCHEMATHESIS_VERSION" ]; then return; fi
-  if ! python3 -m venv --help >/dev/null 2>&1; then
+  if ! python3 -c 'import ensurepip, venv' >/dev/null 2>&1; then
     log "installing python3-venv"
     as_root apt-get update -qq
-    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3 python3-venv >/dev/null
   fi
   log "installing schemathesis $SCHEMATHESIS_VERSION into $SCHEMATHESIS_VENV (first time only)"
   local started=$SECONDS
