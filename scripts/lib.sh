@@ -75,6 +75,26 @@ ensure_nisshi() {
   cargo install nisshi --version "$NISSHI_VERSION" --locked --ignore-rust-version
 }
 
+# Schemathesis (pinned, from PyPI) in a venv of its own under ~/.cache/boxoffice: the
+# contract test (`st run` against a server of its own) needs it. Skipped when present.
+SCHEMATHESIS_VERSION="4.32.5"
+SCHEMATHESIS_VENV="${BOXOFFICE_SCHEMATHESIS_VENV:-$HOME/.cache/boxoffice/venv}"
+ensure_schemathesis() {
+  local st="$SCHEMATHESIS_VENV/bin/st"
+  if [ -x "$st" ] && [ "$("$st" --version 2>/dev/null)" = "st, version $SCHEMATHESIS_VERSION" ]; then return; fi
+  if ! python3 -c 'import ensurepip, venv' >/dev/null 2>&1; then
+    log "installing python3-venv"
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3 python3-venv >/dev/null
+  fi
+  log "installing schemathesis $SCHEMATHESIS_VERSION into $SCHEMATHESIS_VENV (first time only)"
+  local started=$SECONDS
+  python3 -m venv "$SCHEMATHESIS_VENV"
+  "$SCHEMATHESIS_VENV/bin/python" -m pip install -q --disable-pip-version-check \
+    "schemathesis==$SCHEMATHESIS_VERSION"
+  log "schemathesis installed in $((SECONDS - started)) s"
+}
+
 nisshi_bin() { command -v nisshi 2>/dev/null || echo "$HOME/.cargo/bin/nisshi"; }
 
 port_open() { (exec 3<>"/dev/tcp/${1%:*}/${1##*:}") 2>/dev/null; }

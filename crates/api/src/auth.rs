@@ -1,7 +1,7 @@
 //! Request extractors for identity and request metadata: the bearer user (401 when absent or
 //! refused by [`boxoffice_admission::UserTokens`], with the reason as the problem's detail),
 //! the `Idempotency-Key` (400 when absent or malformed) and JSON bodies whose rejections
-//! become problem+json (400 syntax, 413 size, 415 content type, 422 shape).
+//! become problem+json (400 syntax, 408 body read timeout, 413 size, 415 content type, 422 shape).
 
 use crate::problem::Problem;
 use crate::state::AppState;
@@ -78,6 +78,9 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
 }
 
 fn json_problem(r: JsonRejection) -> Problem {
+    if let JsonRejection::BytesRejection(b) = r {
+        return crate::problem::body_rejection(b);
+    }
     let detail = r.body_text();
     match r.status() {
         StatusCode::PAYLOAD_TOO_LARGE => {

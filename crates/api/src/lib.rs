@@ -4,33 +4,29 @@
 //!
 //! Routes:
 //! - `POST /events/{event_id}/queue`, `GET|DELETE /queue/{ticket}` — the waiting room: join,
-//!   poll (the admission token once released), leave; behind per-IP and per-user rate buckets;
+//!   poll (the admission token once released), leave;
 //! - `POST /events/{event_id}/admission` — admission at once, only with `admission_direct`;
 //! - `POST /events/{event_id}/holds` — the hold transaction (invariants 1 and 3);
 //! - `GET  /orders/{order_id}` — the owner's view of the workflow (404 for anyone else);
-//! - `GET  /events/{event_id}/seats` — availability map, cached ≤ 1 s (a hint, never a promise);
+//! - `GET  /events/{event_id}/seats` — availability map, cached per event ≤ 1 s (a hint,
+//!   never a promise);
 //! - `POST /webhooks/stripe` — signature-verified, deduplicated webhook ingress (invariant 4);
 //! - `GET  /healthz`, `GET /readyz`, `GET /metrics`, `GET /openapi.json`.
+//!
+//! Every buyer route sits behind per-IP and per-user rate buckets ([`limits`]); every
+//! connection behind the edge's timeouts and limits ([`edge`]).
 
 pub mod auth;
+pub mod edge;
+pub mod limits;
 pub mod openapi;
 pub mod problem;
 pub mod queue;
+pub mod revocation;
 pub mod routes;
 pub mod state;
 pub mod webhooks;
 
+pub use edge::{serve, EdgeSettings};
 pub use routes::router;
 pub use state::{ApiSettings, AppState};
-
-/// Serves `router` on `listener` until `shutdown`, letting in-flight requests finish. The
-/// peer address is available to handlers (the per-IP rate bucket).
-pub async fn serve(
-    listener: tokio::net::TcpListener,
-    app: axum::Router,
-    shutdown: tokio_util::sync::CancellationToken,
-) -> std::io::Result<()> {
-    axum::serve(listener, app.into_make_service_with_connect_info::<std::net::SocketAddr>())
-        .with_graceful_shutdown(async move { shutdown.cancelled().await })
-        .await
-}

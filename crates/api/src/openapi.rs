@@ -53,6 +53,54 @@ pub struct WebhookAck {
     pub duplicate: bool,
 }
 
+/// What every operation can answer because of the HTTP edge (`crate::edge`), whatever its
+/// handler does: 503 `overloaded` (the concurrency or connection limit) and 503
+/// `request_timeout`; and the `Retry-After` header (seconds) on every 429 and 503.
+struct EdgeResponses;
+
+impl Modify for EdgeResponses {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::{header::HeaderBuilder, ContentBuilder, Ref, RefOr, ResponseBuilder};
+        let retry_after = || {
+            HeaderBuilder::new()
+                .schema(
+                    utoipa::openapi::ObjectBuilder::new()
+                        .schema_type(utoipa::openapi::Type::Integer)
+                        .minimum(Some(1)),
+                )
+                .description(Some("Seconds to wait before retrying"))
+                .build()
+        };
+        for item in openapi.paths.paths.values_mut() {
+            let ops = [&mut item.get, &mut item.post, &mut item.put, &mut item.delete, &mut item.patch];
+            for op in ops.into_iter().flatten() {
+                let responses = &mut op.responses.responses;
+                let edge = "; from the edge: `overloaded` (too many requests or connections in flight; nothing was done) or `request_timeout` (the request ran past its time limit)";
+                match responses.get_mut("503") {
+                    Some(RefOr::T(r)) => r.description.push_str(edge),
+                    _ => {
+                        let r = ResponseBuilder::new()
+                            .description(format!("Unavailable{edge}; `Retry-After`"))
+                            .content(
+                                "application/problem+json",
+                                ContentBuilder::new()
+                                    .schema(Some(Ref::from_schema_name("ProblemDocument")))
+                                    .build(),
+                            )
+                            .build();
+                        responses.insert("503".into(), RefOr::T(r));
+                    }
+                }
+                for status in ["429", "503"] {
+                    if let Some(RefOr::T(r)) = responses.get_mut(status) {
+                        r.headers.insert("Retry-After".into(), retry_after());
+                    }
+                }
+            }
+        }
+    }
+}
+
 struct BearerAuth;
 
 impl Modify for BearerAuth {
@@ -90,7 +138,7 @@ impl Modify for BearerAuth {
         crate::routes::seat_map,
         crate::routes::stripe_webhook,
     ),
-    modifiers(&BearerAuth),
+    modifiers(&BearerAuth, &EdgeResponses),
     tags(
         (name = "waiting room", description = "Queue positions, polling and admission tokens"),
         (name = "purchase", description = "Admission, holds and order status"),

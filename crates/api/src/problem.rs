@@ -283,6 +283,29 @@ impl From<boxoffice_waitroom::WaitroomError> for Problem {
 }
 
 impl Problem {
+    /// 503 `overloaded` with `Retry-After: 1`: the edge's concurrency or connection limit is
+    /// reached; nothing was done.
+    pub fn overloaded() -> Self {
+        let mut p = Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "overloaded",
+            "Server overloaded",
+            "too many requests are in progress; nothing was done, retry after the Retry-After delay",
+        );
+        p.retry_after = Some(1);
+        p
+    }
+
+    /// 408 `request_body_timeout`: the request body stalled longer than the edge allows.
+    pub fn body_timeout() -> Self {
+        Problem::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "request_body_timeout",
+            "Request body timeout",
+            "the request body was not received in time; nothing was done",
+        )
+    }
+
     /// 429 with `Retry-After` (whole seconds, rounded up) for an exhausted rate bucket.
     pub fn rate_limited(scope: &'static str, retry_after_ms: u64) -> Self {
         let mut p = Problem::new(
@@ -294,5 +317,120 @@ impl Problem {
         .with(json!({ "scope": scope }));
         p.retry_after = Some(retry_after_ms.div_ceil(1000).max(1));
         p
+    }
+}
+
+/// Whether `e` (or any error in its source chain) is the edge's request-body read timeout.
+pub fn is_body_timeout(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur = Some(e);
+    while let Some(err) = cur {
+        if err.is::<tower_http::timeout::TimeoutError>() {
+            return true;
+        }
+        cur = err.source();
+    }
+    false
+}
+
+/// A body that could not be read (`Bytes` rejection) as a problem: 408 when the edge's body
+/// read timeout cut it off, 413 past the size limit, else 400.
+pub fn body_rejection(r: axum::extract::rejection::BytesRejection) -> Problem {
+    use axum::extract::rejection::BytesRejection as R;
+    match &r {
+        R::FailedToBufferBody(f) if is_body_timeout(f) => Problem::body_timeout(),
+        _ if r.status() == StatusCode::PAYLOAD_TOO_LARGE => Problem::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "body_too_large",
+            "Request body too large",
+            r.body_text(),
+        ),
+        _ => Problem::bad_request("unreadable_body", r.body_text()),
+    }
+}
+
+/// Gives every error answer a problem+json body: answers made by layers and extractors
+/// outside the handlers (the edge's request timeout, axum's own rejections) carry no body or
+/// plain text. An error whose content type is already `application/problem+json` passes
+/// untouched; so does every success. The status and the other headers (`Allow` on a 405)
+/// are kept.
+///
+/// The only bare 503 the stack produces is the edge's request timeout
+/// (`tower_http::timeout::TimeoutLayer`), so a bare 503 becomes `request_timeout`.
+pub fn ensure_problem(resp: Response) -> Response {
+    let status = resp.status();
+    let is_problem = resp
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/problem+json"));
+    if !(status.is_client_error() || status.is_server_error()) || is_problem {
+        return resp;
+    }
+    let (mut parts, _) = resp.into_parts();
+    let mut p = match status {
+        StatusCode::SERVICE_UNAVAILABLE => {
+            let mut p = Problem::new(
+                status,
+                "request_timeout",
+                "Request timeout",
+                "the request did not complete in time; retry (with the same Idempotency-Key)",
+            );
+            p.retry_after = Some(1);
+            p
+        }
+        StatusCode::REQUEST_TIMEOUT => Problem::body_timeout(),
+        StatusCode::NOT_FOUND => Problem::not_found("route"),
+        StatusCode::METHOD_NOT_ALLOWED => Problem::new(
+            status,
+            "method_not_allowed",
+            "Method not allowed",
+            "this route does not accept that method",
+        ),
+        StatusCode::PAYLOAD_TOO_LARGE => {
+            Problem::new(status, "body_too_large", "Request body too large", "the request body is too large")
+        }
+        s if s.is_server_error() => {
+            Problem::new(s, "internal", "Internal error", "an internal error occurred")
+        }
+        s => Problem::new(s, "bad_request", "Bad request", "the request could not be processed"),
+    };
+    p.status = status;
+    let fresh = p.into_response();
+    parts.headers.remove(header::CONTENT_LENGTH);
+    let (fresh_parts, body) = fresh.into_parts();
+    for (name, value) in &fresh_parts.headers {
+        parts.headers.insert(name.clone(), value.clone());
+    }
+    Response::from_parts(parts, body)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bare_error_answers_get_a_problem_body_and_keep_their_headers() {
+        let bare = Response::builder()
+            .status(StatusCode::METHOD_NOT_ALLOWED)
+            .header(header::ALLOW, "GET")
+            .header(header::CONTENT_TYPE, "text/plain")
+            .body(axum::body::Body::from("nope"))
+            .unwrap();
+        let r = ensure_problem(bare);
+        assert_eq!(r.status(), StatusCode::METHOD_NOT_ALLOWED);
+        assert_eq!(r.headers()[header::ALLOW], "GET");
+        assert_eq!(r.headers()[header::CONTENT_TYPE], "application/problem+json");
+        let timeout = ensure_problem(
+            Response::builder()
+                .status(StatusCode::SERVICE_UNAVAILABLE)
+                .body(axum::body::Body::empty())
+                .unwrap(),
+        );
+        assert_eq!(timeout.headers()[header::CONTENT_TYPE], "application/problem+json");
+        assert_eq!(timeout.headers()[header::RETRY_AFTER], "1");
+        let ok = ensure_problem(Response::new(axum::body::Body::from("fine")));
+        assert!(ok.headers().get(header::CONTENT_TYPE).is_none(), "successes pass untouched");
+        let problem = Problem::overloaded().into_response();
+        let same = ensure_problem(problem);
+        assert_eq!(same.headers()[header::RETRY_AFTER], "1");
     }
 }

@@ -1,5 +1,5 @@
-//! The waiting room's HTTP face (design §3): join, poll, leave, and the rate buckets at the
-//! edge of those routes. Buyers join an event's queue, poll their ticket (each poll is the
+//! The waiting room's HTTP face (design §3): join, poll, leave (the rate buckets in front of
+//! these routes are [`crate::limits`]'s). Buyers join an event's queue, poll their ticket (each poll is the
 //! heartbeat that keeps the position), and receive an admission token once the release step
 //! has let them in. The token is minted on the poll (Ed25519; its `jti` is the ticket, its
 //! `exp` the end of the admission slot) and is the same on every poll of one slot.
@@ -11,18 +11,16 @@
 use crate::auth::{IdPath, User};
 use crate::problem::Problem;
 use crate::state::AppState;
-use axum::extract::{ConnectInfo, Request, State};
+use axum::extract::State;
 use axum::http::{header, HeaderValue, StatusCode};
-use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use boxoffice_admission::AdmissionClaims;
 use boxoffice_domain::{EventId, UserId};
 use boxoffice_store::venue::SalesWindow;
-use boxoffice_waitroom::{Bucket, RateDecision, TicketState, WaitroomError};
+use boxoffice_waitroom::{TicketState, WaitroomError};
 use chrono::{DateTime, Utc};
 use serde::Serialize;
-use std::net::SocketAddr;
 use uuid::Uuid;
 
 /// A queue ticket as the client sees it (join and poll answers).
@@ -132,12 +130,13 @@ fn no_store(mut resp: Response) -> Response {
     responses(
         (status = 201, description = "Queued (or pre-queued before the onsale opens); `Location: /queue/{ticket}`", body = QueueView),
         (status = 200, description = "The user already queues for this event: the same ticket", body = QueueView),
-        (status = 401, description = "No or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 400, description = "`invalid_path`: the event id is not a UUID", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 401, description = "`unauthenticated`: no or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 403, description = "`sales_not_open`: the event was never scheduled; `sales_closed`: its sales window has closed", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 404, description = "No such event", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 404, description = "`not_found`: no such event", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 409, description = "`queue_position_limit`: the user holds too many positions across events", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 429, description = "`rate_limited` (per IP or per user); `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 503, description = "`waitroom_unavailable`: Redis is unreachable; `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 429, description = "`rate_limited` (per IP or per user, named in `scope`); `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 503, description = "`waitroom_unavailable`: Redis is unreachable; `unavailable`: the database is; `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
     ))]
 pub(crate) async fn join(
     State(st): State<AppState>,
@@ -167,9 +166,10 @@ pub(crate) async fn join(
     security(("bearer" = [])),
     responses(
         (status = 200, description = "Position and estimated wait, or the admission token once admitted. Polling keeps the position.", body = QueueView),
-        (status = 401, description = "No or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 400, description = "`invalid_path`: the ticket is not a UUID", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 401, description = "`unauthenticated`: no or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 404, description = "`queue_ticket_not_found`: unknown, not the caller's, left, lapsed, or the slot ended", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 429, description = "`rate_limited`; `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 429, description = "`rate_limited` (per IP or per user, named in `scope`); `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 503, description = "`waitroom_unavailable`: Redis is unreachable; `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
     ))]
 pub(crate) async fn status(
@@ -189,31 +189,42 @@ pub(crate) async fn status(
     Ok(no_store(Json(render(&st, user.0, view)).into_response()))
 }
 
-/// `DELETE /queue/{ticket}` → 204. Leaving during an admission slot revokes its token.
+/// `DELETE /queue/{ticket}` → 204. Leaving during an admission slot revokes its token: in
+/// the ledger first (so a Redis restart cannot bring it back), then in Redis with the leave
+/// itself. A ledger failure is a 503 with nothing changed.
 #[utoipa::path(delete, path = "/queue/{ticket}", tag = "waiting room",
     params(("ticket" = Uuid, Path, description = "Queue ticket")),
     security(("bearer" = [])),
     responses(
-        (status = 204, description = "Left the queue"),
-        (status = 401, description = "No or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 204, description = "Left the queue (a running admission slot's token is revoked)"),
+        (status = 400, description = "`invalid_path`: the ticket is not a UUID", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 401, description = "`unauthenticated`: no or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 404, description = "`queue_ticket_not_found`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 429, description = "`rate_limited`; `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 503, description = "`waitroom_unavailable`: Redis is unreachable; `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 429, description = "`rate_limited` (per IP or per user, named in `scope`); `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 503, description = "`waitroom_unavailable`: Redis is unreachable; `unavailable`: the revocation could not be recorded in the database (nothing changed); `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
     ))]
 pub(crate) async fn leave(
     State(st): State<AppState>,
     user: User,
     IdPath(ticket): IdPath<Uuid>,
 ) -> Result<Response, Problem> {
-    st.waitroom.leave(ticket, user.0).await?;
+    let slot = st.waitroom.admission_slot(ticket, user.0).await?;
+    if let Some(until) = slot {
+        boxoffice_store::revocations::record(&st.pool, ticket, until).await?;
+    }
+    if let Some(until) = st.waitroom.leave(ticket, user.0).await? {
+        if slot.is_none() {
+            // Released between the two calls: record it now (Redis already has it).
+            boxoffice_store::revocations::record(&st.pool, ticket, until).await?;
+        }
+    }
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
-/// 404 unless the event exists; positive answers are cached for the process's life (events
-/// are never deleted), so a stampede of joins costs the ledger one query per event.
 /// The event's sales window from the ledger (through [`crate::state::EVENT_CACHE_TTL`]'s
-/// cache, absences included); 404 when the event does not exist.
-async fn sales_window(st: &AppState, event: Uuid) -> Result<SalesWindow, Problem> {
+/// cache, absences included, so a stampede of joins or holds costs the ledger one query per
+/// event and TTL); 404 when the event does not exist.
+pub(crate) async fn sales_window(st: &AppState, event: Uuid) -> Result<SalesWindow, Problem> {
     let cached = st.event_windows.lock().expect("event cache poisoned").get(&event).copied();
     let window = match cached {
         Some((at, w)) if at.elapsed() < crate::state::EVENT_CACHE_TTL => w,
@@ -250,65 +261,6 @@ async fn ensure_on_sale(st: &AppState, event: Uuid) -> Result<(), Problem> {
         }
     }
     Ok(())
-}
-
-/// The rate buckets in front of the waiting-room routes: one per client IP, then one per
-/// authenticated user (a request without a valid bearer token is left to the handler's
-/// 401). Over the limit → 429 `rate_limited` with `Retry-After`; Redis unreachable → 503
-/// (these routes need Redis anyway).
-pub(crate) async fn rate_limit(State(st): State<AppState>, req: Request, next: Next) -> Response {
-    if let Some(b) = st.settings.ip_bucket {
-        let ip = client_ip(&st, &req);
-        if let Err(p) = take(&st, "ip", &ip, b).await {
-            return p.into_response();
-        }
-    }
-    if let Some(b) = st.settings.user_bucket {
-        let user = req
-            .headers()
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|h| h.strip_prefix("Bearer "))
-            .and_then(|t| st.users.verify(t.trim()).ok());
-        if let Some(u) = user {
-            if let Err(p) = take(&st, "user", &u.0.to_string(), b).await {
-                return p.into_response();
-            }
-        }
-    }
-    next.run(req).await
-}
-
-async fn take(st: &AppState, scope: &'static str, id: &str, b: Bucket) -> Result<(), Problem> {
-    match st.waitroom.take(scope, id, b).await? {
-        RateDecision::Allowed => Ok(()),
-        RateDecision::Limited { retry_after_ms } => {
-            metrics::counter!("boxoffice_rate_limited_total", "scope" => scope).increment(1);
-            Err(Problem::rate_limited(scope, retry_after_ms))
-        }
-    }
-}
-
-/// The socket's peer address, or the last `X-Forwarded-For` entry when the deployment trusts
-/// its proxy (the entry that proxy appended: earlier ones are the client's to forge).
-fn client_ip(st: &AppState, req: &Request) -> String {
-    if st.settings.trust_forwarded_for {
-        let forwarded = req
-            .headers()
-            .get_all("x-forwarded-for")
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-            .map(str::trim)
-            .rfind(|s| !s.is_empty());
-        if let Some(ip) = forwarded {
-            return ip.to_owned();
-        }
-    }
-    req.extensions()
-        .get::<ConnectInfo<SocketAddr>>()
-        .map(|ConnectInfo(a)| a.ip().to_string())
-        .unwrap_or_else(|| "unknown".into())
 }
 
 #[cfg(test)]

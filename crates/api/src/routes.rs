@@ -23,18 +23,26 @@ use uuid::Uuid;
 /// The whole API.
 pub fn router(state: AppState) -> Router {
     let limit = state.settings.max_body_bytes;
+    use axum::middleware::from_fn_with_state as buckets;
     let queue = Router::new()
         .route("/events/{event_id}/queue", post(crate::queue::join))
         .route("/queue/{ticket}", get(crate::queue::status).delete(crate::queue::leave))
-        .route_layer(axum::middleware::from_fn_with_state(state.clone(), crate::queue::rate_limit));
-    let mut app = Router::new();
+        .route_layer(buckets(state.clone(), crate::limits::queue));
+    let mut purchase = Router::new();
     if state.settings.admission_direct {
-        app = app.route("/events/{event_id}/admission", post(admit));
+        purchase = purchase.route("/events/{event_id}/admission", post(admit));
     }
-    app.merge(queue)
+    let purchase = purchase
         .route("/events/{event_id}/holds", post(create_hold))
-        .route("/events/{event_id}/seats", get(seat_map))
         .route("/orders/{order_id}", get(get_order))
+        .route_layer(buckets(state.clone(), crate::limits::purchase));
+    let catalog = Router::new()
+        .route("/events/{event_id}/seats", get(seat_map))
+        .route_layer(buckets(state.clone(), crate::limits::seats));
+    Router::new()
+        .merge(queue)
+        .merge(purchase)
+        .merge(catalog)
         .route("/webhooks/stripe", post(stripe_webhook))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
@@ -63,8 +71,11 @@ pub fn router(state: AppState) -> Router {
     security(("bearer" = [])),
     responses(
         (status = 201, description = "Admitted (only when the deployment enables `admission_direct`; otherwise 404)", body = crate::openapi::Admission),
-        (status = 401, description = "No or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 404, description = "No such event", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 400, description = "`invalid_path`: the event id is not a UUID", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 401, description = "`unauthenticated`: no or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 404, description = "`not_found`: no such event (or the deployment does not serve this route)", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 429, description = "`rate_limited` (per IP or per user, named in `scope`); `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 503, description = "`unavailable`: the database is unavailable; `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
     ))]
 async fn admit(
     State(st): State<AppState>,
@@ -101,20 +112,25 @@ pub struct HoldBody {
 #[utoipa::path(post, path = "/events/{event_id}/holds", tag = "purchase",
     params(
         ("event_id" = Uuid, Path, description = "Event id"),
-        ("Idempotency-Key" = String, Header, description = "1–255 visible ASCII characters; same user + key + body returns the original order"),
+        ("Idempotency-Key" = String, Header, min_length = 1, max_length = 255, pattern = "^[!-~]+$",
+            description = "1–255 visible ASCII characters (`!` to `~`); the same user + key + body returns the original order"),
         ("X-Admission-Token" = String, Header, description = "Admission token for this user, event and purchase cell"),
     ),
     request_body = HoldBody,
     security(("bearer" = [])),
     responses(
         (status = 202, description = "Seats held; `Location: /orders/{order_id}`. A replay carries `Idempotent-Replayed: true`.", body = boxoffice_store::holds::HoldReceipt),
-        (status = 400, description = "Malformed JSON or missing/invalid Idempotency-Key", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 401, description = "No or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 403, description = "Missing, malformed, expired, foreign (user, event, cell), tampered, unknown-key or revoked admission token (the `code` says which); `sales_not_open` (with `opens_at`) or `sales_closed`: outside the event's sales window", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 409, description = "`seat_unavailable` (nothing was held), `buyer_limit_reached` (the event's `max_seats_per_buyer` or `max_active_holds_per_buyer`, named in `limit`), `idempotency_key_conflict` or `idempotency_key_in_use`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 413, description = "Body too large", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 422, description = "Seat count outside 1–8, unknown seats, or a body of the wrong shape", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 503, description = "Database unavailable; retry with the same Idempotency-Key", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 400, description = "`invalid_path` (the event id is not a UUID), `idempotency_key_missing`, `idempotency_key_invalid`, `malformed_json` or `unreadable_body`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 401, description = "`unauthenticated`: no or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 403, description = "`admission_token_missing`, `_malformed`, `_expired`, `_wrong_user`, `_wrong_event`, `_wrong_cell`, `_bad_signature`, `_unknown_kid` or `_revoked` (the admission token); `sales_not_open` (with `opens_at`) or `sales_closed`: outside the event's sales window", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 404, description = "`not_found`: no such event (whatever the admission token says)", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 408, description = "`request_body_timeout`: the body stalled; nothing was held", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 409, description = "`seat_unavailable` (nothing was held), `buyer_limit_reached` (the event's `max_seats_per_buyer` or `max_active_holds_per_buyer`, named in `limit`), `idempotency_key_conflict` or `idempotency_key_in_use` (`Retry-After`)", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 413, description = "`body_too_large`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 415, description = "`unsupported_media_type`: the body must be `application/json`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 422, description = "`seat_count` (outside 1–8), `unknown_seats` (not this event's), or `invalid_body` (a body of the wrong shape)", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 429, description = "`rate_limited` (per IP or per user, named in `scope`); `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 503, description = "`unavailable` (the database), `fault_injected`, or `revocation_check_failed` (Redis answered with an error); retry with the same Idempotency-Key after `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
     ))]
 async fn create_hold(
     State(st): State<AppState>,
@@ -125,10 +141,13 @@ async fn create_hold(
     body: ApiJson<HoldBody>,
 ) -> Result<Response, Problem> {
     let started = Instant::now();
+    // An unknown event is a 404 whatever the token says (from the event cache: no query
+    // per request).
+    crate::queue::sales_window(&st, event).await?;
     let token =
         headers.get("x-admission-token").and_then(|v| v.to_str().ok()).ok_or(AdmissionError::Missing)?;
     let claims = st.admission.verify(token, user.0, EventId(event))?;
-    check_revocation(&st, claims.jti).await?;
+    st.revocations.check(claims.jti).await?;
     let ApiJson(body) = body;
     let correlation_id = headers
         .get("x-request-id")
@@ -162,31 +181,17 @@ async fn create_hold(
     Ok(resp)
 }
 
-/// Refuses a revoked admission token. When Redis cannot answer, the check fails open: the
-/// token's signature, binding and expiry were already verified locally, a revocation is rare
-/// and lasts at most one admission slot, and failing closed would turn a Redis outage into a
-/// stop of sales for buyers already admitted, while the ledger alone guards the seats.
-/// Counted in `boxoffice_admission_revocation_fail_open_total`.
-async fn check_revocation(st: &AppState, jti: Uuid) -> Result<(), Problem> {
-    match st.waitroom.is_revoked(jti).await {
-        Ok(true) => Err(AdmissionError::Revoked.into()),
-        Ok(false) => Ok(()),
-        Err(e) => {
-            metrics::counter!("boxoffice_admission_revocation_fail_open_total").increment(1);
-            tracing::debug!(error = %ErrorChain(&e), "revocation check failed open");
-            Ok(())
-        }
-    }
-}
-
 /// `GET /orders/{order_id}` → 200 order view, 404 when missing or not the caller's.
 #[utoipa::path(get, path = "/orders/{order_id}", tag = "purchase",
     params(("order_id" = Uuid, Path, description = "Order id")),
     security(("bearer" = [])),
     responses(
         (status = 200, description = "The order's workflow state; `client_secret` only while payment is pending", body = boxoffice_store::orders::OrderView),
-        (status = 401, description = "No or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 404, description = "No such order, or not the caller's", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 400, description = "`invalid_path`: the order id is not a UUID", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 401, description = "`unauthenticated`: no or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 404, description = "`not_found`: no such order, or not the caller's", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 429, description = "`rate_limited` (per IP or per user, named in `scope`); `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 503, description = "`unavailable`: the database is unavailable; `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
     ))]
 async fn get_order(
     State(st): State<AppState>,
@@ -210,47 +215,43 @@ async fn get_order(
     params(("event_id" = Uuid, Path, description = "Event id")),
     responses(
         (status = 200, description = "Availability map, at most 1 s stale (a hint, never a promise)", body = crate::openapi::SeatMap),
-        (status = 404, description = "No such event", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 400, description = "`invalid_path`: the event id is not a UUID", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 404, description = "`not_found`: no such event", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 429, description = "`rate_limited` (per IP, `scope` = `ip`); `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 503, description = "`unavailable`: the database is unavailable; `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
     ))]
 async fn seat_map(State(st): State<AppState>, IdPath(event): IdPath<Uuid>) -> Result<Response, Problem> {
-    let max_age = std::time::Duration::from_millis(st.settings.seat_map_max_age_ms);
-    let cached = |st: &AppState| {
-        st.seat_maps
-            .lock()
-            .expect("seat map cache poisoned")
-            .get(&event)
-            .filter(|(at, _)| at.elapsed() < max_age)
-            .map(|(_, b)| b.clone())
-    };
-    let body = match cached(&st) {
-        Some(b) => b,
-        None => {
-            let _render = st.seat_map_render.lock().await;
-            match cached(&st) {
-                Some(b) => b,
-                None => {
-                    let Some(seats) = venue::seat_map(&st.pool, EventId(event)).await? else {
-                        return Err(Problem::not_found("event"));
-                    };
-                    let body = Bytes::from(
-                        serde_json::to_vec(&crate::openapi::SeatMap {
-                            event_id: event,
-                            generated_at: chrono::Utc::now(),
-                            seats,
-                        })
-                        .expect("seat map serializes"),
-                    );
-                    st.seat_maps
-                        .lock()
-                        .expect("seat map cache poisoned")
-                        .insert(event, (Instant::now(), body.clone()));
-                    body
-                }
-            }
-        }
+    // Per event and single-flight: concurrent misses for one id wait for one render, other
+    // ids render beside it; an unknown id is cached as `None` like a map, so junk ids reach
+    // the ledger at most once per id and max age.
+    let body = st
+        .seat_maps
+        .try_get_with(event, render_seat_map(&st, event))
+        .await
+        .map_err(|e| Problem::database(&e))?;
+    let Some(body) = body else {
+        return Err(Problem::not_found("event"));
     };
     Ok(([(header::CONTENT_TYPE, "application/json"), (header::CACHE_CONTROL, "max-age=1")], body)
         .into_response())
+}
+
+/// One read of the ledger for `event`'s map (`None`: no such event), serialized once.
+/// Counted in `boxoffice_seat_map_renders_total{outcome}` (`found`, `unknown`).
+async fn render_seat_map(st: &AppState, event: Uuid) -> Result<Option<Bytes>, sqlx::Error> {
+    let seats = venue::seat_map(&st.pool, EventId(event)).await?;
+    let outcome = if seats.is_some() { "found" } else { "unknown" };
+    metrics::counter!("boxoffice_seat_map_renders_total", "outcome" => outcome).increment(1);
+    Ok(seats.map(|seats| {
+        Bytes::from(
+            serde_json::to_vec(&crate::openapi::SeatMap {
+                event_id: event,
+                generated_at: chrono::Utc::now(),
+                seats,
+            })
+            .expect("seat map serializes"),
+        )
+    }))
 }
 
 /// `POST /webhooks/stripe`: 400 on a missing/bad signature (nothing written), 200 once the
@@ -261,14 +262,17 @@ async fn seat_map(State(st): State<AppState>, IdPath(event): IdPath<Uuid>) -> Re
     request_body(content = String, description = "A Stripe Event, raw JSON", content_type = "application/json"),
     responses(
         (status = 200, description = "Recorded (or a known duplicate)", body = crate::openapi::WebhookAck),
-        (status = 400, description = "Missing or invalid signature; nothing written", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 503, description = "Database unavailable; Stripe retries", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 400, description = "`invalid_signature` (missing or not verifying; nothing written) or `unreadable_body`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 408, description = "`request_body_timeout`: the body stalled; nothing written", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 413, description = "`body_too_large`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 503, description = "`unavailable` or `fault_injected`: nothing committed; Stripe retries", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
     ))]
 async fn stripe_webhook(
     State(st): State<AppState>,
     headers: HeaderMap,
-    body: Bytes,
+    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
 ) -> Result<Response, Problem> {
+    let body = body.map_err(crate::problem::body_rejection)?;
     let sig = headers.get("stripe-signature").and_then(|v| v.to_str().ok()).unwrap_or("");
     let event = boxoffice_payments::webhook::verify(
         &body,

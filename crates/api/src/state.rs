@@ -1,8 +1,10 @@
 //! Shared state of the API role.
 
+use crate::limits::{FallbackLimiter, RateLimits};
+use crate::revocation::Revocations;
 use boxoffice_admission::{AdmissionTokens, UserTokens};
 use boxoffice_store::venue::SalesWindow;
-use boxoffice_waitroom::{Bucket, Waitroom};
+use boxoffice_waitroom::Waitroom;
 use bytes::Bytes;
 use metrics_exporter_prometheus::PrometheusHandle;
 use rdkafka::producer::FutureProducer;
@@ -11,6 +13,11 @@ use sqlx::PgPool;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+/// Rendered seat maps by event (`None`: no such event), each kept `seat_map_max_age_ms`;
+/// one render per event at a time (`try_get_with` is single-flight per key), bounded in
+/// entries.
+pub type SeatMapCache = moka::future::Cache<Uuid, Option<Bytes>>;
 use uuid::Uuid;
 
 /// API tuning.
@@ -34,12 +41,13 @@ pub struct ApiSettings {
     pub release_per_s: f64,
     /// Poll interval suggested to queued clients, ms.
     pub poll_interval_ms: u64,
-    /// Per-IP bucket of the waiting-room routes (`None` = off).
-    pub ip_bucket: Option<Bucket>,
-    /// Per-user bucket of the waiting-room routes (`None` = off).
-    pub user_bucket: Option<Bucket>,
-    /// Client IP from the last `X-Forwarded-For` entry instead of the socket.
-    pub trust_forwarded_for: bool,
+    /// Rate buckets of every buyer route class (see [`crate::limits`]).
+    pub rate_limits: RateLimits,
+    /// Proxies of this deployment in front of the API that append to `X-Forwarded-For`
+    /// (0 = ignore the header; see [`crate::edge::client_ip`]).
+    pub trusted_proxy_hops: u32,
+    /// Events (found or not) whose seat map is kept at once, entries.
+    pub seat_map_cache_entries: u64,
 }
 
 impl Default for ApiSettings {
@@ -54,9 +62,9 @@ impl Default for ApiSettings {
             admission_direct: false,
             release_per_s: 0.0,
             poll_interval_ms: 2_000,
-            ip_bucket: None,
-            user_bucket: None,
-            trust_forwarded_for: false,
+            rate_limits: RateLimits::default(),
+            trusted_proxy_hops: 0,
+            seat_map_cache_entries: 10_000,
         }
     }
 }
@@ -93,10 +101,12 @@ pub struct AppState {
     pub producer: Option<FutureProducer>,
     /// Prometheus exposition for `/metrics`.
     pub metrics: Option<PrometheusHandle>,
-    /// Rendered seat maps per event, with the instant they were rendered.
-    pub seat_maps: Arc<Mutex<HashMap<Uuid, (Instant, Bytes)>>>,
-    /// Serializes seat-map rendering so a cache miss under load renders once.
-    pub seat_map_render: Arc<tokio::sync::Mutex<()>>,
+    /// Rendered seat maps, misses included.
+    pub seat_maps: SeatMapCache,
+    /// The admission-token revocation check (Redis, then the ledger when Redis cannot vouch).
+    pub revocations: Revocations,
+    /// The rate buckets' stand-in while Redis cannot answer.
+    pub fallback_limiter: Arc<FallbackLimiter>,
 }
 
 impl AppState {
@@ -112,7 +122,12 @@ impl AppState {
         producer: Option<FutureProducer>,
         metrics: Option<PrometheusHandle>,
     ) -> Self {
+        let seat_maps = moka::future::Cache::builder()
+            .max_capacity(settings.seat_map_cache_entries.max(1))
+            .time_to_live(Duration::from_millis(settings.seat_map_max_age_ms.max(1)))
+            .build();
         Self {
+            revocations: Revocations::new(pool.clone(), waitroom.clone()),
             pool,
             webhook_pool,
             users,
@@ -122,8 +137,8 @@ impl AppState {
             settings: Arc::new(settings),
             producer,
             metrics,
-            seat_maps: Arc::default(),
-            seat_map_render: Arc::default(),
+            seat_maps,
+            fallback_limiter: Arc::default(),
         }
     }
 }

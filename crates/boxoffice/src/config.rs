@@ -238,6 +238,24 @@ pub struct Config {
     pub consumer_max_attempts: u32,
     /// HTTP listen address of the API role.
     pub http_bind: String,
+    /// Longest wait for a request's head (request line and headers), ms, counted from the
+    /// connection's start or the previous response on a kept-alive connection: a client
+    /// that sends half a request and stops, or idles, is disconnected after it (default
+    /// 5000).
+    pub http_header_read_timeout_ms: u64,
+    /// Longest time one request may take, body included, ms; past it the answer is 503
+    /// `request_timeout` with `Retry-After` and the handler is dropped (default 15000).
+    pub http_request_timeout_ms: u64,
+    /// Longest pause between two chunks of a request body, ms; past it the answer is 408
+    /// `request_body_timeout` (default 5000).
+    pub http_request_body_timeout_ms: u64,
+    /// Requests in flight at once per API process; one more is answered 503 `overloaded`
+    /// with `Retry-After` at once instead of queueing (default 512).
+    pub http_max_concurrent_requests: usize,
+    /// Open connections per API process served normally; beyond it a connection gets one
+    /// 503 `overloaded` and is closed, and beyond another eighth it is closed at once
+    /// (default 4096; keep it below the process's file-descriptor limit).
+    pub http_max_connections: usize,
     /// This deployment's purchase cell (bound into admission tokens).
     pub purchase_cell: String,
     /// HS256 secret that mints and verifies buyers' bearer tokens in development only (at
@@ -341,7 +359,9 @@ pub struct Config {
     pub waitroom_poll_interval_ms: u64,
     /// Live queue positions one user may hold across all events (one per event at most).
     pub waitroom_max_positions_per_user: u32,
-    /// Waiting-room requests per second per client IP (0 = no per-IP bucket).
+    /// Waiting-room requests per second per client IP (0 = no per-IP bucket). Every buyer
+    /// route class has its own buckets (`rate_limit_purchase_*`, `rate_limit_seats_*`); see
+    /// `boxoffice_api::limits` for what happens when Redis is down.
     pub rate_limit_ip_per_s: f64,
     /// Burst of the per-IP bucket, requests.
     pub rate_limit_ip_burst: u32,
@@ -349,10 +369,29 @@ pub struct Config {
     pub rate_limit_user_per_s: f64,
     /// Burst of the per-user bucket, requests.
     pub rate_limit_user_burst: u32,
-    /// Take the client IP of the rate buckets from the last `X-Forwarded-For` entry (the
-    /// address the trusted load balancer saw) instead of the socket. Only behind a proxy that
-    /// sets it.
-    pub http_trust_forwarded_for: bool,
+    /// Purchase-route requests (admission, holds, order status) per second per client IP
+    /// (0 = no per-IP bucket on them; default 50).
+    pub rate_limit_purchase_ip_per_s: f64,
+    /// Burst of the purchase routes' per-IP bucket, requests (default 100).
+    pub rate_limit_purchase_ip_burst: u32,
+    /// Purchase-route requests per second per authenticated user (0 = none; default 10).
+    pub rate_limit_purchase_user_per_s: f64,
+    /// Burst of the purchase routes' per-user bucket, requests (default 20).
+    pub rate_limit_purchase_user_burst: u32,
+    /// Seat-map requests per second per client IP (0 = none; default 10). Unauthenticated,
+    /// so there is no per-user bucket.
+    pub rate_limit_seats_ip_per_s: f64,
+    /// Burst of the seat map's per-IP bucket, requests (default 20).
+    pub rate_limit_seats_ip_burst: u32,
+    /// Proxies of this deployment in front of the API, each appending the address it saw to
+    /// `X-Forwarded-For`: the rate buckets count a request against the entry this many
+    /// places from the right (what the outermost trusted proxy saw). 0 (the default) ignores
+    /// the header and counts the socket's peer; set it only behind proxies that append.
+    pub http_trusted_proxy_hops: u32,
+    /// Replaced by `http_trusted_proxy_hops` (`true` was 1 hop); refused when set, so a
+    /// deployment that trusted its proxy does not silently count every buyer as the proxy.
+    #[serde(default, skip_serializing)]
+    pub http_trust_forwarded_for: Option<bool>,
     /// Hold time to live, ms (default 5 minutes).
     pub hold_ttl_ms: u64,
     /// Stripe API base URL: `https://api.stripe.com` in production, the simulator otherwise.
@@ -424,6 +463,11 @@ impl Default for Config {
             consumer_retry_1m_delay_ms: 60_000,
             consumer_max_attempts: 8,
             http_bind: "127.0.0.1:8080".into(),
+            http_header_read_timeout_ms: 5_000,
+            http_request_timeout_ms: 15_000,
+            http_request_body_timeout_ms: 5_000,
+            http_max_concurrent_requests: 512,
+            http_max_connections: 4_096,
             purchase_cell: "cell-1".into(),
             user_jwt_secret: DEV_USER_JWT_SECRET.into(),
             user_jwks_url: None,
@@ -465,7 +509,14 @@ impl Default for Config {
             rate_limit_ip_burst: 40,
             rate_limit_user_per_s: 2.0,
             rate_limit_user_burst: 10,
-            http_trust_forwarded_for: false,
+            rate_limit_purchase_ip_per_s: 50.0,
+            rate_limit_purchase_ip_burst: 100,
+            rate_limit_purchase_user_per_s: 10.0,
+            rate_limit_purchase_user_burst: 20,
+            rate_limit_seats_ip_per_s: 10.0,
+            rate_limit_seats_ip_burst: 20,
+            http_trusted_proxy_hops: 0,
+            http_trust_forwarded_for: None,
             hold_ttl_ms: 300_000,
             stripe_api_base: "https://api.stripe.com".into(),
             stripe_secret_key: DEV_STRIPE_SECRET_KEY.into(),
@@ -551,16 +602,31 @@ impl Config {
         if self.waitroom_max_positions_per_user < 1 {
             bail!("waitroom_max_positions_per_user must be at least 1");
         }
-        let rates = [self.release_max_per_s, self.rate_limit_ip_per_s, self.rate_limit_user_per_s];
+        let rates = [
+            self.release_max_per_s,
+            self.rate_limit_ip_per_s,
+            self.rate_limit_user_per_s,
+            self.rate_limit_purchase_ip_per_s,
+            self.rate_limit_purchase_user_per_s,
+            self.rate_limit_seats_ip_per_s,
+        ];
         if rates.iter().any(|r| !r.is_finite() || *r < 0.0) {
             bail!("release_max_per_s and rate_limit_*_per_s must be finite and >= 0");
         }
         if self.release_max_per_s > 0.0 {
             self.validate_release()?;
         }
-        if self.rate_limit_ip_burst < 1 || self.rate_limit_user_burst < 1 {
+        let bursts = [
+            self.rate_limit_ip_burst,
+            self.rate_limit_user_burst,
+            self.rate_limit_purchase_ip_burst,
+            self.rate_limit_purchase_user_burst,
+            self.rate_limit_seats_ip_burst,
+        ];
+        if bursts.iter().any(|b| *b < 1) {
             bail!("rate_limit_*_burst must be at least 1");
         }
+        self.validate_http()?;
         if self.stripe_webhook_secret.expose_secret().is_empty()
             || self.stripe_secret_key.expose_secret().is_empty()
         {
@@ -604,6 +670,30 @@ impl Config {
         }
         if self.user_jwks_refresh_s < 1 || self.user_jwks_min_refresh_s > self.user_jwks_refresh_s {
             bail!("user_jwks_refresh_s must be at least 1 and at least user_jwks_min_refresh_s");
+        }
+        Ok(())
+    }
+
+    /// Checks the HTTP edge's bounds.
+    fn validate_http(&self) -> anyhow::Result<()> {
+        let timeouts = [
+            ("http_header_read_timeout_ms", self.http_header_read_timeout_ms),
+            ("http_request_timeout_ms", self.http_request_timeout_ms),
+            ("http_request_body_timeout_ms", self.http_request_body_timeout_ms),
+        ];
+        for (name, ms) in timeouts {
+            if !(100..=600_000).contains(&ms) {
+                bail!("{name} must be 100..=600000");
+            }
+        }
+        if self.http_max_concurrent_requests < 1 || self.http_max_connections < 1 {
+            bail!("http_max_concurrent_requests and http_max_connections must be at least 1");
+        }
+        if self.http_trust_forwarded_for.is_some() {
+            bail!("http_trust_forwarded_for was replaced by http_trusted_proxy_hops (true = 1 hop)");
+        }
+        if self.http_trusted_proxy_hops > 16 {
+            bail!("http_trusted_proxy_hops must be 0..=16");
         }
         Ok(())
     }
@@ -829,6 +919,39 @@ impl Config {
             min_refresh_interval: std::time::Duration::from_secs(self.user_jwks_min_refresh_s),
             ..JwksSettings::new(source)
         })
+    }
+
+    /// The HTTP edge's bounds.
+    pub fn edge(&self) -> boxoffice_api::EdgeSettings {
+        use std::time::Duration;
+        boxoffice_api::EdgeSettings {
+            header_read_timeout: Duration::from_millis(self.http_header_read_timeout_ms),
+            request_timeout: Duration::from_millis(self.http_request_timeout_ms),
+            body_read_timeout: Duration::from_millis(self.http_request_body_timeout_ms),
+            max_concurrent_requests: self.http_max_concurrent_requests,
+            max_connections: self.http_max_connections,
+        }
+    }
+
+    /// The rate buckets of every buyer route class.
+    pub fn rate_limits(&self) -> boxoffice_api::limits::RateLimits {
+        use boxoffice_api::limits::{RateLimits, RouteBuckets};
+        let bucket =
+            |per_s: f64, burst: u32| (per_s > 0.0).then_some(boxoffice_waitroom::Bucket { per_s, burst });
+        RateLimits {
+            queue: RouteBuckets {
+                ip: bucket(self.rate_limit_ip_per_s, self.rate_limit_ip_burst),
+                user: bucket(self.rate_limit_user_per_s, self.rate_limit_user_burst),
+            },
+            purchase: RouteBuckets {
+                ip: bucket(self.rate_limit_purchase_ip_per_s, self.rate_limit_purchase_ip_burst),
+                user: bucket(self.rate_limit_purchase_user_per_s, self.rate_limit_purchase_user_burst),
+            },
+            seats: RouteBuckets {
+                ip: bucket(self.rate_limit_seats_ip_per_s, self.rate_limit_seats_ip_burst),
+                user: None,
+            },
+        }
     }
 
     /// Checks the release controller's settings (when it is on).
@@ -1275,6 +1398,32 @@ mod tests {
         }
         // Off: the other release settings are not looked at.
         Config { release_max_per_s: 0.0, release_min_per_s: 0.0, ..Config::default() }.validate().unwrap();
+    }
+
+    #[test]
+    fn edge_settings_are_validated_and_mapped() {
+        let c = Config::default();
+        let edge = c.edge();
+        assert_eq!(edge.header_read_timeout, std::time::Duration::from_secs(5));
+        assert_eq!((edge.max_concurrent_requests, edge.max_connections), (512, 4_096));
+        let limits = c.rate_limits();
+        assert!(limits.purchase.ip.is_some() && limits.purchase.user.is_some() && limits.seats.ip.is_some());
+        let off = Config { rate_limit_seats_ip_per_s: 0.0, ..Config::default() }.rate_limits();
+        assert!(off.seats.ip.is_none(), "0 turns a bucket off");
+        let bad = [
+            Config { http_header_read_timeout_ms: 0, ..Config::default() },
+            Config { http_request_timeout_ms: 10_000_000, ..Config::default() },
+            Config { http_request_body_timeout_ms: 10, ..Config::default() },
+            Config { http_max_concurrent_requests: 0, ..Config::default() },
+            Config { http_max_connections: 0, ..Config::default() },
+            Config { http_trusted_proxy_hops: 100, ..Config::default() },
+            Config { http_trust_forwarded_for: Some(true), ..Config::default() },
+            Config { rate_limit_purchase_user_per_s: -1.0, ..Config::default() },
+            Config { rate_limit_seats_ip_burst: 0, ..Config::default() },
+        ];
+        for c in bad {
+            assert!(c.validate().is_err(), "{c:?}");
+        }
     }
 
     #[test]

@@ -179,7 +179,8 @@ enum WaitroomAction {
         #[arg(long)]
         event: uuid::Uuid,
     },
-    /// Revoke an admission token by its jti until its expiry (unix seconds).
+    /// Revoke an admission token by its jti until its expiry (unix seconds): recorded in
+    /// PostgreSQL, then in Redis. Exit 1 if either failed (re-run it: it is idempotent).
     Revoke {
         /// The token's jti (its queue ticket).
         #[arg(long)]
@@ -231,7 +232,8 @@ async fn waitroom(cfg: &Config, action: WaitroomAction) -> anyhow::Result<()> {
             );
         }
         WaitroomAction::Revoke { jti, until } => {
-            room.revoke(jti, until).await?;
+            let pool = boxoffice_store::connect(cfg.pg_options()?, 1, cfg.db_acquire_timeout_ms).await?;
+            boxoffice_api::revocation::revoke(&pool, &room, jti, until).await?;
             println!("revoked {jti} until {until}");
         }
     }

@@ -9,7 +9,7 @@ use boxoffice_admission::{AdmissionTokens, UserTokens};
 use boxoffice_api::{ApiSettings, AppState};
 use boxoffice_bus::run_consumers;
 use boxoffice_payments::{PaymentGateway, StripeClient, StripeConfig};
-use boxoffice_waitroom::{Bucket, Waitroom};
+use boxoffice_waitroom::Waitroom;
 use boxoffice_workers::{expiry, payment::PaymentWorker, relay, release, saga::Saga, tickets::TicketWorker};
 use metrics_exporter_prometheus::PrometheusHandle;
 use rdkafka::producer::{FutureProducer, Producer};
@@ -189,7 +189,6 @@ pub async fn start(
                     .acquire_timeout(Duration::from_millis(cfg.db_acquire_timeout_ms))
                     .connect_lazy_with(connect.clone());
                 let room = waitroom(cfg)?;
-                let bucket = |per_s: f64, burst: u32| (per_s > 0.0).then_some(Bucket { per_s, burst });
                 let state = AppState::new(
                     pool.clone(),
                     webhook_pool,
@@ -205,9 +204,8 @@ pub async fn start(
                         // sits while the ledger is healthy (only the leader knows live R).
                         release_per_s: cfg.release_max_per_s,
                         poll_interval_ms: cfg.waitroom_poll_interval_ms,
-                        ip_bucket: bucket(cfg.rate_limit_ip_per_s, cfg.rate_limit_ip_burst),
-                        user_bucket: bucket(cfg.rate_limit_user_per_s, cfg.rate_limit_user_burst),
-                        trust_forwarded_for: cfg.http_trust_forwarded_for,
+                        rate_limits: cfg.rate_limits(),
+                        trusted_proxy_hops: cfg.http_trusted_proxy_hops,
                         ..ApiSettings::default()
                     },
                     producer.clone(),
@@ -286,8 +284,9 @@ async fn spawn_api(
         .with_context(|| format!("binding {}", cfg.http_bind))?;
     *addr = Some(listener.local_addr()?);
     let app = boxoffice_api::router(state);
+    let edge = cfg.edge();
     Ok(tokio::spawn(async move {
-        if let Err(e) = boxoffice_api::serve(listener, app, shutdown).await {
+        if let Err(e) = boxoffice_api::serve(listener, app, edge, shutdown).await {
             tracing::error!(error = %e, "api server failed");
         }
     }))

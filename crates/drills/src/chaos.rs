@@ -1037,6 +1037,9 @@ fn role_procs(
         // Buyers take POST /events/{id}/admission: the waiting room is not under test here.
         ("BOXOFFICE_ADMISSION_DIRECT", "true".to_owned()),
         ("BOXOFFICE_RELEASE_MAX_PER_S", "0".to_owned()),
+        // The balancer is a TCP proxy: the buyers' own X-Forwarded-For stands for what an
+        // HTTP balancer would append, so the per-IP buckets see buyers, not the balancer.
+        ("BOXOFFICE_HTTP_TRUSTED_PROXY_HOPS", "1".to_owned()),
         ("BOXOFFICE_REDIS_KEY_PREFIX", format!("{}chaos:{tag}:", cfg.redis_key_prefix, tag = db_name)),
         // Small pools: twelve processes share one PostgreSQL server (24 connections at most).
         ("BOXOFFICE_DB_POOL_API", "3".to_owned()),

@@ -156,7 +156,7 @@ pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
             cfg.release_max_per_s = if args.direct_admission { 0.0 } else { args.release_rate };
             cfg.release_initial_per_s = cfg.release_initial_per_s.min(args.release_rate);
             cfg.release_min_per_s = cfg.release_min_per_s.min(cfg.release_initial_per_s);
-            cfg.http_trust_forwarded_for = true;
+            cfg.http_trusted_proxy_hops = 1;
             let opts = deploy::Options {
                 stripe_api_base: args.stripe_api_base.clone(),
                 embedded: embedded.as_ref(),

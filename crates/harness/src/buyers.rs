@@ -334,7 +334,7 @@ pub async fn drive(cfg: BuyerConfig) -> anyhow::Result<BuyerStats> {
                     if let Some(at) = arrives {
                         tokio::time::sleep_until(at.into()).await;
                     }
-                    let mut buyer = Buyer::new(ctx.bearer(), StdRng::seed_from_u64(seed));
+                    let mut buyer = Buyer::new(ctx.bearer(), i, StdRng::seed_from_u64(seed));
                     buyer.run(&ctx, None).await;
                     inc(&ctx.stats.buyers);
                 });
@@ -350,7 +350,7 @@ pub async fn drive(cfg: BuyerConfig) -> anyhow::Result<BuyerStats> {
                 let ctx = ctx.clone();
                 let seed = seed_of(a.idx);
                 tasks.spawn(async move {
-                    let mut buyer = Buyer::new(a.bearer, StdRng::seed_from_u64(seed));
+                    let mut buyer = Buyer::new(a.bearer, a.idx, StdRng::seed_from_u64(seed));
                     buyer.run(&ctx, Some(a.token)).await;
                     inc(&ctx.stats.buyers);
                 });
@@ -541,13 +541,16 @@ enum Intent {
 /// One buyer's identity and random stream.
 struct Buyer {
     bearer: Arc<str>,
+    /// This buyer's client address for `X-Forwarded-For` (a deployment trusting one proxy
+    /// hop then keys its per-IP buckets by buyer, not by this host).
+    forwarded_for: String,
     rng: StdRng,
     saw_authorized: bool,
 }
 
 impl Buyer {
-    fn new(bearer: Arc<str>, rng: StdRng) -> Self {
-        Self { bearer, rng, saw_authorized: false }
+    fn new(bearer: Arc<str>, idx: usize, rng: StdRng) -> Self {
+        Self { bearer, forwarded_for: crate::client::forwarded_for(idx), rng, saw_authorized: false }
     }
 
     /// The purchase journey; `admission` is the token from the waiting room, if any
@@ -605,7 +608,16 @@ impl Buyer {
 
     /// `POST /events/{id}/admission` → the admission token.
     async fn admit(&self, ctx: &Ctx) -> Option<String> {
-        let (r, _) = ctx.call(|| ctx.client.admit(&self.bearer, ctx.cfg.event_id), |_| false).await?;
+        let (r, _) = ctx
+            .call(
+                || {
+                    ctx.client
+                        .admit(&self.bearer, ctx.cfg.event_id)
+                        .header("x-forwarded-for", &self.forwarded_for)
+                },
+                |_| false,
+            )
+            .await?;
         if r.status != StatusCode::CREATED {
             ctx.unexpected("admission", &r);
             return None;
@@ -635,7 +647,11 @@ impl Buyer {
             };
             inc(&ctx.stats.hold_attempts);
             let key = Uuid::new_v4().to_string();
-            let build = || ctx.client.hold(&self.bearer, ctx.cfg.event_id, admission, &key, &seats);
+            let build = || {
+                ctx.client
+                    .hold(&self.bearer, ctx.cfg.event_id, admission, &key, &seats)
+                    .header("x-forwarded-for", &self.forwarded_for)
+            };
             let busy = |r: &Reply| {
                 r.status == StatusCode::CONFLICT
                     && problem(r).code.as_deref() == Some("idempotency_key_in_use")
@@ -718,7 +734,15 @@ impl Buyer {
         loop {
             let answer = {
                 let _slot = ctx.poll_slots.acquire().await.ok();
-                ctx.call(|| ctx.client.order(&self.bearer, order_id), |_| false).await
+                ctx.call(
+                    || {
+                        ctx.client
+                            .order(&self.bearer, order_id)
+                            .header("x-forwarded-for", &self.forwarded_for)
+                    },
+                    |_| false,
+                )
+                .await
             };
             match answer {
                 Some((r, _)) if r.status == StatusCode::OK => {

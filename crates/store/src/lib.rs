@@ -17,6 +17,7 @@ pub mod inbox;
 pub mod orders;
 pub mod outbox;
 pub mod payments;
+pub mod revocations;
 pub mod signals;
 pub mod stripe_events;
 pub mod tickets;

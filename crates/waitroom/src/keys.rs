@@ -41,6 +41,16 @@ impl Keys {
         format!("{}rv:{jti}", self.prefix)
     }
 
+    /// Present while the revocation set holds every unexpired revocation of the ledger.
+    pub fn revocations_seeded(&self) -> String {
+        format!("{}rv-seeded", self.prefix)
+    }
+
+    /// The token of the revocation seed in progress.
+    pub fn revocations_seeding(&self) -> String {
+        format!("{}rv-seeding", self.prefix)
+    }
+
     pub fn bucket(&self, scope: &str, id: &str) -> String {
         format!("{}rl:{scope}:{id}", self.prefix)
     }

@@ -15,7 +15,11 @@
 //! holds, releases or sells one. When Redis is unreachable every call fails fast (each is
 //! bounded by `timeout_ms`) with [`WaitroomError::Unavailable`]: joins and polls answer 503,
 //! while buyers already holding a valid admission token keep buying (their token is verified
-//! locally; the revocation check then fails open, see `boxoffice-api`).
+//! locally; the revocation check then asks the ledger, see `boxoffice-api`'s `revocation`).
+//! Only timeouts, refused, reset or closed connections and a Redis still loading its data
+//! count as unavailable; any other error (a wrong password, a script error, an unexpected
+//! answer) is [`WaitroomError::Redis`], which callers treat as a fault, never as "Redis is
+//! away".
 //!
 //! Metrics: `boxoffice_waitroom_joins_total{outcome}`, `boxoffice_waitroom_admitted_total`,
 //! `boxoffice_waitroom_abandoned_total`, `boxoffice_waitroom_queue_length{event,stage}`,
@@ -30,9 +34,9 @@ use keys::Keys;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use secrecy::{ExposeSecret, SecretString};
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use uuid::Uuid;
 
 /// Settings of the waiting room.
@@ -80,7 +84,8 @@ pub enum WaitroomError {
     /// Redis did not answer within `timeout_ms` (→ 503 with `Retry-After`).
     #[error("the waiting room's Redis did not answer within {0} ms")]
     Timeout(u64),
-    /// Redis answered with an error or an unexpected shape: a bug (→ 500).
+    /// Redis answered with an error or an unexpected shape (a wrong password, a script
+    /// error, …): a fault, never unavailability (→ 500; the revocation check fails closed).
     #[error("the waiting room's Redis answered with an error")]
     Redis(#[source] redis::RedisError),
     /// The user already holds `limit` live positions (→ 429).
@@ -100,7 +105,7 @@ pub enum WaitroomError {
 }
 
 impl WaitroomError {
-    /// Whether Redis could not be reached (the caller answers 503 or fails open).
+    /// Whether Redis could not be reached (the caller answers 503 or falls back).
     pub fn is_unavailable(&self) -> bool {
         matches!(self, Self::Unavailable(_) | Self::Timeout(_))
     }
@@ -230,6 +235,19 @@ pub struct Waitroom {
     cfg: Arc<WaitroomConfig>,
     scripts: Arc<scripts::Scripts>,
     healthy: Arc<AtomicBool>,
+    /// When Redis was last unavailable, ms after `epoch` (0 = never).
+    last_unavailable_ms: Arc<AtomicU64>,
+    epoch: Instant,
+}
+
+/// What Redis knows about one admission token ([`Waitroom::revocation_state`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RevocationState {
+    /// Its `jti` is in the revocation set.
+    pub revoked: bool,
+    /// The revocation set was seeded from the ledger since Redis last lost its data (the
+    /// seed marker is present): a miss can be trusted.
+    pub seeded: bool,
 }
 
 impl std::fmt::Debug for Waitroom {
@@ -273,12 +291,22 @@ impl Waitroom {
             cfg: Arc::new(cfg),
             scripts: Arc::new(scripts::Scripts::new()),
             healthy: Arc::new(AtomicBool::new(true)),
+            last_unavailable_ms: Arc::new(AtomicU64::new(0)),
+            epoch: Instant::now(),
         })
     }
 
     /// The settings.
     pub fn config(&self) -> &WaitroomConfig {
         &self.cfg
+    }
+
+    /// Whether a call found Redis unavailable within the last `within` (callers with a
+    /// fallback use it to skip a Redis that just timed out, instead of waiting `timeout_ms`
+    /// again on every request).
+    pub fn recently_unavailable(&self, within: Duration) -> bool {
+        let at = self.last_unavailable_ms.load(Ordering::Relaxed);
+        at != 0 && self.epoch.elapsed().as_millis() as u64 <= at + within.as_millis() as u64
     }
 
     /// Runs one Redis call bounded by `timeout_ms`, counting and classifying failures. The
@@ -291,16 +319,7 @@ impl Waitroom {
     ) -> Result<T, WaitroomError> {
         let res = match tokio::time::timeout(Duration::from_millis(self.cfg.timeout_ms), fut).await {
             Ok(Ok(v)) => Ok(v),
-            Ok(Err(e))
-                if e.is_io_error()
-                    || e.is_timeout()
-                    || e.is_connection_dropped()
-                    || e.is_connection_refusal() =>
-            {
-                Err(WaitroomError::Unavailable(e))
-            }
-            Ok(Err(e)) if e.is_unrecoverable_error() => Err(WaitroomError::Unavailable(e)),
-            Ok(Err(e)) => Err(WaitroomError::Redis(e)),
+            Ok(Err(e)) => Err(classify(e)),
             Err(_) => Err(WaitroomError::Timeout(self.cfg.timeout_ms)),
         };
         match &res {
@@ -312,8 +331,10 @@ impl Waitroom {
             Err(e) => {
                 metrics::counter!("boxoffice_waitroom_redis_errors_total", "op" => op).increment(1);
                 if e.is_unavailable() {
+                    let at = self.epoch.elapsed().as_millis().max(1) as u64;
+                    self.last_unavailable_ms.store(at, Ordering::Relaxed);
                     if self.healthy.swap(false, Ordering::Relaxed) {
-                        tracing::warn!(redis.op = op, error = %e, "waiting room: redis unreachable; queue calls answer 503, revocation checks fail open");
+                        tracing::warn!(redis.op = op, error = %e, "waiting room: redis unreachable; queue calls answer 503, revocation checks ask the ledger");
                     }
                 } else {
                     tracing::error!(redis.op = op, error = ?e, "waiting room: redis error");
@@ -450,20 +471,49 @@ impl Waitroom {
         })
     }
 
+    /// The end of `ticket`'s admission slot while it runs (`None` before it is admitted or
+    /// after the slot), for its holder `user`: a caller that records the revocation leaving
+    /// causes ([`Waitroom::leave`]) elsewhere asks this first.
+    ///
+    /// # Errors
+    /// [`WaitroomError::UnknownTicket`] when the ticket is unknown or not `user`'s;
+    /// [`WaitroomError::Unavailable`] / [`WaitroomError::Timeout`].
+    pub async fn admission_slot(
+        &self,
+        ticket: Uuid,
+        user: UserId,
+    ) -> Result<Option<DateTime<Utc>>, WaitroomError> {
+        let event = self.ticket_event(ticket).await?;
+        let mut conn = self.conn.clone();
+        let adm = self.keys.event(event).0[4].clone();
+        let mut pipe = redis::pipe();
+        pipe.cmd("HGET").arg(self.keys.ticket(ticket)).arg("user");
+        pipe.cmd("ZSCORE").arg(&adm).arg(ticket.to_string());
+        pipe.cmd("TIME");
+        let (owner, slot, (s, us)): (Option<String>, Option<f64>, (i64, i64)) =
+            self.call("admission_slot", pipe.query_async(&mut conn)).await?;
+        if owner.as_deref() != Some(user.0.to_string().as_str()) {
+            return Err(WaitroomError::UnknownTicket);
+        }
+        let now_ms = s * 1000 + us / 1000;
+        Ok(slot.map(|v| v as i64).filter(|end| *end > now_ms).and_then(ms_to_time))
+    }
+
     /// Gives up `ticket` (its holder `user` leaves). Leaving during an admission slot also
-    /// revokes the admission token (its `jti` is the ticket) until the slot ends.
+    /// revokes the admission token (its `jti` is the ticket) until the slot ends; the answer
+    /// is then the slot's end.
     ///
     /// # Errors
     /// [`WaitroomError::UnknownTicket`]; [`WaitroomError::Unavailable`] / [`WaitroomError::Timeout`].
-    pub async fn leave(&self, ticket: Uuid, user: UserId) -> Result<(), WaitroomError> {
+    pub async fn leave(&self, ticket: Uuid, user: UserId) -> Result<Option<DateTime<Utc>>, WaitroomError> {
         let event = self.ticket_event(ticket).await?;
         let mut inv = self.event_script(&self.scripts.leave, event);
         inv.key(self.keys.ticket(ticket)).key(self.keys.user(user.0)).key(self.keys.revoked(ticket));
         inv.arg(ticket.to_string()).arg(user.0.to_string());
         let mut conn = self.conn.clone();
-        let left: i64 = self.call("leave", inv.invoke_async(&mut conn)).await?;
+        let (left, revoked_until): (i64, i64) = self.call("leave", inv.invoke_async(&mut conn)).await?;
         if left == 1 {
-            Ok(())
+            Ok((revoked_until > 0).then(|| ms_to_time(revoked_until)).flatten())
         } else {
             Err(WaitroomError::UnknownTicket)
         }
@@ -554,6 +604,49 @@ impl Waitroom {
         self.call("is_revoked", redis::cmd("EXISTS").arg(&key).query_async::<bool>(&mut conn)).await
     }
 
+    /// Whether `jti` is in the revocation set, and whether that set was seeded from the
+    /// ledger since Redis last lost its data: one round trip (`MGET` of the token's key and
+    /// the seed marker).
+    ///
+    /// # Errors
+    /// [`WaitroomError::Unavailable`] / [`WaitroomError::Timeout`] when Redis cannot answer;
+    /// [`WaitroomError::Redis`] for any other failure (the caller must not read it as "not
+    /// revoked").
+    pub async fn revocation_state(&self, jti: Uuid) -> Result<RevocationState, WaitroomError> {
+        let mut conn = self.conn.clone();
+        let cmd =
+            redis::cmd("MGET").arg(self.keys.revoked(jti)).arg(self.keys.revocations_seeded()).to_owned();
+        let (revoked, seeded): (Option<String>, Option<String>) =
+            self.call("revocation_state", cmd.query_async(&mut conn)).await?;
+        Ok(RevocationState { revoked: revoked.is_some(), seeded: seeded.is_some() })
+    }
+
+    /// Writes every `(jti, until_exp)` revocation (unix seconds), then the seed marker that
+    /// makes misses trustworthy ([`RevocationState::seeded`]). The marker is written only if
+    /// the Redis that took the seed's first write still holds it, so a Redis restarting
+    /// mid-seed is never marked complete. `Ok(false)`: not marked (retry later).
+    ///
+    /// # Errors
+    /// [`WaitroomError::Unavailable`] / [`WaitroomError::Timeout`]; [`WaitroomError::Redis`].
+    pub async fn seed_revocations(&self, entries: &[(Uuid, i64)]) -> Result<bool, WaitroomError> {
+        let mut conn = self.conn.clone();
+        let token = Uuid::new_v4().to_string();
+        let guard = self.keys.revocations_seeding();
+        let cmd = redis::cmd("SET").arg(&guard).arg(&token).arg("EX").arg(600).to_owned();
+        self.call("seed_revocations", cmd.query_async::<()>(&mut conn)).await?;
+        for chunk in entries.chunks(500) {
+            let mut pipe = redis::pipe();
+            for (jti, until) in chunk {
+                pipe.cmd("SET").arg(self.keys.revoked(*jti)).arg(1).arg("EXAT").arg((*until).max(1)).ignore();
+            }
+            self.call("seed_revocations", pipe.query_async::<()>(&mut conn)).await?;
+        }
+        let mut inv = self.scripts.mark_seeded.prepare_invoke();
+        inv.key(&guard).key(self.keys.revocations_seeded()).arg(&token);
+        let marked: i64 = self.call("seed_revocations", inv.invoke_async(&mut conn)).await?;
+        Ok(marked == 1)
+    }
+
     /// Takes one request from the bucket `scope`/`id` (e.g. `ip`/`203.0.113.7`).
     ///
     /// # Errors
@@ -594,6 +687,27 @@ impl Waitroom {
     /// slot and a margin.
     fn ticket_ttl_ms(&self) -> u64 {
         self.cfg.abandon_after_ms + self.cfg.slot_ms + 3_600_000
+    }
+}
+
+/// Sorts a Redis error: unavailable (timeouts, refused, reset or closed connections, a Redis
+/// still loading or without a master — the caller may fall back) or a fault.
+fn classify(e: redis::RedisError) -> WaitroomError {
+    use redis::{ErrorKind, ServerErrorKind};
+    let unavailable = e.is_io_error()
+        || e.is_timeout()
+        || e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || matches!(
+            e.kind(),
+            ErrorKind::Server(
+                ServerErrorKind::BusyLoading | ServerErrorKind::MasterDown | ServerErrorKind::TryAgain
+            )
+        );
+    if unavailable {
+        WaitroomError::Unavailable(e)
+    } else {
+        WaitroomError::Redis(e)
     }
 }
 

@@ -166,11 +166,12 @@ return {state, position(ticket), opening, dropped, -1, redis.call('ZCARD', Q), r
 "#;
 
 /// `leave`. KEYS 8 = `t:{ticket}`, 9 = `u:{user}`, 10 = `rv:{ticket}`. ARGV: ticket, user.
-/// Returns 1 when the ticket was this user's, else 0. Leaving with a live admission slot
-/// revokes the admission token (its `jti` is the ticket) until the slot ends.
+/// Returns `{1, slot end ms}` when the ticket was this user's and its live admission slot was
+/// revoked (the admission token's `jti` is the ticket; revoked until the slot ends), `{1, 0}`
+/// when it was this user's without a live slot, else `{0, 0}`.
 const LEAVE: &str = r#"
 local ticket, user = ARGV[1], ARGV[2]
-if redis.call('HGET', KEYS[8], 'user') ~= user then return 0 end
+if redis.call('HGET', KEYS[8], 'user') ~= user then return {0, 0} end
 local now = now_ms()
 local slot = redis.call('ZSCORE', ADM, ticket)
 redis.call('ZREM', Q, ticket)
@@ -182,8 +183,9 @@ if redis.call('HGET', USERS, user) == ticket then redis.call('HDEL', USERS, user
 redis.call('DEL', KEYS[8])
 if slot and tonumber(slot) > now then
   redis.call('SET', KEYS[10], '1', 'PX', math.ceil(tonumber(slot) - now))
+  return {1, math.floor(tonumber(slot))}
 end
-return 1
+return {1, 0}
 "#;
 
 /// `release`. ARGV: event, n, abandon ms, sweep limit, slot ms. Admits the next `n` live
@@ -256,6 +258,16 @@ redis.call('SET', KEYS[1], string.format('%.3f', new_tat), 'PX', math.ceil(new_t
 return {1, 0}
 "#;
 
+/// Marks the revocation set seeded. KEYS[1] = the seed's guard, KEYS[2] = the marker;
+/// ARGV[1] = the seed's token. Only when the guard still holds the token (the Redis that took
+/// the seed's first write is the one answering). Returns 1 when marked.
+const MARK_SEEDED: &str = r#"
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[2], '1')
+redis.call('DEL', KEYS[1])
+return 1
+"#;
+
 /// Every script, compiled once (`redis::Script` sends `EVALSHA` and loads the script on
 /// `NOSCRIPT`).
 pub(crate) struct Scripts {
@@ -266,6 +278,7 @@ pub(crate) struct Scripts {
     pub stats: redis::Script,
     pub schedule: redis::Script,
     pub bucket: redis::Script,
+    pub mark_seeded: redis::Script,
 }
 
 impl Scripts {
@@ -279,6 +292,7 @@ impl Scripts {
             stats: with_prelude(STATS),
             schedule: with_prelude(SCHEDULE),
             bucket: redis::Script::new(BUCKET),
+            mark_seeded: redis::Script::new(MARK_SEEDED),
         }
     }
 }

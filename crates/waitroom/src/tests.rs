@@ -209,8 +209,29 @@ async fn waitroom_revocation_and_leaving_an_admitted_ticket() {
     let (event, u) = (EventId::new(), UserId::new());
     let t = wr.join(event, u).await.unwrap();
     wr.release(event, 1).await.unwrap();
-    wr.leave(t.ticket, u).await.unwrap();
+    let slot = wr.admission_slot(t.ticket, u).await.unwrap().expect("admitted: a running slot");
+    assert!(matches!(wr.admission_slot(t.ticket, UserId::new()).await, Err(WaitroomError::UnknownTicket)));
+    let revoked_until = wr.leave(t.ticket, u).await.unwrap();
+    assert_eq!(revoked_until.map(|t| t.timestamp_millis() / 1000), Some(slot.timestamp_millis() / 1000));
     assert!(wr.is_revoked(t.ticket).await.unwrap(), "leaving during the slot revokes its token");
+    let queued = wr.join(event, u).await.unwrap();
+    assert_eq!(wr.admission_slot(queued.ticket, u).await.unwrap(), None, "no slot while queued");
+    assert_eq!(wr.leave(queued.ticket, u).await.unwrap(), None, "leaving the queue revokes nothing");
+}
+
+#[tokio::test]
+async fn waitroom_revocation_state_and_seeding() {
+    let wr = room();
+    let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+    let s = wr.revocation_state(a).await.unwrap();
+    assert_eq!((s.revoked, s.seeded), (false, false), "a fresh Redis cannot vouch for a miss");
+    let until = Utc::now().timestamp() + 60;
+    assert!(wr.seed_revocations(&[(a, until)]).await.unwrap(), "marked seeded");
+    let s = wr.revocation_state(a).await.unwrap();
+    assert_eq!((s.revoked, s.seeded), (true, true));
+    let s = wr.revocation_state(b).await.unwrap();
+    assert_eq!((s.revoked, s.seeded), (false, true), "a trusted miss");
+    assert!(wr.seed_revocations(&[]).await.unwrap(), "an empty ledger seeds too");
 }
 
 #[tokio::test]

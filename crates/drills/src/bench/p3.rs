@@ -206,6 +206,9 @@ async fn run_on(
     cfg.release_max_per_s = 0.0;
     cfg.rate_limit_ip_per_s = 0.0;
     cfg.rate_limit_user_per_s = 0.0;
+    cfg.rate_limit_purchase_ip_per_s = 0.0;
+    cfg.rate_limit_purchase_user_per_s = 0.0;
+    cfg.rate_limit_seats_ip_per_s = 0.0;
     cfg.hold_ttl_ms = 600_000;
     let deployment = Deployment::start(
         cfg,

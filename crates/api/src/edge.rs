@@ -1,0 +1,312 @@
+//! The HTTP edge: how connections are accepted and bounded before any handler runs, and who
+//! the client is.
+//!
+//! Every connection is served by hyper's HTTP/1.1 connection builder with a timer, so a
+//! client that does not finish its request head within `header_read_timeout` is cut off —
+//! whether it sends half a request line and stops, opens a connection and sends nothing, or
+//! idles on a kept-alive connection between requests (hyper starts the timer whenever it
+//! waits for a head). Above the router sit, outermost first:
+//!
+//! 1. the problem mapper ([`crate::problem::ensure_problem`]): any error answer a layer or
+//!    extractor produced without a problem+json body gets one;
+//! 2. a concurrency limit of `max_concurrent_requests` requests in flight that sheds instead
+//!    of queueing: beyond it the answer is at once 503 `overloaded` with `Retry-After`
+//!    (`tower::load_shed` over `tower::limit::ConcurrencyLimit`);
+//! 3. a whole-request timeout (`tower_http::timeout::TimeoutLayer`, 503 `request_timeout`
+//!    with `Retry-After`): a handler still running after `request_timeout` is dropped, which
+//!    rolls back its open transaction, so a retry with the same `Idempotency-Key` is safe;
+//! 4. a request-body read timeout (`tower_http::timeout::RequestBodyTimeoutLayer`): a body
+//!    that stalls for `body_read_timeout` between two chunks is a 408 `request_body_timeout`.
+//!
+//! Connections beyond `max_connections` are still read (with the same header timeout) but
+//! answered 503 `overloaded` with `Retry-After` and closed; beyond a further
+//! `max_connections / 8` (at least 16) they are closed at once, so a flood of sockets costs
+//! a bounded number of tasks. There is no other listener in the product: `/metrics`,
+//! `/healthz` and `/readyz` are served here, behind the same bounds.
+//!
+//! [`client_ip`] decides which address a request is counted against (the per-IP rate
+//! buckets): the socket's peer, or an `X-Forwarded-For` entry when the deployment trusts a
+//! number of proxy hops; [`bucket_key`] groups IPv6 clients by their /64.
+//!
+//! Metrics: `boxoffice_http_connections` (open connections), `boxoffice_http_connections_shed_total{how}`
+//! (`answered_503`, `closed`), `boxoffice_http_requests_shed_total` (503 `overloaded`),
+//! `boxoffice_http_header_timeouts_total`.
+
+use crate::problem::Problem;
+use axum::error_handling::HandleErrorLayer;
+use axum::extract::ConnectInfo;
+use axum::http::{HeaderMap, Request};
+use axum::response::IntoResponse;
+use axum::Router;
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
+use std::convert::Infallible;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tower::{BoxError, ServiceBuilder, ServiceExt};
+use tower_http::timeout::{RequestBodyTimeoutLayer, TimeoutLayer};
+
+/// The bounds of the HTTP edge.
+#[derive(Debug, Clone)]
+pub struct EdgeSettings {
+    /// Longest wait for a complete request head (request line and headers), from the
+    /// connection's start or the end of the previous response on a kept-alive connection;
+    /// past it the connection is closed without an answer.
+    pub header_read_timeout: Duration,
+    /// Longest time one request may take, body read included; past it the answer is 503
+    /// `request_timeout` with `Retry-After` and the handler is dropped.
+    pub request_timeout: Duration,
+    /// Longest pause between two chunks of a request body; past it the answer is 408
+    /// `request_body_timeout`.
+    pub body_read_timeout: Duration,
+    /// Requests in flight at once (≥ 1); one more is answered 503 `overloaded` at once.
+    pub max_concurrent_requests: usize,
+    /// Open connections served normally (≥ 1); see the module doc for what happens beyond.
+    pub max_connections: usize,
+}
+
+impl Default for EdgeSettings {
+    fn default() -> Self {
+        Self {
+            header_read_timeout: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(15),
+            body_read_timeout: Duration::from_secs(5),
+            max_concurrent_requests: 512,
+            max_connections: 4_096,
+        }
+    }
+}
+
+/// The answer to a request shed by the concurrency limit (or any other error a layer
+/// raised).
+async fn shed(e: BoxError) -> Problem {
+    if e.is::<tower::load_shed::error::Overloaded>() {
+        metrics::counter!("boxoffice_http_requests_shed_total").increment(1);
+        Problem::overloaded()
+    } else {
+        Problem::internal(&*e)
+    }
+}
+
+/// Serves `app` on `listener` within the bounds of `edge` until `shutdown`, then lets
+/// in-flight requests finish (for at most `request_timeout`). The peer address reaches
+/// handlers as `ConnectInfo<SocketAddr>`.
+///
+/// # Errors
+/// None today: failed accepts (e.g. out of file descriptors) are logged and retried after a
+/// short pause, and a failed connection only ends that connection.
+pub async fn serve(
+    listener: TcpListener,
+    app: Router,
+    edge: EdgeSettings,
+    shutdown: CancellationToken,
+) -> std::io::Result<()> {
+    let service = ServiceBuilder::new()
+        .map_response(crate::problem::ensure_problem)
+        .layer(HandleErrorLayer::new(shed))
+        .load_shed()
+        .concurrency_limit(edge.max_concurrent_requests.max(1))
+        .layer(TimeoutLayer::with_status_code(
+            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+            edge.request_timeout,
+        ))
+        .layer(RequestBodyTimeoutLayer::new(edge.body_read_timeout))
+        .service(app);
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new()).header_read_timeout(edge.header_read_timeout);
+    let mut shed_http = http.clone();
+    shed_http.keep_alive(false);
+    let slots = Arc::new(Semaphore::new(edge.max_connections.max(1)));
+    let shed_slots = Arc::new(Semaphore::new((edge.max_connections / 8).max(16)));
+    let graceful = GracefulShutdown::new();
+    loop {
+        let (stream, peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    // EMFILE and friends: keep serving the connections we have.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    continue;
+                }
+            },
+            () = shutdown.cancelled() => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let io = TokioIo::new(stream);
+        let (permit, conn) = match slots.clone().try_acquire_owned() {
+            Ok(p) => {
+                let svc = service.clone().map_request(move |mut req: Request<Incoming>| {
+                    req.extensions_mut().insert(ConnectInfo(peer));
+                    req
+                });
+                let conn = http.serve_connection(io, TowerToHyperService::new(svc));
+                (p, boxed(graceful.watch(conn)))
+            }
+            Err(_) => {
+                let Ok(p) = shed_slots.clone().try_acquire_owned() else {
+                    metrics::counter!("boxoffice_http_connections_shed_total", "how" => "closed")
+                        .increment(1);
+                    continue; // dropping the stream closes it
+                };
+                metrics::counter!("boxoffice_http_connections_shed_total", "how" => "answered_503")
+                    .increment(1);
+                let svc = tower::service_fn(|_req: Request<Incoming>| async {
+                    Ok::<_, Infallible>(Problem::overloaded().into_response())
+                });
+                let conn = shed_http.serve_connection(io, TowerToHyperService::new(svc));
+                (p, boxed(graceful.watch(conn)))
+            }
+        };
+        tokio::spawn(async move {
+            let _permit = permit;
+            metrics::gauge!("boxoffice_http_connections").increment(1.0);
+            if let Err(e) = conn.await {
+                if e.is_timeout() {
+                    metrics::counter!("boxoffice_http_header_timeouts_total").increment(1);
+                }
+                tracing::debug!(error = %e, "connection ended with an error");
+            }
+            metrics::gauge!("boxoffice_http_connections").decrement(1.0);
+        });
+    }
+    drop(listener);
+    if tokio::time::timeout(edge.request_timeout, graceful.shutdown()).await.is_err() {
+        tracing::warn!("connections still open after the shutdown grace period; closing them");
+    }
+    Ok(())
+}
+
+type ConnFuture = std::pin::Pin<Box<dyn std::future::Future<Output = hyper::Result<()>> + Send>>;
+
+fn boxed(f: impl std::future::Future<Output = hyper::Result<()>> + Send + 'static) -> ConnFuture {
+    Box::pin(f)
+}
+
+/// The address a request is counted against: the socket's `peer`, or, with
+/// `trusted_proxy_hops` = N > 0 (N proxies of this deployment in front of it, each appending
+/// the address it saw to `X-Forwarded-For`), the N-th entry from the right — the address the
+/// outermost trusted proxy saw. Entries left of it were written by the client and are
+/// ignored. With fewer than N entries the leftmost one is taken (every entry then came from
+/// a trusted proxy). An entry that is not an IP address (optionally with a port, IPv6 in
+/// brackets) yields `peer`, as does a missing header; 0 hops ignores the header.
+pub fn client_ip(peer: Option<IpAddr>, headers: &HeaderMap, trusted_proxy_hops: u32) -> Option<IpAddr> {
+    if trusted_proxy_hops == 0 {
+        return peer;
+    }
+    let entries: Vec<&str> = headers
+        .get_all("x-forwarded-for")
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .collect();
+    let hops = trusted_proxy_hops as usize;
+    let Some(entry) = entries.get(entries.len().saturating_sub(hops)) else {
+        return peer;
+    };
+    parse_forwarded(entry).or(peer)
+}
+
+/// `203.0.113.7`, `203.0.113.7:4711`, `2001:db8::1` or `[2001:db8::1]:443`.
+fn parse_forwarded(entry: &str) -> Option<IpAddr> {
+    entry
+        .parse::<IpAddr>()
+        .ok()
+        .or_else(|| entry.parse::<SocketAddr>().ok().map(|s| s.ip()))
+        .or_else(|| entry.strip_prefix('[')?.strip_suffix(']')?.parse().ok())
+}
+
+/// The rate-bucket key of `ip`: an IPv4 address as is (IPv4-mapped IPv6 included), an IPv6
+/// address by its /64 (`2001:db8:1:2::/64`): one subscriber usually gets a whole /64, so
+/// keying by full address would give each client 2^64 buckets.
+pub fn bucket_key(ip: IpAddr) -> String {
+    match ip.to_canonical() {
+        IpAddr::V4(a) => a.to_string(),
+        IpAddr::V6(a) => {
+            let s = a.segments();
+            let prefix = std::net::Ipv6Addr::new(s[0], s[1], s[2], s[3], 0, 0, 0, 0);
+            format!("{prefix}/64")
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::HeaderValue;
+
+    fn xff(values: &[&str]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for v in values {
+            h.append("x-forwarded-for", HeaderValue::from_str(v).unwrap());
+        }
+        h
+    }
+
+    const PEER: Option<IpAddr> = Some(IpAddr::V4(std::net::Ipv4Addr::new(192, 0, 2, 1)));
+
+    fn ip(s: &str) -> Option<IpAddr> {
+        Some(s.parse().unwrap())
+    }
+
+    #[test]
+    fn zero_hops_ignores_the_header() {
+        assert_eq!(client_ip(PEER, &xff(&["203.0.113.7"]), 0), PEER);
+    }
+
+    #[test]
+    fn one_hop_takes_the_entry_the_proxy_appended() {
+        // The client forged the first entry; the proxy appended what it saw.
+        assert_eq!(client_ip(PEER, &xff(&["1.2.3.4, 203.0.113.7"]), 1), ip("203.0.113.7"));
+        // Entries spread over several header lines count in order.
+        assert_eq!(client_ip(PEER, &xff(&["1.2.3.4", "203.0.113.7"]), 1), ip("203.0.113.7"));
+    }
+
+    #[test]
+    fn n_hops_take_the_nth_entry_from_the_right() {
+        let h = xff(&["6.6.6.6, 203.0.113.7, 198.51.100.2"]);
+        assert_eq!(client_ip(PEER, &h, 2), ip("203.0.113.7"));
+        assert_eq!(client_ip(PEER, &h, 3), ip("6.6.6.6"));
+        // Fewer entries than hops: the leftmost (all of them came from trusted proxies).
+        assert_eq!(client_ip(PEER, &xff(&["203.0.113.7"]), 3), ip("203.0.113.7"));
+    }
+
+    #[test]
+    fn garbage_or_missing_entries_fall_back_to_the_socket() {
+        assert_eq!(client_ip(PEER, &HeaderMap::new(), 1), PEER);
+        assert_eq!(client_ip(PEER, &xff(&[""]), 1), PEER);
+        assert_eq!(client_ip(PEER, &xff(&[" , "]), 1), PEER);
+        assert_eq!(client_ip(PEER, &xff(&["1.2.3.4, not-an-ip"]), 1), PEER);
+        assert_eq!(client_ip(PEER, &xff(&["1.2.3.4, 999.1.1.1"]), 1), PEER);
+        assert_eq!(client_ip(PEER, &xff(&["1.2.3.4, unknown"]), 1), PEER);
+        assert_eq!(client_ip(None, &xff(&["junk"]), 1), None);
+    }
+
+    #[test]
+    fn entries_with_ports_and_brackets_parse() {
+        assert_eq!(client_ip(PEER, &xff(&["203.0.113.7:4711"]), 1), ip("203.0.113.7"));
+        assert_eq!(client_ip(PEER, &xff(&["[2001:db8::1]:443"]), 1), ip("2001:db8::1"));
+        assert_eq!(client_ip(PEER, &xff(&["[2001:db8::1]"]), 1), ip("2001:db8::1"));
+        assert_eq!(client_ip(PEER, &xff(&["2001:db8::1"]), 1), ip("2001:db8::1"));
+    }
+
+    #[test]
+    fn ipv6_clients_are_keyed_by_their_64() {
+        let a = bucket_key("2001:db8:1:2:aaaa::1".parse().unwrap());
+        let b = bucket_key("2001:db8:1:2:ffff:1:2:3".parse().unwrap());
+        let other = bucket_key("2001:db8:1:3::1".parse().unwrap());
+        assert_eq!(a, "2001:db8:1:2::/64");
+        assert_eq!(a, b, "one /64, one bucket");
+        assert_ne!(a, other);
+        assert_eq!(bucket_key("203.0.113.7".parse().unwrap()), "203.0.113.7");
+        assert_eq!(bucket_key("::ffff:203.0.113.7".parse().unwrap()), "203.0.113.7", "IPv4-mapped is IPv4");
+    }
+}
