@@ -111,6 +111,7 @@ async fn schemathesis_finds_no_contract_violation(_: PgPoolOptions, opts: PgConn
     let generous = "100000";
     let mut server = tokio::process::Command::new(product_bin())
         .args(["serve", "--roles", "api"])
+        .env("BOXOFFICE_ENV", "development")
         .env("BOXOFFICE_DATABASE_URL", database_url(&database))
         .env("BOXOFFICE_HTTP_BIND", format!("127.0.0.1:{port}"))
         .env("BOXOFFICE_REDIS_URL", test_redis_url())
