@@ -85,7 +85,7 @@ impl Default for EdgeSettings {
 
 /// The answer to a request shed by the concurrency limit (or any other error a layer
 /// raised).
-async fn shed(e: BoxError) -> Problem {
+pub(crate) async fn shed(e: BoxError) -> Problem {
     if e.is::<tower::load_shed::error::Overloaded>() {
         metrics::counter!("boxoffice_http_requests_shed_total").increment(1);
         Problem::overloaded()

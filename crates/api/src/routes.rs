@@ -20,6 +20,10 @@ use serde_json::json;
 use std::time::Instant;
 use uuid::Uuid;
 
+/// Webhook requests in flight per process; more are shed at once with 503 `overloaded` (Stripe
+/// redelivers). Far above Stripe's delivery concurrency, far below `http_max_concurrent_requests`.
+pub const WEBHOOK_MAX_CONCURRENT: usize = 64;
+
 /// The whole API.
 pub fn router(state: AppState) -> Router {
     let limit = state.settings.max_body_bytes;
@@ -39,11 +43,20 @@ pub fn router(state: AppState) -> Router {
     let catalog = Router::new()
         .route("/events/{event_id}/seats", get(seat_map))
         .route_layer(buckets(state.clone(), crate::limits::seats));
+    // A bulkhead for webhook ingress: its bodies are read before the signature can be
+    // checked, so slow senders are bounded here, apart from the process-wide limit, and can
+    // never take every slot (`/healthz` included).
+    let webhooks = Router::new().route("/webhooks/stripe", post(stripe_webhook)).route_layer(
+        tower::ServiceBuilder::new()
+            .layer(axum::error_handling::HandleErrorLayer::new(crate::edge::shed))
+            .load_shed()
+            .concurrency_limit(WEBHOOK_MAX_CONCURRENT),
+    );
     Router::new()
         .merge(queue)
         .merge(purchase)
         .merge(catalog)
-        .route("/webhooks/stripe", post(stripe_webhook))
+        .merge(webhooks)
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))

@@ -828,7 +828,8 @@ impl Config {
                 format!("a test key (sk_test_…/rk_test_…) against {base}: production takes a live key"),
             );
         }
-        if mode == boxoffice_payments::KeyMode::Live && !base.is_empty() && !live_api {
+        let https = base.trim().get(..8).is_some_and(|scheme| scheme.eq_ignore_ascii_case("https://"));
+        if mode == boxoffice_payments::KeyMode::Live && !base.is_empty() && !(live_api && https) {
             push(
                 "stripe_secret_key",
                 Severity::Always,
@@ -1085,14 +1086,16 @@ impl Config {
     }
 }
 
-/// A PEM value as given, or the contents of the file it names. Errors name the setting and
-/// the path, never the contents.
+/// A PEM value as given, or the contents of the file it names. Errors name the setting, never
+/// the value (a path is not echoed either: it may be a pasted key in another encoding).
 fn pem_or_file(value: &str, setting: &str) -> anyhow::Result<String> {
     if value.trim_start().starts_with("-----BEGIN") {
         return Ok(value.to_owned());
     }
-    std::fs::read_to_string(value.trim())
-        .with_context(|| format!("{setting}: reading the key file {:?}", value.trim()))
+    // The value may be a key someone pasted in another encoding: never echo it.
+    std::fs::read_to_string(value.trim()).with_context(|| {
+        format!("{setting}: neither a PEM key nor a readable key file (the value is not shown)")
+    })
 }
 
 #[cfg(test)]
@@ -1251,6 +1254,9 @@ mod tests {
         let r = refusal(&sim);
         assert_eq!(r.keys(), ["stripe_secret_key"]);
         assert!(r.to_string().contains("would be sent to http://127.0.0.1:12111"), "{r}");
+        // Stripe's host without TLS would carry the live key in the clear.
+        let plain = Config { stripe_api_base: "http://api.stripe.com".into(), ..production() };
+        assert_eq!(refusal(&plain).keys(), ["stripe_secret_key"]);
         let dev = Config { env: Environment::Development, ..sim.clone() };
         assert_eq!(refusal(&dev).keys(), ["stripe_secret_key"]);
         let dev_live = Config { env: Environment::Development, ..production() };
@@ -1259,6 +1265,14 @@ mod tests {
         Config { stripe_secret_key: DEV_STRIPE_SECRET_KEY.into(), ..dev }.validate().unwrap();
         // No provider configured: nothing is sent anywhere.
         Config { stripe_api_base: String::new(), ..production() }.validate().unwrap();
+    }
+
+    #[test]
+    fn a_key_that_is_neither_pem_nor_a_file_is_not_echoed() {
+        let pasted = "MC4CAQAwBQYDK2VwBCIEIAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA";
+        let e = pem_or_file(pasted, "admission_private_key").unwrap_err();
+        assert!(!format!("{e:#}").contains(pasted), "{e:#}");
+        assert!(format!("{e:#}").contains("admission_private_key"));
     }
 
     #[test]

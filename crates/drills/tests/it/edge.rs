@@ -191,6 +191,36 @@ async fn edge_sheds_beyond_the_concurrency_limit_and_times_out_stalled_bodies(
     .await;
 }
 
+/// Webhook bodies are read before their signature can be checked, so slow unauthenticated
+/// senders are bounded by the webhook route's own bulkhead: more stalled webhook requests than
+/// it admits are shed at once, and `/healthz` keeps its share of the process-wide limit.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn stalled_webhook_bodies_cannot_take_every_request_slot(_: PgPoolOptions, opts: PgConnectOptions) {
+    let bulkhead = boxoffice_api::routes::WEBHOOK_MAX_CONCURRENT;
+    let app = api_only(opts, |c| {
+        c.http_max_concurrent_requests = bulkhead + 8;
+        c.http_request_body_timeout_ms = 10_000;
+        c.http_request_timeout_ms = 15_000;
+    })
+    .await;
+    let mut stalled = Vec::new();
+    for _ in 0..bulkhead + 16 {
+        let mut s = TcpStream::connect(addr(&app)).await.unwrap();
+        s.write_all(
+            b"POST /webhooks/stripe HTTP/1.1\r\nHost: x\r\nStripe-Signature: t=1,v1=00\r\nContent-Length: 1000\r\n\r\n{",
+        )
+        .await
+        .unwrap();
+        stalled.push(s);
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for _ in 0..5 {
+        let r = app.http.get(format!("{}/healthz", app.api)).send().await.unwrap();
+        assert_eq!(r.status(), 200, "the webhook flood took the health check's slot");
+    }
+    drop(stalled);
+}
+
 /// A request still running at the request timeout (its body trickles in, each chunk within
 /// the body-read timeout) is answered 503 `request_timeout` with `Retry-After`.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
