@@ -577,6 +577,11 @@ impl UserTokens {
                 return Err(UserTokenError::LifetimeTooLong { max_s: p.max_lifetime_s });
             }
         }
+        // An empty subject (or the nil UUID) names no account: every such token would be one
+        // shared buyer, with one shared cap.
+        if claims.sub.trim().is_empty() || Uuid::parse_str(&claims.sub).is_ok_and(|u| u.is_nil()) {
+            return Err(UserTokenError::Invalid);
+        }
         Ok(user_id(claims.iss.as_deref(), &claims.sub))
     }
 }

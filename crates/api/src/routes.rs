@@ -275,7 +275,7 @@ async fn render_seat_map(st: &AppState, event: Uuid) -> Result<Option<Bytes>, sq
     request_body(content = String, description = "A Stripe Event, raw JSON", content_type = "application/json"),
     responses(
         (status = 200, description = "Recorded (or a known duplicate)", body = crate::openapi::WebhookAck),
-        (status = 400, description = "`invalid_signature` (missing or not verifying; nothing written) or `unreadable_body`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 400, description = "`invalid_signature` (missing or not verifying; nothing written), `malformed_event` (signed, but not a Stripe event, or naming no usable id; nothing written) or `unreadable_body`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 408, description = "`request_body_timeout`: the body stalled; nothing written", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 413, description = "`body_too_large`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 503, description = "`unavailable` or `fault_injected`: nothing committed; Stripe retries", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
@@ -295,8 +295,13 @@ async fn stripe_webhook(
         chrono::Utc::now().timestamp(),
     )
     .map_err(|e| {
-        metrics::counter!("boxoffice_stripe_webhooks_total", "outcome" => "bad_signature").increment(1);
         tracing::warn!(error = %ErrorChain(&e), "webhook rejected");
+        if let boxoffice_payments::webhook::WebhookError::BadPayload(_) = e {
+            // Signed with our secret, yet not a Stripe Event: the sender holds the secret.
+            metrics::counter!("boxoffice_stripe_webhooks_total", "outcome" => "malformed_event").increment(1);
+            return Problem::bad_request("malformed_event", "the signed body is not a Stripe event");
+        }
+        metrics::counter!("boxoffice_stripe_webhooks_total", "outcome" => "bad_signature").increment(1);
         Problem::bad_request("invalid_signature", "the Stripe-Signature header does not verify")
     })?;
     let outcome = webhooks::ingest(&st.webhook_pool, &event).await?;

@@ -1,5 +1,5 @@
-//! The binary's commands: migrate, serve, seed-venue, audit, reconcile, dlq, topics create
-//! and admission-keygen. Each returns the process exit code or an error with context.
+//! The binary's commands: migrate, serve, seed-venue, audit, reconcile, tickets resell, dlq,
+//! topics create and admission-keygen. Each returns the process exit code or an error with context.
 
 use crate::audit;
 use crate::config::Config;
@@ -226,6 +226,51 @@ pub async fn reconcile(
         print!("{}", reconcile::render(&report));
     }
     Ok(report.exit_code())
+}
+
+/// `boxoffice tickets resell --order O`: an operator's explicit choice to put the seats of the
+/// order's voided tickets back on sale (case C14: never by default). In one transaction: the
+/// store releases them ([`boxoffice_store::tickets::release_for_resale`]) and a
+/// `SeatsReturnedToSale` fact goes to the outbox under the order's correlation id. Refused
+/// (nothing written) while a ticket of the order is valid. Errors: unknown order, database.
+pub async fn resell(pool: &PgPool, order: boxoffice_domain::OrderId) -> anyhow::Result<boxoffice_store::tickets::Resale> {
+    use boxoffice_store::tickets::{self, Resale};
+    let mut tx = pool.begin().await?;
+    let Some((_, correlation)) = boxoffice_store::orders::amount_and_correlation(&mut *tx, order).await? else {
+        anyhow::bail!("no order {}", order.0);
+    };
+    let outcome = tickets::release_for_resale(&mut tx, order).await?;
+    if let Resale::Released(released) = &outcome {
+        let fact = boxoffice_domain::PurchaseEvent::SeatsReturnedToSale {
+            order_id: order,
+            ticket_ids: released.iter().map(|r| r.0).collect(),
+            seat_ids: released.iter().map(|r| r.1 .0).collect(),
+        };
+        boxoffice_store::outbox::insert_all(&mut tx, &[boxoffice_domain::Envelope::new(order, &fact, correlation, None)])
+            .await?;
+    }
+    tx.commit().await?;
+    Ok(outcome)
+}
+
+/// `boxoffice tickets resell`: [`resell`], printed; exit 1 when nothing was released.
+pub async fn tickets_resell(cfg: &Config, order: boxoffice_domain::OrderId) -> anyhow::Result<i32> {
+    use boxoffice_store::tickets::Resale;
+    let pool = boxoffice_store::connect(cfg.pg_options()?, 1, cfg.db_acquire_timeout_ms).await?;
+    Ok(match resell(&pool, order).await? {
+        Resale::Released(seats) => {
+            println!("order {}: {} seat(s) back on sale", order.0, seats.len());
+            0
+        }
+        Resale::TicketsStillValid => {
+            eprintln!("order {} has valid tickets; nothing released", order.0);
+            1
+        }
+        Resale::Nothing => {
+            eprintln!("order {} has no voided ticket whose seat is still taken", order.0);
+            1
+        }
+    })
 }
 
 /// `boxoffice dlq list`.

@@ -9,7 +9,8 @@
 //! in [`Environment::Production`] (the product binary's default) [`Config::validate`]
 //! refuses a built-in development secret, a secret shorter than its minimum, a test key or
 //! development webhook secret against Stripe's live API, buyer tokens not verified with an
-//! identity provider's keys, and SASL PLAIN in the clear — naming every offending key at
+//! identity provider's keys, the waiting-room bypass `admission_direct`, and SASL PLAIN in
+//! the clear — naming every offending key at
 //! once ([`SecretFindings`]), never a value. In [`Environment::Development`] (the drills and
 //! the tests) the same findings are warnings ([`Config::development_warnings`], logged by
 //! `serve`). A live Stripe key is refused in development, and wherever it would be sent to
@@ -861,6 +862,15 @@ impl Config {
             );
         }
 
+        // The queue bypass: `POST /events/{id}/admission` admits anyone at once.
+        if self.admission_direct {
+            push(
+                "admission_direct",
+                Severity::Development,
+                "serves POST /events/{id}/admission, which admits any buyer without the waiting room".into(),
+            );
+        }
+
         // Kafka.
         if let Some(p) = &self.kafka_sasl_password {
             if p.expose_secret().len() < MIN_KAFKA_PASSWORD_CHARS {
@@ -1168,6 +1178,8 @@ mod tests {
             assert!(msg.contains(stated), "{stated}: {msg}");
         }
         production().validate().unwrap();
+        let bypass = Config { admission_direct: true, ..production() };
+        assert_eq!(refusal(&bypass).keys(), ["admission_direct"], "the queue bypass is development only");
     }
 
     #[test]

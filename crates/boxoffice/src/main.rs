@@ -116,6 +116,11 @@ enum Command {
         #[arg(long, default_value = ".")]
         out: std::path::PathBuf,
     },
+    /// Tickets: put a voided ticket's seats back on sale.
+    Tickets {
+        #[command(subcommand)]
+        action: TicketsAction,
+    },
     /// Dead letters: list them, or re-inject them into their source topic after a fix.
     Dlq {
         #[command(subcommand)]
@@ -125,6 +130,18 @@ enum Command {
     Topics {
         #[command(subcommand)]
         action: TopicsAction,
+    },
+}
+
+#[derive(Subcommand)]
+enum TicketsAction {
+    /// Put the seats of an order's voided tickets (full refund, lost dispute) back on sale; the
+    /// tickets stay void. Refused while a ticket of the order is valid. Exit 1 when nothing was
+    /// released.
+    Resell {
+        /// The order.
+        #[arg(long)]
+        order: uuid::Uuid,
     },
 }
 
@@ -286,6 +303,9 @@ async fn main() {
         }
         Command::Reconcile { since, until, fix, json } => {
             commands::reconcile(&cfg, &since, until.as_deref(), fix, json).await
+        }
+        Command::Tickets { action: TicketsAction::Resell { order } } => {
+            commands::tickets_resell(&cfg, boxoffice_domain::OrderId(order)).await
         }
         Command::Topics { action: TopicsAction::Create } => commands::topics_create(&cfg).await.map(|_| 0),
         Command::Dlq { action: DlqAction::List { json } } => commands::dlq_list(&cfg, json).await.map(|_| 0),

@@ -135,6 +135,14 @@ pub enum DriftKind {
     /// valid), whatever the ledger's refunded amount says (case C14). Closed by
     /// `PaymentRefunded`, which voids the tickets.
     TicketsValidAfterRefund,
+    /// The provider's latest dispute of the charge is not the one, or not in the status, the
+    /// ledger mirrors (a `charge.dispute.*` webhook was lost, or refuted before the dispute
+    /// existed). Closed by `PaymentDisputed` with the provider's dispute and status, which
+    /// flags, voids or restores the tickets as a webhook would have.
+    DisputeNotInLedger,
+    /// The ledger mirrors a lost dispute and the order is still `ticketed` (its tickets
+    /// valid). Closed by `PaymentDisputed` (lost), which refunds the order and voids them.
+    TicketsValidAfterDisputeLost,
     /// The ledger records something the provider does not: a different amount, more
     /// captured or refunded, or a later status. No fact closes it.
     LedgerDisagrees,
@@ -142,7 +150,7 @@ pub enum DriftKind {
 
 impl DriftKind {
     /// Every kind, in report order.
-    pub const ALL: [DriftKind; 9] = [
+    pub const ALL: [DriftKind; 11] = [
         DriftKind::IntentMissingInLedger,
         DriftKind::UnconfirmedIntentMissingInLedger,
         DriftKind::PaymentMissingAtProvider,
@@ -151,6 +159,8 @@ impl DriftKind {
         DriftKind::CancelNotInLedger,
         DriftKind::RefundNotInLedger,
         DriftKind::TicketsValidAfterRefund,
+        DriftKind::DisputeNotInLedger,
+        DriftKind::TicketsValidAfterDisputeLost,
         DriftKind::LedgerDisagrees,
     ];
 
@@ -171,6 +181,8 @@ impl DriftKind {
             DriftKind::CancelNotInLedger => "cancel_not_in_ledger",
             DriftKind::RefundNotInLedger => "refund_not_in_ledger",
             DriftKind::TicketsValidAfterRefund => "tickets_valid_after_refund",
+            DriftKind::DisputeNotInLedger => "dispute_not_in_ledger",
+            DriftKind::TicketsValidAfterDisputeLost => "tickets_valid_after_dispute_lost",
             DriftKind::LedgerDisagrees => "ledger_disagrees_with_provider",
         }
     }
@@ -231,6 +243,7 @@ impl Drift {
             PurchaseEvent::PaymentCaptured { .. } => "PaymentCaptured",
             PurchaseEvent::PaymentCanceled { .. } => "PaymentCanceled",
             PurchaseEvent::PaymentRefunded { .. } => "PaymentRefunded",
+            PurchaseEvent::PaymentDisputed { .. } => "PaymentDisputed",
             _ => "other",
         })
     }
@@ -373,10 +386,61 @@ pub fn compare(p: Option<&IntentWithCharge>, l: Option<&LedgerPayment>) -> Vec<D
         // Not authorized yet at the provider: the ledger must not be further along.
         _ => disagrees |= !pending(&row.status) || row.amount_refunded_minor > 0,
     }
+    if let (Some(dispute_id), Some("lost"), OrderStatus::Ticketed) =
+        (row.dispute_id.as_deref(), row.dispute_status.as_deref(), l.order_status)
+    {
+        out.push(drift(
+            DriftKind::TicketsValidAfterDisputeLost,
+            Some(PurchaseEvent::PaymentDisputed {
+                order_id: order,
+                payment_intent_id: pi.id.clone(),
+                dispute_id: dispute_id.to_owned(),
+                status: "lost".into(),
+            }),
+        ));
+    }
     if disagrees {
         out.push(drift(DriftKind::LedgerDisagrees, None));
     }
     out
+}
+
+/// Whether the provider's dispute status is final (`won`, `lost`, or an inquiry closed
+/// without a dispute): the ledger's mirror of a final status needs no re-check.
+fn dispute_is_final(status: &str) -> bool {
+    matches!(status, "won" | "lost" | "warning_closed")
+}
+
+/// Compares the provider's newest dispute of a PaymentIntent with the ledger's mirror:
+/// a dispute the ledger does not know, or knows in another status, is drift closed by
+/// `PaymentDisputed` with the provider's word. `None` when they agree (or the provider has
+/// no dispute).
+pub fn compare_dispute(newest: Option<&boxoffice_payments::Dispute>, l: &LedgerPayment) -> Option<Drift> {
+    let d = newest?;
+    let row = &l.payment;
+    if row.dispute_id.as_deref() == Some(d.id.as_str()) && row.dispute_status.as_deref() == Some(d.status.as_str()) {
+        return None;
+    }
+    Some(Drift {
+        payment_intent_id: row.payment_intent_id.clone(),
+        order_id: Some(row.order_id),
+        kind: DriftKind::DisputeNotInLedger,
+        provider: None,
+        ledger: Some(LedgerSide {
+            status: row.status.clone(),
+            amount_minor: row.amount_minor,
+            amount_captured_minor: row.amount_captured_minor,
+            amount_refunded_minor: row.amount_refunded_minor,
+            order_status: l.order_status,
+        }),
+        fact: Some(PurchaseEvent::PaymentDisputed {
+            order_id: OrderId(row.order_id),
+            payment_intent_id: row.payment_intent_id.clone(),
+            dispute_id: d.id.clone(),
+            status: d.status.clone(),
+        }),
+        fixed: false,
+    })
 }
 
 /// One snapshot of both sides over a window.
@@ -479,6 +543,33 @@ pub async fn scan(
     let mut drift = Vec::new();
     for i in &intents {
         drift.extend(compare(Some(i), ledger_rows.get(&i.intent.id)));
+    }
+    // Disputes: the charge says it was disputed, or the ledger mirrors a dispute that has not
+    // closed yet. Either way the provider's newest dispute is the word to compare with.
+    let disputed: Vec<&LedgerPayment> = intents
+        .iter()
+        .filter_map(|i| ledger_rows.get(&i.intent.id).map(|l| (i, l)))
+        .filter(|(i, l)| {
+            i.charge.as_ref().is_some_and(|c| c.disputed)
+                || l.payment.dispute_status.as_deref().is_some_and(|s| !dispute_is_final(s))
+        })
+        .map(|(_, l)| l)
+        .collect();
+    let newest = futures::stream::iter(disputed.iter().map(|l| {
+        let id = l.payment.payment_intent_id.clone();
+        async move {
+            stripe
+                .list_disputes_of(&id)
+                .await
+                .map(|ds| ds.into_iter().next())
+                .with_context(|| format!("listing the disputes of {id}"))
+        }
+    }))
+    .buffered(RETRIEVE_CONCURRENCY)
+    .collect::<Vec<_>>()
+    .await;
+    for (l, d) in disputed.into_iter().zip(newest) {
+        drift.extend(compare_dispute(d?.as_ref(), l));
     }
     for id in &missing_at_provider {
         drift.extend(compare(None, ledger_rows.get(id)));
@@ -682,6 +773,7 @@ mod tests {
             payment_method_details: Some(PaymentMethodDetails {
                 card: Some(CardDetails { capture_before: Some(1_700_000_000) }),
             }),
+            disputed: false,
         });
         IntentWithCharge { intent: pi, charge }
     }
@@ -698,6 +790,7 @@ mod tests {
                 amount_refunded_minor: refunded,
                 capture_before: None,
                 last_error_code: None,
+                dispute_id: None,
                 dispute_status: None,
             },
             event_id: Uuid::nil(),
@@ -729,6 +822,39 @@ mod tests {
         refunded.order_status = OrderStatus::Refunded;
         let p = intent("succeeded", 100, 100, Some(100));
         assert!(compare(Some(&p), Some(&refunded)).is_empty(), "a refunded order agrees with its refund");
+    }
+
+    #[test]
+    fn a_lost_dispute_with_valid_tickets_is_drift_and_a_dispute_the_ledger_missed_too() {
+        let p = intent("succeeded", 100, 100, Some(0));
+        let mut lost = row("succeeded", 100, 100, 0);
+        lost.payment.dispute_id = Some("dp_1".into());
+        lost.payment.dispute_status = Some("lost".into());
+        assert_eq!(kinds(Some(&p), Some(&lost)), [(DriftKind::TicketsValidAfterDisputeLost, Some("PaymentDisputed"))]);
+        lost.order_status = OrderStatus::Refunded;
+        assert!(kinds(Some(&p), Some(&lost)).is_empty(), "voided and refunded: settled");
+
+        let dispute = |id: &str, status: &str| boxoffice_payments::Dispute {
+            id: id.into(),
+            status: status.into(),
+            amount: 100,
+            charge: "ch_1".into(),
+            payment_intent: Some("pi_1".into()),
+            reason: None,
+        };
+        let mut open = row("succeeded", 100, 100, 0);
+        assert!(compare_dispute(None, &open).is_none(), "no dispute at the provider");
+        let d = compare_dispute(Some(&dispute("dp_1", "needs_response")), &open).expect("missed dispute");
+        assert_eq!((d.kind, d.fact_name()), (DriftKind::DisputeNotInLedger, Some("PaymentDisputed")));
+        open.payment.dispute_id = Some("dp_1".into());
+        open.payment.dispute_status = Some("needs_response".into());
+        assert!(compare_dispute(Some(&dispute("dp_1", "needs_response")), &open).is_none(), "agree");
+        let d = compare_dispute(Some(&dispute("dp_1", "lost")), &open).expect("missed close");
+        match d.fact {
+            Some(PurchaseEvent::PaymentDisputed { status, .. }) => assert_eq!(status, "lost"),
+            other => panic!("{other:?}"),
+        }
+        assert!(!dispute_is_final("needs_response") && dispute_is_final("lost") && dispute_is_final("won"));
     }
 
     #[test]

@@ -212,6 +212,9 @@ pub enum PurchaseEvent {
     /// Fact: the tickets of an order were voided (its money went back); the seats are not
     /// resold unless an operator chooses to.
     TicketsVoided { order_id: OrderId, ticket_ids: Vec<Uuid>, reason: String },
+    /// Fact: an operator put the seats of an order's voided tickets back on sale
+    /// (`boxoffice tickets resell`); the tickets stay void.
+    SeatsReturnedToSale { order_id: OrderId, ticket_ids: Vec<Uuid>, seat_ids: Vec<Uuid> },
     /// Fact: the hold timed out and its seats were released.
     HoldExpired { order_id: OrderId, hold_id: HoldId },
     /// Command to the payment worker: cancel the uncaptured PaymentIntent (compensation).
@@ -271,6 +274,7 @@ impl PurchaseEvent {
             | TicketIssueRequested { .. }
             | TicketIssued { .. }
             | TicketsVoided { .. }
+            | SeatsReturnedToSale { .. }
             | HoldExpired { .. } => None,
         }
     }
@@ -291,6 +295,7 @@ impl PurchaseEvent {
             | TicketIssueRequested { order_id, .. }
             | TicketIssued { order_id, .. }
             | TicketsVoided { order_id, .. }
+            | SeatsReturnedToSale { order_id, .. }
             | DisputeRefreshRequested { order_id, .. }
             | PaymentDisputed { order_id, .. }
             | HoldExpired { order_id, .. }

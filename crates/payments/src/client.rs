@@ -265,6 +265,19 @@ impl StripeClient {
         .await
     }
 
+    /// The disputes of `payment_intent_id`, newest first (`GET /v1/disputes?payment_intent=…&limit=100`,
+    /// <https://docs.stripe.com/api/disputes/list>). One page: a charge is disputed at most once,
+    /// and an inquiry becomes the dispute itself. For `boxoffice reconcile`.
+    pub async fn list_disputes_of(&self, payment_intent_id: &str) -> Result<Vec<Dispute>, StripeError> {
+        let query = [
+            ("payment_intent".to_owned(), payment_intent_id.to_owned()),
+            ("limit".to_owned(), LIST_PAGE_LIMIT.to_string()),
+        ];
+        let page: crate::types::List<Dispute> =
+            self.send(Method::GET, &["disputes"], Auth::Secret, &query, None, None).await?;
+        Ok(page.data)
+    }
+
     /// Sends one request and decodes a 2xx JSON body as `T`; non-2xx becomes
     /// [`StripeError::Api`]. `path` segments after `/v1` are percent-encoded individually.
     async fn send<T: DeserializeOwned>(

@@ -165,6 +165,9 @@ pub struct Charge {
     /// Card details; carries the authorization's capture deadline.
     #[serde(default)]
     pub payment_method_details: Option<PaymentMethodDetails>,
+    /// Whether the cardholder's bank ever disputed the charge.
+    #[serde(default)]
+    pub disputed: bool,
 }
 
 /// `charge.payment_method_details`, the part we read.

@@ -80,12 +80,12 @@ pub async fn violations(
     let q = |sql: &'static str| sqlx::query_scalar::<_, i64>(sql).bind(event);
     Ok(Violations {
         oversold: q("SELECT
-                (SELECT count(*) FROM (SELECT seat_id FROM tickets WHERE $1::uuid IS NULL OR event_id = $1
+                (SELECT count(*) FROM (SELECT seat_id FROM tickets WHERE seat_released_at IS NULL AND ($1::uuid IS NULL OR event_id = $1)
                                         GROUP BY seat_id HAVING count(*) > 1) d)
               + (SELECT count(DISTINCT t.seat_id) FROM tickets t
                    JOIN hold_seats hs ON hs.seat_id = t.seat_id AND hs.released_at IS NULL
                    JOIN holds h ON h.id = hs.hold_id
-                  WHERE h.order_id <> t.order_id AND ($1::uuid IS NULL OR t.event_id = $1))")
+                  WHERE h.order_id <> t.order_id AND t.seat_released_at IS NULL AND ($1::uuid IS NULL OR t.event_id = $1))")
         .fetch_one(pool)
         .await?,
         double_active_holds: q("SELECT count(*) FROM (

@@ -441,7 +441,7 @@ async fn take_seats_from_lapsed_holds(tx: &mut Tx<'_>, seats: &[SeatId]) -> Resu
                             FROM holds h WHERE h.id = hs.hold_id), false) AS lapsed
            FROM hold_seats hs WHERE hs.seat_id = ANY($1) AND hs.released_at IS NULL
          UNION ALL
-         SELECT t.seat_id, NULL, false FROM tickets t WHERE t.seat_id = ANY($1)",
+         SELECT t.seat_id, NULL, false FROM tickets t WHERE t.seat_id = ANY($1) AND t.seat_released_at IS NULL",
     )
     .bind(&seat_uuids)
     .fetch_all(&mut **tx)

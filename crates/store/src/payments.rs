@@ -37,6 +37,8 @@ pub struct PaymentRow {
     pub capture_before: Option<DateTime<Utc>>,
     /// Stripe's error code of the last failed operation (a decline), when any.
     pub last_error_code: Option<String>,
+    /// The dispute of the charge the ledger mirrors (`dp_…`), when any.
+    pub dispute_id: Option<String>,
     /// The provider's last word on a dispute of the charge (`needs_response`, `won`, `lost`, …).
     pub dispute_status: Option<String>,
 }
@@ -64,7 +66,7 @@ pub struct LedgerPayment {
 const LEDGER_PAYMENT_SELECT: &str =
     "SELECT p.order_id, p.payment_intent_id, p.status, p.amount_minor, p.currency,
         p.amount_captured_minor, p.amount_refunded_minor, p.capture_before, p.last_error_code,
-        p.dispute_status,
+        p.dispute_id, p.dispute_status,
         o.event_id, o.status AS order_status, o.correlation_id, p.created_at,
         COALESCE(p.capture_before < clock_timestamp(), false) AS deadline_passed
    FROM payments p JOIN orders o ON o.id = p.order_id";
@@ -105,7 +107,7 @@ pub async fn get<'e, E: Executor<'e, Database = Postgres>>(
 ) -> Result<Option<PaymentRow>, sqlx::Error> {
     sqlx::query_as(
         "SELECT order_id, payment_intent_id, status, amount_minor, currency, amount_captured_minor,
-                amount_refunded_minor, capture_before, last_error_code, dispute_status
+                amount_refunded_minor, capture_before, last_error_code, dispute_id, dispute_status
            FROM payments WHERE order_id = $1",
     )
     .bind(order.0)

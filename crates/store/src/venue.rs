@@ -338,7 +338,7 @@ pub async fn seat_map(pool: &PgPool, event: EventId) -> Result<Option<Vec<SeatAv
                      WHEN hs.seat_id IS NOT NULL THEN 'held'
                      ELSE 'available' END AS status
            FROM seats s
-           LEFT JOIN tickets t ON t.seat_id = s.id
+           LEFT JOIN tickets t ON t.seat_id = s.id AND t.seat_released_at IS NULL
            LEFT JOIN hold_seats hs ON hs.seat_id = s.id AND hs.released_at IS NULL
           WHERE s.event_id = $1
           ORDER BY s.section, length(s.row_label), s.row_label, s.seat_number",

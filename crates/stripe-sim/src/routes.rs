@@ -40,6 +40,7 @@ pub(crate) fn router(sim: StripeSim) -> Router {
         .route("/v1/charges/{id}", get(retrieve_charge))
         .route("/v1/refunds", post(create_refund))
         .route("/v1/refunds/{id}", get(retrieve_refund))
+        .route("/v1/disputes", get(list_disputes))
         .route("/v1/disputes/{id}", get(retrieve_dispute))
         .route("/_sim/faults", post(set_faults).get(get_faults))
         .route("/_sim/disputes", post(open_dispute))
@@ -132,6 +133,14 @@ async fn retrieve_refund(
     headers: HeaderMap,
 ) -> Response {
     read(&sim, &headers, None, Keys::SecretOnly, |st, _| st.refund_by_id(&id)).await
+}
+
+async fn list_disputes(
+    State(sim): State<StripeSim>,
+    headers: HeaderMap,
+    RawQuery(q): RawQuery,
+) -> Response {
+    read(&sim, &headers, q, Keys::SecretOnly, |st, ctx| st.list_disputes(ctx)).await
 }
 
 async fn retrieve_dispute(

@@ -149,6 +149,8 @@ struct Charge {
     last4: &'static str,
     capture_before: Option<i64>,
     metadata: BTreeMap<String, String>,
+    /// Whether a dispute was ever opened against the charge (Stripe's `disputed`).
+    disputed: bool,
 }
 
 impl Charge {
@@ -169,6 +171,7 @@ impl Charge {
             "amount_refunded": self.amount_refunded,
             "captured": self.captured,
             "created": self.created,
+            "disputed": self.disputed,
             "currency": self.currency,
             "failure_code": self.failure.map(|_| "card_declined"),
             "failure_message": self.failure.map(|(_, m)| m),
@@ -453,6 +456,7 @@ impl State {
             brand: "visa",
             last4: "0002",
             capture_before: None,
+            disputed: false,
             metadata: pi.metadata.clone(),
         };
         pi.latest_charge = Some(charge_id.clone());
@@ -645,7 +649,8 @@ impl State {
             return Err(ApiError::unexpected_state(pi.to_json(), "disputed", pi.status));
         }
         let charge_id = pi.latest_charge.clone().unwrap_or_default();
-        let ch = self.charges.get(&charge_id).ok_or_else(|| ApiError::no_such("charge", &charge_id))?;
+        let ch = self.charges.get_mut(&charge_id).ok_or_else(|| ApiError::no_such("charge", &charge_id))?;
+        ch.disputed = true;
         let d = Dispute {
             id: new_id("dp"),
             amount: ch.amount_captured,
@@ -673,6 +678,27 @@ impl State {
     /// `GET /v1/disputes/{id}`.
     pub fn dispute(&self, id: &str) -> Result<Value, ApiError> {
         self.disputes.get(id).map(Dispute::to_json).ok_or_else(|| ApiError::no_such("dispute", id))
+    }
+
+    /// `GET /v1/disputes`: newest first, filtered by `payment_intent` (and `charge`), at most
+    /// `limit` (1..=100, default 10) (<https://docs.stripe.com/api/disputes/list>).
+    pub fn list_disputes(&self, ctx: &Ctx) -> Result<Value, ApiError> {
+        let p = &ctx.params;
+        p.only(&["payment_intent", "charge", "limit"])?;
+        let limit = p.int("limit")?.unwrap_or(LIST_DEFAULT_LIMIT);
+        if !(1..=LIST_MAX_LIMIT).contains(&limit) {
+            return Err(ApiError::invalid_integer("limit"));
+        }
+        let (pi, charge) = (p.get("payment_intent"), p.get("charge"));
+        let mut matching: Vec<&Dispute> = self
+            .disputes
+            .values()
+            .filter(|d| pi.is_none_or(|x| d.payment_intent == x) && charge.is_none_or(|x| d.charge == x))
+            .collect();
+        matching.sort_by(|a, b| b.created.cmp(&a.created).then_with(|| b.id.cmp(&a.id)));
+        let has_more = matching.len() > limit as usize;
+        let data: Vec<Value> = matching.into_iter().take(limit as usize).map(Dispute::to_json).collect();
+        Ok(json!({ "object": "list", "data": data, "has_more": has_more, "url": "/v1/disputes" }))
     }
 
     /// `GET /v1/payment_intents`: newest first, filtered by `created[gt|gte|lt|lte]`, paged by

@@ -142,6 +142,9 @@ async fn every_bad_token_is_refused_with_its_reason() {
             UserTokenError::NotYetValid,
         ),
         ("no sub", ed(&without("sub")), UserTokenError::Invalid),
+        ("empty sub", ed(&with("sub", json!(""))), UserTokenError::Invalid),
+        ("blank sub", ed(&with("sub", json!("   "))), UserTokenError::Invalid),
+        ("nil sub", ed(&with("sub", json!(Uuid::nil().to_string()))), UserTokenError::Invalid),
         (
             "unknown kid",
             sign(Algorithm::EdDSA, Some("test-ed-9"), &claims(&sub, 0, 600), &ed_key(9)),

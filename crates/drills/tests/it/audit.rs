@@ -528,11 +528,68 @@ async fn c15_a_lost_dispute_voids_the_tickets(_: PgPoolOptions, opts: PgConnectO
     );
     let r = run_audit(&app).await;
     assert_eq!((r.total(), r.exit_code()), (0, 0), "{}", audit::render(&r));
+    // The ledger mirrors the lost dispute but the tickets stayed valid: a violation that
+    // `reconcile --fix` closes. Then the closing webhook never arrived (the ledger still says
+    // `needs_response`): reconcile asks the provider and closes that too.
+    for ledger_dispute_status in ["lost", "needs_response"] {
+        sqlx::query("UPDATE tickets SET voided_at = NULL, void_reason = NULL WHERE order_id = $1")
+            .bind(lost)
+            .execute(&app.pool)
+            .await
+            .unwrap();
+        sqlx::query("UPDATE orders SET status = 'ticketed' WHERE id = $1").bind(lost).execute(&app.pool).await.unwrap();
+        sqlx::query("UPDATE payments SET dispute_status = $2 WHERE order_id = $1")
+            .bind(lost)
+            .bind(ledger_dispute_status)
+            .execute(&app.pool)
+            .await
+            .unwrap();
+        let r = run_audit(&app).await;
+        let kind = if ledger_dispute_status == "lost" {
+            assert_eq!(r.ledger.tickets_valid_after_refund, 1, "{}", audit::render(&r));
+            DriftKind::TicketsValidAfterDisputeLost
+        } else {
+            DriftKind::DisputeNotInLedger
+        };
+        assert_eq!(provider(&r).drift_count(kind), 1, "{}", audit::render(&r));
+        assert_eq!(r.exit_code(), 1);
+        let fixed = run_reconcile(&app, true).await;
+        assert!(fixed.facts_emitted >= 1, "{}", reconcile::render(&fixed));
+        eventually(WAIT, "the saga voided the tickets of the lost dispute", || async { ticket_flags(lost).await.0 })
+            .await;
+        settle(&app).await;
+        assert_eq!(order_status(&app, lost).await, "refunded");
+        let r = run_audit(&app).await;
+        assert_eq!((r.total(), r.exit_code()), (0, 0), "{}", audit::render(&r));
+    }
     // The seat is not back on sale.
     let b = app.buyer();
     let (status, code, _) =
         crate::helpers::problem(app.hold(&b, &app.admission_token(&b), "resale", &[s[0]]).await).await;
     assert_eq!((status, code.as_str()), (409, "seat_unavailable"));
+
+    // Only an operator's explicit choice puts it back on sale; the voided ticket stays.
+    use boxoffice_store::tickets::Resale;
+    match boxoffice::commands::resell(&app.pool, boxoffice_domain::OrderId(lost)).await.unwrap() {
+        Resale::Released(seats) => assert_eq!(seats.len(), 1),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        boxoffice::commands::resell(&app.pool, boxoffice_domain::OrderId(lost)).await.unwrap(),
+        Resale::Nothing,
+        "a second resell changes nothing"
+    );
+    assert_eq!(app.outbox_count("SeatsReturnedToSale", lost).await, 1);
+    let (resold, _) = buy(&app, s[0], "resold").await;
+    settle(&app).await;
+    assert_eq!((order_status(&app, resold).await.as_str(), valid_tickets(&app, resold).await), ("ticketed", 1));
+    assert_eq!(
+        app.count("SELECT count(*) FROM tickets WHERE void_reason = 'dispute_lost' AND seat_released_at IS NOT NULL").await,
+        1,
+        "the voided ticket is kept"
+    );
+    let r = run_audit(&app).await;
+    assert_eq!((r.total(), r.exit_code()), (0, 0), "{}", audit::render(&r));
 
     // The event voids tickets under an open dispute; a won dispute restores them.
     assert!(boxoffice_store::venue::set_dispute_policy(

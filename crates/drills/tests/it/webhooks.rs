@@ -58,7 +58,13 @@ async fn c08_duplicate_webhooks_have_one_effect(_: PgPoolOptions, opts: PgConnec
 
     // A forged signature and a missing one write nothing.
     let forged = boxoffice_payments::webhook::sign(&body, "whsec_not_ours", chrono::Utc::now().timestamp());
-    assert_eq!(problem(send(body.clone(), forged).await.unwrap()).await.0, 400);
+    let (status, code, _) = problem(send(body.clone(), forged).await.unwrap()).await;
+    assert_eq!((status, code.as_str()), (400, "invalid_signature"));
+    // Signed with our secret, but not a Stripe event: malformed, not a bad signature.
+    let junk = b"{\"not\": \"an event\"}".to_vec();
+    let sig = boxoffice_payments::webhook::sign(&junk, &secret, chrono::Utc::now().timestamp());
+    let (status, code, _) = problem(send(junk, sig).await.unwrap()).await;
+    assert_eq!((status, code.as_str()), (400, "malformed_event"));
     assert_eq!(problem(app.http.post(&url).body(body.clone()).send().await.unwrap()).await.0, 400);
     let mut tampered = body.clone();
     let pos = tampered.iter().position(|c| *c == b'8').unwrap();
