@@ -335,7 +335,7 @@ mod tests {
         assert_eq!(EventKind::of(&env.event_type), Some(ev.kind()));
         assert_eq!(ev.kind().as_str(), "HoldExpired");
         assert_eq!(EventKind::of("SomethingNew"), None);
-        assert_eq!(EventKind::VARIANTS.len(), 20);
+        assert_eq!(EventKind::VARIANTS.len(), 21);
     }
 
     #[test]
