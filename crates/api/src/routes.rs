@@ -173,7 +173,7 @@ async fn create_hold(
         seat_ids: body.seat_ids,
         idempotency_key: key.0,
         correlation_id,
-        ttl: st.settings.hold_ttl,
+        ttl: st.settings.hold_policy.ttl,
     };
     let outcome = holds::reserve(&st.pool, &req).await;
     let label = match &outcome {
@@ -304,7 +304,7 @@ async fn stripe_webhook(
         metrics::counter!("boxoffice_stripe_webhooks_total", "outcome" => "bad_signature").increment(1);
         Problem::bad_request("invalid_signature", "the Stripe-Signature header does not verify")
     })?;
-    let outcome = webhooks::ingest(&st.webhook_pool, &event).await?;
+    let outcome = webhooks::ingest(&st.webhook_pool, &event, &st.settings.hold_policy).await?;
     Ok(Json(crate::openapi::WebhookAck {
         received: true,
         duplicate: outcome == webhooks::Ingested::Duplicate,

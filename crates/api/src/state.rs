@@ -23,8 +23,9 @@ use uuid::Uuid;
 /// API tuning.
 #[derive(Debug, Clone)]
 pub struct ApiSettings {
-    /// Hold time to live.
-    pub hold_ttl: Duration,
+    /// The hold's lifetime rules: its TTL, and how long an authorization reported by a webhook
+    /// protects it ([`boxoffice_domain::hold`]).
+    pub hold_policy: boxoffice_domain::HoldPolicy,
     /// Admission token lifetime (the admission slot), seconds.
     pub admission_ttl_s: i64,
     /// How long a rendered seat map may be served, ms.
@@ -53,7 +54,7 @@ pub struct ApiSettings {
 impl Default for ApiSettings {
     fn default() -> Self {
         Self {
-            hold_ttl: Duration::from_secs(300),
+            hold_policy: boxoffice_domain::HoldPolicy::for_ttl(Duration::from_secs(300)),
             admission_ttl_s: 900,
             seat_map_max_age_ms: 1_000,
             webhook_secret: SecretString::default(),

@@ -7,7 +7,8 @@
 //!
 //! A webhook is a claim, not the truth (Stripe delivers at least once, late and in any order,
 //! and whoever holds the signing secret can sign anything), so no webhook moves an order, a
-//! hold or a payment row by itself (case C16):
+//! hold's status or a payment row by itself (case C16); the most one does is delay a live
+//! hold's lapse until the re-fetch has spoken (below):
 //! - **known**: a claim the ledger already records (a redelivered authorization after the
 //!   saga confirmed, a capture the payment worker recorded from its own call) is recorded and
 //!   has nothing left to do;
@@ -20,6 +21,10 @@
 //!   kept as pending and re-derived from Stripe once the payment row exists;
 //! - **disputes**: `charge.dispute.created` / `.closed` lead to a `DisputeRefreshRequested`
 //!   (the payment worker retrieves the dispute) unless the ledger records its status already;
+//! - **an authorization in time**: an authorization claim for the order's current
+//!   PaymentIntent that agrees with the ledger protects the order's live hold in the same
+//!   transaction (`holds::protect_authorized`, case C19), so neither the re-fetch's lag nor
+//!   the saga's costs the buyer the seats; a refuting re-fetch clears the protection;
 //! - **stale**: an event for a PaymentIntent that is not the order's current one is recorded
 //!   and ignored — except an authorization, which is checked the same way and then cancelled
 //!   by the saga (nobody may keep a buyer's funds reserved for nothing).
@@ -30,10 +35,14 @@
 use boxoffice_domain::PaymentIntentStatus;
 use boxoffice_domain::{Envelope, OrderId, PurchaseEvent};
 use boxoffice_payments::webhook::Event;
-use boxoffice_store::{orders, outbox, payments, stripe_events};
+use boxoffice_domain::HoldPolicy;
+use boxoffice_store::{holds, orders, outbox, payments, stripe_events};
 use serde_json::Value;
 use sqlx::PgPool;
 use uuid::Uuid;
+
+/// The event type by which Stripe reports an authorization (manual capture).
+const AUTHORIZATION: &str = "payment_intent.amount_capturable_updated";
 
 /// The event types this endpoint subscribes to (Stripe's `enabled_events`); anything else
 /// that arrives is recorded and acknowledged.
@@ -100,14 +109,14 @@ fn well_formed(s: &str) -> bool {
 
 /// Records a signature-checked Stripe event and what it leads to (nothing, a re-fetch, or
 /// pending) in one transaction.
-pub async fn ingest(pool: &PgPool, event: &Event) -> Result<Ingested, IngestError> {
-    let outcome = ingest_tx(pool, event).await?;
+pub async fn ingest(pool: &PgPool, event: &Event, policy: &HoldPolicy) -> Result<Ingested, IngestError> {
+    let outcome = ingest_tx(pool, event, policy).await?;
     boxoffice_faults::check("webhook.after_commit")?;
     metrics::counter!("boxoffice_stripe_webhooks_total", "outcome" => outcome.label()).increment(1);
     Ok(outcome)
 }
 
-async fn ingest_tx(pool: &PgPool, event: &Event) -> Result<Ingested, IngestError> {
+async fn ingest_tx(pool: &PgPool, event: &Event, policy: &HoldPolicy) -> Result<Ingested, IngestError> {
     let object = &event.data.object;
     let pi = payment_intent_id(&event.r#type, object);
     if !well_formed(&event.id) || !well_formed(&event.r#type) {
@@ -151,6 +160,13 @@ async fn ingest_tx(pool: &PgPool, event: &Event) -> Result<Ingested, IngestError
                     metrics::counter!("boxoffice_webhook_claims_verified_total", "reason" => reason)
                         .increment(1);
                     outcome = Ingested::Refresh;
+                    let current = local.as_ref().is_some_and(|p| p.payment_intent_id == pi);
+                    if event.r#type == AUTHORIZATION && current && reason == UNVERIFIED_CLAIM {
+                        // Case C19: reported while the hold is live, so our lag (the re-fetch,
+                        // the saga) must not cost the buyer the seats. The re-fetch confirms
+                        // the claim or clears the protection.
+                        holds::protect_authorized(&mut tx, order, policy, None).await?;
+                    }
                     let fact = match dispute_id(&event.r#type, object) {
                         Some(dispute_id) => PurchaseEvent::DisputeRefreshRequested {
                             order_id: order,

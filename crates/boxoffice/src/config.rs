@@ -353,6 +353,12 @@ pub struct Config {
     pub release_threshold_active_holds: f64,
     /// Threshold: how far the oldest active hold is past its expiry, ms.
     pub release_threshold_expiry_delay_ms: f64,
+    /// Threshold: p99 of hold → payable (client secret shown) over the recent holds, ms.
+    pub release_threshold_payable_delay_ms: f64,
+    /// Threshold: age of the oldest authorization reported in time and not yet confirmed, ms.
+    pub release_threshold_authorization_wait_ms: f64,
+    /// Threshold: share of the holds about to lapse unpaid that were never payable (0..=1).
+    pub release_threshold_never_payable_share: f64,
     /// A queue position whose holder has not polled for this long lapses, ms.
     pub waitroom_abandon_after_ms: u64,
     /// Poll interval suggested to queued clients (`poll_after_ms`), ms; keep it well below
@@ -395,6 +401,17 @@ pub struct Config {
     pub http_trust_forwarded_for: Option<bool>,
     /// Hold time to live, ms (default 5 minutes).
     pub hold_ttl_ms: u64,
+    /// The least time a buyer gets to pay between the client secret appearing and the hold's
+    /// expiry, ms: recording the PaymentIntent pushes `expires_at` to at least now + this
+    /// (`boxoffice_domain::hold`, case C19). Default: 90 % of `hold_ttl_ms`.
+    pub payment_window_ms: Option<u64>,
+    /// The latest the payment window may push a hold's expiry, ms after its creation.
+    /// Default: three times `hold_ttl_ms`.
+    pub hold_ceiling_ms: Option<u64>,
+    /// How long an authorization the provider reported while the hold was live keeps the
+    /// hold from lapsing until the saga confirms it, ms at most (also bounded by the capture
+    /// deadline less an hour). Default 30 minutes.
+    pub authorization_settle_ms: u64,
     /// Stripe API base URL: `https://api.stripe.com` in production, the simulator otherwise.
     /// Empty means "no provider configured": `audit` then skips its provider checks and
     /// `reconcile` refuses to run.
@@ -503,6 +520,9 @@ impl Default for Config {
             release_threshold_consumer_lag: 5_000.0,
             release_threshold_active_holds: 50_000.0,
             release_threshold_expiry_delay_ms: 10_000.0,
+            release_threshold_payable_delay_ms: 5_000.0,
+            release_threshold_authorization_wait_ms: 5_000.0,
+            release_threshold_never_payable_share: 0.05,
             waitroom_abandon_after_ms: 30_000,
             waitroom_poll_interval_ms: 2_000,
             waitroom_max_positions_per_user: 2,
@@ -519,6 +539,9 @@ impl Default for Config {
             http_trusted_proxy_hops: 0,
             http_trust_forwarded_for: None,
             hold_ttl_ms: 300_000,
+            payment_window_ms: None,
+            hold_ceiling_ms: None,
+            authorization_settle_ms: 1_800_000,
             stripe_api_base: "https://api.stripe.com".into(),
             stripe_secret_key: DEV_STRIPE_SECRET_KEY.into(),
             stripe_publishable_key: "pk_test_boxoffice_dev".into(),
@@ -565,6 +588,9 @@ impl Config {
     pub fn validate(&self) -> anyhow::Result<()> {
         if self.hold_ttl_ms < 1_000 {
             bail!("hold_ttl_ms must be at least 1000");
+        }
+        if let Err(e) = self.hold_policy().validate() {
+            bail!("payment_window_ms / hold_ceiling_ms / authorization_settle_ms: {e}");
         }
         if self.kafka_partitions < 1 || self.kafka_replication < 1 {
             bail!("kafka_partitions and kafka_replication must be at least 1");
@@ -1007,6 +1033,23 @@ impl Config {
             consumer_lag: self.release_threshold_consumer_lag,
             active_holds: self.release_threshold_active_holds,
             expiry_delay_ms: self.release_threshold_expiry_delay_ms,
+            payable_delay_ms: self.release_threshold_payable_delay_ms,
+            authorization_wait_ms: self.release_threshold_authorization_wait_ms,
+            never_payable_share: self.release_threshold_never_payable_share,
+        }
+    }
+
+    /// The hold's lifetime rules ([`boxoffice_domain::HoldPolicy`]): `hold_ttl_ms`, with the
+    /// payment window, ceiling and settle time configured or derived from it.
+    pub fn hold_policy(&self) -> boxoffice_domain::HoldPolicy {
+        let ttl = std::time::Duration::from_millis(self.hold_ttl_ms);
+        let d = boxoffice_domain::HoldPolicy::for_ttl(ttl);
+        let ms = std::time::Duration::from_millis;
+        boxoffice_domain::HoldPolicy {
+            ttl,
+            payment_window: self.payment_window_ms.map(ms).unwrap_or(d.payment_window),
+            ceiling: self.hold_ceiling_ms.map(ms).unwrap_or(d.ceiling),
+            settle: ms(self.authorization_settle_ms),
         }
     }
 

@@ -196,7 +196,7 @@ pub async fn start(
                     admission_tokens(cfg)?,
                     room.clone(),
                     ApiSettings {
-                        hold_ttl: Duration::from_millis(cfg.hold_ttl_ms),
+                        hold_policy: cfg.hold_policy(),
                         admission_ttl_s: cfg.admission_ttl_s,
                         webhook_secret: cfg.stripe_webhook_secret.clone(),
                         admission_direct: cfg.admission_direct,
@@ -245,7 +245,7 @@ pub async fn start(
                         run_consumers(k, pool.clone(), Arc::new(TicketWorker), p, consumers, lanes, sd)?
                     }
                     _ => {
-                        let worker = Arc::new(PaymentWorker::new(gateway(cfg)?, pool.clone()));
+                        let worker = Arc::new(PaymentWorker::new(gateway(cfg)?, pool.clone(), cfg.hold_policy()));
                         run_consumers(k, pool.clone(), worker, p, consumers, lanes, sd)?
                     }
                 };

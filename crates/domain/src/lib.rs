@@ -1,5 +1,5 @@
 //! boxoffice's pure domain: identifiers, money, the order, hold and PaymentIntent state
-//! machines, the versioned event envelope with every purchase-saga payload, and the saga's
+//! machines, the hold's lifetime rules, the versioned event envelope with every purchase-saga payload, and the saga's
 //! decision table.
 //!
 //! Nothing here performs IO. The state machines encode which transitions are legal so that
@@ -8,12 +8,14 @@
 //! decides what each fact does, and the workers execute it.
 
 pub mod events;
+pub mod hold;
 pub mod ids;
 pub mod money;
 pub mod saga;
 pub mod status;
 
 pub use events::{Envelope, EventKind, PurchaseEvent, Topic};
+pub use hold::HoldPolicy;
 pub use ids::{EventId, HoldId, OrderId, SeatId, UserId};
 pub use money::Money;
 pub use status::{HoldStatus, OrderStatus, PaymentIntentStatus, PaymentUpdate};

@@ -93,6 +93,14 @@ pub struct OnsaleArgs {
     /// No progress bar.
     #[arg(long)]
     pub no_progress: bool,
+    /// Busy processes outside boxoffice for the whole run (a reproducible noisy neighbour,
+    /// each spinning one CPU).
+    #[arg(long, default_value_t = 0)]
+    pub steal_cpu: usize,
+    /// A paying buyer confirms up to this many ms (uniformly) after first seeing the client
+    /// secret.
+    #[arg(long, default_value_t = 0)]
+    pub pay_within_ms: u64,
 }
 
 /// Runs the onsale; returns the exit code (0 when every invariant check is 0).
@@ -191,16 +199,22 @@ pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
 
     // Sample the release controller's R from the API's /metrics while buyers queue.
     let release_samples = Arc::new(std::sync::Mutex::new(Vec::<f64>::new()));
+    let signal_max = Arc::new(std::sync::Mutex::new(std::collections::BTreeMap::<String, f64>::new()));
     let release_sampler = {
-        let (samples, sd, url) =
-            (release_samples.clone(), CancellationToken::new(), format!("{api_url}/metrics"));
+        let (samples, maxima, sd, url) =
+            (release_samples.clone(), signal_max.clone(), CancellationToken::new(), format!("{api_url}/metrics"));
         let h = tokio::spawn({
             let sd = sd.clone();
             async move {
                 let http = reqwest::Client::new();
                 while !sd.is_cancelled() {
-                    if let Some((r, _)) = scrape_release(&http, &url).await {
-                        samples.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(r);
+                    if let Some(m) = scrape_release(&http, &url).await {
+                        samples.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(m.rate);
+                        let mut maxima = maxima.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                        for (s, v) in m.signals {
+                            let e = maxima.entry(s).or_insert(v);
+                            *e = e.max(v);
+                        }
                     }
                     tokio::select! { _ = sd.cancelled() => {}, _ = tokio::time::sleep(Duration::from_secs(1)) => {} }
                 }
@@ -210,6 +224,10 @@ pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
     };
 
     let users = runtime::user_tokens(&cfg);
+    let stealers = boxoffice_harness::noise::CpuStealers::start(args.steal_cpu).context("starting --steal-cpu")?;
+    if !stealers.is_empty() {
+        eprintln!("{} busy process(es) stealing CPU for the whole run", stealers.len());
+    }
     let started = Instant::now();
     // The provider checks cover every PaymentIntent this run can have created.
     let provider_window = boxoffice::reconcile::Window {
@@ -238,6 +256,7 @@ pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
         user_token: Arc::new(move |u| users.issue(boxoffice_domain::UserId(u), 3_600)),
         progress: !args.no_progress,
         arrival_rate: args.arrival_rate,
+        pay_within_ms: args.pay_within_ms,
         admission: if args.direct_admission {
             buyers::AdmissionRoute::Direct
         } else {
@@ -256,6 +275,7 @@ pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
     }
     let drained = drained.done;
     let elapsed = started.elapsed();
+    drop(stealers);
     sampler.1.cancel();
     let _ = sampler.0.await;
     release_sampler.1.cancel();
@@ -264,8 +284,9 @@ pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
         let samples = release_samples.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
         let decreases = scrape_release(&reqwest::Client::new(), &format!("{api_url}/metrics"))
             .await
-            .map(|(_, d)| d)
+            .map(|m| m.decreases)
             .unwrap_or_default();
+        let signal_max = signal_max.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
         (!samples.is_empty()).then(|| {
             json!({
                 "samples": samples.len(),
@@ -273,9 +294,11 @@ pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
                 "max_per_s": samples.iter().copied().fold(0.0, f64::max),
                 "mean_per_s": samples.iter().sum::<f64>() / samples.len() as f64,
                 "decreases": decreases,
+                "signal_max": signal_max,
             })
         })
     };
+    let outcomes = boxoffice_store::outcomes::read(&pool, Some(event), cfg.hold_policy().payment_window).await?;
 
     let audit_opts = boxoffice::audit::AuditOptions {
         stuck_after_ms: 0,
@@ -320,6 +343,21 @@ pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
         "drained": drained,
         "elapsed_s": elapsed.as_secs_f64(),
     });
+    // Whose fault each lost hold was (case C19), and the waits buyers cannot shorten.
+    if let Some(r) = report.as_object_mut() {
+        r.extend([
+            ("expired_abandoned".to_owned(), json!(outcomes.expired_abandoned)),
+            ("expired_declined".to_owned(), json!(outcomes.expired_declined)),
+            ("expired_never_payable".to_owned(), json!(outcomes.expired_never_payable)),
+            ("lost_after_authorization".to_owned(), json!(outcomes.lost_after_authorization)),
+            ("hold_to_payable_p50_ms".to_owned(), json!(outcomes.hold_to_payable_ms.p50)),
+            ("hold_to_payable_p99_ms".to_owned(), json!(outcomes.hold_to_payable_ms.p99)),
+            ("authorization_to_confirmation_p50_ms".to_owned(), json!(outcomes.authorization_to_confirmation_ms.p50)),
+            ("authorization_to_confirmation_p99_ms".to_owned(), json!(outcomes.authorization_to_confirmation_ms.p99)),
+            ("payment_window_ms".to_owned(), json!(cfg.hold_policy().payment_window.as_millis() as u64)),
+            ("steal_cpu".to_owned(), json!(args.steal_cpu)),
+        ]);
+    }
     // Every invariant count by name (null when its check did not run), and which checks ran.
     if let (Some(r), serde_json::Value::Object(counts)) = (report.as_object_mut(), audited.violations_json())
     {
@@ -335,7 +373,9 @@ pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
     if let Some(d) = deployment {
         d.stop().await;
     }
-    Ok(audited.exit_code())
+    // Buyers who lost seats to our lag fail the run like an invariant.
+    let ours = outcomes.expired_never_payable + outcomes.lost_after_authorization;
+    Ok(if ours > 0 { audited.exit_code().max(1) } else { audited.exit_code() })
 }
 
 fn print_report(r: &serde_json::Value, audited: &boxoffice::audit::AuditReport) {
@@ -428,14 +468,38 @@ fn print_report(r: &serde_json::Value, audited: &boxoffice::audit::AuditReport) 
             f("mean_per_s"),
             f("max_per_s")
         );
+        if let Some(m) = c.get("signal_max").and_then(|m| m.as_object()).filter(|m| !m.is_empty()) {
+            let peaks: Vec<String> = m.iter().map(|(k, v)| format!("{k} {}", v.as_f64().unwrap_or(0.0).round())).collect();
+            println!("  release signals, peak      {}", peaks.join(", "));
+        }
     }
+    println!(
+        "  expired holds              abandoned {}  declined {}  never payable {}",
+        g("expired_abandoned"),
+        g("expired_declined"),
+        g("expired_never_payable")
+    );
+    println!("  lost after authorization   {}", g("lost_after_authorization"));
+    println!(
+        "  hold→payable ms            p50 {:.0}  p99 {:.0}  (payment window {} ms)",
+        g("hold_to_payable_p50_ms").as_f64().unwrap_or(0.0),
+        g("hold_to_payable_p99_ms").as_f64().unwrap_or(0.0),
+        g("payment_window_ms")
+    );
+    println!(
+        "  authorization→confirm ms   p50 {:.0}  p99 {:.0}",
+        g("authorization_to_confirmation_p50_ms").as_f64().unwrap_or(0.0),
+        g("authorization_to_confirmation_p99_ms").as_f64().unwrap_or(0.0)
+    );
     println!("  orders by status           {}", g("orders_by_status"));
     print!("{}", boxoffice::audit::render(audited));
+    let ours = g("expired_never_payable").as_i64().unwrap_or(0) + g("lost_after_authorization").as_i64().unwrap_or(0);
     println!(
         "result: {}",
-        match audited.exit_code() {
-            0 => "OK — every invariant holds",
-            1 => "FAILED — invariant violations above",
+        match (audited.exit_code(), ours) {
+            (0, 0) => "OK — every invariant holds, and no buyer lost seats to the system's lag",
+            (0, _) => "FAILED — buyers lost seats to the system's lag (never payable / lost after authorization)",
+            (1, _) => "FAILED — invariant violations above",
             _ => "INCOMPLETE — a check could not run (see above)",
         }
     );
@@ -445,31 +509,45 @@ fn print_report(r: &serde_json::Value, audited: &boxoffice::audit::AuditReport) 
 /// cells) and its decreases by reason (`boxoffice_release_decreases_total`) from a
 /// Prometheus text page; `None` when the page cannot be read or has no R (the controller is
 /// off or not leading in that process).
-async fn scrape_release(
-    http: &reqwest::Client,
-    url: &str,
-) -> Option<(f64, std::collections::BTreeMap<String, f64>)> {
+async fn scrape_release(http: &reqwest::Client, url: &str) -> Option<ReleaseMetrics> {
     let text = http.get(url).timeout(Duration::from_secs(2)).send().await.ok()?.text().await.ok()?;
     parse_release_metrics(&text)
 }
 
-fn parse_release_metrics(text: &str) -> Option<(f64, std::collections::BTreeMap<String, f64>)> {
+/// What the API's `/metrics` says about the release controller.
+#[derive(Debug, Default, PartialEq)]
+struct ReleaseMetrics {
+    /// R, summed over cells.
+    rate: f64,
+    /// Decreases by reason, since start.
+    decreases: std::collections::BTreeMap<String, f64>,
+    /// The latest reading of each signal (`boxoffice_release_signal{signal}`, max over cells).
+    signals: std::collections::BTreeMap<String, f64>,
+}
+
+fn label<'a>(series: &'a str, name: &str) -> Option<&'a str> {
+    series.split_once(&format!("{name}=\"")).and_then(|(_, rest)| rest.split_once('"')).map(|(v, _)| v)
+}
+
+fn parse_release_metrics(text: &str) -> Option<ReleaseMetrics> {
     let mut rate = None;
-    let mut decreases = std::collections::BTreeMap::new();
+    let mut m = ReleaseMetrics::default();
     for line in text.lines().filter(|l| !l.starts_with('#')) {
         let Some((series, value)) = line.rsplit_once(' ') else { continue };
         let Ok(value) = value.parse::<f64>() else { continue };
         if series == "boxoffice_release_rate_per_s" || series.starts_with("boxoffice_release_rate_per_s{") {
             *rate.get_or_insert(0.0) += value;
         } else if series.starts_with("boxoffice_release_decreases_total{") {
-            let reason = series
-                .split_once("reason=\"")
-                .and_then(|(_, rest)| rest.split_once('"'))
-                .map_or("unknown", |(r, _)| r);
-            *decreases.entry(reason.to_owned()).or_insert(0.0) += value;
+            let reason = label(series, "reason").unwrap_or("unknown");
+            *m.decreases.entry(reason.to_owned()).or_insert(0.0) += value;
+        } else if series.starts_with("boxoffice_release_signal{") {
+            if let Some(s) = label(series, "signal") {
+                let e = m.signals.entry(s.to_owned()).or_insert(value);
+                *e = e.max(value);
+            }
         }
     }
-    rate.map(|r| (r, decreases))
+    rate.map(|r| ReleaseMetrics { rate: r, ..m })
 }
 
 #[cfg(test)]
@@ -481,11 +559,13 @@ mod tests {
             boxoffice_release_decreases_total{cell=\"cell-1\",reason=\"outbox_age_ms\",cause=\"over_threshold\"} 3\n\
             boxoffice_release_decreases_total{cell=\"cell-1\",reason=\"outbox_age_ms\",cause=\"probe_failed\"} 1\n\
             boxoffice_release_decreases_total{cell=\"cell-1\",reason=\"lock_waits\",cause=\"over_threshold\"} 2\n\
+            boxoffice_release_signal{cell=\"cell-1\",signal=\"payable_delay_ms\"} 812.5\n\
             boxoffice_release_rate_per_s_other 9\n";
-        let (r, d) = super::parse_release_metrics(page).unwrap();
-        assert_eq!(r, 42.5);
-        assert_eq!(d.get("outbox_age_ms"), Some(&4.0));
-        assert_eq!(d.get("lock_waits"), Some(&2.0));
+        let m = super::parse_release_metrics(page).unwrap();
+        assert_eq!(m.rate, 42.5);
+        assert_eq!(m.decreases.get("outbox_age_ms"), Some(&4.0));
+        assert_eq!(m.decreases.get("lock_waits"), Some(&2.0));
+        assert_eq!(m.signals.get("payable_delay_ms"), Some(&812.5));
         assert!(super::parse_release_metrics("boxoffice_other 1\n").is_none());
     }
 }

@@ -77,6 +77,9 @@ pub struct BuyerConfig {
     pub arrival_rate: f64,
     /// How buyers get their admission token.
     pub admission: AdmissionRoute,
+    /// A paying buyer confirms a uniformly random 0..=this many ms after first seeing the
+    /// client secret (typing card details; 0 = at once).
+    pub pay_within_ms: u64,
 }
 
 /// How a buyer gets its admission token.
@@ -115,6 +118,7 @@ impl BuyerConfig {
             progress: false,
             arrival_rate: 0.0,
             admission: AdmissionRoute::Direct,
+            pay_within_ms: 0,
         }
     }
 
@@ -697,6 +701,10 @@ impl Buyer {
         let (Some(pi), Some(secret)) = (view.payment_intent_id, view.client_secret) else {
             return; // final before payment was possible (e.g. expired)
         };
+        if ctx.cfg.pay_within_ms > 0 {
+            let think = Duration::from_millis(self.rng.gen_range(0..=ctx.cfg.pay_within_ms));
+            tokio::time::sleep(think).await;
+        }
         let key = format!("confirm:{order_id}");
         let build = || {
             client::confirm_payment(

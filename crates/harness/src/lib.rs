@@ -9,6 +9,7 @@
 //!   counts), with [`queue`] for their waiting-room phase and [`seatpick`] for picking
 //!   adjacent seats off the seat map.
 //! - [`drain`]: waiting until every order is final and the outbox empty.
+//! - [`noise`]: a reproducible noisy neighbour (busy processes for `--steal-cpu`).
 //! - [`stats`]: latency histograms and percentiles.
 //!
 //! It drives the product through its public surfaces (HTTP, the runtime, the store's
@@ -21,6 +22,7 @@ pub mod buyers;
 pub mod client;
 pub mod deploy;
 pub mod drain;
+pub mod noise;
 pub mod queue;
 pub mod seatpick;
 pub mod stats;

@@ -7,11 +7,17 @@
 //! unreleased row whatever path wrote it. Invariant 3 (HTTP idempotency) is the
 //! `idempotency_keys` row claimed at the start of the same transaction; a failed hold rolls
 //! the claim back, so only successful holds are remembered.
+//!
+//! A hold's lifetime follows [`boxoffice_domain::hold`] (case C19): [`open_payment_window`]
+//! pushes `expires_at` when the order becomes payable, [`protect_authorized`] keeps a hold
+//! whose authorization was reported in time until the saga settles it, and every test of
+//! "lapsed" here reads both (`GREATEST(expires_at, authorized_until)`, [`LAPSED`]).
 
 use crate::error::constraint;
 use crate::{outbox, StoreError, Tx};
 use boxoffice_domain::{
-    saga, Envelope, EventId, HoldId, HoldStatus, OrderId, OrderStatus, PurchaseEvent, SeatId, UserId,
+    saga, Envelope, EventId, HoldId, HoldPolicy, HoldStatus, OrderId, OrderStatus, PurchaseEvent, SeatId,
+    UserId,
 };
 use chrono::{DateTime, Utc};
 use rand::Rng;
@@ -21,6 +27,10 @@ use sqlx::PgPool;
 use std::collections::HashMap;
 use std::time::Duration;
 use uuid::Uuid;
+
+/// The one SQL test of a lapsed hold (on `holds` unqualified): past its expiry and past any
+/// protection of an authorization reported in time (PostgreSQL's `GREATEST` ignores NULL).
+pub const LAPSED: &str = "GREATEST(expires_at, authorized_until) < clock_timestamp()";
 
 /// Fewest and most seats one hold may take (design §5).
 pub const SEATS_PER_HOLD: std::ops::RangeInclusive<usize> = 1..=8;
@@ -437,7 +447,7 @@ async fn take_seats_from_lapsed_holds(tx: &mut Tx<'_>, seats: &[SeatId]) -> Resu
     let seat_uuids: Vec<Uuid> = seats.iter().map(|s| s.0).collect();
     let owners: Vec<(Uuid, Option<Uuid>, bool)> = sqlx::query_as(
         "SELECT hs.seat_id, hs.hold_id,
-                COALESCE((SELECT h.status = 'active' AND h.expires_at < clock_timestamp()
+                COALESCE((SELECT h.status = 'active' AND GREATEST(h.expires_at, h.authorized_until) < clock_timestamp()
                             FROM holds h WHERE h.id = hs.hold_id), false) AS lapsed
            FROM hold_seats hs WHERE hs.seat_id = ANY($1) AND hs.released_at IS NULL
          UNION ALL
@@ -570,7 +580,8 @@ pub struct HoldRow {
     pub status: HoldStatus,
     /// Expiry instant.
     pub expires_at: DateTime<Utc>,
-    /// Whether `expires_at` is in the past by the database clock at lock time.
+    /// Whether the hold is lapsed ([`LAPSED`]: past `expires_at` and any protection of a
+    /// reported authorization) by the database clock at lock time.
     pub lapsed: bool,
 }
 
@@ -588,7 +599,7 @@ pub async fn lock(tx: &mut Tx<'_>, hold: HoldId) -> Result<Option<HoldRow>, sqlx
 async fn lock_where(tx: &mut Tx<'_>, column: &'static str, id: Uuid) -> Result<Option<HoldRow>, sqlx::Error> {
     // `column` is one of two literals above, never input.
     let sql = format!(
-        "SELECT id, order_id, status, expires_at, expires_at <= clock_timestamp() AS lapsed
+        "SELECT id, order_id, status, expires_at, {LAPSED} AS lapsed
            FROM holds WHERE {column} = $1 FOR UPDATE"
     );
     sqlx::query_as(&sql).bind(id).fetch_optional(&mut **tx).await
@@ -609,7 +620,11 @@ pub async fn transition(
     if !from.can_transition_to(to) {
         return Err(crate::IllegalTransition::hold(from, to).into());
     }
-    let r = sqlx::query("UPDATE holds SET status = $2 WHERE id = $1 AND status = $3")
+    let r = sqlx::query(
+        "UPDATE holds SET status = $2,
+                confirmed_at = CASE WHEN $2 = 'confirmed' THEN clock_timestamp() ELSE confirmed_at END
+          WHERE id = $1 AND status = $3",
+    )
         .bind(hold.id)
         .bind(to.as_str())
         .bind(from.as_str())
@@ -711,8 +726,11 @@ pub async fn expire_batch(tx: &mut Tx<'_>, holds: &[(Uuid, Uuid)]) -> Result<Vec
 pub async fn expire_due(pool: &PgPool, limit: i64) -> Result<(usize, i64), StoreError> {
     let mut tx = pool.begin().await?;
     let rows: Vec<(Uuid, Uuid, f64)> = sqlx::query_as(
-        "SELECT id, order_id, (EXTRACT(EPOCH FROM clock_timestamp() - expires_at) * 1000)::float8 FROM holds
+        "SELECT id, order_id,
+                (EXTRACT(EPOCH FROM clock_timestamp() - GREATEST(expires_at, authorized_until)) * 1000)::float8
+           FROM holds
           WHERE status = 'active' AND expires_at < clock_timestamp()
+            AND (authorized_until IS NULL OR authorized_until < clock_timestamp())
           ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED",
     )
     .bind(limit)
@@ -723,6 +741,74 @@ pub async fn expire_due(pool: &PgPool, limit: i64) -> Result<(usize, i64), Store
     expire_batch(&mut tx, &pairs).await?;
     tx.commit().await?;
     Ok((rows.len(), max_delay))
+}
+
+/// Rule 1 of [`boxoffice_domain::hold`]: the order of the hold the caller has locked became
+/// payable now (its PaymentIntent was just recorded). Records `payable_at` (the first time)
+/// and, unless the hold has lapsed, pushes `expires_at` to at least now + the payment window,
+/// within `created_at` + the ceiling. Returns the hold's `expires_at` afterwards (`None`
+/// without a hold). Call it under the hold's row lock ([`lock_for_order`]), once per order.
+pub async fn open_payment_window(
+    tx: &mut Tx<'_>,
+    order: OrderId,
+    policy: &HoldPolicy,
+) -> Result<Option<DateTime<Utc>>, sqlx::Error> {
+    let sql = format!(
+        "UPDATE holds SET payable_at = COALESCE(payable_at, clock_timestamp()),
+                expires_at = CASE WHEN status = 'active' AND NOT {LAPSED}
+                                  THEN GREATEST(expires_at, LEAST(clock_timestamp() + make_interval(secs => $2),
+                                                                  created_at + make_interval(secs => $3)))
+                                  ELSE expires_at END
+          WHERE order_id = $1 RETURNING expires_at"
+    );
+    sqlx::query_scalar(&sql)
+        .bind(order.0)
+        .bind(policy.payment_window.as_secs_f64())
+        .bind(policy.ceiling.as_secs_f64())
+        .fetch_optional(&mut **tx)
+        .await
+}
+
+/// Rule 2 of [`boxoffice_domain::hold`]: the provider reported an authorization of `order`'s
+/// current PaymentIntent now. If the hold is active and not lapsed, it is protected until
+/// now + `policy.settle`, or the capture deadline less [`HoldPolicy::CAPTURE_MARGIN`] when
+/// that is sooner, and the first report time is kept. Returns whether the hold is protected.
+/// Locks the hold row (callers that also lock the order lock the hold first).
+pub async fn protect_authorized(
+    tx: &mut Tx<'_>,
+    order: OrderId,
+    policy: &HoldPolicy,
+    capture_before: Option<DateTime<Utc>>,
+) -> Result<bool, sqlx::Error> {
+    let margin = chrono::Duration::from_std(HoldPolicy::CAPTURE_MARGIN).unwrap_or_default();
+    let bound = capture_before.map(|c| c - margin);
+    let sql = format!(
+        "UPDATE holds SET authorization_reported_at = COALESCE(authorization_reported_at, clock_timestamp()),
+                authorized_until = GREATEST(authorized_until,
+                    LEAST(clock_timestamp() + make_interval(secs => $2), COALESCE($3, 'infinity'::timestamptz)))
+          WHERE order_id = $1 AND status = 'active' AND NOT {LAPSED}"
+    );
+    let r = sqlx::query(&sql)
+        .bind(order.0)
+        .bind(policy.settle.as_secs_f64())
+        .bind(bound)
+        .execute(&mut **tx)
+        .await?;
+    Ok(r.rows_affected() == 1)
+}
+
+/// The provider does not confirm a reported authorization of `order` (it says the
+/// PaymentIntent is not authorized): the protection of [`protect_authorized`] ends, and the
+/// hold lapses by its own `expires_at`. Returns whether a protection was cleared.
+pub async fn clear_protection(tx: &mut Tx<'_>, order: OrderId) -> Result<bool, sqlx::Error> {
+    let r = sqlx::query(
+        "UPDATE holds SET authorized_until = NULL, authorization_reported_at = NULL
+          WHERE order_id = $1 AND status = 'active' AND authorized_until IS NOT NULL",
+    )
+    .bind(order.0)
+    .execute(&mut **tx)
+    .await?;
+    Ok(r.rows_affected() == 1)
 }
 
 /// A confirmed order whose authorization nears Stripe's capture deadline uncaptured (case C09).

@@ -15,6 +15,7 @@ pub mod error;
 pub mod holds;
 pub mod inbox;
 pub mod orders;
+pub mod outcomes;
 pub mod outbox;
 pub mod payments;
 pub mod revocations;

@@ -56,9 +56,52 @@ pub async fn active_holds(c: &mut PgConnection) -> Result<f64, sqlx::Error> {
 /// none).
 pub async fn expiry_delay_ms(c: &mut PgConnection) -> Result<f64, sqlx::Error> {
     sqlx::query_scalar(
-        "SELECT COALESCE(EXTRACT(EPOCH FROM clock_timestamp() - min(expires_at)) * 1000, 0)::float8
-           FROM holds WHERE status = 'active' AND expires_at < clock_timestamp()",
+        "SELECT COALESCE(EXTRACT(EPOCH FROM clock_timestamp() - min(GREATEST(expires_at, authorized_until))) * 1000, 0)::float8
+           FROM holds WHERE status = 'active' AND expires_at < clock_timestamp()
+            AND (authorized_until IS NULL OR authorized_until < clock_timestamp())",
     )
+    .fetch_one(&mut *c)
+    .await
+}
+
+/// p99 over the active holds created in the last `window_s` seconds of the time from hold
+/// to payable (`payable_at`; a hold not payable yet counts its age so far), ms: how long
+/// buyers wait for a client secret right now (0 when none).
+pub async fn payable_delay_p99_ms(c: &mut PgConnection, window_s: f64) -> Result<f64, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT COALESCE(percentile_cont(0.99) WITHIN GROUP (
+                   ORDER BY EXTRACT(EPOCH FROM COALESCE(payable_at, clock_timestamp()) - created_at)), 0)::float8 * 1000
+           FROM holds
+          WHERE status = 'active' AND created_at > clock_timestamp() - make_interval(secs => $1)",
+    )
+    .bind(window_s)
+    .fetch_one(&mut *c)
+    .await
+}
+
+/// How long the oldest authorization reported in time has waited for the saga to confirm
+/// its hold, ms (0 when none): the lag between authorization and confirmation.
+pub async fn authorization_wait_ms(c: &mut PgConnection) -> Result<f64, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT COALESCE(EXTRACT(EPOCH FROM clock_timestamp() - min(authorization_reported_at)) * 1000, 0)::float8
+           FROM holds WHERE status = 'active' AND authorization_reported_at IS NOT NULL",
+    )
+    .fetch_one(&mut *c)
+    .await
+}
+
+/// Of the active holds that lapse within `horizon_s` seconds (or have lapsed) without a
+/// reported authorization, the share never made payable: holds about to expire unpaid that
+/// the buyer could not pay (our lag, not theirs). The denominator is at least 10, so one stray
+/// hold in a quiet period does not read as a crisis. 0–1.
+pub async fn never_payable_share(c: &mut PgConnection, horizon_s: f64) -> Result<f64, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT (count(*) FILTER (WHERE payable_at IS NULL))::float8 / GREATEST(count(*), 10)::float8
+           FROM holds
+          WHERE status = 'active' AND authorized_until IS NULL
+            AND expires_at < clock_timestamp() + make_interval(secs => $1)",
+    )
+    .bind(horizon_s)
     .fetch_one(&mut *c)
     .await
 }

@@ -17,14 +17,22 @@
 //!
 //! Capture is only sent for an order whose hold is confirmed (case C06); a cancel that finds
 //! the money already captured turns into a refund (invariant 6).
+//!
+//! The hold's lifetime rules (case C19, `boxoffice_domain::hold`) are applied here in the
+//! same transaction as what the provider said: recording a new PaymentIntent opens the
+//! buyer's payment window, and a re-fetch that finds the order's current PaymentIntent
+//! authorized protects its live hold until the saga confirms it (one that finds it not
+//! authorized clears a protection a webhook claim set).
 
 use async_trait::async_trait;
 use boxoffice_bus::{Handler, HandlerError};
-use boxoffice_domain::{Envelope, EventKind, HoldStatus, OrderId, OrderStatus, PaymentUpdate, PurchaseEvent};
+use boxoffice_domain::{
+    Envelope, EventKind, HoldPolicy, HoldStatus, OrderId, OrderStatus, PaymentUpdate, PurchaseEvent,
+};
 use boxoffice_payments::{
     CreatePaymentIntent, PaymentGateway, PaymentIntent, PaymentIntentStatus, StripeError,
 };
-use boxoffice_store::{orders, outbox, payments, stripe_events, Tx};
+use boxoffice_store::{holds, orders, outbox, payments, stripe_events, Tx};
 use sqlx::PgPool;
 use std::sync::Arc;
 
@@ -36,13 +44,15 @@ pub const NAME: &str = "payments";
 pub struct PaymentWorker {
     gateway: Arc<dyn PaymentGateway>,
     pool: PgPool,
+    policy: HoldPolicy,
 }
 
 impl PaymentWorker {
     /// A worker calling `gateway`; `pool` is used for read-only pre-checks outside the
-    /// transaction.
-    pub fn new(gateway: Arc<dyn PaymentGateway>, pool: PgPool) -> Self {
-        Self { gateway, pool }
+    /// transaction; `policy` is the hold's lifetime rules it applies when an order becomes
+    /// payable and when the provider reports an authorization (case C19).
+    pub fn new(gateway: Arc<dyn PaymentGateway>, pool: PgPool, policy: HoldPolicy) -> Self {
+        Self { gateway, pool, policy }
     }
 }
 
@@ -278,7 +288,7 @@ impl Handler for PaymentWorker {
                 PurchaseEvent::PaymentAuthorizationRequested { amount_minor, currency, .. },
                 Prepared::Intent(pi),
             ) => {
-                emit.extend(record_created(tx, order_id, &pi, *amount_minor, currency).await?);
+                emit.extend(record_created(tx, order_id, &pi, *amount_minor, currency, &self.policy).await?);
             }
             (
                 PurchaseEvent::CaptureRequested { .. } | PurchaseEvent::AuthorizationCancelRequested { .. },
@@ -317,6 +327,19 @@ impl Handler for PaymentWorker {
                     "PaymentIntent re-fetched");
                 metrics::counter!("boxoffice_payment_intent_refreshes_total").increment(1);
                 let local = payments::get(&mut **tx, order_id).await?;
+                if local.as_ref().is_some_and(|p| p.payment_intent_id == pi.id) {
+                    // Case C19: the provider's word on the order's current PaymentIntent
+                    // decides whether its live hold waits for the saga.
+                    match pi.status {
+                        PaymentIntentStatus::RequiresCapture => {
+                            holds::protect_authorized(tx, order_id, &self.policy, capture_before).await?;
+                        }
+                        PaymentIntentStatus::Succeeded => {}
+                        _ => {
+                            holds::clear_protection(tx, order_id).await?;
+                        }
+                    }
+                }
                 emit.extend(
                     observed_facts(order_id, &pi, amount_refunded_minor, capture_before)
                         .into_iter()
@@ -355,7 +378,11 @@ async fn record_created(
     pi: &PaymentIntent,
     amount_minor: i64,
     currency: &str,
+    policy: &HoldPolicy,
 ) -> Result<Vec<PurchaseEvent>, HandlerError> {
+    // The hold first (the saga's lock order: hold, then order; the payment row's foreign key
+    // share-locks the order).
+    holds::lock_for_order(tx, order_id).await?;
     let inserted = payments::insert_created(
         &mut **tx,
         order_id,
@@ -368,6 +395,8 @@ async fn record_created(
     .await?;
     let mut emit = vec![];
     if inserted {
+        // Case C19: payable from this commit on; the buyer is owed the whole payment window.
+        holds::open_payment_window(tx, order_id, policy).await?;
         emit.push(PurchaseEvent::PaymentIntentCreated {
             order_id,
             payment_intent_id: pi.id.clone(),

@@ -19,7 +19,14 @@
 //! | `outbox_age_ms` | age of the oldest unpublished outbox row | ms |
 //! | `consumer_lag` | max over the purchase topic's partitions and the groups `ticketing-saga`, `ticketing-payments`, `ticketing-tickets` of high-water − committed offset | messages |
 //! | `active_holds` | holds in status `active` | holds |
-//! | `expiry_delay_ms` | how far the oldest active hold is past its `expires_at` | ms |
+//! | `expiry_delay_ms` | how far the oldest lapsed, still active hold is past its end | ms |
+//! | `payable_delay_ms` | p99 over the active holds of the last 30 s of hold → payable (client secret shown); a hold not payable yet counts its age | ms |
+//! | `authorization_wait_ms` | how long the oldest authorization reported in time has waited for its confirmation | ms |
+//! | `never_payable_share` | of the active holds lapsing within 10 s unauthorized, the share never made payable (denominator ≥ 10) | fraction |
+//!
+//! The last three measure the business boundary end to end (case C19): a slow payment
+//! provider, a lagging consumer or a noisy neighbour shows there before buyers lose holds,
+//! so `R` falls while those already admitted are still served.
 //!
 //! **Law** (AIMD with a hold zone; [`next_rate`], pure and unit-tested). With thresholds `T`,
 //! soft fraction `s` (default 0.8), step `a` and factor `b` (0 < b < 1), every tick:
@@ -71,6 +78,13 @@ use std::time::{Duration, Instant};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
+/// How many signals there are.
+pub const SIGNALS: usize = 11;
+/// The window of `payable_delay_ms`: holds created this long ago at most, seconds.
+pub const PAYABLE_WINDOW_S: f64 = 30.0;
+/// The horizon of `never_payable_share`: holds lapsing within this long, seconds.
+pub const NEVER_PAYABLE_HORIZON_S: f64 = 10.0;
+
 /// One input of the control law.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Signal {
@@ -90,11 +104,17 @@ pub enum Signal {
     ActiveHolds,
     /// How far the oldest active hold is past its expiry, ms (the expiry worker's delay).
     ExpiryDelayMs,
+    /// p99 of hold → payable over the recent active holds, ms.
+    PayableDelayMs,
+    /// Age of the oldest authorization reported in time and not yet confirmed, ms.
+    AuthorizationWaitMs,
+    /// Share of the holds about to lapse unpaid that were never payable, 0–1.
+    NeverPayableShare,
 }
 
 impl Signal {
     /// Every signal, in reporting order.
-    pub const ALL: [Signal; 8] = [
+    pub const ALL: [Signal; SIGNALS] = [
         Signal::PgCommitMs,
         Signal::LockWaits,
         Signal::Deadlocks,
@@ -103,6 +123,9 @@ impl Signal {
         Signal::ConsumerLag,
         Signal::ActiveHolds,
         Signal::ExpiryDelayMs,
+        Signal::PayableDelayMs,
+        Signal::AuthorizationWaitMs,
+        Signal::NeverPayableShare,
     ];
 
     /// The name in metrics and logs (`signal` / `reason` label).
@@ -116,6 +139,9 @@ impl Signal {
             Signal::ConsumerLag => "consumer_lag",
             Signal::ActiveHolds => "active_holds",
             Signal::ExpiryDelayMs => "expiry_delay_ms",
+            Signal::PayableDelayMs => "payable_delay_ms",
+            Signal::AuthorizationWaitMs => "authorization_wait_ms",
+            Signal::NeverPayableShare => "never_payable_share",
         }
     }
 
@@ -137,19 +163,19 @@ pub enum Reading {
 
 /// One reading per [`Signal`].
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Signals([Reading; 8]);
+pub struct Signals([Reading; SIGNALS]);
 
 impl Default for Signals {
     /// Every signal [`Reading::Off`].
     fn default() -> Self {
-        Self([Reading::Off; 8])
+        Self([Reading::Off; SIGNALS])
     }
 }
 
 impl Signals {
     /// Every signal healthy at 0.
     pub fn zero() -> Self {
-        Self([Reading::Value(0.0); 8])
+        Self([Reading::Value(0.0); SIGNALS])
     }
 
     /// The reading of `s`.
@@ -188,6 +214,12 @@ pub struct Thresholds {
     pub active_holds: f64,
     /// `expiry_delay_ms`, ms.
     pub expiry_delay_ms: f64,
+    /// `payable_delay_ms`, ms.
+    pub payable_delay_ms: f64,
+    /// `authorization_wait_ms`, ms.
+    pub authorization_wait_ms: f64,
+    /// `never_payable_share`, fraction.
+    pub never_payable_share: f64,
 }
 
 impl Default for Thresholds {
@@ -201,6 +233,9 @@ impl Default for Thresholds {
             consumer_lag: 5_000.0,
             active_holds: 50_000.0,
             expiry_delay_ms: 10_000.0,
+            payable_delay_ms: 5_000.0,
+            authorization_wait_ms: 5_000.0,
+            never_payable_share: 0.05,
         }
     }
 }
@@ -217,6 +252,9 @@ impl Thresholds {
             Signal::ConsumerLag => self.consumer_lag,
             Signal::ActiveHolds => self.active_holds,
             Signal::ExpiryDelayMs => self.expiry_delay_ms,
+            Signal::PayableDelayMs => self.payable_delay_ms,
+            Signal::AuthorizationWaitMs => self.authorization_wait_ms,
+            Signal::NeverPayableShare => self.never_payable_share,
         }
     }
 }
@@ -619,6 +657,9 @@ impl Controller {
         });
         probe!(Signal::ActiveHolds, signals::active_holds(&mut *c));
         probe!(Signal::ExpiryDelayMs, signals::expiry_delay_ms(&mut *c));
+        probe!(Signal::PayableDelayMs, signals::payable_delay_p99_ms(&mut *c, PAYABLE_WINDOW_S));
+        probe!(Signal::AuthorizationWaitMs, signals::authorization_wait_ms(&mut *c));
+        probe!(Signal::NeverPayableShare, signals::never_payable_share(&mut *c, NEVER_PAYABLE_HORIZON_S));
         if let Some(lag) = &self.lag {
             let (lag, t) = (lag.clone(), Duration::from_millis(self.settings.probe_timeout_ms));
             let r = tokio::time::timeout(bound, tokio::task::spawn_blocking(move || lag.read(t))).await;

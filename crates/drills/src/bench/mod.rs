@@ -98,6 +98,10 @@ pub struct BenchArgs {
     /// Kafka bootstrap servers (default: BOXOFFICE_KAFKA_BROKERS, else an embedded broker).
     #[arg(long)]
     pub kafka_brokers: Option<String>,
+    /// Busy processes outside boxoffice for the whole bench (a reproducible noisy neighbour,
+    /// each spinning one CPU; recorded in the report).
+    #[arg(long, default_value_t = 0)]
+    pub steal_cpu: usize,
     /// Short durations and small sizes: a smoke test of the whole bench (numbers meaningless).
     /// Replaces the levels, ramp, durations and sizes given by the other options.
     #[arg(long)]
@@ -256,6 +260,10 @@ pub async fn run_phases(mut cfg: Config, args: &BenchArgs) -> anyhow::Result<rep
         None
     };
     let broker_kind = if embedded.is_some() { "embedded (librdkafka mock cluster)" } else { "external" };
+    let stealers = boxoffice_harness::noise::CpuStealers::start(args.steal_cpu)?;
+    if !stealers.is_empty() {
+        eprintln!("{} busy process(es) stealing CPU for the whole bench", stealers.len());
+    }
     let mut report = report::Report::new(&cfg, args, broker_kind).await;
     let step = |name: &str| eprintln!("== {name}");
     if args.phases.contains(&Phase::P1) {
@@ -274,6 +282,7 @@ pub async fn run_phases(mut cfg: Config, args: &BenchArgs) -> anyhow::Result<rep
         step("P4: relay publish");
         report.p4 = Some(p4::run(&cfg, args, embedded.as_ref()).await?);
     }
+    drop(stealers);
     report.finish(args);
     Ok(report)
 }

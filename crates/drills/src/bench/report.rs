@@ -41,6 +41,8 @@ pub struct Machine {
     pub broker: String,
     /// 1-minute load average at the start (other work on the machine makes numbers pessimistic).
     pub load_average_1m: Option<f64>,
+    /// Busy processes the bench itself ran beside everything (`--steal-cpu`).
+    pub steal_cpu: usize,
 }
 
 /// One row of the summary table.
@@ -120,6 +122,7 @@ impl Report {
                 started_at: chrono::Utc::now().to_rfc3339(),
                 broker: broker.into(),
                 load_average_1m,
+                steal_cpu: args.steal_cpu,
             },
             quick: args.quick,
             p1: None,
@@ -276,13 +279,14 @@ pub fn markdown(r: &Report) -> String {
     let _ = writeln!(s, "# boxoffice bench\n");
     let _ = writeln!(
         s,
-        "{} cores, {}, {}; broker: {}; started {}{}.{}\n",
+        "{} cores, {}, {}; broker: {}; started {}{}{}.{}\n",
         m.cores,
         m.postgres.split(" on ").next().unwrap_or(&m.postgres),
         m.os,
         m.broker,
         m.started_at,
         m.load_average_1m.map(|l| format!(", load average {l:.2} at start")).unwrap_or_default(),
+        if m.steal_cpu > 0 { format!(", {} busy process(es) stealing CPU throughout", m.steal_cpu) } else { String::new() },
         if r.quick { " **--quick: smoke-test durations, the numbers mean nothing.**" } else { "" }
     );
     let _ = writeln!(s, "| Phase | Metric | Target | Measured | Met |\n|---|---|---|---|---|");

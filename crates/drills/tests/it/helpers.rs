@@ -17,6 +17,7 @@ use sqlx::PgPool;
 use std::future::Future;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 /// The product binary, `boxoffice`: cargo builds only this package's binaries for its tests
@@ -53,6 +54,8 @@ pub struct TestApp {
     pub event: Uuid,
     client: BuyerClient,
     deployment: Option<Deployment>,
+    opts: PgConnectOptions,
+    late: Vec<(CancellationToken, runtime::Running)>,
 }
 
 pub struct Buyer {
@@ -111,7 +114,7 @@ impl TestApp {
             deploy::Options {
                 webhook_initial_backoff_ms: Some(20),
                 ready_timeout: Duration::from_secs(30),
-                ..deploy::Options::new(roles, opts)
+                ..deploy::Options::new(roles, opts.clone())
             },
         )
         .await
@@ -127,6 +130,25 @@ impl TestApp {
             sim: deployment.sim.clone().expect("the in-process simulator"),
             event: event.0,
             deployment: Some(deployment),
+            opts,
+            late: Vec::new(),
+        }
+    }
+
+    /// Starts `roles` now, beside the running ones, on the same configuration (a worker that
+    /// was lagging, or down, catches up); [`TestApp::stop`] stops them too.
+    pub async fn start_roles(&mut self, roles: &[Role]) {
+        let sd = CancellationToken::new();
+        let running = runtime::start(&self.cfg, roles, self.opts.clone(), sd.clone()).await.expect("roles start");
+        assert!(running.wait_ready(Duration::from_secs(30)).await, "consumer groups got their partitions");
+        self.late.push((sd, running));
+    }
+
+    /// Stops the roles [`TestApp::start_roles`] started (a worker goes down and lags).
+    pub async fn stop_late_roles(&mut self) {
+        for (sd, running) in self.late.drain(..) {
+            sd.cancel();
+            running.join().await;
         }
     }
 
@@ -137,6 +159,10 @@ impl TestApp {
 
     /// Stops every role and waits for them.
     pub async fn stop(mut self) {
+        for (sd, running) in self.late.drain(..) {
+            sd.cancel();
+            running.join().await;
+        }
         if let Some(d) = self.deployment.take() {
             d.stop().await;
         }

@@ -16,6 +16,7 @@ mod e2e;
 mod edge;
 mod faults;
 mod holds;
+mod lifetime;
 mod limits;
 mod purchase;
 mod release;

@@ -141,7 +141,7 @@ fn reading() -> impl Strategy<Value = Reading> {
 }
 
 fn signals() -> impl Strategy<Value = Signals> {
-    proptest::array::uniform8(reading()).prop_map(Signals)
+    proptest::array::uniform11(reading()).prop_map(Signals)
 }
 
 fn any_limits() -> impl Strategy<Value = Limits> {
@@ -157,7 +157,7 @@ fn any_limits() -> impl Strategy<Value = Limits> {
 }
 
 fn any_thresholds() -> impl Strategy<Value = Thresholds> {
-    proptest::array::uniform8(0.0f64..100_000.0).prop_map(|t| Thresholds {
+    proptest::array::uniform11(0.0f64..100_000.0).prop_map(|t| Thresholds {
         pg_commit_ms: t[0],
         lock_waits: t[1],
         deadlocks: t[2],
@@ -166,6 +166,9 @@ fn any_thresholds() -> impl Strategy<Value = Thresholds> {
         consumer_lag: t[5],
         active_holds: t[6],
         expiry_delay_ms: t[7],
+        payable_delay_ms: t[8],
+        authorization_wait_ms: t[9],
+        never_payable_share: t[10],
     })
 }
 

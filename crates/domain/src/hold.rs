@@ -1,0 +1,85 @@
+//! How long a hold lives (case C19): the one statement of the hold's lifetime rules, which the
+//! store applies in SQL with the database clock and the configuration sets.
+//!
+//! A hold is created with `expires_at = now + ttl`. Two events may move its end later, never
+//! earlier, and never for a hold that has already lapsed:
+//!
+//! 1. **The payment window.** When the order becomes payable (its PaymentIntent is recorded,
+//!    so `GET /orders/{id}` shows the client secret), the buyer is owed at least
+//!    `payment_window`: `expires_at ← max(expires_at, now + payment_window)`, capped at
+//!    `created_at + ceiling`. However far the pipeline lags before the PaymentIntent exists
+//!    (below the ceiling), the buyer who sees a client secret has the whole window to pay.
+//! 2. **An authorization reported in time.** When the provider reports an authorization of
+//!    the order's current PaymentIntent (a webhook, or a re-fetch) while the hold is live,
+//!    the hold is protected until the saga settles it: `authorized_until ← min(now +
+//!    settle, capture_before − margin)`. A hold is lapsed only when both `expires_at` and
+//!    `authorized_until` are past, so neither the expiry worker nor a competing hold takes
+//!    its seats while the saga catches up. A claim the provider refutes clears the
+//!    protection. Invariant 2 is unchanged: the saga confirms only an active hold that has
+//!    not lapsed by this rule, with an authorization it has verified.
+//!
+//! The invariant protected: a buyer the system admitted never loses seats or money to the
+//! system's own lag (design §3, "kind under load").
+
+use std::time::Duration;
+
+/// The lifetime rules of holds; see the module docs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HoldPolicy {
+    /// A new hold's time to live.
+    pub ttl: Duration,
+    /// The least time between the order becoming payable and the hold's expiry.
+    pub payment_window: Duration,
+    /// The latest a payment window may push `expires_at`, counted from the hold's creation
+    /// (≥ `ttl`).
+    pub ceiling: Duration,
+    /// How long an authorization reported in time protects the hold, at most (also bounded
+    /// by the authorization's capture deadline less [`HoldPolicy::CAPTURE_MARGIN`]).
+    pub settle: Duration,
+}
+
+impl HoldPolicy {
+    /// How long before the provider's capture deadline the protection of an authorized hold
+    /// ends (the saga must capture before then; case C09 cancels what it cannot).
+    pub const CAPTURE_MARGIN: Duration = Duration::from_secs(3_600);
+
+    /// The defaults for `ttl`: a payment window of 90 % of it, a ceiling of three TTLs, and
+    /// 30 minutes of protection for an authorization reported in time.
+    pub fn for_ttl(ttl: Duration) -> Self {
+        Self {
+            ttl,
+            payment_window: ttl.mul_f64(0.9),
+            ceiling: ttl * 3,
+            settle: Duration::from_secs(30 * 60),
+        }
+    }
+
+    /// Checks the rules' own consistency: a window and a settle time above zero, and a
+    /// ceiling no shorter than the TTL nor than the window.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.payment_window.is_zero() || self.settle.is_zero() {
+            return Err("payment_window and settle must be above zero".into());
+        }
+        if self.ceiling < self.ttl || self.ceiling < self.payment_window {
+            return Err(format!(
+                "the hold ceiling ({:?}) must be at least the TTL ({:?}) and the payment window ({:?})",
+                self.ceiling, self.ttl, self.payment_window
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_follow_the_ttl_and_are_consistent() {
+        let p = HoldPolicy::for_ttl(Duration::from_secs(60));
+        assert_eq!((p.payment_window, p.ceiling), (Duration::from_secs(54), Duration::from_secs(180)));
+        p.validate().unwrap();
+        assert!(HoldPolicy { ceiling: Duration::from_secs(30), ..p }.validate().is_err());
+        assert!(HoldPolicy { payment_window: Duration::ZERO, ..p }.validate().is_err());
+    }
+}

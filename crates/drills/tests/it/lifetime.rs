@@ -1,0 +1,244 @@
+//! Case C19: the hold's lifetime under our own lag. A buyer who sees a client secret has the
+//! whole payment window whatever the hold's TTL; an authorization the provider reports while
+//! the hold is live survives a saga that lags past the TTL (neither the expiry worker nor a
+//! competing buyer takes the seats); a claim the provider refutes protects nothing. Real
+//! PostgreSQL, broker and simulator; the clock that matters is the database's, awaited.
+
+use crate::helpers::{eventually, problem, TestApp};
+use boxoffice::runtime::Role;
+use boxoffice_store::venue::VenueSpec;
+use secrecy::ExposeSecret;
+use serde_json::json;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use std::time::Duration;
+use uuid::Uuid;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+async fn held(app: &TestApp, b: &crate::helpers::Buyer, seat: Uuid, key: &str) -> Uuid {
+    let r = app.hold(b, &app.admission_token(b), key, &[seat]).await;
+    assert_eq!(r.status(), 202);
+    r.json::<serde_json::Value>().await.unwrap()["order_id"].as_str().unwrap().parse().unwrap()
+}
+
+/// `(status, seconds from payable_at to expires_at, seconds past created_at + ttl now)`.
+async fn hold_times(app: &TestApp, order: Uuid) -> (String, f64, f64) {
+    sqlx::query_as(
+        "SELECT status,
+                EXTRACT(EPOCH FROM expires_at - payable_at)::float8,
+                EXTRACT(EPOCH FROM clock_timestamp() - created_at)::float8 - $2
+           FROM holds WHERE order_id = $1",
+    )
+    .bind(order)
+    .bind(app.cfg.hold_ttl_ms as f64 / 1_000.0)
+    .fetch_one(&app.pool)
+    .await
+    .unwrap()
+}
+
+async fn hold_status(app: &TestApp, order: Uuid) -> String {
+    sqlx::query_scalar("SELECT status FROM holds WHERE order_id = $1").bind(order).fetch_one(&app.pool).await.unwrap()
+}
+
+/// Waits until the database clock is `secs` past the hold's end (its `expires_at` and any
+/// protection), so the expiry worker (every 50 ms here) has had every chance to take it.
+async fn past_hold_end(app: &TestApp, order: Uuid, column: &str, secs: f64) {
+    let pool = app.pool.clone();
+    let sql = format!(
+        "SELECT clock_timestamp() > {column} + make_interval(secs => $2) FROM holds WHERE order_id = $1"
+    );
+    eventually(WAIT, "the database clock passed the hold's end", || {
+        let (pool, sql) = (pool.clone(), sql.clone());
+        async move { sqlx::query_scalar::<_, bool>(&sql).bind(order).bind(secs).fetch_one(&pool).await.unwrap() }
+    })
+    .await;
+}
+
+async fn outcomes(app: &TestApp) -> boxoffice_store::outcomes::Outcomes {
+    boxoffice_store::outcomes::read(&app.pool, Some(app.event), app.cfg.hold_policy().payment_window).await.unwrap()
+}
+
+/// Rule 1: the PaymentIntent recorded pushes the hold's end to at least the payment window
+/// (4 s here, with a 1 s TTL); the buyer pays after the TTL has long passed and is ticketed.
+/// A buyer who walks away still loses the hold, when the window ends.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn c19_the_payment_window_outlives_the_ttl(_: PgPoolOptions, opts: PgConnectOptions) {
+    let app = TestApp::spawn_with(opts, &Role::ALL, VenueSpec::small(1, 1, 4), |c| {
+        c.hold_ttl_ms = 1_000;
+        c.payment_window_ms = Some(4_000);
+        c.hold_ceiling_ms = Some(10_000);
+    })
+    .await;
+    let s = app.seats().await;
+    let (payer, walker) = (app.buyer(), app.buyer());
+    let paid = held(&app, &payer, s[0], "pay").await;
+    let walked = held(&app, &walker, s[1], "walk").await;
+    app.await_order(&payer, paid, WAIT, |v| v.get("client_secret").is_some()).await;
+    app.await_order(&walker, walked, WAIT, |v| v.get("client_secret").is_some()).await;
+    let (status, window_s, _) = hold_times(&app, paid).await;
+    assert_eq!(status, "active");
+    assert!(window_s >= 3.99, "payable with {window_s} s left, the window is 4 s");
+
+    // Well past the TTL (1 s after it), the hold is still the buyer's.
+    past_hold_end(&app, paid, "created_at", 2.0).await;
+    assert_eq!(hold_status(&app, paid).await, "active", "the TTL alone does not end a payable hold");
+    app.pay(&payer, paid, "pm_card_visa").await.expect("authorized");
+    app.await_order(&payer, paid, WAIT, |v| v["status"] == "ticketed").await;
+
+    // The buyer who never pays loses the hold once the window is over.
+    let pool = app.pool.clone();
+    eventually(WAIT, "the abandoned hold expired", || {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, String>("SELECT status FROM holds WHERE order_id = $1")
+                .bind(walked)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+                == "expired"
+        }
+    })
+    .await;
+    let o = outcomes(&app).await;
+    assert_eq!((o.expired_abandoned, o.expired_never_payable, o.lost_after_authorization), (1, 0, 0), "{o:?}");
+    assert_eq!(o.hold_to_payable_ms.count, 2);
+    app.assert_drained_and_clean().await;
+    app.stop().await;
+}
+
+/// Rule 2: the saga goes down once the order is payable, and the buyer pays; the
+/// authorization webhook protects the hold. Long past the hold's `expires_at` the expiry worker (which does expire another,
+/// abandoned hold meanwhile) leaves it alone and a competing buyer gets 409; when the saga
+/// comes back, the order is confirmed and ticketed. Nothing is lost after authorization.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn c19_an_authorization_reported_in_time_survives_a_lagging_saga(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    let mut app = TestApp::spawn_with(
+        opts,
+        &[Role::Api, Role::Relay, Role::Payments, Role::Expiry, Role::Tickets],
+        VenueSpec::small(1, 1, 4),
+        |c| {
+            c.hold_ttl_ms = 1_000;
+            c.payment_window_ms = Some(1_500);
+            c.hold_ceiling_ms = Some(3_000);
+            c.authorization_settle_ms = 120_000;
+        },
+    )
+    .await;
+    app.start_roles(&[Role::Saga]).await;
+    let s = app.seats().await;
+    let (payer, walker, rival) = (app.buyer(), app.buyer(), app.buyer());
+    let paid = held(&app, &payer, s[0], "pay").await;
+    let walked = held(&app, &walker, s[1], "walk").await;
+    app.await_order(&payer, paid, WAIT, |v| v.get("client_secret").is_some()).await;
+    app.await_order(&walker, walked, WAIT, |v| v.get("client_secret").is_some()).await;
+    app.stop_late_roles().await;
+    app.pay(&payer, paid, "pm_card_visa").await.expect("authorized");
+    let pool = app.pool.clone();
+    eventually(WAIT, "the authorization webhook protected the hold", || {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, bool>(
+                "SELECT authorization_reported_at IS NOT NULL AND authorized_until > expires_at FROM holds WHERE order_id = $1",
+            )
+            .bind(paid)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    })
+    .await;
+
+    // The abandoned hold expires (the expiry worker runs); the protected one does not, long
+    // after its own expires_at, and its seat is not for anyone else.
+    eventually(WAIT, "the abandoned hold expired", || {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, String>("SELECT status FROM holds WHERE order_id = $1")
+                .bind(walked)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+                == "expired"
+        }
+    })
+    .await;
+    past_hold_end(&app, paid, "expires_at", 1.0).await;
+    assert_eq!(hold_status(&app, paid).await, "active", "the expiry worker left the authorized hold alone");
+    let (status, code, _) = problem(app.hold(&rival, &app.admission_token(&rival), "rival", &[s[0]]).await).await;
+    assert_eq!((status, code.as_str()), (409, "seat_unavailable"));
+
+    // The saga comes back and settles it.
+    app.start_roles(&[Role::Saga]).await;
+    app.await_order(&payer, paid, WAIT, |v| v["status"] == "ticketed").await;
+    let o = outcomes(&app).await;
+    assert_eq!((o.lost_after_authorization, o.expired_never_payable), (0, 0), "{o:?}");
+    assert_eq!(o.authorization_to_confirmation_ms.count, 1);
+    assert!(o.authorization_to_confirmation_ms.p50.unwrap() >= 1_000.0, "{o:?}: the saga lagged past the TTL");
+    app.assert_drained_and_clean().await;
+    app.stop().await;
+}
+
+/// A signed authorization claim the provider refutes (the PaymentIntent was never paid):
+/// the protection it set is cleared by the re-fetch and the hold ends with its window.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn c19_a_refuted_authorization_claim_protects_nothing(_: PgPoolOptions, opts: PgConnectOptions) {
+    let app = TestApp::spawn_with(opts, &Role::ALL, VenueSpec::small(1, 1, 4), |c| {
+        c.hold_ttl_ms = 1_000;
+        c.payment_window_ms = Some(1_500);
+        c.authorization_settle_ms = 600_000;
+    })
+    .await;
+    let s = app.seats().await;
+    let b = app.buyer();
+    let order = held(&app, &b, s[0], "claim").await;
+    let v = app.await_order(&b, order, WAIT, |v| v.get("client_secret").is_some()).await;
+    let pi = v["payment_intent_id"].as_str().unwrap().to_owned();
+    let amount: i64 = sqlx::query_scalar("SELECT amount_minor FROM orders WHERE id = $1")
+        .bind(order)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    let body = serde_json::to_vec(&json!({
+        "id": "evt_forged_authorization", "object": "event", "type": "payment_intent.amount_capturable_updated",
+        "created": chrono::Utc::now().timestamp(), "livemode": false, "api_version": "2024-06-20",
+        "pending_webhooks": 1, "request": null,
+        "data": {"object": {"id": pi, "object": "payment_intent", "status": "requires_capture", "amount": amount,
+                 "amount_capturable": amount, "amount_received": 0, "currency": "usd", "capture_method": "manual",
+                 "metadata": {"order_id": order.to_string()}}}
+    }))
+    .unwrap();
+    let secret = app.cfg.stripe_webhook_secret.expose_secret().to_owned();
+    let sig = boxoffice_payments::webhook::sign(&body, &secret, chrono::Utc::now().timestamp());
+    let r = app
+        .http
+        .post(format!("{}/webhooks/stripe", app.api))
+        .header("Stripe-Signature", sig)
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let pool = app.pool.clone();
+    eventually(WAIT, "the refuted claim's hold expired", || {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, bool>(
+                "SELECT status = 'expired' AND authorized_until IS NULL FROM holds WHERE order_id = $1",
+            )
+            .bind(order)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    })
+    .await;
+    app.await_order(&b, order, WAIT, |v| v["status"] == "expired").await;
+    let o = outcomes(&app).await;
+    assert_eq!((o.lost_after_authorization, o.expired_abandoned), (0, 1), "{o:?}");
+    app.assert_drained_and_clean().await;
+    app.stop().await;
+}
