@@ -53,17 +53,31 @@ ensure_nextest() {
 }
 
 # PostgreSQL on 127.0.0.1:5432 (trust auth), started if it is installed but stopped.
+# The PostgreSQL port the run will use: from DATABASE_URL (the tests) or
+# BOXOFFICE_DATABASE_URL (the product and the drills), else 5432.
+pg_port() {
+  local url="${DATABASE_URL:-${BOXOFFICE_DATABASE_URL:-}}" p
+  p=$(printf '%s' "$url" | sed -nE 's#^[a-z]+://[^/?]*:([0-9]+)([/?].*)?$#\1#p')
+  echo "${p:-5432}"
+}
+
 ensure_postgres() {
-  if pg_isready -h 127.0.0.1 -p 5432 -q 2>/dev/null; then return; fi
-  log "starting PostgreSQL"
+  local port; port=$(pg_port)
+  if pg_isready -h 127.0.0.1 -p "$port" -q 2>/dev/null; then return; fi
+  log "starting PostgreSQL (port $port)"
   if command -v pg_ctlcluster >/dev/null 2>&1; then
-    local v; v=$(ls /etc/postgresql | sort -V | tail -1)
-    as_root pg_ctlcluster --skip-systemctl-redirect "$v" main start || as_root pg_ctlcluster "$v" main start
+    local cluster
+    cluster=$(pg_lsclusters --no-header 2>/dev/null | awk -v p="$port" '$3 == p { print $1 " " $2; exit }')
+    if [ -z "$cluster" ]; then
+      echo "no PostgreSQL cluster listens on port $port (pg_lsclusters): create one or fix the database URL" >&2; exit 1
+    fi
+    # shellcheck disable=SC2086
+    as_root pg_ctlcluster --skip-systemctl-redirect $cluster start || as_root pg_ctlcluster $cluster start
   else
     echo "PostgreSQL is not installed: install PostgreSQL 15 (trust auth on 127.0.0.1:5432)" >&2; exit 1
   fi
-  for _ in $(seq 1 50); do pg_isready -h 127.0.0.1 -p 5432 -q && return; sleep 0.2; done
-  echo "PostgreSQL did not become ready" >&2; exit 1
+  for _ in $(seq 1 50); do pg_isready -h 127.0.0.1 -p "$port" -q && return; sleep 0.2; done
+  echo "PostgreSQL did not become ready on port $port" >&2; exit 1
 }
 
 # The Kafka-protocol broker used by the integration tests (nisshi, pinned; built once into

@@ -555,7 +555,9 @@ impl UserTokens {
                 v.set_audience(&[aud]);
                 required.push("aud");
             }
-            None => v.validate_aud = false,
+            // RFC 7519 §4.1.3: a token naming audiences must name us; with none configured,
+            // a token that names any audience was meant for someone else.
+            None => v.validate_aud = true,
         }
         v.set_required_spec_claims(&required);
         let claims = decode::<VerifiedClaims>(token, &key, &v)

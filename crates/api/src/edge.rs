@@ -25,8 +25,15 @@
 //! `/healthz` and `/readyz` are served here, behind the same bounds.
 //!
 //! [`client_ip`] decides which address a request is counted against (the per-IP rate
-//! buckets): the socket's peer, or an `X-Forwarded-For` entry when the deployment trusts a
-//! number of proxy hops; [`bucket_key`] groups IPv6 clients by their /64.
+//! buckets and [`PerClientInFlight`]): the socket's peer, or an `X-Forwarded-For` entry when
+//! the deployment trusts a number of proxy hops; [`bucket_key`] groups IPv6 clients by their
+//! /64.
+//!
+//! A rate bucket counts requests as they start, so a client that keeps each request open
+//! (a body trickled byte by byte until the request timeout) would take many slots of the
+//! process-wide limit at a modest rate. [`PerClientInFlight`] bounds the requests one client
+//! address has in flight at once, on each route class it guards (buyer routes, webhook
+//! ingress): one more is 429 `too_many_in_flight` at once, before its body is read.
 //!
 //! Metrics: `boxoffice_http_connections` (open connections), `boxoffice_http_connections_shed_total{how}`
 //! (`answered_503`, `closed`), `boxoffice_http_requests_shed_total` (503 `overloaded`),
@@ -187,6 +194,88 @@ type ConnFuture = std::pin::Pin<Box<dyn std::future::Future<Output = hyper::Resu
 
 fn boxed(f: impl std::future::Future<Output = hyper::Result<()>> + Send + 'static) -> ConnFuture {
     Box::pin(f)
+}
+
+/// At most `max` requests in flight per client address (by [`bucket_key`], from
+/// [`client_ip`]); see the module doc. 0 turns it off. Metrics:
+/// `boxoffice_http_in_flight_refused_total{class}`.
+#[derive(Debug)]
+pub struct PerClientInFlight {
+    class: &'static str,
+    max: usize,
+    trusted_proxy_hops: u32,
+    counts: std::sync::Mutex<std::collections::HashMap<String, usize>>,
+}
+
+/// One request's place in a [`PerClientInFlight`]; dropping it frees the place.
+#[derive(Debug)]
+pub struct InFlightPlace {
+    owner: Arc<PerClientInFlight>,
+    key: String,
+}
+
+impl PerClientInFlight {
+    /// A limit of `max` per client for route class `class` (a metrics label), the client as
+    /// [`client_ip`] finds it with `trusted_proxy_hops`.
+    pub fn new(class: &'static str, max: usize, trusted_proxy_hops: u32) -> Arc<Self> {
+        Arc::new(Self { class, max, trusted_proxy_hops, counts: Default::default() })
+    }
+
+    /// A place for `key`, or `None` when it already has `max` requests in flight.
+    pub fn enter(self: &Arc<Self>, key: String) -> Option<InFlightPlace> {
+        let mut counts = self.counts.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let n = counts.entry(key.clone()).or_insert(0);
+        if *n >= self.max {
+            return None;
+        }
+        *n += 1;
+        Some(InFlightPlace { owner: self.clone(), key })
+    }
+
+    /// Requests `key` has in flight now.
+    pub fn in_flight(&self, key: &str) -> usize {
+        self.counts.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get(key).copied().unwrap_or(0)
+    }
+}
+
+impl Drop for InFlightPlace {
+    fn drop(&mut self) {
+        let mut counts = self.owner.counts.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(n) = counts.get_mut(&self.key) {
+            *n -= 1;
+            if *n == 0 {
+                counts.remove(&self.key);
+            }
+        }
+    }
+}
+
+/// Middleware of a [`PerClientInFlight`] (`axum::middleware::from_fn_with_state`): over the
+/// client's limit → 429 `too_many_in_flight` with `Retry-After`, before the handler reads
+/// anything; a request whose client address is unknown passes.
+pub async fn limit_in_flight(
+    axum::extract::State(limit): axum::extract::State<Arc<PerClientInFlight>>,
+    req: Request<axum::body::Body>,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    if limit.max == 0 {
+        return next.run(req).await;
+    }
+    let peer = req.extensions().get::<ConnectInfo<SocketAddr>>().map(|c| c.0.ip());
+    let Some(ip) = client_ip(peer, req.headers(), limit.trusted_proxy_hops) else {
+        return next.run(req).await;
+    };
+    match limit.enter(bucket_key(ip)) {
+        Some(place) => {
+            let resp = next.run(req).await;
+            drop(place);
+            resp
+        }
+        None => {
+            metrics::counter!("boxoffice_http_in_flight_refused_total", "class" => limit.class).increment(1);
+            Problem::too_many_in_flight(limit.max).into_response()
+        }
+    }
 }
 
 /// The address a request is counted against: the socket's `peer`, or, with

@@ -296,6 +296,20 @@ impl Problem {
         p
     }
 
+    /// 429 `too_many_in_flight`: this client address already has `max` requests in progress
+    /// on this route class ([`crate::edge::PerClientInFlight`]).
+    pub fn too_many_in_flight(max: usize) -> Self {
+        let mut p = Problem::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "too_many_in_flight",
+            "Too many requests in progress",
+            format!("this client already has {max} requests in progress; finish them, then retry"),
+        )
+        .with(json!({ "scope": "ip", "max_in_flight": max }));
+        p.retry_after = Some(1);
+        p
+    }
+
     /// 408 `request_body_timeout`: the request body stalled longer than the edge allows.
     pub fn body_timeout() -> Self {
         Problem::new(

@@ -135,7 +135,7 @@ fn no_store(mut resp: Response) -> Response {
         (status = 403, description = "`sales_not_open`: the event was never scheduled; `sales_closed`: its sales window has closed", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 404, description = "`not_found`: no such event", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 409, description = "`queue_position_limit`: the user holds too many positions across events", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 429, description = "`rate_limited` (per IP or per user, named in `scope`); `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 429, description = "`rate_limited` (per IP or per user, named in `scope`), or `too_many_in_flight` (this client address has `max_in_flight` requests in progress); `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 503, description = "`waitroom_unavailable`: Redis is unreachable; `unavailable`: the database is; `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
     ))]
 pub(crate) async fn join(
@@ -169,7 +169,7 @@ pub(crate) async fn join(
         (status = 400, description = "`invalid_path`: the ticket is not a UUID", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 401, description = "`unauthenticated`: no or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 404, description = "`queue_ticket_not_found`: unknown, not the caller's, left, lapsed, or the slot ended", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 429, description = "`rate_limited` (per IP or per user, named in `scope`); `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 429, description = "`rate_limited` (per IP or per user, named in `scope`), or `too_many_in_flight` (this client address has `max_in_flight` requests in progress); `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 503, description = "`waitroom_unavailable`: Redis is unreachable; `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
     ))]
 pub(crate) async fn status(
@@ -200,7 +200,7 @@ pub(crate) async fn status(
         (status = 400, description = "`invalid_path`: the ticket is not a UUID", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 401, description = "`unauthenticated`: no or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 404, description = "`queue_ticket_not_found`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 429, description = "`rate_limited` (per IP or per user, named in `scope`); `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 429, description = "`rate_limited` (per IP or per user, named in `scope`), or `too_many_in_flight` (this client address has `max_in_flight` requests in progress); `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 503, description = "`waitroom_unavailable`: Redis is unreachable; `unavailable`: the revocation could not be recorded in the database (nothing changed); `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
     ))]
 pub(crate) async fn leave(

@@ -28,10 +28,16 @@ pub const WEBHOOK_MAX_CONCURRENT: usize = 64;
 pub fn router(state: AppState) -> Router {
     let limit = state.settings.max_body_bytes;
     use axum::middleware::from_fn_with_state as buckets;
+    let hops = state.settings.trusted_proxy_hops;
+    let buyer_in_flight = crate::edge::PerClientInFlight::new("buyer", state.settings.max_in_flight_per_ip, hops);
+    let in_flight = |l: &std::sync::Arc<crate::edge::PerClientInFlight>| {
+        axum::middleware::from_fn_with_state(l.clone(), crate::edge::limit_in_flight)
+    };
     let queue = Router::new()
         .route("/events/{event_id}/queue", post(crate::queue::join))
         .route("/queue/{ticket}", get(crate::queue::status).delete(crate::queue::leave))
-        .route_layer(buckets(state.clone(), crate::limits::queue));
+        .route_layer(buckets(state.clone(), crate::limits::queue))
+        .route_layer(in_flight(&buyer_in_flight));
     let mut purchase = Router::new();
     if state.settings.admission_direct {
         purchase = purchase.route("/events/{event_id}/admission", post(admit));
@@ -39,19 +45,32 @@ pub fn router(state: AppState) -> Router {
     let purchase = purchase
         .route("/events/{event_id}/holds", post(create_hold))
         .route("/orders/{order_id}", get(get_order))
-        .route_layer(buckets(state.clone(), crate::limits::purchase));
+        .route_layer(buckets(state.clone(), crate::limits::purchase))
+        .route_layer(in_flight(&buyer_in_flight));
     let catalog = Router::new()
         .route("/events/{event_id}/seats", get(seat_map))
-        .route_layer(buckets(state.clone(), crate::limits::seats));
+        .route_layer(buckets(state.clone(), crate::limits::seats))
+        .route_layer(in_flight(&buyer_in_flight));
     // A bulkhead for webhook ingress: its bodies are read before the signature can be
     // checked, so slow senders are bounded here, apart from the process-wide limit, and can
-    // never take every slot (`/healthz` included).
-    let webhooks = Router::new().route("/webhooks/stripe", post(stripe_webhook)).route_layer(
-        tower::ServiceBuilder::new()
-            .layer(axum::error_handling::HandleErrorLayer::new(crate::edge::shed))
-            .load_shed()
-            .concurrency_limit(WEBHOOK_MAX_CONCURRENT),
-    );
+    // never take every slot (`/healthz` included): outermost first, the allowed networks,
+    // a few requests in flight per sender, a short whole-request timeout, and the bulkhead.
+    let webhook_in_flight =
+        crate::edge::PerClientInFlight::new("webhook", state.settings.webhook_max_in_flight_per_ip, hops);
+    let webhooks = Router::new()
+        .route("/webhooks/stripe", post(stripe_webhook))
+        .route_layer(
+            tower::ServiceBuilder::new()
+                .layer(axum::error_handling::HandleErrorLayer::new(crate::edge::shed))
+                .load_shed()
+                .concurrency_limit(WEBHOOK_MAX_CONCURRENT),
+        )
+        .route_layer(tower_http::timeout::TimeoutLayer::with_status_code(
+            StatusCode::SERVICE_UNAVAILABLE,
+            state.settings.webhook_timeout,
+        ))
+        .route_layer(in_flight(&webhook_in_flight))
+        .route_layer(axum::middleware::from_fn_with_state(state.clone(), webhook_source));
     Router::new()
         .merge(queue)
         .merge(purchase)
@@ -87,7 +106,7 @@ pub fn router(state: AppState) -> Router {
         (status = 400, description = "`invalid_path`: the event id is not a UUID", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 401, description = "`unauthenticated`: no or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 404, description = "`not_found`: no such event (or the deployment does not serve this route)", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 429, description = "`rate_limited` (per IP or per user, named in `scope`); `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 429, description = "`rate_limited` (per IP or per user, named in `scope`), or `too_many_in_flight` (this client address has `max_in_flight` requests in progress); `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 503, description = "`unavailable`: the database is unavailable; `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
     ))]
 async fn admit(
@@ -142,7 +161,7 @@ pub struct HoldBody {
         (status = 413, description = "`body_too_large`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 415, description = "`unsupported_media_type`: the body must be `application/json`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 422, description = "`seat_count` (outside 1–8), `unknown_seats` (not this event's), or `invalid_body` (a body of the wrong shape)", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 429, description = "`rate_limited` (per IP or per user, named in `scope`); `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 429, description = "`rate_limited` (per IP or per user, named in `scope`), or `too_many_in_flight` (this client address has `max_in_flight` requests in progress); `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 503, description = "`unavailable` (the database), `fault_injected`, or `revocation_check_failed` (Redis answered with an error); retry with the same Idempotency-Key after `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
     ))]
 async fn create_hold(
@@ -151,8 +170,9 @@ async fn create_hold(
     IdPath(event): IdPath<Uuid>,
     key: IdempotencyKey,
     headers: HeaderMap,
-    body: ApiJson<HoldBody>,
+    req: axum::extract::Request,
 ) -> Result<Response, Problem> {
+    use axum::extract::FromRequest;
     let started = Instant::now();
     // An unknown event is a 404 whatever the token says (from the event cache: no query
     // per request).
@@ -161,7 +181,8 @@ async fn create_hold(
         headers.get("x-admission-token").and_then(|v| v.to_str().ok()).ok_or(AdmissionError::Missing)?;
     let claims = st.admission.verify(token, user.0, EventId(event))?;
     st.revocations.check(claims.jti).await?;
-    let ApiJson(body) = body;
+    // The body last: a request without a valid admission is refused before it is read.
+    let ApiJson(body) = ApiJson::<HoldBody>::from_request(req, &st).await?;
     let correlation_id = headers
         .get("x-request-id")
         .and_then(|v| v.to_str().ok())
@@ -203,7 +224,7 @@ async fn create_hold(
         (status = 400, description = "`invalid_path`: the order id is not a UUID", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 401, description = "`unauthenticated`: no or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 404, description = "`not_found`: no such order, or not the caller's", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 429, description = "`rate_limited` (per IP or per user, named in `scope`); `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 429, description = "`rate_limited` (per IP or per user, named in `scope`), or `too_many_in_flight` (this client address has `max_in_flight` requests in progress); `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 503, description = "`unavailable`: the database is unavailable; `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
     ))]
 async fn get_order(
@@ -230,7 +251,7 @@ async fn get_order(
         (status = 200, description = "Availability map, at most 1 s stale (a hint, never a promise)", body = crate::openapi::SeatMap),
         (status = 400, description = "`invalid_path`: the event id is not a UUID", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 404, description = "`not_found`: no such event", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 429, description = "`rate_limited` (per IP, `scope` = `ip`); `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 429, description = "`rate_limited` (per IP, `scope` = `ip`), or `too_many_in_flight`; `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 503, description = "`unavailable`: the database is unavailable; `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
     ))]
 async fn seat_map(State(st): State<AppState>, IdPath(event): IdPath<Uuid>) -> Result<Response, Problem> {
@@ -276,7 +297,9 @@ async fn render_seat_map(st: &AppState, event: Uuid) -> Result<Option<Bytes>, sq
     responses(
         (status = 200, description = "Recorded (or a known duplicate)", body = crate::openapi::WebhookAck),
         (status = 400, description = "`invalid_signature` (missing or not verifying; nothing written), `malformed_event` (signed, but not a Stripe event, or naming no usable id; nothing written) or `unreadable_body`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 403, description = "`webhook_source_refused`: not from `webhook_allowed_networks`; nothing read or written", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 408, description = "`request_body_timeout`: the body stalled; nothing written", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 429, description = "`too_many_in_flight`: this sender has `webhook_max_in_flight_per_ip` requests in progress; nothing written", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 413, description = "`body_too_large`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 503, description = "`unavailable` or `fault_injected`: nothing committed; Stripe retries", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
     ))]
@@ -310,6 +333,31 @@ async fn stripe_webhook(
         duplicate: outcome == webhooks::Ingested::Duplicate,
     })
     .into_response())
+}
+
+/// Webhook ingress only from `webhook_allowed_networks` (when any is configured): others get
+/// 403 `webhook_source_refused` before their body is read.
+async fn webhook_source(
+    State(st): State<AppState>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let nets = &st.settings.webhook_allowed_networks;
+    if !nets.is_empty() {
+        let peer = req.extensions().get::<axum::extract::ConnectInfo<std::net::SocketAddr>>().map(|c| c.0.ip());
+        let ip = crate::edge::client_ip(peer, req.headers(), st.settings.trusted_proxy_hops);
+        if !ip.is_some_and(|ip| nets.iter().any(|n| n.contains(&ip.to_canonical()))) {
+            metrics::counter!("boxoffice_stripe_webhooks_total", "outcome" => "source_refused").increment(1);
+            return Problem::new(
+                StatusCode::FORBIDDEN,
+                "webhook_source_refused",
+                "Webhook source refused",
+                "webhooks are accepted only from the provider's published addresses",
+            )
+            .into_response();
+        }
+    }
+    next.run(req).await
 }
 
 /// `GET /readyz`: 200 when the database answers (and the producer reaches a broker, when

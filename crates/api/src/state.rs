@@ -49,6 +49,17 @@ pub struct ApiSettings {
     pub trusted_proxy_hops: u32,
     /// Events (found or not) whose seat map is kept at once, entries.
     pub seat_map_cache_entries: u64,
+    /// Requests one client address may have in flight at once on the buyer routes (0 = no
+    /// limit; see [`crate::edge::PerClientInFlight`]).
+    pub max_in_flight_per_ip: usize,
+    /// The same on webhook ingress, whose bodies are read before the signature is checked.
+    pub webhook_max_in_flight_per_ip: usize,
+    /// Longest a webhook request may take, body included (Stripe sends a whole small body at
+    /// once); past it 503 `request_timeout`.
+    pub webhook_timeout: Duration,
+    /// Networks webhook ingress accepts requests from (Stripe publishes its webhook
+    /// addresses); empty = any. Others get 403 `webhook_source_refused` before the body is read.
+    pub webhook_allowed_networks: Vec<ipnet::IpNet>,
 }
 
 impl Default for ApiSettings {
@@ -66,6 +77,10 @@ impl Default for ApiSettings {
             rate_limits: RateLimits::default(),
             trusted_proxy_hops: 0,
             seat_map_cache_entries: 10_000,
+            max_in_flight_per_ip: 32,
+            webhook_max_in_flight_per_ip: 8,
+            webhook_timeout: Duration::from_secs(3),
+            webhook_allowed_networks: Vec::new(),
         }
     }
 }

@@ -141,7 +141,14 @@ pub async fn seed_venue(
         .await
         .context("setting the buyer limits")?;
     }
-    println!("event {event} \"{name}\" at {}: {seats} seats", spec.name);
+    let venue_name = venue::venue_name(&pool, event).await?.unwrap_or_default();
+    let (seats_cap, holds_cap) = venue::buyer_limits(&pool, event).await?;
+    if venue_name != spec.name {
+        eprintln!("event \"{name}\" exists already: its venue and seats are kept ({venue_name}, not {})", spec.name);
+    }
+    println!(
+        "event {event} \"{name}\" at {venue_name}: {seats} seats; at most {seats_cap} seats and {holds_cap} active hold(s) per buyer"
+    );
     Ok(event.0)
 }
 
@@ -207,7 +214,8 @@ pub async fn audit(cfg: &Config, json: bool, opts: &audit::AuditOptions) -> anyh
 /// `boxoffice reconcile`: compares the provider's PaymentIntents created in the window
 /// (`since` / `until`: RFC 3339 or a duration before now) with the ledger and prints the
 /// drift; with `fix`, writes the facts that close it to the outbox. Exit code 1 when drift
-/// remains unfixed. Errors when no Stripe API base is configured.
+/// remains unfixed, 2 when the provider or the ledger could not be read. Errors when no
+/// Stripe API base is configured.
 pub async fn reconcile(
     cfg: &Config,
     since: &str,
@@ -219,7 +227,14 @@ pub async fn reconcile(
     let stripe = StripeClient::new(stripe)?;
     let window = Window::parse(since, until, chrono::Utc::now())?;
     let pool = boxoffice_store::connect(cfg.pg_options()?, 4, cfg.db_acquire_timeout_ms).await?;
-    let report = reconcile::run(&pool, &stripe, window, fix).await?;
+    let report = match reconcile::run(&pool, &stripe, window, fix).await {
+        Ok(r) => r,
+        Err(e) => {
+            // Like `audit`: 2 is "the check could not run", 1 stays "drift remains".
+            eprintln!("reconcile could not run: {e:#}");
+            return Ok(2);
+        }
+    };
     if json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {

@@ -24,6 +24,18 @@ use secrecy::{ExposeSecret, SecretString};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
+/// The settings that are secrets ([`SecretString`]): read from `BOXOFFICE_*` verbatim, never
+/// parsed as numbers or booleans, never echoed in an error.
+pub const SECRET_KEYS: [&str; 7] = [
+    "database_url",
+    "kafka_sasl_password",
+    "user_jwt_secret",
+    "admission_private_key",
+    "redis_url",
+    "stripe_secret_key",
+    "stripe_webhook_secret",
+];
+
 /// Which rules the configuration is held to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -257,6 +269,20 @@ pub struct Config {
     /// 503 `overloaded` and is closed, and beyond another eighth it is closed at once
     /// (default 4096; keep it below the process's file-descriptor limit).
     pub http_max_connections: usize,
+    /// Requests one client address may have in flight at once on the buyer routes; one
+    /// more is 429 `too_many_in_flight` before its body is read (default 32; 0 = no limit).
+    /// A rate bucket counts requests as they start; this bounds the ones kept open.
+    pub http_max_in_flight_per_ip: usize,
+    /// The same on `POST /webhooks/stripe` (default 8; 0 = no limit).
+    pub webhook_max_in_flight_per_ip: usize,
+    /// Longest a webhook request may take, body included, ms (default 3000): Stripe sends a
+    /// whole small body at once, so a slow sender cannot keep a webhook slot for long.
+    pub webhook_timeout_ms: u64,
+    /// CIDR networks `POST /webhooks/stripe` accepts requests from, e.g. Stripe's published
+    /// webhook addresses as `/32`s (empty, the default: any); others get 403
+    /// `webhook_source_refused` before their body is read. The address is the one the rate
+    /// buckets use (`http_trusted_proxy_hops`).
+    pub webhook_allowed_networks: Vec<String>,
     /// This deployment's purchase cell (bound into admission tokens).
     pub purchase_cell: String,
     /// HS256 secret that mints and verifies buyers' bearer tokens in development only (at
@@ -485,6 +511,10 @@ impl Default for Config {
             http_request_timeout_ms: 15_000,
             http_request_body_timeout_ms: 5_000,
             http_max_concurrent_requests: 512,
+            http_max_in_flight_per_ip: 32,
+            webhook_max_in_flight_per_ip: 8,
+            webhook_timeout_ms: 3_000,
+            webhook_allowed_networks: Vec::new(),
             http_max_connections: 4_096,
             purchase_cell: "cell-1".into(),
             user_jwt_secret: DEV_USER_JWT_SECRET.into(),
@@ -578,8 +608,17 @@ impl Config {
         if let Some(f) = file {
             fig = fig.merge(Toml::file_exact(f));
         }
-        let cfg: Config =
-            fig.merge(Env::prefixed("BOXOFFICE_")).extract().context("invalid configuration")?;
+        // Secrets are taken from the environment verbatim: figment would read `12345` as a
+        // number, `true` as a bool and strip quotes, then quote the value in its error.
+        fig = fig.merge(Env::prefixed("BOXOFFICE_").ignore(&SECRET_KEYS));
+        for key in SECRET_KEYS {
+            match std::env::var(format!("BOXOFFICE_{}", key.to_uppercase())) {
+                Ok(v) => fig = fig.merge(Serialized::default(key, v)),
+                Err(std::env::VarError::NotUnicode(_)) => bail!("BOXOFFICE_{}: not UTF-8", key.to_uppercase()),
+                Err(std::env::VarError::NotPresent) => {}
+            }
+        }
+        let cfg: Config = fig.extract().context("invalid configuration")?;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -712,6 +751,10 @@ impl Config {
             if !(100..=600_000).contains(&ms) {
                 bail!("{name} must be 100..=600000");
             }
+        }
+        self.webhook_networks()?;
+        if self.webhook_timeout_ms == 0 {
+            bail!("webhook_timeout_ms must be above 0");
         }
         if self.http_max_concurrent_requests < 1 || self.http_max_connections < 1 {
             bail!("http_max_concurrent_requests and http_max_connections must be at least 1");
@@ -1037,6 +1080,20 @@ impl Config {
             authorization_wait_ms: self.release_threshold_authorization_wait_ms,
             never_payable_share: self.release_threshold_never_payable_share,
         }
+    }
+
+    /// `webhook_allowed_networks` parsed (a bare address is its /32 or /128). Errors name the
+    /// entry that does not parse.
+    pub fn webhook_networks(&self) -> anyhow::Result<Vec<ipnet::IpNet>> {
+        self.webhook_allowed_networks
+            .iter()
+            .map(|n| {
+                let n = n.trim();
+                n.parse::<ipnet::IpNet>()
+                    .or_else(|_| n.parse::<std::net::IpAddr>().map(ipnet::IpNet::from))
+                    .map_err(|_| anyhow::anyhow!("webhook_allowed_networks: {n:?} is not a CIDR network"))
+            })
+            .collect()
     }
 
     /// The hold's lifetime rules ([`boxoffice_domain::HoldPolicy`]): `hold_ttl_ms`, with the
@@ -1503,5 +1560,22 @@ mod tests {
         assert_eq!(c.kafka_partitions, 12);
         let refused = Config::load(None, Environment::Production).unwrap_err();
         assert!(refused.downcast_ref::<SecretFindings>().is_some(), "{refused:#}");
+    }
+
+    #[test]
+    fn secrets_are_read_from_the_environment_verbatim() {
+        // nextest runs every test in its own process: this environment is this test's alone.
+        let digits = "12345678901234567890123456789012345678";
+        let quoted = "\"quoted-user-secret-0123456789abcdef\"";
+        std::env::set_var("BOXOFFICE_STRIPE_WEBHOOK_SECRET", digits);
+        std::env::set_var("BOXOFFICE_USER_JWT_SECRET", quoted);
+        std::env::set_var("BOXOFFICE_REDIS_URL", "true");
+        let c = Config::load(None, Environment::Development).unwrap();
+        assert_eq!(c.stripe_webhook_secret.expose_secret(), digits);
+        assert_eq!(c.user_jwt_secret.expose_secret(), quoted, "quotes are part of the secret");
+        assert_eq!(c.redis_url.expose_secret(), "true");
+        std::env::set_var("BOXOFFICE_KAFKA_PARTITIONS", "many");
+        let e = format!("{:#}", Config::load(None, Environment::Development).unwrap_err());
+        assert!(!e.contains(digits) && !e.contains("quoted-user-secret"), "{e}");
     }
 }

@@ -74,7 +74,7 @@ enum Command {
     },
     /// Compare the provider's PaymentIntents created in a window with the ledger and print
     /// the drift; with --fix, write the facts that close it to the outbox. Exit 1 when drift
-    /// remains.
+    /// remains, 2 when the provider or the ledger could not be read.
     Reconcile {
         /// Start of the window: RFC 3339 (`2025-03-01T12:00:00Z`) or a duration before now
         /// (`90m`, `2h`, `1d`).

@@ -206,6 +206,10 @@ pub async fn start(
                         poll_interval_ms: cfg.waitroom_poll_interval_ms,
                         rate_limits: cfg.rate_limits(),
                         trusted_proxy_hops: cfg.http_trusted_proxy_hops,
+                        max_in_flight_per_ip: cfg.http_max_in_flight_per_ip,
+                        webhook_max_in_flight_per_ip: cfg.webhook_max_in_flight_per_ip,
+                        webhook_timeout: Duration::from_millis(cfg.webhook_timeout_ms),
+                        webhook_allowed_networks: cfg.webhook_networks()?,
                         ..ApiSettings::default()
                     },
                     producer.clone(),

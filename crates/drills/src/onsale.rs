@@ -5,7 +5,9 @@
 //! deployment, drives the simulated buyers ([`boxoffice_harness::buyers`]), waits for the saga
 //! to drain, runs the audit (ledger, the run's PaymentIntents at the provider, dead letters)
 //! and prints the report. The exit code is non-zero when any invariant check is non-zero or
-//! could not run.
+//! could not run, or when a buyer lost seats to the system's lag (`expired_never_payable`,
+//! `lost_after_authorization`, case C19). The database is the configuration's
+//! (`BOXOFFICE_DATABASE_URL`).
 
 use anyhow::Context;
 use boxoffice::commands::{self, VenueSize};

@@ -58,9 +58,9 @@ impl Violations {
 pub struct Totals {
     /// Orders per status.
     pub orders_by_status: BTreeMap<String, i64>,
-    /// Tickets issued.
+    /// Tickets issued (voided ones included: a ticket is never deleted).
     pub tickets: i64,
-    /// Distinct seats with a ticket.
+    /// Distinct seats with a valid (not voided) ticket.
     pub seats_sold: i64,
     /// Payments with a refund.
     pub refunds: i64,
@@ -151,7 +151,8 @@ pub async fn totals(pool: &PgPool, event: Option<uuid::Uuid>) -> Result<Totals, 
     .fetch_all(pool)
     .await?;
     let (tickets, seats_sold): (i64, i64) = sqlx::query_as(
-        "SELECT count(*), count(DISTINCT seat_id) FROM tickets WHERE $1::uuid IS NULL OR event_id = $1",
+        "SELECT count(*), count(DISTINCT seat_id) FILTER (WHERE voided_at IS NULL)
+           FROM tickets WHERE $1::uuid IS NULL OR event_id = $1",
     )
     .bind(event)
     .fetch_one(pool)

@@ -96,10 +96,11 @@ impl VenueSpec {
     }
 }
 
-/// Creates event `name` with every seat of `venue`, or does nothing for what already exists
-/// (events are unique by name; a new event gets a random id, so ids cannot be guessed from
-/// names). A new event is on sale from now with no closing time; [`schedule_sales`] changes
-/// that. Returns the event id and the number of seats the event has.
+/// Creates event `name` with every seat of `venue`; an event of that name that exists already
+/// is left exactly as it is, seats included, whatever `venue` says (events are unique by
+/// name; a new event gets a random id, so ids cannot be guessed from names). A new event is
+/// on sale from now with no closing time; [`schedule_sales`] changes that. Returns the event
+/// id and the number of seats the event has.
 pub async fn seed(
     pool: &PgPool,
     name: &str,
@@ -108,20 +109,29 @@ pub async fn seed(
     purchase_cell: &str,
 ) -> Result<(EventId, i64), sqlx::Error> {
     let mut tx = pool.begin().await?;
-    sqlx::query(
+    let created: Option<Uuid> = sqlx::query_scalar(
         "INSERT INTO events (id, name, venue, starts_at, purchase_cell, sales_open_at)
          VALUES (gen_random_uuid(), $1, $2, $3, $4, clock_timestamp())
-         ON CONFLICT (name) DO NOTHING",
+         ON CONFLICT (name) DO NOTHING RETURNING id",
     )
     .bind(name)
     .bind(&venue.name)
     .bind(starts_at)
     .bind(purchase_cell)
-    .execute(&mut *tx)
+    .fetch_optional(&mut *tx)
     .await?;
-    let event = EventId(
-        sqlx::query_scalar("SELECT id FROM events WHERE name = $1").bind(name).fetch_one(&mut *tx).await?,
-    );
+    let Some(id) = created else {
+        // The event exists: its seats are what they are (a venue is never re-seated).
+        let (id, count): (Uuid, i64) = sqlx::query_as(
+            "SELECT e.id, (SELECT count(*) FROM seats s WHERE s.event_id = e.id) FROM events e WHERE e.name = $1",
+        )
+        .bind(name)
+        .fetch_one(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        return Ok((EventId(id), count));
+    };
+    let event = EventId(id);
     let mut batch = SeatBatch::default();
     for sec in &venue.sections {
         for row in 1..=sec.rows {
@@ -311,6 +321,11 @@ pub struct SeatAvailability {
     pub currency: String,
     /// `available`, `held` or `sold`.
     pub status: String,
+}
+
+/// The name of event `event`'s venue (`None`: no such event).
+pub async fn venue_name(pool: &PgPool, event: EventId) -> Result<Option<String>, sqlx::Error> {
+    sqlx::query_scalar("SELECT venue FROM events WHERE id = $1").bind(event.0).fetch_optional(pool).await
 }
 
 /// Whether event `event` exists.

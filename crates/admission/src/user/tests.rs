@@ -191,6 +191,15 @@ fn development_hs256_tokens_round_trip() {
     let u = UserId::new();
     let t = users.issue(u, 60);
     assert_eq!(users.verify(&t), Ok(u));
+    // No audience configured: a token meant for another audience is not for us.
+    let now = Utc::now().timestamp();
+    let elsewhere = sign(
+        Algorithm::HS256,
+        None,
+        &json!({"sub": u.0.to_string(), "aud": "another-api", "iat": now, "exp": now + 60}),
+        &EncodingKey::from_secret(b"user-secret-user-secret-user-sec"),
+    );
+    assert_eq!(users.verify(&elsewhere), Err(UserTokenError::WrongAudience));
     let mut bad = t.clone();
     bad.pop();
     bad.push(if t.ends_with('A') { 'B' } else { 'A' });

@@ -207,6 +207,7 @@ async fn run_on(
     cfg.rate_limit_ip_per_s = 0.0;
     cfg.rate_limit_user_per_s = 0.0;
     cfg.rate_limit_purchase_ip_per_s = 0.0;
+    cfg.http_max_in_flight_per_ip = 0;
     cfg.rate_limit_purchase_user_per_s = 0.0;
     cfg.rate_limit_seats_ip_per_s = 0.0;
     cfg.hold_ttl_ms = 600_000;

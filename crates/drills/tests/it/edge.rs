@@ -201,6 +201,9 @@ async fn stalled_webhook_bodies_cannot_take_every_request_slot(_: PgPoolOptions,
         c.http_max_concurrent_requests = bulkhead + 8;
         c.http_request_body_timeout_ms = 10_000;
         c.http_request_timeout_ms = 15_000;
+        // The bulkhead itself (one sender here; the per-sender bound has its own test).
+        c.webhook_max_in_flight_per_ip = 0;
+        c.webhook_timeout_ms = 15_000;
     })
     .await;
     let mut stalled = Vec::new();
@@ -219,6 +222,104 @@ async fn stalled_webhook_bodies_cannot_take_every_request_slot(_: PgPoolOptions,
         assert_eq!(r.status(), 200, "the webhook flood took the health check's slot");
     }
     drop(stalled);
+}
+
+/// One client address keeps requests open (bodies that never finish): past
+/// `http_max_in_flight_per_ip` its next buyer request is 429 `too_many_in_flight` at once,
+/// `/healthz` is untouched, and a hold without a valid admission is refused before its body
+/// is read. Webhook senders have their own, smaller bound, and a webhook body that does not
+/// arrive whole within `webhook_timeout_ms` is 503 `request_timeout`.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn slow_clients_are_bounded_per_address_and_per_webhook_sender(_: PgPoolOptions, opts: PgConnectOptions) {
+    let app = api_only(opts, |c| {
+        c.http_max_in_flight_per_ip = 4;
+        c.webhook_max_in_flight_per_ip = 2;
+        c.webhook_timeout_ms = 800;
+        c.http_request_body_timeout_ms = 10_000;
+        c.http_request_timeout_ms = 15_000;
+    })
+    .await;
+    let b = app.buyer();
+    let hold_head = |admission: Option<&str>| {
+        format!(
+            "POST /events/{}/holds HTTP/1.1\r\nHost: x\r\nAuthorization: {}\r\nIdempotency-Key: {}\r\n{}Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{{\"seat",
+            app.event,
+            b.bearer(),
+            Uuid::new_v4(),
+            admission.map(|a| format!("X-Admission-Token: {a}\r\n")).unwrap_or_default(),
+        )
+    };
+    // No admission: refused at once, the body never sent.
+    let mut s = TcpStream::connect(addr(&app)).await.unwrap();
+    s.write_all(hold_head(None).as_bytes()).await.unwrap();
+    let answer = read_to_close(&mut s, Duration::from_secs(3)).await.expect("answered before the body");
+    let text = String::from_utf8_lossy(&answer);
+    assert!(text.starts_with("HTTP/1.1 403") && text.contains("admission_token"), "{text}");
+
+    // Four admitted holds whose bodies never finish take this address's places.
+    let token = app.admission_token(&b);
+    let mut stalled = Vec::new();
+    for _ in 0..4 {
+        let mut s = TcpStream::connect(addr(&app)).await.unwrap();
+        s.write_all(hold_head(Some(&token)).as_bytes()).await.unwrap();
+        stalled.push(s);
+    }
+    let order = format!("{}/orders/{}", app.api, Uuid::new_v4());
+    eventually(Duration::from_secs(10), "the fifth request is refused", || async {
+        app.http.get(&order).header("authorization", b.bearer()).send().await.unwrap().status() == 429
+    })
+    .await;
+    let r = app.http.get(&order).header("authorization", b.bearer()).send().await.unwrap();
+    assert!(r.headers().contains_key("retry-after"));
+    let (status, code, body) = problem(r).await;
+    assert_eq!((status, code.as_str(), body["max_in_flight"].as_u64()), (429, "too_many_in_flight", Some(4)));
+    assert_eq!(app.http.get(format!("{}/healthz", app.api)).send().await.unwrap().status(), 200);
+    assert!(metric(&app, "boxoffice_http_in_flight_refused_total{class=\"buyer\"}").await >= 1.0);
+    drop(stalled);
+    eventually(Duration::from_secs(10), "the address is served again", || async {
+        app.http.get(&order).header("authorization", b.bearer()).send().await.unwrap().status() == 404
+    })
+    .await;
+
+    // Webhooks: two stalled senders' bodies take the places; the third is refused; the two
+    // end with 503 at the webhook timeout.
+    let mut stalled = Vec::new();
+    for _ in 0..2 {
+        let mut s = TcpStream::connect(addr(&app)).await.unwrap();
+        s.write_all(b"POST /webhooks/stripe HTTP/1.1\r\nHost: x\r\nStripe-Signature: t=1,v1=00\r\nContent-Length: 1000\r\n\r\n{")
+            .await
+            .unwrap();
+        stalled.push(s);
+    }
+    let started = Instant::now();
+    let hook = format!("{}/webhooks/stripe", app.api);
+    eventually(Duration::from_secs(10), "the third webhook sender request is refused", || async {
+        app.http.post(&hook).header("stripe-signature", "t=1,v1=00").body("{}").send().await.unwrap().status() == 429
+    })
+    .await;
+    for mut s in stalled {
+        let answer = read_to_close(&mut s, Duration::from_secs(10)).await.expect("answered");
+        let text = String::from_utf8_lossy(&answer);
+        assert!(text.starts_with("HTTP/1.1 503") && text.contains("request_timeout"), "{text}");
+    }
+    assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
+}
+
+/// With `webhook_allowed_networks`, a webhook from elsewhere is 403 `webhook_source_refused`
+/// before its body is read (a body that never arrives is answered at once).
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn webhooks_from_outside_the_allowed_networks_are_refused_unread(_: PgPoolOptions, opts: PgConnectOptions) {
+    let app = api_only(opts, |c| c.webhook_allowed_networks = vec!["10.0.0.0/8".into(), "192.0.2.7".into()]).await;
+    let mut s = TcpStream::connect(addr(&app)).await.unwrap();
+    s.write_all(b"POST /webhooks/stripe HTTP/1.1\r\nHost: x\r\nStripe-Signature: t=1,v1=00\r\nContent-Length: 1000\r\n\r\n{")
+        .await
+        .unwrap();
+    let answer = read_to_close(&mut s, Duration::from_secs(3)).await.expect("answered before the body");
+    let text = String::from_utf8_lossy(&answer);
+    assert!(text.starts_with("HTTP/1.1 403") && text.contains("webhook_source_refused"), "{text}");
+    assert!(boxoffice::config::Config { webhook_allowed_networks: vec!["10.0.0.0/33".into()], ..Default::default() }
+        .validate()
+        .is_err());
 }
 
 /// A request still running at the request timeout (its body trickles in, each chunk within

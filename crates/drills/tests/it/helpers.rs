@@ -96,6 +96,7 @@ impl TestApp {
             // Tests poll orders and seat maps from one host far faster than a buyer would;
             // the tests of the buckets turn them on.
             rate_limit_purchase_ip_per_s: 0.0,
+            http_max_in_flight_per_ip: 0,
             rate_limit_purchase_user_per_s: 0.0,
             rate_limit_seats_ip_per_s: 0.0,
             ..Config::default()
