@@ -195,6 +195,7 @@ async fn create_hold(
         idempotency_key: key.0,
         correlation_id,
         ttl: st.settings.hold_policy.ttl,
+        payable_within: Some(st.settings.hold_policy.ceiling),
     };
     let outcome = holds::reserve(&st.pool, &req).await;
     let label = match &outcome {

@@ -2,13 +2,16 @@
 //! store applies in SQL with the database clock and the configuration sets.
 //!
 //! A hold is created with `expires_at = now + ttl`. Two events may move its end later, never
-//! earlier, and never for a hold that has already lapsed:
+//! earlier, and never for a hold that has already lapsed (by every rule below):
 //!
-//! 1. **The payment window.** When the order becomes payable (its PaymentIntent is recorded,
-//!    so `GET /orders/{id}` shows the client secret), the buyer is owed at least
+//! 1. **The payment window.** Until the order becomes payable (its PaymentIntent is
+//!    recorded, so `GET /orders/{id}` shows the client secret) the hold does not lapse before
+//!    `created_at + ceiling` (`payable_by`), whatever its TTL: the buyer cannot pay yet, so
+//!    the wait is ours. When it becomes payable, the buyer is owed at least
 //!    `payment_window`: `expires_at ← max(expires_at, now + payment_window)`, capped at
-//!    `created_at + ceiling`. However far the pipeline lags before the PaymentIntent exists
-//!    (below the ceiling), the buyer who sees a client secret has the whole window to pay.
+//!    `created_at + ceiling`, and the wait ends. However far the pipeline lags before the
+//!    PaymentIntent exists (up to the ceiling less the window), the buyer who sees a client
+//!    secret has the whole window to pay; past that the release controller has long lowered R.
 //! 2. **An authorization reported in time.** When the provider reports an authorization of
 //!    the order's current PaymentIntent (a webhook, or a re-fetch) while the hold is live,
 //!    the hold is protected until the saga settles it: `authorized_until ← min(now +

@@ -28,9 +28,10 @@ use std::collections::HashMap;
 use std::time::Duration;
 use uuid::Uuid;
 
-/// The one SQL test of a lapsed hold (on `holds` unqualified): past its expiry and past any
-/// protection of an authorization reported in time (PostgreSQL's `GREATEST` ignores NULL).
-pub const LAPSED: &str = "GREATEST(expires_at, authorized_until) < clock_timestamp()";
+/// The one SQL test of a lapsed hold (on `holds` unqualified): past its expiry, past any
+/// protection of an authorization reported in time, and, while it is not payable yet, past
+/// the ceiling it may wait for that (PostgreSQL's `GREATEST` ignores NULL).
+pub const LAPSED: &str = "GREATEST(expires_at, authorized_until, payable_by) < clock_timestamp()";
 
 /// Fewest and most seats one hold may take (design §5).
 pub const SEATS_PER_HOLD: std::ops::RangeInclusive<usize> = 1..=8;
@@ -54,6 +55,10 @@ pub struct ReserveRequest {
     pub correlation_id: Uuid,
     /// Hold time to live.
     pub ttl: Duration,
+    /// How long after its creation the hold may wait to become payable before it lapses
+    /// (rule 1 of [`boxoffice_domain::hold`]: the ceiling); `None`: it lapses at `ttl`
+    /// whether payable or not.
+    pub payable_within: Option<Duration>,
 }
 
 impl ReserveRequest {
@@ -447,7 +452,7 @@ async fn take_seats_from_lapsed_holds(tx: &mut Tx<'_>, seats: &[SeatId]) -> Resu
     let seat_uuids: Vec<Uuid> = seats.iter().map(|s| s.0).collect();
     let owners: Vec<(Uuid, Option<Uuid>, bool)> = sqlx::query_as(
         "SELECT hs.seat_id, hs.hold_id,
-                COALESCE((SELECT h.status = 'active' AND GREATEST(h.expires_at, h.authorized_until) < clock_timestamp()
+                COALESCE((SELECT h.status = 'active' AND GREATEST(h.expires_at, h.authorized_until, h.payable_by) < clock_timestamp()
                             FROM holds h WHERE h.id = hs.hold_id), false) AS lapsed
            FROM hold_seats hs WHERE hs.seat_id = ANY($1) AND hs.released_at IS NULL
          UNION ALL
@@ -499,11 +504,15 @@ async fn insert_hold(
     .bind(req.ttl.as_millis() as f64)
     .fetch_one(&mut **tx)
     .await?;
-    sqlx::query("INSERT INTO holds (id, order_id, status, expires_at) VALUES ($1, $2, $3, $4)")
+    sqlx::query(
+        "INSERT INTO holds (id, order_id, status, expires_at, payable_by)
+         VALUES ($1, $2, $3, $4, clock_timestamp() + make_interval(secs => $5))",
+    )
         .bind(hold_id.0)
         .bind(order_id.0)
         .bind(HoldStatus::Active.as_str())
         .bind(expires_at)
+        .bind(req.payable_within.map(|d| d.as_secs_f64()))
         .execute(&mut **tx)
         .await?;
     let seat_uuids: Vec<Uuid> = seats.iter().map(|s| s.0).collect();
@@ -727,10 +736,11 @@ pub async fn expire_due(pool: &PgPool, limit: i64) -> Result<(usize, i64), Store
     let mut tx = pool.begin().await?;
     let rows: Vec<(Uuid, Uuid, f64)> = sqlx::query_as(
         "SELECT id, order_id,
-                (EXTRACT(EPOCH FROM clock_timestamp() - GREATEST(expires_at, authorized_until)) * 1000)::float8
+                (EXTRACT(EPOCH FROM clock_timestamp() - GREATEST(expires_at, authorized_until, payable_by)) * 1000)::float8
            FROM holds
           WHERE status = 'active' AND expires_at < clock_timestamp()
             AND (authorized_until IS NULL OR authorized_until < clock_timestamp())
+            AND (payable_by IS NULL OR payable_by < clock_timestamp())
           ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED",
     )
     .bind(limit)
@@ -744,9 +754,9 @@ pub async fn expire_due(pool: &PgPool, limit: i64) -> Result<(usize, i64), Store
 }
 
 /// Rule 1 of [`boxoffice_domain::hold`]: the order of the hold the caller has locked became
-/// payable now (its PaymentIntent was just recorded). Records `payable_at` (the first time)
-/// and, unless the hold has lapsed, pushes `expires_at` to at least now + the payment window,
-/// within `created_at` + the ceiling. Returns the hold's `expires_at` afterwards (`None`
+/// payable now (its PaymentIntent was just recorded). Records `payable_at` (the first time),
+/// ends the wait for it (`payable_by`), and, unless the hold has lapsed, pushes `expires_at`
+/// to at least now + the payment window, within `created_at` + the ceiling. Returns the hold's `expires_at` afterwards (`None`
 /// without a hold). Call it under the hold's row lock ([`lock_for_order`]), once per order.
 pub async fn open_payment_window(
     tx: &mut Tx<'_>,
@@ -754,7 +764,7 @@ pub async fn open_payment_window(
     policy: &HoldPolicy,
 ) -> Result<Option<DateTime<Utc>>, sqlx::Error> {
     let sql = format!(
-        "UPDATE holds SET payable_at = COALESCE(payable_at, clock_timestamp()),
+        "UPDATE holds SET payable_at = COALESCE(payable_at, clock_timestamp()), payable_by = NULL,
                 expires_at = CASE WHEN status = 'active' AND NOT {LAPSED}
                                   THEN GREATEST(expires_at, LEAST(clock_timestamp() + make_interval(secs => $2),
                                                                   created_at + make_interval(secs => $3)))

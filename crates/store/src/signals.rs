@@ -56,9 +56,10 @@ pub async fn active_holds(c: &mut PgConnection) -> Result<f64, sqlx::Error> {
 /// none).
 pub async fn expiry_delay_ms(c: &mut PgConnection) -> Result<f64, sqlx::Error> {
     sqlx::query_scalar(
-        "SELECT COALESCE(EXTRACT(EPOCH FROM clock_timestamp() - min(GREATEST(expires_at, authorized_until))) * 1000, 0)::float8
+        "SELECT COALESCE(EXTRACT(EPOCH FROM clock_timestamp() - min(GREATEST(expires_at, authorized_until, payable_by))) * 1000, 0)::float8
            FROM holds WHERE status = 'active' AND expires_at < clock_timestamp()
-            AND (authorized_until IS NULL OR authorized_until < clock_timestamp())",
+            AND (authorized_until IS NULL OR authorized_until < clock_timestamp())
+            AND (payable_by IS NULL OR payable_by < clock_timestamp())",
     )
     .fetch_one(&mut *c)
     .await

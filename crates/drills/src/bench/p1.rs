@@ -218,6 +218,7 @@ async fn hold_level(
                         idempotency_key: uuid::Uuid::new_v4().to_string(),
                         correlation_id: uuid::Uuid::new_v4(),
                         ttl: Duration::from_secs(3_600),
+                        payable_within: None,
                     };
                     let t = Instant::now();
                     let r = holds::reserve(&pool, &req).await;

@@ -242,3 +242,38 @@ async fn c19_a_refuted_authorization_claim_protects_nothing(_: PgPoolOptions, op
     app.assert_drained_and_clean().await;
     app.stop().await;
 }
+
+/// Rule 1's other half: a hold the pipeline never makes payable (no payment worker runs)
+/// does not lapse at its TTL, the buyer never having had a chance, but at the ceiling; and
+/// the outcome report counts it as never payable (our fault).
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn c19_a_hold_never_made_payable_waits_for_the_ceiling(_: PgPoolOptions, opts: PgConnectOptions) {
+    let app = TestApp::spawn_with(opts, &[Role::Api, Role::Expiry], VenueSpec::small(1, 1, 4), |c| {
+        c.hold_ttl_ms = 1_000;
+        c.payment_window_ms = Some(900);
+        c.hold_ceiling_ms = Some(3_000);
+    })
+    .await;
+    let s = app.seats().await;
+    let b = app.buyer();
+    let order = held(&app, &b, s[0], "never").await;
+    past_hold_end(&app, order, "expires_at", 1.0).await;
+    assert_eq!(hold_status(&app, order).await, "active", "not payable yet: the TTL alone does not end it");
+    past_hold_end(&app, order, "payable_by", 0.0).await;
+    let pool = app.pool.clone();
+    eventually(WAIT, "the hold expired at the ceiling", || {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, String>("SELECT status FROM holds WHERE order_id = $1")
+                .bind(order)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+                == "expired"
+        }
+    })
+    .await;
+    let o = outcomes(&app).await;
+    assert_eq!((o.expired_never_payable, o.expired_abandoned), (1, 0), "{o:?}");
+    app.stop().await;
+}

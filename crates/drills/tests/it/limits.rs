@@ -110,7 +110,7 @@ async fn c13_concurrent_holds_of_one_buyer_never_pass_the_cap(_: PgPoolOptions, 
         );
         assert_eq!(seats_of(&app, &b).await, 8);
         // Release this round's seats for the next one.
-        sqlx::query("UPDATE holds SET expires_at = now() - interval '1 second'")
+        sqlx::query("UPDATE holds SET expires_at = now() - interval '1 second', payable_by = NULL")
             .execute(&app.pool)
             .await
             .unwrap();

@@ -257,6 +257,7 @@ async fn hold_directly(app: &TestApp, seat: Uuid) -> holds::HoldReceipt {
         idempotency_key: "k".into(),
         correlation_id: Uuid::new_v4(),
         ttl: Duration::from_secs(600),
+        payable_within: None,
     };
     holds::reserve(&app.pool, &req).await.unwrap().receipt().clone()
 }

@@ -44,6 +44,7 @@ impl Ledger {
             idempotency_key: Uuid::new_v4().to_string(),
             correlation_id: Uuid::new_v4(),
             ttl,
+            payable_within: None,
         };
         holds::reserve(&self.pool, &req).await.unwrap().receipt().clone()
     }
