@@ -379,13 +379,19 @@ pub struct Config {
     pub release_threshold_active_holds: f64,
     /// Threshold: how far the oldest active hold is past its expiry, ms.
     pub release_threshold_expiry_delay_ms: f64,
-    /// Threshold: p99 of hold → payable (client secret shown) over the recent holds, ms.
+    /// Threshold: p99 of hold → payable (client secret shown) over the recent holds, ms
+    /// (default 15000: a buyer still gets the whole payment window, but a pipeline that
+    /// takes longer is falling behind).
     pub release_threshold_payable_delay_ms: f64,
-    /// Threshold: age of the oldest authorization reported in time and not yet confirmed, ms.
+    /// Threshold: age of the oldest authorization reported in time and not yet confirmed, ms
+    /// (default 20000; the hold is protected meanwhile, so this is the saga's lag, not a
+    /// buyer's loss).
     pub release_threshold_authorization_wait_ms: f64,
     /// Threshold: share of the holds about to lapse unpaid that were never payable (0..=1).
     pub release_threshold_never_payable_share: f64,
-    /// A queue position whose holder has not polled for this long lapses, ms.
+    /// A queue position whose holder has not polled for this long lapses, ms (default 120000:
+    /// a queued client is told to poll at most every third of it, so a deep queue polls
+    /// rarely and a lost poll or two does not cost a position).
     pub waitroom_abandon_after_ms: u64,
     /// Poll interval suggested to queued clients (`poll_after_ms`), ms; keep it well below
     /// `waitroom_abandon_after_ms`.
@@ -550,10 +556,10 @@ impl Default for Config {
             release_threshold_consumer_lag: 5_000.0,
             release_threshold_active_holds: 50_000.0,
             release_threshold_expiry_delay_ms: 10_000.0,
-            release_threshold_payable_delay_ms: 5_000.0,
-            release_threshold_authorization_wait_ms: 5_000.0,
+            release_threshold_payable_delay_ms: 15_000.0,
+            release_threshold_authorization_wait_ms: 20_000.0,
             release_threshold_never_payable_share: 0.05,
-            waitroom_abandon_after_ms: 30_000,
+            waitroom_abandon_after_ms: 120_000,
             waitroom_poll_interval_ms: 2_000,
             waitroom_max_positions_per_user: 2,
             rate_limit_ip_per_s: 20.0,

@@ -310,6 +310,10 @@ pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
         dlq_timeout: Duration::from_secs(30),
     };
     let audited = boxoffice::audit::run(&pool, &audit_opts).await?;
+    let venue_seats: i64 = sqlx::query_scalar("SELECT count(*) FROM seats WHERE event_id = $1")
+        .bind(event)
+        .fetch_one(&pool)
+        .await?;
     let totals = &audited.totals;
     let mut report = json!({
         "event_id": event,
@@ -358,6 +362,7 @@ pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
             ("authorization_to_confirmation_p99_ms".to_owned(), json!(outcomes.authorization_to_confirmation_ms.p99)),
             ("payment_window_ms".to_owned(), json!(cfg.hold_policy().payment_window.as_millis() as u64)),
             ("steal_cpu".to_owned(), json!(args.steal_cpu)),
+            ("venue_seats".to_owned(), json!(venue_seats)),
         ]);
     }
     // Every invariant count by name (null when its check did not run), and which checks ran.
@@ -494,6 +499,25 @@ fn print_report(r: &serde_json::Value, audited: &boxoffice::audit::AuditReport) 
         g("authorization_to_confirmation_p99_ms").as_f64().unwrap_or(0.0)
     );
     println!("  orders by status           {}", g("orders_by_status"));
+    let (sold, seats) = (g("seats_sold").as_i64().unwrap_or(0), g("venue_seats").as_i64().unwrap_or(0));
+    if sold < seats {
+        // Why not sold out, from what the run counted.
+        let q = r.get("waiting_room").cloned().unwrap_or_default();
+        let n = |k: &str| q.get(k).and_then(|v| v.as_u64()).unwrap_or(0);
+        println!(
+            "  not sold out               {} of {seats} seats unsold: {} queued buyers gave up ({} waiting-room 503s, {} lapsed \
+             positions), {} gave up picking seats, {} holds expired (abandoned {}, declined {}, never payable {})",
+            seats - sold,
+            n("gave_up"),
+            n("unavailable_503"),
+            n("lapsed"),
+            g("gave_up_buyers"),
+            g("expired"),
+            g("expired_abandoned"),
+            g("expired_declined"),
+            g("expired_never_payable")
+        );
+    }
     print!("{}", boxoffice::audit::render(audited));
     let ours = g("expired_never_payable").as_i64().unwrap_or(0) + g("lost_after_authorization").as_i64().unwrap_or(0);
     println!(

@@ -67,7 +67,7 @@ impl Default for WaitroomConfig {
             redis_url: "redis://127.0.0.1:6379".into(),
             key_prefix: "boxoffice:".into(),
             timeout_ms: 300,
-            abandon_after_ms: 30_000,
+            abandon_after_ms: 120_000,
             slot_ms: 900_000,
             max_positions_per_user: 2,
             sweep_batch: 200,

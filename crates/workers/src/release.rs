@@ -233,8 +233,8 @@ impl Default for Thresholds {
             consumer_lag: 5_000.0,
             active_holds: 50_000.0,
             expiry_delay_ms: 10_000.0,
-            payable_delay_ms: 5_000.0,
-            authorization_wait_ms: 5_000.0,
+            payable_delay_ms: 15_000.0,
+            authorization_wait_ms: 20_000.0,
             never_payable_share: 0.05,
         }
     }

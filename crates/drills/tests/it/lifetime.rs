@@ -54,6 +54,11 @@ async fn past_hold_end(app: &TestApp, order: Uuid, column: &str, secs: f64) {
     .await;
 }
 
+/// Waits until the hold of `order` is in `status`.
+async fn await_hold_status(app: &TestApp, order: Uuid, status: &str, what: &str) {
+    eventually(WAIT, what, || async { hold_status(app, order).await == status }).await;
+}
+
 async fn outcomes(app: &TestApp) -> boxoffice_store::outcomes::Outcomes {
     boxoffice_store::outcomes::read(&app.pool, Some(app.event), app.cfg.hold_policy().payment_window).await.unwrap()
 }
@@ -86,19 +91,7 @@ async fn c19_the_payment_window_outlives_the_ttl(_: PgPoolOptions, opts: PgConne
     app.await_order(&payer, paid, WAIT, |v| v["status"] == "ticketed").await;
 
     // The buyer who never pays loses the hold once the window is over.
-    let pool = app.pool.clone();
-    eventually(WAIT, "the abandoned hold expired", || {
-        let pool = pool.clone();
-        async move {
-            sqlx::query_scalar::<_, String>("SELECT status FROM holds WHERE order_id = $1")
-                .bind(walked)
-                .fetch_one(&pool)
-                .await
-                .unwrap()
-                == "expired"
-        }
-    })
-    .await;
+    await_hold_status(&app, walked, "expired", "the abandoned hold expired").await;
     let o = outcomes(&app).await;
     assert_eq!((o.expired_abandoned, o.expired_never_payable, o.lost_after_authorization), (1, 0, 0), "{o:?}");
     assert_eq!(o.hold_to_payable_ms.count, 2);
@@ -153,18 +146,7 @@ async fn c19_an_authorization_reported_in_time_survives_a_lagging_saga(
 
     // The abandoned hold expires (the expiry worker runs); the protected one does not, long
     // after its own expires_at, and its seat is not for anyone else.
-    eventually(WAIT, "the abandoned hold expired", || {
-        let pool = pool.clone();
-        async move {
-            sqlx::query_scalar::<_, String>("SELECT status FROM holds WHERE order_id = $1")
-                .bind(walked)
-                .fetch_one(&pool)
-                .await
-                .unwrap()
-                == "expired"
-        }
-    })
-    .await;
+    await_hold_status(&app, walked, "expired", "the abandoned hold expired").await;
     past_hold_end(&app, paid, "expires_at", 1.0).await;
     assert_eq!(hold_status(&app, paid).await, "active", "the expiry worker left the authorized hold alone");
     let (status, code, _) = problem(app.hold(&rival, &app.admission_token(&rival), "rival", &[s[0]]).await).await;
@@ -260,19 +242,7 @@ async fn c19_a_hold_never_made_payable_waits_for_the_ceiling(_: PgPoolOptions, o
     past_hold_end(&app, order, "expires_at", 1.0).await;
     assert_eq!(hold_status(&app, order).await, "active", "not payable yet: the TTL alone does not end it");
     past_hold_end(&app, order, "payable_by", 0.0).await;
-    let pool = app.pool.clone();
-    eventually(WAIT, "the hold expired at the ceiling", || {
-        let pool = pool.clone();
-        async move {
-            sqlx::query_scalar::<_, String>("SELECT status FROM holds WHERE order_id = $1")
-                .bind(order)
-                .fetch_one(&pool)
-                .await
-                .unwrap()
-                == "expired"
-        }
-    })
-    .await;
+    await_hold_status(&app, order, "expired", "the hold expired at the ceiling").await;
     let o = outcomes(&app).await;
     assert_eq!((o.expired_never_payable, o.expired_abandoned), (1, 0), "{o:?}");
     app.stop().await;
