@@ -29,7 +29,8 @@ pub fn router(state: AppState) -> Router {
     let limit = state.settings.max_body_bytes;
     use axum::middleware::from_fn_with_state as buckets;
     let hops = state.settings.trusted_proxy_hops;
-    let buyer_in_flight = crate::edge::PerClientInFlight::new("buyer", state.settings.max_in_flight_per_ip, hops);
+    let buyer_in_flight =
+        crate::edge::PerClientInFlight::new("buyer", state.settings.max_in_flight_per_ip, hops);
     let in_flight = |l: &std::sync::Arc<crate::edge::PerClientInFlight>| {
         axum::middleware::from_fn_with_state(l.clone(), crate::edge::limit_in_flight)
     };
@@ -345,7 +346,8 @@ async fn webhook_source(
 ) -> Response {
     let nets = &st.settings.webhook_allowed_networks;
     if !nets.is_empty() {
-        let peer = req.extensions().get::<axum::extract::ConnectInfo<std::net::SocketAddr>>().map(|c| c.0.ip());
+        let peer =
+            req.extensions().get::<axum::extract::ConnectInfo<std::net::SocketAddr>>().map(|c| c.0.ip());
         let ip = crate::edge::client_ip(peer, req.headers(), st.settings.trusted_proxy_hops);
         if !ip.is_some_and(|ip| nets.iter().any(|n| n.contains(&ip.to_canonical()))) {
             metrics::counter!("boxoffice_stripe_webhooks_total", "outcome" => "source_refused").increment(1);

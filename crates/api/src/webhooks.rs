@@ -32,10 +32,10 @@
 //! Fault points: `webhook.before_commit`, `webhook.after_commit` (committed, not answered:
 //! Stripe redelivers and the duplicate is acknowledged without effect).
 
+use boxoffice_domain::HoldPolicy;
 use boxoffice_domain::PaymentIntentStatus;
 use boxoffice_domain::{Envelope, OrderId, PurchaseEvent};
 use boxoffice_payments::webhook::Event;
-use boxoffice_domain::HoldPolicy;
 use boxoffice_store::{holds, orders, outbox, payments, stripe_events};
 use serde_json::Value;
 use sqlx::PgPool;

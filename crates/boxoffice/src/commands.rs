@@ -144,7 +144,10 @@ pub async fn seed_venue(
     let venue_name = venue::venue_name(&pool, event).await?.unwrap_or_default();
     let (seats_cap, holds_cap) = venue::buyer_limits(&pool, event).await?;
     if venue_name != spec.name {
-        eprintln!("event \"{name}\" exists already: its venue and seats are kept ({venue_name}, not {})", spec.name);
+        eprintln!(
+            "event \"{name}\" exists already: its venue and seats are kept ({venue_name}, not {})",
+            spec.name
+        );
     }
     println!(
         "event {event} \"{name}\" at {venue_name}: {seats} seats; at most {seats_cap} seats and {holds_cap} active hold(s) per buyer"
@@ -248,10 +251,14 @@ pub async fn reconcile(
 /// store releases them ([`boxoffice_store::tickets::release_for_resale`]) and a
 /// `SeatsReturnedToSale` fact goes to the outbox under the order's correlation id. Refused
 /// (nothing written) while a ticket of the order is valid. Errors: unknown order, database.
-pub async fn resell(pool: &PgPool, order: boxoffice_domain::OrderId) -> anyhow::Result<boxoffice_store::tickets::Resale> {
+pub async fn resell(
+    pool: &PgPool,
+    order: boxoffice_domain::OrderId,
+) -> anyhow::Result<boxoffice_store::tickets::Resale> {
     use boxoffice_store::tickets::{self, Resale};
     let mut tx = pool.begin().await?;
-    let Some((_, correlation)) = boxoffice_store::orders::amount_and_correlation(&mut *tx, order).await? else {
+    let Some((_, correlation)) = boxoffice_store::orders::amount_and_correlation(&mut *tx, order).await?
+    else {
         anyhow::bail!("no order {}", order.0);
     };
     let outcome = tickets::release_for_resale(&mut tx, order).await?;
@@ -261,8 +268,11 @@ pub async fn resell(pool: &PgPool, order: boxoffice_domain::OrderId) -> anyhow::
             ticket_ids: released.iter().map(|r| r.0).collect(),
             seat_ids: released.iter().map(|r| r.1 .0).collect(),
         };
-        boxoffice_store::outbox::insert_all(&mut tx, &[boxoffice_domain::Envelope::new(order, &fact, correlation, None)])
-            .await?;
+        boxoffice_store::outbox::insert_all(
+            &mut tx,
+            &[boxoffice_domain::Envelope::new(order, &fact, correlation, None)],
+        )
+        .await?;
     }
     tx.commit().await?;
     Ok(outcome)

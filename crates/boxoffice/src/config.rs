@@ -620,7 +620,9 @@ impl Config {
         for key in SECRET_KEYS {
             match std::env::var(format!("BOXOFFICE_{}", key.to_uppercase())) {
                 Ok(v) => fig = fig.merge(Serialized::default(key, v)),
-                Err(std::env::VarError::NotUnicode(_)) => bail!("BOXOFFICE_{}: not UTF-8", key.to_uppercase()),
+                Err(std::env::VarError::NotUnicode(_)) => {
+                    bail!("BOXOFFICE_{}: not UTF-8", key.to_uppercase())
+                }
                 Err(std::env::VarError::NotPresent) => {}
             }
         }

@@ -418,7 +418,9 @@ fn dispute_is_final(status: &str) -> bool {
 pub fn compare_dispute(newest: Option<&boxoffice_payments::Dispute>, l: &LedgerPayment) -> Option<Drift> {
     let d = newest?;
     let row = &l.payment;
-    if row.dispute_id.as_deref() == Some(d.id.as_str()) && row.dispute_status.as_deref() == Some(d.status.as_str()) {
+    if row.dispute_id.as_deref() == Some(d.id.as_str())
+        && row.dispute_status.as_deref() == Some(d.status.as_str())
+    {
         return None;
     }
     Some(Drift {
@@ -830,7 +832,10 @@ mod tests {
         let mut lost = row("succeeded", 100, 100, 0);
         lost.payment.dispute_id = Some("dp_1".into());
         lost.payment.dispute_status = Some("lost".into());
-        assert_eq!(kinds(Some(&p), Some(&lost)), [(DriftKind::TicketsValidAfterDisputeLost, Some("PaymentDisputed"))]);
+        assert_eq!(
+            kinds(Some(&p), Some(&lost)),
+            [(DriftKind::TicketsValidAfterDisputeLost, Some("PaymentDisputed"))]
+        );
         lost.order_status = OrderStatus::Refunded;
         assert!(kinds(Some(&p), Some(&lost)).is_empty(), "voided and refunded: settled");
 

@@ -249,7 +249,8 @@ pub async fn start(
                         run_consumers(k, pool.clone(), Arc::new(TicketWorker), p, consumers, lanes, sd)?
                     }
                     _ => {
-                        let worker = Arc::new(PaymentWorker::new(gateway(cfg)?, pool.clone(), cfg.hold_policy()));
+                        let worker =
+                            Arc::new(PaymentWorker::new(gateway(cfg)?, pool.clone(), cfg.hold_policy()));
                         run_consumers(k, pool.clone(), worker, p, consumers, lanes, sd)?
                     }
                 };

@@ -49,12 +49,7 @@ impl HoldPolicy {
     /// The defaults for `ttl`: a payment window of 90 % of it, a ceiling of three TTLs, and
     /// 30 minutes of protection for an authorization reported in time.
     pub fn for_ttl(ttl: Duration) -> Self {
-        Self {
-            ttl,
-            payment_window: ttl.mul_f64(0.9),
-            ceiling: ttl * 3,
-            settle: Duration::from_secs(30 * 60),
-        }
+        Self { ttl, payment_window: ttl.mul_f64(0.9), ceiling: ttl * 3, settle: Duration::from_secs(30 * 60) }
     }
 
     /// Checks the rules' own consistency: a window and a settle time above zero, and a

@@ -203,8 +203,12 @@ pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
     let release_samples = Arc::new(std::sync::Mutex::new(Vec::<f64>::new()));
     let signal_max = Arc::new(std::sync::Mutex::new(std::collections::BTreeMap::<String, f64>::new()));
     let release_sampler = {
-        let (samples, maxima, sd, url) =
-            (release_samples.clone(), signal_max.clone(), CancellationToken::new(), format!("{api_url}/metrics"));
+        let (samples, maxima, sd, url) = (
+            release_samples.clone(),
+            signal_max.clone(),
+            CancellationToken::new(),
+            format!("{api_url}/metrics"),
+        );
         let h = tokio::spawn({
             let sd = sd.clone();
             async move {
@@ -226,7 +230,8 @@ pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
     };
 
     let users = runtime::user_tokens(&cfg);
-    let stealers = boxoffice_harness::noise::CpuStealers::start(args.steal_cpu).context("starting --steal-cpu")?;
+    let stealers =
+        boxoffice_harness::noise::CpuStealers::start(args.steal_cpu).context("starting --steal-cpu")?;
     if !stealers.is_empty() {
         eprintln!("{} busy process(es) stealing CPU for the whole run", stealers.len());
     }
@@ -300,7 +305,8 @@ pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
             })
         })
     };
-    let outcomes = boxoffice_store::outcomes::read(&pool, Some(event), cfg.hold_policy().payment_window).await?;
+    let outcomes =
+        boxoffice_store::outcomes::read(&pool, Some(event), cfg.hold_policy().payment_window).await?;
 
     let audit_opts = boxoffice::audit::AuditOptions {
         stuck_after_ms: 0,
@@ -358,8 +364,14 @@ pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
             ("lost_after_authorization".to_owned(), json!(outcomes.lost_after_authorization)),
             ("hold_to_payable_p50_ms".to_owned(), json!(outcomes.hold_to_payable_ms.p50)),
             ("hold_to_payable_p99_ms".to_owned(), json!(outcomes.hold_to_payable_ms.p99)),
-            ("authorization_to_confirmation_p50_ms".to_owned(), json!(outcomes.authorization_to_confirmation_ms.p50)),
-            ("authorization_to_confirmation_p99_ms".to_owned(), json!(outcomes.authorization_to_confirmation_ms.p99)),
+            (
+                "authorization_to_confirmation_p50_ms".to_owned(),
+                json!(outcomes.authorization_to_confirmation_ms.p50),
+            ),
+            (
+                "authorization_to_confirmation_p99_ms".to_owned(),
+                json!(outcomes.authorization_to_confirmation_ms.p99),
+            ),
             ("payment_window_ms".to_owned(), json!(cfg.hold_policy().payment_window.as_millis() as u64)),
             ("steal_cpu".to_owned(), json!(args.steal_cpu)),
             ("venue_seats".to_owned(), json!(venue_seats)),
@@ -476,7 +488,8 @@ fn print_report(r: &serde_json::Value, audited: &boxoffice::audit::AuditReport) 
             f("max_per_s")
         );
         if let Some(m) = c.get("signal_max").and_then(|m| m.as_object()).filter(|m| !m.is_empty()) {
-            let peaks: Vec<String> = m.iter().map(|(k, v)| format!("{k} {}", v.as_f64().unwrap_or(0.0).round())).collect();
+            let peaks: Vec<String> =
+                m.iter().map(|(k, v)| format!("{k} {}", v.as_f64().unwrap_or(0.0).round())).collect();
             println!("  release signals, peak      {}", peaks.join(", "));
         }
     }
@@ -519,12 +532,14 @@ fn print_report(r: &serde_json::Value, audited: &boxoffice::audit::AuditReport) 
         );
     }
     print!("{}", boxoffice::audit::render(audited));
-    let ours = g("expired_never_payable").as_i64().unwrap_or(0) + g("lost_after_authorization").as_i64().unwrap_or(0);
+    let ours = g("expired_never_payable").as_i64().unwrap_or(0)
+        + g("lost_after_authorization").as_i64().unwrap_or(0);
     println!(
         "result: {}",
         match (audited.exit_code(), ours) {
             (0, 0) => "OK — every invariant holds, and no buyer lost seats to the system's lag",
-            (0, _) => "FAILED — buyers lost seats to the system's lag (never payable / lost after authorization)",
+            (0, _) =>
+                "FAILED — buyers lost seats to the system's lag (never payable / lost after authorization)",
             (1, _) => "FAILED — invariant violations above",
             _ => "INCOMPLETE — a check could not run (see above)",
         }

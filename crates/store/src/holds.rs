@@ -508,13 +508,13 @@ async fn insert_hold(
         "INSERT INTO holds (id, order_id, status, expires_at, payable_by)
          VALUES ($1, $2, $3, $4, clock_timestamp() + make_interval(secs => $5))",
     )
-        .bind(hold_id.0)
-        .bind(order_id.0)
-        .bind(HoldStatus::Active.as_str())
-        .bind(expires_at)
-        .bind(req.payable_within.map(|d| d.as_secs_f64()))
-        .execute(&mut **tx)
-        .await?;
+    .bind(hold_id.0)
+    .bind(order_id.0)
+    .bind(HoldStatus::Active.as_str())
+    .bind(expires_at)
+    .bind(req.payable_within.map(|d| d.as_secs_f64()))
+    .execute(&mut **tx)
+    .await?;
     let seat_uuids: Vec<Uuid> = seats.iter().map(|s| s.0).collect();
     let inserted = sqlx::query("INSERT INTO hold_seats (hold_id, seat_id) SELECT $1, unnest($2::uuid[])")
         .bind(hold_id.0)
@@ -634,11 +634,11 @@ pub async fn transition(
                 confirmed_at = CASE WHEN $2 = 'confirmed' THEN clock_timestamp() ELSE confirmed_at END
           WHERE id = $1 AND status = $3",
     )
-        .bind(hold.id)
-        .bind(to.as_str())
-        .bind(from.as_str())
-        .execute(&mut **tx)
-        .await?;
+    .bind(hold.id)
+    .bind(to.as_str())
+    .bind(from.as_str())
+    .execute(&mut **tx)
+    .await?;
     if r.rows_affected() != 1 {
         return Err(StoreError::Corrupt(format!("hold {} left {from} under its row lock", hold.id)));
     }

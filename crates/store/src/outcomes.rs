@@ -50,7 +50,11 @@ pub struct Percentiles {
 /// Reads the outcomes of `event` (every event when `None`), with `payment_window` the window
 /// buyers are owed (a PaymentIntent recorded with less than that left, minus one second of
 /// clock tolerance, counts as never payable).
-pub async fn read(pool: &PgPool, event: Option<Uuid>, payment_window: Duration) -> Result<Outcomes, sqlx::Error> {
+pub async fn read(
+    pool: &PgPool,
+    event: Option<Uuid>,
+    payment_window: Duration,
+) -> Result<Outcomes, sqlx::Error> {
     let window_s = (payment_window.as_secs_f64() - 1.0).max(0.0);
     let (abandoned, declined, never_payable): (i64, i64, i64) = sqlx::query_as(
         "WITH ended AS (

@@ -99,10 +99,11 @@ pub enum Resale {
 /// serialises with the saga's voiding and a won dispute's restore.
 pub async fn release_for_resale(tx: &mut Tx<'_>, order: OrderId) -> Result<Resale, sqlx::Error> {
     sqlx::query("SELECT 1 FROM orders WHERE id = $1 FOR UPDATE").bind(order.0).execute(&mut **tx).await?;
-    let valid: i64 = sqlx::query_scalar("SELECT count(*) FROM tickets WHERE order_id = $1 AND voided_at IS NULL")
-        .bind(order.0)
-        .fetch_one(&mut **tx)
-        .await?;
+    let valid: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM tickets WHERE order_id = $1 AND voided_at IS NULL")
+            .bind(order.0)
+            .fetch_one(&mut **tx)
+            .await?;
     if valid > 0 {
         return Ok(Resale::TicketsStillValid);
     }

@@ -135,11 +135,7 @@ async fn retrieve_refund(
     read(&sim, &headers, None, Keys::SecretOnly, |st, _| st.refund_by_id(&id)).await
 }
 
-async fn list_disputes(
-    State(sim): State<StripeSim>,
-    headers: HeaderMap,
-    RawQuery(q): RawQuery,
-) -> Response {
+async fn list_disputes(State(sim): State<StripeSim>, headers: HeaderMap, RawQuery(q): RawQuery) -> Response {
     read(&sim, &headers, q, Keys::SecretOnly, |st, ctx| st.list_disputes(ctx)).await
 }
 

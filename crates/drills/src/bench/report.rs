@@ -286,7 +286,11 @@ pub fn markdown(r: &Report) -> String {
         m.broker,
         m.started_at,
         m.load_average_1m.map(|l| format!(", load average {l:.2} at start")).unwrap_or_default(),
-        if m.steal_cpu > 0 { format!(", {} busy process(es) stealing CPU throughout", m.steal_cpu) } else { String::new() },
+        if m.steal_cpu > 0 {
+            format!(", {} busy process(es) stealing CPU throughout", m.steal_cpu)
+        } else {
+            String::new()
+        },
         if r.quick { " **--quick: smoke-test durations, the numbers mean nothing.**" } else { "" }
     );
     let _ = writeln!(s, "| Phase | Metric | Target | Measured | Met |\n|---|---|---|---|---|");

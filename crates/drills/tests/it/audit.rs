@@ -537,7 +537,11 @@ async fn c15_a_lost_dispute_voids_the_tickets(_: PgPoolOptions, opts: PgConnectO
             .execute(&app.pool)
             .await
             .unwrap();
-        sqlx::query("UPDATE orders SET status = 'ticketed' WHERE id = $1").bind(lost).execute(&app.pool).await.unwrap();
+        sqlx::query("UPDATE orders SET status = 'ticketed' WHERE id = $1")
+            .bind(lost)
+            .execute(&app.pool)
+            .await
+            .unwrap();
         sqlx::query("UPDATE payments SET dispute_status = $2 WHERE order_id = $1")
             .bind(lost)
             .bind(ledger_dispute_status)
@@ -555,8 +559,10 @@ async fn c15_a_lost_dispute_voids_the_tickets(_: PgPoolOptions, opts: PgConnectO
         assert_eq!(r.exit_code(), 1);
         let fixed = run_reconcile(&app, true).await;
         assert!(fixed.facts_emitted >= 1, "{}", reconcile::render(&fixed));
-        eventually(WAIT, "the saga voided the tickets of the lost dispute", || async { ticket_flags(lost).await.0 })
-            .await;
+        eventually(WAIT, "the saga voided the tickets of the lost dispute", || async {
+            ticket_flags(lost).await.0
+        })
+        .await;
         settle(&app).await;
         assert_eq!(order_status(&app, lost).await, "refunded");
         let r = run_audit(&app).await;
@@ -582,7 +588,10 @@ async fn c15_a_lost_dispute_voids_the_tickets(_: PgPoolOptions, opts: PgConnectO
     assert_eq!(app.outbox_count("SeatsReturnedToSale", lost).await, 1);
     let (resold, _) = buy(&app, s[0], "resold").await;
     settle(&app).await;
-    assert_eq!((order_status(&app, resold).await.as_str(), valid_tickets(&app, resold).await), ("ticketed", 1));
+    assert_eq!(
+        (order_status(&app, resold).await.as_str(), valid_tickets(&app, resold).await),
+        ("ticketed", 1)
+    );
     assert_eq!(
         app.count("SELECT count(*) FROM tickets WHERE void_reason = 'dispute_lost' AND seat_released_at IS NOT NULL").await,
         1,

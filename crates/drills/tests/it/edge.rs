@@ -230,7 +230,10 @@ async fn stalled_webhook_bodies_cannot_take_every_request_slot(_: PgPoolOptions,
 /// is read. Webhook senders have their own, smaller bound, and a webhook body that does not
 /// arrive whole within `webhook_timeout_ms` is 503 `request_timeout`.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
-async fn slow_clients_are_bounded_per_address_and_per_webhook_sender(_: PgPoolOptions, opts: PgConnectOptions) {
+async fn slow_clients_are_bounded_per_address_and_per_webhook_sender(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
     let app = api_only(opts, |c| {
         c.http_max_in_flight_per_ip = 4;
         c.webhook_max_in_flight_per_ip = 2;
@@ -294,7 +297,8 @@ async fn slow_clients_are_bounded_per_address_and_per_webhook_sender(_: PgPoolOp
     let started = Instant::now();
     let hook = format!("{}/webhooks/stripe", app.api);
     eventually(Duration::from_secs(10), "the third webhook sender request is refused", || async {
-        app.http.post(&hook).header("stripe-signature", "t=1,v1=00").body("{}").send().await.unwrap().status() == 429
+        app.http.post(&hook).header("stripe-signature", "t=1,v1=00").body("{}").send().await.unwrap().status()
+            == 429
     })
     .await;
     for mut s in stalled {
@@ -308,8 +312,12 @@ async fn slow_clients_are_bounded_per_address_and_per_webhook_sender(_: PgPoolOp
 /// With `webhook_allowed_networks`, a webhook from elsewhere is 403 `webhook_source_refused`
 /// before its body is read (a body that never arrives is answered at once).
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
-async fn webhooks_from_outside_the_allowed_networks_are_refused_unread(_: PgPoolOptions, opts: PgConnectOptions) {
-    let app = api_only(opts, |c| c.webhook_allowed_networks = vec!["10.0.0.0/8".into(), "192.0.2.7".into()]).await;
+async fn webhooks_from_outside_the_allowed_networks_are_refused_unread(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    let app =
+        api_only(opts, |c| c.webhook_allowed_networks = vec!["10.0.0.0/8".into(), "192.0.2.7".into()]).await;
     let mut s = TcpStream::connect(addr(&app)).await.unwrap();
     s.write_all(b"POST /webhooks/stripe HTTP/1.1\r\nHost: x\r\nStripe-Signature: t=1,v1=00\r\nContent-Length: 1000\r\n\r\n{")
         .await
@@ -317,9 +325,12 @@ async fn webhooks_from_outside_the_allowed_networks_are_refused_unread(_: PgPool
     let answer = read_to_close(&mut s, Duration::from_secs(3)).await.expect("answered before the body");
     let text = String::from_utf8_lossy(&answer);
     assert!(text.starts_with("HTTP/1.1 403") && text.contains("webhook_source_refused"), "{text}");
-    assert!(boxoffice::config::Config { webhook_allowed_networks: vec!["10.0.0.0/33".into()], ..Default::default() }
-        .validate()
-        .is_err());
+    assert!(boxoffice::config::Config {
+        webhook_allowed_networks: vec!["10.0.0.0/33".into()],
+        ..Default::default()
+    }
+    .validate()
+    .is_err());
 }
 
 /// A request still running at the request timeout (its body trickles in, each chunk within

@@ -80,7 +80,8 @@ async fn every_boundary_fails_once_and_every_purchase_converges(_: PgPoolOptions
         })
         .unwrap(),
     );
-    let payments = boxoffice_workers::payment::PaymentWorker::new(gateway, app.pool.clone(), app.cfg.hold_policy());
+    let payments =
+        boxoffice_workers::payment::PaymentWorker::new(gateway, app.pool.clone(), app.cfg.hold_policy());
     let history: Vec<serde_json::Value> =
         sqlx::query_scalar("SELECT payload FROM outbox ORDER BY created_at, id")
             .fetch_all(&app.pool)
@@ -413,7 +414,11 @@ async fn early_webhook_is_kept_and_rederived_from_stripe(_: PgPoolOptions, opts:
         .unwrap();
 
     // The payment worker's commit of the payment row (as after a slow authorize call).
-    let worker = boxoffice_workers::payment::PaymentWorker::new(Arc::new(gateway), app.pool.clone(), app.cfg.hold_policy());
+    let worker = boxoffice_workers::payment::PaymentWorker::new(
+        Arc::new(gateway),
+        app.pool.clone(),
+        app.cfg.hold_policy(),
+    );
     let cmd = hold_created.follow(&PurchaseEvent::PaymentAuthorizationRequested {
         order_id: boxoffice_domain::OrderId(order),
         hold_id,

@@ -140,7 +140,8 @@ impl TestApp {
     /// was lagging, or down, catches up); [`TestApp::stop`] stops them too.
     pub async fn start_roles(&mut self, roles: &[Role]) {
         let sd = CancellationToken::new();
-        let running = runtime::start(&self.cfg, roles, self.opts.clone(), sd.clone()).await.expect("roles start");
+        let running =
+            runtime::start(&self.cfg, roles, self.opts.clone(), sd.clone()).await.expect("roles start");
         assert!(running.wait_ready(Duration::from_secs(30)).await, "consumer groups got their partitions");
         self.late.push((sd, running));
     }

@@ -37,7 +37,11 @@ async fn hold_times(app: &TestApp, order: Uuid) -> (String, f64, f64) {
 }
 
 async fn hold_status(app: &TestApp, order: Uuid) -> String {
-    sqlx::query_scalar("SELECT status FROM holds WHERE order_id = $1").bind(order).fetch_one(&app.pool).await.unwrap()
+    sqlx::query_scalar("SELECT status FROM holds WHERE order_id = $1")
+        .bind(order)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap()
 }
 
 /// Waits until the database clock is `secs` past the hold's end (its `expires_at` and any
@@ -60,7 +64,9 @@ async fn await_hold_status(app: &TestApp, order: Uuid, status: &str, what: &str)
 }
 
 async fn outcomes(app: &TestApp) -> boxoffice_store::outcomes::Outcomes {
-    boxoffice_store::outcomes::read(&app.pool, Some(app.event), app.cfg.hold_policy().payment_window).await.unwrap()
+    boxoffice_store::outcomes::read(&app.pool, Some(app.event), app.cfg.hold_policy().payment_window)
+        .await
+        .unwrap()
 }
 
 /// Rule 1: the PaymentIntent recorded pushes the hold's end to at least the payment window
@@ -93,7 +99,11 @@ async fn c19_the_payment_window_outlives_the_ttl(_: PgPoolOptions, opts: PgConne
     // The buyer who never pays loses the hold once the window is over.
     await_hold_status(&app, walked, "expired", "the abandoned hold expired").await;
     let o = outcomes(&app).await;
-    assert_eq!((o.expired_abandoned, o.expired_never_payable, o.lost_after_authorization), (1, 0, 0), "{o:?}");
+    assert_eq!(
+        (o.expired_abandoned, o.expired_never_payable, o.lost_after_authorization),
+        (1, 0, 0),
+        "{o:?}"
+    );
     assert_eq!(o.hold_to_payable_ms.count, 2);
     app.assert_drained_and_clean().await;
     app.stop().await;
@@ -149,7 +159,8 @@ async fn c19_an_authorization_reported_in_time_survives_a_lagging_saga(
     await_hold_status(&app, walked, "expired", "the abandoned hold expired").await;
     past_hold_end(&app, paid, "expires_at", 1.0).await;
     assert_eq!(hold_status(&app, paid).await, "active", "the expiry worker left the authorized hold alone");
-    let (status, code, _) = problem(app.hold(&rival, &app.admission_token(&rival), "rival", &[s[0]]).await).await;
+    let (status, code, _) =
+        problem(app.hold(&rival, &app.admission_token(&rival), "rival", &[s[0]]).await).await;
     assert_eq!((status, code.as_str()), (409, "seat_unavailable"));
 
     // The saga comes back and settles it.
@@ -158,7 +169,10 @@ async fn c19_an_authorization_reported_in_time_survives_a_lagging_saga(
     let o = outcomes(&app).await;
     assert_eq!((o.lost_after_authorization, o.expired_never_payable), (0, 0), "{o:?}");
     assert_eq!(o.authorization_to_confirmation_ms.count, 1);
-    assert!(o.authorization_to_confirmation_ms.p50.unwrap() >= 1_000.0, "{o:?}: the saga lagged past the TTL");
+    assert!(
+        o.authorization_to_confirmation_ms.p50.unwrap() >= 1_000.0,
+        "{o:?}: the saga lagged past the TTL"
+    );
     app.assert_drained_and_clean().await;
     app.stop().await;
 }
