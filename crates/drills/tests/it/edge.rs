@@ -35,6 +35,16 @@ async fn metric(app: &TestApp, series: &str) -> f64 {
         .sum()
 }
 
+/// A connection that sent a webhook request head (a dummy signature, `Content-Length: 1000`)
+/// and one byte of its body, and then stalls.
+async fn stalled_webhook(app: &TestApp) -> TcpStream {
+    let mut s = TcpStream::connect(addr(app)).await.unwrap();
+    s.write_all(b"POST /webhooks/stripe HTTP/1.1\r\nHost: x\r\nStripe-Signature: t=1,v1=00\r\nContent-Length: 1000\r\n\r\n{")
+        .await
+        .unwrap();
+    s
+}
+
 /// Reads from `s` until the peer closes or `limit` passes; the bytes read.
 async fn read_to_close(s: &mut TcpStream, limit: Duration) -> Option<Vec<u8>> {
     let mut got = Vec::new();
@@ -208,13 +218,7 @@ async fn stalled_webhook_bodies_cannot_take_every_request_slot(_: PgPoolOptions,
     .await;
     let mut stalled = Vec::new();
     for _ in 0..bulkhead + 16 {
-        let mut s = TcpStream::connect(addr(&app)).await.unwrap();
-        s.write_all(
-            b"POST /webhooks/stripe HTTP/1.1\r\nHost: x\r\nStripe-Signature: t=1,v1=00\r\nContent-Length: 1000\r\n\r\n{",
-        )
-        .await
-        .unwrap();
-        stalled.push(s);
+        stalled.push(stalled_webhook(&app).await);
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
     for _ in 0..5 {
@@ -288,11 +292,7 @@ async fn slow_clients_are_bounded_per_address_and_per_webhook_sender(
     // end with 503 at the webhook timeout.
     let mut stalled = Vec::new();
     for _ in 0..2 {
-        let mut s = TcpStream::connect(addr(&app)).await.unwrap();
-        s.write_all(b"POST /webhooks/stripe HTTP/1.1\r\nHost: x\r\nStripe-Signature: t=1,v1=00\r\nContent-Length: 1000\r\n\r\n{")
-            .await
-            .unwrap();
-        stalled.push(s);
+        stalled.push(stalled_webhook(&app).await);
     }
     let started = Instant::now();
     let hook = format!("{}/webhooks/stripe", app.api);
@@ -318,10 +318,7 @@ async fn webhooks_from_outside_the_allowed_networks_are_refused_unread(
 ) {
     let app =
         api_only(opts, |c| c.webhook_allowed_networks = vec!["10.0.0.0/8".into(), "192.0.2.7".into()]).await;
-    let mut s = TcpStream::connect(addr(&app)).await.unwrap();
-    s.write_all(b"POST /webhooks/stripe HTTP/1.1\r\nHost: x\r\nStripe-Signature: t=1,v1=00\r\nContent-Length: 1000\r\n\r\n{")
-        .await
-        .unwrap();
+    let mut s = stalled_webhook(&app).await;
     let answer = read_to_close(&mut s, Duration::from_secs(3)).await.expect("answered before the body");
     let text = String::from_utf8_lossy(&answer);
     assert!(text.starts_with("HTTP/1.1 403") && text.contains("webhook_source_refused"), "{text}");
