@@ -14,7 +14,9 @@
 //! handler answers 401).
 //!
 //! When Redis cannot answer:
-//! - **queue** routes answer 503 `waitroom_unavailable` — they need Redis anyway;
+//! - **queue** routes answer 503 `waitroom_unavailable` — they need Redis anyway, and wait
+//!   for it up to `queue_timeout_ms` ([`Patience::Queue`]) rather than the hold path's
+//!   shorter bound;
 //! - **purchase** and **seats** routes fail open onto an in-process fallback limiter
 //!   (`governor`'s keyed GCRA, the same rates, per process instead of per deployment): the
 //!   hold path must not depend on Redis, and a limit per process still stops one client from
@@ -34,7 +36,7 @@ use axum::extract::{ConnectInfo, Request, State};
 use axum::http::header;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use boxoffice_waitroom::{Bucket, RateDecision};
+use boxoffice_waitroom::{Bucket, Patience, RateDecision};
 use governor::clock::{Clock, DefaultClock};
 use governor::{DefaultKeyedRateLimiter, Quota};
 use std::net::SocketAddr;
@@ -224,7 +226,8 @@ async fn take(st: &AppState, class: RouteClass, scope: Scope, id: &str, b: Bucke
     {
         fallback(st, class, scope, id, b)
     } else {
-        match st.waitroom.take(class.redis_scope(scope), id, b).await {
+        let patience = if class == RouteClass::Queue { Patience::Queue } else { Patience::FailFast };
+        match st.waitroom.take(class.redis_scope(scope), id, b, patience).await {
             Ok(d) => d,
             Err(e) if class == RouteClass::Queue => return Err(e.into()),
             // Already counted and logged by the waiting room.

@@ -7,6 +7,11 @@ use axum::response::{IntoResponse, Response};
 use boxoffice_store::holds::ReserveError;
 use serde_json::{json, Value};
 
+/// `Retry-After` of `waitroom_unavailable`, seconds, drawn per answer: a queue's crowd that
+/// is told one number comes back together and meets the same overload. Far inside the time
+/// an unpolled position survives (`waitroom_abandon_after_ms`, 120 s by default).
+pub const WAITROOM_RETRY_AFTER_S: std::ops::RangeInclusive<u64> = 2..=6;
+
 /// A problem+json response.
 #[derive(Debug)]
 pub struct Problem {
@@ -255,7 +260,7 @@ impl From<boxoffice_waitroom::WaitroomError> for Problem {
                     "Waiting room unavailable",
                     "the waiting room is unavailable; retry shortly (admitted buyers can still hold seats)",
                 );
-                p.retry_after = Some(2);
+                p.retry_after = Some(rand::Rng::gen_range(&mut rand::thread_rng(), WAITROOM_RETRY_AFTER_S));
                 p
             }
             W::PositionLimit { held, limit } => Problem::new(

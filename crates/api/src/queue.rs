@@ -36,8 +36,9 @@ pub struct QueueView {
     pub state: String,
     /// 1-based position while `queued`.
     pub position: Option<u64>,
-    /// Estimated wait while `queued`, seconds: position ÷ the release controller's ceiling
-    /// `release_max_per_s` (a lower bound when the controller has lowered R).
+    /// Estimated wait while `queued`, seconds: position ÷ the rate the release controller
+    /// admits this event at now (its last rate, at most 10 s old), or ÷ its ceiling
+    /// `release_max_per_s` when no live rate is known (then a lower bound).
     pub estimated_wait_s: Option<u64>,
     /// When the onsale opens, while `pre_queue`.
     pub opens_at: Option<DateTime<Utc>>,
@@ -60,11 +61,17 @@ struct View {
     position: Option<u64>,
     opens_at: Option<DateTime<Utc>>,
     slot_ends_at: Option<DateTime<Utc>>,
+    release_per_s: Option<f64>,
 }
 
+/// The lowest release rate a wait is estimated with, positions per second: below it (a
+/// controller at its floor, or stopped) the estimate is capped rather than infinite.
+const MIN_ESTIMATE_RATE: f64 = 0.01;
+
 fn render(st: &AppState, user: UserId, v: View) -> QueueView {
-    let estimated_wait_s = match (v.position, st.settings.release_per_s) {
-        (Some(p), r) if r > 0.0 => Some((p as f64 / r).ceil() as u64),
+    let rate = v.release_per_s.unwrap_or(st.settings.release_per_s);
+    let estimated_wait_s = match v.position {
+        Some(p) if rate > 0.0 => Some((p as f64 / rate.max(MIN_ESTIMATE_RATE)).ceil() as u64),
         _ => None,
     };
     let token = match (v.state, v.slot_ends_at) {
@@ -152,6 +159,7 @@ pub(crate) async fn join(
         position: t.position,
         opens_at: t.opens_at,
         slot_ends_at: t.slot_ends_at,
+        release_per_s: t.release_per_s,
     };
     let status = if t.created { StatusCode::CREATED } else { StatusCode::OK };
     let mut resp = (status, Json(render(&st, user.0, view))).into_response();
@@ -185,6 +193,7 @@ pub(crate) async fn status(
         position: s.position,
         opens_at: s.opens_at,
         slot_ends_at: s.slot_ends_at,
+        release_per_s: s.release_per_s,
     };
     Ok(no_store(Json(render(&st, user.0, view)).into_response()))
 }

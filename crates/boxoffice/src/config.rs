@@ -336,8 +336,15 @@ pub struct Config {
     pub redis_url: SecretString,
     /// Prefix of every Redis key of this deployment.
     pub redis_key_prefix: String,
-    /// Bound of one Redis call, connecting included, ms: a dead Redis becomes a 503 this fast.
+    /// Bound of one Redis call on the hold path (revocation checks, the purchase and seat
+    /// routes' rate buckets, which fall back when Redis does not answer), connecting
+    /// included, ms (default 300).
     pub redis_timeout_ms: u64,
+    /// Bound of one Redis call of the waiting room's own routes (join, poll, leave, their
+    /// rate buckets) and of the release step, ms (default 1000, at least `redis_timeout_ms`):
+    /// a dead Redis becomes a 503 this fast. Longer than the hold path's because the only
+    /// alternative is a 503 the crowd retries, while the script that timed out has run.
+    pub redis_queue_timeout_ms: u64,
     /// Highest release rate `R` of the purchase cell, queued positions admitted per second
     /// (split evenly among the events with a queue). The release controller (design §3, see
     /// `boxoffice_workers::release`) runs in every API process, but only the holder of the
@@ -444,6 +451,12 @@ pub struct Config {
     /// hold from lapsing until the saga confirms it, ms at most (also bounded by the capture
     /// deadline less an hour). Default 30 minutes.
     pub authorization_settle_ms: u64,
+    /// How long a payable hold at its end, with no authorization in the ledger, waits for
+    /// the provider's word on its PaymentIntent before it lapses, ms at most (rule 3 of
+    /// `boxoffice_domain::hold`: a late or starved webhook does not cost a paid buyer the
+    /// seats). An answer that is not an authorization ends the wait at once. One provider
+    /// read per such hold; 0 turns the check off. Default 30000.
+    pub hold_provider_check_ms: u64,
     /// Stripe API base URL: `https://api.stripe.com` in production, the simulator otherwise.
     /// Empty means "no provider configured": `audit` then skips its provider checks and
     /// `reconcile` refuses to run.
@@ -540,6 +553,7 @@ impl Default for Config {
             redis_url: "redis://127.0.0.1:6379".into(),
             redis_key_prefix: "boxoffice:".into(),
             redis_timeout_ms: 300,
+            redis_queue_timeout_ms: 1_000,
             release_max_per_s: 50.0,
             release_min_per_s: 1.0,
             release_initial_per_s: 10.0,
@@ -578,6 +592,7 @@ impl Default for Config {
             payment_window_ms: None,
             hold_ceiling_ms: None,
             authorization_settle_ms: 1_800_000,
+            hold_provider_check_ms: 30_000,
             stripe_api_base: "https://api.stripe.com".into(),
             stripe_secret_key: DEV_STRIPE_SECRET_KEY.into(),
             stripe_publishable_key: "pk_test_boxoffice_dev".into(),
@@ -667,6 +682,9 @@ impl Config {
         }
         if !(50..=10_000).contains(&self.redis_timeout_ms) {
             bail!("redis_timeout_ms must be 50..=10000");
+        }
+        if !(self.redis_timeout_ms..=10_000).contains(&self.redis_queue_timeout_ms) {
+            bail!("redis_queue_timeout_ms must be redis_timeout_ms..=10000");
         }
         if self.waitroom_poll_interval_ms < 100
             || self.waitroom_poll_interval_ms * 2 > self.waitroom_abandon_after_ms
@@ -1115,6 +1133,7 @@ impl Config {
             payment_window: self.payment_window_ms.map(ms).unwrap_or(d.payment_window),
             ceiling: self.hold_ceiling_ms.map(ms).unwrap_or(d.ceiling),
             settle: ms(self.authorization_settle_ms),
+            provider_check: ms(self.hold_provider_check_ms),
         }
     }
 
@@ -1182,6 +1201,7 @@ impl Config {
             redis_url: self.redis_url.clone(),
             key_prefix: self.redis_key_prefix.clone(),
             timeout_ms: self.redis_timeout_ms,
+            queue_timeout_ms: self.redis_queue_timeout_ms,
             abandon_after_ms: self.waitroom_abandon_after_ms,
             slot_ms: self.admission_ttl_s as u64 * 1_000,
             max_positions_per_user: self.waitroom_max_positions_per_user,

@@ -231,7 +231,7 @@ async fn waitroom(cfg: &Config, action: WaitroomAction) -> anyhow::Result<()> {
             println!("event {e} opens at {opens_at}");
         }
         WaitroomAction::Release { event: e, n } => {
-            let r = room.release(event(e), n).await?;
+            let r = room.release(event(e), n, None).await?;
             println!(
                 "admitted {}, lapsed {}, queued {}, pre-queued {}, admitted slots running {}",
                 r.admitted.len(),

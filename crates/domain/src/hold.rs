@@ -20,6 +20,15 @@
 //!    its seats while the saga catches up. A claim the provider refutes clears the
 //!    protection. Invariant 2 is unchanged: the saga confirms only an active hold that has
 //!    not lapsed by this rule, with an authorization it has verified.
+//! 3. **The provider is asked before a payable hold lapses.** A webhook may be late (the
+//!    provider retries for days) or starved by our own load, so the ledger's silence is not
+//!    the provider's. When a payable hold reaches its end and the ledger knows of no
+//!    authorization of its PaymentIntent, the expiry worker does not release it: it asks
+//!    for a re-fetch of the PaymentIntent and the hold waits up to `provider_check`
+//!    (`provider_check_until`). An authorization found is rule 2's report in time; any
+//!    other answer ends the wait at once and the hold lapses. One check per hold; a check
+//!    that does not come back within `provider_check` (the payment worker lags too) ends
+//!    the wait anyway, and a later authorization is compensated as before.
 //!
 //! The invariant protected: a buyer the system admitted never loses seats or money to the
 //! system's own lag (design §3, "kind under load").
@@ -39,6 +48,9 @@ pub struct HoldPolicy {
     /// How long an authorization reported in time protects the hold, at most (also bounded
     /// by the authorization's capture deadline less [`HoldPolicy::CAPTURE_MARGIN`]).
     pub settle: Duration,
+    /// How long a payable hold at its end waits for the provider's word on its
+    /// PaymentIntent (rule 3), at most; zero turns the check off.
+    pub provider_check: Duration,
 }
 
 impl HoldPolicy {
@@ -46,10 +58,17 @@ impl HoldPolicy {
     /// ends (the saga must capture before then; case C09 cancels what it cannot).
     pub const CAPTURE_MARGIN: Duration = Duration::from_secs(3_600);
 
-    /// The defaults for `ttl`: a payment window of 90 % of it, a ceiling of three TTLs, and
-    /// 30 minutes of protection for an authorization reported in time.
+    /// The defaults for `ttl`: a payment window of 90 % of it, a ceiling of three TTLs,
+    /// 30 minutes of protection for an authorization reported in time, and 30 s for the
+    /// provider check of rule 3.
     pub fn for_ttl(ttl: Duration) -> Self {
-        Self { ttl, payment_window: ttl.mul_f64(0.9), ceiling: ttl * 3, settle: Duration::from_secs(30 * 60) }
+        Self {
+            ttl,
+            payment_window: ttl.mul_f64(0.9),
+            ceiling: ttl * 3,
+            settle: Duration::from_secs(30 * 60),
+            provider_check: Duration::from_secs(30),
+        }
     }
 
     /// Checks the rules' own consistency: a window and a settle time above zero, and a

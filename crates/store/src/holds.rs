@@ -10,8 +10,9 @@
 //!
 //! A hold's lifetime follows [`boxoffice_domain::hold`] (case C19): [`open_payment_window`]
 //! pushes `expires_at` when the order becomes payable, [`protect_authorized`] keeps a hold
-//! whose authorization was reported in time until the saga settles it, and every test of
-//! "lapsed" here reads both (`GREATEST(expires_at, authorized_until)`, [`LAPSED`]).
+//! whose authorization was reported in time until the saga settles it, [`check_lapsing`]
+//! asks the provider before a payable hold with no authorization lapses, and every test of
+//! "lapsed" reads every end at once ([`LAPSED`]).
 
 use crate::error::constraint;
 use crate::{outbox, StoreError, Tx};
@@ -28,10 +29,33 @@ use std::collections::HashMap;
 use std::time::Duration;
 use uuid::Uuid;
 
-/// The one SQL test of a lapsed hold (on `holds` unqualified): past its expiry, past any
-/// protection of an authorization reported in time, and, while it is not payable yet, past
-/// the ceiling it may wait for that (PostgreSQL's `GREATEST` ignores NULL).
-pub const LAPSED: &str = "GREATEST(expires_at, authorized_until, payable_by) < clock_timestamp()";
+/// The end of a hold, with `$p` (`""` or `"h."`) in front of each column: the latest of
+/// its expiry, the protection of an authorization reported in time, the ceiling a hold not
+/// payable yet may wait, and the wait for the provider's word (PostgreSQL's `GREATEST`
+/// ignores NULL). Rules of [`boxoffice_domain::hold`].
+macro_rules! hold_end {
+    ($p:literal) => {
+        concat!(
+            "GREATEST(",
+            $p,
+            "expires_at, ",
+            $p,
+            "authorized_until, ",
+            $p,
+            "payable_by, ",
+            $p,
+            "provider_check_until)"
+        )
+    };
+}
+pub(crate) use hold_end;
+
+/// The end of a hold (on `holds` unqualified); see [`LAPSED`].
+pub const HOLD_END: &str = hold_end!("");
+
+/// The one SQL test of a lapsed hold (on `holds` unqualified): past every end of
+/// [`HOLD_END`] by the database clock.
+pub const LAPSED: &str = concat!(hold_end!(""), " < clock_timestamp()");
 
 /// Fewest and most seats one hold may take (design §5).
 pub const SEATS_PER_HOLD: std::ops::RangeInclusive<usize> = 1..=8;
@@ -450,14 +474,16 @@ async fn lock_seats(
 /// active hold during an onsale.
 async fn take_seats_from_lapsed_holds(tx: &mut Tx<'_>, seats: &[SeatId]) -> Result<(), ReserveError> {
     let seat_uuids: Vec<Uuid> = seats.iter().map(|s| s.0).collect();
-    let owners: Vec<(Uuid, Option<Uuid>, bool)> = sqlx::query_as(
+    let owners: Vec<(Uuid, Option<Uuid>, bool)> = sqlx::query_as(concat!(
         "SELECT hs.seat_id, hs.hold_id,
-                COALESCE((SELECT h.status = 'active' AND GREATEST(h.expires_at, h.authorized_until, h.payable_by) < clock_timestamp()
+                COALESCE((SELECT h.status = 'active' AND ",
+        hold_end!("h."),
+        " < clock_timestamp()
                             FROM holds h WHERE h.id = hs.hold_id), false) AS lapsed
            FROM hold_seats hs WHERE hs.seat_id = ANY($1) AND hs.released_at IS NULL
          UNION ALL
          SELECT t.seat_id, NULL, false FROM tickets t WHERE t.seat_id = ANY($1) AND t.seat_released_at IS NULL",
-    )
+    ))
     .bind(&seat_uuids)
     .fetch_all(&mut **tx)
     .await?;
@@ -731,26 +757,86 @@ pub async fn expire_batch(tx: &mut Tx<'_>, holds: &[(Uuid, Uuid)]) -> Result<Vec
 
 /// Expires up to `limit` lapsed active holds in one transaction (`FOR UPDATE SKIP LOCKED`,
 /// so several expiry workers never claim the same hold). Returns how many expired and the
-/// largest delay between a hold's expiry and its release, in ms.
+/// largest delay between a hold's end ([`HOLD_END`]) and its release, in ms.
 pub async fn expire_due(pool: &PgPool, limit: i64) -> Result<(usize, i64), StoreError> {
     let mut tx = pool.begin().await?;
-    let rows: Vec<(Uuid, Uuid, f64)> = sqlx::query_as(
-        "SELECT id, order_id,
-                (EXTRACT(EPOCH FROM clock_timestamp() - GREATEST(expires_at, authorized_until, payable_by)) * 1000)::float8
+    let sql = format!(
+        "SELECT id, order_id, (EXTRACT(EPOCH FROM clock_timestamp() - {HOLD_END}) * 1000)::float8
            FROM holds
-          WHERE status = 'active' AND expires_at < clock_timestamp()
-            AND (authorized_until IS NULL OR authorized_until < clock_timestamp())
-            AND (payable_by IS NULL OR payable_by < clock_timestamp())
-          ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED",
-    )
-    .bind(limit)
-    .fetch_all(&mut *tx)
-    .await?;
+          WHERE status = 'active' AND expires_at < clock_timestamp() AND {LAPSED}
+          ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED"
+    );
+    let rows: Vec<(Uuid, Uuid, f64)> = sqlx::query_as(&sql).bind(limit).fetch_all(&mut *tx).await?;
     let max_delay = rows.iter().map(|r| r.2 as i64).max().unwrap_or(0);
     let pairs: Vec<(Uuid, Uuid)> = rows.iter().map(|r| (r.0, r.1)).collect();
     expire_batch(&mut tx, &pairs).await?;
     tx.commit().await?;
     Ok((rows.len(), max_delay))
+}
+
+/// Rule 3 of [`boxoffice_domain::hold`]: up to `limit` payable holds past their
+/// `expires_at`, still waiting for the provider's word (`provider_check_until` ahead), with
+/// no authorization reported and no check asked yet, get one: a
+/// `PaymentIntentRefreshRequested` (reason [`PROVIDER_CHECK_REASON`]) for the order's
+/// PaymentIntent in the outbox and `provider_check_requested_at` set, in one transaction
+/// (`FOR UPDATE SKIP LOCKED`). Returns how many checks were asked.
+pub async fn check_lapsing(pool: &PgPool, limit: i64) -> Result<usize, StoreError> {
+    let mut tx = pool.begin().await?;
+    let rows: Vec<(Uuid, Uuid, String)> = sqlx::query_as(
+        "SELECT h.order_id, o.correlation_id, p.payment_intent_id
+           FROM holds h
+           JOIN orders o ON o.id = h.order_id
+           JOIN payments p ON p.order_id = h.order_id
+          WHERE h.status = 'active' AND h.expires_at < clock_timestamp()
+            AND h.provider_check_until > clock_timestamp() AND h.provider_check_requested_at IS NULL
+            AND h.authorization_reported_at IS NULL
+          ORDER BY h.expires_at LIMIT $1 FOR UPDATE OF h SKIP LOCKED",
+    )
+    .bind(limit)
+    .fetch_all(&mut *tx)
+    .await?;
+    if rows.is_empty() {
+        return Ok(0);
+    }
+    let orders: Vec<Uuid> = rows.iter().map(|r| r.0).collect();
+    sqlx::query("UPDATE holds SET provider_check_requested_at = clock_timestamp() WHERE order_id = ANY($1)")
+        .bind(&orders)
+        .execute(&mut *tx)
+        .await?;
+    let events: Vec<Envelope> = rows
+        .into_iter()
+        .map(|(order, correlation, pi)| {
+            let fact = PurchaseEvent::PaymentIntentRefreshRequested {
+                order_id: OrderId(order),
+                payment_intent_id: pi,
+                reason: PROVIDER_CHECK_REASON.into(),
+            };
+            Envelope::new(OrderId(order), &fact, correlation, None)
+        })
+        .collect();
+    outbox::insert_all(&mut tx, &events).await?;
+    tx.commit().await?;
+    metrics::counter!("boxoffice_hold_provider_checks_total").increment(events.len() as u64);
+    Ok(events.len())
+}
+
+/// The `reason` of the re-fetch [`check_lapsing`] asks for.
+pub const PROVIDER_CHECK_REASON: &str = "hold_lapsing";
+
+/// Rule 3's answer: the provider's word on `order`'s PaymentIntent is not an authorization,
+/// so a wait for it that [`check_lapsing`] started ends now (the hold then lapses by its other
+/// ends). A wait no check was asked for is left alone: the buyer may still pay. Returns
+/// whether a wait ended.
+pub async fn end_provider_check(tx: &mut Tx<'_>, order: OrderId) -> Result<bool, sqlx::Error> {
+    let r = sqlx::query(
+        "UPDATE holds SET provider_check_until = clock_timestamp()
+          WHERE order_id = $1 AND provider_check_requested_at IS NOT NULL
+            AND provider_check_until > clock_timestamp()",
+    )
+    .bind(order.0)
+    .execute(&mut **tx)
+    .await?;
+    Ok(r.rows_affected() == 1)
 }
 
 /// Rule 1 of [`boxoffice_domain::hold`]: the order of the hold the caller has locked became
@@ -763,18 +849,26 @@ pub async fn open_payment_window(
     order: OrderId,
     policy: &HoldPolicy,
 ) -> Result<Option<DateTime<Utc>>, sqlx::Error> {
+    // Postgres evaluates every SET expression on the old row, so the wait of rule 3 is
+    // computed from the same new expiry, spelled twice.
     let sql = format!(
         "UPDATE holds SET payable_at = COALESCE(payable_at, clock_timestamp()), payable_by = NULL,
                 expires_at = CASE WHEN status = 'active' AND NOT {LAPSED}
                                   THEN GREATEST(expires_at, LEAST(clock_timestamp() + make_interval(secs => $2),
                                                                   created_at + make_interval(secs => $3)))
-                                  ELSE expires_at END
+                                  ELSE expires_at END,
+                provider_check_until = CASE WHEN status = 'active' AND NOT {LAPSED} AND $4 > 0
+                                  THEN GREATEST(expires_at, LEAST(clock_timestamp() + make_interval(secs => $2),
+                                                                  created_at + make_interval(secs => $3)))
+                                       + make_interval(secs => $4)
+                                  ELSE provider_check_until END
           WHERE order_id = $1 RETURNING expires_at"
     );
     sqlx::query_scalar(&sql)
         .bind(order.0)
         .bind(policy.payment_window.as_secs_f64())
         .bind(policy.ceiling.as_secs_f64())
+        .bind(policy.provider_check.as_secs_f64())
         .fetch_optional(&mut **tx)
         .await
 }
@@ -809,7 +903,7 @@ pub async fn protect_authorized(
 
 /// The provider does not confirm a reported authorization of `order` (it says the
 /// PaymentIntent is not authorized): the protection of [`protect_authorized`] ends, and the
-/// hold lapses by its own `expires_at`. Returns whether a protection was cleared.
+/// hold lapses by its other ends ([`HOLD_END`]). Returns whether a protection was cleared.
 pub async fn clear_protection(tx: &mut Tx<'_>, order: OrderId) -> Result<bool, sqlx::Error> {
     let r = sqlx::query(
         "UPDATE holds SET authorized_until = NULL, authorization_reported_at = NULL

@@ -72,7 +72,7 @@ pub async fn read(
     .bind(window_s)
     .fetch_one(pool)
     .await?;
-    let lost: i64 = sqlx::query_scalar(
+    let lost: i64 = sqlx::query_scalar(concat!(
         "SELECT count(*) FROM orders o
            JOIN holds h ON h.order_id = o.id
            JOIN payments p ON p.order_id = o.id
@@ -84,8 +84,10 @@ pub async fn read(
                      AND EXISTS (SELECT 1 FROM stripe_events e
                                   WHERE e.order_id = o.id AND e.payment_intent_id = p.payment_intent_id
                                     AND e.type = 'payment_intent.amount_capturable_updated'
-                                    AND e.received_at < GREATEST(h.expires_at, h.authorized_until))))",
-    )
+                                    AND e.received_at < ",
+        crate::holds::hold_end!("h."),
+        ")))",
+    ))
     .bind(event)
     .fetch_one(pool)
     .await?;

@@ -55,12 +55,14 @@ pub async fn active_holds(c: &mut PgConnection) -> Result<f64, sqlx::Error> {
 /// How long the oldest lapsed, still active hold has waited for the expiry worker, ms (0 when
 /// none).
 pub async fn expiry_delay_ms(c: &mut PgConnection) -> Result<f64, sqlx::Error> {
-    sqlx::query_scalar(
-        "SELECT COALESCE(EXTRACT(EPOCH FROM clock_timestamp() - min(GREATEST(expires_at, authorized_until, payable_by))) * 1000, 0)::float8
-           FROM holds WHERE status = 'active' AND expires_at < clock_timestamp()
-            AND (authorized_until IS NULL OR authorized_until < clock_timestamp())
-            AND (payable_by IS NULL OR payable_by < clock_timestamp())",
-    )
+    sqlx::query_scalar(concat!(
+        "SELECT COALESCE(EXTRACT(EPOCH FROM clock_timestamp() - min(",
+        crate::holds::hold_end!(""),
+        ")) * 1000, 0)::float8
+           FROM holds WHERE status = 'active' AND expires_at < clock_timestamp() AND ",
+        crate::holds::hold_end!(""),
+        " < clock_timestamp()",
+    ))
     .fetch_one(&mut *c)
     .await
 }

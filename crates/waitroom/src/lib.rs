@@ -12,8 +12,9 @@
 //!
 //! The invariant it protects is the ledger's: PostgreSQL stays within the write rate it has
 //! proved it sustains. Redis is a shield, not a ledger: it never owns seats, and nothing here
-//! holds, releases or sells one. When Redis is unreachable every call fails fast (each is
-//! bounded by `timeout_ms`) with [`WaitroomError::Unavailable`]: joins and polls answer 503,
+//! holds, releases or sells one. When Redis is unreachable every call fails fast (the hold
+//! path's are bounded by `timeout_ms`, the queue's own by `queue_timeout_ms`, see
+//! [`Patience`]) with [`WaitroomError::Unavailable`]: joins and polls answer 503,
 //! while buyers already holding a valid admission token keep buying (their token is verified
 //! locally; the revocation check then asks the ledger, see `boxoffice-api`'s `revocation`).
 //! Only timeouts, refused, reset or closed connections and a Redis still loading its data
@@ -47,8 +48,15 @@ pub struct WaitroomConfig {
     pub redis_url: SecretString,
     /// Prefix of every key (one deployment or test per prefix).
     pub key_prefix: String,
-    /// Bound of one Redis call, connecting included, ms. A dead Redis costs at most this.
+    /// Bound of one Redis call on the hold path (revocation checks, the purchase routes' rate
+    /// buckets), connecting included, ms: those callers have a fallback, so a dead Redis
+    /// costs at most this.
     pub timeout_ms: u64,
+    /// Bound of one call of the waiting room's own routes and of the release step
+    /// ([`Patience::Queue`]), ms (≥ `timeout_ms`). Their only alternative is a 503 that the
+    /// crowd retries, and a script that timed out on our side has still run in Redis, so
+    /// under load a short bound multiplies the work instead of shedding it.
+    pub queue_timeout_ms: u64,
     /// A queue position whose holder has not polled for this long lapses, ms.
     pub abandon_after_ms: u64,
     /// Length of the admission slot a released ticket gets, ms (the admission token's `exp`
@@ -67,6 +75,7 @@ impl Default for WaitroomConfig {
             redis_url: "redis://127.0.0.1:6379".into(),
             key_prefix: "boxoffice:".into(),
             timeout_ms: 300,
+            queue_timeout_ms: 1_000,
             abandon_after_ms: 120_000,
             slot_ms: 900_000,
             max_positions_per_user: 2,
@@ -75,13 +84,25 @@ impl Default for WaitroomConfig {
     }
 }
 
+/// How long a caller waits for Redis.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Patience {
+    /// [`WaitroomConfig::timeout_ms`]: callers with a fallback (the hold path).
+    FailFast,
+    /// [`WaitroomConfig::queue_timeout_ms`]: the waiting room's own routes.
+    Queue,
+}
+
+/// How old the release controller's rate for an event may be and still be told to buyers.
+pub const LIVE_RATE_MAX_AGE: Duration = Duration::from_secs(10);
+
 /// Why a waiting-room call failed.
 #[derive(Debug, thiserror::Error)]
 pub enum WaitroomError {
     /// Redis is unreachable or did not answer in time (→ 503 with `Retry-After`).
     #[error("the waiting room's Redis is unavailable")]
     Unavailable(#[source] redis::RedisError),
-    /// Redis did not answer within `timeout_ms` (→ 503 with `Retry-After`).
+    /// Redis did not answer within the caller's bound, ms (→ 503 with `Retry-After`).
     #[error("the waiting room's Redis did not answer within {0} ms")]
     Timeout(u64),
     /// Redis answered with an error or an unexpected shape (a wrong password, a script
@@ -143,7 +164,7 @@ impl TicketState {
 }
 
 /// The answer of [`Waitroom::join`].
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct QueueTicket {
     /// The ticket (secret-ish: the holder polls with it; it is also the admission token's
     /// `jti` once released).
@@ -159,10 +180,13 @@ pub struct QueueTicket {
     pub opens_at: Option<DateTime<Utc>>,
     /// End of the admission slot once [`TicketState::Admitted`].
     pub slot_ends_at: Option<DateTime<Utc>>,
+    /// The event's release rate, positions per second, as the release controller last set
+    /// it (at most [`LIVE_RATE_MAX_AGE`] ago), else `None`.
+    pub release_per_s: Option<f64>,
 }
 
 /// The answer of [`Waitroom::status`].
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct TicketStatus {
     /// The ticket's event.
     pub event: EventId,
@@ -178,6 +202,8 @@ pub struct TicketStatus {
     pub queued: u64,
     /// Entries in the pre-queue.
     pub pre_queued: u64,
+    /// The event's live release rate, as in [`QueueTicket::release_per_s`].
+    pub release_per_s: Option<f64>,
 }
 
 /// The answer of [`Waitroom::release`].
@@ -256,6 +282,11 @@ impl std::fmt::Debug for Waitroom {
     }
 }
 
+/// A rate as the scripts return it (`""` when none or stale).
+fn live_rate(s: &str) -> Option<f64> {
+    s.parse::<f64>().ok().filter(|r| r.is_finite() && *r >= 0.0)
+}
+
 fn ms_to_time(ms: i64) -> Option<DateTime<Utc>> {
     (ms >= 0).then(|| DateTime::from_timestamp_millis(ms)).flatten()
 }
@@ -278,7 +309,7 @@ impl Waitroom {
     /// [`WaitroomError::Redis`] for a malformed URL.
     pub fn new(cfg: WaitroomConfig) -> Result<Self, WaitroomError> {
         let client = redis::Client::open(cfg.redis_url.expose_secret()).map_err(WaitroomError::Redis)?;
-        let t = Duration::from_millis(cfg.timeout_ms);
+        let t = Duration::from_millis(cfg.timeout_ms.max(cfg.queue_timeout_ms));
         let mgr_cfg = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(t))
             .set_response_timeout(Some(t))
@@ -309,18 +340,41 @@ impl Waitroom {
         at != 0 && self.epoch.elapsed().as_millis() as u64 <= at + within.as_millis() as u64
     }
 
-    /// Runs one Redis call bounded by `timeout_ms`, counting and classifying failures. The
-    /// first failure after a success is logged once (and the recovery), so a dead Redis does
-    /// not flood the log.
+    /// Runs one Redis call bounded by `timeout_ms`; see [`Self::call_with`].
     async fn call<T>(
         &self,
         op: &'static str,
         fut: impl Future<Output = redis::RedisResult<T>>,
     ) -> Result<T, WaitroomError> {
-        let res = match tokio::time::timeout(Duration::from_millis(self.cfg.timeout_ms), fut).await {
+        self.call_with(Patience::FailFast, op, fut).await
+    }
+
+    /// Runs one Redis call of the waiting room's own routes, bounded by `queue_timeout_ms`.
+    async fn queue_call<T>(
+        &self,
+        op: &'static str,
+        fut: impl Future<Output = redis::RedisResult<T>>,
+    ) -> Result<T, WaitroomError> {
+        self.call_with(Patience::Queue, op, fut).await
+    }
+
+    /// Runs one Redis call bounded as `patience` says, counting and classifying failures.
+    /// The first failure after a success is logged once (and the recovery), so a dead Redis
+    /// does not flood the log.
+    async fn call_with<T>(
+        &self,
+        patience: Patience,
+        op: &'static str,
+        fut: impl Future<Output = redis::RedisResult<T>>,
+    ) -> Result<T, WaitroomError> {
+        let ms = match patience {
+            Patience::FailFast => self.cfg.timeout_ms,
+            Patience::Queue => self.cfg.queue_timeout_ms,
+        };
+        let res = match tokio::time::timeout(Duration::from_millis(ms), fut).await {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) => Err(classify(e)),
-            Err(_) => Err(WaitroomError::Timeout(self.cfg.timeout_ms)),
+            Err(_) => Err(WaitroomError::Timeout(ms)),
         };
         match &res {
             Ok(_) => {
@@ -374,7 +428,7 @@ impl Waitroom {
             "0"
         });
         let mut conn = self.conn.clone();
-        let ok: i64 = self.call("schedule", inv.invoke_async(&mut conn)).await?;
+        let ok: i64 = self.queue_call("schedule", inv.invoke_async(&mut conn)).await?;
         if ok == 1 {
             Ok(())
         } else {
@@ -398,9 +452,10 @@ impl Waitroom {
             .arg(self.cfg.abandon_after_ms)
             .arg(self.cfg.sweep_batch)
             .arg(self.cfg.max_positions_per_user)
-            .arg(self.ticket_ttl_ms());
+            .arg(self.ticket_ttl_ms())
+            .arg(LIVE_RATE_MAX_AGE.as_millis() as u64);
         let mut conn = self.conn.clone();
-        let (state, ticket, created, position, opens_at, abandoned, slot_end): (
+        let (state, ticket, created, position, opens_at, abandoned, slot_end, rate): (
             String,
             String,
             i64,
@@ -408,7 +463,8 @@ impl Waitroom {
             i64,
             i64,
             i64,
-        ) = self.call("join", inv.invoke_async(&mut conn)).await?;
+            String,
+        ) = self.queue_call("join", inv.invoke_async(&mut conn)).await?;
         count_abandoned(abandoned);
         if state == "limit" {
             metrics::counter!("boxoffice_waitroom_joins_total", "outcome" => "limit").increment(1);
@@ -427,6 +483,7 @@ impl Waitroom {
             position: pos(position),
             opens_at: ms_to_time(opens_at),
             slot_ends_at: ms_to_time(slot_end),
+            release_per_s: live_rate(&rate),
         })
     }
 
@@ -444,9 +501,10 @@ impl Waitroom {
             .arg(user.0.to_string())
             .arg(self.cfg.abandon_after_ms)
             .arg(self.cfg.sweep_batch)
-            .arg(self.ticket_ttl_ms());
+            .arg(self.ticket_ttl_ms())
+            .arg(LIVE_RATE_MAX_AGE.as_millis() as u64);
         let mut conn = self.conn.clone();
-        let (state, position, opens_at, abandoned, slot_end, queued, pre): (
+        let (state, position, opens_at, abandoned, slot_end, queued, pre, rate): (
             String,
             i64,
             i64,
@@ -454,7 +512,8 @@ impl Waitroom {
             i64,
             i64,
             i64,
-        ) = self.call("status", inv.invoke_async(&mut conn)).await?;
+            String,
+        ) = self.queue_call("status", inv.invoke_async(&mut conn)).await?;
         count_abandoned(abandoned);
         let state = match state.as_str() {
             "unknown" => return Err(WaitroomError::UnknownTicket),
@@ -468,6 +527,7 @@ impl Waitroom {
             slot_ends_at: ms_to_time(slot_end),
             queued: queued.max(0) as u64,
             pre_queued: pre.max(0) as u64,
+            release_per_s: live_rate(&rate),
         })
     }
 
@@ -491,7 +551,7 @@ impl Waitroom {
         pipe.cmd("ZSCORE").arg(&adm).arg(ticket.to_string());
         pipe.cmd("TIME");
         let (owner, slot, (s, us)): (Option<String>, Option<f64>, (i64, i64)) =
-            self.call("admission_slot", pipe.query_async(&mut conn)).await?;
+            self.queue_call("admission_slot", pipe.query_async(&mut conn)).await?;
         if owner.as_deref() != Some(user.0.to_string().as_str()) {
             return Err(WaitroomError::UnknownTicket);
         }
@@ -511,7 +571,7 @@ impl Waitroom {
         inv.key(self.keys.ticket(ticket)).key(self.keys.user(user.0)).key(self.keys.revoked(ticket));
         inv.arg(ticket.to_string()).arg(user.0.to_string());
         let mut conn = self.conn.clone();
-        let (left, revoked_until): (i64, i64) = self.call("leave", inv.invoke_async(&mut conn)).await?;
+        let (left, revoked_until): (i64, i64) = self.queue_call("leave", inv.invoke_async(&mut conn)).await?;
         if left == 1 {
             Ok((revoked_until > 0).then(|| ms_to_time(revoked_until)).flatten())
         } else {
@@ -521,20 +581,29 @@ impl Waitroom {
 
     /// Admits the next `n` live positions of `event` (each gets a slot of `slot_ms`),
     /// dropping lapsed positions met on the way. The release controller calls this at its
-    /// measured rate; nothing about seats changes here.
+    /// measured rate and passes that rate (positions per second for this event), which
+    /// joins and polls then report ([`TicketStatus::release_per_s`]) so buyers far back are
+    /// told a true wait and poll accordingly; nothing about seats changes here.
     ///
     /// # Errors
     /// [`WaitroomError::Unavailable`] / [`WaitroomError::Timeout`].
-    pub async fn release(&self, event: EventId, n: u32) -> Result<Released, WaitroomError> {
+    pub async fn release(
+        &self,
+        event: EventId,
+        n: u32,
+        rate_per_s: Option<f64>,
+    ) -> Result<Released, WaitroomError> {
         let mut inv = self.event_script(&self.scripts.release, event.0);
+        let rate = rate_per_s.filter(|r| r.is_finite() && *r >= 0.0).map(|r| format!("{r:.3}"));
         inv.arg(event.0.to_string())
             .arg(n)
             .arg(self.cfg.abandon_after_ms)
             .arg(self.cfg.sweep_batch)
-            .arg(self.cfg.slot_ms);
+            .arg(self.cfg.slot_ms)
+            .arg(rate.unwrap_or_default());
         let mut conn = self.conn.clone();
         let (admitted, abandoned, queued, pre, live, _slot_end): (Vec<String>, i64, i64, i64, i64, i64) =
-            self.call("release", inv.invoke_async(&mut conn)).await?;
+            self.queue_call("release", inv.invoke_async(&mut conn)).await?;
         count_abandoned(abandoned);
         metrics::counter!("boxoffice_waitroom_admitted_total").increment(admitted.len() as u64);
         let r = Released {
@@ -558,7 +627,7 @@ impl Waitroom {
         inv.arg(self.cfg.abandon_after_ms).arg(self.cfg.sweep_batch);
         let mut conn = self.conn.clone();
         let (queued, pre, live, abandoned, _now): (i64, i64, i64, i64, i64) =
-            self.call("stats", inv.invoke_async(&mut conn)).await?;
+            self.queue_call("stats", inv.invoke_async(&mut conn)).await?;
         count_abandoned(abandoned);
         let s = QueueStats {
             queued: queued.max(0) as u64,
@@ -577,7 +646,7 @@ impl Waitroom {
         let mut conn = self.conn.clone();
         let key = self.keys.events();
         let members: Vec<String> =
-            self.call("active_events", redis::cmd("SMEMBERS").arg(&key).query_async(&mut conn)).await?;
+            self.queue_call("active_events", redis::cmd("SMEMBERS").arg(&key).query_async(&mut conn)).await?;
         Ok(members.iter().filter_map(|m| m.parse().ok()).map(EventId).collect())
     }
 
@@ -647,16 +716,24 @@ impl Waitroom {
         Ok(marked == 1)
     }
 
-    /// Takes one request from the bucket `scope`/`id` (e.g. `ip`/`203.0.113.7`).
+    /// Takes one request from the bucket `scope`/`id` (e.g. `ip`/`203.0.113.7`), waiting
+    /// for Redis as `patience` says.
     ///
     /// # Errors
     /// [`WaitroomError::Unavailable`] / [`WaitroomError::Timeout`].
-    pub async fn take(&self, scope: &str, id: &str, bucket: Bucket) -> Result<RateDecision, WaitroomError> {
+    pub async fn take(
+        &self,
+        scope: &str,
+        id: &str,
+        bucket: Bucket,
+        patience: Patience,
+    ) -> Result<RateDecision, WaitroomError> {
         let interval_ms = 1000.0 / bucket.per_s.max(1e-3);
         let mut inv = self.scripts.bucket.prepare_invoke();
         inv.key(self.keys.bucket(scope, id)).arg(interval_ms).arg(bucket.burst.max(1));
         let mut conn = self.conn.clone();
-        let (allowed, retry_ms): (i64, i64) = self.call("rate_bucket", inv.invoke_async(&mut conn)).await?;
+        let (allowed, retry_ms): (i64, i64) =
+            self.call_with(patience, "rate_bucket", inv.invoke_async(&mut conn)).await?;
         Ok(if allowed == 1 {
             RateDecision::Allowed
         } else {
@@ -678,8 +755,9 @@ impl Waitroom {
     async fn ticket_event(&self, ticket: Uuid) -> Result<Uuid, WaitroomError> {
         let mut conn = self.conn.clone();
         let key = self.keys.ticket(ticket);
-        let event: Option<String> =
-            self.call("ticket", redis::cmd("HGET").arg(&key).arg("event").query_async(&mut conn)).await?;
+        let event: Option<String> = self
+            .queue_call("ticket", redis::cmd("HGET").arg(&key).arg("event").query_async(&mut conn))
+            .await?;
         event.and_then(|e| e.parse().ok()).ok_or(WaitroomError::UnknownTicket)
     }
 

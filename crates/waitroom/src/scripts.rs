@@ -71,12 +71,21 @@ end
 local function live_admitted(now)
   return redis.call('ZCOUNT', ADM, '(' .. now, '+inf')
 end
+
+-- The release controller's last rate for this event, as a string, or '' when older than
+-- `max_age` ms (a controller that stopped releasing says nothing about the wait).
+local function live_rate(now, max_age)
+  local r = redis.call('HMGET', META, 'rate', 'rate_at')
+  if r[1] and r[2] and now - tonumber(r[2]) <= max_age then return r[1] end
+  return ''
+end
 "#;
 
 /// `join`. KEYS 8 = `t:{new ticket}`, 9 = `u:{user}`. ARGV: event, user, new ticket,
-/// abandon ms, sweep limit, max positions per user, ticket key ttl ms.
-/// Returns `{state, ticket, created, position, opens_at, abandoned, slot_end}` where state is
-/// `pre`, `queued`, `admitted` or `limit` (then `created` carries the user's live positions).
+/// abandon ms, sweep limit, max positions per user, ticket key ttl ms, rate max age ms.
+/// Returns `{state, ticket, created, position, opens_at, abandoned, slot_end, rate}` where
+/// state is `pre`, `queued`, `admitted` or `limit` (then `created` carries the user's live
+/// positions) and rate is the live release rate or `''`.
 const JOIN: &str = r#"
 local event, user, ticket = ARGV[1], ARGV[2], ARGV[3]
 local abandon, limit, max_pos, ttl = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
@@ -84,6 +93,7 @@ local now = now_ms()
 open_if_due(now)
 local dropped = sweep(now, abandon, limit)
 local opening = pending_opening() or -1
+local rate = live_rate(now, tonumber(ARGV[8]))
 
 -- One position per user and event: a repeated join (a retry after a lost answer) gets the
 -- same ticket back.
@@ -95,18 +105,18 @@ if existing then
     redis.call('ZADD', KEYS[9], now + abandon, existing)
     local state = 'queued'
     if redis.call('ZSCORE', PRE, existing) then state = 'pre' end
-    return {state, existing, 0, position(existing), opening, dropped, -1}
+    return {state, existing, 0, position(existing), opening, dropped, -1, rate}
   end
   local slot = redis.call('ZSCORE', ADM, existing)
   if slot then
-    return {'admitted', existing, 0, -1, opening, dropped, tonumber(slot)}
+    return {'admitted', existing, 0, -1, opening, dropped, tonumber(slot), rate}
   end
 end
 
 redis.call('ZREMRANGEBYSCORE', KEYS[9], '-inf', now)
 local held = redis.call('ZCARD', KEYS[9])
 if held >= max_pos then
-  return {'limit', '', held, -1, opening, dropped, -1}
+  return {'limit', '', held, -1, opening, dropped, -1, rate}
 end
 
 redis.call('HSET', KEYS[8], 'event', event, 'user', user)
@@ -123,27 +133,29 @@ if opening >= 0 and now < opening then
   local seed = redis.call('HGET', META, 'seed') or ''
   local draw = tonumber(string.sub(redis.sha1hex(seed .. ':' .. n), 1, 13), 16)
   redis.call('ZADD', PRE, draw, ticket)
-  return {'pre', ticket, 1, -1, opening, dropped, -1}
+  return {'pre', ticket, 1, -1, opening, dropped, -1, rate}
 end
 redis.call('ZADD', Q, redis.call('HINCRBY', META, 'seq', 1), ticket)
-return {'queued', ticket, 1, position(ticket), opening, dropped, -1}
+return {'queued', ticket, 1, position(ticket), opening, dropped, -1, rate}
 "#;
 
 /// `status`. KEYS 8 = `t:{ticket}`, 9 = `u:{user}`. ARGV: ticket, user, abandon ms, sweep
-/// limit, ticket key ttl ms. Returns `{state, position, opens_at, abandoned, slot_end,
-/// queued, pre_queued}`; state `unknown` when the ticket is not this user's or is gone.
+/// limit, ticket key ttl ms, rate max age ms. Returns `{state, position, opens_at,
+/// abandoned, slot_end, queued, pre_queued, rate}`; state `unknown` when the ticket is not
+/// this user's or is gone; rate as in `join`.
 const STATUS: &str = r#"
 local ticket, user = ARGV[1], ARGV[2]
 local abandon, limit, ttl = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-if redis.call('HGET', KEYS[8], 'user') ~= user then return {'unknown', -1, -1, 0, -1, 0, 0} end
+if redis.call('HGET', KEYS[8], 'user') ~= user then return {'unknown', -1, -1, 0, -1, 0, 0, ''} end
 local now = now_ms()
 open_if_due(now)
 local dropped = sweep(now, abandon, limit)
 local opening = pending_opening() or -1
+local rate = live_rate(now, tonumber(ARGV[6]))
 local slot = redis.call('ZSCORE', ADM, ticket)
 if slot then
   redis.call('ZADD', KEYS[9], slot, ticket)
-  return {'admitted', -1, opening, dropped, tonumber(slot), redis.call('ZCARD', Q), redis.call('ZCARD', PRE)}
+  return {'admitted', -1, opening, dropped, tonumber(slot), redis.call('ZCARD', Q), redis.call('ZCARD', PRE), rate}
 end
 local hb = redis.call('ZSCORE', HB, ticket)
 if hb and tonumber(hb) < now - abandon then
@@ -155,14 +167,14 @@ if hb and tonumber(hb) < now - abandon then
   hb = nil
 end
 if not hb then
-  return {'unknown', -1, -1, dropped, -1, 0, 0}
+  return {'unknown', -1, -1, dropped, -1, 0, 0, ''}
 end
 redis.call('ZADD', HB, now, ticket)
 redis.call('ZADD', KEYS[9], now + abandon, ticket)
 redis.call('PEXPIRE', KEYS[8], ttl)
 local state = 'queued'
 if redis.call('ZSCORE', PRE, ticket) then state = 'pre' end
-return {state, position(ticket), opening, dropped, -1, redis.call('ZCARD', Q), redis.call('ZCARD', PRE)}
+return {state, position(ticket), opening, dropped, -1, redis.call('ZCARD', Q), redis.call('ZCARD', PRE), rate}
 "#;
 
 /// `leave`. KEYS 8 = `t:{ticket}`, 9 = `u:{user}`, 10 = `rv:{ticket}`. ARGV: ticket, user.
@@ -188,14 +200,16 @@ end
 return {1, 0}
 "#;
 
-/// `release`. ARGV: event, n, abandon ms, sweep limit, slot ms. Admits the next `n` live
-/// positions, dropping lapsed ones it meets on the way (so an abandoned position never holds
-/// the inlet). Returns `{admitted tickets, abandoned, queued, pre_queued, admitted_live,
+/// `release`. ARGV: event, n, abandon ms, sweep limit, slot ms, rate (positions per second
+/// the controller releases this event at, recorded for `join`/`status`; `''` = not given).
+/// Admits the next `n` live positions, dropping lapsed ones it meets on the way (so an
+/// abandoned position never holds the inlet). Returns `{admitted tickets, abandoned, queued, pre_queued, admitted_live,
 /// slot_end}`.
 const RELEASE: &str = r#"
 local event, n = ARGV[1], tonumber(ARGV[2])
 local abandon, limit, slot_ms = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local now = now_ms()
+if ARGV[6] ~= '' then redis.call('HSET', META, 'rate', ARGV[6], 'rate_at', now) end
 open_if_due(now)
 local dropped = sweep(now, abandon, limit)
 local cutoff = now - abandon

@@ -13,6 +13,7 @@ fn room_with(tweak: impl FnOnce(&mut WaitroomConfig)) -> Waitroom {
         redis_url: redis_url().into(),
         key_prefix: format!("test:{}:", Uuid::new_v4().simple()),
         timeout_ms: 2_000,
+        queue_timeout_ms: 2_000,
         ..WaitroomConfig::default()
     };
     tweak(&mut cfg);
@@ -53,7 +54,7 @@ async fn waitroom_queue_is_fifo_and_release_admits_the_head() {
         (tickets[2], false, Some(3)),
         "a repeated join is the same position"
     );
-    let r = wr.release(event, 2).await.unwrap();
+    let r = wr.release(event, 2, None).await.unwrap();
     assert_eq!(r.admitted, tickets[..2]);
     assert_eq!((r.queued, r.admitted_live), (3, 2));
     let s = wr.status(tickets[0], users[0]).await.unwrap();
@@ -69,7 +70,7 @@ async fn waitroom_queue_is_fifo_and_release_admits_the_head() {
     assert!(matches!(wr.status(tickets[2], users[2]).await, Err(WaitroomError::UnknownTicket)));
     assert!(matches!(wr.leave(tickets[2], users[2]).await, Err(WaitroomError::UnknownTicket)));
     assert_eq!(wr.active_events().await.unwrap(), vec![event]);
-    wr.release(event, 10).await.unwrap();
+    wr.release(event, 10, None).await.unwrap();
     assert!(
         wr.active_events().await.unwrap().is_empty(),
         "an emptied queue leaves the release controller's list"
@@ -162,7 +163,7 @@ async fn waitroom_abandoned_positions_lapse_without_blocking_release() {
         wr.clock_ms().await.unwrap() > joined_at + 300
     })
     .await;
-    let r = wr.release(event, 1).await.unwrap();
+    let r = wr.release(event, 1, None).await.unwrap();
     assert_eq!(r.admitted, vec![kept.ticket], "the live position behind the lapsed one is admitted");
     assert_eq!((r.abandoned, r.queued), (1, 0));
     assert_ne!(r.admitted[0], gone.ticket);
@@ -188,15 +189,19 @@ async fn waitroom_rate_bucket_allows_a_burst_then_limits() {
     let wr = room();
     let b = Bucket { per_s: 2.0, burst: 3 };
     for _ in 0..3 {
-        assert_eq!(wr.take("ip", "203.0.113.7", b).await.unwrap(), RateDecision::Allowed);
+        assert_eq!(wr.take("ip", "203.0.113.7", b, Patience::FailFast).await.unwrap(), RateDecision::Allowed);
     }
-    match wr.take("ip", "203.0.113.7", b).await.unwrap() {
+    match wr.take("ip", "203.0.113.7", b, Patience::FailFast).await.unwrap() {
         RateDecision::Limited { retry_after_ms } => {
             assert!((1..=500).contains(&retry_after_ms), "{retry_after_ms}")
         }
         RateDecision::Allowed => panic!("the fourth request of a burst of 3 passed"),
     }
-    assert_eq!(wr.take("ip", "203.0.113.8", b).await.unwrap(), RateDecision::Allowed, "buckets are per id");
+    assert_eq!(
+        wr.take("ip", "203.0.113.8", b, Patience::FailFast).await.unwrap(),
+        RateDecision::Allowed,
+        "buckets are per id"
+    );
 }
 
 #[tokio::test]
@@ -208,7 +213,7 @@ async fn waitroom_revocation_and_leaving_an_admitted_ticket() {
     assert!(wr.is_revoked(jti).await.unwrap());
     let (event, u) = (EventId::new(), UserId::new());
     let t = wr.join(event, u).await.unwrap();
-    wr.release(event, 1).await.unwrap();
+    wr.release(event, 1, None).await.unwrap();
     let slot = wr.admission_slot(t.ticket, u).await.unwrap().expect("admitted: a running slot");
     assert!(matches!(wr.admission_slot(t.ticket, UserId::new()).await, Err(WaitroomError::UnknownTicket)));
     let revoked_until = wr.leave(t.ticket, u).await.unwrap();
@@ -249,4 +254,22 @@ async fn waitroom_unreachable_redis_fails_fast() {
     assert!(e.is_unavailable(), "{e:?}");
     assert!(wr.is_revoked(Uuid::new_v4()).await.unwrap_err().is_unavailable());
     assert!(started.elapsed() < Duration::from_secs(2), "bounded by the timeout: {:?}", started.elapsed());
+}
+
+#[tokio::test]
+async fn polls_report_the_release_controllers_live_rate() {
+    let wr = room();
+    let event = EventId::new();
+    let users: Vec<UserId> = (0..3).map(|_| UserId::new()).collect();
+    let first = wr.join(event, users[0]).await.unwrap();
+    assert_eq!(first.release_per_s, None, "no controller has released yet");
+    wr.join(event, users[1]).await.unwrap();
+    wr.release(event, 1, Some(2.5)).await.unwrap();
+    let s = wr.status(wr.join(event, users[1]).await.unwrap().ticket, users[1]).await.unwrap();
+    assert_eq!((s.position, s.release_per_s), (Some(1), Some(2.5)));
+    let third = wr.join(event, users[2]).await.unwrap();
+    assert_eq!(third.release_per_s, Some(2.5));
+    // A release without a rate (an operator's) leaves the controller's word in place.
+    wr.release(event, 1, None).await.unwrap();
+    assert_eq!(wr.status(third.ticket, users[2]).await.unwrap().release_per_s, Some(2.5));
 }

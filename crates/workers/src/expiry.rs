@@ -1,7 +1,9 @@
 //! The expiry worker (design §11): releases holds whose time ran out, in bounded
 //! `FOR UPDATE SKIP LOCKED` batches so several workers share the work without claiming the
 //! same hold and without a lock storm after a pause. Expiry is durable data plus a repeatable
-//! query — never an in-process timer.
+//! query — never an in-process timer. Before a payable hold with no authorization in the
+//! ledger lapses, it asks the provider about the hold's PaymentIntent (rule 3 of
+//! `boxoffice_domain::hold`), so a late webhook never costs a buyer who paid in time.
 
 use sqlx::PgPool;
 use std::time::Duration;
@@ -50,6 +52,13 @@ pub async fn run(pool: PgPool, settings: ExpirySettings, shutdown: CancellationT
                 Ok(n) => tracing::warn!(released = n, "authorizations near their capture deadline released"),
                 Err(e) => tracing::warn!(error = %e, "capture-deadline sweep failed"),
             }
+        }
+        // Rule 3 of the hold's lifetime: a payable hold at its end is checked with the
+        // provider before it lapses (the re-fetch answers through the payment worker).
+        match boxoffice_store::holds::check_lapsing(&pool, settings.batch).await {
+            Ok(0) => {}
+            Ok(n) => tracing::debug!(checks = n, "provider checks asked for lapsing holds"),
+            Err(e) => tracing::warn!(error = %e, "provider checks of lapsing holds failed"),
         }
         let pause = match boxoffice_store::holds::expire_due(&pool, settings.batch).await {
             Ok((n, delay_ms)) => {

@@ -337,6 +337,8 @@ impl Handler for PaymentWorker {
                         PaymentIntentStatus::Succeeded => {}
                         _ => {
                             holds::clear_protection(tx, order_id).await?;
+                            // Rule 3: not authorized, so a hold waiting for this answer lapses.
+                            holds::end_provider_check(tx, order_id).await?;
                         }
                     }
                 }

@@ -768,7 +768,7 @@ impl Controller {
                 allowance += share * dt;
                 continue;
             }
-            match self.room.release(event, n).await {
+            match self.room.release(event, n, Some(share)).await {
                 Ok(r) => {
                     allowance += share * dt;
                     *carry -= n as f64;

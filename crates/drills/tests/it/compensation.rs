@@ -139,7 +139,7 @@ async fn c05_capture_after_release_is_refunded(_: PgPoolOptions, opts: PgConnect
     )
     .await
     .unwrap();
-    sqlx::query("UPDATE holds SET expires_at = now() - interval '1 second', payable_by = NULL")
+    sqlx::query("UPDATE holds SET expires_at = now() - interval '1 second', payable_by = NULL, provider_check_until = NULL")
         .execute(&app.pool)
         .await
         .unwrap();

@@ -566,7 +566,7 @@ async fn revocations_survive_a_redis_restart(_: PgPoolOptions, opts: PgConnectOp
         .await
         .unwrap();
     let ticket = join["ticket"].as_str().unwrap().to_owned();
-    room.release(EventId(app.event), 1).await.unwrap();
+    room.release(EventId(app.event), 1, None).await.unwrap();
     let polled: Value = app
         .http
         .get(format!("{}/queue/{ticket}", app.api))

@@ -81,7 +81,7 @@ async fn c01_race_over_a_lapsed_hold_reclaims_once(_: PgPoolOptions, opts: PgCon
     let r = app.hold(&first, &app.admission_token(&first), "k-old", &[seat, other_seat]).await;
     assert_eq!(r.status(), 202);
     let old: serde_json::Value = r.json().await.unwrap();
-    sqlx::query("UPDATE holds SET expires_at = now() - interval '1 second', payable_by = NULL")
+    sqlx::query("UPDATE holds SET expires_at = now() - interval '1 second', payable_by = NULL, provider_check_until = NULL")
         .execute(&app.pool)
         .await
         .unwrap();

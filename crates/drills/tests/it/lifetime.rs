@@ -261,3 +261,50 @@ async fn c19_a_hold_never_made_payable_waits_for_the_ceiling(_: PgPoolOptions, o
     assert_eq!((o.expired_never_payable, o.expired_abandoned), (1, 0), "{o:?}");
     app.stop().await;
 }
+
+/// Rule 3: the provider's webhooks never arrive (every delivery is lost), and the buyer pays
+/// in time. At the hold's end the expiry worker asks the provider instead of releasing it,
+/// finds the authorization, and the order is ticketed rather than cancelled. A buyer who
+/// walked away is asked about too and lapses with the answer, long before the wait (10 min
+/// here) would have run out.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn c19_a_silent_authorization_is_found_before_the_hold_lapses(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    let app = TestApp::spawn_with(opts, &Role::ALL, VenueSpec::small(1, 1, 4), |c| {
+        c.hold_ttl_ms = 1_000;
+        c.payment_window_ms = Some(1_500);
+        c.hold_provider_check_ms = 600_000;
+    })
+    .await;
+    app.sim.set_webhook_url(None);
+    let s = app.seats().await;
+    let (payer, walker) = (app.buyer(), app.buyer());
+    let paid = held(&app, &payer, s[0], "silent").await;
+    let walked = held(&app, &walker, s[1], "walk").await;
+    app.await_order(&payer, paid, WAIT, |v| v.get("client_secret").is_some()).await;
+    app.await_order(&walker, walked, WAIT, |v| v.get("client_secret").is_some()).await;
+    app.pay(&payer, paid, "pm_card_visa").await.expect("authorized at the provider");
+
+    app.await_order(&payer, paid, WAIT, |v| v["status"] == "ticketed").await;
+    await_hold_status(&app, walked, "expired", "the abandoned hold lapsed with the provider's answer").await;
+    let asked: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM outbox WHERE event_type = 'PaymentIntentRefreshRequested'
+            AND payload->'payload'->>'reason' = $1 AND message_key = ANY($2)",
+    )
+    .bind(boxoffice_store::holds::PROVIDER_CHECK_REASON)
+    .bind(vec![paid.to_string(), walked.to_string()])
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(asked, 2, "one provider check per hold at its end");
+    let o = outcomes(&app).await;
+    assert_eq!(
+        (o.lost_after_authorization, o.expired_abandoned, o.expired_never_payable),
+        (0, 1, 0),
+        "{o:?}"
+    );
+    app.assert_drained_and_clean().await;
+    app.stop().await;
+}

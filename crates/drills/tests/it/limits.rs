@@ -110,7 +110,7 @@ async fn c13_concurrent_holds_of_one_buyer_never_pass_the_cap(_: PgPoolOptions, 
         );
         assert_eq!(seats_of(&app, &b).await, 8);
         // Release this round's seats for the next one.
-        sqlx::query("UPDATE holds SET expires_at = now() - interval '1 second', payable_by = NULL")
+        sqlx::query("UPDATE holds SET expires_at = now() - interval '1 second', payable_by = NULL, provider_check_until = NULL")
             .execute(&app.pool)
             .await
             .unwrap();
@@ -194,7 +194,7 @@ async fn c18_the_sales_window_is_the_ledgers(_: PgPoolOptions, opts: PgConnectOp
     assert_eq!((status, v["state"].as_str()), (201, Some("pre_queue")), "{v}");
     let room = runtime::waitroom(&app.cfg).unwrap();
     assert_eq!(
-        room.release(event, 10).await.unwrap().admitted.len(),
+        room.release(event, 10, None).await.unwrap().admitted.len(),
         0,
         "nobody is admitted before the opening"
     );

@@ -66,7 +66,7 @@ async fn queued(app: &TestApp, b: &Buyer) -> String {
 /// time) and polls until the admission token arrives.
 async fn admitted(app: &TestApp, b: &Buyer) -> (String, String) {
     let ticket = queued(app, b).await;
-    room(app).release(EventId(app.event), 1).await.unwrap();
+    room(app).release(EventId(app.event), 1, None).await.unwrap();
     let v: Value = poll(app, &app.api, b, &ticket).await.json().await.unwrap();
     assert_eq!(v["state"], "admitted", "{v}");
     (ticket, v["admission_token"].as_str().unwrap().to_owned())
@@ -110,7 +110,7 @@ async fn waitroom_join_poll_release_and_hold(_: PgPoolOptions, opts: PgConnectOp
         .unwrap();
     assert_eq!(r.status(), 404, "no direct admission without admission_direct");
 
-    let released = room(&app).release(EventId(app.event), 1).await.unwrap();
+    let released = room(&app).release(EventId(app.event), 1, None).await.unwrap();
     assert_eq!(released.admitted.len(), 1);
     let r = poll(&app, &app.api, &a, &ticket).await;
     assert_eq!(r.headers()["cache-control"], "no-store");
@@ -320,7 +320,7 @@ async fn waitroom_key_rotation_keeps_old_tokens_until_the_key_is_removed(
         .as_str()
         .unwrap()
         .to_owned();
-    room(&app).release(EventId(app.event), 1).await.unwrap();
+    room(&app).release(EventId(app.event), 1, None).await.unwrap();
     let new = poll(&app, &api2, &b, &tb).await.json::<Value>().await.unwrap()["admission_token"]
         .as_str()
         .unwrap()
