@@ -4,7 +4,7 @@
 //! competing buyer takes the seats); a claim the provider refutes protects nothing. Real
 //! PostgreSQL, broker and simulator; the clock that matters is the database's, awaited.
 
-use crate::helpers::{eventually, problem, TestApp};
+use crate::helpers::{eventually, problem, Buyer, TestApp};
 use boxoffice::runtime::Role;
 use boxoffice_store::venue::VenueSpec;
 use secrecy::ExposeSecret;
@@ -15,10 +15,21 @@ use uuid::Uuid;
 
 const WAIT: Duration = Duration::from_secs(60);
 
-async fn held(app: &TestApp, b: &crate::helpers::Buyer, seat: Uuid, key: &str) -> Uuid {
+async fn held(app: &TestApp, b: &Buyer, seat: Uuid, key: &str) -> Uuid {
     let r = app.hold(b, &app.admission_token(b), key, &[seat]).await;
     assert_eq!(r.status(), 202);
     r.json::<serde_json::Value>().await.unwrap()["order_id"].as_str().unwrap().parse().unwrap()
+}
+
+/// Two buyers, each with a payable hold on one of the first two seats: the one who will pay
+/// and the one who will walk away. Returns `(payer, paid order, walked order)`.
+async fn payer_and_walker(app: &TestApp, s: &[Uuid]) -> (Buyer, Uuid, Uuid) {
+    let (payer, walker) = (app.buyer(), app.buyer());
+    let paid = held(app, &payer, s[0], "pay").await;
+    let walked = held(app, &walker, s[1], "walk").await;
+    app.await_order(&payer, paid, WAIT, |v| v.get("client_secret").is_some()).await;
+    app.await_order(&walker, walked, WAIT, |v| v.get("client_secret").is_some()).await;
+    (payer, paid, walked)
 }
 
 /// `(status, seconds from payable_at to expires_at, seconds past created_at + ttl now)`.
@@ -81,11 +92,7 @@ async fn c19_the_payment_window_outlives_the_ttl(_: PgPoolOptions, opts: PgConne
     })
     .await;
     let s = app.seats().await;
-    let (payer, walker) = (app.buyer(), app.buyer());
-    let paid = held(&app, &payer, s[0], "pay").await;
-    let walked = held(&app, &walker, s[1], "walk").await;
-    app.await_order(&payer, paid, WAIT, |v| v.get("client_secret").is_some()).await;
-    app.await_order(&walker, walked, WAIT, |v| v.get("client_secret").is_some()).await;
+    let (payer, paid, walked) = payer_and_walker(&app, &s).await;
     let (status, window_s, _) = hold_times(&app, paid).await;
     assert_eq!(status, "active");
     assert!(window_s >= 3.99, "payable with {window_s} s left, the window is 4 s");
@@ -132,11 +139,8 @@ async fn c19_an_authorization_reported_in_time_survives_a_lagging_saga(
     .await;
     app.start_roles(&[Role::Saga]).await;
     let s = app.seats().await;
-    let (payer, walker, rival) = (app.buyer(), app.buyer(), app.buyer());
-    let paid = held(&app, &payer, s[0], "pay").await;
-    let walked = held(&app, &walker, s[1], "walk").await;
-    app.await_order(&payer, paid, WAIT, |v| v.get("client_secret").is_some()).await;
-    app.await_order(&walker, walked, WAIT, |v| v.get("client_secret").is_some()).await;
+    let rival = app.buyer();
+    let (payer, paid, walked) = payer_and_walker(&app, &s).await;
     app.stop_late_roles().await;
     app.pay(&payer, paid, "pm_card_visa").await.expect("authorized");
     let pool = app.pool.clone();
@@ -280,11 +284,7 @@ async fn c19_a_silent_authorization_is_found_before_the_hold_lapses(
     .await;
     app.sim.set_webhook_url(None);
     let s = app.seats().await;
-    let (payer, walker) = (app.buyer(), app.buyer());
-    let paid = held(&app, &payer, s[0], "silent").await;
-    let walked = held(&app, &walker, s[1], "walk").await;
-    app.await_order(&payer, paid, WAIT, |v| v.get("client_secret").is_some()).await;
-    app.await_order(&walker, walked, WAIT, |v| v.get("client_secret").is_some()).await;
+    let (payer, paid, walked) = payer_and_walker(&app, &s).await;
     app.pay(&payer, paid, "pm_card_visa").await.expect("authorized at the provider");
 
     app.await_order(&payer, paid, WAIT, |v| v["status"] == "ticketed").await;
