@@ -288,8 +288,9 @@ impl From<boxoffice_waitroom::WaitroomError> for Problem {
 }
 
 impl Problem {
-    /// 503 `overloaded` with `Retry-After: 1`: the edge's concurrency or connection limit is
-    /// reached; nothing was done.
+    /// 503 `overloaded` with `Retry-After` drawn from 1–3 s (shed clients must not come back
+    /// together): the edge's concurrency or connection limit, or a route class's bulkhead,
+    /// is reached; nothing was done.
     pub fn overloaded() -> Self {
         let mut p = Problem::new(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -297,7 +298,7 @@ impl Problem {
             "Server overloaded",
             "too many requests are in progress; nothing was done, retry after the Retry-After delay",
         );
-        p.retry_after = Some(1);
+        p.retry_after = Some(rand::Rng::gen_range(&mut rand::thread_rng(), 1..=3));
         p
     }
 
@@ -450,6 +451,7 @@ mod tests {
         assert!(ok.headers().get(header::CONTENT_TYPE).is_none(), "successes pass untouched");
         let problem = Problem::overloaded().into_response();
         let same = ensure_problem(problem);
-        assert_eq!(same.headers()[header::RETRY_AFTER], "1");
+        let secs: u64 = same.headers()[header::RETRY_AFTER].to_str().unwrap().parse().unwrap();
+        assert!((1..=3).contains(&secs), "the problem's own Retry-After is kept: {secs}");
     }
 }

@@ -4,6 +4,10 @@
 //! has let them in. The token is minted on the poll (Ed25519; its `jti` is the ticket, its
 //! `exp` the end of the admission slot) and is the same on every poll of one slot.
 //!
+//! These routes have their own share of the process's request slots
+//! (`AppState::settings.queue_max_concurrent`, 503 `overloaded` beyond it), so a crowd
+//! waiting on a slow Redis never takes the slots of holds and webhooks.
+//!
 //! Redis is a shield, not a ledger: when it is unreachable these routes answer 503 with
 //! `Retry-After` and nothing about seats changes; the hold endpoint keeps serving buyers who
 //! already hold a valid token. Handlers never log tokens.
@@ -37,14 +41,16 @@ pub struct QueueView {
     /// 1-based position while `queued`.
     pub position: Option<u64>,
     /// Estimated wait while `queued`, seconds: position ÷ the rate the release controller
-    /// admits this event at now (its last rate, at most 10 s old), or ÷ its ceiling
+    /// admits this event at now (the rate it recorded with its last release, valid for
+    /// three of its ticks and at least 10 s; at least 0.01/s), or ÷ its ceiling
     /// `release_max_per_s` when no live rate is known (then a lower bound).
     pub estimated_wait_s: Option<u64>,
     /// When the onsale opens, while `pre_queue`.
     pub opens_at: Option<DateTime<Utc>>,
     /// Poll again after this long, ms: the configured interval near the head of the queue,
-    /// longer further back (a quarter of the estimated wait, at most a third of the time after
-    /// which an unpolled position lapses).
+    /// longer further back (a quarter of the estimated wait, or of the time left before the
+    /// opening while `pre_queue`; at most a third of the time after which an unpolled
+    /// position lapses).
     pub poll_after_ms: u64,
     /// Once `admitted`: the admission token for `X-Admission-Token` (not consumed by use).
     pub admission_token: Option<String>,
@@ -69,11 +75,18 @@ struct View {
 const MIN_ESTIMATE_RATE: f64 = 0.01;
 
 fn render(st: &AppState, user: UserId, v: View) -> QueueView {
-    let rate = v.release_per_s.unwrap_or(st.settings.release_per_s);
+    let rate = match v.release_per_s {
+        // The controller's word, however low: a floor keeps the estimate finite.
+        Some(live) => live.max(MIN_ESTIMATE_RATE),
+        None => st.settings.release_per_s,
+    };
     let estimated_wait_s = match v.position {
-        Some(p) if rate > 0.0 => Some((p as f64 / rate.max(MIN_ESTIMATE_RATE)).ceil() as u64),
+        Some(p) if rate > 0.0 => Some((p as f64 / rate).ceil() as u64),
         _ => None,
     };
+    // Before the opening nobody has a position; the wait is the time to the opening.
+    let opening_in_s = v.opens_at.map(|at| (at - chrono::Utc::now()).num_seconds().max(0) as u64);
+    let advice_wait_s = estimated_wait_s.or(opening_in_s);
     let token = match (v.state, v.slot_ends_at) {
         (TicketState::Admitted, Some(end)) => {
             let exp = end.timestamp(); // whole seconds, rounded down: never past the slot
@@ -90,7 +103,7 @@ fn render(st: &AppState, user: UserId, v: View) -> QueueView {
         _ => None,
     };
     let poll_after_ms =
-        poll_after_ms(st.settings.poll_interval_ms, st.waitroom.config().abandon_after_ms, estimated_wait_s);
+        poll_after_ms(st.settings.poll_interval_ms, st.waitroom.config().abandon_after_ms, advice_wait_s);
     let admitted = token.is_some();
     let (admission_token, admission_expires_at) = match token {
         Some((t, at)) => (Some(t), at),
@@ -143,7 +156,7 @@ fn no_store(mut resp: Response) -> Response {
         (status = 404, description = "`not_found`: no such event", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 409, description = "`queue_position_limit`: the user holds too many positions across events", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 429, description = "`rate_limited` (per IP or per user, named in `scope`), or `too_many_in_flight` (this client address has `max_in_flight` requests in progress); `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 503, description = "`waitroom_unavailable`: Redis is unreachable; `unavailable`: the database is; `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 503, description = "`waitroom_unavailable`: Redis is unreachable; `unavailable`: the database is; `overloaded`: this process has `waitroom_max_concurrent_requests` queue requests in progress; `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
     ))]
 pub(crate) async fn join(
     State(st): State<AppState>,
@@ -178,7 +191,7 @@ pub(crate) async fn join(
         (status = 401, description = "`unauthenticated`: no or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 404, description = "`queue_ticket_not_found`: unknown, not the caller's, left, lapsed, or the slot ended", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 429, description = "`rate_limited` (per IP or per user, named in `scope`), or `too_many_in_flight` (this client address has `max_in_flight` requests in progress); `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 503, description = "`waitroom_unavailable`: Redis is unreachable; `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 503, description = "`waitroom_unavailable`: Redis is unreachable; `overloaded`: this process has `waitroom_max_concurrent_requests` queue requests in progress; `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
     ))]
 pub(crate) async fn status(
     State(st): State<AppState>,
@@ -210,7 +223,7 @@ pub(crate) async fn status(
         (status = 401, description = "`unauthenticated`: no or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 404, description = "`queue_ticket_not_found`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 429, description = "`rate_limited` (per IP or per user, named in `scope`), or `too_many_in_flight` (this client address has `max_in_flight` requests in progress); `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 503, description = "`waitroom_unavailable`: Redis is unreachable; `unavailable`: the revocation could not be recorded in the database (nothing changed); `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 503, description = "`waitroom_unavailable`: Redis is unreachable; `unavailable`: the revocation could not be recorded in the database (nothing changed); `overloaded`: this process has `waitroom_max_concurrent_requests` queue requests in progress; `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
     ))]
 pub(crate) async fn leave(
     State(st): State<AppState>,

@@ -34,10 +34,19 @@ pub fn router(state: AppState) -> Router {
     let in_flight = |l: &std::sync::Arc<crate::edge::PerClientInFlight>| {
         axum::middleware::from_fn_with_state(l.clone(), crate::edge::limit_in_flight)
     };
+    // Outermost first: the per-client bound, the queue's bulkhead (a share of the process's
+    // slots, so a crowd waiting on a slow Redis — its buckets included — cannot take every
+    // slot), then the rate buckets.
     let queue = Router::new()
         .route("/events/{event_id}/queue", post(crate::queue::join))
         .route("/queue/{ticket}", get(crate::queue::status).delete(crate::queue::leave))
         .route_layer(buckets(state.clone(), crate::limits::queue))
+        .route_layer(
+            tower::ServiceBuilder::new()
+                .layer(axum::error_handling::HandleErrorLayer::new(crate::edge::shed))
+                .load_shed()
+                .concurrency_limit(state.settings.queue_max_concurrent.max(1)),
+        )
         .route_layer(in_flight(&buyer_in_flight));
     let mut purchase = Router::new();
     if state.settings.admission_direct {
@@ -91,8 +100,27 @@ pub fn router(state: AppState) -> Router {
             )
         })
         .layer(DefaultBodyLimit::max(limit))
-        .layer(tower_http::trace::TraceLayer::new_for_http())
+        .layer(tower_http::trace::TraceLayer::new_for_http().on_failure(log_failure))
         .with_state(state)
+}
+
+/// Logs a failed response: 503s (shed, timed out, a dependency away) are answers the edge
+/// gives on purpose under load and are counted by their own metrics, so they are logged at
+/// `debug` (at `error` they would flood the log exactly when the process is short of CPU);
+/// every other failure at `error`.
+fn log_failure(
+    class: tower_http::classify::ServerErrorsFailureClass,
+    latency: std::time::Duration,
+    _span: &tracing::Span,
+) {
+    use tower_http::classify::ServerErrorsFailureClass as C;
+    let latency_ms = latency.as_millis() as u64;
+    match class {
+        C::StatusCode(StatusCode::SERVICE_UNAVAILABLE) => {
+            tracing::debug!(classification = %class, latency_ms, "response failed")
+        }
+        _ => tracing::error!(classification = %class, latency_ms, "response failed"),
+    }
 }
 
 /// `POST /events/{event_id}/admission` → 201 `{admission_token, expires_at, purchase_cell}`:

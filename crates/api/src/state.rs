@@ -54,6 +54,10 @@ pub struct ApiSettings {
     pub max_in_flight_per_ip: usize,
     /// The same on webhook ingress, whose bodies are read before the signature is checked.
     pub webhook_max_in_flight_per_ip: usize,
+    /// Waiting-room requests (join, poll, leave) in flight at once per process (≥ 1); one
+    /// more is 503 `overloaded` at once. A bulkhead: a crowd polling a slow Redis waits up
+    /// to `queue_timeout_ms` per request, and must not take the slots of holds and webhooks.
+    pub queue_max_concurrent: usize,
     /// Longest a webhook request may take, body included (Stripe sends a whole small body at
     /// once); past it 503 `request_timeout`.
     pub webhook_timeout: Duration,
@@ -79,6 +83,7 @@ impl Default for ApiSettings {
             seat_map_cache_entries: 10_000,
             max_in_flight_per_ip: 32,
             webhook_max_in_flight_per_ip: 8,
+            queue_max_concurrent: 128,
             webhook_timeout: Duration::from_secs(3),
             webhook_allowed_networks: Vec::new(),
         }

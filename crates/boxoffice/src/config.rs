@@ -275,6 +275,11 @@ pub struct Config {
     pub http_max_in_flight_per_ip: usize,
     /// The same on `POST /webhooks/stripe` (default 8; 0 = no limit).
     pub webhook_max_in_flight_per_ip: usize,
+    /// Waiting-room requests (join, poll, leave) in flight at once per API process, a share
+    /// of `http_max_concurrent_requests`; one more is 503 `overloaded` at once (default 128).
+    /// Each may wait `redis_queue_timeout_ms` for a slow Redis: this keeps the rest of the
+    /// process's slots for holds, order status and webhooks.
+    pub waitroom_max_concurrent_requests: usize,
     /// Longest a webhook request may take, body included, ms (default 3000): Stripe sends a
     /// whole small body at once, so a slow sender cannot keep a webhook slot for long.
     pub webhook_timeout_ms: u64,
@@ -455,7 +460,7 @@ pub struct Config {
     /// the provider's word on its PaymentIntent before it lapses, ms at most (rule 3 of
     /// `boxoffice_domain::hold`: a late or starved webhook does not cost a paid buyer the
     /// seats). An answer that is not an authorization ends the wait at once. One provider
-    /// read per such hold; 0 turns the check off. Default 30000.
+    /// read per such hold; 0 turns the check off; at most 600000. Default 30000.
     pub hold_provider_check_ms: u64,
     /// Stripe API base URL: `https://api.stripe.com` in production, the simulator otherwise.
     /// Empty means "no provider configured": `audit` then skips its provider checks and
@@ -532,6 +537,7 @@ impl Default for Config {
             http_max_concurrent_requests: 512,
             http_max_in_flight_per_ip: 32,
             webhook_max_in_flight_per_ip: 8,
+            waitroom_max_concurrent_requests: 128,
             webhook_timeout_ms: 3_000,
             webhook_allowed_networks: Vec::new(),
             http_max_connections: 4_096,
@@ -652,7 +658,9 @@ impl Config {
             bail!("hold_ttl_ms must be at least 1000");
         }
         if let Err(e) = self.hold_policy().validate() {
-            bail!("payment_window_ms / hold_ceiling_ms / authorization_settle_ms: {e}");
+            bail!(
+                "payment_window_ms / hold_ceiling_ms / authorization_settle_ms / hold_provider_check_ms: {e}"
+            );
         }
         if self.kafka_partitions < 1 || self.kafka_replication < 1 {
             bail!("kafka_partitions and kafka_replication must be at least 1");
@@ -690,6 +698,12 @@ impl Config {
             || self.waitroom_poll_interval_ms * 2 > self.waitroom_abandon_after_ms
         {
             bail!("waitroom_poll_interval_ms must be at least 100 and at most half of waitroom_abandon_after_ms");
+        }
+        // A client that follows every instruction — poll when told (at most a third of the
+        // lapse time), then a 503's longest Retry-After — must keep its position.
+        let retry_ms = boxoffice_api::problem::WAITROOM_RETRY_AFTER_S.end() * 1_000;
+        if self.waitroom_abandon_after_ms < 3 * retry_ms {
+            bail!("waitroom_abandon_after_ms must be at least {} (three of the waiting room's longest Retry-After)", 3 * retry_ms);
         }
         if self.waitroom_max_positions_per_user < 1 {
             bail!("waitroom_max_positions_per_user must be at least 1");
@@ -784,6 +798,9 @@ impl Config {
         }
         if self.http_max_concurrent_requests < 1 || self.http_max_connections < 1 {
             bail!("http_max_concurrent_requests and http_max_connections must be at least 1");
+        }
+        if !(1..=self.http_max_concurrent_requests).contains(&self.waitroom_max_concurrent_requests) {
+            bail!("waitroom_max_concurrent_requests must be 1..=http_max_concurrent_requests");
         }
         if self.http_trust_forwarded_for.is_some() {
             bail!("http_trust_forwarded_for was replaced by http_trusted_proxy_hops (true = 1 hop)");

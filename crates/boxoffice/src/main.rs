@@ -170,8 +170,9 @@ enum WaitroomAction {
         /// The event.
         #[arg(long)]
         event: uuid::Uuid,
-        /// Opening time, RFC 3339 (e.g. 2026-06-01T10:00:00Z): written to the ledger (the hold
-        /// transaction's authority), then to the waiting room.
+        /// Opening time, RFC 3339 (e.g. 2026-06-01T10:00:00Z): written to the waiting room
+        /// first (it refuses once the queue has opened), then to the ledger (the hold
+        /// transaction's authority, from which joins rewrite a forgotten schedule).
         #[arg(long)]
         opens_at: chrono::DateTime<chrono::Utc>,
         /// Closing time, RFC 3339; none by default.

@@ -28,7 +28,12 @@
 //!    (`provider_check_until`). An authorization found is rule 2's report in time; any
 //!    other answer ends the wait at once and the hold lapses. One check per hold; a check
 //!    that does not come back within `provider_check` (the payment worker lags too) ends
-//!    the wait anyway, and a later authorization is compensated as before.
+//!    the wait anyway, and a later authorization is compensated as before. The wait is part
+//!    of the hold's end: `provider_check_until` is set to `expires_at + provider_check` when
+//!    the order becomes payable, so while an answer is pending any authorization reported
+//!    (a webhook too) protects the hold, including one made after the `hold_expires_at` the
+//!    buyer was shown, and rivals see the seats taken that long. With the payment worker
+//!    keeping up, the answer comes within a second of `expires_at`.
 //!
 //! The invariant protected: a buyer the system admitted never loses seats or money to the
 //! system's own lag (design §3, "kind under load").
@@ -49,7 +54,8 @@ pub struct HoldPolicy {
     /// by the authorization's capture deadline less [`HoldPolicy::CAPTURE_MARGIN`]).
     pub settle: Duration,
     /// How long a payable hold at its end waits for the provider's word on its
-    /// PaymentIntent (rule 3), at most; zero turns the check off.
+    /// PaymentIntent (rule 3), at most ([`HoldPolicy::MAX_PROVIDER_CHECK`]); zero turns the
+    /// check off.
     pub provider_check: Duration,
 }
 
@@ -57,6 +63,10 @@ impl HoldPolicy {
     /// How long before the provider's capture deadline the protection of an authorized hold
     /// ends (the saga must capture before then; case C09 cancels what it cannot).
     pub const CAPTURE_MARGIN: Duration = Duration::from_secs(3_600);
+
+    /// The longest `provider_check`: unpaid seats are kept that long when the payment
+    /// worker is down.
+    pub const MAX_PROVIDER_CHECK: Duration = Duration::from_secs(600);
 
     /// The defaults for `ttl`: a payment window of 90 % of it, a ceiling of three TTLs,
     /// 30 minutes of protection for an authorization reported in time, and 30 s for the
@@ -76,6 +86,9 @@ impl HoldPolicy {
     pub fn validate(&self) -> Result<(), String> {
         if self.payment_window.is_zero() || self.settle.is_zero() {
             return Err("payment_window and settle must be above zero".into());
+        }
+        if self.provider_check > Self::MAX_PROVIDER_CHECK {
+            return Err(format!("the provider check may wait at most {:?}", Self::MAX_PROVIDER_CHECK));
         }
         if self.ceiling < self.ttl || self.ceiling < self.payment_window {
             return Err(format!(
@@ -98,5 +111,6 @@ mod tests {
         p.validate().unwrap();
         assert!(HoldPolicy { ceiling: Duration::from_secs(30), ..p }.validate().is_err());
         assert!(HoldPolicy { payment_window: Duration::ZERO, ..p }.validate().is_err());
+        assert!(HoldPolicy { provider_check: Duration::from_secs(601), ..p }.validate().is_err());
     }
 }

@@ -518,11 +518,13 @@ fn print_report(r: &serde_json::Value, audited: &boxoffice::audit::AuditReport) 
         let q = r.get("waiting_room").cloned().unwrap_or_default();
         let n = |k: &str| q.get(k).and_then(|v| v.as_u64()).unwrap_or(0);
         println!(
-            "  not sold out               {} of {seats} seats unsold: {} queued buyers gave up ({} waiting-room 503s, {} lapsed \
+            "  not sold out               {} of {seats} seats unsold: {} queued buyers gave up after {} failed attempts in a row ({} waiting-room 503s {}, {} lapsed \
              positions), {} gave up picking seats, {} holds expired (abandoned {}, declined {}, never payable {})",
             seats - sold,
             n("gave_up"),
+            queue::MAX_FAILURES,
             n("unavailable_503"),
+            q.get("unavailable_503_by_code").map(|v| v.to_string()).unwrap_or_default(),
             n("lapsed"),
             g("gave_up_buyers"),
             g("expired"),

@@ -35,7 +35,7 @@ use crate::stats::{self, Percentiles};
 
 /// Consecutive failed attempts (transport errors, 5xx, unexpected answers) after which a
 /// buyer stops queueing.
-const MAX_FAILURES: u32 = 20;
+pub const MAX_FAILURES: u32 = 20;
 /// Bound of one join or poll request.
 const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -68,8 +68,12 @@ pub struct QueueStats {
     pub lapsed: u64,
     /// 429 answers (rate buckets).
     pub rate_limited_429: u64,
-    /// 503 answers (waiting room unavailable).
+    /// 503 answers (waiting room unavailable, or shed).
     pub unavailable_503: u64,
+    /// The 503 answers by their problem `code` (`waitroom_unavailable`: Redis did not
+    /// answer in time; `overloaded`: a bulkhead or the process's slots were full;
+    /// `request_timeout`; `unknown` when the body was not problem+json).
+    pub unavailable_503_by_code: std::collections::BTreeMap<String, u64>,
     /// Transport errors, other 5xx and unexpected answers.
     pub errors: u64,
     /// Open-loop slots with nothing to send (no due poll, every buyer joined).
@@ -138,6 +142,7 @@ struct Counters {
     late_slots: AtomicU64,
     max_position: AtomicU64,
     last_answer_ms: AtomicU64,
+    unavailable_by_code: Mutex<std::collections::BTreeMap<String, u64>>,
 }
 
 struct Room {
@@ -286,6 +291,7 @@ pub async fn run(
     let secs = g(&s.last_answer_ms) as f64 / 1_000.0;
     let attempt_latency_ms = Percentiles::from_us(&lock(&room.attempt_us));
     let queue_wait_ms = Percentiles::from_us(&lock(&room.wait_us));
+    let unavailable_503_by_code = lock(&s.unavailable_by_code).clone();
     Ok(QueueStats {
         joins: g(&s.joins),
         polls: g(&s.polls),
@@ -294,6 +300,7 @@ pub async fn run(
         lapsed: g(&s.lapsed),
         rate_limited_429: g(&s.rate_limited_429),
         unavailable_503: g(&s.unavailable_503),
+        unavailable_503_by_code,
         errors: g(&s.errors),
         idle_slots: g(&s.idle_slots),
         late_slots: g(&s.late_slots),
@@ -423,6 +430,11 @@ impl Room {
             }
             StatusCode::SERVICE_UNAVAILABLE => {
                 inc(&self.stats.unavailable_503);
+                let code = serde_json::from_slice::<serde_json::Value>(&body)
+                    .ok()
+                    .and_then(|v| v.get("code").and_then(|c| c.as_str()).map(str::to_owned))
+                    .unwrap_or_else(|| "unknown".into());
+                *lock(&self.stats.unavailable_by_code).entry(code).or_default() += 1;
                 self.retry(idx, kind, after_header(backoff()));
             }
             s => {

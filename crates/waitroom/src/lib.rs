@@ -93,8 +93,8 @@ pub enum Patience {
     Queue,
 }
 
-/// How old the release controller's rate for an event may be and still be told to buyers.
-pub const LIVE_RATE_MAX_AGE: Duration = Duration::from_secs(10);
+/// Changes of Redis's health are logged at most this often.
+pub const HEALTH_LOG_EVERY: Duration = Duration::from_secs(10);
 
 /// Why a waiting-room call failed.
 #[derive(Debug, thiserror::Error)]
@@ -181,7 +181,7 @@ pub struct QueueTicket {
     /// End of the admission slot once [`TicketState::Admitted`].
     pub slot_ends_at: Option<DateTime<Utc>>,
     /// The event's release rate, positions per second, as the release controller last set
-    /// it (at most [`LIVE_RATE_MAX_AGE`] ago), else `None`.
+    /// it, while the validity it gave that rate lasts ([`Waitroom::release`]), else `None`.
     pub release_per_s: Option<f64>,
 }
 
@@ -260,9 +260,14 @@ pub struct Waitroom {
     keys: Keys,
     cfg: Arc<WaitroomConfig>,
     scripts: Arc<scripts::Scripts>,
-    healthy: Arc<AtomicBool>,
+    /// Whether the last call of each [`Patience`] succeeded (a slow Redis may answer within
+    /// the queue's bound and not the hold path's); a change is logged, at most one line per
+    /// [`HEALTH_LOG_EVERY`].
+    healthy: Arc<[AtomicBool; 2]>,
     /// When Redis was last unavailable, ms after `epoch` (0 = never).
     last_unavailable_ms: Arc<AtomicU64>,
+    /// When a change of health was last logged, ms after `epoch` + 1 (0 = never).
+    last_health_log_ms: Arc<AtomicU64>,
     epoch: Instant,
 }
 
@@ -321,8 +326,9 @@ impl Waitroom {
             keys: Keys::new(&cfg.key_prefix),
             cfg: Arc::new(cfg),
             scripts: Arc::new(scripts::Scripts::new()),
-            healthy: Arc::new(AtomicBool::new(true)),
+            healthy: Arc::new([AtomicBool::new(true), AtomicBool::new(true)]),
             last_unavailable_ms: Arc::new(AtomicU64::new(0)),
+            last_health_log_ms: Arc::new(AtomicU64::new(0)),
             epoch: Instant::now(),
         })
     }
@@ -359,8 +365,9 @@ impl Waitroom {
     }
 
     /// Runs one Redis call bounded as `patience` says, counting and classifying failures.
-    /// The first failure after a success is logged once (and the recovery), so a dead Redis
-    /// does not flood the log.
+    /// The first failure after a success is logged (and the recovery), at most one line per
+    /// [`HEALTH_LOG_EVERY`], so neither a dead Redis nor a flapping one floods the log; a
+    /// change inside that time is only counted (`boxoffice_waitroom_redis_errors_total`).
     async fn call_with<T>(
         &self,
         patience: Patience,
@@ -378,7 +385,7 @@ impl Waitroom {
         };
         match &res {
             Ok(_) => {
-                if !self.healthy.swap(true, Ordering::Relaxed) {
+                if !self.healthy[patience as usize].swap(true, Ordering::Relaxed) && self.may_log() {
                     tracing::info!(redis.op = op, "waiting room: redis reachable again");
                 }
             }
@@ -387,7 +394,7 @@ impl Waitroom {
                 if e.is_unavailable() {
                     let at = self.epoch.elapsed().as_millis().max(1) as u64;
                     self.last_unavailable_ms.store(at, Ordering::Relaxed);
-                    if self.healthy.swap(false, Ordering::Relaxed) {
+                    if self.healthy[patience as usize].swap(false, Ordering::Relaxed) && self.may_log() {
                         tracing::warn!(redis.op = op, error = %e, "waiting room: redis unreachable; queue calls answer 503, revocation checks ask the ledger");
                     }
                 } else {
@@ -396,6 +403,19 @@ impl Waitroom {
             }
         }
         res
+    }
+
+    /// Whether a change of Redis's health may be logged now: at most one line per
+    /// [`HEALTH_LOG_EVERY`], so a Redis that answers some calls in time and not others
+    /// (a process short of CPU) does not flood the log; the metric counts every failure.
+    fn may_log(&self) -> bool {
+        let now = self.epoch.elapsed().as_millis() as u64 + 1;
+        let last = self.last_health_log_ms.load(Ordering::Relaxed);
+        (last == 0 || now >= last + HEALTH_LOG_EVERY.as_millis() as u64)
+            && self
+                .last_health_log_ms
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
     }
 
     fn event_script<'a>(&self, script: &'a redis::Script, event: Uuid) -> redis::ScriptInvocation<'a> {
@@ -452,8 +472,7 @@ impl Waitroom {
             .arg(self.cfg.abandon_after_ms)
             .arg(self.cfg.sweep_batch)
             .arg(self.cfg.max_positions_per_user)
-            .arg(self.ticket_ttl_ms())
-            .arg(LIVE_RATE_MAX_AGE.as_millis() as u64);
+            .arg(self.ticket_ttl_ms());
         let mut conn = self.conn.clone();
         let (state, ticket, created, position, opens_at, abandoned, slot_end, rate): (
             String,
@@ -501,8 +520,7 @@ impl Waitroom {
             .arg(user.0.to_string())
             .arg(self.cfg.abandon_after_ms)
             .arg(self.cfg.sweep_batch)
-            .arg(self.ticket_ttl_ms())
-            .arg(LIVE_RATE_MAX_AGE.as_millis() as u64);
+            .arg(self.ticket_ttl_ms());
         let mut conn = self.conn.clone();
         let (state, position, opens_at, abandoned, slot_end, queued, pre, rate): (
             String,
@@ -579,11 +597,11 @@ impl Waitroom {
         }
     }
 
-    /// Admits the next `n` live positions of `event` (each gets a slot of `slot_ms`),
-    /// dropping lapsed positions met on the way. The release controller calls this at its
-    /// measured rate and passes that rate (positions per second for this event), which
-    /// joins and polls then report ([`TicketStatus::release_per_s`]) so buyers far back are
-    /// told a true wait and poll accordingly; nothing about seats changes here.
+    /// Admits the next `n` live positions of `event` (each gets a slot of `slot_ms`; `n` may
+    /// be 0), dropping lapsed positions met on the way. The release controller calls this
+    /// every tick with its rate for the event, positions per second, and how long that rate
+    /// stays valid; joins and polls then report it ([`TicketStatus::release_per_s`]) so buyers
+    /// far back are told a true wait and poll accordingly. Nothing about seats changes here.
     ///
     /// # Errors
     /// [`WaitroomError::Unavailable`] / [`WaitroomError::Timeout`].
@@ -591,16 +609,20 @@ impl Waitroom {
         &self,
         event: EventId,
         n: u32,
-        rate_per_s: Option<f64>,
+        rate: Option<(f64, Duration)>,
     ) -> Result<Released, WaitroomError> {
         let mut inv = self.event_script(&self.scripts.release, event.0);
-        let rate = rate_per_s.filter(|r| r.is_finite() && *r >= 0.0).map(|r| format!("{r:.3}"));
+        let (rate, valid) = match rate.filter(|(r, _)| r.is_finite() && *r >= 0.0) {
+            Some((r, valid)) => (format!("{r:.6}"), valid.as_millis() as u64),
+            None => (String::new(), 0),
+        };
         inv.arg(event.0.to_string())
             .arg(n)
             .arg(self.cfg.abandon_after_ms)
             .arg(self.cfg.sweep_batch)
             .arg(self.cfg.slot_ms)
-            .arg(rate.unwrap_or_default());
+            .arg(rate)
+            .arg(valid);
         let mut conn = self.conn.clone();
         let (admitted, abandoned, queued, pre, live, _slot_end): (Vec<String>, i64, i64, i64, i64, i64) =
             self.queue_call("release", inv.invoke_async(&mut conn)).await?;

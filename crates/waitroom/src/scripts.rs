@@ -72,17 +72,17 @@ local function live_admitted(now)
   return redis.call('ZCOUNT', ADM, '(' .. now, '+inf')
 end
 
--- The release controller's last rate for this event, as a string, or '' when older than
--- `max_age` ms (a controller that stopped releasing says nothing about the wait).
-local function live_rate(now, max_age)
-  local r = redis.call('HMGET', META, 'rate', 'rate_at')
-  if r[1] and r[2] and now - tonumber(r[2]) <= max_age then return r[1] end
+-- The release controller's last rate for this event, as a string, or '' once it is past the
+-- validity the controller gave it (a controller that stopped says nothing about the wait).
+local function live_rate(now)
+  local r = redis.call('HMGET', META, 'rate', 'rate_until')
+  if r[1] and r[2] and now <= tonumber(r[2]) then return r[1] end
   return ''
 end
 "#;
 
 /// `join`. KEYS 8 = `t:{new ticket}`, 9 = `u:{user}`. ARGV: event, user, new ticket,
-/// abandon ms, sweep limit, max positions per user, ticket key ttl ms, rate max age ms.
+/// abandon ms, sweep limit, max positions per user, ticket key ttl ms.
 /// Returns `{state, ticket, created, position, opens_at, abandoned, slot_end, rate}` where
 /// state is `pre`, `queued`, `admitted` or `limit` (then `created` carries the user's live
 /// positions) and rate is the live release rate or `''`.
@@ -93,7 +93,7 @@ local now = now_ms()
 open_if_due(now)
 local dropped = sweep(now, abandon, limit)
 local opening = pending_opening() or -1
-local rate = live_rate(now, tonumber(ARGV[8]))
+local rate = live_rate(now)
 
 -- One position per user and event: a repeated join (a retry after a lost answer) gets the
 -- same ticket back.
@@ -140,7 +140,7 @@ return {'queued', ticket, 1, position(ticket), opening, dropped, -1, rate}
 "#;
 
 /// `status`. KEYS 8 = `t:{ticket}`, 9 = `u:{user}`. ARGV: ticket, user, abandon ms, sweep
-/// limit, ticket key ttl ms, rate max age ms. Returns `{state, position, opens_at,
+/// limit, ticket key ttl ms. Returns `{state, position, opens_at,
 /// abandoned, slot_end, queued, pre_queued, rate}`; state `unknown` when the ticket is not
 /// this user's or is gone; rate as in `join`.
 const STATUS: &str = r#"
@@ -151,7 +151,7 @@ local now = now_ms()
 open_if_due(now)
 local dropped = sweep(now, abandon, limit)
 local opening = pending_opening() or -1
-local rate = live_rate(now, tonumber(ARGV[6]))
+local rate = live_rate(now)
 local slot = redis.call('ZSCORE', ADM, ticket)
 if slot then
   redis.call('ZADD', KEYS[9], slot, ticket)
@@ -201,7 +201,8 @@ return {1, 0}
 "#;
 
 /// `release`. ARGV: event, n, abandon ms, sweep limit, slot ms, rate (positions per second
-/// the controller releases this event at, recorded for `join`/`status`; `''` = not given).
+/// the controller releases this event at, recorded for `join`/`status`; `''` = not given),
+/// how long that rate stays valid, ms.
 /// Admits the next `n` live positions, dropping lapsed ones it meets on the way (so an
 /// abandoned position never holds the inlet). Returns `{admitted tickets, abandoned, queued, pre_queued, admitted_live,
 /// slot_end}`.
@@ -209,7 +210,7 @@ const RELEASE: &str = r#"
 local event, n = ARGV[1], tonumber(ARGV[2])
 local abandon, limit, slot_ms = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local now = now_ms()
-if ARGV[6] ~= '' then redis.call('HSET', META, 'rate', ARGV[6], 'rate_at', now) end
+if ARGV[6] ~= '' then redis.call('HSET', META, 'rate', ARGV[6], 'rate_until', now + tonumber(ARGV[7])) end
 open_if_due(now)
 local dropped = sweep(now, abandon, limit)
 local cutoff = now - abandon

@@ -264,7 +264,7 @@ async fn polls_report_the_release_controllers_live_rate() {
     let first = wr.join(event, users[0]).await.unwrap();
     assert_eq!(first.release_per_s, None, "no controller has released yet");
     wr.join(event, users[1]).await.unwrap();
-    wr.release(event, 1, Some(2.5)).await.unwrap();
+    wr.release(event, 1, Some((2.5, Duration::from_secs(10)))).await.unwrap();
     let s = wr.status(wr.join(event, users[1]).await.unwrap().ticket, users[1]).await.unwrap();
     assert_eq!((s.position, s.release_per_s), (Some(1), Some(2.5)));
     let third = wr.join(event, users[2]).await.unwrap();
@@ -272,4 +272,8 @@ async fn polls_report_the_release_controllers_live_rate() {
     // A release without a rate (an operator's) leaves the controller's word in place.
     wr.release(event, 1, None).await.unwrap();
     assert_eq!(wr.status(third.ticket, users[2]).await.unwrap().release_per_s, Some(2.5));
+    // A rate past its validity says nothing.
+    wr.release(event, 0, Some((1.0, Duration::from_millis(1)))).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    assert_eq!(wr.status(third.ticket, users[2]).await.unwrap().release_per_s, None);
 }

@@ -739,6 +739,12 @@ impl Controller {
             .set(self.status.borrow().allowance);
     }
 
+    /// How long the rate recorded with a release stays valid for the queue's wait estimates:
+    /// three ticks, at least 10 s.
+    fn rate_validity(&self) -> Duration {
+        Duration::from_millis(self.settings.tick_ms.saturating_mul(3)).max(Duration::from_secs(10))
+    }
+
     /// Releases `rate·dt` positions split evenly among the events with a queue. Returns the
     /// positions admitted and the allowance granted.
     async fn release(&self, leader: &mut Leader, rate: f64, dt: f64) -> (u64, f64) {
@@ -763,12 +769,10 @@ impl Controller {
             .set(share);
             let carry = leader.carry.entry(event).or_insert(0.0);
             *carry += share * dt;
+            // Called every tick, with nothing to admit too: the rate it records is what the
+            // queue is told about its wait, and it must stay fresh when R is low.
             let n = carry.floor().min(u32::MAX as f64) as u32;
-            if n == 0 {
-                allowance += share * dt;
-                continue;
-            }
-            match self.room.release(event, n, Some(share)).await {
+            match self.room.release(event, n, Some((share, self.rate_validity()))).await {
                 Ok(r) => {
                     allowance += share * dt;
                     *carry -= n as f64;
