@@ -456,7 +456,7 @@ async fn onsale_buyers_queue_until_released_open_loop_and_paced(_: PgPoolOptions
         // R pinned at 50/s: this test is about the buyers' side, not the controller's law.
         pin_release_rate(c, 50.0);
         c.waitroom_poll_interval_ms = 200;
-        c.waitroom_abandon_after_ms = 5_000;
+        c.waitroom_abandon_after_ms = 20_000; // `validate` asks for at least 18 s
     })
     .await;
     let tokens = app.cfg.admission_tokens().unwrap();
