@@ -45,7 +45,11 @@ pub fn router(state: AppState) -> Router {
             tower::ServiceBuilder::new()
                 .layer(axum::error_handling::HandleErrorLayer::new(crate::edge::shed))
                 .load_shed()
-                .concurrency_limit(state.settings.queue_max_concurrent.max(1)),
+                // One semaphore for every queue route and method: `route_layer` builds the
+                // layer once per method, and `concurrency_limit` would give each its own.
+                .layer(tower::limit::GlobalConcurrencyLimitLayer::new(
+                    state.settings.queue_max_concurrent.max(1),
+                )),
         )
         .route_layer(in_flight(&buyer_in_flight));
     let mut purchase = Router::new();

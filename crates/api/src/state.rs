@@ -83,7 +83,7 @@ impl Default for ApiSettings {
             seat_map_cache_entries: 10_000,
             max_in_flight_per_ip: 32,
             webhook_max_in_flight_per_ip: 8,
-            queue_max_concurrent: 128,
+            queue_max_concurrent: 256,
             webhook_timeout: Duration::from_secs(3),
             webhook_allowed_networks: Vec::new(),
         }

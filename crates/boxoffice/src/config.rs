@@ -275,8 +275,9 @@ pub struct Config {
     pub http_max_in_flight_per_ip: usize,
     /// The same on `POST /webhooks/stripe` (default 8; 0 = no limit).
     pub webhook_max_in_flight_per_ip: usize,
-    /// Waiting-room requests (join, poll, leave) in flight at once per API process, a share
-    /// of `http_max_concurrent_requests`; one more is 503 `overloaded` at once (default 128).
+    /// Waiting-room requests (join, poll, leave together) in flight at once per API process,
+    /// a share of `http_max_concurrent_requests` (below it); one more is 503 `overloaded` at
+    /// once (default 256).
     /// Each may wait `redis_queue_timeout_ms` for a slow Redis: this keeps the rest of the
     /// process's slots for holds, order status and webhooks.
     pub waitroom_max_concurrent_requests: usize,
@@ -537,7 +538,7 @@ impl Default for Config {
             http_max_concurrent_requests: 512,
             http_max_in_flight_per_ip: 32,
             webhook_max_in_flight_per_ip: 8,
-            waitroom_max_concurrent_requests: 128,
+            waitroom_max_concurrent_requests: 256,
             webhook_timeout_ms: 3_000,
             webhook_allowed_networks: Vec::new(),
             http_max_connections: 4_096,
@@ -799,8 +800,10 @@ impl Config {
         if self.http_max_concurrent_requests < 1 || self.http_max_connections < 1 {
             bail!("http_max_concurrent_requests and http_max_connections must be at least 1");
         }
-        if !(1..=self.http_max_concurrent_requests).contains(&self.waitroom_max_concurrent_requests) {
-            bail!("waitroom_max_concurrent_requests must be 1..=http_max_concurrent_requests");
+        if !(1..self.http_max_concurrent_requests).contains(&self.waitroom_max_concurrent_requests) {
+            bail!(
+                "waitroom_max_concurrent_requests must be at least 1 and below http_max_concurrent_requests"
+            );
         }
         if self.http_trust_forwarded_for.is_some() {
             bail!("http_trust_forwarded_for was replaced by http_trusted_proxy_hops (true = 1 hop)");

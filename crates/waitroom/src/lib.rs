@@ -260,9 +260,10 @@ pub struct Waitroom {
     keys: Keys,
     cfg: Arc<WaitroomConfig>,
     scripts: Arc<scripts::Scripts>,
-    /// Whether the last call of each [`Patience`] succeeded (a slow Redis may answer within
-    /// the queue's bound and not the hold path's); a change is logged, at most one line per
-    /// [`HEALTH_LOG_EVERY`].
+    /// The health last logged for each [`Patience`] (a slow Redis may answer within the
+    /// queue's bound and not the hold path's): a call that finds another state logs it, at
+    /// most one line per [`HEALTH_LOG_EVERY`]; a change inside that time is logged by the
+    /// first call after it if it still holds.
     healthy: Arc<[AtomicBool; 2]>,
     /// When Redis was last unavailable, ms after `epoch` (0 = never).
     last_unavailable_ms: Arc<AtomicU64>,
@@ -365,9 +366,12 @@ impl Waitroom {
     }
 
     /// Runs one Redis call bounded as `patience` says, counting and classifying failures.
-    /// The first failure after a success is logged (and the recovery), at most one line per
+    /// Unavailability after a success is logged (and the recovery), at most one line per
     /// [`HEALTH_LOG_EVERY`], so neither a dead Redis nor a flapping one floods the log; a
-    /// change inside that time is only counted (`boxoffice_waitroom_redis_errors_total`).
+    /// state that still holds when the time has passed is logged then, so the log's last
+    /// word is the current state. Every failure is counted
+    /// (`boxoffice_waitroom_redis_errors_total`); errors that are not unavailability are
+    /// logged each time (they are faults).
     async fn call_with<T>(
         &self,
         patience: Patience,
@@ -383,22 +387,31 @@ impl Waitroom {
             Ok(Err(e)) => Err(classify(e)),
             Err(_) => Err(WaitroomError::Timeout(ms)),
         };
-        match &res {
-            Ok(_) => {
-                if !self.healthy[patience as usize].swap(true, Ordering::Relaxed) && self.may_log() {
-                    tracing::info!(redis.op = op, "waiting room: redis reachable again");
-                }
-            }
+        let reachable = match &res {
+            Ok(_) => Some(true),
             Err(e) => {
                 metrics::counter!("boxoffice_waitroom_redis_errors_total", "op" => op).increment(1);
                 if e.is_unavailable() {
                     let at = self.epoch.elapsed().as_millis().max(1) as u64;
                     self.last_unavailable_ms.store(at, Ordering::Relaxed);
-                    if self.healthy[patience as usize].swap(false, Ordering::Relaxed) && self.may_log() {
-                        tracing::warn!(redis.op = op, error = %e, "waiting room: redis unreachable; queue calls answer 503, revocation checks ask the ledger");
-                    }
+                    Some(false)
                 } else {
                     tracing::error!(redis.op = op, error = ?e, "waiting room: redis error");
+                    None
+                }
+            }
+        };
+        // The state last logged for this bound is kept until a line may be written, so a
+        // change inside the window is logged once it has passed (on the next call).
+        let logged = &self.healthy[patience as usize];
+        if let Some(now) = reachable {
+            if logged.load(Ordering::Relaxed) != now && self.may_log() {
+                logged.store(now, Ordering::Relaxed);
+                match &res {
+                    Ok(_) => tracing::info!(redis.op = op, "waiting room: redis reachable again"),
+                    Err(e) => {
+                        tracing::warn!(redis.op = op, error = %e, "waiting room: redis unreachable; queue calls answer 503, revocation checks ask the ledger")
+                    }
                 }
             }
         }
