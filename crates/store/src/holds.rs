@@ -849,19 +849,17 @@ pub async fn open_payment_window(
     order: OrderId,
     policy: &HoldPolicy,
 ) -> Result<Option<DateTime<Utc>>, sqlx::Error> {
-    // Postgres evaluates every SET expression on the old row, so the wait of rule 3 is
-    // computed from the same new expiry, spelled twice.
+    // Every SET expression reads the old row, so the wait of rule 3 is computed from the
+    // same new expiry expression, not from the updated column.
+    let live = format!("status = 'active' AND NOT {LAPSED}");
+    let new_expiry = "GREATEST(expires_at, LEAST(clock_timestamp() + make_interval(secs => $2),
+                                        created_at + make_interval(secs => $3)))";
     let sql = format!(
         "UPDATE holds SET payable_at = COALESCE(payable_at, clock_timestamp()), payable_by = NULL,
-                expires_at = CASE WHEN status = 'active' AND NOT {LAPSED}
-                                  THEN GREATEST(expires_at, LEAST(clock_timestamp() + make_interval(secs => $2),
-                                                                  created_at + make_interval(secs => $3)))
-                                  ELSE expires_at END,
-                provider_check_until = CASE WHEN status = 'active' AND NOT {LAPSED} AND $4 > 0
-                                  THEN GREATEST(expires_at, LEAST(clock_timestamp() + make_interval(secs => $2),
-                                                                  created_at + make_interval(secs => $3)))
-                                       + make_interval(secs => $4)
-                                  ELSE provider_check_until END
+                expires_at = CASE WHEN {live} THEN {new_expiry} ELSE expires_at END,
+                provider_check_until = CASE WHEN {live} AND $4 > 0
+                                            THEN {new_expiry} + make_interval(secs => $4)
+                                            ELSE provider_check_until END
           WHERE order_id = $1 RETURNING expires_at"
     );
     sqlx::query_scalar(&sql)
