@@ -46,10 +46,19 @@ pub struct AdmissionClaims {
     pub event_id: Uuid,
     /// The purchase cell serving that event.
     pub purchase_cell: String,
+    /// The event directory's epoch for the event when the token was minted (design §13): the
+    /// hold transaction refuses a token whose epoch is not the event's in the cell's ledger,
+    /// so a token minted before a move is refused after it. Tokens without it are epoch 1.
+    #[serde(default = "first_epoch")]
+    pub directory_epoch: i64,
     /// Issued at, unix seconds.
     pub iat: i64,
     /// End of the admission slot, unix seconds (the token is refused from this second on).
     pub exp: i64,
+}
+
+fn first_epoch() -> i64 {
+    1
 }
 
 /// Why an admission token was refused (→ 403 with this reason).
@@ -289,15 +298,22 @@ impl AdmissionTokens {
         encode(&h, claims, &self.enc).expect("Ed25519 signing with a parsed key cannot fail")
     }
 
-    /// Issues a token for `user` at `event` in this cell, valid for `ttl_s` seconds from now,
-    /// with a fresh `jti`.
-    pub fn issue(&self, user: UserId, event: EventId, ttl_s: i64) -> (String, AdmissionClaims) {
+    /// Issues a token for `user` at `event` in this cell at the event's `directory_epoch`
+    /// (as this cell's ledger has it), valid for `ttl_s` seconds from now, with a fresh `jti`.
+    pub fn issue(
+        &self,
+        user: UserId,
+        event: EventId,
+        directory_epoch: i64,
+        ttl_s: i64,
+    ) -> (String, AdmissionClaims) {
         let now = Utc::now().timestamp();
         let claims = AdmissionClaims {
             jti: Uuid::new_v4(),
             sub: user.0,
             event_id: event.0,
             purchase_cell: self.cell.clone(),
+            directory_epoch,
             iat: now,
             exp: now + ttl_s,
         };
@@ -355,6 +371,7 @@ mod tests {
             sub: user.0,
             event_id: event.0,
             purchase_cell: "cell-1".into(),
+            directory_epoch: 1,
             iat: now,
             exp: now + exp_in,
         }
@@ -375,11 +392,11 @@ mod tests {
         let k2 = AdmissionSigningKey::from_seed("k2", [2; 32]);
         let (u, e) = (UserId::new(), EventId::new());
         let before = AdmissionTokens::new(&k1, &[], "cell-1").unwrap();
-        let (old, _) = before.issue(u, e, 60);
+        let (old, _) = before.issue(u, e, 1, 60);
         // Rotated: k2 signs, k1 still verifies.
         let rotated = AdmissionTokens::new(&k2, &[k1.verifying_key()], "cell-1").unwrap();
         assert!(rotated.verify(&old, u, e).is_ok());
-        let (new, _) = rotated.issue(u, e, 60);
+        let (new, _) = rotated.issue(u, e, 1, 60);
         assert!(rotated.verify(&new, u, e).is_ok());
         assert_eq!(rotated.verification_kids(), ["k1", "k2"]);
         // k1 retired.

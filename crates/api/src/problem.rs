@@ -4,6 +4,7 @@
 
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
+use boxoffice_store::cells::Refusal;
 use boxoffice_store::holds::ReserveError;
 use serde_json::{json, Value};
 
@@ -69,6 +70,39 @@ impl Problem {
     /// 403 `sales_closed`: the event's sales window has closed.
     pub fn sales_closed() -> Self {
         Self::new(StatusCode::FORBIDDEN, "sales_closed", "Sales closed", "sales for this event have closed")
+    }
+
+    /// Why this cell does not sell the event now (design §13): 409 `event_in_another_cell`
+    /// (with `purchase_cell` and `directory_epoch`: get a new admission there), 409
+    /// `admission_token_stale_epoch` (minted before a move: get a new admission), 503
+    /// `event_moving` (a move is under way; `Retry-After`).
+    pub fn placement(r: Refusal) -> Self {
+        match r {
+            Refusal::ElsewhereCell { cell, directory_epoch } => Self::new(
+                StatusCode::CONFLICT,
+                "event_in_another_cell",
+                "Event sold by another purchase cell",
+                format!("this event is sold by purchase cell {cell}; join its waiting room there"),
+            )
+            .with(json!({ "purchase_cell": cell, "directory_epoch": directory_epoch })),
+            Refusal::StaleEpoch { directory_epoch } => Self::new(
+                StatusCode::CONFLICT,
+                "admission_token_stale_epoch",
+                "Admission token from before a move",
+                "the admission token was minted before the event moved; get a new admission",
+            )
+            .with(json!({ "directory_epoch": directory_epoch })),
+            Refusal::Moving => {
+                let mut p = Self::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "event_moving",
+                    "Event moving",
+                    "the event is moving to another purchase cell; retry after Retry-After",
+                );
+                p.retry_after = Some(5);
+                p
+            }
+        }
     }
 
     /// 404.
@@ -195,6 +229,13 @@ impl From<ReserveError> for Problem {
             .with(json!({ "limit": limit.as_str(), "max": max, "current": has })),
             ReserveError::SalesNotOpen { opens_at } => Problem::sales_not_open(opens_at),
             ReserveError::SalesClosed => Problem::sales_closed(),
+            ReserveError::EventInAnotherCell { cell, directory_epoch } => {
+                Problem::placement(Refusal::ElsewhereCell { cell, directory_epoch })
+            }
+            ReserveError::StaleDirectoryEpoch { directory_epoch } => {
+                Problem::placement(Refusal::StaleEpoch { directory_epoch })
+            }
+            ReserveError::EventMoving => Problem::placement(Refusal::Moving),
             ReserveError::Db(e) => Problem::database(&e),
             ReserveError::Fault(f) => f.into(),
             ReserveError::Ledger(e) => e.into(),

@@ -14,14 +14,13 @@
 
 use crate::auth::{IdPath, User};
 use crate::problem::Problem;
-use crate::state::AppState;
+use crate::state::{AppState, EventInfo};
 use axum::extract::State;
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use boxoffice_admission::AdmissionClaims;
 use boxoffice_domain::{EventId, UserId};
-use boxoffice_store::venue::SalesWindow;
 use boxoffice_waitroom::{TicketState, WaitroomError};
 use chrono::{DateTime, Utc};
 use serde::Serialize;
@@ -68,6 +67,8 @@ struct View {
     opens_at: Option<DateTime<Utc>>,
     slot_ends_at: Option<DateTime<Utc>>,
     release_per_s: Option<f64>,
+    /// The event's directory epoch here, read when the ticket is admitted (the token's).
+    directory_epoch: Option<i64>,
 }
 
 /// The lowest release rate a wait is estimated with, positions per second: below it (a
@@ -87,14 +88,15 @@ fn render(st: &AppState, user: UserId, v: View) -> QueueView {
     // Before the opening nobody has a position; the wait is the time to the opening.
     let opening_in_s = v.opens_at.map(|at| (at - chrono::Utc::now()).num_seconds().max(0) as u64);
     let advice_wait_s = estimated_wait_s.or(opening_in_s);
-    let token = match (v.state, v.slot_ends_at) {
-        (TicketState::Admitted, Some(end)) => {
+    let token = match (v.state, v.slot_ends_at, v.directory_epoch) {
+        (TicketState::Admitted, Some(end), Some(directory_epoch)) => {
             let exp = end.timestamp(); // whole seconds, rounded down: never past the slot
             let claims = AdmissionClaims {
                 jti: v.ticket,
                 sub: user.0,
                 event_id: v.event,
                 purchase_cell: st.admission.cell().to_owned(),
+                directory_epoch,
                 iat: exp - st.settings.admission_ttl_s,
                 exp,
             };
@@ -154,9 +156,9 @@ fn no_store(mut resp: Response) -> Response {
         (status = 401, description = "`unauthenticated`: no or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 403, description = "`sales_not_open`: the event was never scheduled; `sales_closed`: its sales window has closed", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 404, description = "`not_found`: no such event", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 409, description = "`queue_position_limit`: the user holds too many positions across events", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 409, description = "`queue_position_limit`: the user holds too many positions across events; `event_in_another_cell`: another purchase cell sells the event (`purchase_cell`), join there", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 429, description = "`rate_limited` (per IP or per user, named in `scope`), or `too_many_in_flight` (this client address has `max_in_flight` requests in progress); `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 503, description = "`waitroom_unavailable`: Redis is unreachable; `unavailable`: the database is; `overloaded`: this process has `waitroom_max_concurrent_requests` queue requests in progress; `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 503, description = "`waitroom_unavailable`: Redis is unreachable; `unavailable`: the database is; `overloaded`: this process has `waitroom_max_concurrent_requests` queue requests in progress; `event_moving`: the event is moving to another purchase cell; `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
     ))]
 pub(crate) async fn join(
     State(st): State<AppState>,
@@ -165,7 +167,12 @@ pub(crate) async fn join(
 ) -> Result<Response, Problem> {
     ensure_on_sale(&st, event).await?;
     let t = st.waitroom.join(EventId(event), user.0).await?;
+    let directory_epoch = match t.state {
+        TicketState::Admitted => Some(minting_epoch(&st, event).await?),
+        _ => None,
+    };
     let view = View {
+        directory_epoch,
         ticket: t.ticket,
         event,
         state: t.state,
@@ -190,6 +197,7 @@ pub(crate) async fn join(
         (status = 400, description = "`invalid_path`: the ticket is not a UUID", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 401, description = "`unauthenticated`: no or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 404, description = "`queue_ticket_not_found`: unknown, not the caller's, left, lapsed, or the slot ended", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 409, description = "`event_in_another_cell`: admitted, but the event has moved to another purchase cell (`purchase_cell`): join there", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 429, description = "`rate_limited` (per IP or per user, named in `scope`), or `too_many_in_flight` (this client address has `max_in_flight` requests in progress); `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 503, description = "`waitroom_unavailable`: Redis is unreachable; `overloaded`: this process has `waitroom_max_concurrent_requests` queue requests in progress; `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
     ))]
@@ -199,7 +207,12 @@ pub(crate) async fn status(
     IdPath(ticket): IdPath<Uuid>,
 ) -> Result<Response, Problem> {
     let s = st.waitroom.status(ticket, user.0).await?;
+    let directory_epoch = match s.state {
+        TicketState::Admitted => Some(minting_epoch(&st, s.event.0).await?),
+        _ => None,
+    };
     let view = View {
+        directory_epoch,
         ticket,
         event: s.event.0,
         state: s.state,
@@ -243,32 +256,46 @@ pub(crate) async fn leave(
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
-/// The event's sales window from the ledger (through [`crate::state::EVENT_CACHE_TTL`]'s
-/// cache, absences included, so a stampede of joins or holds costs the ledger one query per
-/// event and TTL); 404 when the event does not exist.
-pub(crate) async fn sales_window(st: &AppState, event: Uuid) -> Result<SalesWindow, Problem> {
-    let cached = st.event_windows.lock().expect("event cache poisoned").get(&event).copied();
+/// The event's sales window and placement from the ledger (through
+/// [`crate::state::EVENT_CACHE_TTL`]'s cache, absences included, so a stampede of joins or
+/// holds costs the ledger one query per event and TTL); 404 when the event does not exist.
+pub(crate) async fn event_info(st: &AppState, event: Uuid) -> Result<EventInfo, Problem> {
+    let cached = st.event_windows.lock().expect("event cache poisoned").get(&event).cloned();
     let window = match cached {
         Some((at, w)) if at.elapsed() < crate::state::EVENT_CACHE_TTL => w,
         _ => {
-            let w = boxoffice_store::venue::sales_window(&st.pool, EventId(event)).await?.map(|(w, _)| w);
+            let w = boxoffice_store::cells::event_info(&st.pool, EventId(event))
+                .await?
+                .map(|(window, placement)| EventInfo { window, placement });
             let mut cache = st.event_windows.lock().expect("event cache poisoned");
             if cache.len() > 100_000 {
                 cache.clear(); // junk ids must not grow it without bound
             }
-            cache.insert(event, (std::time::Instant::now(), w));
+            cache.insert(event, (std::time::Instant::now(), w.clone()));
             w
         }
     };
     window.ok_or_else(|| Problem::not_found("event"))
 }
 
-/// Case C18: the opening is the ledger's. Joins after closing, or for an event never
+/// The directory epoch this cell mints admission tokens for `event` at: the ledger's, while
+/// this cell sells the event (else the refusal: moved away, or moving).
+pub(crate) async fn minting_epoch(st: &AppState, event: Uuid) -> Result<i64, Problem> {
+    let p = event_info(st, event).await?.placement;
+    p.admits(st.admission.cell(), p.directory_epoch).map_err(Problem::placement)?;
+    Ok(p.directory_epoch)
+}
+
+/// Case C18: the opening is the ledger's. Joins for an event another cell sells are refused
+/// (409 `event_in_another_cell`, 503 `event_moving`); joins after closing, or for an event never
 /// scheduled, are refused (403); before the opening the waiting room's cached schedule is
 /// (re)written from the ledger first — a Redis that restarted and forgot it would otherwise
 /// queue first come, first served and open at once.
 async fn ensure_on_sale(st: &AppState, event: Uuid) -> Result<(), Problem> {
-    let window = sales_window(st, event).await?;
+    let info = event_info(st, event).await?;
+    let p = &info.placement;
+    p.admits(st.admission.cell(), p.directory_epoch).map_err(Problem::placement)?;
+    let window = info.window;
     let now = chrono::Utc::now();
     let Some(opens_at) = window.opens_at else {
         return Err(Problem::sales_not_open(None));

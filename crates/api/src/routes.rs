@@ -139,18 +139,17 @@ fn log_failure(
         (status = 400, description = "`invalid_path`: the event id is not a UUID", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 401, description = "`unauthenticated`: no or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 404, description = "`not_found`: no such event (or the deployment does not serve this route)", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 409, description = "`event_in_another_cell`: another purchase cell sells the event (`purchase_cell`)", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 429, description = "`rate_limited` (per IP or per user, named in `scope`), or `too_many_in_flight` (this client address has `max_in_flight` requests in progress); `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 503, description = "`unavailable`: the database is unavailable; `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 503, description = "`unavailable`: the database is unavailable; `event_moving`: the event is moving to another purchase cell; `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
     ))]
 async fn admit(
     State(st): State<AppState>,
     user: User,
     IdPath(event): IdPath<Uuid>,
 ) -> Result<Response, Problem> {
-    if !venue::event_exists(&st.pool, EventId(event)).await? {
-        return Err(Problem::not_found("event"));
-    }
-    let (token, claims) = st.admission.issue(user.0, EventId(event), st.settings.admission_ttl_s);
+    let epoch = crate::queue::minting_epoch(&st, event).await?;
+    let (token, claims) = st.admission.issue(user.0, EventId(event), epoch, st.settings.admission_ttl_s);
     let expires_at = chrono::DateTime::from_timestamp(claims.exp, 0).unwrap_or_else(chrono::Utc::now);
     Ok((
         StatusCode::CREATED,
@@ -190,12 +189,12 @@ pub struct HoldBody {
         (status = 403, description = "`admission_token_missing`, `_malformed`, `_expired`, `_wrong_user`, `_wrong_event`, `_wrong_cell`, `_bad_signature`, `_unknown_kid` or `_revoked` (the admission token); `sales_not_open` (with `opens_at`) or `sales_closed`: outside the event's sales window", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 404, description = "`not_found`: no such event (whatever the admission token says)", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 408, description = "`request_body_timeout`: the body stalled; nothing was held", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 409, description = "`seat_unavailable` (nothing was held), `buyer_limit_reached` (the event's `max_seats_per_buyer` or `max_active_holds_per_buyer`, named in `limit`), `idempotency_key_conflict` or `idempotency_key_in_use` (`Retry-After`)", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 409, description = "`seat_unavailable` (nothing was held), `buyer_limit_reached` (the event's `max_seats_per_buyer` or `max_active_holds_per_buyer`, named in `limit`), `idempotency_key_conflict` or `idempotency_key_in_use` (`Retry-After`); `event_in_another_cell` (another purchase cell sells the event, named in `purchase_cell`) or `admission_token_stale_epoch` (the token was minted before the event moved): get a new admission", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 413, description = "`body_too_large`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 415, description = "`unsupported_media_type`: the body must be `application/json`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 422, description = "`seat_count` (outside 1–8), `unknown_seats` (not this event's), or `invalid_body` (a body of the wrong shape)", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 429, description = "`rate_limited` (per IP or per user, named in `scope`), or `too_many_in_flight` (this client address has `max_in_flight` requests in progress); `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 503, description = "`unavailable` (the database), `fault_injected`, or `revocation_check_failed` (Redis answered with an error); retry with the same Idempotency-Key after `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 503, description = "`unavailable` (the database), `fault_injected`, `revocation_check_failed` (Redis answered with an error), or `event_moving` (the event is moving to another purchase cell); retry with the same Idempotency-Key after `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
     ))]
 async fn create_hold(
     State(st): State<AppState>,
@@ -209,7 +208,7 @@ async fn create_hold(
     let started = Instant::now();
     // An unknown event is a 404 whatever the token says (from the event cache: no query
     // per request).
-    crate::queue::sales_window(&st, event).await?;
+    crate::queue::event_info(&st, event).await?;
     let token =
         headers.get("x-admission-token").and_then(|v| v.to_str().ok()).ok_or(AdmissionError::Missing)?;
     let claims = st.admission.verify(token, user.0, EventId(event))?;
@@ -229,6 +228,8 @@ async fn create_hold(
         correlation_id,
         ttl: st.settings.hold_policy.ttl,
         payable_within: Some(st.settings.hold_policy.ceiling),
+        cell: st.admission.cell().to_owned(),
+        directory_epoch: claims.directory_epoch,
     };
     let outcome = holds::reserve(&st.pool, &req).await;
     let label = match &outcome {

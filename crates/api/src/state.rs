@@ -95,8 +95,17 @@ impl Default for ApiSettings {
 /// always reads the ledger itself.
 pub const EVENT_CACHE_TTL: std::time::Duration = std::time::Duration::from_secs(2);
 
-/// A sales window read from the ledger at an instant (`None`: no such event).
-pub type CachedWindow = (Instant, Option<SalesWindow>);
+/// An event as the API reads it from its cell's ledger: the sales window and where it is sold.
+#[derive(Debug, Clone)]
+pub struct EventInfo {
+    /// The sales window.
+    pub window: SalesWindow,
+    /// Which cell sells it, at which directory epoch, and whether this ledger may.
+    pub placement: boxoffice_store::cells::Placement,
+}
+
+/// An event read from the ledger at an instant (`None`: no such event).
+pub type CachedWindow = (Instant, Option<EventInfo>);
 
 /// Everything a handler needs; cheap to clone.
 #[derive(Clone)]
@@ -112,7 +121,7 @@ pub struct AppState {
     pub admission: AdmissionTokens,
     /// The waiting room (Redis): queue, rate buckets, revocation set.
     pub waitroom: Waitroom,
-    /// Each event's sales window as last read from the ledger (`None`: no such event), with
+    /// Each event's sales window and placement as last read from the ledger (`None`: no such event), with
     /// when it was read, so queue joins in a stampede do not each ask the ledger; entries
     /// live [`EVENT_CACHE_TTL`].
     pub event_windows: Arc<Mutex<HashMap<Uuid, CachedWindow>>>,

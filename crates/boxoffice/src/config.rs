@@ -26,8 +26,9 @@ use std::path::Path;
 
 /// The settings that are secrets ([`SecretString`]): read from `BOXOFFICE_*` verbatim, never
 /// parsed as numbers or booleans, never echoed in an error.
-pub const SECRET_KEYS: [&str; 7] = [
+pub const SECRET_KEYS: [&str; 8] = [
     "database_url",
+    "control_database_url",
     "kafka_sasl_password",
     "user_jwt_secret",
     "admission_private_key",
@@ -173,6 +174,27 @@ fn redact_opt<S: serde::Serializer>(v: &Option<SecretString>, s: S) -> Result<S:
     }
 }
 
+/// One purchase cell's connection settings (design §13): its own PostgreSQL writer, topics,
+/// consumer groups and Redis keys. `boxoffice --cell NAME …` runs any command against this
+/// cell only ([`Config::for_cell`]); the router forwards its events' buyers to `api_url`.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+pub struct CellSettings {
+    /// The cell's name (`purchase_cell` of its processes; in admission tokens and the
+    /// directory).
+    pub name: String,
+    /// The cell's PostgreSQL URL (secret; its own database, better its own server).
+    #[serde(serialize_with = "redact")]
+    pub database_url: SecretString,
+    /// Prefix of the cell's topics and consumer groups (distinct per cell).
+    pub kafka_topic_prefix: String,
+    /// Prefix of the cell's Redis keys: waiting room, buckets, revocations (distinct per cell).
+    pub redis_key_prefix: String,
+    /// Base URL of the cell's API (its load balancer), for the router; e.g.
+    /// `http://cell-1.internal:8080`.
+    #[serde(default)]
+    pub api_url: Option<String>,
+}
+
 /// Every setting. Durations are milliseconds unless the name says otherwise.
 #[derive(Clone, Debug, Deserialize, Serialize)]
 pub struct Config {
@@ -289,8 +311,23 @@ pub struct Config {
     /// `webhook_source_refused` before their body is read. The address is the one the rate
     /// buckets use (`http_trusted_proxy_hops`).
     pub webhook_allowed_networks: Vec<String>,
-    /// This deployment's purchase cell (bound into admission tokens).
+    /// This deployment's purchase cell (bound into admission tokens). Set by `--cell` from
+    /// the cell's entry in `cells`.
     pub purchase_cell: String,
+    /// The purchase cells (TOML `[[cells]]`), for `--cell`, the `cells` commands and the
+    /// router. Empty (the default): one cell, this configuration's own database.
+    pub cells: Vec<CellSettings>,
+    /// The control database holding the event directory (secret; belongs to no cell): read by
+    /// the router and the `cells` commands, never by a cell's processes. Unset: no directory.
+    #[serde(serialize_with = "redact_opt")]
+    pub control_database_url: Option<SecretString>,
+    /// Listen address of the router role.
+    pub router_bind: String,
+    /// How often the router re-reads the directory, ms; it keeps serving the last map it read
+    /// while the control database is down.
+    pub router_refresh_ms: u64,
+    /// Bound of one forwarded request, ms (the cell's own edge bounds it too).
+    pub router_upstream_timeout_ms: u64,
     /// HS256 secret that mints and verifies buyers' bearer tokens in development only (at
     /// least 32 bytes; the default is public). Production never accepts HS256.
     #[serde(serialize_with = "redact")]
@@ -543,6 +580,11 @@ impl Default for Config {
             webhook_allowed_networks: Vec::new(),
             http_max_connections: 4_096,
             purchase_cell: "cell-1".into(),
+            cells: Vec::new(),
+            control_database_url: None,
+            router_bind: "127.0.0.1:8090".into(),
+            router_refresh_ms: 1_000,
+            router_upstream_timeout_ms: 15_000,
             user_jwt_secret: DEV_USER_JWT_SECRET.into(),
             user_jwks_url: None,
             user_jwks_file: None,
@@ -748,6 +790,7 @@ impl Config {
             bail!("log_format must be text or json");
         }
         boxoffice_faults::validate(&self.faults).map_err(|e| anyhow::anyhow!("faults: {e}"))?;
+        self.validate_cells()?;
         let refused: Vec<SecretFinding> = self
             .secret_findings()
             .into_iter()
@@ -757,6 +800,69 @@ impl Config {
             return Err(SecretFindings { env: self.env, findings: refused }.into());
         }
         Ok(())
+    }
+
+    /// Cells are distinct in name, database, topic prefix and Redis prefix, and the control
+    /// database is none of theirs (it belongs to no cell).
+    fn validate_cells(&self) -> anyhow::Result<()> {
+        let mut names = std::collections::HashSet::new();
+        let mut dbs = std::collections::HashSet::new();
+        let mut topics = std::collections::HashSet::new();
+        let mut keys = std::collections::HashSet::new();
+        for c in &self.cells {
+            if c.name.is_empty()
+                || !c.name.chars().all(|ch| ch.is_ascii_alphanumeric() || ch == '-' || ch == '_')
+            {
+                bail!("cells: a cell name is 1+ characters of [A-Za-z0-9_-], got {:?}", c.name);
+            }
+            if !names.insert(c.name.as_str()) {
+                bail!("cells: {} is listed twice", c.name);
+            }
+            if !dbs.insert(c.database_url.expose_secret()) {
+                bail!("cells: {} shares its database_url with another cell", c.name);
+            }
+            if !topics.insert(c.kafka_topic_prefix.as_str()) {
+                bail!("cells: {} shares its kafka_topic_prefix with another cell", c.name);
+            }
+            if !keys.insert(c.redis_key_prefix.as_str()) {
+                bail!("cells: {} shares its redis_key_prefix with another cell", c.name);
+            }
+        }
+        if let Some(control) = &self.control_database_url {
+            if dbs.contains(control.expose_secret()) {
+                bail!("control_database_url: the directory belongs to no cell; give it its own database");
+            }
+        }
+        if self.router_refresh_ms < 100 || self.router_upstream_timeout_ms < 100 {
+            bail!("router_refresh_ms and router_upstream_timeout_ms must be at least 100");
+        }
+        Ok(())
+    }
+
+    /// This configuration for one process of cell `name`: the cell's database, topic prefix,
+    /// Redis prefix and name, and nothing of any other cell or of the control database — a
+    /// cell's process holds exactly one database URL.
+    ///
+    /// # Errors
+    /// When `cells` lists no such cell.
+    pub fn for_cell(&self, name: &str) -> anyhow::Result<Config> {
+        let cell =
+            self.cells.iter().find(|c| c.name == name).with_context(|| {
+                format!("no cell {name:?} in cells (configured: {:?})", self.cell_names())
+            })?;
+        let mut c = self.clone();
+        c.database_url = cell.database_url.clone();
+        c.kafka_topic_prefix = cell.kafka_topic_prefix.clone();
+        c.redis_key_prefix = cell.redis_key_prefix.clone();
+        c.purchase_cell = cell.name.clone();
+        c.cells = Vec::new();
+        c.control_database_url = None;
+        Ok(c)
+    }
+
+    /// The names of the configured cells.
+    pub fn cell_names(&self) -> Vec<&str> {
+        self.cells.iter().map(|c| c.name.as_str()).collect()
     }
 
     /// Checks the buyer-token settings' shapes (what production requires is a finding).
@@ -1240,7 +1346,10 @@ impl Config {
 
     /// The PostgreSQL connect options.
     pub fn pg_options(&self) -> anyhow::Result<sqlx::postgres::PgConnectOptions> {
-        self.database_url.expose_secret().parse().context("invalid database_url")
+        let opts: sqlx::postgres::PgConnectOptions =
+            self.database_url.expose_secret().parse().context("invalid database_url")?;
+        // Names the cell in pg_stat_activity (which cell's process holds a connection).
+        Ok(opts.application_name(&format!("boxoffice-{}", self.purchase_cell)))
     }
 }
 

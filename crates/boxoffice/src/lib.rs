@@ -1,11 +1,12 @@
 //! The boxoffice binary's library half: configuration, the role runtime, and the product's
 //! commands (`migrate`, `serve`, `seed-venue`, `audit`, `reconcile`, `dlq`, `topics create`,
-//! the waiting-room and admission-key commands). The drills (`boxoffice-drills`) and the
+//! the waiting-room and admission-key commands, `cells`). The drills (`boxoffice-drills`) and the
 //! integration tests drive the same functions the binary does.
 
 #![warn(missing_docs)]
 
 pub mod audit;
+pub mod cells;
 pub mod commands;
 pub mod config;
 pub mod reconcile;

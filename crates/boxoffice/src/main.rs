@@ -14,6 +14,10 @@ struct Cli {
     /// TOML configuration file (defaults, then this file, then BOXOFFICE_* variables).
     #[arg(long, global = true, env = "BOXOFFICE_CONFIG")]
     config: Option<PathBuf>,
+    /// Run against this purchase cell only (an entry of `cells`): its database, topics,
+    /// consumer groups and Redis keys, and no other cell's (e.g. `serve --cell cell-2`).
+    #[arg(long, global = true, env = "BOXOFFICE_CELL")]
+    cell: Option<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -130,6 +134,43 @@ enum Command {
     Topics {
         #[command(subcommand)]
         action: TopicsAction,
+    },
+    /// Purchase cells: the event directory (control database) and moves between cells.
+    Cells {
+        #[command(subcommand)]
+        action: CellsAction,
+    },
+}
+
+#[derive(Subcommand)]
+enum CellsAction {
+    /// Print the directory and each cell's own view of its events.
+    List {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Put a new event (seeded in the cell: `boxoffice --cell C seed-venue`) in the directory.
+    Assign {
+        /// The event.
+        #[arg(long)]
+        event: uuid::Uuid,
+        /// Its cell.
+        #[arg(long = "cell", id = "assign_cell")]
+        cell: String,
+    },
+    /// Move an event to another cell: freeze it (new holds get 503 `event_moving`), wait for
+    /// its open orders to settle, copy it, bump the directory epoch, sell it there.
+    Move {
+        /// The event.
+        #[arg(long)]
+        event: uuid::Uuid,
+        /// The target cell.
+        #[arg(long)]
+        to: String,
+        /// Longest wait for the event's open orders to settle; past it the move is undone.
+        #[arg(long, default_value = "15m", value_parser = humantime::parse_duration)]
+        settle_timeout: std::time::Duration,
     },
 }
 
@@ -280,6 +321,22 @@ async fn main() {
             std::process::exit(2);
         }
     };
+    // `--cell`: this process is one cell's, holding that cell's database URL and no other
+    // (the `cells` commands are the operator's across cells and read every one).
+    let cfg = match (&cli.cell, &cli.command) {
+        (Some(cell), Command::Cells { .. }) => {
+            eprintln!("error: --cell {cell}: the cells commands work across cells; drop --cell");
+            std::process::exit(2);
+        }
+        (Some(cell), _) => match cfg.for_cell(cell) {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                std::process::exit(2);
+            }
+        },
+        (None, _) => cfg,
+    };
     boxoffice::runtime::init_logging(&cfg, "info,sqlx=warn,rdkafka=warn");
     let result: anyhow::Result<i32> = match cli.command {
         Command::Migrate => commands::migrate(&cfg).await.map(|_| 0),
@@ -314,6 +371,19 @@ async fn main() {
             commands::dlq_replay(&cfg, &ids).await.map(|_| 0)
         }
         Command::Waitroom { action } => waitroom(&cfg, action).await.map(|_| 0),
+        Command::Cells { action: CellsAction::List { json } } => boxoffice::cells::list(&cfg, json).await,
+        Command::Cells { action: CellsAction::Assign { event, cell } } => {
+            boxoffice::cells::assign(&cfg, event, &cell).await
+        }
+        Command::Cells { action: CellsAction::Move { event, to, settle_timeout } } => {
+            boxoffice::cells::move_event(&cfg, event, &to, settle_timeout).await.map(|r| {
+                println!(
+                    "event {} moved {} → {} at directory epoch {}: {} seats ({} sold stay with their orders), no holds for {} ms",
+                    r.event_id, r.from, r.to, r.directory_epoch, r.seats, r.sold_seats, r.frozen_ms
+                );
+                0
+            })
+        }
         Command::AdmissionKeygen { .. } => unreachable!("handled before the configuration is loaded"),
         Command::UserToken { user, ttl_s } if cfg.env == Environment::Development => {
             let user = boxoffice_domain::UserId(user.unwrap_or_else(uuid::Uuid::new_v4));

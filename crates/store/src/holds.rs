@@ -83,6 +83,11 @@ pub struct ReserveRequest {
     /// (rule 1 of [`boxoffice_domain::hold`]: the ceiling); `None`: it lapses at `ttl`
     /// whether payable or not.
     pub payable_within: Option<Duration>,
+    /// The purchase cell the admission token routed the buyer to (this process's cell).
+    pub cell: String,
+    /// The directory epoch the admission token was minted at: the event must be `active` for
+    /// `cell` at exactly this epoch in this ledger ([`crate::cells::Placement::admits`]).
+    pub directory_epoch: i64,
 }
 
 impl ReserveRequest {
@@ -193,6 +198,26 @@ pub enum ReserveError {
     /// The event's sales window has closed. → 403
     #[error("sales are closed")]
     SalesClosed,
+    /// Another purchase cell sells the event (it moved, or the request reached the wrong
+    /// cell). → 409 `event_in_another_cell`
+    #[error("event is sold by purchase cell {cell}")]
+    EventInAnotherCell {
+        /// The cell that sells it.
+        cell: String,
+        /// At which directory epoch.
+        directory_epoch: i64,
+    },
+    /// The admission token was minted at another directory epoch (before a move). → 409
+    /// `admission_token_stale_epoch`
+    #[error("admission token minted at another directory epoch")]
+    StaleDirectoryEpoch {
+        /// The event's epoch here.
+        directory_epoch: i64,
+    },
+    /// The event is being moved to another cell; no holds until the move ends. → 503
+    /// `event_moving`
+    #[error("the event is moving to another purchase cell")]
+    EventMoving,
     /// The database failed (after retries for transient errors). → 503 or 500
     #[error("database error")]
     Db(#[from] sqlx::Error),
@@ -203,6 +228,19 @@ pub enum ReserveError {
     /// reclaiming a lapsed hold). → 500
     #[error(transparent)]
     Ledger(StoreError),
+}
+
+impl From<crate::cells::Refusal> for ReserveError {
+    fn from(r: crate::cells::Refusal) -> Self {
+        use crate::cells::Refusal;
+        match r {
+            Refusal::ElsewhereCell { cell, directory_epoch } => {
+                Self::EventInAnotherCell { cell, directory_epoch }
+            }
+            Refusal::StaleEpoch { directory_epoch } => Self::StaleDirectoryEpoch { directory_epoch },
+            Refusal::Moving => Self::EventMoving,
+        }
+    }
 }
 
 impl From<StoreError> for ReserveError {
@@ -299,6 +337,7 @@ async fn reserve_once(
 /// (a transaction-scoped advisory lock on (event, user), so one buyer's concurrent holds are
 /// counted one after the other and N requests with N keys can never pass the cap together).
 struct EventRules {
+    placement: crate::cells::Placement,
     max_seats_per_buyer: i32,
     max_active_holds_per_buyer: i32,
     sales_open_at: Option<DateTime<Utc>>,
@@ -309,7 +348,10 @@ struct EventRules {
     tickets: i64,
 }
 
-/// Step 2: the event exists (404), its sales window is open by the database clock (403
+/// Step 2: the event exists (404), this ledger sells it for the token's cell at the token's
+/// directory epoch (409 `event_in_another_cell` / `admission_token_stale_epoch`, 503
+/// `event_moving`; read without a row lock: a move waits for every transaction older than its
+/// freeze, `cells::wait_for_transactions_before`), its sales window is open by the database clock (403
 /// `sales_not_open` / `sales_closed`), and the buyer stays within the event's limits (409
 /// `buyer_limit_reached`): seats across the buyer's unreleased `active` or `confirmed` holds,
 /// plus valid tickets, plus `requested` must not exceed `max_seats_per_buyer`; `active` holds
@@ -329,7 +371,19 @@ async fn check_event_rules(
         .await?;
     let rules: Option<EventRules> = sqlx::query_as::<
         _,
-        (i32, i32, Option<DateTime<Utc>>, Option<DateTime<Utc>>, DateTime<Utc>, i64, i64, i64),
+        (
+            i32,
+            i32,
+            Option<DateTime<Utc>>,
+            Option<DateTime<Utc>>,
+            DateTime<Utc>,
+            i64,
+            i64,
+            i64,
+            String,
+            i64,
+            String,
+        ),
     >(
         "SELECT e.max_seats_per_buyer, e.max_active_holds_per_buyer, e.sales_open_at, e.sales_close_at,
                 clock_timestamp(),
@@ -339,26 +393,34 @@ async fn check_event_rules(
                 (SELECT count(*) FROM orders o JOIN holds h ON h.order_id = o.id
                   WHERE o.event_id = e.id AND o.user_id = $2 AND h.status = 'active'),
                 (SELECT count(*) FROM orders o JOIN tickets t ON t.order_id = o.id
-                  WHERE o.event_id = e.id AND o.user_id = $2 AND t.voided_at IS NULL)
+                  WHERE o.event_id = e.id AND o.user_id = $2 AND t.voided_at IS NULL),
+                e.purchase_cell, e.directory_epoch, e.cell_state
            FROM events e WHERE e.id = $1",
     )
     .bind(req.event_id.0)
     .bind(req.user_id.0)
     .fetch_optional(&mut **tx)
     .await?
-    .map(|r| EventRules {
-        max_seats_per_buyer: r.0,
-        max_active_holds_per_buyer: r.1,
-        sales_open_at: r.2,
-        sales_close_at: r.3,
-        now: r.4,
-        seats_held: r.5,
-        active_holds: r.6,
-        tickets: r.7,
-    });
+    .map(|r| -> Result<EventRules, ReserveError> {
+        let state = crate::cells::CellState::try_from(r.10)
+            .map_err(|e| ReserveError::Ledger(StoreError::Corrupt(e)))?;
+        Ok(EventRules {
+            placement: crate::cells::Placement { cell: r.8, directory_epoch: r.9, state },
+            max_seats_per_buyer: r.0,
+            max_active_holds_per_buyer: r.1,
+            sales_open_at: r.2,
+            sales_close_at: r.3,
+            now: r.4,
+            seats_held: r.5,
+            active_holds: r.6,
+            tickets: r.7,
+        })
+    })
+    .transpose()?;
     let Some(rules) = rules else {
         return Err(ReserveError::EventNotFound);
     };
+    rules.placement.admits(&req.cell, req.directory_epoch)?;
     match rules.sales_open_at {
         Some(open) if open <= rules.now => {}
         opens_at => return Err(ReserveError::SalesNotOpen { opens_at }),
@@ -433,16 +495,17 @@ struct LockedSeat {
     currency: String,
 }
 
-/// Step 2: locks the requested seats of `event` in id order; refuses unknown seats (422) or
-/// an unknown event (404).
+/// Step 2: locks the requested seats of `event` in id order; refuses unknown seats (422), an
+/// unknown event (404), or seats another cell's ledger sold before the event moved here
+/// (`seats.sold_in_cell`, 409 like any taken seat).
 async fn lock_seats(
     tx: &mut Tx<'_>,
     event: EventId,
     seats: &[SeatId],
 ) -> Result<Vec<LockedSeat>, ReserveError> {
     let seat_uuids: Vec<Uuid> = seats.iter().map(|s| s.0).collect();
-    let locked: Vec<(Uuid, i64, String)> = sqlx::query_as(
-        "SELECT id, price_minor, currency FROM seats
+    let locked: Vec<(Uuid, i64, String, bool)> = sqlx::query_as(
+        "SELECT id, price_minor, currency, sold_in_cell IS NOT NULL FROM seats
           WHERE event_id = $1 AND id = ANY($2) ORDER BY id FOR UPDATE",
     )
     .bind(event.0)
@@ -462,7 +525,11 @@ async fn lock_seats(
             seat_ids: seats.iter().filter(|s| !found.contains(&s.0)).copied().collect(),
         });
     }
-    Ok(locked.into_iter().map(|(_, price_minor, currency)| LockedSeat { price_minor, currency }).collect())
+    let elsewhere: Vec<SeatId> = locked.iter().filter(|r| r.3).map(|r| SeatId(r.0)).collect();
+    if !elsewhere.is_empty() {
+        return Err(ReserveError::SeatUnavailable { seat_ids: elsewhere });
+    }
+    Ok(locked.into_iter().map(|(_, price_minor, currency, _)| LockedSeat { price_minor, currency }).collect())
 }
 
 /// Step 3, all or nothing: any seat sold or held by a live hold refuses the request (409);

@@ -11,6 +11,8 @@
 //! Keeping one order means two of them can wait on each other but never deadlock.
 
 pub mod audit;
+pub mod cells;
+pub mod directory;
 pub mod error;
 pub mod holds;
 pub mod inbox;

@@ -349,7 +349,7 @@ pub async fn seat_map(pool: &PgPool, event: EventId) -> Result<Option<Vec<SeatAv
     sqlx::query_as(
         "SELECT s.id AS seat_id, s.label, s.section, s.row_label, s.seat_number AS number, s.price_level,
                 s.price_minor, s.currency,
-                CASE WHEN t.seat_id IS NOT NULL THEN 'sold'
+                CASE WHEN t.seat_id IS NOT NULL OR s.sold_in_cell IS NOT NULL THEN 'sold'
                      WHEN hs.seat_id IS NOT NULL THEN 'held'
                      ELSE 'available' END AS status
            FROM seats s

@@ -219,6 +219,8 @@ async fn hold_level(
                         correlation_id: uuid::Uuid::new_v4(),
                         ttl: Duration::from_secs(3_600),
                         payable_within: None,
+                        cell: "cell-1".into(),
+                        directory_epoch: 1,
                     };
                     let t = Instant::now();
                     let r = holds::reserve(&pool, &req).await;

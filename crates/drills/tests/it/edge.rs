@@ -551,7 +551,7 @@ async fn revocations_survive_a_redis_restart(_: PgPoolOptions, opts: PgConnectOp
     let room = runtime::waitroom(&app.cfg).unwrap();
     let ring = runtime::admission_tokens(&app.cfg).unwrap();
     let (a, b, c) = (app.buyer(), app.buyer(), app.buyer());
-    let issue = |u: &Buyer| ring.issue(UserId(u.user), EventId(app.event), 600);
+    let issue = |u: &Buyer| ring.issue(UserId(u.user), EventId(app.event), 1, 600);
     let ((revoked, claims), (good, _)) = (issue(&a), issue(&b));
     boxoffice_api::revocation::revoke(&app.pool, &room, claims.jti, claims.exp).await.unwrap();
     // c leaves the queue during its admission slot: that revokes its token.

@@ -189,7 +189,7 @@ impl TestApp {
     pub fn admission_token(&self, b: &Buyer) -> String {
         runtime::admission_tokens(&self.cfg)
             .expect("admission keys")
-            .issue(UserId(b.user), EventId(self.event), 600)
+            .issue(UserId(b.user), EventId(self.event), 1, 600)
             .0
     }
 

@@ -259,6 +259,7 @@ async fn c12_admission_tokens(_: PgPoolOptions, opts: PgConnectOptions) {
             sub: user,
             event_id: event,
             purchase_cell: "cell-1".into(),
+            directory_epoch: 1,
             iat: now,
             exp: now + exp_in,
         }

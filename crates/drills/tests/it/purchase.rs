@@ -258,6 +258,8 @@ async fn hold_directly(app: &TestApp, seat: Uuid) -> holds::HoldReceipt {
         correlation_id: Uuid::new_v4(),
         ttl: Duration::from_secs(600),
         payable_within: None,
+        cell: "cell-1".into(),
+        directory_epoch: 1,
     };
     holds::reserve(&app.pool, &req).await.unwrap().receipt().clone()
 }

@@ -45,6 +45,8 @@ impl Ledger {
             correlation_id: Uuid::new_v4(),
             ttl,
             payable_within: None,
+            cell: "cell-1".into(),
+            directory_epoch: 1,
         };
         holds::reserve(&self.pool, &req).await.unwrap().receipt().clone()
     }
