@@ -17,6 +17,7 @@
 //! connection behind the edge's timeouts and limits ([`edge`]).
 
 pub mod auth;
+pub mod cell_router;
 pub mod edge;
 pub mod limits;
 pub mod openapi;

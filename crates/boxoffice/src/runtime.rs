@@ -39,6 +39,10 @@ pub enum Role {
     Expiry,
     /// Ticket issuance.
     Tickets,
+    /// The cell router (design §13): forwards buyers to the cell that sells the event, from
+    /// the event directory in `control_database_url`, to each cell's `api_url`. Opens no
+    /// connection to any cell's database; not in [`Role::ALL`].
+    Router,
 }
 
 impl Role {
@@ -62,6 +66,7 @@ impl Role {
             Role::Payments => "payments",
             Role::Expiry => "expiry",
             Role::Tickets => "tickets",
+            Role::Router => "router",
         }
     }
 }
@@ -76,7 +81,10 @@ impl FromStr for Role {
             "payments" => Role::Payments,
             "expiry" => Role::Expiry,
             "tickets" => Role::Tickets,
-            other => anyhow::bail!("unknown role {other:?} (api, relay, saga, payments, expiry, tickets)"),
+            "router" => Role::Router,
+            other => {
+                anyhow::bail!("unknown role {other:?} (api, relay, saga, payments, expiry, tickets, router)")
+            }
         })
     }
 }
@@ -93,6 +101,10 @@ pub fn metrics_handle() -> Option<PrometheusHandle> {
 pub struct Running {
     /// Where the API listens, when it runs here.
     pub api_addr: Option<SocketAddr>,
+    /// Where the router listens, when it runs here.
+    pub router_addr: Option<SocketAddr>,
+    /// The router's state, when it runs here (its directory map).
+    pub router: Option<boxoffice_api::cell_router::CellRouter>,
     tasks: Vec<(&'static str, JoinHandle<()>)>,
     producer: Option<FutureProducer>,
     groups: Vec<Arc<boxoffice_bus::consumer::Assignment>>,
@@ -151,6 +163,7 @@ fn pool_size(cfg: &Config, role: Role) -> u32 {
         Role::Payments => cfg.db_pool_payments,
         Role::Tickets => cfg.db_pool_tickets,
         Role::Expiry => cfg.db_pool_expiry,
+        Role::Router => 0,
     }
 }
 
@@ -177,7 +190,16 @@ pub async fn start(
     let mut groups = Vec::new();
     let mut release_status = None;
     let consumers = cfg.consumers_per_role;
+    let mut router = None;
+    let mut router_addr = None;
     for role in roles {
+        if *role == Role::Router {
+            let (r, addr, handles) = start_router(cfg, shutdown.clone()).await?;
+            tasks.extend(handles.into_iter().map(|h| ("router", h)));
+            router = Some(r);
+            router_addr = Some(addr);
+            continue;
+        }
         let pool = PgPoolOptions::new()
             .max_connections(pool_size(cfg, *role))
             .acquire_timeout(Duration::from_millis(cfg.db_acquire_timeout_ms))
@@ -250,14 +272,17 @@ pub async fn start(
                         run_consumers(k, pool.clone(), Arc::new(TicketWorker), p, consumers, lanes, sd)?
                     }
                     _ => {
-                        let worker =
-                            Arc::new(PaymentWorker::new(gateway(cfg)?, pool.clone(), cfg.hold_policy()));
+                        let worker = Arc::new(
+                            PaymentWorker::new(gateway(cfg)?, pool.clone(), cfg.hold_policy())
+                                .in_cell(&cfg.purchase_cell),
+                        );
                         run_consumers(k, pool.clone(), worker, p, consumers, lanes, sd)?
                     }
                 };
                 groups.push(assignment);
                 tasks.extend(handles.into_iter().map(|h| (role.name(), h)));
             }
+            Role::Router => unreachable!("started above"),
             Role::Expiry => {
                 let settings = expiry::ExpirySettings {
                     batch: cfg.expiry_batch,
@@ -271,6 +296,8 @@ pub async fn start(
     }
     Ok(Running {
         api_addr,
+        router_addr,
+        router,
         tasks,
         producer,
         groups,
@@ -296,6 +323,52 @@ async fn spawn_api(
             tracing::error!(error = %e, "api server failed");
         }
     }))
+}
+
+/// The router role: its directory refresh on the control database and its listener on
+/// `router_bind`, bounded by the same edge as the API.
+async fn start_router(
+    cfg: &Config,
+    shutdown: CancellationToken,
+) -> anyhow::Result<(boxoffice_api::cell_router::CellRouter, SocketAddr, Vec<JoinHandle<()>>)> {
+    let control = cfg.control_database_url.as_ref().context("the router needs control_database_url")?;
+    let control: PgConnectOptions =
+        control.expose_secret().parse().context("invalid control_database_url")?;
+    let control = PgPoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(Duration::from_secs(2))
+        .connect_lazy_with(control.application_name("boxoffice-router"));
+    let mut cells = std::collections::HashMap::new();
+    for c in &cfg.cells {
+        let url =
+            c.api_url.clone().with_context(|| format!("cells: {} has no api_url for the router", c.name))?;
+        cells.insert(c.name.clone(), url);
+    }
+    if cells.is_empty() {
+        anyhow::bail!("the router needs cells with an api_url each");
+    }
+    let router = boxoffice_api::cell_router::CellRouter::new(
+        cells,
+        Duration::from_millis(cfg.router_upstream_timeout_ms),
+    )?;
+    router.refresh(&control).await;
+    let listener = tokio::net::TcpListener::bind(&cfg.router_bind)
+        .await
+        .with_context(|| format!("binding {}", cfg.router_bind))?;
+    let addr = listener.local_addr()?;
+    let refresh = tokio::spawn(router.clone().run_refresh(
+        control,
+        Duration::from_millis(cfg.router_refresh_ms),
+        shutdown.clone(),
+    ));
+    let app = boxoffice_api::cell_router::app(router.clone());
+    let edge = cfg.edge();
+    let serve = tokio::spawn(async move {
+        if let Err(e) = boxoffice_api::serve(listener, app, edge, shutdown).await {
+            tracing::error!(error = %e, "router failed");
+        }
+    });
+    Ok((router, addr, vec![refresh, serve]))
 }
 
 /// The admission-token key ring of `cfg` (see [`Config::admission_tokens`]).

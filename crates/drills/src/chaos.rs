@@ -124,7 +124,7 @@ fn fault_points(role: Role) -> Vec<String> {
             ["relay.before_publish", "relay.after_publish", "relay.after_commit"].map(String::from).to_vec()
         }
         Role::Saga | Role::Payments | Role::Tickets => consumer(role.name()),
-        Role::Expiry => Vec::new(),
+        Role::Expiry | Role::Router => Vec::new(),
     }
 }
 

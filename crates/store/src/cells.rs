@@ -287,7 +287,7 @@ pub async fn export(pool: &PgPool, event: EventId, cell: &str) -> Result<Option<
 /// `epoch`, in one transaction. Idempotent, and safe for an event that was sold here before
 /// (moved away and back): a seat whose sale this ledger holds keeps it; any other seat takes
 /// the export's owner. Refuses (`false`) when this ledger already has the event at `epoch` or
-/// later.
+/// later; errors (unique `events_name_uq`) when another event of this ledger has its name.
 pub async fn import(
     pool: &PgPool,
     export: &EventExport,

@@ -45,6 +45,7 @@ pub struct PaymentWorker {
     gateway: Arc<dyn PaymentGateway>,
     pool: PgPool,
     policy: HoldPolicy,
+    cell: Option<String>,
 }
 
 impl PaymentWorker {
@@ -52,7 +53,14 @@ impl PaymentWorker {
     /// transaction; `policy` is the hold's lifetime rules it applies when an order becomes
     /// payable and when the provider reports an authorization (case C19).
     pub fn new(gateway: Arc<dyn PaymentGateway>, pool: PgPool, policy: HoldPolicy) -> Self {
-        Self { gateway, pool, policy }
+        Self { gateway, pool, policy, cell: None }
+    }
+
+    /// Writes `cell` as `metadata.purchase_cell` on every PaymentIntent it creates, so the
+    /// router sends the intent's webhooks to this cell (design §13).
+    pub fn in_cell(mut self, cell: impl Into<String>) -> Self {
+        self.cell = Some(cell.into());
+        self
     }
 }
 
@@ -201,10 +209,13 @@ impl Handler for PaymentWorker {
                 let req = CreatePaymentIntent {
                     amount_minor: *amount_minor,
                     currency: currency.clone(),
-                    metadata: vec![
+                    metadata: [
                         ("order_id".into(), order_id.to_string()),
                         ("hold_id".into(), hold_id.to_string()),
-                    ],
+                    ]
+                    .into_iter()
+                    .chain(self.cell.clone().map(|c| ("purchase_cell".into(), c)))
+                    .collect(),
                 };
                 let pi = g
                     .create_payment_intent(&req, &format!("authorize:{}", env.event_id))

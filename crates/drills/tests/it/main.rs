@@ -8,6 +8,7 @@
 mod helpers;
 
 mod audit;
+mod cells;
 mod bench;
 mod chaos;
 mod compensation;

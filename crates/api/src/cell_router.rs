@@ -1,0 +1,364 @@
+//! The router role (design §13): one HTTP entry point in front of every purchase cell's API.
+//! It sends each buyer to the cell that sells the event, from a cached copy of the event
+//! directory ([`boxoffice_store::directory`]) re-read every `refresh` and kept as it was while
+//! the control database is down, so a control-database outage never stops a sale.
+//!
+//! What it routes, and by what:
+//! - `/events/{event_id}/…` (waiting room, admission, holds, seat map): the directory's cell.
+//!   An event missing from the map is 404 while the map is fresh, and 503
+//!   `directory_unavailable` while the last read failed (the event may be newer than the map).
+//! - `/queue/{ticket}`, `/orders/{order_id}[/…]`: an order or a queue ticket lives in one cell
+//!   for good ("an order never leaves its cell"), so the first lookup asks every cell at once
+//!   and the first answer other than 404 wins; the id → cell pair is then cached.
+//! - `POST /webhooks/stripe`: the cell named in the object's `metadata.purchase_cell` (the
+//!   payment worker writes it on every PaymentIntent). Without one the answer is 503, which
+//!   Stripe retries, and it is logged: an event no cell can claim is never dropped here.
+//!
+//! It decides nothing: the cell's hold transaction checks that it sells the event at the
+//! admission token's directory epoch, so a stale map costs a buyer a 409 and a new
+//! admission, never a seat sold twice. The router appends the peer to `X-Forwarded-For`
+//! (cells behind it count buyers with `http_trusted_proxy_hops` = 1) and forwards with a
+//! bounded timeout; its own socket is bounded by the same edge as the API's.
+
+use crate::problem::Problem;
+use axum::body::Body;
+use axum::extract::{ConnectInfo, State};
+use axum::http::{HeaderMap, HeaderName, Method, Request, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Router;
+use bytes::Bytes;
+use serde_json::json;
+use sqlx::PgPool;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+/// Largest request body forwarded, bytes (a hold body or a webhook is a few KB).
+pub const MAX_FORWARDED_BODY: usize = 256 * 1024;
+
+/// The directory as last read: event → (cell, directory epoch).
+#[derive(Debug, Clone, Default)]
+pub struct DirectoryMap {
+    /// The entries.
+    pub events: HashMap<Uuid, (String, i64)>,
+    /// When it was read (`None`: never).
+    pub read_at: Option<Instant>,
+    /// Whether the last attempt to re-read it failed.
+    pub stale: bool,
+}
+
+/// The router's state.
+#[derive(Clone)]
+pub struct CellRouter {
+    map: Arc<RwLock<DirectoryMap>>,
+    cells: Arc<HashMap<String, String>>,
+    located: moka::future::Cache<Uuid, String>,
+    http: reqwest::Client,
+}
+
+impl CellRouter {
+    /// A router forwarding to `cells` (cell name → API base URL), with `timeout` per
+    /// forwarded request.
+    ///
+    /// # Errors
+    /// When the HTTP client cannot be built.
+    pub fn new(cells: HashMap<String, String>, timeout: Duration) -> Result<Self, reqwest::Error> {
+        let http = reqwest::Client::builder()
+            .timeout(timeout)
+            .connect_timeout(Duration::from_secs(2))
+            .redirect(reqwest::redirect::Policy::none())
+            .build()?;
+        Ok(Self {
+            map: Arc::default(),
+            cells: Arc::new(
+                cells.into_iter().map(|(k, v)| (k, v.trim_end_matches('/').to_owned())).collect(),
+            ),
+            located: moka::future::Cache::builder().max_capacity(1_000_000).build(),
+            http,
+        })
+    }
+
+    /// The map as last read.
+    pub fn map(&self) -> DirectoryMap {
+        self.map.read().expect("directory map poisoned").clone()
+    }
+
+    /// Re-reads the directory once: replaces the map, or keeps it and marks it stale.
+    pub async fn refresh(&self, control: &PgPool) -> bool {
+        let read =
+            tokio::time::timeout(Duration::from_secs(2), boxoffice_store::directory::list(control)).await;
+        let mut map = self.map.write().expect("directory map poisoned");
+        match read {
+            Ok(Ok(entries)) => {
+                map.events = entries.into_iter().map(|e| (e.event_id, (e.cell, e.directory_epoch))).collect();
+                map.read_at = Some(Instant::now());
+                map.stale = false;
+                true
+            }
+            Ok(Err(_)) | Err(_) => {
+                map.stale = true;
+                false
+            }
+        }
+    }
+
+    /// Re-reads the directory every `every` until `shutdown`, logging a change of health once.
+    pub async fn run_refresh(self, control: PgPool, every: Duration, shutdown: CancellationToken) {
+        let mut healthy = true;
+        loop {
+            let ok = self.refresh(&control).await;
+            if ok != healthy {
+                if ok {
+                    tracing::info!("event directory readable again");
+                } else {
+                    tracing::warn!("event directory unreadable: routing with the last map read");
+                }
+                healthy = ok;
+            }
+            let age = self.map().read_at.map_or(f64::INFINITY, |t| t.elapsed().as_secs_f64());
+            metrics::gauge!("boxoffice_router_directory_age_seconds").set(age);
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(every) => {}
+            }
+        }
+    }
+
+    fn base(&self, cell: &str) -> Result<&str, Problem> {
+        self.cells.get(cell).map(String::as_str).ok_or_else(|| {
+            tracing::error!(cell, "the directory names a cell this router has no api_url for");
+            Problem::new(
+                StatusCode::BAD_GATEWAY,
+                "cell_unknown",
+                "Unknown purchase cell",
+                "the event's cell is not reachable from here",
+            )
+        })
+    }
+}
+
+/// The router's HTTP application: every path goes through [`route`].
+pub fn app(router: CellRouter) -> Router {
+    Router::new().fallback(route).with_state(router)
+}
+
+/// Where a request goes.
+enum Target {
+    Cell(String),
+    Locate(Uuid),
+    Webhook,
+    Status,
+}
+
+fn target(router: &CellRouter, path: &str) -> Result<Target, Problem> {
+    let parts: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+    match parts.as_slice() {
+        ["routerz"] => Ok(Target::Status),
+        ["webhooks", "stripe"] => Ok(Target::Webhook),
+        ["events", id, ..] => {
+            let id: Uuid =
+                id.parse().map_err(|_| Problem::bad_request("invalid_path", "the event id is not a UUID"))?;
+            let map = router.map.read().expect("directory map poisoned");
+            match map.events.get(&id) {
+                Some((cell, _)) => Ok(Target::Cell(cell.clone())),
+                None if map.stale || map.read_at.is_none() => Err(directory_unavailable()),
+                None => Err(Problem::not_found("event")),
+            }
+        }
+        ["orders", id, ..] | ["queue", id] => {
+            let id: Uuid =
+                id.parse().map_err(|_| Problem::bad_request("invalid_path", "the id is not a UUID"))?;
+            Ok(Target::Locate(id))
+        }
+        _ => Err(Problem::not_found("route")),
+    }
+}
+
+fn directory_unavailable() -> Problem {
+    let mut p = Problem::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "directory_unavailable",
+        "Event directory unavailable",
+        "the event is not in the last directory read and the directory cannot be read now",
+    );
+    p.retry_after = Some(2);
+    p
+}
+
+async fn route(
+    State(router): State<CellRouter>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    req: Request<Body>,
+) -> Result<Response, Problem> {
+    let (parts, body) = req.into_parts();
+    let path_and_query = parts.uri.path_and_query().map_or("/", |p| p.as_str()).to_owned();
+    let target = target(&router, parts.uri.path())?;
+    let body = axum::body::to_bytes(body, MAX_FORWARDED_BODY).await.map_err(|_| {
+        Problem::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "body_too_large",
+            "Body too large",
+            "the request body is too large",
+        )
+    })?;
+    let fwd = Forward { method: parts.method, path_and_query, headers: parts.headers, body, peer };
+    match target {
+        Target::Status => {
+            let map = router.map();
+            Ok(axum::Json(json!({
+                "events": map.events.len(),
+                "stale": map.stale,
+                "age_s": map.read_at.map(|t| t.elapsed().as_secs_f64()),
+                "cells": router.cells.keys().collect::<Vec<_>>(),
+            }))
+            .into_response())
+        }
+        Target::Cell(cell) => router.forward(&cell, &fwd).await,
+        Target::Webhook => {
+            let cell = serde_json::from_slice::<serde_json::Value>(&fwd.body)
+                .ok()
+                .and_then(|v| v.pointer("/data/object/metadata/purchase_cell")?.as_str().map(str::to_owned));
+            match cell {
+                Some(cell) => router.forward(&cell, &fwd).await,
+                None => {
+                    tracing::warn!(
+                        "a webhook names no purchase cell; answered 503 for the provider to retry"
+                    );
+                    let mut p = Problem::new(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "webhook_cell_unknown",
+                        "No purchase cell",
+                        "the event's object names no purchase cell",
+                    );
+                    p.retry_after = Some(60);
+                    Err(p)
+                }
+            }
+        }
+        Target::Locate(id) => match router.located.get(&id).await {
+            Some(cell) => router.forward(&cell, &fwd).await,
+            None => router.locate(id, &fwd).await,
+        },
+    }
+}
+
+/// A request to forward.
+struct Forward {
+    method: Method,
+    path_and_query: String,
+    headers: HeaderMap,
+    body: Bytes,
+    peer: SocketAddr,
+}
+
+/// Headers that belong to one hop (RFC 9110 §7.6.1) or that the client must not set.
+fn hop_by_hop(name: &HeaderName) -> bool {
+    matches!(
+        name.as_str(),
+        "connection"
+            | "keep-alive"
+            | "proxy-authenticate"
+            | "proxy-authorization"
+            | "te"
+            | "trailer"
+            | "transfer-encoding"
+            | "upgrade"
+            | "host"
+            | "content-length"
+    )
+}
+
+impl CellRouter {
+    async fn send(&self, cell: &str, f: &Forward) -> Result<reqwest::Response, Problem> {
+        let url = format!("{}{}", self.base(cell)?, f.path_and_query);
+        let mut headers = reqwest::header::HeaderMap::new();
+        for (k, v) in &f.headers {
+            if !hop_by_hop(k) && k != "x-forwarded-for" {
+                headers.append(k.clone(), v.clone());
+            }
+        }
+        let mut xff: Vec<String> = f
+            .headers
+            .get_all("x-forwarded-for")
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .map(str::to_owned)
+            .collect();
+        xff.push(f.peer.ip().to_string());
+        if let Ok(v) = xff.join(", ").parse() {
+            headers.insert("x-forwarded-for", v);
+        }
+        self.http.request(f.method.clone(), url).headers(headers).body(f.body.clone()).send().await.map_err(
+            |e| {
+                tracing::warn!(cell, error = %e, "cell unreachable");
+                metrics::counter!("boxoffice_router_upstream_errors_total", "cell" => cell.to_owned())
+                    .increment(1);
+                let mut p = Problem::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "cell_unavailable",
+                    "Purchase cell unavailable",
+                    "the event's purchase cell did not answer; retry with the same Idempotency-Key",
+                );
+                p.retry_after = Some(1);
+                p
+            },
+        )
+    }
+
+    async fn forward(&self, cell: &str, f: &Forward) -> Result<Response, Problem> {
+        relay(self.send(cell, f).await?).await
+    }
+
+    /// Asks every cell at once; the first answer that is not 404 names the id's cell.
+    async fn locate(&self, id: Uuid, f: &Forward) -> Result<Response, Problem> {
+        let mut asks: futures::stream::FuturesUnordered<_> =
+            self.cells.keys().map(|cell| async move { (cell.clone(), self.send(cell, f).await) }).collect();
+        let mut not_found = None;
+        let mut failed = None;
+        while let Some((cell, answer)) = futures::StreamExt::next(&mut asks).await {
+            match answer {
+                Ok(r) if r.status() == StatusCode::NOT_FOUND => not_found = Some(r),
+                Ok(r) => {
+                    if r.status().is_success() {
+                        self.located.insert(id, cell).await;
+                    }
+                    return relay(r).await;
+                }
+                Err(p) => failed = Some(p),
+            }
+        }
+        match (failed, not_found) {
+            // A cell that did not answer may be the one: not a 404.
+            (Some(p), _) => Err(p),
+            (None, Some(r)) => relay(r).await,
+            (None, None) => Err(Problem::not_found("route")),
+        }
+    }
+}
+
+async fn relay(r: reqwest::Response) -> Result<Response, Problem> {
+    let status = r.status();
+    let mut headers = HeaderMap::new();
+    for (k, v) in r.headers() {
+        if !hop_by_hop(k) {
+            headers.append(k.clone(), v.clone());
+        }
+    }
+    let body = r.bytes().await.map_err(|_| {
+        let mut p = Problem::new(
+            StatusCode::BAD_GATEWAY,
+            "cell_answer_incomplete",
+            "Incomplete answer",
+            "the purchase cell's answer broke off; retry with the same Idempotency-Key",
+        );
+        p.retry_after = Some(1);
+        p
+    })?;
+    let mut resp = Response::new(Body::from(body));
+    *resp.status_mut() = status;
+    *resp.headers_mut() = headers;
+    Ok(resp)
+}

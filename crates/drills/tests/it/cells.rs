@@ -1,0 +1,428 @@
+//! Purchase cells (design §13): a token for the wrong cell or from before a move is refused
+//! where the seats are, a move keeps sold seats sold, a cell's process never connects to
+//! another cell's database, and the router keeps routing with its last map while the control
+//! database is down.
+
+use crate::helpers::{eventually, problem, product_bin, TestApp};
+use boxoffice::config::{CellSettings, Config};
+use boxoffice::runtime::{self, Role};
+use boxoffice_domain::{EventId, UserId};
+use boxoffice_store::cells::CellState;
+use boxoffice_store::venue::VenueSpec;
+use secrecy::ExposeSecret;
+use serde_json::Value;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{ConnectOptions, Connection};
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+/// A database beside the test's own (`bo_cells_{random}_{suffix}`: the test database's name
+/// is already as long as PostgreSQL's 63-byte identifiers), dropped by [`Extra::drop`].
+struct Extra {
+    admin: PgConnectOptions,
+    name: String,
+}
+
+impl Extra {
+    async fn create(opts: &PgConnectOptions, suffix: &str) -> Extra {
+        let name = format!("bo_cells_{}_{suffix}", &Uuid::new_v4().simple().to_string()[..12]);
+        let admin = opts.clone().database("postgres");
+        let mut c = admin.connect().await.unwrap();
+        sqlx::query(&format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"))
+            .execute(&mut c)
+            .await
+            .unwrap();
+        sqlx::query(&format!("CREATE DATABASE \"{name}\"")).execute(&mut c).await.unwrap();
+        Extra { admin, name }
+    }
+
+    fn opts(&self) -> PgConnectOptions {
+        self.admin.clone().database(&self.name)
+    }
+
+    fn url(&self) -> String {
+        self.opts().to_url_lossy().to_string()
+    }
+
+    async fn drop(self) {
+        let mut c = self.admin.connect().await.unwrap();
+        sqlx::query(&format!("DROP DATABASE IF EXISTS \"{}\" WITH (FORCE)", self.name))
+            .execute(&mut c)
+            .await
+            .unwrap();
+    }
+}
+
+fn cell(name: &str, url: String, api: Option<String>) -> CellSettings {
+    CellSettings {
+        name: name.into(),
+        database_url: url.into(),
+        kafka_topic_prefix: format!("{name}.{}.", Uuid::new_v4().simple()),
+        redis_key_prefix: format!("{name}:{}:", Uuid::new_v4().simple()),
+        api_url: api,
+    }
+}
+
+/// The operator's configuration over both cells and the control database.
+fn across(base: &Config, c1: String, c2: String, control: String, apis: [Option<String>; 2]) -> Config {
+    let [a1, a2] = apis;
+    Config {
+        cells: vec![cell("cell-1", c1, a1), cell("cell-2", c2, a2)],
+        control_database_url: Some(control.into()),
+        ..base.clone()
+    }
+}
+
+async fn admit(app: &TestApp, b: &crate::helpers::Buyer, event: Uuid) -> (u16, Value) {
+    let r = app
+        .http
+        .post(format!("{}/events/{event}/admission", app.api))
+        .header("authorization", b.bearer())
+        .send()
+        .await
+        .unwrap();
+    (r.status().as_u16(), r.json().await.unwrap_or(Value::Null))
+}
+
+async fn hold_at(
+    app: &TestApp,
+    b: &crate::helpers::Buyer,
+    event: Uuid,
+    token: &str,
+    seat: Uuid,
+) -> (u16, String, Value) {
+    let r = app
+        .http
+        .post(format!("{}/events/{event}/holds", app.api))
+        .header("authorization", b.bearer())
+        .header("x-admission-token", token)
+        .header("idempotency-key", Uuid::new_v4().to_string())
+        .json(&serde_json::json!({ "seat_ids": [seat] }))
+        .send()
+        .await
+        .unwrap();
+    problem(r).await
+}
+
+/// Cell 1 sells an event, which then moves to cell 2 while a hold is open: the move freezes
+/// it (new holds 503 `event_moving`), waits for the hold to settle, and copies it at epoch 2.
+/// Afterwards a token minted before the move is refused by both cells (409 in the old one,
+/// 403 wrong cell in the new one), a cell-2 token for epoch 1 is 409 stale, a seat cell 1
+/// sold stays sold in cell 2, and a new admission from cell 2 buys.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn a_move_fences_tokens_minted_before_it_and_keeps_sold_seats_sold(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    let c2 = Extra::create(&opts, "c2").await;
+    let control = Extra::create(&opts, "ctl").await;
+    let spec = VenueSpec::small(1, 1, 6);
+    let app1 = TestApp::spawn_with(opts.clone(), &[Role::Api, Role::Expiry], spec.clone(), |c| {
+        c.hold_ttl_ms = 1_000;
+        c.hold_ceiling_ms = Some(2_000);
+    })
+    .await;
+    let migrate = Config { database_url: c2.url().into(), ..app1.cfg.clone() };
+    boxoffice::commands::migrate_db(&migrate).await.unwrap();
+    let app2 = TestApp::spawn_with(c2.opts(), &[Role::Api], VenueSpec::small(1, 1, 1), |c| {
+        c.purchase_cell = "cell-2".into();
+    })
+    .await;
+    let ops = across(&app1.cfg, opts.to_url_lossy().to_string(), c2.url(), control.url(), [None, None]);
+    let event = app1.event;
+    // Names are unique per ledger: cell 2 already has a "Test Event".
+    sqlx::query("UPDATE events SET name = 'Moving Event' WHERE id = $1")
+        .bind(event)
+        .execute(&app1.pool)
+        .await
+        .unwrap();
+    assert_eq!(boxoffice::cells::assign(&ops, event, "cell-1").await.unwrap(), 0);
+    let seats = app1.seats().await;
+
+    // Before the move: cell 1 admits at epoch 1 and holds; cell 2 does not have the event.
+    let x = app1.buyer();
+    let (s, body) = admit(&app1, &x, event).await;
+    assert_eq!((s, body["purchase_cell"].as_str()), (201, Some("cell-1")));
+    let old_token = body["admission_token"].as_str().unwrap().to_owned();
+    assert_eq!(hold_at(&app1, &x, event, &old_token, seats[0]).await.0, 202);
+    // A seat cell 1 sold for good (its order and ticket stay in cell 1's ledger).
+    let sold_order = Uuid::new_v4();
+    sqlx::query("INSERT INTO orders (id, user_id, event_id, status, amount_minor, currency, correlation_id) VALUES ($1, $2, $3, 'ticketed', 100, 'usd', $1)")
+        .bind(sold_order).bind(Uuid::new_v4()).bind(event).execute(&app1.pool).await.unwrap();
+    sqlx::query("INSERT INTO tickets (id, order_id, seat_id, event_id) VALUES ($1, $2, $3, $4)")
+        .bind(Uuid::new_v4())
+        .bind(sold_order)
+        .bind(seats[1])
+        .bind(event)
+        .execute(&app1.pool)
+        .await
+        .unwrap();
+
+    // The move waits for the open hold; meanwhile cell 1 takes no new hold.
+    let mover = {
+        let ops = ops.clone();
+        tokio::spawn(async move {
+            boxoffice::cells::move_event(&ops, event, "cell-2", Duration::from_secs(30)).await
+        })
+    };
+    eventually(Duration::from_secs(10), "the source cell froze the event", || async {
+        boxoffice_store::cells::placement(&app1.pool, EventId(event)).await.unwrap().unwrap().state
+            != CellState::Active
+    })
+    .await;
+    let y = app1.buyer();
+    let y_token = app1.admission_token(&y);
+    let (s, code, _) = hold_at(&app1, &y, event, &y_token, seats[2]).await;
+    assert!(
+        (s, code.as_str()) == (503, "event_moving") || (s, code.as_str()) == (409, "event_in_another_cell"),
+        "a hold during the move: {s} {code}"
+    );
+    let report = mover.await.unwrap().expect("the move finishes once the hold has lapsed");
+    assert_eq!((report.from.as_str(), report.to.as_str(), report.directory_epoch), ("cell-1", "cell-2", 2));
+    assert_eq!((report.seats, report.sold_seats), (6, 1));
+    let entry = boxoffice_store::directory::get(&boxoffice::cells::control_pool(&ops).await.unwrap(), event)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((entry.cell.as_str(), entry.directory_epoch, entry.state.as_str()), ("cell-2", 2, "active"));
+    // No order left cell 1.
+    let orders_in_2: i64 = sqlx::query_scalar("SELECT count(*) FROM orders WHERE event_id = $1")
+        .bind(event)
+        .fetch_one(&app2.pool)
+        .await
+        .unwrap();
+    assert_eq!(orders_in_2, 0);
+
+    // The token minted before the move: 409 in the old cell (it names the new one) …
+    let (s, code, body) = hold_at(&app1, &x, event, &old_token, seats[3]).await;
+    assert_eq!(
+        (s, code.as_str(), body["purchase_cell"].as_str()),
+        (409, "event_in_another_cell", Some("cell-2"))
+    );
+    // … and 403 wrong cell in the new one.
+    let (s, code, _) = hold_at(&app2, &x, event, &old_token, seats[3]).await;
+    assert_eq!((s, code.as_str()), (403, "admission_token_wrong_cell"));
+    // A cell-2 token of an earlier epoch (minted before an earlier move) is stale.
+    let stale = runtime::admission_tokens(&app2.cfg).unwrap().issue(UserId(x.user), EventId(event), 1, 600).0;
+    let (s, code, body) = hold_at(&app2, &x, event, &stale, seats[3]).await;
+    assert_eq!(
+        (s, code.as_str(), body["directory_epoch"].as_i64()),
+        (409, "admission_token_stale_epoch", Some(2))
+    );
+    // A new admission from cell 2 is at epoch 2 and buys; cell 1's sold seat stays sold there.
+    let (s, body) = admit(&app2, &x, event).await;
+    assert_eq!((s, body["purchase_cell"].as_str()), (201, Some("cell-2")));
+    let new_token = body["admission_token"].as_str().unwrap().to_owned();
+    let (s, code, _) = hold_at(&app2, &x, event, &new_token, seats[1]).await;
+    assert_eq!((s, code.as_str()), (409, "seat_unavailable"));
+    assert_eq!(hold_at(&app2, &x, event, &new_token, seats[3]).await.0, 202);
+    // The new cell's token is the wrong cell's in the old one.
+    let (s, code, _) = hold_at(&app1, &x, event, &new_token, seats[4]).await;
+    assert_eq!((s, code.as_str()), (403, "admission_token_wrong_cell"));
+    // Cell 1's admissions for the event now point at cell 2.
+    eventually(Duration::from_secs(5), "cell 1's event cache sees the move", || async {
+        admit(&app1, &x, event).await.0 == 409
+    })
+    .await;
+    let seat_map: Value = app2
+        .http
+        .get(format!("{}/events/{event}/seats", app2.api))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let status_of = |id: Uuid| {
+        seat_map["seats"].as_array().unwrap().iter().find(|s| s["seat_id"] == id.to_string()).unwrap()
+            ["status"]
+            .clone()
+    };
+    assert_eq!(status_of(seats[1]), "sold");
+
+    app1.stop().await;
+    app2.stop().await;
+    c2.drop().await;
+    control.drop().await;
+}
+
+/// `boxoffice serve --cell cell-1` with both cells configured connects to cell 1's database
+/// and never to cell 2's; `Config::for_cell` keeps no other cell's URL nor the control
+/// database's.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn a_cell_process_never_connects_to_another_cells_database(_: PgPoolOptions, opts: PgConnectOptions) {
+    let c2 = Extra::create(&opts, "c2").await;
+    let control = Extra::create(&opts, "ctl").await;
+    let c1_url = opts.to_url_lossy().to_string();
+    let ops = across(&Config::default(), c1_url.clone(), c2.url(), control.url(), [None, None]);
+    let one = ops.for_cell("cell-1").unwrap();
+    assert_eq!(one.database_url.expose_secret(), c1_url);
+    assert!(one.cells.is_empty() && one.control_database_url.is_none());
+    assert_eq!(one.purchase_cell, "cell-1");
+    assert!(ops.for_cell("cell-3").is_err());
+
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let file = std::env::temp_dir().join(format!("boxoffice-cells-{}.toml", Uuid::new_v4().simple()));
+    let toml = format!(
+        "control_database_url = {:?}\nhttp_bind = \"127.0.0.1:{port}\"\nrelease_max_per_s = 0.0\n\
+         [[cells]]\nname = \"cell-1\"\ndatabase_url = {:?}\nkafka_topic_prefix = \"c1.\"\nredis_key_prefix = \"c1:{}:\"\n\
+         [[cells]]\nname = \"cell-2\"\ndatabase_url = {:?}\nkafka_topic_prefix = \"c2.\"\nredis_key_prefix = \"c2:{}:\"\n",
+        control.url(),
+        c1_url,
+        Uuid::new_v4().simple(),
+        c2.url(),
+        Uuid::new_v4().simple()
+    );
+    std::fs::write(&file, toml).unwrap();
+    let mut child = tokio::process::Command::new(product_bin())
+        .args(["serve", "--cell", "cell-1", "--roles", "api,expiry"])
+        .env("BOXOFFICE_CONFIG", &file)
+        .env("BOXOFFICE_ENV", "development")
+        .env("BOXOFFICE_REDIS_URL", crate::helpers::test_redis_url())
+        .env_remove("BOXOFFICE_DATABASE_URL")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let http = reqwest::Client::new();
+    let api = format!("http://127.0.0.1:{port}");
+    eventually(Duration::from_secs(30), "the cell-1 process answers", || async {
+        http.get(format!("{api}/readyz")).send().await.is_ok_and(|r| r.status().is_success())
+    })
+    .await;
+    // Work that needs the ledger: an unknown event's seat map.
+    let r = http.get(format!("{api}/events/{}/seats", Uuid::new_v4())).send().await.unwrap();
+    assert_eq!(r.status(), 404);
+    let mut admin = opts.clone().database("postgres").connect().await.unwrap();
+    let sessions = |db: String| {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND application_name LIKE 'boxoffice-%'",
+        )
+        .bind(db)
+    };
+    let own_db = opts.get_database().unwrap().to_owned();
+    eventually(Duration::from_secs(10), "the process holds connections to cell 1's database", || async {
+        let mut c = opts.clone().database("postgres").connect().await.unwrap();
+        sessions(own_db.clone()).fetch_one(&mut c).await.unwrap() > 0
+    })
+    .await;
+    // The expiry sweeps every 250 ms: a second's worth of its connections, and none to cell 2.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(sessions(c2.name.clone()).fetch_one(&mut admin).await.unwrap(), 0);
+    assert_eq!(sessions(control.name.clone()).fetch_one(&mut admin).await.unwrap(), 0);
+    admin.close().await.unwrap();
+    child.kill().await.unwrap();
+    let _ = std::fs::remove_file(&file);
+    c2.drop().await;
+    control.drop().await;
+}
+
+/// The router sends each event's buyers to its cell from the directory, finds an order's
+/// cell by asking, and keeps routing known events with its last map while the control
+/// database is gone; an event it never saw is then 503 `directory_unavailable`.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn the_router_serves_its_last_map_while_the_control_database_is_down(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    let c2 = Extra::create(&opts, "c2").await;
+    let control = Extra::create(&opts, "ctl").await;
+    let spec = VenueSpec::small(1, 1, 4);
+    let app1 = TestApp::spawn(opts.clone(), &[Role::Api], spec.clone()).await;
+    let migrate = Config { database_url: c2.url().into(), ..app1.cfg.clone() };
+    boxoffice::commands::migrate_db(&migrate).await.unwrap();
+    let app2 =
+        TestApp::spawn_with(c2.opts(), &[Role::Api], spec, |c| c.purchase_cell = "cell-2".into()).await;
+    let mut ops = across(
+        &app1.cfg,
+        opts.to_url_lossy().to_string(),
+        c2.url(),
+        control.url(),
+        [Some(app1.api.clone()), Some(app2.api.clone())],
+    );
+    boxoffice::cells::assign(&ops, app1.event, "cell-1").await.unwrap();
+    boxoffice::cells::assign(&ops, app2.event, "cell-2").await.unwrap();
+    ops.router_bind = "127.0.0.1:0".into();
+    ops.router_refresh_ms = 100;
+    let sd = CancellationToken::new();
+    let running = runtime::start(&ops, &[Role::Router], opts.clone(), sd.clone()).await.unwrap();
+    let router = format!("http://{}", running.router_addr.unwrap());
+    let http = reqwest::Client::new();
+    let seat_map = |event: Uuid| {
+        let (http, router) = (http.clone(), router.clone());
+        async move {
+            let r = http.get(format!("{router}/events/{event}/seats")).send().await.unwrap();
+            let status = r.status().as_u16();
+            (status, r.json::<Value>().await.unwrap_or(Value::Null))
+        }
+    };
+    for event in [app1.event, app2.event] {
+        let (s, body) = seat_map(event).await;
+        assert_eq!((s, body["event_id"].as_str()), (200, Some(event.to_string().as_str())));
+    }
+    // A purchase through the router lands in cell 2; its order is found there by asking.
+    let b = app2.buyer();
+    let admitted: Value = http
+        .post(format!("{router}/events/{}/admission", app2.event))
+        .header("authorization", b.bearer())
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(admitted["purchase_cell"], "cell-2");
+    let seat = app2.seats().await[0];
+    let held: Value = http
+        .post(format!("{router}/events/{}/holds", app2.event))
+        .header("authorization", b.bearer())
+        .header("x-admission-token", admitted["admission_token"].as_str().unwrap())
+        .header("idempotency-key", "k1")
+        .json(&serde_json::json!({ "seat_ids": [seat] }))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let order = held["order_id"].as_str().expect("a hold through the router").to_owned();
+    let r = http
+        .get(format!("{router}/orders/{order}"))
+        .header("authorization", b.bearer())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let r = http
+        .get(format!("{router}/orders/{}", Uuid::new_v4()))
+        .header("authorization", b.bearer())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+    let unknown = Uuid::new_v4();
+    assert_eq!(seat_map(unknown).await.0, 404);
+
+    // The control database goes away: the router keeps its map.
+    control.drop().await;
+    let status = || async {
+        http.get(format!("{router}/routerz")).send().await.unwrap().json::<Value>().await.unwrap()
+    };
+    eventually(Duration::from_secs(10), "the router notices the directory is unreadable", || async {
+        status().await["stale"] == true
+    })
+    .await;
+    for event in [app1.event, app2.event] {
+        assert_eq!(seat_map(event).await.0, 200, "a known event is still routed");
+    }
+    let r = http.get(format!("{router}/events/{unknown}/seats")).send().await.unwrap();
+    let (s, code, _) = problem(r).await;
+    assert_eq!((s, code.as_str()), (503, "directory_unavailable"));
+    sd.cancel();
+    running.join().await;
+    app1.stop().await;
+    app2.stop().await;
+    c2.drop().await;
+}
