@@ -36,9 +36,12 @@ pub async fn control_pool(cfg: &Config) -> anyhow::Result<PgPool> {
     Ok(pool)
 }
 
-/// A pool on cell `name`'s ledger (migrated).
+/// A small pool on cell `name`'s ledger (migrated beforehand: `boxoffice --cell C migrate`).
 pub async fn cell_pool(cfg: &Config, name: &str) -> anyhow::Result<PgPool> {
-    crate::commands::migrate_db(&cfg.for_cell(name)?).await
+    let c = cfg.for_cell(name)?;
+    boxoffice_store::connect(c.pg_options()?, 2, c.db_acquire_timeout_ms)
+        .await
+        .with_context(|| format!("connecting to cell {name}'s database"))
 }
 
 /// `cells list`: every directory entry, then each configured cell's events as its own ledger

@@ -1662,6 +1662,42 @@ mod tests {
     }
 
     #[test]
+    fn cells_are_distinct_and_a_cell_process_keeps_only_its_own_database() {
+        let cell = |name: &str, db: &str, topics: &str, keys: &str| CellSettings {
+            name: name.into(),
+            database_url: format!("postgres://h/{db}").into(),
+            kafka_topic_prefix: topics.into(),
+            redis_key_prefix: keys.into(),
+            api_url: None,
+        };
+        let ok = Config {
+            cells: vec![cell("cell-1", "a", "c1.", "c1:"), cell("cell-2", "b", "c2.", "c2:")],
+            control_database_url: Some("postgres://h/control".into()),
+            ..Config::default()
+        };
+        ok.validate().unwrap();
+        let two = ok.for_cell("cell-2").unwrap();
+        assert_eq!(two.database_url.expose_secret(), "postgres://h/b");
+        assert_eq!((two.kafka_topic_prefix.as_str(), two.redis_key_prefix.as_str()), ("c2.", "c2:"));
+        assert_eq!(two.purchase_cell, "cell-2");
+        assert!(two.cells.is_empty() && two.control_database_url.is_none());
+        assert!(!format!("{two:?}").contains("postgres://h/a"));
+        assert!(ok.for_cell("cell-9").is_err());
+        let bad = [
+            vec![cell("cell-1", "a", "c1.", "c1:"), cell("cell-1", "b", "c2.", "c2:")],
+            vec![cell("cell-1", "a", "c1.", "c1:"), cell("cell-2", "a", "c2.", "c2:")],
+            vec![cell("cell-1", "a", "c1.", "c1:"), cell("cell-2", "b", "c1.", "c2:")],
+            vec![cell("cell-1", "a", "c1.", "c1:"), cell("cell-2", "b", "c2.", "c1:")],
+            vec![cell("cell 1", "a", "c1.", "c1:")],
+            vec![cell("cell-1", "control", "c1.", "c1:")],
+        ];
+        for cells in bad {
+            let c = Config { cells, ..ok.clone() };
+            assert!(c.validate().is_err(), "{:?}", c.cell_names());
+        }
+    }
+
+    #[test]
     fn release_settings_are_validated() {
         let ok = Config::default();
         assert_eq!(ok.release().limits.max_per_s, 50.0);

@@ -6,6 +6,8 @@
 //! - [`bench`](mod@bench) (`boxoffice-drills bench`): the capacity measurements of design §12.
 //! - [`chaos`] (`boxoffice-drills chaos`): an onsale with every role as its own
 //!   `boxoffice serve` process under a seeded schedule of crashes and outages.
+//! - [`cells`] (`boxoffice-drills cells`): two purchase cells selling at once while one
+//!   loses its database; the other must keep its rate, the first must recover (design §13).
 //! - [`stripe_sim`] (`boxoffice-drills stripe-sim`): the Stripe simulator's server.
 //!
 //! What they share with each other and with the tests (the in-process deployment, the buyer
@@ -27,6 +29,7 @@
 #![warn(missing_docs)]
 
 pub mod bench;
+pub mod cells;
 pub mod chaos;
 pub mod onsale;
 pub mod stripe_sim;

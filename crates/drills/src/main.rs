@@ -1,5 +1,6 @@
-//! `boxoffice-drills`: the onsale load generator, the capacity bench, the chaos drill and the
-//! Stripe simulator's server, apart from the product binary. See `boxoffice-drills --help`.
+//! `boxoffice-drills`: the onsale load generator, the capacity bench, the chaos and cell-outage
+//! drills and the Stripe simulator's server, apart from the product binary. See
+//! `boxoffice-drills --help`.
 
 use boxoffice::config::{Config, Environment};
 use clap::{Parser, Subcommand};
@@ -9,7 +10,7 @@ use std::path::PathBuf;
 #[command(
     name = "boxoffice-drills",
     version,
-    about = "Load generation, capacity bench, chaos drill and Stripe simulator for boxoffice"
+    about = "Load generation, capacity bench, chaos and cell-outage drills and Stripe simulator for boxoffice"
 )]
 struct Cli {
     /// TOML configuration file (defaults, then this file, then BOXOFFICE_* variables): the
@@ -32,6 +33,11 @@ enum Command {
     /// of crashes and outages (kill -9, broker and PostgreSQL restarts, Stripe faults,
     /// duplicate webhooks), then drain and audit; exit 1 on any violation.
     Chaos(boxoffice_drills::chaos::ChaosArgs),
+    /// Run two purchase cells side by side (design §13) and cut one off its database for a
+    /// while behind a TCP kill switch: the other must keep selling at its rate, the cut one
+    /// must recover, and both audits must be clean; exit 1 otherwise, 2 when a check could
+    /// not run.
+    Cells(boxoffice_drills::cells::CellsArgs),
     /// Run the Stripe simulator.
     StripeSim {
         /// Listen address.
@@ -55,15 +61,18 @@ async fn main() {
         }
     };
     // sqlx reports slow statements at WARN; the drills stay quiet so their reports are readable.
-    let quiet = !matches!(cli.command, Command::StripeSim { .. });
-    boxoffice::runtime::init_logging(
-        &cfg,
-        if quiet { "warn,sqlx=error" } else { "info,sqlx=warn,rdkafka=warn" },
-    );
+    // The cells drill's cut-off cell answers every buyer request with a logged 503 on purpose.
+    let filter = match cli.command {
+        Command::StripeSim { .. } => "info,sqlx=warn,rdkafka=warn",
+        Command::Cells(_) => "warn,sqlx=error,boxoffice_api::problem=error",
+        _ => "warn,sqlx=error",
+    };
+    boxoffice::runtime::init_logging(&cfg, filter);
     let result: anyhow::Result<i32> = match cli.command {
         Command::Onsale(args) => boxoffice_drills::onsale::run(cfg, args).await,
         Command::Bench(args) => boxoffice_drills::bench::run(cfg, args).await,
         Command::Chaos(args) => boxoffice_drills::chaos::run(cfg, args).await,
+        Command::Cells(args) => boxoffice_drills::cells::run(cfg, args).await,
         Command::StripeSim { bind, webhook_url } => {
             boxoffice_drills::stripe_sim::serve(&cfg, &bind, webhook_url).await.map(|_| 0)
         }

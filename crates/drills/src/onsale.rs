@@ -103,11 +103,46 @@ pub struct OnsaleArgs {
     /// secret.
     #[arg(long, default_value_t = 0)]
     pub pay_within_ms: u64,
+    /// Purchase cells (design §13): N ≥ 2 sells N fresh events at once, one per cell, each
+    /// cell with its own database, topics, Redis keys, roles and audit; buyers and rates are
+    /// split evenly; the report shows each cell and the totals.
+    #[arg(long, default_value_t = 1)]
+    pub cells: usize,
+    /// The cells' databases, one per cell in order (repeatable; default: `{database}_cell{i}`
+    /// beside the configured database).
+    #[arg(long = "cell-database-url")]
+    pub cell_database_urls: Vec<String>,
 }
 
-/// Runs the onsale; returns the exit code (0 when every invariant check is 0).
-pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
+/// Runs the onsale; returns the exit code (0 when every invariant check is 0). With
+/// `--cells N` (N ≥ 2), N onsales at once, one event per purchase cell, each cell with its own
+/// database, topics, Redis keys, roles, release controller and audit ([`run_cells`]).
+pub async fn run(cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
+    check_args(&args)?;
+    if args.cells > 1 {
+        return run_cells(cfg, args).await;
+    }
+    let one = run_one(cfg, &args, None).await?;
+    print_report(&one.report, &one.audited);
+    if let Some(path) = &args.report_json {
+        std::fs::write(path, serde_json::to_vec_pretty(&one.report)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(one.code)
+}
+
+fn check_args(args: &OnsaleArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.buyers > 0, "--buyers must be at least 1");
+    anyhow::ensure!((1..=16).contains(&args.cells), "--cells must be 1..=16");
+    anyhow::ensure!(
+        args.cells == 1 || (args.api_url.is_none() && args.event.is_none()),
+        "--cells runs every cell in-process with a fresh event each: drop --api-url and --event"
+    );
+    anyhow::ensure!(
+        args.cell_database_urls.is_empty() || args.cell_database_urls.len() == args.cells,
+        "--cell-database-url: give one per cell ({}), or none",
+        args.cells
+    );
     anyhow::ensure!((1..=8).contains(&args.max_seats), "--max-seats must be 1..=8");
     anyhow::ensure!(
         args.attempt_rate >= 0.0 && args.attempt_rate.is_finite(),
@@ -117,6 +152,145 @@ pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
         args.release_rate > 0.0 && args.release_rate.is_finite(),
         "--release-rate must be a finite number > 0"
     );
+    Ok(())
+}
+
+/// One cell's onsale: its report, its audit and its exit code.
+struct CellOutcome {
+    report: serde_json::Value,
+    audited: boxoffice::audit::AuditReport,
+    code: i32,
+}
+
+/// `--cells N`: the cells `cell-1` … `cell-N`, on the databases given by
+/// `--cell-database-url` or beside the configured one (`{database}_cell{i}` on the same
+/// server), with topic prefix `{prefix}cell{i}.` on one broker and Redis prefix
+/// `{prefix}cell{i}:`, run at once with `--buyers / N` buyers each (and 1/N of the arrival
+/// and attempt rates). Cells sharing the configured server share its connections
+/// ([`share_one_server`]). The report has every cell's own report and their totals; the exit
+/// code is the worst cell's.
+pub async fn run_cells(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
+    let base: sqlx::postgres::PgConnectOptions = cfg.pg_options()?;
+    let base_db = base.get_database().unwrap_or("boxoffice").to_owned();
+    let mut cells = Vec::new();
+    for i in 1..=args.cells {
+        let url = match args.cell_database_urls.get(i - 1) {
+            Some(u) => u.clone(),
+            None => sqlx::ConnectOptions::to_url_lossy(&base.clone().database(&format!("{base_db}_cell{i}")))
+                .to_string(),
+        };
+        cells.push(boxoffice::config::CellSettings {
+            name: format!("cell-{i}"),
+            database_url: url.into(),
+            kafka_topic_prefix: format!("{}cell{i}.", cfg.kafka_topic_prefix),
+            redis_key_prefix: format!("{}cell{i}:", cfg.redis_key_prefix),
+            api_url: None,
+        });
+    }
+    cfg.cells = cells;
+    if args.cell_database_urls.is_empty() {
+        share_one_server(&mut cfg, args.cells);
+    }
+    cfg.hold_ttl_ms = args.hold_ttl_ms;
+    cfg.validate()?;
+    if let Some(b) = &args.kafka_brokers {
+        cfg.kafka_brokers = Some(b.clone());
+    }
+    let broker = deploy::embedded_broker_unless_configured(&mut cfg)?;
+    let per_cell = args.buyers.div_ceil(args.cells);
+    let runs = cfg.cell_names().into_iter().enumerate().map(|(i, name)| {
+        let cell_cfg = cfg.for_cell(name);
+        let cell_args = OnsaleArgs {
+            buyers: per_cell,
+            seed: args.seed + i as u64,
+            no_progress: true,
+            report_json: None,
+            cells: 1,
+            arrival_rate: args.arrival_rate / args.cells as f64,
+            attempt_rate: args.attempt_rate / args.cells as f64,
+            ..args.clone()
+        };
+        let broker = broker.as_ref();
+        async move {
+            let outcome = match cell_cfg {
+                Ok(c) => run_one(c, &cell_args, broker).await,
+                Err(e) => Err(e),
+            };
+            (name.to_owned(), outcome)
+        }
+    });
+    let results = futures::future::join_all(runs).await;
+    let mut reports = serde_json::Map::new();
+    let mut code = 0;
+    let mut totals = serde_json::Map::new();
+    for (name, outcome) in results {
+        let one = outcome.with_context(|| format!("cell {name}"))?;
+        println!("\n== {name}");
+        print_report(&one.report, &one.audited);
+        code = code.max(one.code);
+        let violations = json!(one.audited.total());
+        let e = totals.entry("violations".to_owned()).or_insert(json!(0));
+        *e = json!(e.as_i64().unwrap_or(0) + violations.as_i64().unwrap_or(0));
+        for key in TOTALLED {
+            let v = one.report.get(*key).and_then(serde_json::Value::as_f64);
+            let e = totals.entry((*key).to_owned()).or_insert(json!(0));
+            *e = match (e.as_f64(), v) {
+                (Some(a), Some(b)) if (a + b).fract() == 0.0 => json!((a + b) as i64),
+                (Some(a), Some(b)) => json!(a + b),
+                _ => serde_json::Value::Null,
+            };
+        }
+        reports.insert(name, one.report);
+    }
+    println!("\n== totals over {} cells", args.cells);
+    for (k, v) in &totals {
+        println!("  {k:<26} {v}");
+    }
+    let report = json!({ "cells": reports, "totals": totals });
+    if let Some(path) = &args.report_json {
+        std::fs::write(path, serde_json::to_vec_pretty(&report)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(code)
+}
+
+/// Cells on one PostgreSQL server share its `max_connections`: each cell's processes get
+/// 1/`n` of the default connection budget (role pools, consumer lanes and the bookkeeping
+/// pool), so `n` cells together stay within one all-roles process's budget.
+fn share_one_server(cfg: &mut Config, n: usize) {
+    let n32 = n as u32;
+    let part = |v: u32| (v / n32).max(1);
+    cfg.consumer_lanes = (cfg.consumer_lanes / n).max(1);
+    let consumer_pool = (cfg.consumer_lanes * cfg.consumers_per_role) as u32 + 1;
+    cfg.db_pool_api = part(cfg.db_pool_api);
+    cfg.db_pool_webhooks = part(cfg.db_pool_webhooks);
+    cfg.db_pool_relay = part(cfg.db_pool_relay);
+    cfg.db_pool_expiry = part(cfg.db_pool_expiry);
+    cfg.db_pool_saga = consumer_pool;
+    cfg.db_pool_payments = consumer_pool;
+    cfg.db_pool_tickets = consumer_pool;
+    cfg.db_max_connections = part(cfg.db_max_connections).max(2);
+}
+
+/// The report keys `--cells` adds up over the cells, besides `violations` (every count of
+/// every cell's audit; each cell's own counts by name are in its report).
+const TOTALLED: &[&str] = &[
+    "buyers",
+    "holds",
+    "ticketed_orders",
+    "tickets",
+    "seats_sold",
+    "venue_seats",
+    "holds_per_s",
+    "expired_never_payable",
+    "lost_after_authorization",
+];
+
+async fn run_one(
+    mut cfg: Config,
+    args: &OnsaleArgs,
+    shared_broker: Option<&boxoffice_bus::embedded::EmbeddedBroker>,
+) -> anyhow::Result<CellOutcome> {
     cfg.hold_ttl_ms = args.hold_ttl_ms;
     cfg.validate()?;
     if let Some(b) = &args.kafka_brokers {
@@ -143,9 +317,9 @@ pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
     };
 
     // In-process deployment unless --api-url is given.
-    let embedded = match args.api_url {
-        Some(_) => None,
-        None => deploy::embedded_broker_unless_configured(&mut cfg)?,
+    let embedded = match (&args.api_url, shared_broker) {
+        (Some(_), _) | (None, Some(_)) => None,
+        (None, None) => deploy::embedded_broker_unless_configured(&mut cfg)?,
     };
     if embedded.is_some() {
         eprintln!("embedded Kafka-protocol broker at {}", cfg.kafka_brokers.as_deref().unwrap_or_default());
@@ -169,7 +343,7 @@ pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
             cfg.http_trusted_proxy_hops = 1;
             let opts = deploy::Options {
                 stripe_api_base: args.stripe_api_base.clone(),
-                embedded: embedded.as_ref(),
+                embedded: embedded.as_ref().or(shared_broker),
                 ..deploy::Options::new(&Role::ALL, cfg.pg_options()?)
             };
             let d = Deployment::start(cfg.clone(), opts).await?;
@@ -264,6 +438,7 @@ pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
         progress: !args.no_progress,
         arrival_rate: args.arrival_rate,
         pay_within_ms: args.pay_within_ms,
+        hold_timeline: None,
         admission: if args.direct_admission {
             buyers::AdmissionRoute::Direct
         } else {
@@ -383,18 +558,16 @@ pub async fn run(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
         r.extend(counts);
         r.insert("checks".into(), audited.to_json()["checks"].clone());
     }
-    print_report(&report, &audited);
-    if let Some(path) = &args.report_json {
-        std::fs::write(path, serde_json::to_vec_pretty(&report)?)
-            .with_context(|| format!("writing {}", path.display()))?;
-    }
-
     if let Some(d) = deployment {
         d.stop().await;
     }
+    if let Some(r) = report.as_object_mut() {
+        r.insert("purchase_cell".into(), json!(cfg.purchase_cell));
+    }
     // Buyers who lost seats to our lag fail the run like an invariant.
     let ours = outcomes.expired_never_payable + outcomes.lost_after_authorization;
-    Ok(if ours > 0 { audited.exit_code().max(1) } else { audited.exit_code() })
+    let code = if ours > 0 { audited.exit_code().max(1) } else { audited.exit_code() };
+    Ok(CellOutcome { report, audited, code })
 }
 
 fn print_report(r: &serde_json::Value, audited: &boxoffice::audit::AuditReport) {

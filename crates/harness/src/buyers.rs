@@ -80,7 +80,13 @@ pub struct BuyerConfig {
     /// A paying buyer confirms a uniformly random 0..=this many ms after first seeing the
     /// client secret (typing card details; 0 = at once).
     pub pay_within_ms: u64,
+    /// When set, every successful hold appends (when its 202 arrived, its latency as in
+    /// [`BuyerStats::hold_latency_ms`]) here, for latencies over time windows.
+    pub hold_timeline: Option<HoldTimeline>,
 }
+
+/// Successful holds as they complete: (when the 202 arrived, hold latency).
+pub type HoldTimeline = Arc<Mutex<Vec<(Instant, Duration)>>>;
 
 /// How a buyer gets its admission token.
 #[derive(Debug, Clone)]
@@ -119,6 +125,7 @@ impl BuyerConfig {
             arrival_rate: 0.0,
             admission: AdmissionRoute::Direct,
             pay_within_ms: 0,
+            hold_timeline: None,
         }
     }
 
@@ -668,7 +675,11 @@ impl Buyer {
                         return None;
                     };
                     let held_at = Instant::now();
-                    stats::record(&mut lock(&ctx.hold_latency_us), held_at - first_sent);
+                    let latency = held_at - first_sent;
+                    stats::record(&mut lock(&ctx.hold_latency_us), latency);
+                    if let Some(timeline) = &ctx.cfg.hold_timeline {
+                        lock(timeline).push((held_at, latency));
+                    }
                     inc(&ctx.stats.holds);
                     let since_start = (held_at - ctx.started).as_millis() as u64;
                     ctx.stats.last_hold_ms.fetch_max(since_start, Ordering::Relaxed);

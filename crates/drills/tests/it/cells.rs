@@ -426,3 +426,151 @@ async fn the_router_serves_its_last_map_while_the_control_database_is_down(
     app2.stop().await;
     c2.drop().await;
 }
+
+/// Each cell's release controller reads its own ledger: an hour-old unpublished outbox row in
+/// cell 2 brings cell 2's R to its floor while cell 1's stays at its ceiling, with no
+/// decrease at all.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn one_cells_pressure_never_lowers_another_cells_release_rate(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    use boxoffice_workers::release::Status;
+    const MAX: f64 = 40.0;
+    const MIN: f64 = 2.0;
+    let c2 = Extra::create(&opts, "c2").await;
+    let tune = |cell: &'static str| {
+        move |c: &mut Config| {
+            c.purchase_cell = cell.into();
+            c.admission_direct = false;
+            c.release_max_per_s = MAX;
+            c.release_min_per_s = MIN;
+            c.release_initial_per_s = MIN;
+            c.release_step_per_s = 10.0;
+            c.release_decrease_factor = 0.5;
+            c.release_tick_ms = 100;
+            c.release_probe_timeout_ms = 2_000;
+            c.release_threshold_pg_commit_ms = 2_000.0;
+            c.release_threshold_lock_waits = 1e6;
+            c.release_threshold_deadlocks = 1e6;
+            c.release_threshold_connection_saturation = 10.0;
+            c.release_threshold_outbox_age_ms = 2_000.0;
+            c.release_threshold_active_holds = 1e6;
+            c.release_threshold_expiry_delay_ms = 1e9;
+        }
+    };
+    let app1 =
+        TestApp::spawn_with(opts.clone(), &[Role::Api], VenueSpec::small(1, 1, 4), tune("cell-1")).await;
+    let migrate = Config { database_url: c2.url().into(), ..app1.cfg.clone() };
+    boxoffice::commands::migrate_db(&migrate).await.unwrap().close().await;
+    let app2 = TestApp::spawn_with(c2.opts(), &[Role::Api], VenueSpec::small(1, 1, 4), tune("cell-2")).await;
+    let (s1, s2) = (app1.release_status(), app2.release_status());
+    let at = |rx: &tokio::sync::watch::Receiver<Status>, what: &'static str, pred: fn(&Status) -> bool| {
+        let rx = rx.clone();
+        async move { eventually(Duration::from_secs(20), what, || std::future::ready(pred(&rx.borrow()))).await }
+    };
+    at(&s1, "cell 1 at its ceiling", |s| s.leader && s.rate_per_s == MAX).await;
+    at(&s2, "cell 2 at its ceiling", |s| s.leader && s.rate_per_s == MAX).await;
+    sqlx::query(
+        "INSERT INTO outbox (id, topic, message_key, event_type, payload, created_at)
+         VALUES ($1, 'ticketing.purchase.v1', $1::text, 'HoldCreated', '{}', now() - interval '1 hour')",
+    )
+    .bind(Uuid::new_v4())
+    .execute(&app2.pool)
+    .await
+    .unwrap();
+    at(&s2, "cell 2 at its floor", |s| s.rate_per_s == MIN).await;
+    let ticks = s1.borrow().ticks;
+    eventually(Duration::from_secs(10), "cell 1 ran ticks after cell 2 fell", || {
+        std::future::ready(s1.borrow().ticks >= ticks + 5)
+    })
+    .await;
+    let s = s1.borrow().clone();
+    assert_eq!(s.rate_per_s, MAX, "cell 1's R: {:?}", s.decision);
+    assert!(s.decreases.is_empty(), "cell 1 decreased for {:?}", s.decreases);
+    app1.stop().await;
+    app2.stop().await;
+    c2.drop().await;
+}
+
+/// `boxoffice-drills onsale --cells 2` sells two events at once, one per cell, each on its own
+/// database with its own roles and audit, and reports each cell and the totals.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn the_onsale_sells_two_cells_at_once_with_every_invariant_per_cell(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    let c2 = Extra::create(&opts, "c2").await;
+    let report = std::env::temp_dir().join(format!("boxoffice-cells-{}.json", Uuid::new_v4().simple()));
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_boxoffice-drills"))
+        .args([
+            "onsale",
+            "--cells",
+            "2",
+            "--buyers",
+            "200",
+            "--small-venue",
+            "1,10,20",
+            "--hold-ttl-ms",
+            "15000",
+        ])
+        .args(["--arrival-rate", "100", "--release-rate", "100", "--no-progress"])
+        .arg("--cell-database-url")
+        .arg(opts.to_url_lossy().to_string())
+        .arg("--cell-database-url")
+        .arg(c2.url())
+        .arg("--report-json")
+        .arg(&report)
+        .env("BOXOFFICE_KAFKA_BROKERS", crate::helpers::test_brokers())
+        .env("BOXOFFICE_KAFKA_TOPIC_PREFIX", format!("cells{}.", Uuid::new_v4().simple()))
+        .env("BOXOFFICE_KAFKA_PARTITIONS", "2")
+        .env("BOXOFFICE_CONSUMER_LANES", "4")
+        .env("BOXOFFICE_REDIS_KEY_PREFIX", format!("cells{}:", Uuid::new_v4().simple()))
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "onsale --cells 2 failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&report);
+    let mut events = std::collections::HashSet::new();
+    for cell in ["cell-1", "cell-2"] {
+        let c = &r["cells"][cell];
+        assert_eq!(c["purchase_cell"], cell, "{r}");
+        for key in [
+            "oversold",
+            "double_active_holds",
+            "tickets_without_capture",
+            "captured_without_ticket_or_refund",
+            "stuck_orders",
+            "dead_letters",
+        ] {
+            assert_eq!(c[key], 0, "{cell} {key}");
+        }
+        assert_eq!(c["checks"]["provider"]["status"], "ran", "{cell}");
+        assert!(c["ticketed_orders"].as_i64().unwrap() > 0, "{cell} sold: {c}");
+        assert_eq!(c["waiting_room"]["admitted"], 100, "{cell}: {}", c["waiting_room"]);
+        events.insert(c["event_id"].as_str().unwrap().to_owned());
+    }
+    assert_eq!(events.len(), 2, "one event per cell");
+    let t = &r["totals"];
+    assert_eq!(t["violations"], 0, "{t}");
+    assert_eq!(t["buyers"], 200, "{t}");
+    assert_eq!(
+        t["tickets"].as_i64(),
+        Some(
+            r["cells"]["cell-1"]["tickets"].as_i64().unwrap()
+                + r["cells"]["cell-2"]["tickets"].as_i64().unwrap()
+        )
+    );
+    // Each cell's ledger has its own event only.
+    let mut c = c2.opts().connect().await.unwrap();
+    let events_in_2: i64 = sqlx::query_scalar("SELECT count(*) FROM events").fetch_one(&mut c).await.unwrap();
+    assert_eq!(events_in_2, 1);
+    c.close().await.unwrap();
+    c2.drop().await;
+}

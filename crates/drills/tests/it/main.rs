@@ -8,8 +8,9 @@
 mod helpers;
 
 mod audit;
-mod cells;
 mod bench;
+mod cells;
+mod cells_drill;
 mod chaos;
 mod compensation;
 mod contract;
