@@ -166,8 +166,8 @@ struct CellOutcome {
 /// `--cell-database-url` or beside the configured one (`{database}_cell{i}` on the same
 /// server), with topic prefix `{prefix}cell{i}.` on one broker and Redis prefix
 /// `{prefix}cell{i}:`, run at once with `--buyers / N` buyers each (and 1/N of the arrival
-/// and attempt rates). Cells sharing the configured server share its connections
-/// ([`share_one_server`]). The report has every cell's own report and their totals; the exit
+/// and attempt rates). Cells on one PostgreSQL server share its connections
+/// ([`share_one_server`], by the server holding the most cells). The report has every cell's own report and their totals; the exit
 /// code is the worst cell's.
 pub async fn run_cells(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
     let base: sqlx::postgres::PgConnectOptions = cfg.pg_options()?;
@@ -187,9 +187,17 @@ pub async fn run_cells(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32>
             api_url: None,
         });
     }
+    // Cells on one server share its connections: size every cell for the most crowded one.
+    let mut per_server = std::collections::HashMap::new();
+    for c in &cells {
+        let o: sqlx::postgres::PgConnectOptions =
+            secrecy::ExposeSecret::expose_secret(&c.database_url).parse().context("--cell-database-url")?;
+        *per_server.entry((o.get_host().to_owned(), o.get_port())).or_insert(0usize) += 1;
+    }
     cfg.cells = cells;
-    if args.cell_database_urls.is_empty() {
-        share_one_server(&mut cfg, args.cells);
+    let crowd = per_server.values().copied().max().unwrap_or(1);
+    if crowd > 1 {
+        share_one_server(&mut cfg, crowd);
     }
     cfg.hold_ttl_ms = args.hold_ttl_ms;
     cfg.validate()?;
