@@ -14,6 +14,10 @@
 //!   payment worker writes it on every PaymentIntent). Without one the answer is 503, which
 //!   Stripe retries, and it is logged: an event no cell can claim is never dropped here.
 //!
+//! Paths with dot segments or percent-encoded separators are refused (400 `invalid_path`), so
+//! what is forwarded is exactly what was routed, and only reads (and a queue leave) are asked
+//! of every cell. Each client address may have `http_max_in_flight_per_ip` requests in flight.
+//!
 //! It decides nothing: the cell's hold transaction checks that it sells the event at the
 //! admission token's directory epoch, so a stale map costs a buyer a 409 and a new
 //! admission, never a seat sold twice. The router appends the peer to `X-Forwarded-For`
@@ -141,8 +145,30 @@ impl CellRouter {
 }
 
 /// The router's HTTP application: every path goes through [`route`].
-pub fn app(router: CellRouter) -> Router {
-    Router::new().fallback(route).with_state(router)
+///
+/// Every request is behind a limit of `max_in_flight_per_ip` requests in flight per client
+/// address (as the cells' buyer routes; `trusted_proxy_hops` says which `X-Forwarded-For`
+/// entry is the client; 0 turns it off), so one client's slow bodies cannot take the slots
+/// every cell's buyers share.
+pub fn app(router: CellRouter, max_in_flight_per_ip: usize, trusted_proxy_hops: u32) -> Router {
+    let limit = crate::edge::PerClientInFlight::new("router", max_in_flight_per_ip, trusted_proxy_hops);
+    Router::new()
+        .fallback(route)
+        .with_state(router)
+        .layer(axum::middleware::from_fn_with_state(limit, crate::edge::limit_in_flight))
+}
+
+/// Whether `path` routes as it reads: no `.`/`..` segment and no percent-encoded dot, slash or
+/// backslash anywhere. An HTTP client resolves dot segments before sending, so a path such as
+/// `/orders/{id}/../../events/E/holds` would be routed as an order lookup and arrive at every
+/// cell as a hold; such paths are refused instead.
+fn plain_path(path: &str) -> bool {
+    let lower = path.to_ascii_lowercase();
+    !lower.contains("%2e")
+        && !lower.contains("%2f")
+        && !lower.contains("%5c")
+        && !path.contains('\\')
+        && path.split('/').all(|seg| seg != "." && seg != "..")
 }
 
 /// Where a request goes.
@@ -153,7 +179,10 @@ enum Target {
     Status,
 }
 
-fn target(router: &CellRouter, path: &str) -> Result<Target, Problem> {
+fn target(router: &CellRouter, method: &Method, path: &str) -> Result<Target, Problem> {
+    if !plain_path(path) {
+        return Err(Problem::bad_request("invalid_path", "the path has dot segments or encoded separators"));
+    }
     let parts: Vec<&str> = path.trim_start_matches('/').split('/').collect();
     match parts.as_slice() {
         ["routerz"] => Ok(Target::Status),
@@ -171,6 +200,15 @@ fn target(router: &CellRouter, path: &str) -> Result<Target, Problem> {
         ["orders", id, ..] | ["queue", id] => {
             let id: Uuid =
                 id.parse().map_err(|_| Problem::bad_request("invalid_path", "the id is not a UUID"))?;
+            // Only reads and a queue leave are asked of every cell: nothing that writes.
+            if !matches!(*method, Method::GET | Method::HEAD | Method::DELETE) {
+                return Err(Problem::new(
+                    StatusCode::METHOD_NOT_ALLOWED,
+                    "method_not_allowed",
+                    "Method not allowed",
+                    "orders and queue tickets are read (or a ticket left) here",
+                ));
+            }
             Ok(Target::Locate(id))
         }
         _ => Err(Problem::not_found("route")),
@@ -195,7 +233,7 @@ async fn route(
 ) -> Result<Response, Problem> {
     let (parts, body) = req.into_parts();
     let path_and_query = parts.uri.path_and_query().map_or("/", |p| p.as_str()).to_owned();
-    let target = target(&router, parts.uri.path())?;
+    let target = target(&router, &parts.method, parts.uri.path())?;
     let body = axum::body::to_bytes(body, MAX_FORWARDED_BODY).await.map_err(|_| {
         Problem::new(
             StatusCode::PAYLOAD_TOO_LARGE,
@@ -212,7 +250,6 @@ async fn route(
                 "events": map.events.len(),
                 "stale": map.stale,
                 "age_s": map.read_at.map(|t| t.elapsed().as_secs_f64()),
-                "cells": router.cells.keys().collect::<Vec<_>>(),
             }))
             .into_response())
         }
@@ -222,7 +259,19 @@ async fn route(
                 .ok()
                 .and_then(|v| v.pointer("/data/object/metadata/purchase_cell")?.as_str().map(str::to_owned));
             match cell {
-                Some(cell) => router.forward(&cell, &fwd).await,
+                Some(cell) if router.cells.contains_key(&cell) => router.forward(&cell, &fwd).await,
+                Some(_) => {
+                    // Forged, or a cell this router was not told about: the provider retries.
+                    tracing::warn!("a webhook names a purchase cell this router does not know");
+                    let mut p = Problem::new(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "webhook_cell_unknown",
+                        "Unknown purchase cell",
+                        "the event's object names a purchase cell this router does not serve",
+                    );
+                    p.retry_after = Some(60);
+                    Err(p)
+                }
                 None => {
                     tracing::warn!(
                         "a webhook names no purchase cell; answered 503 for the provider to retry"

@@ -4,8 +4,8 @@
 //! (invariant 1 across cells): record the move in the directory, freeze the event in the
 //! source cell, wait out every transaction that may have read it as sellable, wait for its
 //! open orders to settle, copy the event and its seats (each sold seat marked with the cell
-//! whose ledger sold it) into the target at the next directory epoch, mark the source
-//! `moved`, and only then point the directory at the target. Every step is idempotent and a
+//! whose ledger sold it) into the target at the next directory epoch, still frozen, mark the
+//! source `moved`, activate the target, and only then point the directory at the target. Every step is idempotent and a
 //! move that stopped half-way resumes when run again; one that cannot settle in time is
 //! undone (the source sells again). The store owns each step's SQL
 //! ([`boxoffice_store::cells`], [`boxoffice_store::directory`]).
@@ -157,7 +157,8 @@ pub async fn move_event(
     let placement =
         cells::placement(&source, EventId(event)).await?.context("the source cell has no such event")?;
     let (seats, sold_seats) = if placement.state == CellState::Moved {
-        // Resumed after the source was marked: only the directory is left.
+        // Resumed after the source was marked: the target's activation and the directory are
+        // left.
         if placement.cell != to || placement.directory_epoch != epoch {
             bail!(
                 "the source says the event moved to {} at epoch {}",
@@ -167,6 +168,9 @@ pub async fn move_event(
         }
         (0, 0)
     } else {
+        if !cells::sees_every_transaction(&source).await? {
+            bail!("the move's role cannot see other sessions' transactions in {from}: grant it pg_read_all_stats");
+        }
         let at = cells::freeze(&source, EventId(event), &from)
             .await?
             .context("the source cell does not sell the event")?;
@@ -188,13 +192,18 @@ pub async fn move_event(
             tokio::time::sleep(Duration::from_millis(250)).await;
         }
         let export = cells::export(&source, EventId(event), &from).await?.context("the event vanished")?;
+        // Imported frozen: until the source is marked moved only the source may sell, and it
+        // is frozen, so giving up before that leaves no second seller.
         if !cells::import(&target, &export, to, epoch).await? {
-            bail!("cell {to} already has the event at epoch {epoch} or later; directory untouched");
+            bail!("cell {to} already sells the event or has it at a later epoch; directory untouched");
         }
         cells::mark_moved(&source, EventId(event), to, epoch).await?;
         let sold = export.seats.iter().filter(|s| s.owner_cell.is_some()).count();
         (export.seats.len(), sold)
     };
+    if !cells::activate(&target, EventId(event), to, epoch).await? {
+        bail!("cell {to} has no copy of the event at epoch {epoch} to activate");
+    }
     let entry = directory::finish_move(&control, event, epoch).await?;
     Ok(MoveReport {
         event_id: event,

@@ -818,7 +818,7 @@ impl Config {
             if !names.insert(c.name.as_str()) {
                 bail!("cells: {} is listed twice", c.name);
             }
-            if !dbs.insert(c.database_url.expose_secret()) {
+            if !dbs.insert(database_key(&c.database_url, "cells")?) {
                 bail!("cells: {} shares its database_url with another cell", c.name);
             }
             if !topics.insert(c.kafka_topic_prefix.as_str()) {
@@ -829,7 +829,7 @@ impl Config {
             }
         }
         if let Some(control) = &self.control_database_url {
-            if dbs.contains(control.expose_secret()) {
+            if dbs.contains(&database_key(control, "control_database_url")?) {
                 bail!("control_database_url: the directory belongs to no cell; give it its own database");
             }
         }
@@ -1353,6 +1353,15 @@ impl Config {
     }
 }
 
+/// The database a URL names, as (host in lower case, port, database): two URLs that differ in
+/// their parameters name the same database. Errors name the setting, never the URL. Host
+/// aliases (`localhost` and `127.0.0.1`) are not resolved.
+fn database_key(url: &SecretString, setting: &str) -> anyhow::Result<(String, u16, String)> {
+    let o: sqlx::postgres::PgConnectOptions =
+        url.expose_secret().parse().map_err(|_| anyhow::anyhow!("{setting}: not a PostgreSQL URL"))?;
+    Ok((o.get_host().to_ascii_lowercase(), o.get_port(), o.get_database().unwrap_or_default().to_owned()))
+}
+
 /// A PEM value as given, or the contents of the file it names. Errors name the setting, never
 /// the value (a path is not echoed either: it may be a pasted key in another encoding).
 fn pem_or_file(value: &str, setting: &str) -> anyhow::Result<String> {
@@ -1690,6 +1699,7 @@ mod tests {
             vec![cell("cell-1", "a", "c1.", "c1:"), cell("cell-2", "b", "c2.", "c1:")],
             vec![cell("cell 1", "a", "c1.", "c1:")],
             vec![cell("cell-1", "control", "c1.", "c1:")],
+            vec![cell("cell-1", "a", "c1.", "c1:"), cell("cell-2", "a?application_name=x", "c2.", "c2:")],
         ];
         for cells in bad {
             let c = Config { cells, ..ok.clone() };

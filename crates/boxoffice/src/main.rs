@@ -150,14 +150,12 @@ enum CellsAction {
         #[arg(long)]
         json: bool,
     },
-    /// Put a new event (seeded in the cell: `boxoffice --cell C seed-venue`) in the directory.
+    /// Put a new event (seeded in the cell: `boxoffice --cell C seed-venue`) in the directory,
+    /// in the cell named by `--cell` (required here).
     Assign {
         /// The event.
         #[arg(long)]
         event: uuid::Uuid,
-        /// Its cell.
-        #[arg(long = "cell", id = "assign_cell")]
-        cell: String,
     },
     /// Move an event to another cell: freeze it (new holds get 503 `event_moving`), wait for
     /// its open orders to settle, copy it, bump the directory epoch, sell it there.
@@ -324,6 +322,8 @@ async fn main() {
     // `--cell`: this process is one cell's, holding that cell's database URL and no other
     // (the `cells` commands are the operator's across cells and read every one).
     let cfg = match (&cli.cell, &cli.command) {
+        // `cells assign --cell C`: the operator's command, whose argument is the cell.
+        (_, Command::Cells { action: CellsAction::Assign { .. } }) => cfg,
         (Some(cell), Command::Cells { .. }) => {
             eprintln!("error: --cell {cell}: the cells commands work across cells; drop --cell");
             std::process::exit(2);
@@ -372,9 +372,10 @@ async fn main() {
         }
         Command::Waitroom { action } => waitroom(&cfg, action).await.map(|_| 0),
         Command::Cells { action: CellsAction::List { json } } => boxoffice::cells::list(&cfg, json).await,
-        Command::Cells { action: CellsAction::Assign { event, cell } } => {
-            boxoffice::cells::assign(&cfg, event, &cell).await
-        }
+        Command::Cells { action: CellsAction::Assign { event } } => match &cli.cell {
+            Some(cell) => boxoffice::cells::assign(&cfg, event, cell).await,
+            None => Err(anyhow::anyhow!("cells assign needs --cell C: the cell that sells the event")),
+        },
         Command::Cells { action: CellsAction::Move { event, to, settle_timeout } } => {
             boxoffice::cells::move_event(&cfg, event, &to, settle_timeout).await.map(|r| {
                 println!(

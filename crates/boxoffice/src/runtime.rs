@@ -361,7 +361,11 @@ async fn start_router(
         Duration::from_millis(cfg.router_refresh_ms),
         shutdown.clone(),
     ));
-    let app = boxoffice_api::cell_router::app(router.clone());
+    let app = boxoffice_api::cell_router::app(
+        router.clone(),
+        cfg.http_max_in_flight_per_ip,
+        cfg.http_trusted_proxy_hops,
+    );
     let edge = cfg.edge();
     let serve = tokio::spawn(async move {
         if let Err(e) = boxoffice_api::serve(listener, app, edge, shutdown).await {

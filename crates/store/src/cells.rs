@@ -8,7 +8,8 @@
 //! it as `active` has ended ([`wait_for_transactions_before`]) and every open order has
 //! settled, [`export`]s the event and its seats — marking each seat sold by this ledger, or by
 //! an earlier one, as `sold_in_cell` — [`import`]s them into the target's ledger at the new
-//! epoch, and only then marks the source [`mark_moved`]. Orders, payments and tickets never
+//! epoch as `frozen`, marks the source [`mark_moved`], and only then [`activate`]s the target:
+//! at no instant do two ledgers sell the event. Orders, payments and tickets never
 //! leave their cell.
 
 use crate::Tx;
@@ -150,18 +151,34 @@ pub async fn events(pool: &PgPool) -> Result<Vec<(Uuid, String, Placement)>, sql
         .collect()
 }
 
-/// Step 1 of a move out: no new holds for `event` here (`frozen`). Idempotent; `false` when
+/// Step 1 of a move out: no new holds for `event` here (`frozen`). Idempotent; `None` when
 /// this ledger does not sell the event for `cell` (unknown, or already moved). Returns the
-/// database time the freeze committed at, for [`wait_for_transactions_before`].
+/// database time read after the freeze committed, for [`wait_for_transactions_before`]: a
+/// transaction that began later sees the freeze.
 pub async fn freeze(pool: &PgPool, event: EventId, cell: &str) -> Result<Option<DateTime<Utc>>, sqlx::Error> {
-    sqlx::query_scalar(
+    let frozen = sqlx::query(
         "UPDATE events SET cell_state = 'frozen'
-          WHERE id = $1 AND purchase_cell = $2 AND cell_state IN ('active', 'frozen')
-         RETURNING clock_timestamp()",
+          WHERE id = $1 AND purchase_cell = $2 AND cell_state IN ('active', 'frozen')",
     )
     .bind(event.0)
     .bind(cell)
-    .fetch_optional(pool)
+    .execute(pool)
+    .await?;
+    if frozen.rows_affected() == 0 {
+        return Ok(None);
+    }
+    sqlx::query_scalar("SELECT clock_timestamp()").fetch_one(pool).await.map(Some)
+}
+
+/// Whether this session can see every other session's transaction start in
+/// `pg_stat_activity` (superuser or `pg_read_all_stats`): without it
+/// [`wait_for_transactions_before`] would find nothing to wait for.
+pub async fn sees_every_transaction(pool: &PgPool) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT (SELECT rolsuper FROM pg_roles WHERE rolname = current_user)
+             OR pg_has_role(current_user, 'pg_read_all_stats', 'MEMBER')",
+    )
+    .fetch_one(pool)
     .await
 }
 
@@ -283,11 +300,13 @@ pub async fn export(pool: &PgPool, event: EventId, cell: &str) -> Result<Option<
     Ok(Some(EventExport { event: event_row, seats }))
 }
 
-/// Writes an exported event into this ledger (the target's) as `active` for `cell` at
-/// `epoch`, in one transaction. Idempotent, and safe for an event that was sold here before
+/// Writes an exported event into this ledger (the target's) as `frozen` for `cell` at
+/// `epoch`, in one transaction: it sells nothing until [`activate`], which a move runs only
+/// after the source is marked [`mark_moved`], so at no instant do two ledgers sell the event.
+/// Idempotent, and safe for an event that was sold here before
 /// (moved away and back): a seat whose sale this ledger holds keeps it; any other seat takes
-/// the export's owner. Refuses (`false`) when this ledger already has the event at `epoch` or
-/// later; errors (unique `events_name_uq`) when another event of this ledger has its name.
+/// the export's owner. Refuses (`false`) when this ledger already has the event at a later
+/// epoch, or already sells it; errors (unique `events_name_uq`) when another event of this ledger has its name.
 pub async fn import(
     pool: &PgPool,
     export: &EventExport,
@@ -300,15 +319,15 @@ pub async fn import(
         "INSERT INTO events (id, name, venue, starts_at, purchase_cell, max_seats_per_buyer,
                              max_active_holds_per_buyer, sales_open_at, sales_close_at, dispute_policy,
                              directory_epoch, cell_state)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, 'active')
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, 'frozen')
          ON CONFLICT (id) DO UPDATE SET purchase_cell = excluded.purchase_cell,
                 max_seats_per_buyer = excluded.max_seats_per_buyer,
                 max_active_holds_per_buyer = excluded.max_active_holds_per_buyer,
                 sales_open_at = excluded.sales_open_at, sales_close_at = excluded.sales_close_at,
                 dispute_policy = excluded.dispute_policy, directory_epoch = excluded.directory_epoch,
-                cell_state = 'active'
+                cell_state = 'frozen'
           WHERE events.directory_epoch < excluded.directory_epoch
-             OR (events.directory_epoch = excluded.directory_epoch AND events.cell_state = 'active'
+             OR (events.directory_epoch = excluded.directory_epoch AND events.cell_state = 'frozen'
                  AND events.purchase_cell = excluded.purchase_cell)",
     )
     .bind(e.id)
@@ -367,7 +386,23 @@ async fn import_seats(tx: &mut Tx<'_>, export: &EventExport, cell: &str) -> Resu
     Ok(())
 }
 
-/// The last step of a move out: this ledger no longer sells `event`; `to` does at `epoch`.
+/// The last step of a move in, after the source is marked moved: this ledger sells `event`
+/// for `cell` at `epoch`. Idempotent (`true` once active).
+pub async fn activate(pool: &PgPool, event: EventId, cell: &str, epoch: i64) -> Result<bool, sqlx::Error> {
+    let r = sqlx::query(
+        "UPDATE events SET cell_state = 'active'
+          WHERE id = $1 AND purchase_cell = $2 AND directory_epoch = $3 AND cell_state IN ('frozen', 'active')",
+    )
+    .bind(event.0)
+    .bind(cell)
+    .bind(epoch)
+    .execute(pool)
+    .await?;
+    Ok(r.rows_affected() == 1)
+}
+
+/// The step of a move out after the target holds its frozen copy: this ledger no longer
+/// sells `event`; `to` does at `epoch`.
 pub async fn mark_moved(pool: &PgPool, event: EventId, to: &str, epoch: i64) -> Result<bool, sqlx::Error> {
     let r = sqlx::query(
         "UPDATE events SET cell_state = 'moved', purchase_cell = $2, directory_epoch = $3

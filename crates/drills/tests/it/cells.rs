@@ -54,6 +54,20 @@ impl Extra {
     }
 }
 
+/// `POST path` with an empty body over a bare connection, the path exactly as given; the
+/// whole answer.
+async fn raw_post(addr: std::net::SocketAddr, path: &str, bearer: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let req = format!(
+        "POST {path} HTTP/1.1\r\nHost: router\r\nAuthorization: {bearer}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    );
+    c.write_all(req.as_bytes()).await.unwrap();
+    let mut out = Vec::new();
+    c.read_to_end(&mut out).await.unwrap();
+    String::from_utf8_lossy(&out).into_owned()
+}
+
 fn cell(name: &str, url: String, api: Option<String>) -> CellSettings {
     CellSettings {
         name: name.into(),
@@ -404,6 +418,25 @@ async fn the_router_serves_its_last_map_while_the_control_database_is_down(
     assert_eq!(r.status(), 404);
     let unknown = Uuid::new_v4();
     assert_eq!(seat_map(unknown).await.0, 404);
+    // What is forwarded is what was routed: no dot segments or encoded separators, and an
+    // order path fans out reads only.
+    for path in [
+        format!("/orders/{order}/../../events/{}/admission", app1.event),
+        format!("/orders/{order}/%2e%2e/%2E%2E/metrics"),
+        format!("/events/{}/..%2fseats", app1.event),
+    ] {
+        // Sent as written: an HTTP client would resolve the dot segments first.
+        let answer = raw_post(running.router_addr.unwrap(), &path, &b.bearer()).await;
+        assert!(answer.starts_with("HTTP/1.1 400"), "{path}: {answer}");
+        assert!(answer.contains("\"invalid_path\""), "{path}: {answer}");
+    }
+    let r = http
+        .post(format!("{router}/orders/{order}"))
+        .header("authorization", b.bearer())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(problem(r).await.0, 405);
 
     // The control database goes away: the router keeps its map.
     control.drop().await;
@@ -573,4 +606,68 @@ async fn the_onsale_sells_two_cells_at_once_with_every_invariant_per_cell(
     assert_eq!(events_in_2, 1);
     c.close().await.unwrap();
     c2.drop().await;
+}
+
+/// A move stopped after the target has its copy, then undone: the copy was imported frozen,
+/// so the source sells again and the target still sells nothing (no second seller), and a
+/// later move resumes over the copy and finishes.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn an_undone_move_never_leaves_two_cells_selling(_: PgPoolOptions, opts: PgConnectOptions) {
+    use boxoffice_store::cells;
+    let c2 = Extra::create(&opts, "c2").await;
+    let control = Extra::create(&opts, "ctl").await;
+    let app1 = TestApp::spawn(opts.clone(), &[Role::Api], VenueSpec::small(1, 1, 4)).await;
+    let migrate = Config { database_url: c2.url().into(), ..app1.cfg.clone() };
+    boxoffice::commands::migrate_db(&migrate).await.unwrap().close().await;
+    let app2 = TestApp::spawn_with(c2.opts(), &[Role::Api], VenueSpec::small(1, 1, 1), |c| {
+        c.purchase_cell = "cell-2".into()
+    })
+    .await;
+    let ops = across(&app1.cfg, opts.to_url_lossy().to_string(), c2.url(), control.url(), [None, None]);
+    let event = app1.event;
+    sqlx::query("UPDATE events SET name = 'Moving Event' WHERE id = $1")
+        .bind(event)
+        .execute(&app1.pool)
+        .await
+        .unwrap();
+    boxoffice::cells::assign(&ops, event, "cell-1").await.unwrap();
+    let seats = app1.seats().await;
+    // The first attempt got as far as the target's copy, then stopped.
+    let control_pool = boxoffice::cells::control_pool(&ops).await.unwrap();
+    boxoffice_store::directory::begin_move(&control_pool, event, "cell-2").await.unwrap();
+    cells::freeze(&app1.pool, EventId(event), "cell-1").await.unwrap().unwrap();
+    let export = cells::export(&app1.pool, EventId(event), "cell-1").await.unwrap().unwrap();
+    assert!(cells::import(&app2.pool, &export, "cell-2", 2).await.unwrap());
+    let b = app2.buyer();
+    let (s, body) = admit(&app2, &b, event).await;
+    assert_eq!((s, body["code"].as_str()), (503, Some("event_moving")), "the copy is not on sale");
+    let token2 =
+        runtime::admission_tokens(&app2.cfg).unwrap().issue(UserId(b.user), EventId(event), 2, 600).0;
+    let (s, code, _) = hold_at(&app2, &b, event, &token2, seats[0]).await;
+    assert_eq!((s, code.as_str()), (503, "event_moving"));
+    // Undone (what a move that cannot settle does): the source sells again, the copy does not.
+    assert!(cells::unfreeze(&app1.pool, EventId(event)).await.unwrap());
+    boxoffice_store::directory::abandon_move(&control_pool, event).await.unwrap();
+    let a = app1.buyer();
+    let token1 = app1.admission_token(&a);
+    assert_eq!(hold_at(&app1, &a, event, &token1, seats[0]).await.0, 202);
+    let (s, code, _) = hold_at(&app2, &b, event, &token2, seats[0]).await;
+    assert_eq!((s, code.as_str()), (503, "event_moving"), "still one seller");
+    // The held seat's order is open: a move now waits for it, so it is settled by hand here.
+    sqlx::query("UPDATE holds SET expires_at = now() - interval '1 s', payable_by = NULL, provider_check_until = NULL")
+        .execute(&app1.pool)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE orders SET status = 'expired'").execute(&app1.pool).await.unwrap();
+    sqlx::query("UPDATE holds SET status = 'expired'").execute(&app1.pool).await.unwrap();
+    sqlx::query("UPDATE hold_seats SET released_at = now()").execute(&app1.pool).await.unwrap();
+    let report = boxoffice::cells::move_event(&ops, event, "cell-2", Duration::from_secs(10)).await.unwrap();
+    assert_eq!(report.directory_epoch, 2);
+    assert_eq!(cells::placement(&app2.pool, EventId(event)).await.unwrap().unwrap().state, CellState::Active);
+    assert_eq!(cells::placement(&app1.pool, EventId(event)).await.unwrap().unwrap().state, CellState::Moved);
+    assert_eq!(hold_at(&app2, &b, event, &token2, seats[1]).await.0, 202);
+    app1.stop().await;
+    app2.stop().await;
+    c2.drop().await;
+    control.drop().await;
 }
