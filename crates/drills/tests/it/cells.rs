@@ -68,6 +68,17 @@ async fn raw_post(addr: std::net::SocketAddr, path: &str, bearer: &str) -> Strin
     String::from_utf8_lossy(&out).into_owned()
 }
 
+/// Cell 2's API (`cell-2`, then `tweak`) on `db`, migrated first, beside cell 1's `app1`.
+async fn cell_two(app1: &TestApp, db: &Extra, spec: VenueSpec, tweak: impl FnOnce(&mut Config)) -> TestApp {
+    let migrate = Config { database_url: db.url().into(), ..app1.cfg.clone() };
+    boxoffice::commands::migrate_db(&migrate).await.unwrap().close().await;
+    TestApp::spawn_with(db.opts(), &[Role::Api], spec, |c| {
+        c.purchase_cell = "cell-2".into();
+        tweak(c);
+    })
+    .await
+}
+
 fn cell(name: &str, url: String, api: Option<String>) -> CellSettings {
     CellSettings {
         name: name.into(),
@@ -137,12 +148,7 @@ async fn a_move_fences_tokens_minted_before_it_and_keeps_sold_seats_sold(
         c.hold_ceiling_ms = Some(2_000);
     })
     .await;
-    let migrate = Config { database_url: c2.url().into(), ..app1.cfg.clone() };
-    boxoffice::commands::migrate_db(&migrate).await.unwrap();
-    let app2 = TestApp::spawn_with(c2.opts(), &[Role::Api], VenueSpec::small(1, 1, 1), |c| {
-        c.purchase_cell = "cell-2".into();
-    })
-    .await;
+    let app2 = cell_two(&app1, &c2, VenueSpec::small(1, 1, 1), |_| {}).await;
     let ops = across(&app1.cfg, opts.to_url_lossy().to_string(), c2.url(), control.url(), [None, None]);
     let event = app1.event;
     // Names are unique per ledger: cell 2 already has a "Test Event".
@@ -345,10 +351,7 @@ async fn the_router_serves_its_last_map_while_the_control_database_is_down(
     let control = Extra::create(&opts, "ctl").await;
     let spec = VenueSpec::small(1, 1, 4);
     let app1 = TestApp::spawn(opts.clone(), &[Role::Api], spec.clone()).await;
-    let migrate = Config { database_url: c2.url().into(), ..app1.cfg.clone() };
-    boxoffice::commands::migrate_db(&migrate).await.unwrap();
-    let app2 =
-        TestApp::spawn_with(c2.opts(), &[Role::Api], spec, |c| c.purchase_cell = "cell-2".into()).await;
+    let app2 = cell_two(&app1, &c2, spec, |_| {}).await;
     let mut ops = across(
         &app1.cfg,
         opts.to_url_lossy().to_string(),
@@ -494,9 +497,7 @@ async fn one_cells_pressure_never_lowers_another_cells_release_rate(
     };
     let app1 =
         TestApp::spawn_with(opts.clone(), &[Role::Api], VenueSpec::small(1, 1, 4), tune("cell-1")).await;
-    let migrate = Config { database_url: c2.url().into(), ..app1.cfg.clone() };
-    boxoffice::commands::migrate_db(&migrate).await.unwrap().close().await;
-    let app2 = TestApp::spawn_with(c2.opts(), &[Role::Api], VenueSpec::small(1, 1, 4), tune("cell-2")).await;
+    let app2 = cell_two(&app1, &c2, VenueSpec::small(1, 1, 4), tune("cell-2")).await;
     let (s1, s2) = (app1.release_status(), app2.release_status());
     let at = |rx: &tokio::sync::watch::Receiver<Status>, what: &'static str, pred: fn(&Status) -> bool| {
         let rx = rx.clone();
@@ -617,12 +618,7 @@ async fn an_undone_move_never_leaves_two_cells_selling(_: PgPoolOptions, opts: P
     let c2 = Extra::create(&opts, "c2").await;
     let control = Extra::create(&opts, "ctl").await;
     let app1 = TestApp::spawn(opts.clone(), &[Role::Api], VenueSpec::small(1, 1, 4)).await;
-    let migrate = Config { database_url: c2.url().into(), ..app1.cfg.clone() };
-    boxoffice::commands::migrate_db(&migrate).await.unwrap().close().await;
-    let app2 = TestApp::spawn_with(c2.opts(), &[Role::Api], VenueSpec::small(1, 1, 1), |c| {
-        c.purchase_cell = "cell-2".into()
-    })
-    .await;
+    let app2 = cell_two(&app1, &c2, VenueSpec::small(1, 1, 1), |_| {}).await;
     let ops = across(&app1.cfg, opts.to_url_lossy().to_string(), c2.url(), control.url(), [None, None]);
     let event = app1.event;
     sqlx::query("UPDATE events SET name = 'Moving Event' WHERE id = $1")
