@@ -150,9 +150,30 @@ impl CellRouter {
 /// address (as the cells' buyer routes; `trusted_proxy_hops` says which `X-Forwarded-For`
 /// entry is the client; 0 turns it off), so one client's slow bodies cannot take the slots
 /// every cell's buyers share.
-pub fn app(router: CellRouter, max_in_flight_per_ip: usize, trusted_proxy_hops: u32) -> Router {
+///
+/// The router's own routes: `GET /healthz` (liveness), `GET /metrics` (its Prometheus page:
+/// `boxoffice_router_directory_age_seconds`, `boxoffice_router_upstream_errors_total{cell}`)
+/// and `GET /routerz` (the map's size and staleness).
+pub fn app(
+    router: CellRouter,
+    max_in_flight_per_ip: usize,
+    trusted_proxy_hops: u32,
+    metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
+) -> Router {
     let limit = crate::edge::PerClientInFlight::new("router", max_in_flight_per_ip, trusted_proxy_hops);
+    let page = move || {
+        let metrics = metrics.clone();
+        async move {
+            match metrics {
+                Some(h) => ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], h.render())
+                    .into_response(),
+                None => Problem::not_found("metrics").into_response(),
+            }
+        }
+    };
     Router::new()
+        .route("/healthz", axum::routing::get(|| async { "ok" }))
+        .route("/metrics", axum::routing::get(page))
         .fallback(route)
         .with_state(router)
         .layer(axum::middleware::from_fn_with_state(limit, crate::edge::limit_in_flight))

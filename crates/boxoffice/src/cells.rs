@@ -21,18 +21,26 @@ use sqlx::PgPool;
 use std::time::{Duration, Instant};
 use uuid::Uuid;
 
-/// The control database's pool (created and migrated when missing).
-pub async fn control_pool(cfg: &Config) -> anyhow::Result<PgPool> {
+/// The control database's pool. With `create` (`cells assign`, the directory's first write)
+/// a missing database is created and the migrations are applied; otherwise a missing
+/// database is an error, so a read or a move against a mistyped or lost control database
+/// never puts an empty directory where the router would read it.
+pub async fn control_pool(cfg: &Config, create: bool) -> anyhow::Result<PgPool> {
     let url = cfg.control_database_url.as_ref().context("control_database_url is not set")?;
     let url = url.expose_secret();
     if !sqlx::Postgres::database_exists(url).await.context("connecting to the control database")? {
+        if !create {
+            bail!("the control database does not exist (cells assign creates it)");
+        }
         sqlx::Postgres::create_database(url).await.context("creating the control database")?;
     }
     let opts: sqlx::postgres::PgConnectOptions = url.parse().context("invalid control_database_url")?;
     let pool =
         boxoffice_store::connect(opts.application_name("boxoffice-control"), 2, cfg.db_acquire_timeout_ms)
             .await?;
-    directory::CONTROL_MIGRATOR.run(&pool).await.context("applying the control database's migrations")?;
+    if create {
+        directory::CONTROL_MIGRATOR.run(&pool).await.context("applying the control database's migrations")?;
+    }
     Ok(pool)
 }
 
@@ -47,7 +55,7 @@ pub async fn cell_pool(cfg: &Config, name: &str) -> anyhow::Result<PgPool> {
 /// `cells list`: every directory entry, then each configured cell's events as its own ledger
 /// sees them (a mismatch shows a move under way or to be resumed).
 pub async fn list(cfg: &Config, json: bool) -> anyhow::Result<i32> {
-    let control = control_pool(cfg).await?;
+    let control = control_pool(cfg, false).await?;
     let entries = directory::list(&control).await?;
     let mut ledgers = Vec::new();
     for name in cfg.cell_names() {
@@ -108,7 +116,7 @@ pub async fn assign(cfg: &Config, event: Uuid, cell: &str) -> anyhow::Result<i32
             p.directory_epoch
         );
     }
-    let control = control_pool(cfg).await?;
+    let control = control_pool(cfg, true).await?;
     let entry = directory::assign(&control, event, cell, p.directory_epoch).await?;
     println!("event {event} → {} at directory epoch {}", entry.cell, entry.directory_epoch);
     Ok(0)
@@ -142,7 +150,7 @@ pub async fn move_event(
     settle_timeout: Duration,
 ) -> anyhow::Result<MoveReport> {
     cfg.for_cell(to)?;
-    let control = control_pool(cfg).await?;
+    let control = control_pool(cfg, false).await?;
     let entry =
         directory::get(&control, event).await?.context("the event is not in the directory (cells assign)")?;
     if entry.cell == to && entry.moving_to.is_none() {

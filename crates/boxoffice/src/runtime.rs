@@ -365,7 +365,9 @@ async fn start_router(
         router.clone(),
         cfg.http_max_in_flight_per_ip,
         cfg.http_trusted_proxy_hops,
+        metrics_handle(),
     );
+    tracing::info!(%addr, "router listening");
     let edge = cfg.edge();
     let serve = tokio::spawn(async move {
         if let Err(e) = boxoffice_api::serve(listener, app, edge, shutdown).await {

@@ -201,10 +201,11 @@ async fn a_move_fences_tokens_minted_before_it_and_keeps_sold_seats_sold(
     let report = mover.await.unwrap().expect("the move finishes once the hold has lapsed");
     assert_eq!((report.from.as_str(), report.to.as_str(), report.directory_epoch), ("cell-1", "cell-2", 2));
     assert_eq!((report.seats, report.sold_seats), (6, 1));
-    let entry = boxoffice_store::directory::get(&boxoffice::cells::control_pool(&ops).await.unwrap(), event)
-        .await
-        .unwrap()
-        .unwrap();
+    let entry =
+        boxoffice_store::directory::get(&boxoffice::cells::control_pool(&ops, false).await.unwrap(), event)
+            .await
+            .unwrap()
+            .unwrap();
     assert_eq!((entry.cell.as_str(), entry.directory_epoch, entry.state.as_str()), ("cell-2", 2, "active"));
     // No order left cell 1.
     let orders_in_2: i64 = sqlx::query_scalar("SELECT count(*) FROM orders WHERE event_id = $1")
@@ -453,6 +454,10 @@ async fn the_router_serves_its_last_map_while_the_control_database_is_down(
     for event in [app1.event, app2.event] {
         assert_eq!(seat_map(event).await.0, 200, "a known event is still routed");
     }
+    // The router's own health and metrics, for its load balancer and its operator.
+    assert_eq!(http.get(format!("{router}/healthz")).send().await.unwrap().status(), 200);
+    let page = http.get(format!("{router}/metrics")).send().await.unwrap().text().await.unwrap();
+    assert!(page.contains("boxoffice_router_directory_age_seconds"), "{page}");
     let r = http.get(format!("{router}/events/{unknown}/seats")).send().await.unwrap();
     let (s, code, _) = problem(r).await;
     assert_eq!((s, code.as_str()), (503, "directory_unavailable"));
@@ -629,7 +634,7 @@ async fn an_undone_move_never_leaves_two_cells_selling(_: PgPoolOptions, opts: P
     boxoffice::cells::assign(&ops, event, "cell-1").await.unwrap();
     let seats = app1.seats().await;
     // The first attempt got as far as the target's copy, then stopped.
-    let control_pool = boxoffice::cells::control_pool(&ops).await.unwrap();
+    let control_pool = boxoffice::cells::control_pool(&ops, false).await.unwrap();
     boxoffice_store::directory::begin_move(&control_pool, event, "cell-2").await.unwrap();
     cells::freeze(&app1.pool, EventId(event), "cell-1").await.unwrap().unwrap();
     let export = cells::export(&app1.pool, EventId(event), "cell-1").await.unwrap().unwrap();
