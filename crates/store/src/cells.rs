@@ -53,6 +53,13 @@ impl TryFrom<String> for CellState {
     }
 }
 
+/// The columns of `events` a [`Placement`] is read from, named as its fields.
+macro_rules! placement_columns {
+    () => {
+        "purchase_cell AS cell, directory_epoch, cell_state AS state"
+    };
+}
+
 /// Where an event is sold, as this ledger knows it.
 #[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
 pub struct Placement {
@@ -108,12 +115,10 @@ impl Placement {
 
 /// The event's placement here; `None` when this ledger has no such event.
 pub async fn placement(pool: &PgPool, event: EventId) -> Result<Option<Placement>, sqlx::Error> {
-    sqlx::query_as(
-        "SELECT purchase_cell AS cell, directory_epoch, cell_state AS state FROM events WHERE id = $1",
-    )
-    .bind(event.0)
-    .fetch_optional(pool)
-    .await
+    sqlx::query_as(concat!("SELECT ", placement_columns!(), " FROM events WHERE id = $1"))
+        .bind(event.0)
+        .fetch_optional(pool)
+        .await
 }
 
 /// The event's sales window and placement in one read; `None` when this ledger has no such
@@ -122,33 +127,40 @@ pub async fn event_info(
     pool: &PgPool,
     event: EventId,
 ) -> Result<Option<(crate::venue::SalesWindow, Placement)>, sqlx::Error> {
-    type Row = (Option<DateTime<Utc>>, Option<DateTime<Utc>>, String, i64, String);
-    let row: Option<Row> = sqlx::query_as(
-        "SELECT sales_open_at, sales_close_at, purchase_cell, directory_epoch, cell_state FROM events WHERE id = $1",
-    )
+    #[derive(sqlx::FromRow)]
+    struct Row {
+        sales_open_at: Option<DateTime<Utc>>,
+        sales_close_at: Option<DateTime<Utc>>,
+        #[sqlx(flatten)]
+        placement: Placement,
+    }
+    let row: Option<Row> = sqlx::query_as(concat!(
+        "SELECT sales_open_at, sales_close_at, ",
+        placement_columns!(),
+        " FROM events WHERE id = $1"
+    ))
     .bind(event.0)
     .fetch_optional(pool)
     .await?;
-    row.map(|(opens_at, closes_at, cell, directory_epoch, state)| {
-        let state = CellState::try_from(state).map_err(|e| sqlx::Error::Decode(e.into()))?;
-        Ok((crate::venue::SalesWindow { opens_at, closes_at }, Placement { cell, directory_epoch, state }))
-    })
-    .transpose()
+    Ok(row.map(|r| {
+        (crate::venue::SalesWindow { opens_at: r.sales_open_at, closes_at: r.sales_close_at }, r.placement)
+    }))
 }
 
 /// Every event of this ledger with its placement, by name.
 pub async fn events(pool: &PgPool) -> Result<Vec<(Uuid, String, Placement)>, sqlx::Error> {
-    let rows: Vec<(Uuid, String, String, i64, String)> = sqlx::query_as(
-        "SELECT id, name, purchase_cell, directory_epoch, cell_state FROM events ORDER BY name",
-    )
-    .fetch_all(pool)
-    .await?;
-    rows.into_iter()
-        .map(|(id, name, cell, directory_epoch, state)| {
-            let state = CellState::try_from(state).map_err(|e| sqlx::Error::Decode(e.into()))?;
-            Ok((id, name, Placement { cell, directory_epoch, state }))
-        })
-        .collect()
+    #[derive(sqlx::FromRow)]
+    struct Row {
+        id: Uuid,
+        name: String,
+        #[sqlx(flatten)]
+        placement: Placement,
+    }
+    let rows: Vec<Row> =
+        sqlx::query_as(concat!("SELECT id, name, ", placement_columns!(), " FROM events ORDER BY name"))
+            .fetch_all(pool)
+            .await?;
+    Ok(rows.into_iter().map(|r| (r.id, r.name, r.placement)).collect())
 }
 
 /// Step 1 of a move out: no new holds for `event` here (`frozen`). Idempotent; `None` when
@@ -170,8 +182,8 @@ pub async fn freeze(pool: &PgPool, event: EventId, cell: &str) -> Result<Option<
     sqlx::query_scalar("SELECT clock_timestamp()").fetch_one(pool).await.map(Some)
 }
 
-/// Whether this session can see every other session's transaction start in
-/// `pg_stat_activity` (superuser or `pg_read_all_stats`): without it
+/// Whether the move's database role can see the transaction start of every other connection
+/// in `pg_stat_activity` (superuser or `pg_read_all_stats`): without it
 /// [`wait_for_transactions_before`] would find nothing to wait for.
 pub async fn sees_every_transaction(pool: &PgPool) -> Result<bool, sqlx::Error> {
     sqlx::query_scalar(
