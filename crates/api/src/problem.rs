@@ -123,6 +123,21 @@ impl Problem {
         p
     }
 
+    /// 503 `region_fenced`: this region's ledger refused the write because another region
+    /// writes now (or this region's lease lapsed); the client retries, and the traffic switch
+    /// sends it to the region that writes. Nothing was written.
+    pub fn region_fenced(refusal: boxoffice_store::region::Refusal) -> Self {
+        tracing::warn!(?refusal, "write refused by the region fence");
+        let mut p = Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "region_fenced",
+            "Region fenced",
+            "this region does not take writes now; retry with the same Idempotency-Key",
+        );
+        p.retry_after = Some(5);
+        p
+    }
+
     /// 500, logging the cause.
     pub fn internal(cause: &dyn std::error::Error) -> Self {
         tracing::error!(error = %ErrorChain(cause), "internal error");
@@ -136,6 +151,9 @@ impl Problem {
 
     /// 500 or 503 for a database error, depending on whether it is transient.
     pub fn database(e: &sqlx::Error) -> Self {
+        if let Some(refusal) = boxoffice_store::region::refusal(e) {
+            return Self::region_fenced(refusal);
+        }
         if boxoffice_store::is_retryable(e) {
             Self::unavailable(e)
         } else {

@@ -194,7 +194,7 @@ pub struct HoldBody {
         (status = 415, description = "`unsupported_media_type`: the body must be `application/json`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 422, description = "`seat_count` (outside 1–8), `unknown_seats` (not this event's), or `invalid_body` (a body of the wrong shape)", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 429, description = "`rate_limited` (per IP or per user, named in `scope`), or `too_many_in_flight` (this client address has `max_in_flight` requests in progress); `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 503, description = "`unavailable` (the database), `fault_injected`, `revocation_check_failed` (Redis answered with an error), or `event_moving` (the event is moving to another purchase cell); retry with the same Idempotency-Key after `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 503, description = "`unavailable` (the database), `fault_injected`, `revocation_check_failed` (Redis answered with an error), `event_moving` (the event is moving to another purchase cell) or `region_fenced` (this region does not write now, design §15); retry with the same Idempotency-Key after `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
     ))]
 async fn create_hold(
     State(st): State<AppState>,
@@ -206,6 +206,9 @@ async fn create_hold(
 ) -> Result<Response, Problem> {
     use axum::extract::FromRequest;
     let started = Instant::now();
+    if !st.may_write() {
+        return Err(Problem::region_fenced(boxoffice_store::region::Refusal::LeaseLapsed));
+    }
     // An unknown event is a 404 whatever the token says (from the event cache: no query
     // per request).
     crate::queue::event_info(&st, event).await?;
@@ -336,7 +339,7 @@ async fn render_seat_map(st: &AppState, event: Uuid) -> Result<Option<Bytes>, sq
         (status = 408, description = "`request_body_timeout`: the body stalled; nothing written", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 429, description = "`too_many_in_flight`: this sender has `webhook_max_in_flight_per_ip` requests in progress; nothing written", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 413, description = "`body_too_large`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 503, description = "`unavailable` or `fault_injected`: nothing committed; Stripe retries", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 503, description = "`unavailable`, `region_fenced` (this region does not write now, design §15) or `fault_injected`: nothing committed; Stripe retries", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
     ))]
 async fn stripe_webhook(
     State(st): State<AppState>,
@@ -362,6 +365,11 @@ async fn stripe_webhook(
         metrics::counter!("boxoffice_stripe_webhooks_total", "outcome" => "bad_signature").increment(1);
         Problem::bad_request("invalid_signature", "the Stripe-Signature header does not verify")
     })?;
+    // Verified first (a forged body learns nothing about the region), then refused with a
+    // 503 Stripe retries until the traffic switch sends it to the region that writes.
+    if !st.may_write() {
+        return Err(Problem::region_fenced(boxoffice_store::region::Refusal::LeaseLapsed));
+    }
     let outcome = webhooks::ingest(&st.webhook_pool, &event, &st.settings.hold_policy).await?;
     Ok(Json(crate::openapi::WebhookAck {
         received: true,
@@ -397,7 +405,8 @@ async fn webhook_source(
 }
 
 /// `GET /readyz`: 200 when the database answers (and the producer reaches a broker, when
-/// this process runs one); 503 otherwise.
+/// this process runs one, and its region lease holds, when a witness is configured); 503
+/// otherwise.
 async fn readyz(State(st): State<AppState>) -> Response {
     let db = boxoffice_store::ping(&st.pool).await;
     let broker = match &st.producer {
@@ -407,8 +416,9 @@ async fn readyz(State(st): State<AppState>) -> Response {
         }
         None => true,
     };
-    let status = if db && broker { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
-    (status, Json(json!({"database": db, "broker": broker}))).into_response()
+    let lease = st.may_write();
+    let status = if db && broker && lease { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    (status, Json(json!({"database": db, "broker": broker, "region_lease": lease}))).into_response()
 }
 
 /// `GET /metrics`: Prometheus text exposition.

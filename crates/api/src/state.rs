@@ -137,6 +137,9 @@ pub struct AppState {
     pub revocations: Revocations,
     /// The rate buckets' stand-in while Redis cannot answer.
     pub fallback_limiter: Arc<FallbackLimiter>,
+    /// This process's region lease (design §15), when a witness is configured: holds and
+    /// webhooks answer 503 `region_fenced` and `/readyz` 503 while it is lapsed.
+    pub region_lease: Option<Arc<boxoffice_store::region::LeaseGate>>,
 }
 
 impl AppState {
@@ -169,6 +172,18 @@ impl AppState {
             metrics,
             seat_maps,
             fallback_limiter: Arc::default(),
+            region_lease: None,
         }
+    }
+
+    /// This state with the process's region lease gate.
+    pub fn with_region_lease(mut self, gate: Option<Arc<boxoffice_store::region::LeaseGate>>) -> Self {
+        self.region_lease = gate;
+        self
+    }
+
+    /// Whether this process may write: no lease configured, or the lease holds.
+    pub fn may_write(&self) -> bool {
+        self.region_lease.as_ref().is_none_or(|g| g.is_valid())
     }
 }

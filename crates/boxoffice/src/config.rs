@@ -26,9 +26,11 @@ use std::path::Path;
 
 /// The settings that are secrets ([`SecretString`]): read from `BOXOFFICE_*` verbatim, never
 /// parsed as numbers or booleans, never echoed in an error.
-pub const SECRET_KEYS: [&str; 8] = [
+pub const SECRET_KEYS: [&str; 10] = [
     "database_url",
     "control_database_url",
+    "witness_database_url",
+    "region_peer_database_url",
     "kafka_sasl_password",
     "user_jwt_secret",
     "admission_private_key",
@@ -228,6 +230,10 @@ pub struct Config {
     pub db_pool_expiry: u32,
     /// How long a request waits for a connection before answering 503, ms.
     pub db_acquire_timeout_ms: u64,
+    /// `statement_timeout` and `idle_in_transaction_session_timeout` of every session, ms
+    /// (default 10000; 0: none, e.g. for a long `migrate`). Bounds how long a write can
+    /// still commit after its region's lease lapsed (`region_lease_skew_ms` covers it).
+    pub db_statement_timeout_ms: u64,
     /// Kafka bootstrap servers; unset means "none configured" (the onsale drill then starts an
     /// embedded broker; `serve` refuses roles that need one).
     pub kafka_brokers: Option<String>,
@@ -328,6 +334,41 @@ pub struct Config {
     pub router_refresh_ms: u64,
     /// Bound of one forwarded request, ms (the cell's own edge bounds it too).
     pub router_upstream_timeout_ms: u64,
+    /// This deployment's region (design §15), declared on every database session and stamped
+    /// on every fact (`region` in envelopes and headers). Default `primary`.
+    pub region: String,
+    /// The region epoch this deployment writes at (≥ 1, default 1; `BOXOFFICE_REGION_EPOCH`).
+    /// The ledger refuses every purchase write at any other epoch (SQLSTATE BXF01); after a
+    /// promotion the new region's services start with the epoch `region promote` printed.
+    pub region_epoch: i64,
+    /// The region witness (secret): a database outside every region holding which region may
+    /// write and the leases of its processes. When set, every process renews a lease there
+    /// every `region_lease_renew_ms` and stops writing (the ledger refuses, BXF02) once it
+    /// could not renew for `region_lease_ttl_ms`. Unset: no lease (one region only).
+    #[serde(serialize_with = "redact_opt")]
+    pub witness_database_url: Option<SecretString>,
+    /// Lease TTL, ms (default 6000).
+    pub region_lease_ttl_ms: u64,
+    /// Lease renewal period, ms (default 1500; at most a third of the TTL).
+    pub region_lease_renew_ms: u64,
+    /// Clock-rate and transaction-duration margin a fence adds to the last old lease's
+    /// expiry before promotion may proceed, ms (default 10000; at least
+    /// `db_statement_timeout_ms`, the longest a write checked before the lapse can take to
+    /// commit).
+    pub region_lease_skew_ms: u64,
+    /// The other region's database (secret), for `region fence`: when reachable, the old
+    /// primary's epoch record is fenced too, the application role is made read-only there
+    /// and its sessions are terminated. Unset or unreachable: the lease alone fences it.
+    #[serde(serialize_with = "redact_opt")]
+    pub region_peer_database_url: Option<SecretString>,
+    /// `region republish` starts this long before the recovery point, ms (default 60000):
+    /// covers commits whose outbox rows were written before their commit time. The outbox
+    /// keeps published rows `outbox_retention_s`, which must exceed the worst replication lag
+    /// plus this margin (checked against `region_max_replication_lag_s`).
+    pub region_republish_margin_ms: u64,
+    /// The worst replication lag the DR replica is allowed, s (default 300): the alarm
+    /// threshold, and what the outbox's retention must cover (plus the republish margin).
+    pub region_max_replication_lag_s: i64,
     /// HS256 secret that mints and verifies buyers' bearer tokens in development only (at
     /// least 32 bytes; the default is public). Production never accepts HS256.
     #[serde(serialize_with = "redact")]
@@ -553,6 +594,7 @@ impl Default for Config {
             db_pool_tickets: 9,
             db_pool_expiry: 2,
             db_acquire_timeout_ms: 3_000,
+            db_statement_timeout_ms: 10_000,
             kafka_brokers: None,
             kafka_topic_prefix: String::new(),
             kafka_security_protocol: None,
@@ -585,6 +627,15 @@ impl Default for Config {
             router_bind: "127.0.0.1:8090".into(),
             router_refresh_ms: 1_000,
             router_upstream_timeout_ms: 15_000,
+            region: "primary".into(),
+            region_epoch: 1,
+            witness_database_url: None,
+            region_lease_ttl_ms: 6_000,
+            region_lease_renew_ms: 1_500,
+            region_lease_skew_ms: 10_000,
+            region_peer_database_url: None,
+            region_republish_margin_ms: 60_000,
+            region_max_replication_lag_s: 300,
             user_jwt_secret: DEV_USER_JWT_SECRET.into(),
             user_jwks_url: None,
             user_jwks_file: None,
@@ -835,6 +886,42 @@ impl Config {
         }
         if self.router_refresh_ms < 100 || self.router_upstream_timeout_ms < 100 {
             bail!("router_refresh_ms and router_upstream_timeout_ms must be at least 100");
+        }
+        self.validate_region()
+    }
+
+    /// Checks the region settings (design §15).
+    fn validate_region(&self) -> anyhow::Result<()> {
+        if self.region.is_empty() || !self.region.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
+            bail!("region must be a non-empty name of letters, digits, '-' and '_'");
+        }
+        if self.region_epoch < 1 {
+            bail!("region_epoch must be at least 1");
+        }
+        if self.region_lease_renew_ms < 100 || self.region_lease_renew_ms * 3 > self.region_lease_ttl_ms {
+            bail!("region_lease_renew_ms must be at least 100 and at most a third of region_lease_ttl_ms");
+        }
+        if self.witness_database_url.is_some()
+            && (self.db_statement_timeout_ms == 0 || self.region_lease_skew_ms < self.db_statement_timeout_ms)
+        {
+            bail!(
+                "with a witness, db_statement_timeout_ms must be set and region_lease_skew_ms must cover it: \
+                 a write checked just before its lease lapsed may commit up to that long after"
+            );
+        }
+        let margin_s = self.region_republish_margin_ms.div_ceil(1_000) as i64;
+        if self.outbox_retention_s < self.region_max_replication_lag_s + margin_s {
+            bail!(
+                "outbox_retention_s ({}) must exceed region_max_replication_lag_s ({}) plus the republish margin ({margin_s} s): \
+                 after a failover the promoted region republishes the outbox from the recovery point",
+                self.outbox_retention_s,
+                self.region_max_replication_lag_s
+            );
+        }
+        if let Some(w) = &self.witness_database_url {
+            if database_key(w, "witness_database_url")? == database_key(&self.database_url, "database_url")? {
+                bail!("witness_database_url: the witness lives outside every region; give it its own database");
+            }
         }
         Ok(())
     }
@@ -1301,6 +1388,7 @@ impl Config {
                 retry_1m_delay_ms: self.consumer_retry_1m_delay_ms,
                 max_attempts: self.consumer_max_attempts,
             },
+            writer_epoch: Some(self.region_epoch),
         })
     }
 
@@ -1349,7 +1437,17 @@ impl Config {
         let opts: sqlx::postgres::PgConnectOptions =
             self.database_url.expose_secret().parse().context("invalid database_url")?;
         // Names the cell in pg_stat_activity (which cell's process holds a connection).
-        Ok(opts.application_name(&format!("boxoffice-{}", self.purchase_cell)))
+        let mut opts = opts.application_name(&format!("boxoffice-{}", self.purchase_cell));
+        if self.db_statement_timeout_ms > 0 {
+            let t = self.db_statement_timeout_ms.to_string();
+            opts = opts.options([("statement_timeout", t.as_str()), ("idle_in_transaction_session_timeout", t.as_str())]);
+        }
+        Ok(boxoffice_store::region::writer_options(opts, &self.writer()))
+    }
+
+    /// This deployment's region writer identity.
+    pub fn writer(&self) -> boxoffice_store::region::Writer {
+        boxoffice_store::region::Writer { region: self.region.clone(), epoch: self.region_epoch }
     }
 }
 

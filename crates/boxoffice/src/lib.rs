@@ -10,6 +10,7 @@ pub mod cells;
 pub mod commands;
 pub mod config;
 pub mod reconcile;
+pub mod region;
 pub mod runtime;
 
 pub use config::Config;

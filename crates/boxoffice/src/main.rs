@@ -140,6 +140,54 @@ enum Command {
         #[command(subcommand)]
         action: CellsAction,
     },
+    /// Warm-region failover (design §15): the region epoch, the witness, the runbook.
+    Region {
+        #[command(subcommand)]
+        action: RegionAction,
+    },
+}
+
+#[derive(Subcommand)]
+enum RegionAction {
+    /// Create the witness database (`witness_database_url`) and name this configuration's
+    /// region and epoch as the one that writes, unless one is named already.
+    Init,
+    /// Print the ledger's epoch record and lease, replication role and lag (bytes, seconds),
+    /// and the witness's authority and live leases. Exit 0 when this configuration may write,
+    /// 1 when it may not.
+    Status {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Run from the region taking over: name it at the witness at the next epoch (the old
+    /// region's leases stop renewing), fence the old primary when reachable
+    /// (`region_peer_database_url`: epoch bumped, application role read-only, sessions
+    /// terminated), and record this replica's recovery point.
+    Fence {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// After `fence`: wait until the old leases have lapsed plus the skew margin, promote this
+    /// replica, fence its ledger at the new epoch; start the services with the printed epoch.
+    Promote {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Mark every outbox row created since the recovery point (or `--since`) minus
+    /// `region_republish_margin_ms` unpublished: the relay republishes them and the inboxes
+    /// absorb the duplicates.
+    Republish {
+        /// RFC 3339 or a duration before now (`10m`); default: the recovery point the fence
+        /// recorded.
+        #[arg(long)]
+        since: Option<String>,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Subcommand)]
@@ -297,6 +345,58 @@ async fn waitroom(cfg: &Config, action: WaitroomAction) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn print<T: serde::Serialize + std::fmt::Debug>(json: bool, v: &T) {
+    if json {
+        println!("{}", serde_json::to_string_pretty(v).expect("serializes"));
+    } else {
+        println!("{v:#?}");
+    }
+}
+
+async fn region(cfg: &Config, action: RegionAction) -> anyhow::Result<i32> {
+    use boxoffice::region as r;
+    match action {
+        RegionAction::Init => {
+            let a = r::init(cfg).await?;
+            println!("the witness names region {} at epoch {} (since {})", a.region, a.epoch, a.changed_at);
+            Ok(0)
+        }
+        RegionAction::Status { json } => {
+            let s = r::status(cfg).await?;
+            print(json, &s);
+            Ok(if s.writable { 0 } else { 1 })
+        }
+        RegionAction::Fence { json } => {
+            let f = r::fence(cfg).await?;
+            print(json, &f);
+            if !json {
+                println!(
+                    "region {} holds epoch {}; promotion may proceed in {} ms: run `region promote`",
+                    f.authority.region, f.authority.epoch, f.ms_until_clear
+                );
+            }
+            Ok(0)
+        }
+        RegionAction::Promote { json } => {
+            let p = r::promote(cfg).await?;
+            print(json, &p);
+            if !json {
+                println!(
+                    "start this region's services with BOXOFFICE_REGION={} BOXOFFICE_REGION_EPOCH={}, then `region republish`",
+                    p.writer.region, p.writer.epoch
+                );
+            }
+            Ok(0)
+        }
+        RegionAction::Republish { since, json } => {
+            let since = since.as_deref().map(|s| boxoffice::reconcile::parse_instant(s, chrono::Utc::now())).transpose()?;
+            let rep = r::republish(cfg, since).await?;
+            print(json, &rep);
+            Ok(0)
+        }
+    }
+}
+
 #[tokio::main]
 async fn main() {
     let cli = Cli::parse();
@@ -385,6 +485,7 @@ async fn main() {
                 0
             })
         }
+        Command::Region { action } => region(&cfg, action).await,
         Command::AdmissionKeygen { .. } => unreachable!("handled before the configuration is loaded"),
         Command::UserToken { user, ttl_s } if cfg.env == Environment::Development => {
             let user = boxoffice_domain::UserId(user.unwrap_or_else(uuid::Uuid::new_v4));

@@ -110,9 +110,15 @@ pub struct Running {
     groups: Vec<Arc<boxoffice_bus::consumer::Assignment>>,
     partitions: i64,
     release: Option<tokio::sync::watch::Receiver<release::Status>>,
+    region_lease: Option<Arc<boxoffice_store::region::LeaseGate>>,
 }
 
 impl Running {
+    /// This process's region lease gate, when a witness is configured.
+    pub fn region_lease(&self) -> Option<Arc<boxoffice_store::region::LeaseGate>> {
+        self.region_lease.clone()
+    }
+
     /// The release controller's status, when the API role runs here with the controller on.
     pub fn release_status(&self) -> Option<tokio::sync::watch::Receiver<release::Status>> {
         self.release.clone()
@@ -192,6 +198,14 @@ pub async fn start(
     let consumers = cfg.consumers_per_role;
     let mut router = None;
     let mut router_addr = None;
+    let region_lease = match &cfg.witness_database_url {
+        Some(url) => {
+            let (gate, handle) = start_lease(cfg, url, &connect, shutdown.clone()).await?;
+            tasks.push(("lease", handle));
+            Some(gate)
+        }
+        None => None,
+    };
     for role in roles {
         if *role == Role::Router {
             let (r, addr, handles) = start_router(cfg, shutdown.clone()).await?;
@@ -237,7 +251,8 @@ pub async fn start(
                     },
                     producer.clone(),
                     metrics_handle(),
-                );
+                )
+                .with_region_lease(region_lease.clone());
                 tasks.push(("api", spawn_api(state, shutdown.clone(), &mut api_addr, cfg).await?));
                 if cfg.release_max_per_s > 0.0 {
                     // Every API process runs one; the cell's advisory lock lets one release.
@@ -303,7 +318,43 @@ pub async fn start(
         groups,
         partitions: cfg.kafka_partitions as i64,
         release: release_status,
+        region_lease,
     })
+}
+
+/// The region lease renewer (design §15): one renewal before the roles start (a healthy
+/// region writes at once; a refused or unreachable witness leaves the gate closed and the
+/// process running, answering 503), then one every `region_lease_renew_ms`.
+async fn start_lease(
+    cfg: &Config,
+    witness_url: &secrecy::SecretString,
+    connect: &PgConnectOptions,
+    shutdown: CancellationToken,
+) -> anyhow::Result<(Arc<boxoffice_store::region::LeaseGate>, JoinHandle<()>)> {
+    let witness_opts: PgConnectOptions =
+        witness_url.expose_secret().parse().context("witness_database_url: not a PostgreSQL URL")?;
+    let timeout = Duration::from_millis(cfg.region_lease_renew_ms.max(100));
+    let witness = PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(timeout)
+        .connect_lazy_with(witness_opts.application_name(&format!("boxoffice-{}-lease", cfg.region)));
+    let ledger = PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(timeout)
+        .connect_lazy_with(connect.clone());
+    let settings = boxoffice_workers::lease::LeaseSettings {
+        holder: format!("{}-{}-{}", cfg.region, std::process::id(), uuid::Uuid::new_v4().simple()),
+        writer: cfg.writer(),
+        ttl: Duration::from_millis(cfg.region_lease_ttl_ms),
+        renew: Duration::from_millis(cfg.region_lease_renew_ms),
+    };
+    let gate = Arc::new(boxoffice_store::region::LeaseGate::default());
+    match boxoffice_workers::lease::renew_once(&witness, &ledger, &gate, &settings).await {
+        Ok(r) => tracing::info!(?r, region = %cfg.region, epoch = cfg.region_epoch, "region lease"),
+        Err(e) => tracing::warn!(error = %format!("{e:#}"), "first region lease renewal failed"),
+    }
+    let handle = tokio::spawn(boxoffice_workers::lease::run(witness, ledger, gate.clone(), settings, shutdown));
+    Ok((gate, handle))
 }
 
 async fn spawn_api(

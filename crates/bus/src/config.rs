@@ -25,6 +25,10 @@ pub struct KafkaConfig {
     pub replication: i32,
     /// How consumers retry transient failures (design §8).
     pub retry: RetryPolicy,
+    /// The region epoch this process writes at (design §15): a fact stamped with an older
+    /// epoch is applied only when it is inside this ledger's cut
+    /// ([`crate::consumer::handle_once_at`]). `None`: no check (one region).
+    pub writer_epoch: Option<i64>,
 }
 
 /// librdkafka's `security.protocol`.
@@ -195,6 +199,7 @@ mod tests {
             partitions: 1,
             replication: 1,
             retry: RetryPolicy::default(),
+            writer_epoch: None,
         }
     }
 

@@ -23,6 +23,12 @@
 //! before the offset of the original is committed, so a crash in between only duplicates it
 //! (into the inbox).
 //!
+//! **Facts of an older region epoch** (design §15). After a regional failover the promoted
+//! region's consumers may read facts stamped with the fenced epoch (`region_epoch`): those
+//! inside the promoted ledger's cut are applied as usual (the inbox absorbs the ones
+//! `region republish` sends again); one whose outbox row this ledger does not have is an
+//! orphan, parked as an `orphan_fact` incident and never applied ([`handle_once_at`]).
+//!
 //! **What ordering still holds.** Within a partition, the messages of one order (one key)
 //! are applied in offset order by one lane, as long as each succeeds within its in-place
 //! attempts. A message that moves to a retry topic gives up its place: later messages of
@@ -145,6 +151,9 @@ pub enum Disposition {
     Ignored,
     /// Sent to the dead-letter topic.
     DeadLettered,
+    /// A fact of an older region epoch that is not in this ledger's cut: recorded in the
+    /// inbox and as an `orphan_fact` incident, never applied.
+    Orphan,
 }
 
 /// Applies one envelope once: the inbox check, `prepare`, then inbox + `apply` in one
@@ -157,6 +166,22 @@ pub async fn handle_once<H: Handler>(
     handler: &H,
     env: &Envelope,
 ) -> Result<Disposition, HandlerError> {
+    handle_once_at(pool, handler, env, None).await
+}
+
+/// [`handle_once`] for a process writing at region epoch `writer_epoch` (design §15). A fact
+/// stamped with an older epoch is a claim from a fenced writer: it is applied only when its
+/// outbox row is in this ledger (committed before the recovery point, replayed by `region
+/// republish` or still in flight from before the failover). Otherwise it was committed by the
+/// old primary after the cut, or by a zombie: its effects are not in this ledger, so it is
+/// parked (inbox row plus an `orphan_fact` incident, in one transaction) and never applied,
+/// and `prepare` (any remote call) is not run for it.
+pub async fn handle_once_at<H: Handler>(
+    pool: &PgPool,
+    handler: &H,
+    env: &Envelope,
+    writer_epoch: Option<i64>,
+) -> Result<Disposition, HandlerError> {
     if !EventKind::of(&env.event_type).is_some_and(|kind| handler.wants(kind)) {
         return Ok(Disposition::Ignored);
     }
@@ -165,6 +190,37 @@ pub async fn handle_once<H: Handler>(
         return Ok(Disposition::Duplicate);
     }
     let name = handler.name();
+    if let (Some(mine), Some(theirs)) = (writer_epoch, env.region_epoch) {
+        if theirs < mine {
+            let mut tx = pool.begin().await?;
+            if boxoffice_store::region::fact_in_cut(&mut tx, env.event_id).await? {
+                tx.rollback().await?;
+            } else {
+                if !inbox::record(&mut tx, name, env.event_id).await? {
+                    return Ok(Disposition::Duplicate);
+                }
+                boxoffice_store::stripe_events::incident(
+                    &mut tx,
+                    Some(boxoffice_domain::OrderId(env.aggregate_id)),
+                    "orphan_fact",
+                    serde_json::json!({
+                        "consumer": name,
+                        "event_id": env.event_id,
+                        "event_type": env.event_type,
+                        "region": env.region,
+                        "region_epoch": theirs,
+                        "writer_epoch": mine,
+                    }),
+                )
+                .await?;
+                tx.commit().await?;
+                tracing::warn!(consumer = name, event.id = %env.event_id, event.type = %env.event_type,
+                    order.id = %env.aggregate_id, region_epoch = theirs, writer_epoch = mine,
+                    "fact of an older region epoch outside this ledger's cut: parked, not applied");
+                return Ok(Disposition::Orphan);
+            }
+        }
+    }
     boxoffice_faults::check_consumer(name, "before_remote")?;
     let prepared = handler.prepare(env, &event).await?;
     boxoffice_faults::check_consumer(name, "after_remote")?;
@@ -570,7 +626,7 @@ impl<H: Handler> Runner<H> {
         for i in 0..budget {
             attempts += 1;
             let started = std::time::Instant::now();
-            let result = match handle_once(&self.pool, &*self.handler, env).await {
+            let result = match handle_once_at(&self.pool, &*self.handler, env, self.cfg.writer_epoch).await {
                 // The acknowledgement boundary: an injected failure here means the offset is
                 // not committed and the message comes again (into the inbox).
                 Ok(d) => boxoffice_faults::check_consumer(name, "before_ack")

@@ -72,6 +72,15 @@ pub struct Envelope {
     pub causation_id: Option<Uuid>,
     /// The type-specific payload (see [`PurchaseEvent`]).
     pub payload: serde_json::Value,
+    /// The region whose ledger committed the fact (design §15). Stamped by the outbox from
+    /// the writing session when the relay publishes (also the `region` header); absent on
+    /// facts written before regions existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub region: Option<String>,
+    /// The region epoch the fact was committed under (also the `region-epoch` header):
+    /// consumers of a promoted region check a fact of an older epoch against their ledger.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub region_epoch: Option<i64>,
 }
 
 /// Why an envelope could not be decoded: a permanent error (dead-letter material).
@@ -121,6 +130,8 @@ impl Envelope {
             correlation_id,
             causation_id,
             payload,
+            region: None,
+            region_epoch: None,
         }
     }
 

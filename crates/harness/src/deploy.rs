@@ -133,7 +133,10 @@ impl Deployment {
                 create_topics(&cfg, opts.embedded).await?;
             }
             cfg.http_bind = "127.0.0.1:0".into();
-            runtime::start(&cfg, opts.roles, opts.db, shutdown.clone()).await
+            // Every role's session declares the configuration's region epoch, as in
+            // production: the ledger's fence checks each purchase write.
+            let db = boxoffice_store::region::writer_options(opts.db, &cfg.writer());
+            runtime::start(&cfg, opts.roles, db, shutdown.clone()).await
         }
         .await;
         let running = match started {

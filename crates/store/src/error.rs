@@ -59,13 +59,16 @@ impl StoreError {
 
 /// SQLSTATE 40001 (serialization_failure), 40P01 (deadlock_detected), 55P03
 /// (lock_not_available), 57P01 (admin_shutdown), class 08 (connection) and pool/IO errors
-/// are transient; constraint violations and the rest are not.
+/// are transient; so are the region fence's refusals ([`crate::region::refusal`]): the write
+/// belongs to another region now, and a message must never be dead-lettered for it.
+/// Constraint violations and the rest are not.
 pub fn is_retryable(e: &sqlx::Error) -> bool {
     match e {
         sqlx::Error::Database(db) => {
             let code = db.code().unwrap_or_default();
             matches!(code.as_ref(), "40001" | "40P01" | "55P03" | "57P01" | "57P02" | "57P03")
                 || code.starts_with("08")
+                || code.starts_with("BXF")
         }
         sqlx::Error::Io(_)
         | sqlx::Error::PoolTimedOut

@@ -20,11 +20,13 @@ pub mod orders;
 pub mod outbox;
 pub mod outcomes;
 pub mod payments;
+pub mod region;
 pub mod revocations;
 pub mod signals;
 pub mod stripe_events;
 pub mod tickets;
 pub mod venue;
+pub mod witness;
 
 pub use error::{is_retryable, IllegalTransition, StoreError};
 

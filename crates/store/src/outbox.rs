@@ -71,6 +71,27 @@ pub struct OutboxRow {
     pub payload: sqlx::types::Json<serde_json::Value>,
     /// When the business write committed.
     pub created_at: DateTime<Utc>,
+    /// The region and epoch of the session that wrote the row (column defaults read from
+    /// the session, [`crate::region`]); `None` for a session that declared none.
+    pub region: Option<String>,
+    /// See `region`.
+    pub region_epoch: Option<i64>,
+}
+
+impl OutboxRow {
+    /// The message bytes: the stored envelope with the writer's `region` and `region_epoch`.
+    pub fn message(&self) -> Result<Vec<u8>, serde_json::Error> {
+        let mut v = self.payload.0.clone();
+        if let serde_json::Value::Object(m) = &mut v {
+            if let Some(r) = &self.region {
+                m.insert("region".into(), r.clone().into());
+            }
+            if let Some(e) = self.region_epoch {
+                m.insert("region_epoch".into(), e.into());
+            }
+        }
+        serde_json::to_vec(&v)
+    }
 }
 
 /// Claims up to `limit` unpublished rows whose lease is free or expired, oldest first, for
@@ -96,7 +117,7 @@ pub async fn claim_batch(
                 publish_attempts = o.publish_attempts + 1
            FROM picked
           WHERE o.id = picked.id
-         RETURNING o.id, o.topic, o.message_key, o.event_type, o.payload, o.created_at",
+         RETURNING o.id, o.topic, o.message_key, o.event_type, o.payload, o.created_at, o.region, o.region_epoch",
     )
     .bind(relay)
     .bind(limit)

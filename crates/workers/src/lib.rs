@@ -7,10 +7,13 @@
 //! - [`payment`]: every Stripe call, each with a stable idempotency key (invariants 4 and 6);
 //! - [`expiry`]: releases lapsed holds in bounded `SKIP LOCKED` batches (invariant 1);
 //! - [`tickets`]: issues one ticket per held seat, replay-safe (invariant 1);
+//! - [`lease`]: renews the region lease from the witness and stops writes when it lapses
+//!   (design §15);
 //! - [`release`]: the waiting room's adaptive release controller (design §3): admits queued
 //!   buyers at a rate `R` that follows live database, outbox and broker signals.
 
 pub mod expiry;
+pub mod lease;
 pub mod payment;
 pub mod relay;
 pub mod release;

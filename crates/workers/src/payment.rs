@@ -215,6 +215,12 @@ impl Handler for PaymentWorker {
                     ]
                     .into_iter()
                     .chain(self.cell.clone().map(|c| ("purchase_cell".into(), c)))
+                    // The fact's region and epoch, not this worker's: a request replayed by
+                    // the promoted region after a failover must send the same parameters
+                    // under the same idempotency key, and reconciliation finds intents
+                    // requested by a fenced writer by them (design §15).
+                    .chain(env.region.clone().map(|r| ("region".into(), r)))
+                    .chain(env.region_epoch.map(|e| ("region_epoch".into(), e.to_string())))
                     .collect(),
                 };
                 let pi = g

@@ -109,14 +109,20 @@ pub async fn publish_batch(
     }
     let encoded: Vec<(String, Vec<u8>)> = rows
         .iter()
-        .map(|row| Ok((kafka.topic(&row.topic), serde_json::to_vec(&row.payload.0)?)))
+        .map(|row| Ok((kafka.topic(&row.topic), row.message()?)))
         .collect::<Result<_, serde_json::Error>>()?;
     let mut pending = Vec::with_capacity(rows.len());
     for (row, (topic, payload)) in rows.iter().zip(&encoded) {
         let id = row.id.to_string();
-        let headers = OwnedHeaders::new()
+        let epoch = row.region_epoch.map(|e| e.to_string());
+        let mut headers = OwnedHeaders::new()
             .insert(Header { key: "event-id", value: Some(id.as_str()) })
             .insert(Header { key: "event-type", value: Some(row.event_type.as_str()) });
+        if let (Some(region), Some(epoch)) = (&row.region, &epoch) {
+            headers = headers
+                .insert(Header { key: "region", value: Some(region.as_str()) })
+                .insert(Header { key: "region-epoch", value: Some(epoch.as_str()) });
+        }
         let mut record = FutureRecord::to(topic).key(&row.message_key).payload(payload).headers(headers);
         // Enqueue in order; all delivery futures are awaited before anything is marked.
         let fut = loop {

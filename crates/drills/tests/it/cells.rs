@@ -3,7 +3,7 @@
 //! another cell's database, and the router keeps routing with its last map while the control
 //! database is down.
 
-use crate::helpers::{eventually, problem, product_bin, TestApp};
+use crate::helpers::{eventually, problem, product_bin, Extra, TestApp};
 use boxoffice::config::{CellSettings, Config};
 use boxoffice::runtime::{self, Role};
 use boxoffice_domain::{EventId, UserId};
@@ -16,43 +16,6 @@ use sqlx::{ConnectOptions, Connection};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
-
-/// A database beside the test's own (`bo_cells_{random}_{suffix}`: the test database's name
-/// is already as long as PostgreSQL's 63-byte identifiers), dropped by [`Extra::drop`].
-struct Extra {
-    admin: PgConnectOptions,
-    name: String,
-}
-
-impl Extra {
-    async fn create(opts: &PgConnectOptions, suffix: &str) -> Extra {
-        let name = format!("bo_cells_{}_{suffix}", &Uuid::new_v4().simple().to_string()[..12]);
-        let admin = opts.clone().database("postgres");
-        let mut c = admin.connect().await.unwrap();
-        sqlx::query(&format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"))
-            .execute(&mut c)
-            .await
-            .unwrap();
-        sqlx::query(&format!("CREATE DATABASE \"{name}\"")).execute(&mut c).await.unwrap();
-        Extra { admin, name }
-    }
-
-    fn opts(&self) -> PgConnectOptions {
-        self.admin.clone().database(&self.name)
-    }
-
-    fn url(&self) -> String {
-        self.opts().to_url_lossy().to_string()
-    }
-
-    async fn drop(self) {
-        let mut c = self.admin.connect().await.unwrap();
-        sqlx::query(&format!("DROP DATABASE IF EXISTS \"{}\" WITH (FORCE)", self.name))
-            .execute(&mut c)
-            .await
-            .unwrap();
-    }
-}
 
 /// `POST path` with an empty body over a bare connection, the path exactly as given; the
 /// whole answer.

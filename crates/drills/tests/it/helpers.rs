@@ -13,7 +13,7 @@ use boxoffice_store::venue::{self, VenueSpec};
 use boxoffice_stripe_sim::StripeSim;
 use serde_json::Value;
 use sqlx::postgres::PgConnectOptions;
-use sqlx::PgPool;
+use sqlx::{ConnectOptions, PgPool};
 use std::future::Future;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -305,4 +305,41 @@ pub async fn problem(resp: reqwest::Response) -> (u16, String, Value) {
         "error {status} is not problem+json: {ct}"
     );
     (status, body["code"].as_str().unwrap_or("").to_owned(), body)
+}
+
+/// A database beside the test's own (`bo_x_{random}_{suffix}`: the test database's name
+/// is already as long as PostgreSQL's 63-byte identifiers), dropped by [`Extra::drop`].
+pub struct Extra {
+    admin: PgConnectOptions,
+    pub name: String,
+}
+
+impl Extra {
+    pub async fn create(opts: &PgConnectOptions, suffix: &str) -> Extra {
+        let name = format!("bo_x_{}_{suffix}", &Uuid::new_v4().simple().to_string()[..12]);
+        let admin = opts.clone().database("postgres");
+        let mut c = admin.connect().await.unwrap();
+        sqlx::query(&format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"))
+            .execute(&mut c)
+            .await
+            .unwrap();
+        sqlx::query(&format!("CREATE DATABASE \"{name}\"")).execute(&mut c).await.unwrap();
+        Extra { admin, name }
+    }
+
+    pub fn opts(&self) -> PgConnectOptions {
+        self.admin.clone().database(&self.name)
+    }
+
+    pub fn url(&self) -> String {
+        self.opts().to_url_lossy().to_string()
+    }
+
+    pub async fn drop(self) {
+        let mut c = self.admin.connect().await.unwrap();
+        sqlx::query(&format!("DROP DATABASE IF EXISTS \"{}\" WITH (FORCE)", self.name))
+            .execute(&mut c)
+            .await
+            .unwrap();
+    }
 }

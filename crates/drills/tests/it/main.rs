@@ -21,6 +21,7 @@ mod holds;
 mod lifetime;
 mod limits;
 mod purchase;
+mod region;
 mod release;
 mod saga;
 mod secrets;

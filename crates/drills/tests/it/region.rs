@@ -1,0 +1,313 @@
+//! The region epoch (design §15, §17): a regional promotion rejects the old region epoch — at
+//! the API, in the ledger for a code path that skips every check, and for a returning old
+//! primary whose own epoch record was never fenced (its lease lapsed); the fence waits only
+//! for writers in flight and queues new ones; facts of a fenced writer outside the ledger's
+//! cut are parked, not applied; `region republish` sends the recovery window again.
+
+use crate::helpers::{eventually, problem, Extra, TestApp};
+use boxoffice::config::Config;
+use boxoffice::runtime::Role;
+use boxoffice_bus::consumer::{handle_once_at, Disposition, Handler, HandlerError};
+use boxoffice_domain::{Envelope, EventKind, OrderId, PurchaseEvent};
+use boxoffice_store::region::{self, Refusal, Writer};
+use boxoffice_store::venue::VenueSpec;
+use boxoffice_store::{witness, Tx};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::PgPool;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+use uuid::Uuid;
+
+fn writer(region: &str, epoch: i64) -> Writer {
+    Writer { region: region.into(), epoch }
+}
+
+/// A pool whose sessions write as `w`.
+async fn writer_pool(opts: &PgConnectOptions, w: &Writer) -> PgPool {
+    boxoffice_store::connect(region::writer_options(opts.clone(), w), 4, 10_000).await.unwrap()
+}
+
+/// An outbox row written straight to the ledger, as a code path that skips every check in
+/// Rust would.
+async fn raw_outbox_write(pool: &PgPool) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO outbox (id, topic, message_key, event_type, payload) VALUES ($1, 't', 'k', 'Raw', '{}')",
+    )
+    .bind(Uuid::new_v4())
+    .execute(pool)
+    .await
+    .map(|_| ())
+}
+
+fn refusal_of(r: Result<(), sqlx::Error>) -> Option<Refusal> {
+    r.err().as_ref().and_then(region::refusal)
+}
+
+/// Design §17: after a promotion fences epoch 1, a hold at epoch 1 is 503 `region_fenced`
+/// with nothing written, a raw write at epoch 1 is refused by the ledger itself (BXF01), and
+/// the new epoch writes.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn a_promotion_rejects_the_old_region_epoch(_: PgPoolOptions, opts: PgConnectOptions) {
+    let app = TestApp::spawn(opts.clone(), &[Role::Api], VenueSpec::small(1, 1, 4)).await;
+    let seats = app.seats().await;
+    let b = app.buyer();
+    let adm = app.admission_token(&b);
+    let r = app.hold(&b, &adm, &Uuid::new_v4().to_string(), &seats[..1]).await;
+    assert_eq!(r.status().as_u16(), 202, "epoch 1 sells before the fence");
+
+    let f = region::fence(&app.pool, &writer("dr", 2), "test").await.unwrap();
+    assert_eq!((f.from.epoch, f.to.epoch), (1, 2));
+    assert!(matches!(
+        region::fence(&app.pool, &writer("primary", 2), "test").await,
+        Err(region::FenceError::NotNewer { current: 2, .. })
+    ));
+
+    let holds_before = app.count("SELECT count(*) FROM holds").await;
+    let outbox_before = app.count("SELECT count(*) FROM outbox").await;
+    let b2 = app.buyer();
+    let adm2 = app.admission_token(&b2);
+    let (status, code, body) = problem(app.hold(&b2, &adm2, &Uuid::new_v4().to_string(), &seats[1..2]).await).await;
+    assert_eq!((status, code.as_str()), (503, "region_fenced"), "{body}");
+    assert_eq!(app.count("SELECT count(*) FROM holds").await, holds_before, "nothing written");
+    assert_eq!(app.count("SELECT count(*) FROM outbox").await, outbox_before, "nothing written");
+
+    let old = writer_pool(&opts, &writer("primary", 1)).await;
+    assert_eq!(refusal_of(raw_outbox_write(&old).await), Some(Refusal::Fenced));
+    let new = writer_pool(&opts, &writer("dr", 2)).await;
+    raw_outbox_write(&new).await.expect("the new epoch writes");
+    let (region_col, epoch_col): (Option<String>, Option<i64>) =
+        sqlx::query_as("SELECT region, region_epoch FROM outbox WHERE event_type = 'Raw'")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!((region_col.as_deref(), epoch_col), (Some("dr"), Some(2)), "the outbox stamps the writer");
+    app.stop().await;
+}
+
+/// The fence waits for a writer already past its first write (whose commit lands before the
+/// fence's WAL position) and queues a writer that starts after it; the queued one is then
+/// refused, never committed under the old epoch.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn the_fence_waits_for_writers_in_flight_and_refuses_the_ones_behind_it(
+    pool: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    let admin = pool.connect_with(opts.clone()).await.unwrap();
+    let old = writer_pool(&opts, &writer("primary", 1)).await;
+    let mut in_flight = old.begin().await.unwrap();
+    sqlx::query("INSERT INTO outbox (id, topic, message_key, event_type, payload) VALUES ($1, 't', 'k', 'A', '{}')")
+        .bind(Uuid::new_v4())
+        .execute(&mut *in_flight)
+        .await
+        .unwrap();
+
+    let fencing = tokio::spawn({
+        let admin = admin.clone();
+        async move { region::fence(&admin, &writer("dr", 2), "test").await.unwrap() }
+    });
+    let waiting = |admin: PgPool, n: i64| async move {
+        let c: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_locks l JOIN pg_class c ON c.oid = l.relation
+              WHERE c.relname = 'region_epoch' AND NOT l.granted",
+        )
+        .fetch_one(&admin)
+        .await
+        .unwrap();
+        c >= n
+    };
+    eventually(Duration::from_secs(10), "the fence waits for the writer in flight", || waiting(admin.clone(), 1)).await;
+    let behind = tokio::spawn({
+        let old = old.clone();
+        async move { raw_outbox_write(&old).await }
+    });
+    eventually(Duration::from_secs(10), "a new writer queues behind the fence", || waiting(admin.clone(), 2)).await;
+    assert!(!fencing.is_finished() && !behind.is_finished());
+
+    // Just before its commit record: the fence's position must lie after it.
+    let (before_commit,): (String,) =
+        sqlx::query_as("SELECT pg_current_wal_insert_lsn()::text").fetch_one(&mut *in_flight).await.unwrap();
+    in_flight.commit().await.expect("a writer already in flight commits under its epoch");
+    let f = fencing.await.unwrap();
+    assert!(
+        region::lsn_diff(&admin, &f.fence_lsn, &before_commit).await.unwrap() > 0,
+        "every old-epoch commit lies before the fence position ({} vs {before_commit})",
+        f.fence_lsn
+    );
+    assert_eq!(refusal_of(behind.await.unwrap()), Some(Refusal::Fenced), "the queued writer is refused");
+    let (a, raw): (i64, i64) = sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE event_type = 'A'), count(*) FILTER (WHERE event_type = 'Raw') FROM outbox",
+    )
+    .fetch_one(&admin)
+    .await
+    .unwrap();
+    assert_eq!((a, raw), (1, 0));
+}
+
+/// A returning old primary: its ledger still says epoch 1 (the fence could not reach it), but
+/// its processes can no longer renew their lease at the witness, so within the TTL the API
+/// refuses holds and the ledger refuses every write of epoch 1 — even one that skips the API.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn a_returning_old_primary_cannot_sell_once_its_lease_lapses(_: PgPoolOptions, opts: PgConnectOptions) {
+    let w = Extra::create(&opts, "wit").await;
+    let wpool = boxoffice_store::connect(w.opts(), 2, 10_000).await.unwrap();
+    witness::WITNESS_MIGRATOR.run(&wpool).await.unwrap();
+    witness::init(&wpool, &writer("primary", 1), "test").await.unwrap();
+    let url = w.url();
+    let app = TestApp::spawn_with(opts.clone(), &[Role::Api], VenueSpec::small(1, 1, 4), |c: &mut Config| {
+        c.witness_database_url = Some(url.clone().into());
+        c.region_lease_ttl_ms = 1_500;
+        c.region_lease_renew_ms = 300;
+        c.region_lease_skew_ms = 500;
+    })
+    .await;
+    let seats = app.seats().await;
+    let b = app.buyer();
+    let r = app.hold(&b, &app.admission_token(&b), &Uuid::new_v4().to_string(), &seats[..1]).await;
+    assert_eq!(r.status().as_u16(), 202, "the lease holds: the region sells");
+    assert!(witness::live_leases(&wpool).await.unwrap().iter().any(|l| l.1 == "primary" && l.2 == 1));
+
+    // The DR region fences at the witness; the old primary's ledger is not reached.
+    let a = witness::fence(&wpool, &writer("dr", 2), 500, "test").await.unwrap();
+    assert_eq!((a.region.as_str(), a.epoch), ("dr", 2));
+    assert!(a.writers_clear_at.is_some());
+    assert_eq!(region::record(&app.pool).await.unwrap().epoch, 1, "the old ledger was never fenced");
+
+    let b2 = app.buyer();
+    let adm2 = app.admission_token(&b2);
+    eventually(Duration::from_secs(10), "the old primary refuses holds", || {
+        let (app, adm2, b2, seat) = (&app, adm2.clone(), &b2, seats[1]);
+        async move {
+            let r = app.hold(b2, &adm2, &Uuid::new_v4().to_string(), &[seat]).await;
+            r.status().as_u16() == 503
+        }
+    })
+    .await;
+    let ready = app.http.get(format!("{}/readyz", app.api)).send().await.unwrap();
+    assert_eq!(ready.status().as_u16(), 503, "out of the load balancer's rotation");
+    let old = writer_pool(&opts, &writer("primary", 1)).await;
+    eventually(Duration::from_secs(10), "the ledger refuses epoch 1 by its lease mirror", || {
+        let old = old.clone();
+        async move { refusal_of(raw_outbox_write(&old).await) == Some(Refusal::LeaseLapsed) }
+    })
+    .await;
+    assert!(witness::ms_until_clear(&wpool).await.unwrap() <= 2_000, "promotion waits at most TTL + skew after the fence");
+    // Holds taken while the old lease still ran are inside the window promotion waits out;
+    // none is later than the last lease the witness granted to epoch 1.
+    let last_lease: chrono::DateTime<chrono::Utc> =
+        sqlx::query_scalar("SELECT max(expires_at) FROM region_leases WHERE epoch = 1").fetch_one(&wpool).await.unwrap();
+    let last_hold: chrono::DateTime<chrono::Utc> =
+        sqlx::query_scalar("SELECT max(created_at) FROM holds").fetch_one(&app.pool).await.unwrap();
+    assert!(last_hold < last_lease, "a hold at {last_hold} after the old lease expired at {last_lease}");
+    let b3 = app.buyer();
+    let (status, code, _) =
+        problem(app.hold(&b3, &app.admission_token(&b3), &Uuid::new_v4().to_string(), &seats[2..3]).await).await;
+    assert_eq!((status, code.as_str()), (503, "region_fenced"));
+    app.stop().await;
+    wpool.close().await;
+    w.drop().await;
+}
+
+/// Counts what it applies.
+struct Counting(AtomicUsize);
+
+#[async_trait::async_trait]
+impl Handler for Counting {
+    type Prepared = ();
+    fn name(&self) -> &'static str {
+        "counting"
+    }
+    fn wants(&self, _: EventKind) -> bool {
+        true
+    }
+    async fn prepare(&self, _: &Envelope, _: &PurchaseEvent) -> Result<(), HandlerError> {
+        Ok(())
+    }
+    async fn apply(&self, _: &mut Tx<'_>, _: &Envelope, _: &PurchaseEvent, _: ()) -> Result<(), HandlerError> {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+}
+
+fn fact(epoch: i64) -> Envelope {
+    let order = OrderId(Uuid::new_v4());
+    let mut env = Envelope::new(
+        order,
+        &PurchaseEvent::PaymentCanceled { order_id: order, payment_intent_id: "pi_x".into() },
+        Uuid::new_v4(),
+        None,
+    );
+    env.region = Some("primary".into());
+    env.region_epoch = Some(epoch);
+    env
+}
+
+/// A fact stamped with the fenced epoch is applied when its outbox row is in this ledger
+/// (inside the cut), parked as an `orphan_fact` incident when it is not, and a fact of the
+/// current epoch is applied as always.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn facts_of_a_fenced_writer_outside_the_cut_are_parked(pool: PgPoolOptions, opts: PgConnectOptions) {
+    let admin = pool.connect_with(opts.clone()).await.unwrap();
+    region::fence(&admin, &writer("dr", 2), "test").await.unwrap();
+    let ledger = writer_pool(&opts, &writer("dr", 2)).await;
+    let h = Counting(AtomicUsize::new(0));
+
+    let inside = fact(1);
+    sqlx::query("INSERT INTO outbox (id, topic, message_key, event_type, payload, region_epoch) VALUES ($1, 't', 'k', 'PaymentCanceled', '{}', 1)")
+        .bind(inside.event_id)
+        .execute(&admin)
+        .await
+        .unwrap();
+    assert_eq!(handle_once_at(&ledger, &h, &inside, Some(2)).await.unwrap(), Disposition::Applied);
+    assert_eq!(handle_once_at(&ledger, &h, &inside, Some(2)).await.unwrap(), Disposition::Duplicate);
+
+    let orphan = fact(1);
+    assert_eq!(handle_once_at(&ledger, &h, &orphan, Some(2)).await.unwrap(), Disposition::Orphan);
+    assert_eq!(handle_once_at(&ledger, &h, &orphan, Some(2)).await.unwrap(), Disposition::Duplicate);
+    let current = fact(2);
+    assert_eq!(handle_once_at(&ledger, &h, &current, Some(2)).await.unwrap(), Disposition::Applied);
+
+    assert_eq!(h.0.load(Ordering::SeqCst), 2, "the orphan was never applied");
+    let parked: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM incidents WHERE kind = 'orphan_fact' AND detail->>'event_id' = $1",
+    )
+    .bind(orphan.event_id.to_string())
+    .fetch_one(&admin)
+    .await
+    .unwrap();
+    assert_eq!(parked, 1);
+}
+
+/// `region republish` marks the outbox rows of the recovery window unpublished again (and no
+/// older ones), as a writer of the current epoch; a writer of the fenced epoch cannot.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn republish_reopens_the_recovery_window_only(pool: PgPoolOptions, opts: PgConnectOptions) {
+    let admin = pool.connect_with(opts.clone()).await.unwrap();
+    sqlx::query(
+        "INSERT INTO outbox (id, topic, message_key, event_type, payload, created_at, published_at)
+         SELECT gen_random_uuid(), 't', 'k', 'Old', '{}'::jsonb, now() - interval '2 hours', now() - interval '2 hours'
+           FROM generate_series(1, 3)
+         UNION ALL
+         SELECT gen_random_uuid(), 't', 'k', 'Recent', '{}'::jsonb, now() - interval '30 seconds', now() - interval '29 seconds'
+           FROM generate_series(1, 5)",
+    )
+    .execute(&admin)
+    .await
+    .unwrap();
+    region::fence(&admin, &writer("dr", 2), "test").await.unwrap();
+    let since = chrono::Utc::now() - chrono::Duration::minutes(5);
+    let old = writer_pool(&opts, &writer("primary", 1)).await;
+    assert!(matches!(
+        region::republish(&old, since).await.as_ref().err().and_then(region::refusal),
+        Some(Refusal::Fenced)
+    ));
+    let new = writer_pool(&opts, &writer("dr", 2)).await;
+    assert_eq!(region::republish(&new, since).await.unwrap(), 5);
+    let (old_open, recent_open): (i64, i64) = sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE event_type = 'Old' AND published_at IS NULL),
+                count(*) FILTER (WHERE event_type = 'Recent' AND published_at IS NULL) FROM outbox",
+    )
+    .fetch_one(&admin)
+    .await
+    .unwrap();
+    assert_eq!((old_open, recent_open), (0, 5));
+}

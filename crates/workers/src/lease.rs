@@ -1,0 +1,98 @@
+//! The region lease renewer (design §15): keeps this process's lease from the witness alive,
+//! mirrors each grant into the ledger, and closes the process's [`LeaseGate`] when renewals
+//! stop succeeding.
+//!
+//! Protects the single writing region. Every `renew` period the renewer asks the witness to
+//! extend `holder`'s lease for the writer's region and epoch; the witness grants it only to
+//! the region and epoch it names as the authority. A grant extends the gate to *send time +
+//! TTL* (never later than the witness's own expiry of the grant) and mirrors the same bound
+//! into the ledger by that database's clock ([`region::mirror_lease`]), where the fence
+//! trigger refuses writes past it (SQLSTATE BXF02). A refusal or an unreachable witness
+//! extends nothing: after at most one TTL the process writes nothing more, however long its
+//! database stays reachable — which is what keeps a returning old primary from selling.
+
+use boxoffice_store::region::{self, LeaseGate, Writer};
+use boxoffice_store::witness;
+use sqlx::PgPool;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+
+/// Renewer settings.
+#[derive(Debug, Clone)]
+pub struct LeaseSettings {
+    /// This process's name at the witness (unique per process).
+    pub holder: String,
+    /// The region and epoch it writes at.
+    pub writer: Writer,
+    /// Lease TTL.
+    pub ttl: Duration,
+    /// Renewal period (at most a third of the TTL).
+    pub renew: Duration,
+}
+
+/// What one renewal did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Renewal {
+    /// Granted and mirrored into the ledger.
+    Granted,
+    /// The witness names another region or epoch: this writer is fenced.
+    Refused,
+}
+
+/// Renews once: asks the witness, and on a grant extends `gate` and mirrors the lease into
+/// `ledger`. Errors: the witness or the ledger could not be reached (nothing extended in the
+/// ledger; the gate may have been extended when only the mirror failed).
+pub async fn renew_once(
+    witness_pool: &PgPool,
+    ledger: &PgPool,
+    gate: &LeaseGate,
+    s: &LeaseSettings,
+) -> anyhow::Result<Renewal> {
+    let sent = Instant::now();
+    let granted = witness::renew(witness_pool, &s.holder, &s.writer, s.ttl.as_millis() as i64).await?;
+    if granted.is_none() {
+        return Ok(Renewal::Refused);
+    }
+    gate.extend(sent, s.ttl);
+    let remaining = s.ttl.saturating_sub(sent.elapsed());
+    region::mirror_lease(ledger, &s.writer, remaining.as_millis() as i64).await?;
+    Ok(Renewal::Granted)
+}
+
+/// Runs the renewer until `shutdown`. Exports `boxoffice_region_lease_valid` (1/0) and
+/// `boxoffice_region_lease_remaining_ms`.
+pub async fn run(
+    witness_pool: PgPool,
+    ledger: PgPool,
+    gate: Arc<LeaseGate>,
+    s: LeaseSettings,
+    shutdown: CancellationToken,
+) {
+    let mut was_valid = gate.is_valid();
+    while !shutdown.is_cancelled() {
+        match renew_once(&witness_pool, &ledger, &gate, &s).await {
+            Ok(Renewal::Granted) => {}
+            Ok(Renewal::Refused) => {
+                tracing::warn!(region = %s.writer.region, epoch = s.writer.epoch,
+                    "the witness refused this region's lease: another region or epoch writes now");
+            }
+            Err(e) => tracing::warn!(error = %format!("{e:#}"), "region lease renewal failed"),
+        }
+        let valid = gate.is_valid();
+        metrics::gauge!("boxoffice_region_lease_valid").set(if valid { 1.0 } else { 0.0 });
+        metrics::gauge!("boxoffice_region_lease_remaining_ms").set(gate.remaining_ms() as f64);
+        if valid != was_valid {
+            if valid {
+                tracing::info!(region = %s.writer.region, epoch = s.writer.epoch, "region lease held: writing");
+            } else {
+                tracing::error!(region = %s.writer.region, epoch = s.writer.epoch, "region lease lapsed: not writing");
+            }
+            was_valid = valid;
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => {}
+            _ = tokio::time::sleep(s.renew) => {}
+        }
+    }
+}
