@@ -146,11 +146,21 @@ pub enum DriftKind {
     /// The ledger records something the provider does not: a different amount, more
     /// captured or refunded, or a later status. No fact closes it.
     LedgerDisagrees,
+    /// A PaymentIntent requested by a fenced region writer (`metadata.region_epoch` below
+    /// the ledger's epoch, design §15) for an order this ledger does not have: the order was
+    /// committed by the old primary after the recovery point and lost with it. Its money is
+    /// released, never attached: closed by `AuthorizationCancelRequested` (not captured) or
+    /// `RefundRequested` (captured), which the payment worker carries out under the order's
+    /// stable idempotency key.
+    IntentOfLostOrder,
+    /// Such an intent, canceled or refunded in full: nothing is held for the lost order. Not
+    /// a violation.
+    LostOrderCompensated,
 }
 
 impl DriftKind {
     /// Every kind, in report order.
-    pub const ALL: [DriftKind; 11] = [
+    pub const ALL: [DriftKind; 13] = [
         DriftKind::IntentMissingInLedger,
         DriftKind::UnconfirmedIntentMissingInLedger,
         DriftKind::PaymentMissingAtProvider,
@@ -162,12 +172,14 @@ impl DriftKind {
         DriftKind::DisputeNotInLedger,
         DriftKind::TicketsValidAfterDisputeLost,
         DriftKind::LedgerDisagrees,
+        DriftKind::IntentOfLostOrder,
+        DriftKind::LostOrderCompensated,
     ];
 
     /// Whether this drift breaks an invariant (all kinds but an unconfirmed intent the ledger
     /// never recorded, which no one can pay).
     pub fn is_violation(self) -> bool {
-        self != DriftKind::UnconfirmedIntentMissingInLedger
+        !matches!(self, DriftKind::UnconfirmedIntentMissingInLedger | DriftKind::LostOrderCompensated)
     }
 
     /// The snake_case name used in text and JSON.
@@ -184,6 +196,8 @@ impl DriftKind {
             DriftKind::DisputeNotInLedger => "dispute_not_in_ledger",
             DriftKind::TicketsValidAfterDisputeLost => "tickets_valid_after_dispute_lost",
             DriftKind::LedgerDisagrees => "ledger_disagrees_with_provider",
+            DriftKind::IntentOfLostOrder => "intent_of_lost_order",
+            DriftKind::LostOrderCompensated => "lost_order_compensated",
         }
     }
 }
@@ -244,6 +258,8 @@ impl Drift {
             PurchaseEvent::PaymentCanceled { .. } => "PaymentCanceled",
             PurchaseEvent::PaymentRefunded { .. } => "PaymentRefunded",
             PurchaseEvent::PaymentDisputed { .. } => "PaymentDisputed",
+            PurchaseEvent::AuthorizationCancelRequested { .. } => "AuthorizationCancelRequested",
+            PurchaseEvent::RefundRequested { .. } => "RefundRequested",
             _ => "other",
         })
     }
@@ -576,7 +592,53 @@ pub async fn scan(
     for id in &missing_at_provider {
         drift.extend(compare(None, ledger_rows.get(id)));
     }
+    let epoch = boxoffice_store::region::record(pool).await?.epoch;
+    for d in drift.iter_mut() {
+        if let Some(i) = intents.iter().find(|i| i.intent.id == d.payment_intent_id) {
+            let exists = d.order_id.is_some_and(|o| order_events.contains_key(&o));
+            lost_order(d, i, epoch, exists);
+        }
+    }
     Ok(Scan { window, intents_listed, intents, ledger: ledger_rows, drift })
+}
+
+/// Turns a drift about an intent with no ledger row into [`DriftKind::IntentOfLostOrder`]
+/// (with the compensating command) or [`DriftKind::LostOrderCompensated`] when the intent was
+/// requested by a writer of an epoch below `ledger_epoch` and its order does not exist here.
+pub fn lost_order(d: &mut Drift, i: &IntentWithCharge, ledger_epoch: i64, order_exists: bool) {
+    let fenced = i
+        .intent
+        .metadata
+        .get("region_epoch")
+        .and_then(|e| e.parse::<i64>().ok())
+        .is_some_and(|e| e < ledger_epoch);
+    let (Some(order), true, false, None) = (d.order_id, fenced, order_exists, d.ledger.as_ref()) else { return };
+    let pi = &i.intent;
+    let (kind, fact) = match pi.status {
+        PaymentIntentStatus::Canceled => (DriftKind::LostOrderCompensated, None),
+        PaymentIntentStatus::Succeeded if i.amount_refunded() >= pi.amount_received => {
+            (DriftKind::LostOrderCompensated, None)
+        }
+        PaymentIntentStatus::Succeeded => (
+            DriftKind::IntentOfLostOrder,
+            Some(PurchaseEvent::RefundRequested {
+                order_id: OrderId(order),
+                payment_intent_id: pi.id.clone(),
+                amount_minor: pi.amount_received - i.amount_refunded(),
+                reason: "order_lost_in_failover".into(),
+            }),
+        ),
+        _ => (
+            DriftKind::IntentOfLostOrder,
+            Some(PurchaseEvent::AuthorizationCancelRequested {
+                order_id: OrderId(order),
+                payment_intent_id: pi.id.clone(),
+                reason: "order_lost_in_failover".into(),
+            }),
+        ),
+    };
+    d.kind = kind;
+    d.fact = fact;
 }
 
 /// Writes the fact of every fixable drift to the outbox: per PaymentIntent, all its facts
@@ -596,7 +658,9 @@ pub async fn fix(pool: &PgPool, drift: &mut [Drift]) -> anyhow::Result<usize> {
         let mut tx = pool.begin().await?;
         let correlation: Option<Uuid> =
             boxoffice_store::orders::amount_and_correlation(&mut *tx, OrderId(order)).await?.map(|k| k.1);
-        let Some(correlation) = correlation else {
+        // A lost order's compensation starts a journey of its own.
+        let lost = idx.iter().any(|&i| drift[i].kind == DriftKind::IntentOfLostOrder);
+        let Some(correlation) = correlation.or_else(|| lost.then(Uuid::new_v4)) else {
             tracing::warn!(order.id = %order, stripe.payment_intent = %pi, "order does not exist; drift left for an operator");
             continue;
         };

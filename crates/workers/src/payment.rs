@@ -329,6 +329,12 @@ impl Handler for PaymentWorker {
             (
                 PurchaseEvent::RefundRequested { .. },
                 Prepared::Refunded { payment_intent_id, amount_minor },
+            ) if payments::get(&mut **tx, order_id).await?.is_none() => {
+                lost_order_compensated(tx, order_id, &payment_intent_id, format!("refunded {amount_minor}")).await?;
+            }
+            (
+                PurchaseEvent::RefundRequested { .. },
+                Prepared::Refunded { payment_intent_id, amount_minor },
             ) => {
                 emit.push(PurchaseEvent::PaymentRefunded {
                     order_id,
@@ -458,7 +464,12 @@ async fn facts_from_intent(
     order_id: OrderId,
     pi: &PaymentIntent,
 ) -> Result<Vec<PurchaseEvent>, HandlerError> {
-    payments::transition(tx, &pi.id, &PaymentUpdate::status(pi.status.clone())).await?;
+    if !payments::transition(tx, &pi.id, &PaymentUpdate::status(pi.status.clone())).await?
+        && payments::get(&mut **tx, order_id).await?.is_none()
+    {
+        lost_order_compensated(tx, order_id, &pi.id, pi.status.to_string()).await?;
+        return Ok(vec![]);
+    }
     Ok(match pi.status {
         PaymentIntentStatus::Succeeded => vec![PurchaseEvent::PaymentCaptured {
             order_id,
@@ -470,6 +481,27 @@ async fn facts_from_intent(
         }
         _ => vec![],
     })
+}
+
+/// A compensation carried out for an order this ledger does not have (reconciliation found a
+/// PaymentIntent a fenced region writer requested for an order lost in a failover, design
+/// §15): no fact follows (no saga step exists for it), an incident records it.
+async fn lost_order_compensated(
+    tx: &mut Tx<'_>,
+    order_id: OrderId,
+    payment_intent_id: &str,
+    outcome: String,
+) -> Result<(), HandlerError> {
+    tracing::warn!(order.id = %order_id, stripe.payment_intent = %payment_intent_id, %outcome,
+        "compensated the PaymentIntent of an order this ledger does not have");
+    stripe_events::incident(
+        tx,
+        Some(order_id),
+        "lost_order_compensated",
+        serde_json::json!({ "payment_intent_id": payment_intent_id, "outcome": outcome }),
+    )
+    .await?;
+    Ok(())
 }
 
 /// Whether `fact`, observed at the provider, tells the ledger something its payment row does
