@@ -34,18 +34,21 @@ locals {
     admission_private_key = { ADMISSION_PRIVATE_KEY = local.secret_arns.admission_private_key }
   }
 
+  # Kafka settings of the roles that use a broker (SASL/SCRAM over TLS).
+  kafka_env = {
+    KAFKA_BROKERS           = aws_msk_cluster.this.bootstrap_brokers_sasl_scram
+    KAFKA_SECURITY_PROTOCOL = "sasl_ssl"
+    KAFKA_SASL_MECHANISM    = "SCRAM-SHA-512"
+    KAFKA_REPLICATION       = "3"
+  }
+
   roles = {
     for role, s in var.services : role => {
       cpu     = s.cpu
       memory  = s.memory
       count   = var.desired_counts[role]
       secrets = distinct(concat(local.role_secrets[role], local.startup_secrets))
-      env     = merge(var.app_settings, contains(local.kafka_roles, role) ? {
-        KAFKA_BROKERS           = aws_msk_cluster.this.bootstrap_brokers_sasl_scram
-        KAFKA_SECURITY_PROTOCOL = "sasl_ssl"
-        KAFKA_SASL_MECHANISM    = "SCRAM-SHA-512"
-        KAFKA_REPLICATION       = "3"
-      } : {})
+      env     = tomap(merge(var.app_settings, contains(local.kafka_roles, role) ? local.kafka_env : {}))
     }
   }
 }
