@@ -96,17 +96,49 @@ SCHEMATHESIS_VENV="${BOXOFFICE_SCHEMATHESIS_VENV:-$HOME/.cache/boxoffice/venv}"
 ensure_schemathesis() {
   local st="$SCHEMATHESIS_VENV/bin/st"
   if [ -x "$st" ] && [ "$("$st" --version 2>/dev/null)" = "st, version $SCHEMATHESIS_VERSION" ]; then return; fi
-  if ! python3 -c 'import ensurepip, venv' >/dev/null 2>&1; then
-    log "installing python3-venv"
-    as_root apt-get update -qq
-    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3 python3-venv >/dev/null
-  fi
+  ensure_python_venv
   log "installing schemathesis $SCHEMATHESIS_VERSION into $SCHEMATHESIS_VENV (first time only)"
   local started=$SECONDS
   python3 -m venv "$SCHEMATHESIS_VENV"
   "$SCHEMATHESIS_VENV/bin/python" -m pip install -q --disable-pip-version-check \
     "schemathesis==$SCHEMATHESIS_VERSION"
   log "schemathesis installed in $((SECONDS - started)) s"
+}
+
+# Python with venv and ensurepip (Debian splits them out of python3).
+ensure_python_venv() {
+  if ! python3 -c 'import ensurepip, venv' >/dev/null 2>&1; then
+    log "installing python3-venv"
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3 python3-venv >/dev/null
+  fi
+}
+
+# The offline checks of infra/ (infra/check): python-hcl2 for infra/tests and checkov, both
+# pinned, from PyPI, under ~/.cache/boxoffice/infra-venv and apart from Schemathesis's venv.
+# They need two venvs there: checkov depends on bc-python-hcl2, a fork that installs the same
+# `hcl2` package as python-hcl2. Each is skipped when its pinned version is present.
+INFRA_HCL2_VERSION="8.1.4"
+INFRA_CHECKOV_VERSION="3.3.30"
+INFRA_VENV="${BOXOFFICE_INFRA_VENV:-$HOME/.cache/boxoffice/infra-venv}"
+# Whether venv $1 has distribution $2 at version $3.
+infra_tool_version() {
+  local py="$INFRA_VENV/$1/bin/python"
+  [ -x "$py" ] && [ "$("$py" -c "import importlib.metadata as m; print(m.version('$2'))" 2>/dev/null)" = "$3" ]
+}
+ensure_infra_tools() {
+  local started=$SECONDS todo=() t
+  infra_tool_version hcl2 python-hcl2 "$INFRA_HCL2_VERSION" || todo+=("hcl2:python-hcl2==$INFRA_HCL2_VERSION")
+  infra_tool_version checkov checkov "$INFRA_CHECKOV_VERSION" && [ -x "$INFRA_VENV/checkov/bin/checkov" ] \
+    || todo+=("checkov:checkov==$INFRA_CHECKOV_VERSION")
+  [ ${#todo[@]} -eq 0 ] && return
+  ensure_python_venv
+  for t in "${todo[@]}"; do
+    log "installing ${t#*:} into $INFRA_VENV/${t%%:*} (first time only)"
+    python3 -m venv "$INFRA_VENV/${t%%:*}"
+    "$INFRA_VENV/${t%%:*}/bin/python" -m pip install -q --disable-pip-version-check "${t#*:}"
+  done
+  log "infra tools installed in $((SECONDS - started)) s"
 }
 
 nisshi_bin() { command -v nisshi 2>/dev/null || echo "$HOME/.cargo/bin/nisshi"; }

@@ -1,0 +1,186 @@
+variable "name" {
+  description = "Name prefix of every resource."
+  type        = string
+  default     = "boxoffice"
+}
+
+variable "primary_region" {
+  description = "Region that takes writes in normal operation (design §14)."
+  type        = string
+  default     = "eu-west-1"
+}
+
+variable "dr_region" {
+  description = "Warm standby Region (design §15): Aurora secondary, MSK replication target, low-count services."
+  type        = string
+  default     = "eu-central-1"
+
+  validation {
+    condition     = var.dr_region != var.primary_region
+    error_message = "The DR Region must differ from the primary Region."
+  }
+}
+
+variable "availability_zones" {
+  description = "The three AZs used in each Region (named, so the set never changes when AWS adds one)."
+  type        = object({ primary = list(string), dr = list(string) })
+  default     = {
+    primary = ["eu-west-1a", "eu-west-1b", "eu-west-1c"]
+    dr      = ["eu-central-1a", "eu-central-1b", "eu-central-1c"]
+  }
+}
+
+variable "vpc_cidrs" {
+  description = "VPC CIDR per Region (non-overlapping, so the VPCs can be peered later)."
+  type        = object({ primary = string, dr = string })
+  default     = { primary = "10.40.0.0/16", dr = "10.41.0.0/16" }
+}
+
+variable "active_region" {
+  description = "Which Region serves buyers: \"primary\" or \"dr\". Switch to \"dr\" only after the runbook's fencing, promotion and synthetic tests (design §15); it opens the DR Region's DNS gate, scales its workers up and closes the primary's gate."
+  type        = string
+  default     = "primary"
+
+  validation {
+    condition     = contains(["primary", "dr"], var.active_region)
+    error_message = "active_region is \"primary\" or \"dr\"."
+  }
+}
+
+variable "image_tag" {
+  description = "Tag of the boxoffice image in the ECR repository (immutable tags; replicated to the DR Region)."
+  type        = string
+}
+
+variable "services" {
+  description = "Per role: tasks in the active Region, Fargate CPU units and memory (MiB). Keys are `boxoffice serve --roles` names."
+  type        = map(object({ count = number, cpu = number, memory = number }))
+  default     = {
+    api      = { count = 6, cpu = 1024, memory = 2048 }
+    relay    = { count = 2, cpu = 512, memory = 1024 }
+    saga     = { count = 3, cpu = 512, memory = 1024 }
+    payments = { count = 3, cpu = 512, memory = 1024 }
+    tickets  = { count = 2, cpu = 512, memory = 1024 }
+    expiry   = { count = 2, cpu = 256, memory = 512 }
+  }
+}
+
+variable "standby_api_count" {
+  description = "API tasks kept running in the Region that is not active (warm; its DNS gate stays closed). Its workers run zero tasks."
+  type        = number
+  default     = 2
+}
+
+variable "api_domain_name" {
+  description = "Public name of the API, e.g. api.tickets.example.com."
+  type        = string
+}
+
+variable "hosted_zone_id" {
+  description = "Route 53 hosted zone that holds api_domain_name."
+  type        = string
+}
+
+variable "certificate_arns" {
+  description = "ACM certificate ARN for api_domain_name in each Region (ACM is regional)."
+  type        = object({ primary = string, dr = string })
+}
+
+variable "user_jwks_url" {
+  description = "HTTPS URL of the identity provider's JWKS (production verifies buyer tokens only with it)."
+  type        = string
+
+  validation {
+    condition     = startswith(var.user_jwks_url, "https://")
+    error_message = "user_jwks_url must be https."
+  }
+}
+
+variable "user_jwt_issuer" {
+  description = "Identity provider issuer (`iss`) of buyer tokens."
+  type        = string
+}
+
+variable "user_jwt_audience" {
+  description = "Audience (`aud`) of buyer tokens for this API."
+  type        = string
+}
+
+variable "admission_kid" {
+  description = "Key id of the admission signing key held in the admission-private-key secret."
+  type        = string
+}
+
+variable "witness_database_url_secret_arn" {
+  description = "ARN of the secret holding the URL of the region-epoch witness database. The witness lives outside both Regions (a third location), so it is referenced here, not built; the failover runbook bumps the epoch there before promoting."
+  type        = string
+}
+
+variable "db_name" {
+  description = "Database created in the Aurora global cluster."
+  type        = string
+  default     = "boxoffice"
+}
+
+variable "db_master_username" {
+  description = "Master user of the Aurora global cluster (operations and migrations only; the services log in with their own role)."
+  type        = string
+  default     = "boxoffice_admin"
+}
+
+variable "sizing" {
+  description = "Versions, classes and counts of the data services. The DR Region gets the same classes: once promoted it carries the whole load."
+  type        = object({
+    aurora_engine_version = string                               # must support Aurora global databases
+    aurora_instance_class = string
+    aurora_instances      = object({ primary = number, dr = number }) # primary: a writer and two readers across AZs
+    kafka_version         = string
+    msk_instance_type     = string
+    msk_volume_size       = number # GiB per broker (design §12: events/s x bytes x retention x RF)
+    redis_node_type       = string
+  })
+  default = {
+    aurora_engine_version = "16.6"
+    aurora_instance_class = "db.r7g.xlarge"
+    aurora_instances      = { primary = 3, dr = 2 }
+    kafka_version         = "3.6.0"
+    msk_instance_type     = "kafka.m7g.large"
+    msk_volume_size       = 1000
+    redis_node_type       = "cache.r7g.large"
+  }
+}
+
+variable "msk_broker_count" {
+  description = "Brokers per MSK cluster: a multiple of the three AZs (one per AZ at least)."
+  type        = number
+  default     = 3
+
+  validation {
+    condition     = var.msk_broker_count >= 3 && var.msk_broker_count % 3 == 0
+    error_message = "msk_broker_count must be a positive multiple of 3 (one per AZ)."
+  }
+}
+
+variable "replicated_topics" {
+  description = "Topic regexes MSK Replicator copies to the DR cluster."
+  type        = list(string)
+  default     = ["ticketing\\..*"]
+}
+
+variable "replicated_consumer_groups" {
+  description = "Consumer-group regexes whose offsets MSK Replicator copies to the DR cluster."
+  type        = list(string)
+  default     = ["ticketing-.*"]
+}
+
+variable "waf_rate_limit" {
+  description = "Requests per client IP per 5 minutes before WAF blocks (the API's own buckets act first; this stops floods before the ALB)."
+  type        = number
+  default     = 3000
+}
+
+variable "log_retention_days" {
+  description = "CloudWatch Logs retention of service, WAF, MSK and flow logs."
+  type        = number
+  default     = 365
+}
