@@ -25,6 +25,9 @@
 //!   PaymentIntent that agrees with the ledger protects the order's live hold in the same
 //!   transaction (`holds::protect_authorized`, case C19), so neither the re-fetch's lag nor
 //!   the saga's costs the buyer the seats; a refuting re-fetch clears the protection;
+//! - **unknown order**: an event whose metadata names an order this ledger does not have (lost
+//!   with a fenced region's unreplicated commits, design §15) is recorded and ignored;
+//!   `reconcile --fix` cancels or refunds its PaymentIntent;
 //! - **stale**: an event for a PaymentIntent that is not the order's current one is recorded
 //!   and ignored — except an authorization, which is checked the same way and then cancelled
 //!   by the saga (nobody may keep a buyer's funds reserved for nothing).
@@ -70,6 +73,10 @@ pub enum Ingested {
     Refresh,
     /// It concerns a PaymentIntent that is not the order's current one: recorded, ignored.
     Stale,
+    /// It names an order this ledger does not have (one lost with a fenced region's
+    /// unreplicated commits, or another deployment's): recorded, ignored; reconciliation
+    /// releases the intent's money ([`boxoffice_store::region`], design §15).
+    UnknownOrder,
 }
 
 impl Ingested {
@@ -80,6 +87,7 @@ impl Ingested {
             Ingested::Pending => "pending",
             Ingested::Refresh => "refresh",
             Ingested::Stale => "stale",
+            Ingested::UnknownOrder => "unknown_order",
         }
     }
 }
@@ -145,6 +153,14 @@ async fn ingest_tx(pool: &PgPool, event: &Event, policy: &HoldPolicy) -> Result<
         (Some(order), Some(pi)) if handled => {
             let local = payments::get(&mut *tx, order).await?;
             let known = orders::amount_and_correlation(&mut *tx, order).await?;
+            if known.is_none() {
+                // No saga step exists for an order the ledger never had: a re-fetch would only
+                // produce facts nobody can apply.
+                tracing::warn!(stripe.event_id = %event.id, stripe.event_type = %event.r#type, order.id = %order,
+                    "webhook names an order this ledger does not have: recorded, ignored");
+                tx.commit().await?;
+                return Ok(Ingested::UnknownOrder);
+            }
             match judge(&event.r#type, object, local.as_ref(), known.map(|k| k.0), pi) {
                 Verdict::Known => {}
                 Verdict::Stale => {

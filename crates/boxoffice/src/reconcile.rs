@@ -147,8 +147,9 @@ pub enum DriftKind {
     /// captured or refunded, or a later status. No fact closes it.
     LedgerDisagrees,
     /// A PaymentIntent requested by a fenced region writer (`metadata.region_epoch` below
-    /// the ledger's epoch, design §15) for an order this ledger does not have: the order was
-    /// committed by the old primary after the recovery point and lost with it. Its money is
+    /// the ledger's epoch, design §15) for an order this ledger does not have (committed by
+    /// the old primary after the recovery point and lost with it), or has only as ended
+    /// without recording this intent. Its money is
     /// released, never attached: closed by `AuthorizationCancelRequested` (not captured) or
     /// `RefundRequested` (captured), which the payment worker carries out under the order's
     /// stable idempotency key.
@@ -508,11 +509,9 @@ pub async fn scan(
         .filter(|i| !ledger_rows.contains_key(&i.intent.id))
         .filter_map(|i| i.order_id()?.parse().ok())
         .collect();
-    let order_events: HashMap<Uuid, Uuid> = boxoffice_store::orders::by_ids(pool, &orphan_orders)
-        .await?
-        .into_iter()
-        .map(|o| (o.id, o.event_id))
-        .collect();
+    let orphan_rows = boxoffice_store::orders::by_ids(pool, &orphan_orders).await?;
+    let order_events: HashMap<Uuid, Uuid> = orphan_rows.iter().map(|o| (o.id, o.event_id)).collect();
+    let order_final: HashMap<Uuid, bool> = orphan_rows.iter().map(|o| (o.id, o.status.is_final())).collect();
     let in_scope = |i: &IntentWithCharge, rows: &HashMap<String, LedgerPayment>| match event {
         None => true,
         Some(e) => match rows.get(&i.intent.id) {
@@ -595,8 +594,8 @@ pub async fn scan(
     let epoch = boxoffice_store::region::record(pool).await?.epoch;
     for d in drift.iter_mut() {
         if let Some(i) = intents.iter().find(|i| i.intent.id == d.payment_intent_id) {
-            let exists = d.order_id.is_some_and(|o| order_events.contains_key(&o));
-            lost_order(d, i, epoch, exists);
+            let open = d.order_id.and_then(|o| order_final.get(&o)).is_some_and(|f| !f);
+            lost_order(d, i, epoch, open);
         }
     }
     Ok(Scan { window, intents_listed, intents, ledger: ledger_rows, drift })
@@ -604,15 +603,19 @@ pub async fn scan(
 
 /// Turns a drift about an intent with no ledger row into [`DriftKind::IntentOfLostOrder`]
 /// (with the compensating command) or [`DriftKind::LostOrderCompensated`] when the intent was
-/// requested by a writer of an epoch below `ledger_epoch` and its order does not exist here.
-pub fn lost_order(d: &mut Drift, i: &IntentWithCharge, ledger_epoch: i64, order_exists: bool) {
+/// requested by a writer of an epoch below `ledger_epoch` and its order is not open here: it
+/// does not exist (committed after the recovery point), or it ended without this payment (the
+/// order was replicated, the payment row recording the intent was not). An open order is left
+/// alone: its republished authorization request reaches the same intent under the same
+/// idempotency key and records it.
+pub fn lost_order(d: &mut Drift, i: &IntentWithCharge, ledger_epoch: i64, order_open: bool) {
     let fenced = i
         .intent
         .metadata
         .get("region_epoch")
         .and_then(|e| e.parse::<i64>().ok())
         .is_some_and(|e| e < ledger_epoch);
-    let (Some(order), true, false, None) = (d.order_id, fenced, order_exists, d.ledger.as_ref()) else { return };
+    let (Some(order), true, false, None) = (d.order_id, fenced, order_open, d.ledger.as_ref()) else { return };
     let pi = &i.intent;
     let (kind, fact) = match pi.status {
         PaymentIntentStatus::Canceled => (DriftKind::LostOrderCompensated, None),

@@ -24,10 +24,14 @@ impl EmbeddedBroker {
         self.cluster.bootstrap_servers()
     }
 
-    /// Creates every topic (the mock cluster does not implement CreateTopics over the wire).
+    /// Creates every topic (the mock cluster does not implement CreateTopics over the wire);
+    /// topics that exist already are left alone.
     pub fn create_topics(&self, cfg: &KafkaConfig) -> anyhow::Result<()> {
         for t in Topic::ALL {
-            self.cluster.create_topic(&cfg.topic(t.name()), cfg.partitions, 1)?;
+            match self.cluster.create_topic(&cfg.topic(t.name()), cfg.partitions, 1) {
+                Err(e) if e.rdkafka_error_code() == Some(rdkafka::types::RDKafkaErrorCode::TopicAlreadyExists) => {}
+                other => other?,
+            }
         }
         Ok(())
     }

@@ -25,6 +25,7 @@ use boxoffice::runtime::{self, Role};
 use boxoffice_harness::buyers::{self, BuyerStats, HoldTimeline};
 use boxoffice_harness::deploy::{self, Deployment};
 use boxoffice_harness::drain::Drain;
+use boxoffice_harness::killswitch::KillSwitch;
 use boxoffice_harness::stats;
 use boxoffice_store::{directory, venue};
 use rand::rngs::StdRng;
@@ -35,11 +36,8 @@ use serde_json::json;
 use sqlx::migrate::MigrateDatabase;
 use sqlx::postgres::PgConnectOptions;
 use sqlx::{ConnectOptions, Connection, PgPool};
-use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
-use tokio_util::sync::CancellationToken;
 
 /// Options of `boxoffice-drills cells`.
 #[derive(Debug, Clone, clap::Args)]
@@ -97,111 +95,8 @@ pub fn outage(seed: u64, duration: Duration, length: Option<Duration>) -> Outage
     Outage { start, length: length.unwrap_or(duration / 3) }
 }
 
-/// A TCP forwarder that can cut every connection it carries and refuse new ones until
-/// restored.
-struct KillSwitch {
-    /// The listening address clients connect to.
-    addr: SocketAddr,
-    state: Mutex<SwitchState>,
-    /// Connections cut by trips.
-    cut: AtomicU64,
-    /// Connections closed at once while tripped.
-    refused: AtomicU64,
-    /// Stops the listener and every connection.
-    stop: CancellationToken,
-}
-
-struct SwitchState {
-    tripped: bool,
-    /// Cancelled by the next trip: every connection forwarded since the last one holds it.
-    generation: CancellationToken,
-    live: u64,
-}
-
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-impl KillSwitch {
-    /// Listens on a free loopback port and forwards every connection to `upstream`.
-    async fn start(upstream: SocketAddr) -> anyhow::Result<Arc<Self>> {
-        let listener =
-            tokio::net::TcpListener::bind("127.0.0.1:0").await.context("binding the kill switch")?;
-        let switch = Arc::new(Self {
-            addr: listener.local_addr()?,
-            state: Mutex::new(SwitchState { tripped: false, generation: CancellationToken::new(), live: 0 }),
-            cut: AtomicU64::new(0),
-            refused: AtomicU64::new(0),
-            stop: CancellationToken::new(),
-        });
-        tokio::spawn(switch.clone().accept(listener, upstream));
-        Ok(switch)
-    }
-
-    async fn accept(self: Arc<Self>, listener: tokio::net::TcpListener, upstream: SocketAddr) {
-        loop {
-            let mut client = tokio::select! {
-                _ = self.stop.cancelled() => return,
-                a = listener.accept() => match a {
-                    Ok((c, _)) => c,
-                    Err(_) => continue,
-                },
-            };
-            let generation = {
-                let mut s = lock(&self.state);
-                if s.tripped {
-                    None
-                } else {
-                    s.live += 1;
-                    Some(s.generation.clone())
-                }
-            };
-            let Some(generation) = generation else {
-                self.refused.fetch_add(1, Ordering::Relaxed);
-                let _ = client.set_zero_linger();
-                drop(client);
-                continue;
-            };
-            let switch = self.clone();
-            tokio::spawn(async move {
-                let _ = client.set_nodelay(true);
-                let forwarded = async {
-                    let mut server = tokio::net::TcpStream::connect(upstream).await?;
-                    let _ = server.set_nodelay(true);
-                    let copied = tokio::select! {
-                        _ = generation.cancelled() => None,
-                        r = tokio::io::copy_bidirectional(&mut client, &mut server) => Some(r),
-                    };
-                    if copied.is_none() {
-                        // Cut: reset both sides, as a dead network path would end them.
-                        let _ = server.set_zero_linger();
-                        let _ = client.set_zero_linger();
-                        switch.cut.fetch_add(1, Ordering::Relaxed);
-                    }
-                    std::io::Result::Ok(())
-                };
-                tokio::select! {
-                    _ = switch.stop.cancelled() => {}
-                    _ = forwarded => {}
-                }
-                lock(&switch.state).live -= 1;
-            });
-        }
-    }
-
-    /// Cuts every live connection and refuses new ones; returns how many were live.
-    fn trip(&self) -> u64 {
-        let mut s = lock(&self.state);
-        s.tripped = true;
-        s.generation.cancel();
-        s.generation = CancellationToken::new();
-        s.live
-    }
-
-    /// Forwards new connections again.
-    fn restore(&self) {
-        lock(&self.state).tripped = false;
-    }
 }
 
 /// The run's log on stderr, `t=12.3s …` from the drill's start.
@@ -361,11 +256,11 @@ async fn drill(
         .context("the database host resolves to nothing")?;
     let switch = KillSwitch::start(upstream).await?;
     // The switch forwards until the drill returns, whichever way.
-    let _switch_stops = switch.stop.clone().drop_guard();
+    let _switch_stops = switch.stop_guard();
     let direct = |db: &str| server.clone().database(db);
     let url = |o: PgConnectOptions| o.to_url_lossy().to_string();
     let cell_opts =
-        [direct(&names.cells[0]), direct(&names.cells[1]).host("127.0.0.1").port(switch.addr.port())];
+        [direct(&names.cells[0]), direct(&names.cells[1]).host("127.0.0.1").port(switch.addr().port())];
 
     let mut cfg = base.clone();
     cfg.hold_ttl_ms = args.hold_ttl.as_millis() as u64;
@@ -403,7 +298,7 @@ async fn drill(
         names.cells[0],
         names.cells[1],
         names.control,
-        switch.addr,
+        switch.addr(),
         match &embedded {
             Some(_) => "embedded".to_owned(),
             None => cfg.kafka_brokers.clone().unwrap_or_default(),
@@ -521,7 +416,7 @@ async fn drill(
         };
         results.push(CellResult { stats: s, drained, audit, windows });
     }
-    let (cut_n, refused_n) = (switch.cut.load(Ordering::Relaxed), switch.refused.load(Ordering::Relaxed));
+    let (cut_n, refused_n) = (switch.cut_count(), switch.refused_count());
     for c in cells {
         c.pool.close().await;
         c.deployment.stop().await;
@@ -562,7 +457,7 @@ async fn cut(switch: &KillSwitch, origin: Instant, out: Outage, log: &Log) {
     switch.restore();
     log.note(format!(
         "kill switch restored: cell-2's database reachable again ({} connection attempt(s) refused meanwhile)",
-        switch.refused.load(Ordering::Relaxed)
+        switch.refused_count()
     ));
 }
 
@@ -841,40 +736,5 @@ mod tests {
             assert_eq!(o.length, Duration::from_secs(20));
         }
         assert_eq!(outage(1, d, Some(Duration::from_secs(5))).length, Duration::from_secs(5));
-    }
-
-    #[tokio::test]
-    async fn the_kill_switch_cuts_refuses_and_forwards_again() {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let echo = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let upstream = echo.local_addr().unwrap();
-        tokio::spawn(async move {
-            while let Ok((mut s, _)) = echo.accept().await {
-                tokio::spawn(async move {
-                    let (mut r, mut w) = s.split();
-                    let _ = tokio::io::copy(&mut r, &mut w).await;
-                });
-            }
-        });
-        let switch = KillSwitch::start(upstream).await.unwrap();
-        let roundtrip = |mut s: tokio::net::TcpStream| async move {
-            s.write_all(b"ping").await?;
-            let mut buf = [0u8; 4];
-            s.read_exact(&mut buf).await?;
-            std::io::Result::Ok((s, buf))
-        };
-        let (mut live, buf) =
-            roundtrip(tokio::net::TcpStream::connect(switch.addr).await.unwrap()).await.unwrap();
-        assert_eq!(&buf, b"ping");
-        assert_eq!(switch.trip(), 1);
-        let mut buf = [0u8; 1];
-        assert!(matches!(live.read(&mut buf).await, Ok(0) | Err(_)), "the live connection is cut");
-        let refused = roundtrip(tokio::net::TcpStream::connect(switch.addr).await.unwrap()).await;
-        assert!(refused.is_err(), "a new connection is closed at once");
-        switch.restore();
-        let (_, buf) = roundtrip(tokio::net::TcpStream::connect(switch.addr).await.unwrap()).await.unwrap();
-        assert_eq!(&buf, b"ping");
-        assert_eq!(switch.cut.load(Ordering::Relaxed), 1);
-        assert_eq!(switch.refused.load(Ordering::Relaxed), 1);
     }
 }

@@ -8,6 +8,12 @@
 //!   `boxoffice serve` process under a seeded schedule of crashes and outages.
 //! - [`cells`] (`boxoffice-drills cells`): two purchase cells selling at once while one
 //!   loses its database; the other must keep its rate, the first must recover (design §13).
+//! - [`failover`] (`boxoffice-drills drill failover`): the warm-region failover drill
+//!   (design §15): replication cut, the primary region lost, the runbook run, the old
+//!   primary back as a zombie; RPO, RTO and old-epoch writes counted.
+//! - [`pgcluster`]: the PostgreSQL pair of the warm-region failover drill — a primary and
+//!   its asynchronous streaming replica, created and removed by the drill, with replication
+//!   through a relay it can cut.
 //! - [`stripe_sim`] (`boxoffice-drills stripe-sim`): the Stripe simulator's server.
 //!
 //! What they share with each other and with the tests (the in-process deployment, the buyer
@@ -31,5 +37,7 @@
 pub mod bench;
 pub mod cells;
 pub mod chaos;
+pub mod failover;
 pub mod onsale;
+pub mod pgcluster;
 pub mod stripe_sim;

@@ -38,6 +38,11 @@ enum Command {
     /// must recover, and both audits must be clean; exit 1 otherwise, 2 when a check could
     /// not run.
     Cells(boxoffice_drills::cells::CellsArgs),
+    /// The drills that build their own infrastructure (`drill failover`).
+    Drill {
+        #[command(subcommand)]
+        which: DrillKind,
+    },
     /// Run the Stripe simulator.
     StripeSim {
         /// Listen address.
@@ -47,6 +52,18 @@ enum Command {
         #[arg(long)]
         webhook_url: Option<String>,
     },
+}
+
+#[derive(Subcommand)]
+enum DrillKind {
+    /// Warm-region failover (design §15): a primary PostgreSQL cluster and a streaming replica
+    /// made for the run, a broker per region, buyers buying; replication is cut, the primary
+    /// region fails, the runbook (`region fence`, `promote`, `republish`, synthetic checks,
+    /// `reconcile`) promotes the DR region, and the old primary returns as a zombie. Reports
+    /// RPO (acknowledged holds lost, WAL bytes and seconds behind), RTO, old-epoch writes
+    /// accepted and the audit; exit 1 when an old-epoch write was accepted or the audit is not
+    /// clean, 2 when the drill could not run. Needs root (pg_createcluster).
+    Failover(boxoffice_drills::failover::FailoverArgs),
 }
 
 #[tokio::main]
@@ -65,6 +82,8 @@ async fn main() {
     let filter = match cli.command {
         Command::StripeSim { .. } => "info,sqlx=warn,rdkafka=warn",
         Command::Cells(_) => "warn,sqlx=error,boxoffice_api::problem=error",
+        // The fenced region refuses every write on purpose, each refusal logged.
+        Command::Drill { .. } => "error,boxoffice_drills=info",
         _ => "warn,sqlx=error",
     };
     boxoffice::runtime::init_logging(&cfg, filter);
@@ -73,6 +92,7 @@ async fn main() {
         Command::Bench(args) => boxoffice_drills::bench::run(cfg, args).await,
         Command::Chaos(args) => boxoffice_drills::chaos::run(cfg, args).await,
         Command::Cells(args) => boxoffice_drills::cells::run(cfg, args).await,
+        Command::Drill { which: DrillKind::Failover(args) } => boxoffice_drills::failover::run(cfg, args).await,
         Command::StripeSim { bind, webhook_url } => {
             boxoffice_drills::stripe_sim::serve(&cfg, &bind, webhook_url).await.map(|_| 0)
         }

@@ -9,6 +9,8 @@
 //!   counts), with [`queue`] for their waiting-room phase and [`seatpick`] for picking
 //!   adjacent seats off the seat map.
 //! - [`drain`]: waiting until every order is final and the outbox empty.
+//! - [`killswitch`]: a TCP forwarder that cuts every connection it carries and refuses new
+//!   ones until restored (a network path failing), for the outage drills.
 //! - [`noise`]: a reproducible noisy neighbour (busy processes for `--steal-cpu`).
 //! - [`stats`]: latency histograms and percentiles.
 //!
@@ -22,6 +24,7 @@ pub mod buyers;
 pub mod client;
 pub mod deploy;
 pub mod drain;
+pub mod killswitch;
 pub mod noise;
 pub mod queue;
 pub mod seatpick;
