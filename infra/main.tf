@@ -139,6 +139,17 @@ module "primary" {
   db_master_pass     = random_password.db_master.result
   sizing             = merge(var.sizing, { aurora_instances = var.sizing.aurora_instances.primary })
   msk_broker_count   = var.msk_broker_count
+
+  # Region epoch and witness (design §15). The peer is the DR Region's database-url secret,
+  # replicated here under this Region's key: `region fence` run from here (failback) fences
+  # the DR ledger through it.
+  region_epoch                    = var.region_epochs.primary
+  witness_database_url_secret_arn = local.witness_secret_arns.primary
+  witness_cidrs                   = var.witness_cidrs
+  witness_port                    = var.witness_port
+  peer_region                     = var.dr_region
+  peer_secrets_kms_key_arn        = module.dr.kms_key_arns.secrets
+  peer_database_url_secret_arn    = local.peer_database_url_secret_arns.primary
 }
 
 module "dr" {
@@ -172,6 +183,17 @@ module "dr" {
   db_master_pass    = null
   sizing            = merge(var.sizing, { aurora_instances = var.sizing.aurora_instances.dr })
   msk_broker_count  = var.msk_broker_count
+
+  # The peer is the primary's database-url secret, replicated here under this Region's key:
+  # `region fence` run from here fences the old primary's ledger through it when reachable,
+  # and the replica stays readable while the primary Region is down.
+  region_epoch                    = var.region_epochs.dr
+  witness_database_url_secret_arn = local.witness_secret_arns.dr
+  witness_cidrs                   = var.witness_cidrs
+  witness_port                    = var.witness_port
+  peer_region                     = var.primary_region
+  peer_secrets_kms_key_arn        = module.primary.kms_key_arns.secrets
+  peer_database_url_secret_arn    = local.peer_database_url_secret_arns.dr
 }
 
 locals {
@@ -185,5 +207,20 @@ locals {
     USER_JWT_ISSUER         = var.user_jwt_issuer
     USER_JWT_AUDIENCE       = var.user_jwt_audience
     ADMISSION_KID           = var.admission_kid
+  }
+
+  # The copy of the witness secret each Region's tasks read: the given ARN with that Region
+  # in it (the secret where it lives, its replica elsewhere), so no task depends on the
+  # other Region to start.
+  witness_secret_arns = {
+    for key, region in { primary = var.primary_region, dr = var.dr_region } :
+    key => replace(var.witness_database_url_secret_arn, "/^(arn:[^:]+:secretsmanager):[^:]+:/", "$1:${region}:")
+  }
+
+  # The other Region's database-url secret, as its replica in this Region (a replica's ARN is
+  # the secret's ARN with the replica's Region).
+  peer_database_url_secret_arns = {
+    primary = replace(module.dr.database_url_secret_arn, ":${var.dr_region}:", ":${var.primary_region}:")
+    dr      = replace(module.primary.database_url_secret_arn, ":${var.primary_region}:", ":${var.dr_region}:")
   }
 }

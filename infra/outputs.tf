@@ -57,8 +57,31 @@ output "db_master_secret_arn" {
 }
 
 output "witness_database_url_secret_arn" {
-  description = "The region-epoch witness (outside both Regions), passed through for the failover runbook."
+  description = "The region witness's URL secret (the witness lives outside both Regions), as given."
   value       = var.witness_database_url_secret_arn
+}
+
+output "region_writers" {
+  description = "Per Region, what its tasks get for the region epoch (design §15): BOXOFFICE_REGION, BOXOFFICE_REGION_EPOCH, and the secrets of BOXOFFICE_WITNESS_DATABASE_URL and BOXOFFICE_REGION_PEER_DATABASE_URL (copies in that Region)."
+  value       = {
+    primary = {
+      region                       = "primary"
+      epoch                        = var.region_epochs.primary
+      witness_secret_arn           = local.witness_secret_arns.primary
+      peer_database_url_secret_arn = local.peer_database_url_secret_arns.primary
+    }
+    dr = {
+      region                       = "dr"
+      epoch                        = var.region_epochs.dr
+      witness_secret_arn           = local.witness_secret_arns.dr
+      peer_database_url_secret_arn = local.peer_database_url_secret_arns.dr
+    }
+  }
+}
+
+output "secrets_kms_key_arns" {
+  description = "Each Region's `secrets` key: replicate the witness secret into each Region under it (or the AWS managed key); the execution roles may decrypt with it."
+  value       = { primary = module.primary.kms_key_arns.secrets, dr = module.dr.kms_key_arns.secrets }
 }
 
 output "ecr_repository_url" {

@@ -112,8 +112,42 @@ variable "admission_kid" {
 }
 
 variable "witness_database_url_secret_arn" {
-  description = "ARN of the secret holding the URL of the region-epoch witness database. The witness lives outside both Regions (a third location), so it is referenced here, not built; the failover runbook bumps the epoch there before promoting."
+  description = "ARN of the secret holding the URL of the region witness database (BOXOFFICE_WITNESS_DATABASE_URL of every task). The witness lives outside both Regions (a third location), so it is referenced here, not built. Each Region's tasks read the copy in their own Region (this ARN with that Region in it): replicate the secret into both Regions, under each Region's `secrets` key (output secrets_kms_key_arns) or the AWS managed key, so that losing one Region never keeps the other's tasks from starting."
   type        = string
+
+  validation {
+    condition     = can(regex("^arn:aws[a-z-]*:secretsmanager:[a-z0-9-]+:[0-9]{12}:secret:[A-Za-z0-9/_+=.@-]+$", var.witness_database_url_secret_arn))
+    error_message = "witness_database_url_secret_arn must be the full ARN of a Secrets Manager secret."
+  }
+}
+
+variable "witness_cidrs" {
+  description = "CIDR blocks of the region witness database: every task renews its region lease there (PostgreSQL, witness_port), so the API and worker security groups get an egress rule to each. Keep them as narrow as the witness's addresses allow."
+  type        = list(string)
+
+  validation {
+    condition     = length(var.witness_cidrs) > 0 && alltrue([for c in var.witness_cidrs : can(cidrhost(c, 0))])
+    error_message = "witness_cidrs must be a non-empty list of CIDR blocks."
+  }
+}
+
+variable "witness_port" {
+  description = "TCP port of the region witness database."
+  type        = number
+  default     = 5432
+}
+
+variable "region_epochs" {
+  description = "BOXOFFICE_REGION_EPOCH of each Region's services: the region epoch they write at. primary = 1, the epoch `boxoffice region init` names at the witness; dr = 2, the epoch its first promotion gives it (`region fence` moves the witness to the next epoch). After every promotion set the promoted Region's entry to the epoch `boxoffice region promote` printed (a failback to primary: 3), then apply. A Region's services at an epoch the witness does not name get no lease and never write: the standby's warm API at its next epoch starts writing once fence and promotion name it, and a fenced Region's services restarting with their old epoch stay fenced."
+  type        = object({ primary = number, dr = number })
+  default     = { primary = 1, dr = 2 }
+
+  validation {
+    condition = alltrue([
+      for e in [var.region_epochs.primary, var.region_epochs.dr] : e >= 1 && floor(e) == e
+    ]) && var.region_epochs.primary != var.region_epochs.dr
+    error_message = "region_epochs are whole numbers >= 1, and the two Regions never share one (an epoch belongs to one Region)."
+  }
 }
 
 variable "db_name" {

@@ -444,6 +444,331 @@ def check_services(root, module, roles):
     return problems
 
 
+# ---- region epoch and witness (design §15) ---------------------------------------------------
+#
+# The container definitions are built from locals (`local.roles`: per role an `env` map and a
+# list of `secrets`, mapped through `local.secret_env`), so the checker renders them: it reads
+# the `secrets = distinct(concat(...))` and `env = tomap(merge(...))` of `local.roles` and
+# follows each argument (module locals, `var.X` into every module call, the root's locals and
+# variable defaults). What it cannot follow counts as absent.
+
+REGION_ENV = ("BOXOFFICE_REGION", "BOXOFFICE_REGION_EPOCH")
+WITNESS_SECRET = "BOXOFFICE_WITNESS_DATABASE_URL"
+PEER_SECRET = "BOXOFFICE_REGION_PEER_DATABASE_URL"
+REGION_NAME = re.compile(r"[A-Za-z0-9_-]+")  # Config::validate_region
+
+
+def split_top(text, sep=","):
+    """Split at `sep` outside brackets and string literals."""
+    parts, cur, depth, quoted, i = [], [], 0, False, 0
+    while i < len(text):
+        c = text[i]
+        if quoted:
+            if c == "\\" and i + 1 < len(text):
+                cur.append(text[i : i + 2])
+                i += 2
+                continue
+            quoted = c != '"'
+        elif c == '"':
+            quoted = True
+        elif c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+        elif c == sep and depth == 0:
+            parts.append("".join(cur).strip())
+            cur, i = [], i + 1
+            continue
+        cur.append(c)
+        i += 1
+    if "".join(cur).strip():
+        parts.append("".join(cur).strip())
+    return parts
+
+
+def call_args(text, *fns):
+    """`f(g(a, b))` with fns ("f", "g") -> ["a", "b"]; None when it is not that call."""
+    text = expr(text).strip() if isinstance(text, str) else text
+    for fn in fns:
+        if not (isinstance(text, str) and text.startswith(fn + "(") and text.endswith(")")):
+            return None
+        text = text[len(fn) + 1 : -1].strip()
+    return split_top(text)
+
+
+def object_fields(text):
+    """`{a = x, "b" = y}` -> {"a": "x", "b": "y"}; None when it is not an object literal."""
+    text = expr(text).strip() if isinstance(text, str) else text
+    if not (isinstance(text, str) and text.startswith("{") and text.endswith("}")) or text.startswith("{for "):
+        return None
+    fields = {}
+    for part in split_top(text[1:-1]):
+        key, eq, value = part.partition("=")
+        if not eq:
+            return None
+        fields[key.strip().strip('"')] = value.strip()
+    return fields
+
+
+class RootText(str):
+    """Expression text already in the root's terms (not followed again as the module's)."""
+
+
+def in_root(value):
+    if isinstance(value, str):
+        return RootText(value)
+    if isinstance(value, dict):
+        return {k: in_root(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [in_root(v) for v in value]
+    return value
+
+
+class RegionTasks:
+    """The container environment and secrets of every role in every Region, as far as the
+    HCL can be followed: `tasks[(call, role)] = {"env": {NAME: value}, "secrets": {NAME: valueFrom}}`,
+    values resolved into the root's terms (a literal, a number, or expression text)."""
+
+    def __init__(self, root, module):
+        self.root, self.module = root, module
+        self.calls = {n: b for _, _, n, b in root.modules if b.get("source") == MODULE_SOURCE}
+        self.problems = []
+        self.tasks = {}
+        roles_def = expr(module.locals.get("roles"))
+        m = re.fullmatch(r"\{for (\w+), (\w+) in (\S+) : \1 => (\{.*\})\}", str(roles_def), re.S)
+        fields = object_fields(m.group(4)) if m else None
+        if not fields or "env" not in fields or "secrets" not in fields:
+            self.problems.append("local.roles is not `{for role, s in var.services : role => {... env = ..., secrets = ...}}`")
+            return
+        self.role_var = m.group(1)
+        roles = sorted(((root.variables.get("services") or {}).get("default") or {}))
+        for call_name, call in self.calls.items():
+            for role in roles:
+                self.tasks[(call_name, role)] = {
+                    "env": self._env(fields["env"], call, role),
+                    "secrets": self._secrets(fields["secrets"], call, role),
+                }
+
+    # -- following expressions --
+
+    def root_value(self, value):
+        e = expr(value)
+        if not isinstance(e, str):
+            return e
+        m = re.fullmatch(r"(var|local)\.(\w+)((?:\.\w+)*)", e)
+        if not m:
+            return in_root(e)
+        kind, name, path = m.groups()
+        if kind == "var":
+            base = (self.root.variables.get(name) or {}).get("default")
+        else:
+            base = self.root.locals.get(name)
+        for part in filter(None, path.split(".")):
+            if isinstance(base, dict):
+                base = base.get(part)
+            elif isinstance(base, str):
+                break  # an expression (a `for`): its text
+            else:
+                return None
+        return in_root(base)
+
+    def value(self, value, call, role):
+        """A module expression in the root's terms, for one module call and role."""
+        if isinstance(value, RootText):
+            return value
+        e = expr(value)
+        if not isinstance(e, str):
+            return e
+        e = e.strip()
+        args = call_args(e, "tostring")
+        if args and len(args) == 1:
+            v = self.value(args[0], call, role)
+            return None if v is None else str(v)
+        m = re.fullmatch(r"var\.(\w+)", e)
+        if m:
+            name = m.group(1)
+            if name in call:
+                return self.root_value(call[name])
+            return (self.module.variables.get(name) or {}).get("default")
+        m = re.fullmatch(r"local\.(\w+)(?:\[(\w+)\])?((?:\.\w+)*)", e)
+        if m:
+            name, index, path = m.groups()
+            base = self.module.locals.get(name)
+            if index is not None:
+                key = role if index == self.role_var else index
+                base = base.get(key) if isinstance(base, dict) else None
+            for part in filter(None, path.split(".")):
+                base = self.field(base, part, call, role)
+            return base
+        return e
+
+    def field(self, base, key, call, role):
+        if isinstance(base, dict):
+            return self.value(base[key], call, role) if key in base else None
+        merged = call_args(base, "merge") if isinstance(base, str) else None
+        if merged is None:
+            return None
+        for arg in reversed(merged):  # the last map that has the key wins
+            fields = object_fields(arg)
+            if fields is None:
+                v = self.value(arg, call, role)
+                fields = v if isinstance(v, dict) else {}
+            if key in fields:
+                return self.value(fields[key], call, role)
+        return None
+
+    def _maps(self, text, fns, call, role, kind):
+        args = call_args(text, *fns)
+        if args is None:
+            self.problems.append(f"local.roles {kind} is not {'('.join(fns)}(...): {expr(text)!r}")
+            return []
+        out = []
+        for arg in args:
+            m = re.fullmatch(r"contains\(local\.(\w+), (\w+)\) \? (\S+) : (\{\}|\[\])", arg)
+            if m:  # `contains(local.kafka_roles, role) ? local.kafka_env : {}`
+                members = self.module.locals.get(m.group(1)) or []
+                if m.group(2) == self.role_var and role in members:
+                    out.append(self.value(m.group(3), call, role))
+                continue
+            if "?" in arg:
+                continue  # another condition: not counted on
+            out.append(self.value(arg, call, role))
+        return out
+
+    def _env(self, text, call, role):
+        env = {}
+        for m in self._maps(text, ("tomap", "merge"), call, role, "env"):
+            if isinstance(m, dict):
+                env.update({f"BOXOFFICE_{k}": self.value(v, call, role) for k, v in m.items()})
+        return env
+
+    def _secrets(self, text, call, role):
+        names = []
+        for lst in self._maps(text, ("distinct", "concat"), call, role, "secrets"):
+            if isinstance(lst, list):
+                names += [n for n in lst if n not in names]
+        secret_env = self.module.locals.get("secret_env") or {}
+        out = {}
+        for name in names:
+            if not isinstance(secret_env.get(name), dict):
+                self.problems.append(f"secret {name} has no entry in local.secret_env")
+                continue
+            for k, v in secret_env[name].items():
+                out[f"BOXOFFICE_{k}"] = self.value(v, call, role)
+        return out
+
+
+def provider_region(root, call):
+    alias = str(expr((call.get("providers") or {}).get("aws")))
+    for _, _, name, body in root.providers:
+        if name == "aws" and f"aws.{body.get('alias')}" == alias:
+            return expr(body.get("region"))
+    return None
+
+
+def check_region_env(root, module):
+    """Every role in both Regions starts with BOXOFFICE_REGION (distinct per Region, a valid
+    name), BOXOFFICE_REGION_EPOCH (a whole number >= 1, distinct per Region), the witness's URL
+    from var.witness_database_url_secret_arn and the other Region's database URL; its execution
+    role may read every secret it gets, and the other Region's database-url secret is
+    replicated into it under a key it may decrypt."""
+    r = RegionTasks(root, module)
+    problems = list(r.problems)
+    if len(r.calls) != 2:
+        problems.append(f"want the region module in two Regions, got {sorted(r.calls)}")
+    by_region = {}
+    for (call_name, role), task in sorted(r.tasks.items()):
+        where = f"module {call_name} role {role}"
+        env, secrets = task["env"], task["secrets"]
+        for name in REGION_ENV:
+            if name not in env:
+                problems.append(f"{where}: no {name} in the environment")
+        for name in (WITNESS_SECRET, PEER_SECRET):
+            if name in env:
+                problems.append(f"{where}: {name} is a plain environment variable, not a secret")
+        witness = secrets.get(WITNESS_SECRET)
+        if witness is None:
+            problems.append(f"{where}: no {WITNESS_SECRET} secret")
+        elif "var.witness_database_url_secret_arn" not in str(witness):
+            problems.append(f"{where}: {WITNESS_SECRET} is {witness!r}, not from var.witness_database_url_secret_arn")
+        peer = secrets.get(PEER_SECRET)
+        others = [n for n in r.calls if n != call_name]
+        if peer is None:
+            problems.append(f"{where}: no {PEER_SECRET} secret")
+        elif not any(f"module.{o}.database_url_secret_arn" in str(peer) for o in others):
+            problems.append(f"{where}: {PEER_SECRET} is {peer!r}, not the other Region's database-url secret")
+        by_region.setdefault(call_name, set()).add((env.get(REGION_ENV[0]), env.get(REGION_ENV[1])))
+    regions, epochs = {}, {}
+    for call_name, values in sorted(by_region.items()):
+        if len(values) != 1:
+            problems.append(f"module {call_name}: its roles differ in region or epoch: {sorted(map(str, values))}")
+            continue
+        (region, epoch), = values
+        if not isinstance(region, str) or not REGION_NAME.fullmatch(region):
+            problems.append(f"module {call_name}: BOXOFFICE_REGION is {region!r}, want a name of letters, digits, '-', '_'")
+        if not (isinstance(epoch, str) and epoch.isdigit() and int(epoch) >= 1):
+            problems.append(f"module {call_name}: BOXOFFICE_REGION_EPOCH is {epoch!r}, want a whole number >= 1")
+        regions[call_name], epochs[call_name] = region, epoch
+    if len(regions) > 1 and len(set(map(str, regions.values()))) != len(regions):
+        problems.append(f"the Regions have the same BOXOFFICE_REGION: {regions}")
+    if len(epochs) > 1 and len(set(map(str, epochs.values()))) != len(epochs):
+        problems.append(f"the Regions have the same BOXOFFICE_REGION_EPOCH: {epochs}")
+
+    # The task definition passes env and secrets on as BOXOFFICE_<KEY>.
+    for f, name, body in module.of_type("aws_ecs_task_definition"):
+        cd = str(body.get("container_definitions"))
+        if not re.search(r'environment = \[for (\w+), (\w+) in each\.value\.env : \{name = "BOXOFFICE_\$\{\1\}", value = \2\}\]', cd):
+            problems.append(f"{f}: aws_ecs_task_definition.{name} does not pass each.value.env as BOXOFFICE_<KEY>")
+        if not re.search(
+            r'secrets = flatten\(\[for (\w+) in each\.value\.secrets : \[for (\w+), (\w+) in local\.secret_env\[\1\] : '
+            r'\{name = "BOXOFFICE_\$\{\2\}", valueFrom = \3\}\]\]\)', cd
+        ):
+            problems.append(f"{f}: aws_ecs_task_definition.{name} does not pass each.value.secrets through local.secret_env")
+    # Its execution role may read exactly those secrets and decrypt them with the Region's key.
+    policies = [(f, n, str(b.get("policy"))) for f, n, b in module.of_type("aws_iam_role_policy") if n == "execution"]
+    if not policies:
+        problems.append("no aws_iam_role_policy.execution")
+    for f, name, policy in policies:
+        if not re.search(r'"secretsmanager:GetSecretValue", Resource = \[for (\w+) in each\.value\.secrets : local\.secret_arns\[\1\]\]', policy):
+            problems.append(f"{f}: aws_iam_role_policy.{name} does not allow GetSecretValue on every secret of the role")
+        if not re.search(r'"kms:Decrypt", Resource = aws_kms_key\.this\["secrets"\]\.arn', policy):
+            problems.append(f"{f}: aws_iam_role_policy.{name} may not decrypt with the Region's secrets key")
+    # The other Region's database-url reaches this one as a replica under this Region's key.
+    db_url = [b for _, n, b in module.of_type("aws_secretsmanager_secret") if n == "database_url"]
+    replicas = [rep for b in db_url for rep in blocks(b, "replica")]
+    if not any(expr(rep.get("region")) == "var.peer_region" and expr(rep.get("kms_key_id")) == "var.peer_secrets_kms_key_arn" for rep in replicas):
+        problems.append("aws_secretsmanager_secret.database_url has no replica in var.peer_region under var.peer_secrets_kms_key_arn")
+    for call_name, call in r.calls.items():
+        others = {o: c for o, c in r.calls.items() if o != call_name}
+        m = re.fullmatch(r"local\.\w+\.(\w+)", str(expr(call.get("witness_database_url_secret_arn"))))
+        if m and m.group(1) != call_name:
+            problems.append(f"module {call_name}: reads the {m.group(1)} Region's copy of the witness secret")
+        if expr(call.get("peer_region")) not in [provider_region(root, c) for c in others.values()]:
+            problems.append(f"module {call_name}: peer_region is {call.get('peer_region')!r}, not the other Region's")
+        if not any(expr(call.get("peer_secrets_kms_key_arn")) == f"module.{o}.kms_key_arns.secrets" for o in others):
+            problems.append(f"module {call_name}: peer_secrets_kms_key_arn is not the other Region's secrets key")
+    return problems
+
+
+def check_witness_reachable(module):
+    """The API and worker tasks may open connections to the witness (outside both Regions)."""
+    problems = []
+    rules = [
+        (n, b) for _, n, b in module.of_type("aws_vpc_security_group_egress_rule")
+        if expr(b.get("from_port")) == "var.witness_port" and expr(b.get("to_port")) == "var.witness_port"
+    ]
+    if not rules:
+        problems.append("no egress rule on var.witness_port: the tasks cannot renew their region lease")
+    for name, body in rules:
+        each = str(body.get("for_each"))
+        for group in ("api", "worker"):
+            if f'"{group}"' not in each:
+                problems.append(f"aws_vpc_security_group_egress_rule.{name}: no rule for the {group} group")
+        if "var.witness_cidrs" not in each or not body.get("cidr_ipv4"):
+            problems.append(f"aws_vpc_security_group_egress_rule.{name} is not to var.witness_cidrs")
+    return problems
+
+
 # ---- the real configuration ----------------------------------------------------------------
 
 
@@ -504,6 +829,41 @@ class RealConfiguration(unittest.TestCase):
         roles = binary_roles((REPO / "crates/boxoffice/src/runtime.rs").read_text())
         self.assertIn("api", roles)
         self.assertEqual(check_services(ROOT, MODULE, roles), [])
+
+    def test_every_role_starts_with_region_epoch_and_witness(self):
+        self.assertEqual(check_region_env(ROOT, MODULE), [])
+        tasks = RegionTasks(ROOT, MODULE).tasks
+        roles = set((ROOT.variables["services"]["default"]))
+        self.assertEqual({role for _, role in tasks}, roles)
+        for (region, role), task in sorted(tasks.items()):
+            with self.subTest(f"{region} {role}"):
+                self.assertEqual(task["env"]["BOXOFFICE_REGION"], region)
+                self.assertIn("BOXOFFICE_REGION_EPOCH", task["env"])
+                self.assertIn("var.witness_database_url_secret_arn", task["secrets"][WITNESS_SECRET])
+                other = "dr" if region == "primary" else "primary"
+                self.assertIn(f"module.{other}.database_url_secret_arn", task["secrets"][PEER_SECRET])
+        regions = {region: task["env"]["BOXOFFICE_REGION"] for (region, _), task in tasks.items()}
+        self.assertEqual(len(set(regions.values())), 2, f"the two Regions' BOXOFFICE_REGION must differ: {regions}")
+        epochs = {region: task["env"]["BOXOFFICE_REGION_EPOCH"] for (region, _), task in tasks.items()}
+        self.assertEqual(epochs, {"primary": "1", "dr": "2"}, "default epochs: primary 1, DR its first promotion's")
+
+    def test_each_region_reads_its_own_copy_of_the_witness_secret(self):
+        text = expr(ROOT.locals["witness_secret_arns"])
+        m = re.search(r'replace\(var\.witness_database_url_secret_arn, "/(.+?)/", "(.+?)"\)', text)
+        self.assertTrue(m, text)
+        pattern, replacement = m.group(1), m.group(2).replace("$1", r"\1").replace("${region}", "eu-central-1")
+        arn = "arn:aws:secretsmanager:eu-west-1:123456789012:secret:boxoffice/witness-url-AbCdEf"
+        self.assertEqual(
+            re.sub(pattern, replacement, arn),
+            "arn:aws:secretsmanager:eu-central-1:123456789012:secret:boxoffice/witness-url-AbCdEf",
+        )
+        condition = ROOT.variables["witness_database_url_secret_arn"]["validation"][0]["condition"]
+        valid = re.search(r'regex\("(.+?)", var\.', condition).group(1).replace("\\\\", "\\")
+        self.assertRegex(arn, valid)
+        self.assertNotRegex("boxoffice/witness-url", valid)
+
+    def test_tasks_reach_the_witness(self):
+        self.assertEqual(check_witness_reachable(MODULE), [])
 
     def test_every_checkov_baseline_entry_has_a_reason_in_the_readme(self):
         baseline = json.loads((INFRA / ".checkov.baseline").read_text())
@@ -813,6 +1173,222 @@ variable "pw" {
         self.assertCaught(problems, "does not run `serve --roles")
         self.assertCaught(problems, "not one per entry of local.roles")
 
+
+    # A region module and its two calls, shaped like the real ones (modules/region/ecs.tf).
+    REGION_MODULE = """
+locals {
+  kafka_roles     = ["api"]
+  startup_secrets = ["stripe_secret_key"]
+  role_secrets    = {
+    api    = ["database_url", "kafka"]
+    expiry = ["database_url"]
+  }
+  region_secrets = ["witness_database_url", "region_peer_database_url"]
+  region_env     = {
+    REGION       = var.region_key
+    REGION_EPOCH = tostring(var.region_epoch)
+  }
+  secret_arns = merge(var.app_secret_arns, {
+    database_url             = aws_secretsmanager_secret.database_url.arn
+    kafka                    = aws_secretsmanager_secret.kafka_scram.arn
+    witness_database_url     = var.witness_database_url_secret_arn
+    region_peer_database_url = var.peer_database_url_secret_arn
+  })
+  secret_env = {
+    database_url             = { DATABASE_URL = local.secret_arns.database_url }
+    kafka                    = { KAFKA_SASL_PASSWORD = "${local.secret_arns.kafka}:password::" }
+    stripe_secret_key        = { STRIPE_SECRET_KEY = local.secret_arns.stripe_secret_key }
+    witness_database_url     = { WITNESS_DATABASE_URL = local.secret_arns.witness_database_url }
+    region_peer_database_url = { REGION_PEER_DATABASE_URL = local.secret_arns.region_peer_database_url }
+  }
+  kafka_env = { KAFKA_BROKERS = aws_msk_cluster.this.bootstrap_brokers_sasl_scram }
+  roles = {
+    for role, s in var.services : role => {
+      secrets = distinct(concat(local.role_secrets[role], local.region_secrets, local.startup_secrets))
+      env     = tomap(merge(var.app_settings, local.region_env, contains(local.kafka_roles, role) ? local.kafka_env : {}))
+    }
+  }
+}
+resource "aws_secretsmanager_secret" "database_url" {
+  kms_key_id = aws_kms_key.this["secrets"].arn
+  replica {
+    region     = var.peer_region
+    kms_key_id = var.peer_secrets_kms_key_arn
+  }
+}
+resource "aws_ecs_task_definition" "role" {
+  for_each = local.roles
+  container_definitions = jsonencode([{
+    environment = [for k, v in each.value.env : { name = "BOXOFFICE_${k}", value = v }]
+    secrets     = flatten([for s in each.value.secrets : [for k, from in local.secret_env[s] : { name = "BOXOFFICE_${k}", valueFrom = from }]])
+  }])
+}
+resource "aws_iam_role_policy" "execution" {
+  for_each = local.roles
+  policy = jsonencode({
+    Statement = [
+      { Action = "secretsmanager:GetSecretValue", Resource = [for s in each.value.secrets : local.secret_arns[s]] },
+      { Action = "kms:Decrypt", Resource = aws_kms_key.this["secrets"].arn },
+    ]
+  })
+}
+resource "aws_vpc_security_group_egress_rule" "witness" {
+  for_each          = { for p in setproduct(["api", "worker"], var.witness_cidrs) : "${p[0]} ${p[1]}" => p }
+  security_group_id = aws_security_group.this[each.value[0]].id
+  from_port         = var.witness_port
+  to_port           = var.witness_port
+  cidr_ipv4         = each.value[1]
+}
+"""
+    REGION_ROOT = """
+provider "aws" {
+  alias  = "primary"
+  region = var.primary_region
+}
+provider "aws" {
+  alias  = "dr"
+  region = var.dr_region
+}
+variable "services" {
+  default = { api = {}, expiry = {} }
+}
+variable "region_epochs" {
+  default = { primary = 1, dr = 2 }
+}
+locals {
+  app_settings        = { ENV = "production" }
+  witness_secret_arns = { for key, region in { primary = var.primary_region, dr = var.dr_region } : key => replace(var.witness_database_url_secret_arn, "/x/", region) }
+  peer_arns = {
+    primary = replace(module.dr.database_url_secret_arn, var.dr_region, var.primary_region)
+    dr      = replace(module.primary.database_url_secret_arn, var.primary_region, var.dr_region)
+  }
+}
+module "primary" {
+  source                          = "./modules/region"
+  providers                       = { aws = aws.primary }
+  region_key                      = "primary"
+  region_epoch                    = var.region_epochs.primary
+  app_settings                    = local.app_settings
+  witness_database_url_secret_arn = local.witness_secret_arns.primary
+  peer_region                     = var.dr_region
+  peer_secrets_kms_key_arn        = module.dr.kms_key_arns.secrets
+  peer_database_url_secret_arn    = local.peer_arns.primary
+}
+module "dr" {
+  source                          = "./modules/region"
+  providers                       = { aws = aws.dr }
+  region_key                      = "dr"
+  region_epoch                    = var.region_epochs.dr
+  app_settings                    = local.app_settings
+  witness_database_url_secret_arn = local.witness_secret_arns.dr
+  peer_region                     = var.primary_region
+  peer_secrets_kms_key_arn        = module.primary.kms_key_arns.secrets
+  peer_database_url_secret_arn    = local.peer_arns.dr
+}
+"""
+
+    def region_problems(self, module_edit=("", ""), root_edit=("", "")):
+        module, root = self.REGION_MODULE, self.REGION_ROOT
+        for text, (old, new) in (("module", module_edit), ("root", root_edit)):
+            if old:
+                source = module if text == "module" else root
+                self.assertIn(old, source)
+                if text == "module":
+                    module = module.replace(old, new)
+                else:
+                    root = root.replace(old, new)
+        return check_region_env(from_text(root), from_text(module))
+
+    def test_good_region_snippet_passes(self):
+        self.assertEqual(self.region_problems(), [])
+        self.assertEqual(check_witness_reachable(from_text(self.REGION_MODULE)), [])
+        tasks = RegionTasks(from_text(self.REGION_ROOT), from_text(self.REGION_MODULE)).tasks
+        self.assertEqual(tasks[("dr", "expiry")]["env"]["BOXOFFICE_REGION_EPOCH"], "2")
+        self.assertNotIn("BOXOFFICE_KAFKA_BROKERS", tasks[("dr", "expiry")]["env"])
+        self.assertIn("BOXOFFICE_KAFKA_BROKERS", tasks[("dr", "api")]["env"])
+
+    def test_missing_witness_secret(self):
+        problems = self.region_problems(('region_secrets = ["witness_database_url", ', 'region_secrets = ['))
+        for role in ("api", "expiry"):
+            for region in ("primary", "dr"):
+                self.assertCaught(problems, f"module {region} role {role}: no BOXOFFICE_WITNESS_DATABASE_URL secret")
+        # ... and when the role list does not take the region secrets at all, or only in one role.
+        problems = self.region_problems(("local.region_secrets, ", ""))
+        self.assertCaught(problems, "role expiry: no BOXOFFICE_WITNESS_DATABASE_URL secret")
+        self.assertCaught(problems, "role api: no BOXOFFICE_REGION_PEER_DATABASE_URL secret")
+        # Per-role lists count too: the witness in every role's own list is as good.
+        module = self.REGION_MODULE.replace('region_secrets = ["witness_database_url", ', "region_secrets = [")
+        module = module.replace('"database_url"]', '"database_url", "witness_database_url"]')
+        module = module.replace('"database_url", "kafka"]', '"database_url", "kafka", "witness_database_url"]')
+        self.assertEqual(check_region_env(from_text(self.REGION_ROOT), from_text(module)), [])
+        problems = self.region_problems(
+            ("local.region_secrets, ", "contains(local.kafka_roles, role) ? local.region_secrets : [], "),
+        )
+        self.assertCaught(problems, "module dr role expiry: no BOXOFFICE_WITNESS_DATABASE_URL secret")
+        self.assertFalse(any("role api: no BOXOFFICE_WITNESS" in p for p in problems), problems)
+
+    def test_witness_secret_from_elsewhere(self):
+        problems = self.region_problems(
+            ("witness_database_url     = var.witness_database_url_secret_arn",
+             'witness_database_url     = "arn:aws:secretsmanager:eu-west-1:1:secret:w"'),
+        )
+        self.assertCaught(problems, "not from var.witness_database_url_secret_arn")
+        problems = self.region_problems(root_edit=("= local.witness_secret_arns.dr", "= local.witness_secret_arns.primary"))
+        self.assertCaught(problems, "module dr: reads the primary Region's copy of the witness secret")
+        plain = self.region_problems(("REGION_EPOCH = tostring(var.region_epoch)",
+                                      "REGION_EPOCH = tostring(var.region_epoch)\n    WITNESS_DATABASE_URL = var.x"))
+        self.assertCaught(plain, "BOXOFFICE_WITNESS_DATABASE_URL is a plain environment variable")
+
+    def test_missing_or_equal_region_and_epoch(self):
+        problems = self.region_problems(("    REGION       = var.region_key\n", ""))
+        self.assertCaught(problems, "module primary role api: no BOXOFFICE_REGION in the environment")
+        problems = self.region_problems(("local.region_env, ", ""))
+        self.assertCaught(problems, "no BOXOFFICE_REGION_EPOCH in the environment")
+        same = self.region_problems(root_edit=('region_key                      = "dr"', 'region_key                      = "primary"'))
+        self.assertCaught(same, "the Regions have the same BOXOFFICE_REGION")
+        bad = self.region_problems(root_edit=('region_key                      = "dr"', 'region_key                      = "d r"'))
+        self.assertCaught(bad, "module dr: BOXOFFICE_REGION is 'd r'")
+        epochs = self.region_problems(root_edit=("primary = 1, dr = 2", "primary = 1, dr = 1"))
+        self.assertCaught(epochs, "the Regions have the same BOXOFFICE_REGION_EPOCH")
+        zero = self.region_problems(root_edit=("primary = 1, dr = 2", "primary = 0, dr = 2"))
+        self.assertCaught(zero, "module primary: BOXOFFICE_REGION_EPOCH is '0'")
+
+    def test_peer_database_url_of_its_own_region(self):
+        problems = self.region_problems(root_edit=(
+            "dr      = replace(module.primary.database_url_secret_arn", "dr      = replace(module.dr.database_url_secret_arn"))
+        self.assertCaught(problems, "module dr role api: BOXOFFICE_REGION_PEER_DATABASE_URL")
+        self.assertFalse(any("module primary role" in p for p in problems), problems)
+        problems = self.region_problems(root_edit=("peer_region                     = var.primary_region",
+                                                    "peer_region                     = var.dr_region"))
+        self.assertCaught(problems, "module dr: peer_region")
+        problems = self.region_problems(("    region     = var.peer_region\n", ""))
+        self.assertCaught(problems, "no replica in var.peer_region")
+
+    def test_secrets_the_execution_role_may_not_read(self):
+        problems = self.region_problems(("Resource = [for s in each.value.secrets : local.secret_arns[s]]",
+                                         "Resource = [local.secret_arns.database_url]"))
+        self.assertCaught(problems, "does not allow GetSecretValue on every secret of the role")
+        problems = self.region_problems(('{ Action = "kms:Decrypt", Resource = aws_kms_key.this["secrets"].arn },\n', ""))
+        self.assertCaught(problems, "may not decrypt")
+        problems = self.region_problems(('name = "BOXOFFICE_${k}", valueFrom', 'name = k, valueFrom'))
+        self.assertCaught(problems, "does not pass each.value.secrets through local.secret_env")
+
+    def test_witness_unreachable(self):
+        module = from_text(self.REGION_MODULE.replace("from_port         = var.witness_port", "from_port         = 443"))
+        self.assertCaught(check_witness_reachable(module), "no egress rule on var.witness_port")
+        module = from_text(self.REGION_MODULE.replace('["api", "worker"]', '["api"]'))
+        self.assertCaught(check_witness_reachable(module), "no rule for the worker group")
+
+    def test_real_module_without_the_witness_secret(self):
+        """The checker catches it in the real files too, not only in the snippet's shape."""
+        docs = dict(MODULE.docs)
+        text = (INFRA / "modules/region/ecs.tf").read_text()
+        old = 'region_secrets = ["witness_database_url", "region_peer_database_url"]'
+        self.assertIn(old, text)
+        docs["ecs.tf"] = hcl2.loads(text.replace(old, 'region_secrets = ["region_peer_database_url"]'), serialization_options=OPTIONS)
+        problems = check_region_env(ROOT, Config(docs))
+        for role in ROOT.variables["services"]["default"]:
+            self.assertCaught(problems, f"module dr role {role}: no BOXOFFICE_WITNESS_DATABASE_URL secret")
 
 if __name__ == "__main__":
     unittest.main()

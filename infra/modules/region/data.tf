@@ -94,11 +94,18 @@ resource "aws_iam_role_policy_attachment" "rds_monitoring" {
 
 # The services' database URL: their own login role (created by migrations), not the master.
 # An operator puts postgres://USER:PASSWORD@<this Region's cluster endpoint>/DB?sslmode=require.
+# Replicated to the other Region under that Region's key: its tasks read the replica as
+# BOXOFFICE_REGION_PEER_DATABASE_URL, even while this Region is down.
 resource "aws_secretsmanager_secret" "database_url" {
   name                    = "${var.name}/${var.region_key}/database-url"
-  description             = "BOXOFFICE_DATABASE_URL of the services in this Region"
+  description             = "BOXOFFICE_DATABASE_URL of the services in this Region (the other Region's BOXOFFICE_REGION_PEER_DATABASE_URL)"
   kms_key_id              = aws_kms_key.this["secrets"].arn
   recovery_window_in_days = 30
+
+  replica {
+    region     = var.peer_region
+    kms_key_id = var.peer_secrets_kms_key_arn
+  }
 }
 
 # ---- MSK ---------------------------------------------------------------------------------

@@ -18,20 +18,37 @@ locals {
     expiry   = ["database_url"]
   }
 
+  # Region epoch and witness (design §15), in every role: each process renews a lease at the
+  # witness for (REGION, REGION_EPOCH) and the ledger refuses its writes without one. The
+  # peer database is the other Region's ledger, for `boxoffice region fence` run as a task
+  # from any role's task definition.
+  region_secrets = ["witness_database_url", "region_peer_database_url"]
+  region_env     = {
+    REGION       = var.region_key
+    REGION_EPOCH = tostring(var.region_epoch)
+  }
+
+  # The witness secret and the other Region's database-url are both copies in this Region
+  # (the witness secret's own or its replica; the peer's replica): no task depends on the
+  # other Region to start.
   secret_arns = merge(var.app_secret_arns, {
-    database_url = aws_secretsmanager_secret.database_url.arn
-    redis_url    = aws_secretsmanager_secret.redis_url.arn
-    kafka        = aws_secretsmanager_secret.kafka_scram.arn
+    database_url             = aws_secretsmanager_secret.database_url.arn
+    redis_url                = aws_secretsmanager_secret.redis_url.arn
+    kafka                    = aws_secretsmanager_secret.kafka_scram.arn
+    witness_database_url     = var.witness_database_url_secret_arn
+    region_peer_database_url = var.peer_database_url_secret_arn
   })
 
   # Environment variable (after BOXOFFICE_) and valueFrom of each secret.
   secret_env = {
-    database_url          = { DATABASE_URL = local.secret_arns.database_url }
-    redis_url             = { REDIS_URL = local.secret_arns.redis_url }
-    kafka                 = { KAFKA_SASL_USERNAME = "${local.secret_arns.kafka}:username::", KAFKA_SASL_PASSWORD = "${local.secret_arns.kafka}:password::" }
-    stripe_secret_key     = { STRIPE_SECRET_KEY = local.secret_arns.stripe_secret_key }
-    stripe_webhook_secret = { STRIPE_WEBHOOK_SECRET = local.secret_arns.stripe_webhook_secret }
-    admission_private_key = { ADMISSION_PRIVATE_KEY = local.secret_arns.admission_private_key }
+    database_url             = { DATABASE_URL = local.secret_arns.database_url }
+    redis_url                = { REDIS_URL = local.secret_arns.redis_url }
+    kafka                    = { KAFKA_SASL_USERNAME = "${local.secret_arns.kafka}:username::", KAFKA_SASL_PASSWORD = "${local.secret_arns.kafka}:password::" }
+    stripe_secret_key        = { STRIPE_SECRET_KEY = local.secret_arns.stripe_secret_key }
+    stripe_webhook_secret    = { STRIPE_WEBHOOK_SECRET = local.secret_arns.stripe_webhook_secret }
+    admission_private_key    = { ADMISSION_PRIVATE_KEY = local.secret_arns.admission_private_key }
+    witness_database_url     = { WITNESS_DATABASE_URL = local.secret_arns.witness_database_url }
+    region_peer_database_url = { REGION_PEER_DATABASE_URL = local.secret_arns.region_peer_database_url }
   }
 
   # Kafka settings of the roles that use a broker (SASL/SCRAM over TLS).
@@ -47,8 +64,8 @@ locals {
       cpu     = s.cpu
       memory  = s.memory
       count   = var.desired_counts[role]
-      secrets = distinct(concat(local.role_secrets[role], local.startup_secrets))
-      env     = tomap(merge(var.app_settings, contains(local.kafka_roles, role) ? local.kafka_env : {}))
+      secrets = distinct(concat(local.role_secrets[role], local.region_secrets, local.startup_secrets))
+      env     = tomap(merge(var.app_settings, local.region_env, contains(local.kafka_roles, role) ? local.kafka_env : {}))
     }
   }
 }
@@ -145,7 +162,9 @@ resource "aws_ecs_service" "role" {
   depends_on = [aws_lb_listener.https]
 }
 
-# Execution role per role: pull the image, write its own log group, read its own secrets.
+# Execution role per role: pull the image, write its own log group, read its own secrets
+# (the witness's and the other Region's database-url among them, both copies in this Region,
+# under this Region's `secrets` key or, for the witness, the AWS managed key).
 resource "aws_iam_role" "execution" {
   for_each           = local.roles
   name               = "${local.prefix}-${each.key}-execution"

@@ -68,3 +68,16 @@ resource "aws_vpc_security_group_egress_rule" "this" {
   cidr_ipv4                    = can(cidrhost(each.value[1], 0)) ? each.value[1] : null
   referenced_security_group_id = can(cidrhost(each.value[1], 0)) ? null : aws_security_group.this[each.value[1]].id
 }
+
+# The region witness lives outside both Regions: every task renews its region lease there,
+# so the API and worker groups reach its addresses on its PostgreSQL port (and nothing else
+# beyond the Region but HTTPS).
+resource "aws_vpc_security_group_egress_rule" "witness" {
+  for_each          = { for p in setproduct(["api", "worker"], var.witness_cidrs) : "${p[0]} ${p[1]}" => p }
+  security_group_id = aws_security_group.this[each.value[0]].id
+  description       = "PostgreSQL to the region witness (outside both Regions)"
+  ip_protocol       = "tcp"
+  from_port         = var.witness_port
+  to_port           = var.witness_port
+  cidr_ipv4         = each.value[1]
+}

@@ -128,3 +128,43 @@ variable "msk_broker_count" {
     error_message = "msk_broker_count must be a positive multiple of 3 (one per AZ)."
   }
 }
+
+variable "region_epoch" {
+  description = "BOXOFFICE_REGION_EPOCH of this Region's services: the region epoch they write at (>= 1). After a promotion, the epoch `boxoffice region promote` printed."
+  type        = number
+
+  validation {
+    condition     = var.region_epoch >= 1 && floor(var.region_epoch) == var.region_epoch
+    error_message = "region_epoch is a whole number >= 1."
+  }
+}
+
+variable "witness_database_url_secret_arn" {
+  description = "ARN, in this Region, of the secret holding the region witness's URL (BOXOFFICE_WITNESS_DATABASE_URL): the witness itself lives outside both Regions."
+  type        = string
+}
+
+variable "witness_cidrs" {
+  description = "CIDR blocks of the region witness database; the API and worker tasks may reach them on witness_port."
+  type        = list(string)
+}
+
+variable "witness_port" {
+  description = "TCP port of the region witness database."
+  type        = number
+}
+
+variable "peer_region" {
+  description = "AWS name of the other Region: this Region's database-url secret is replicated there, as that Region's BOXOFFICE_REGION_PEER_DATABASE_URL."
+  type        = string
+}
+
+variable "peer_secrets_kms_key_arn" {
+  description = "The other Region's `secrets` key, which encrypts the replica of this Region's database-url secret there."
+  type        = string
+}
+
+variable "peer_database_url_secret_arn" {
+  description = "ARN, in this Region, of the replica of the other Region's database-url secret (BOXOFFICE_REGION_PEER_DATABASE_URL: `region fence` run from here fences that Region's ledger through it)."
+  type        = string
+}
