@@ -892,7 +892,9 @@ impl Config {
 
     /// Checks the region settings (design §15).
     fn validate_region(&self) -> anyhow::Result<()> {
-        if self.region.is_empty() || !self.region.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
+        if self.region.is_empty()
+            || !self.region.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+        {
             bail!("region must be a non-empty name of letters, digits, '-' and '_'");
         }
         if self.region_epoch < 1 {
@@ -920,7 +922,9 @@ impl Config {
         }
         if let Some(w) = &self.witness_database_url {
             if database_key(w, "witness_database_url")? == database_key(&self.database_url, "database_url")? {
-                bail!("witness_database_url: the witness lives outside every region; give it its own database");
+                bail!(
+                    "witness_database_url: the witness lives outside every region; give it its own database"
+                );
             }
         }
         Ok(())
@@ -1440,7 +1444,10 @@ impl Config {
         let mut opts = opts.application_name(&format!("boxoffice-{}", self.purchase_cell));
         if self.db_statement_timeout_ms > 0 {
             let t = self.db_statement_timeout_ms.to_string();
-            opts = opts.options([("statement_timeout", t.as_str()), ("idle_in_transaction_session_timeout", t.as_str())]);
+            opts = opts.options([
+                ("statement_timeout", t.as_str()),
+                ("idle_in_transaction_session_timeout", t.as_str()),
+            ]);
         }
         Ok(boxoffice_store::region::writer_options(opts, &self.writer()))
     }

@@ -389,7 +389,10 @@ async fn region(cfg: &Config, action: RegionAction) -> anyhow::Result<i32> {
             Ok(0)
         }
         RegionAction::Republish { since, json } => {
-            let since = since.as_deref().map(|s| boxoffice::reconcile::parse_instant(s, chrono::Utc::now())).transpose()?;
+            let since = since
+                .as_deref()
+                .map(|s| boxoffice::reconcile::parse_instant(s, chrono::Utc::now()))
+                .transpose()?;
             let rep = r::republish(cfg, since).await?;
             print(json, &rep);
             Ok(0)

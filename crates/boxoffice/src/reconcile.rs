@@ -615,7 +615,9 @@ pub fn lost_order(d: &mut Drift, i: &IntentWithCharge, ledger_epoch: i64, order_
         .get("region_epoch")
         .and_then(|e| e.parse::<i64>().ok())
         .is_some_and(|e| e < ledger_epoch);
-    let (Some(order), true, false, None) = (d.order_id, fenced, order_open, d.ledger.as_ref()) else { return };
+    let (Some(order), true, false, None) = (d.order_id, fenced, order_open, d.ledger.as_ref()) else {
+        return;
+    };
     let pi = &i.intent;
     let (kind, fact) = match pi.status {
         PaymentIntentStatus::Canceled => (DriftKind::LostOrderCompensated, None),

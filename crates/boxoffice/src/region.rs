@@ -45,7 +45,8 @@ pub async fn witness_pool(cfg: &Config, create: bool) -> anyhow::Result<PgPool> 
     }
     let opts: PgConnectOptions = url.parse().context("invalid witness_database_url")?;
     let pool =
-        boxoffice_store::connect(opts.application_name("boxoffice-region"), 2, cfg.db_acquire_timeout_ms).await?;
+        boxoffice_store::connect(opts.application_name("boxoffice-region"), 2, cfg.db_acquire_timeout_ms)
+            .await?;
     if create {
         witness::WITNESS_MIGRATOR.run(&pool).await.context("applying the witness's migrations")?;
     }
@@ -153,7 +154,9 @@ pub async fn fence(cfg: &Config) -> anyhow::Result<FenceReport> {
 
     let (mut old_primary_fenced, mut terminated, mut note, mut old_lsn) = (false, 0, None, None);
     match &cfg.region_peer_database_url {
-        None => note = Some("region_peer_database_url is not set: the lease alone fences the old primary".into()),
+        None => {
+            note = Some("region_peer_database_url is not set: the lease alone fences the old primary".into())
+        }
         Some(url) => match fence_peer(url.expose_secret(), &to).await {
             Ok((n, lsn)) => {
                 old_primary_fenced = true;
@@ -203,7 +206,9 @@ async fn fence_peer(url: &str, to: &Writer) -> anyhow::Result<(i64, String)> {
         bail!("the peer is a replica, not the old primary");
     }
     match region::fence(&pool, to, &by()).await {
-        Ok(f) => tracing::info!(from = f.from.epoch, to = f.to.epoch, lsn = %f.fence_lsn, "old primary fenced"),
+        Ok(f) => {
+            tracing::info!(from = f.from.epoch, to = f.to.epoch, lsn = %f.fence_lsn, "old primary fenced")
+        }
         // Already at a newer epoch: a later fence got there first; still make it read-only.
         Err(region::FenceError::NotNewer { current, .. }) if current >= to.epoch => {}
         Err(e) => return Err(e.into()),
@@ -235,7 +240,12 @@ pub async fn promote(cfg: &Config) -> anyhow::Result<PromoteReport> {
     let w = witness_pool(cfg, false).await?;
     let a = witness::authority(&w).await?.context("the witness has no authority (region init)")?;
     if a.region != cfg.region {
-        bail!("the witness names region {} at epoch {}: run `region fence` from {} first", a.region, a.epoch, cfg.region);
+        bail!(
+            "the witness names region {} at epoch {}: run `region fence` from {} first",
+            a.region,
+            a.epoch,
+            cfg.region
+        );
     }
     let started = std::time::Instant::now();
     loop {
@@ -296,7 +306,9 @@ pub async fn republish(cfg: &Config, since: Option<DateTime<Utc>>) -> anyhow::Re
             ttl: Duration::from_millis(cfg.region_lease_ttl_ms),
             renew: Duration::from_millis(cfg.region_lease_renew_ms),
         };
-        if boxoffice_workers::lease::renew_once(&w, &pool, &gate, &s).await? != boxoffice_workers::lease::Renewal::Granted {
+        if boxoffice_workers::lease::renew_once(&w, &pool, &gate, &s).await?
+            != boxoffice_workers::lease::Renewal::Granted
+        {
             bail!("the witness does not name region {} at epoch {}", cfg.region, cfg.region_epoch);
         }
     }

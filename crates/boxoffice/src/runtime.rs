@@ -338,10 +338,8 @@ async fn start_lease(
         .max_connections(1)
         .acquire_timeout(timeout)
         .connect_lazy_with(witness_opts.application_name(&format!("boxoffice-{}-lease", cfg.region)));
-    let ledger = PgPoolOptions::new()
-        .max_connections(1)
-        .acquire_timeout(timeout)
-        .connect_lazy_with(connect.clone());
+    let ledger =
+        PgPoolOptions::new().max_connections(1).acquire_timeout(timeout).connect_lazy_with(connect.clone());
     let settings = boxoffice_workers::lease::LeaseSettings {
         holder: format!("{}-{}-{}", cfg.region, std::process::id(), uuid::Uuid::new_v4().simple()),
         writer: cfg.writer(),
@@ -353,7 +351,8 @@ async fn start_lease(
         Ok(r) => tracing::info!(?r, region = %cfg.region, epoch = cfg.region_epoch, "region lease"),
         Err(e) => tracing::warn!(error = %format!("{e:#}"), "first region lease renewal failed"),
     }
-    let handle = tokio::spawn(boxoffice_workers::lease::run(witness, ledger, gate.clone(), settings, shutdown));
+    let handle =
+        tokio::spawn(boxoffice_workers::lease::run(witness, ledger, gate.clone(), settings, shutdown));
     Ok((gate, handle))
 }
 

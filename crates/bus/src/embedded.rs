@@ -29,7 +29,9 @@ impl EmbeddedBroker {
     pub fn create_topics(&self, cfg: &KafkaConfig) -> anyhow::Result<()> {
         for t in Topic::ALL {
             match self.cluster.create_topic(&cfg.topic(t.name()), cfg.partitions, 1) {
-                Err(e) if e.rdkafka_error_code() == Some(rdkafka::types::RDKafkaErrorCode::TopicAlreadyExists) => {}
+                Err(e)
+                    if e.rdkafka_error_code()
+                        == Some(rdkafka::types::RDKafkaErrorCode::TopicAlreadyExists) => {}
                 other => other?,
             }
         }

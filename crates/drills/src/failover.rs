@@ -171,7 +171,10 @@ pub async fn run(cfg: Config, args: FailoverArgs) -> anyhow::Result<i32> {
             return Ok(2);
         }
     };
-    log.note(format!("primary {} on {}, replica {} on {}", pair.primary.name, pair.primary.port, pair.replica.name, pair.replica.port));
+    log.note(format!(
+        "primary {} on {}, replica {} on {}",
+        pair.primary.name, pair.primary.port, pair.replica.name, pair.replica.port
+    ));
     let witness = format!("bo_failover_witness_{}", std::process::id());
     let outcome = drill(&cfg, &args, &pair, &witness, &log).await;
     let _ = drop_database(&cfg, &witness).await;
@@ -230,15 +233,23 @@ fn region_config(cfg: &Config, region: &str, db: String, witness: String, peer: 
     }
 }
 
-async fn drill(cfg: &Config, args: &FailoverArgs, pair: &PgPair, witness_db: &str, log: &Arc<Log>) -> anyhow::Result<FailoverReport> {
+async fn drill(
+    cfg: &Config,
+    args: &FailoverArgs,
+    pair: &PgPair,
+    witness_db: &str,
+    log: &Arc<Log>,
+) -> anyhow::Result<FailoverReport> {
     let mut report = FailoverReport::default();
     let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed);
     let main_opts = cfg.pg_options()?;
     let witness_url = main_opts.clone().database(witness_db).to_url_lossy().to_string();
     let primary_url = pair.primary.url("boxoffice");
     let replica_url = pair.replica.url("boxoffice");
-    let mut cfg_a = region_config(cfg, "primary", primary_url.clone(), witness_url.clone(), Some(replica_url.clone()));
-    let mut cfg_b = region_config(cfg, "dr", replica_url.clone(), witness_url.clone(), Some(primary_url.clone()));
+    let mut cfg_a =
+        region_config(cfg, "primary", primary_url.clone(), witness_url.clone(), Some(replica_url.clone()));
+    let mut cfg_b =
+        region_config(cfg, "dr", replica_url.clone(), witness_url.clone(), Some(primary_url.clone()));
     cfg_a.region_epoch = 1;
 
     // Brokers, one per region, and the simulator both regions call.
@@ -257,10 +268,19 @@ async fn drill(cfg: &Config, args: &FailoverArgs, pair: &PgPair, witness_db: &st
     // The primary's ledger (replicated to the DR replica), the witness, the event.
     let ledger_a = boxoffice::commands::migrate_db(&cfg_a).await.context("migrating the primary")?;
     boxoffice::region::init(&cfg_a).await.context("initialising the witness")?;
-    let (event, seats_n) =
-        venue::seed(&ledger_a, "Failover Drill", &VenueSpec::small(4, 20, 25), Utc::now(), &cfg_a.purchase_cell).await?;
+    let (event, seats_n) = venue::seed(
+        &ledger_a,
+        "Failover Drill",
+        &VenueSpec::small(4, 20, 25),
+        Utc::now(),
+        &cfg_a.purchase_cell,
+    )
+    .await?;
     let seats: Arc<Vec<Uuid>> = Arc::new(
-        sqlx::query_scalar("SELECT id FROM seats WHERE event_id = $1 ORDER BY id").bind(event.0).fetch_all(&ledger_a).await?,
+        sqlx::query_scalar("SELECT id FROM seats WHERE event_id = $1 ORDER BY id")
+            .bind(event.0)
+            .fetch_all(&ledger_a)
+            .await?,
     );
     log.note(format!("event {} with {seats_n} seats; witness names primary at epoch 1", event.0));
     let run_started = Utc::now();
@@ -278,7 +298,13 @@ async fn drill(cfg: &Config, args: &FailoverArgs, pair: &PgPair, witness_db: &st
     // The broker mirror A → B (the purchase topic), recording what it carried.
     let mirror_stop = CancellationToken::new();
     let mirrored = Arc::new(Mutex::new(HashSet::<Uuid>::new()));
-    let mirror = tokio::spawn(mirror_topic(cfg_a.clone(), cfg_b.clone(), &broker_b, mirrored.clone(), mirror_stop.clone())?);
+    let mirror = tokio::spawn(mirror_topic(
+        cfg_a.clone(),
+        cfg_b.clone(),
+        &broker_b,
+        mirrored.clone(),
+        mirror_stop.clone(),
+    )?);
 
     // Buyers, through whichever region the traffic switch names.
     let target = Arc::new(RwLock::new((api_a.clone(), true)));
@@ -302,7 +328,10 @@ async fn drill(cfg: &Config, args: &FailoverArgs, pair: &PgPair, witness_db: &st
     let before = args.before_cut.mul_f64(rng.gen_range(0.8..1.2));
     tokio::time::sleep(before).await;
     let cut = pair.cut_replication();
-    log.note(format!("replication cut after {:.1}s of buying ({cut} relay connection(s) reset)", before.as_secs_f64()));
+    log.note(format!(
+        "replication cut after {:.1}s of buying ({cut} relay connection(s) reset)",
+        before.as_secs_f64()
+    ));
     tokio::time::sleep(args.lag_window).await;
 
     // The primary region fails.
@@ -333,7 +362,11 @@ async fn drill(cfg: &Config, args: &FailoverArgs, pair: &PgPair, witness_db: &st
     log.note(format!(
         "fence: witness names dr at epoch {}; old primary {}; recovery point {} ({:?}); promotion in {} ms",
         fenced.authority.epoch,
-        if fenced.old_primary_fenced { "fenced".into() } else { fenced.old_primary_note.clone().unwrap_or_default() },
+        if fenced.old_primary_fenced {
+            "fenced".into()
+        } else {
+            fenced.old_primary_note.clone().unwrap_or_default()
+        },
         fenced.recovery_lsn,
         fenced.recovery_point_at,
         fenced.ms_until_clear
@@ -343,7 +376,10 @@ async fn drill(cfg: &Config, args: &FailoverArgs, pair: &PgPair, witness_db: &st
     }
     let promoted = boxoffice::region::promote(&cfg_b).await.context("region promote")?;
     report.lease_wait_ms = promoted.waited_for_leases_ms;
-    log.note(format!("promote: replica promoted after waiting {} ms for old leases; ledger at epoch {}", promoted.waited_for_leases_ms, promoted.writer.epoch));
+    log.note(format!(
+        "promote: replica promoted after waiting {} ms for old leases; ledger at epoch {}",
+        promoted.waited_for_leases_ms, promoted.writer.epoch
+    ));
     cfg_b.region_epoch = promoted.writer.epoch;
     // A writer's pool at the new epoch (reconcile writes facts through it).
     let ledger_b = boxoffice_store::connect(cfg_b.pg_options()?, 4, 10_000).await?;
@@ -362,12 +398,13 @@ async fn drill(cfg: &Config, args: &FailoverArgs, pair: &PgPair, witness_db: &st
     let api_b = region_b.api_url().context("api")?;
     let republished = boxoffice::region::republish(&cfg_b, None).await.context("region republish")?;
     report.republished = republished.republished;
-    let republished_ids: Vec<Uuid> =
-        sqlx::query_scalar("SELECT id FROM outbox WHERE created_at >= $1 AND region_epoch IS DISTINCT FROM $2")
-        .bind(republished.since)
-        .bind(cfg_b.region_epoch)
-        .fetch_all(&ledger_b)
-        .await?;
+    let republished_ids: Vec<Uuid> = sqlx::query_scalar(
+        "SELECT id FROM outbox WHERE created_at >= $1 AND region_epoch IS DISTINCT FROM $2",
+    )
+    .bind(republished.since)
+    .bind(cfg_b.region_epoch)
+    .fetch_all(&ledger_b)
+    .await?;
     {
         let m = mirrored.lock().unwrap();
         report.missed_by_mirror = republished_ids.iter().filter(|id| !m.contains(id)).count();
@@ -378,7 +415,10 @@ async fn drill(cfg: &Config, args: &FailoverArgs, pair: &PgPair, witness_db: &st
         .fetch_one(&ledger_b)
         .await?;
     report.mirrored_outside_cut = carried.len().saturating_sub(in_cut as usize);
-    log.note(format!("DR region up at {api_b} with epoch {}; {} outbox rows republished since {}", cfg_b.region_epoch, report.republished, republished.since));
+    log.note(format!(
+        "DR region up at {api_b} with epoch {}; {} outbox rows republished since {}",
+        cfg_b.region_epoch, report.republished, republished.since
+    ));
 
     // Synthetic hold + signed webhook, then the traffic switch.
     sim.set_webhook_url(Some(format!("{api_b}/webhooks/stripe")));
@@ -425,7 +465,9 @@ async fn drill(cfg: &Config, args: &FailoverArgs, pair: &PgPair, witness_db: &st
     .await
     .context("starting an old-epoch API at the new primary")?;
     let (zombie_api, stale_api) = (zombie.api_url().context("api")?, stale.api_url().context("api")?);
-    log.note(format!("zombie up at {zombie_api} (epoch 1, old primary); old-epoch API at the new primary {stale_api}"));
+    log.note(format!(
+        "zombie up at {zombie_api} (epoch 1, old primary); old-epoch API at the new primary {stale_api}"
+    ));
     let mut zombie_accepted = 0;
     let mut stale_accepted = 0;
     let deadline = Instant::now() + args.after;
@@ -447,7 +489,10 @@ async fn drill(cfg: &Config, args: &FailoverArgs, pair: &PgPair, witness_db: &st
     match boxoffice::region::fence(&cfg_b).await {
         Ok(f) => {
             report.zombie_fenced_in_its_ledger = f.old_primary_fenced;
-            log.note(format!("fence again: old primary fenced in its ledger: {}, {} sessions terminated", f.old_primary_fenced, f.old_primary_sessions_terminated));
+            log.note(format!(
+                "fence again: old primary fenced in its ledger: {}, {} sessions terminated",
+                f.old_primary_fenced, f.old_primary_sessions_terminated
+            ));
         }
         Err(e) => log.note(format!("second fence failed: {e:#}")),
     }
@@ -458,10 +503,11 @@ async fn drill(cfg: &Config, args: &FailoverArgs, pair: &PgPair, witness_db: &st
     }
     zombie.stop().await;
     stale.stop().await;
-    let zombie_rows = rows_after(&pair.primary.connect_options("boxoffice"), fence_at, None).await.unwrap_or_else(|e| {
-        log.note(format!("could not read the zombie's ledger: {e:#}"));
-        usize::MAX / 2
-    });
+    let zombie_rows =
+        rows_after(&pair.primary.connect_options("boxoffice"), fence_at, None).await.unwrap_or_else(|e| {
+            log.note(format!("could not read the zombie's ledger: {e:#}"));
+            usize::MAX / 2
+        });
     let stale_rows = rows_after(&main_like(&replica_url), fence_at, Some(cfg_b.region_epoch)).await?;
     report.zombie_writes_accepted = zombie_accepted + zombie_rows;
     report.old_epoch_writes_accepted = stale_accepted + stale_rows;
@@ -479,11 +525,17 @@ async fn drill(cfg: &Config, args: &FailoverArgs, pair: &PgPair, witness_db: &st
         let holds = ledger.holds.lock().unwrap().clone();
         let acked_a: Vec<Uuid> = holds.iter().filter(|h| h.2).map(|h| h.0).collect();
         report.holds_acknowledged = acked_a.len();
-        let present: Vec<Uuid> =
-            sqlx::query_scalar("SELECT id FROM orders WHERE id = ANY($1)").bind(&acked_a).fetch_all(&ledger_b).await?;
+        let present: Vec<Uuid> = sqlx::query_scalar("SELECT id FROM orders WHERE id = ANY($1)")
+            .bind(&acked_a)
+            .fetch_all(&ledger_b)
+            .await?;
         report.rpo_commits_lost = acked_a.len() - present.len();
     }
-    let drained = Drain::orders_of(event.0, args.drain_timeout).every(Duration::from_millis(250)).retrying_errors().run(&ledger_b).await?;
+    let drained = Drain::orders_of(event.0, args.drain_timeout)
+        .every(Duration::from_millis(250))
+        .retrying_errors()
+        .run(&ledger_b)
+        .await?;
     report.drained = drained.done;
     log.note(format!("DR region: {drained}"));
     // A second reconcile after the drain: compensations written by the first are settled.
@@ -492,7 +544,11 @@ async fn drill(cfg: &Config, args: &FailoverArgs, pair: &PgPair, witness_db: &st
     }
     let _ = Drain::outbox(Duration::from_secs(30), Duration::from_millis(250)).run(&ledger_b).await;
     report.duplicates_absorbed = duplicates_counted().saturating_sub(dup_before);
-    report.orphan_events = count(&ledger_b, "SELECT count(*) FROM incidents WHERE kind = 'orphan_fact'").await?;
+    report.orphan_events = count(
+        &ledger_b,
+        "SELECT count(DISTINCT detail->>'event_id') FROM incidents WHERE kind = 'orphan_fact'",
+    )
+    .await?;
     report.lost_orders_compensated =
         count(&ledger_b, "SELECT count(*) FROM incidents WHERE kind = 'lost_order_compensated'").await?;
     report.violations = audit(&cfg_b, &ledger_b, event, run_started, log).await;
@@ -561,7 +617,7 @@ fn mirror_topic(
         .create()?;
     let topic = ka.topic(boxoffice_domain::Topic::Purchase.name());
     consumer.subscribe(&[&topic])?;
-    let producer: FutureProducer = kb.client_config().create()?;
+    let producer: FutureProducer = kb.client_config().set("linger.ms", "1").create()?;
     let to = kb.topic(boxoffice_domain::Topic::Purchase.name());
     Ok(async move {
         loop {
@@ -579,13 +635,27 @@ fn mirror_topic(
             }
             if let Some(h) = msg.headers() {
                 let owned = h.detach();
-                if let Some(id) = owned.iter().find(|h| h.key == "event-id").and_then(|h| h.value).and_then(|v| std::str::from_utf8(v).ok()).and_then(|s| s.parse().ok()) {
+                if let Some(id) = owned
+                    .iter()
+                    .find(|h| h.key == "event-id")
+                    .and_then(|h| h.value)
+                    .and_then(|v| std::str::from_utf8(v).ok())
+                    .and_then(|s| s.parse().ok())
+                {
                     carried.lock().unwrap().insert(id);
                 }
                 rec = rec.headers(owned);
             }
-            let _ = producer.send(rec, Duration::from_secs(5)).await;
+            // Not awaited one by one: the mirror keeps up with the relay, as a replicator does.
+            while let Err((_, r)) = producer.send_result(rec) {
+                rec = r;
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
         }
+        let _ = tokio::task::spawn_blocking(move || {
+            rdkafka::producer::Producer::flush(&producer, Duration::from_secs(5))
+        })
+        .await;
     })
 }
 
@@ -649,9 +719,17 @@ async fn pay(
         if let Ok(r) = client.order(bearer, order).send().await {
             if let Ok(v) = r.json::<OrderView>().await {
                 if let (Some(pi), Some(secret)) = (&v.payment_intent_id, &v.client_secret) {
-                    confirm_payment(http, &cfg.stripe_api_base, &cfg.stripe_publishable_key, pi, secret, "pm_card_visa", &format!("confirm:{order}"))
-                        .send()
-                        .await?;
+                    confirm_payment(
+                        http,
+                        &cfg.stripe_api_base,
+                        &cfg.stripe_publishable_key,
+                        pi,
+                        secret,
+                        "pm_card_visa",
+                        &format!("confirm:{order}"),
+                    )
+                    .send()
+                    .await?;
                     return Ok(());
                 }
             }
@@ -700,11 +778,20 @@ async fn synthetic_purchase(
 }
 
 /// One hold at `api`; its status, `None` when the request failed.
-async fn attempt_hold(cfg: &Config, http: &reqwest::Client, api: &str, event: Uuid, seat: Uuid) -> Option<u16> {
+async fn attempt_hold(
+    cfg: &Config,
+    http: &reqwest::Client,
+    api: &str,
+    event: Uuid,
+    seat: Uuid,
+) -> Option<u16> {
     let user = UserId(Uuid::new_v4());
     let bearer = format!("Bearer {}", boxoffice::runtime::user_tokens(cfg).issue(user, 3_600));
     let adm = boxoffice::runtime::admission_tokens(cfg).ok()?.issue(user, EventId(event), 1, 600).0;
-    let r = BuyerClient::new(http.clone(), api).hold(&bearer, event, &adm, &Uuid::new_v4().to_string(), &[seat]).send().await;
+    let r = BuyerClient::new(http.clone(), api)
+        .hold(&bearer, event, &adm, &Uuid::new_v4().to_string(), &[seat])
+        .send()
+        .await;
     r.ok().map(|r| r.status().as_u16())
 }
 
@@ -728,7 +815,8 @@ async fn attempt_webhook(cfg: &Config, http: &reqwest::Client, api: &str) -> Opt
         }}
     })
     .to_string();
-    let sig = boxoffice_payments::webhook::sign(body.as_bytes(), cfg.stripe_webhook_secret.expose_secret(), now);
+    let sig =
+        boxoffice_payments::webhook::sign(body.as_bytes(), cfg.stripe_webhook_secret.expose_secret(), now);
     let r = http
         .post(format!("{api}/webhooks/stripe"))
         .header("stripe-signature", sig)
@@ -761,7 +849,10 @@ async fn audit(cfg: &Config, pool: &PgPool, event: EventId, since: DateTime<Utc>
     let opts = boxoffice::audit::AuditOptions {
         stuck_after_ms: 0,
         event: Some(event.0),
-        provider: Ok((provider, boxoffice::reconcile::Window { since: since - chrono::Duration::minutes(1), until: None })),
+        provider: Ok((
+            provider,
+            boxoffice::reconcile::Window { since: since - chrono::Duration::minutes(1), until: None },
+        )),
         kafka: cfg.kafka().ok_or_else(|| "no broker configured".to_owned()),
         dlq_timeout: Duration::from_secs(30),
     };

@@ -92,7 +92,9 @@ async fn main() {
         Command::Bench(args) => boxoffice_drills::bench::run(cfg, args).await,
         Command::Chaos(args) => boxoffice_drills::chaos::run(cfg, args).await,
         Command::Cells(args) => boxoffice_drills::cells::run(cfg, args).await,
-        Command::Drill { which: DrillKind::Failover(args) } => boxoffice_drills::failover::run(cfg, args).await,
+        Command::Drill { which: DrillKind::Failover(args) } => {
+            boxoffice_drills::failover::run(cfg, args).await
+        }
         Command::StripeSim { bind, webhook_url } => {
             boxoffice_drills::stripe_sim::serve(&cfg, &bind, webhook_url).await.map(|_| 0)
         }

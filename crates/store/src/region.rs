@@ -130,7 +130,12 @@ pub async fn fence(pool: &PgPool, to: &Writer, by: &str) -> Result<Fenced, Fence
     let from = Writer { region: current.region.clone(), epoch: current.epoch };
     if current.epoch == to.epoch && current.region == to.region {
         tx.rollback().await?;
-        return Ok(Fenced { from: from.clone(), to: from, fence_lsn: current.fence_lsn.unwrap_or_default(), waited_ms });
+        return Ok(Fenced {
+            from: from.clone(),
+            to: from,
+            fence_lsn: current.fence_lsn.unwrap_or_default(),
+            waited_ms,
+        });
     }
     if current.epoch >= to.epoch {
         return Err(FenceError::NotNewer { current: current.epoch, region: current.region });
@@ -204,7 +209,9 @@ pub async fn mirror_lease(pool: &PgPool, writer: &Writer, remaining_ms: i64) -> 
 pub async fn lease<'e>(
     ex: impl sqlx::PgExecutor<'e>,
 ) -> Result<Option<(String, i64, DateTime<Utc>)>, sqlx::Error> {
-    sqlx::query_as("SELECT region, epoch, valid_until FROM region_lease WHERE required").fetch_optional(ex).await
+    sqlx::query_as("SELECT region, epoch, valid_until FROM region_lease WHERE required")
+        .fetch_optional(ex)
+        .await
 }
 
 /// Where this server stands in replication.
@@ -241,14 +248,18 @@ pub struct ReplicaLag {
 pub async fn replication(pool: &PgPool) -> Result<Replication, sqlx::Error> {
     let (in_recovery,): (bool,) = sqlx::query_as("SELECT pg_is_in_recovery()").fetch_one(pool).await?;
     if in_recovery {
-        let (lsn, receive_lsn, at, lag): (Option<String>, Option<String>, Option<DateTime<Utc>>, Option<f64>) =
-            sqlx::query_as(
-                "SELECT pg_last_wal_replay_lsn()::text, pg_last_wal_receive_lsn()::text,
+        let (lsn, receive_lsn, at, lag): (
+            Option<String>,
+            Option<String>,
+            Option<DateTime<Utc>>,
+            Option<f64>,
+        ) = sqlx::query_as(
+            "SELECT pg_last_wal_replay_lsn()::text, pg_last_wal_receive_lsn()::text,
                         pg_last_xact_replay_timestamp(),
                         EXTRACT(EPOCH FROM clock_timestamp() - pg_last_xact_replay_timestamp())::float8",
-            )
-            .fetch_one(pool)
-            .await?;
+        )
+        .fetch_one(pool)
+        .await?;
         return Ok(Replication {
             role: "replica",
             lsn: lsn.unwrap_or_default(),
@@ -352,7 +363,8 @@ impl Default for LeaseGate {
 impl LeaseGate {
     /// Whether the lease holds now.
     pub fn is_valid(&self) -> bool {
-        (self.origin.elapsed().as_millis() as u64) < self.valid_until_ms.load(std::sync::atomic::Ordering::Acquire)
+        (self.origin.elapsed().as_millis() as u64)
+            < self.valid_until_ms.load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// Extends the lease to `sent + ttl`, where `sent` is when the granted renewal was sent

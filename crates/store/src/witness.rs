@@ -116,7 +116,9 @@ pub enum WitnessError {
 pub async fn fence(pool: &PgPool, to: &Writer, skew_ms: i64, by: &str) -> Result<Authority, WitnessError> {
     let mut tx = pool.begin().await?;
     let current: Option<(String, i64)> =
-        sqlx::query_as("SELECT region, epoch FROM region_authority FOR UPDATE").fetch_optional(&mut *tx).await?;
+        sqlx::query_as("SELECT region, epoch FROM region_authority FOR UPDATE")
+            .fetch_optional(&mut *tx)
+            .await?;
     let Some((region, epoch)) = current else { return Err(WitnessError::Uninitialised) };
     if region == to.region && epoch == to.epoch {
         tx.rollback().await?;

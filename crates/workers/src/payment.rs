@@ -330,7 +330,8 @@ impl Handler for PaymentWorker {
                 PurchaseEvent::RefundRequested { .. },
                 Prepared::Refunded { payment_intent_id, amount_minor },
             ) if payments::get(&mut **tx, order_id).await?.is_none() => {
-                lost_order_compensated(tx, order_id, &payment_intent_id, format!("refunded {amount_minor}")).await?;
+                lost_order_compensated(tx, order_id, &payment_intent_id, format!("refunded {amount_minor}"))
+                    .await?;
             }
             (
                 PurchaseEvent::RefundRequested { .. },

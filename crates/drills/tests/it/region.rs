@@ -66,7 +66,8 @@ async fn a_promotion_rejects_the_old_region_epoch(_: PgPoolOptions, opts: PgConn
     let outbox_before = app.count("SELECT count(*) FROM outbox").await;
     let b2 = app.buyer();
     let adm2 = app.admission_token(&b2);
-    let (status, code, body) = problem(app.hold(&b2, &adm2, &Uuid::new_v4().to_string(), &seats[1..2]).await).await;
+    let (status, code, body) =
+        problem(app.hold(&b2, &adm2, &Uuid::new_v4().to_string(), &seats[1..2]).await).await;
     assert_eq!((status, code.as_str()), (503, "region_fenced"), "{body}");
     assert_eq!(app.count("SELECT count(*) FROM holds").await, holds_before, "nothing written");
     assert_eq!(app.count("SELECT count(*) FROM outbox").await, outbox_before, "nothing written");
@@ -95,11 +96,13 @@ async fn the_fence_waits_for_writers_in_flight_and_refuses_the_ones_behind_it(
     let admin = pool.connect_with(opts.clone()).await.unwrap();
     let old = writer_pool(&opts, &writer("primary", 1)).await;
     let mut in_flight = old.begin().await.unwrap();
-    sqlx::query("INSERT INTO outbox (id, topic, message_key, event_type, payload) VALUES ($1, 't', 'k', 'A', '{}')")
-        .bind(Uuid::new_v4())
-        .execute(&mut *in_flight)
-        .await
-        .unwrap();
+    sqlx::query(
+        "INSERT INTO outbox (id, topic, message_key, event_type, payload) VALUES ($1, 't', 'k', 'A', '{}')",
+    )
+    .bind(Uuid::new_v4())
+    .execute(&mut *in_flight)
+    .await
+    .unwrap();
 
     let fencing = tokio::spawn({
         let admin = admin.clone();
@@ -115,12 +118,16 @@ async fn the_fence_waits_for_writers_in_flight_and_refuses_the_ones_behind_it(
         .unwrap();
         c >= n
     };
-    eventually(Duration::from_secs(10), "the fence waits for the writer in flight", || waiting(admin.clone(), 1)).await;
+    eventually(Duration::from_secs(10), "the fence waits for the writer in flight", || {
+        waiting(admin.clone(), 1)
+    })
+    .await;
     let behind = tokio::spawn({
         let old = old.clone();
         async move { raw_outbox_write(&old).await }
     });
-    eventually(Duration::from_secs(10), "a new writer queues behind the fence", || waiting(admin.clone(), 2)).await;
+    eventually(Duration::from_secs(10), "a new writer queues behind the fence", || waiting(admin.clone(), 2))
+        .await;
     assert!(!fencing.is_finished() && !behind.is_finished());
 
     // Just before its commit record: the fence's position must lie after it.
@@ -190,17 +197,24 @@ async fn a_returning_old_primary_cannot_sell_once_its_lease_lapses(_: PgPoolOpti
         async move { refusal_of(raw_outbox_write(&old).await) == Some(Refusal::LeaseLapsed) }
     })
     .await;
-    assert!(witness::ms_until_clear(&wpool).await.unwrap() <= 2_000, "promotion waits at most TTL + skew after the fence");
+    assert!(
+        witness::ms_until_clear(&wpool).await.unwrap() <= 2_000,
+        "promotion waits at most TTL + skew after the fence"
+    );
     // Holds taken while the old lease still ran are inside the window promotion waits out;
     // none is later than the last lease the witness granted to epoch 1.
     let last_lease: chrono::DateTime<chrono::Utc> =
-        sqlx::query_scalar("SELECT max(expires_at) FROM region_leases WHERE epoch = 1").fetch_one(&wpool).await.unwrap();
+        sqlx::query_scalar("SELECT max(expires_at) FROM region_leases WHERE epoch = 1")
+            .fetch_one(&wpool)
+            .await
+            .unwrap();
     let last_hold: chrono::DateTime<chrono::Utc> =
         sqlx::query_scalar("SELECT max(created_at) FROM holds").fetch_one(&app.pool).await.unwrap();
     assert!(last_hold < last_lease, "a hold at {last_hold} after the old lease expired at {last_lease}");
     let b3 = app.buyer();
     let (status, code, _) =
-        problem(app.hold(&b3, &app.admission_token(&b3), &Uuid::new_v4().to_string(), &seats[2..3]).await).await;
+        problem(app.hold(&b3, &app.admission_token(&b3), &Uuid::new_v4().to_string(), &seats[2..3]).await)
+            .await;
     assert_eq!((status, code.as_str()), (503, "region_fenced"));
     app.stop().await;
     wpool.close().await;
@@ -222,7 +236,13 @@ impl Handler for Counting {
     async fn prepare(&self, _: &Envelope, _: &PurchaseEvent) -> Result<(), HandlerError> {
         Ok(())
     }
-    async fn apply(&self, _: &mut Tx<'_>, _: &Envelope, _: &PurchaseEvent, _: ()) -> Result<(), HandlerError> {
+    async fn apply(
+        &self,
+        _: &mut Tx<'_>,
+        _: &Envelope,
+        _: &PurchaseEvent,
+        _: (),
+    ) -> Result<(), HandlerError> {
         self.0.fetch_add(1, Ordering::SeqCst);
         Ok(())
     }
