@@ -1503,6 +1503,39 @@ mod tests {
         c.validate().expect_err("refused").downcast::<SecretFindings>().expect("a secrets refusal")
     }
 
+    /// The region settings' rules (design §15): each refusal names its setting.
+    #[test]
+    fn region_settings_are_checked() {
+        let base = Config::default();
+        base.validate().unwrap();
+        let refused = |c: Config| format!("{:#}", c.validate().expect_err("refused"));
+        assert!(refused(Config { region_epoch: 0, ..base.clone() }).contains("region_epoch"));
+        assert!(refused(Config { region: "eu west".into(), ..base.clone() }).contains("region"));
+        assert!(refused(Config { region_lease_renew_ms: 3_000, ..base.clone() })
+            .contains("region_lease_renew_ms"));
+        let short = refused(Config { outbox_retention_s: 200, ..base.clone() });
+        assert!(
+            short.contains("outbox_retention_s") && short.contains("region_max_replication_lag_s"),
+            "{short}"
+        );
+        let witness = Config { witness_database_url: Some("postgres://w/witness".into()), ..base.clone() };
+        witness.validate().unwrap();
+        assert!(refused(Config { region_lease_skew_ms: 5_000, ..witness.clone() })
+            .contains("region_lease_skew_ms"));
+        assert!(refused(Config { db_statement_timeout_ms: 0, ..witness.clone() })
+            .contains("db_statement_timeout_ms"));
+        let same = Config {
+            witness_database_url: Some(base.database_url.expose_secret().to_owned().into()),
+            ..base.clone()
+        };
+        assert!(refused(same).contains("witness_database_url"));
+        let opts = format!("{:?}", base.pg_options().unwrap());
+        assert!(
+            opts.contains("boxoffice.region_epoch=1") && opts.contains("statement_timeout=10000"),
+            "{opts}"
+        );
+    }
+
     #[test]
     fn development_defaults_validate_with_one_warning_per_builtin_secret() {
         let c = Config::default();

@@ -382,3 +382,17 @@ impl LeaseGate {
             .saturating_sub(self.origin.elapsed().as_millis() as u64)
     }
 }
+
+/// Drops every region fence trigger of this database; returns how many. Only the capacity
+/// bench calls it, on its throwaway database, to measure what the check costs.
+pub async fn drop_fence_triggers(pool: &PgPool) -> Result<i64, sqlx::Error> {
+    let names: Vec<(String, String)> = sqlx::query_as(
+        "SELECT tgname::text, tgrelid::regclass::text FROM pg_trigger WHERE tgname LIKE '%\\_region\\_fence'",
+    )
+    .fetch_all(pool)
+    .await?;
+    for (t, rel) in &names {
+        sqlx::query(&format!("DROP TRIGGER {} ON {}", quote_ident(t), rel)).execute(pool).await?;
+    }
+    Ok(names.len() as i64)
+}

@@ -53,6 +53,10 @@ pub struct BenchArgs {
     /// Share of P1 hold attempts that ask for a seat already dealt out (they should get 409).
     #[arg(long, default_value_t = 0.05)]
     pub p1_conflict_share: f64,
+    /// `off` drops the region fence's triggers in P1's throwaway database, to measure what the
+    /// epoch check costs the hold transaction (compare with a run at `on`, the default).
+    #[arg(long, default_value = "on", value_parser = ["on", "off"])]
+    pub p1_region_fence: String,
     /// pgbench scale factor (`pgbench -i -s`).
     #[arg(long, default_value_t = 10)]
     pub pgbench_scale: u32,

@@ -106,6 +106,10 @@ async fn run_on(cfg: &Config, args: &BenchArgs, db: &BenchDb, pool: &PgPool) -> 
             .await?;
     let deck = Arc::new(Deck::load(pool, event.0).await?);
     eprintln!("   venue: {} seats", deck.len());
+    if args.p1_region_fence == "off" {
+        let n = boxoffice_store::region::drop_fence_triggers(pool).await?;
+        eprintln!("   region fence: off ({n} triggers dropped in this database)");
+    }
 
     let pgbench = PgBench::prepare(cfg, args.pgbench_scale).await;
     let mut pgbench_error = pgbench.as_ref().err().map(|e| format!("{e:#}"));

@@ -331,3 +331,24 @@ async fn republish_reopens_the_recovery_window_only(pool: PgPoolOptions, opts: P
     .unwrap();
     assert_eq!((old_open, recent_open), (0, 5));
 }
+
+/// `region status` on a writing primary: its epoch, role `primary`, writable; after a fence
+/// to another region it is no longer writable, and the record names the new writer and the
+/// fence's WAL position.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn region_status_tells_whether_this_configuration_may_write(
+    pool: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    use sqlx::ConnectOptions;
+    let admin = pool.connect_with(opts.clone()).await.unwrap();
+    let cfg = Config { database_url: opts.to_url_lossy().to_string().into(), ..Config::default() };
+    let s = boxoffice::region::status(&cfg).await.unwrap();
+    assert_eq!((s.ledger.epoch, s.replication.role, s.writable), (1, "primary", true));
+    assert!(!s.replication.lsn.is_empty());
+    region::fence(&admin, &writer("dr", 2), "test").await.unwrap();
+    let s = boxoffice::region::status(&cfg).await.unwrap();
+    assert!(!s.writable, "epoch 1 may not write a ledger at epoch 2");
+    assert_eq!((s.ledger.region.as_str(), s.ledger.epoch), ("dr", 2));
+    assert!(s.ledger.fence_lsn.is_some());
+}
