@@ -43,7 +43,11 @@ ALTER TABLE outbox
     ADD COLUMN region text DEFAULT nullif(current_setting('boxoffice.region', true), ''),
     ADD COLUMN region_epoch bigint DEFAULT nullif(current_setting('boxoffice.region_epoch', true), '')::bigint;
 
-CREATE FUNCTION region_fence_check() RETURNS trigger LANGUAGE plpgsql AS $$
+-- SECURITY DEFINER: the lock needs more than SELECT on region_epoch, which the application
+-- role must not have (it could move the epoch); the function runs as the migrating owner
+-- and reads the session's declared epoch all the same.
+CREATE FUNCTION region_fence_check() RETURNS trigger LANGUAGE plpgsql
+SECURITY DEFINER SET search_path FROM CURRENT AS $$
 DECLARE
     writer text := current_setting('boxoffice.region_epoch', true);
     ledger bigint;
@@ -74,7 +78,7 @@ BEGIN
     FOREACH t IN ARRAY ARRAY['seats', 'holds', 'hold_seats', 'orders', 'payments', 'tickets',
                              'idempotency_keys', 'outbox', 'inbox', 'stripe_events', 'incidents',
                              'admission_revocations'] LOOP
-        EXECUTE format('CREATE TRIGGER %I BEFORE INSERT OR UPDATE OR DELETE ON %I
+        EXECUTE format('CREATE TRIGGER %I BEFORE INSERT OR UPDATE OR DELETE OR TRUNCATE ON %I
                         FOR EACH STATEMENT EXECUTE FUNCTION region_fence_check()',
                        t || '_region_fence', t);
     END LOOP;

@@ -352,3 +352,37 @@ async fn region_status_tells_whether_this_configuration_may_write(
     assert_eq!((s.ledger.region.as_str(), s.ledger.epoch), ("dr", 2));
     assert!(s.ledger.fence_lsn.is_some());
 }
+
+/// The fence needs no privilege on the epoch record: an application role that may write the
+/// outbox but not touch `region_epoch` writes at the ledger's epoch, is refused at another,
+/// cannot move the epoch itself, and a stale writer's TRUNCATE is refused like any write.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn the_fence_holds_for_a_least_privileged_role_and_for_truncate(
+    pool: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    let admin = pool.connect_with(opts.clone()).await.unwrap();
+    let role = format!("bo_app_{}", &Uuid::new_v4().simple().to_string()[..12]);
+    sqlx::query(&format!("CREATE ROLE {role} LOGIN")).execute(&admin).await.unwrap();
+    sqlx::query(&format!("GRANT INSERT, SELECT, TRUNCATE ON outbox TO {role}"))
+        .execute(&admin)
+        .await
+        .unwrap();
+    let as_app = opts.clone().username(&role);
+    let current = writer_pool(&as_app, &writer("primary", 1)).await;
+    raw_outbox_write(&current).await.expect("the application role writes at the ledger's epoch");
+    let moved = sqlx::query("UPDATE region_epoch SET epoch = 9").execute(&current).await;
+    assert!(moved.is_err(), "the application role cannot move the epoch");
+    let stale = writer_pool(&as_app, &writer("primary", 0)).await;
+    assert_eq!(refusal_of(raw_outbox_write(&stale).await), Some(Refusal::Fenced));
+    let truncated = sqlx::query("TRUNCATE outbox").execute(&stale).await.map(|_| ());
+    assert_eq!(refusal_of(truncated), Some(Refusal::Fenced), "TRUNCATE is a write too");
+    assert_eq!(
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM outbox").fetch_one(&admin).await.unwrap(),
+        1
+    );
+    current.close().await;
+    stale.close().await;
+    sqlx::query(&format!("DROP OWNED BY {role}")).execute(&admin).await.unwrap();
+    sqlx::query(&format!("DROP ROLE {role}")).execute(&admin).await.unwrap();
+}
