@@ -467,7 +467,7 @@ impl Supervisor {
         if matches!(p.kind, ProcKind::Role(_)) {
             cmd.env("BOXOFFICE_FAULTS", &faults);
         }
-        only_stdio(&mut cmd, true);
+        only_stdio(cmd.as_std_mut(), true);
         let child = cmd.spawn().with_context(|| format!("starting {} ({})", p.name, p.program.display()))?;
         let pid = child.id().unwrap_or_default();
         p.child = Some(child);
@@ -564,7 +564,8 @@ impl Supervisor {
 /// not hand that lock to the server for its lifetime). With `die_with_parent`, the child is
 /// also SIGKILLed when this process dies, so a crashed run leaves no orphans, and writes no
 /// core file when it aborts at a fault point.
-fn only_stdio(cmd: &mut Command, die_with_parent: bool) {
+pub(crate) fn only_stdio(cmd: &mut std::process::Command, die_with_parent: bool) {
+    use std::os::unix::process::CommandExt;
     // SAFETY: the closure runs between fork and exec and only makes async-signal-safe system
     // calls (close_range, fcntl, prctl, setrlimit); it allocates nothing and takes no lock.
     unsafe {
@@ -1319,7 +1320,7 @@ async fn restart_postgres(base: &Config) -> anyhow::Result<()> {
     cmd.args(["--skip-systemctl-redirect", &version.to_string(), "main", "restart"])
         .stdin(std::process::Stdio::null())
         .kill_on_drop(true);
-    only_stdio(&mut cmd, false);
+    only_stdio(cmd.as_std_mut(), false);
     let out = tokio::time::timeout(Duration::from_secs(60), cmd.output())
         .await
         .context("pg_ctlcluster restart took over 60 s")??;

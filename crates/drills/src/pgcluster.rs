@@ -738,24 +738,7 @@ fn as_owner(cmd: &mut Command, (uid, gid): (u32, u32)) {
 /// descriptor this process was given (a test runner's, a lock file) is marked close-on-exec,
 /// so the long-lived postmaster does not hold it.
 fn only_stdio(cmd: &mut Command) {
-    // SAFETY: the closure runs between fork and exec and only makes async-signal-safe system
-    // calls (close_range, fcntl); it allocates nothing and takes no lock.
-    unsafe {
-        cmd.pre_exec(|| {
-            const CLOSE_RANGE_CLOEXEC: libc::c_uint = 1 << 2;
-            if libc::syscall(libc::SYS_close_range, 3 as libc::c_uint, libc::c_uint::MAX, CLOSE_RANGE_CLOEXEC)
-                != 0
-            {
-                for fd in 3..4_096 {
-                    let flags = libc::fcntl(fd, libc::F_GETFD);
-                    if flags >= 0 {
-                        libc::fcntl(fd, libc::F_SETFD, flags | libc::FD_CLOEXEC);
-                    }
-                }
-            }
-            Ok(())
-        });
-    }
+    crate::chaos::only_stdio(cmd, false);
 }
 
 /// Runs `cmd` to completion in a process group of its own; its stdout, or an error with its
