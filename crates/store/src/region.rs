@@ -121,7 +121,21 @@ pub enum FenceError {
 /// EXCLUSIVE mode (waiting for writers already past their first write; new ones queue), records
 /// the WAL insert position and updates the record, in one transaction. Idempotent for the same
 /// `to`: a fence already at `to` returns the recorded position without waiting.
+///
+/// A writer past its first write may wait for a row lock held by a writer queued behind the
+/// fence: PostgreSQL breaks that cycle by aborting one of the three, and when it is the fence,
+/// the fence is tried again (up to five times).
 pub async fn fence(pool: &PgPool, to: &Writer, by: &str) -> Result<Fenced, FenceError> {
+    let mut attempt = 0;
+    loop {
+        match fence_once(pool, to, by).await {
+            Err(FenceError::Db(e)) if crate::is_retryable(&e) && attempt < 4 => attempt += 1,
+            other => return other,
+        }
+    }
+}
+
+async fn fence_once(pool: &PgPool, to: &Writer, by: &str) -> Result<Fenced, FenceError> {
     let mut tx = pool.begin().await?;
     let started = std::time::Instant::now();
     sqlx::query("LOCK TABLE region_epoch IN EXCLUSIVE MODE").execute(&mut *tx).await?;

@@ -61,7 +61,11 @@ pub async fn renew_once(
 }
 
 /// Runs the renewer until `shutdown`. Exports `boxoffice_region_lease_valid` (1/0) and
-/// `boxoffice_region_lease_remaining_ms`.
+/// `boxoffice_region_lease_remaining_ms`, and every 5 s this ledger's replication lag:
+/// `boxoffice_region_replication_lag_bytes{replica}` and
+/// `boxoffice_region_replication_lag_seconds{replica}` on a primary (per replica it streams
+/// to), `boxoffice_region_replica_lag_seconds` on a replica (the age of its last replayed
+/// commit).
 pub async fn run(
     witness_pool: PgPool,
     ledger: PgPool,
@@ -70,7 +74,12 @@ pub async fn run(
     shutdown: CancellationToken,
 ) {
     let mut was_valid = gate.is_valid();
+    let mut last_lag = Instant::now() - Duration::from_secs(60);
     while !shutdown.is_cancelled() {
+        if last_lag.elapsed() >= Duration::from_secs(5) {
+            last_lag = Instant::now();
+            export_replication_lag(&ledger).await;
+        }
         match renew_once(&witness_pool, &ledger, &gate, &s).await {
             Ok(Renewal::Granted) => {}
             Ok(Renewal::Refused) => {
@@ -94,5 +103,23 @@ pub async fn run(
             _ = shutdown.cancelled() => {}
             _ = tokio::time::sleep(s.renew) => {}
         }
+    }
+}
+
+/// The ledger's replication figures as gauges (a failed read is logged and skipped).
+async fn export_replication_lag(ledger: &PgPool) {
+    match region::replication(ledger).await {
+        Ok(r) if r.role == "replica" => {
+            metrics::gauge!("boxoffice_region_replica_lag_seconds").set(r.lag_seconds.unwrap_or(0.0));
+        }
+        Ok(r) => {
+            for replica in r.replicas {
+                metrics::gauge!("boxoffice_region_replication_lag_bytes", "replica" => replica.name.clone())
+                    .set(replica.lag_bytes as f64);
+                metrics::gauge!("boxoffice_region_replication_lag_seconds", "replica" => replica.name)
+                    .set(replica.lag_seconds.unwrap_or(0.0));
+            }
+        }
+        Err(e) => tracing::debug!(error = %e, "reading replication lag failed"),
     }
 }
