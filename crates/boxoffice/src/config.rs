@@ -353,8 +353,8 @@ pub struct Config {
     pub region_lease_renew_ms: u64,
     /// Clock-rate and transaction-duration margin a fence adds to the last old lease's
     /// expiry before promotion may proceed, ms (default 10000; at least
-    /// `db_statement_timeout_ms`, the longest a write checked before the lapse can take to
-    /// commit).
+    /// `db_statement_timeout_ms`: a purchase transaction checked just before the lapse, a few
+    /// statements sent back to back, each bounded by it, may commit that much later).
     pub region_lease_skew_ms: u64,
     /// The other region's database (secret), for `region fence`: when reachable, the old
     /// primary's epoch record is fenced too, the application role is made read-only there

@@ -3,8 +3,10 @@
 -- `region_epoch` is this ledger's one epoch record: which region may write it, at which
 -- epoch. Every purchase-path process declares its epoch on its session
 -- (`boxoffice.region_epoch`, set in the connection's startup options); the trigger below
--- compares it with this row on every write statement to the purchase tables, under a share
--- lock on the table, and refuses a mismatch with SQLSTATE BXF01. `boxoffice region fence`
+-- compares it with this row on the first write statement of each transaction to the
+-- purchase tables, under a share lock on the table held to commit (so the record cannot
+-- change before the transaction ends, and later statements need no check), and refuses a
+-- mismatch with SQLSTATE BXF01. `boxoffice region fence`
 -- takes the table in EXCLUSIVE mode (it waits only for transactions already past their
 -- first write, and new writers queue behind it), bumps the epoch and records the WAL
 -- position before which every commit of the old epoch lies.
@@ -56,6 +58,11 @@ BEGIN
     IF writer IS NULL OR writer = '' THEN
         RETURN NULL;
     END IF;
+    -- Checked already in this transaction (the mark is transaction-local, and undone with a
+    -- rolled-back savepoint, whose lock is released too).
+    IF current_setting('boxoffice.region_checked', true) = txid_current()::text THEN
+        RETURN NULL;
+    END IF;
     -- ROW SHARE conflicts only with the fence's EXCLUSIVE lock; held to commit. The read
     -- below takes its snapshot after the lock is granted (READ COMMITTED, which every
     -- purchase-path transaction uses), so a writer that waited for a fence sees its epoch.
@@ -69,6 +76,7 @@ BEGIN
     IF FOUND AND lease.required AND lease.valid_until <= clock_timestamp() THEN
         RAISE EXCEPTION 'region lease lapsed at %', lease.valid_until USING ERRCODE = 'BXF02';
     END IF;
+    PERFORM set_config('boxoffice.region_checked', txid_current()::text, true);
     RETURN NULL;
 END $$;
 

@@ -4,7 +4,8 @@
 //!
 //! Protects every invariant across a regional failover: at any instant one region's
 //! processes can commit purchase writes. The check itself lives in the database
-//! (migration 0013): every write statement to a purchase table runs `region_fence_check()`,
+//! (migration 0013): the first write statement of each transaction to a purchase table runs
+//! `region_fence_check()` in full (later ones find the transaction-local mark it leaves),
 //! which takes `region_epoch` in ROW SHARE mode and compares the session's declared epoch
 //! (`boxoffice.region_epoch`, set in the connection's startup options by
 //! [`writer_options`]) with the record, and refuses with SQLSTATE [`FENCED`]; when the
