@@ -127,7 +127,9 @@ impl Problem {
     /// writes now (or this region's lease lapsed); the client retries, and the traffic switch
     /// sends it to the region that writes. Nothing was written.
     pub fn region_fenced(refusal: boxoffice_store::region::Refusal) -> Self {
-        tracing::warn!(?refusal, "write refused by the region fence");
+        // Counted, not logged per request: a fenced region answers every buyer this way.
+        metrics::counter!("boxoffice_region_fenced_total", "refusal" => format!("{refusal:?}")).increment(1);
+        tracing::debug!(?refusal, "write refused by the region fence");
         let mut p = Self::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "region_fenced",

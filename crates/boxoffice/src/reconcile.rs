@@ -494,9 +494,14 @@ pub async fn scan(
         .await
         .context("listing PaymentIntents at the provider")?;
     let intents_listed = listed.len();
-    // Ours: the intent names an order. Anything else on the account is not our business.
-    let ours: Vec<IntentWithCharge> =
-        listed.into_iter().filter(|i| i.order_id().and_then(|o| o.parse::<Uuid>().ok()).is_some()).collect();
+    // Ours: the intent names an order, and no other purchase cell than this ledger's (the
+    // account is shared by every cell). Anything else on the account is not our business.
+    let own_cells: HashSet<String> = boxoffice_store::cells::own_cells(pool).await?.into_iter().collect();
+    let ours: Vec<IntentWithCharge> = listed
+        .into_iter()
+        .filter(|i| i.order_id().and_then(|o| o.parse::<Uuid>().ok()).is_some())
+        .filter(|i| i.intent.metadata.get("purchase_cell").is_none_or(|c| own_cells.contains(c)))
+        .collect();
     let ids: Vec<String> = ours.iter().map(|i| i.intent.id.clone()).collect();
     let mut ledger_rows: HashMap<String, LedgerPayment> = ledger::ledger_for_intents(pool, &ids)
         .await?
@@ -594,8 +599,12 @@ pub async fn scan(
     let epoch = boxoffice_store::region::record(pool).await?.epoch;
     for d in drift.iter_mut() {
         if let Some(i) = intents.iter().find(|i| i.intent.id == d.payment_intent_id) {
+            // Only an intent naming this ledger's cell can be this ledger's lost order.
+            let own = i.intent.metadata.get("purchase_cell").is_some_and(|c| own_cells.contains(c));
             let open = d.order_id.and_then(|o| order_final.get(&o)).is_some_and(|f| !f);
-            lost_order(d, i, epoch, open);
+            if own {
+                lost_order(d, i, epoch, open);
+            }
         }
     }
     Ok(Scan { window, intents_listed, intents, ledger: ledger_rows, drift })

@@ -143,6 +143,24 @@ pub struct FenceReport {
 pub async fn fence(cfg: &Config) -> anyhow::Result<FenceReport> {
     let w = witness_pool(cfg, false).await?;
     let current = witness::authority(&w).await?.context("the witness has no authority (region init)")?;
+    // Only a replica takes over. A primary may re-run the fence it already won (to reach the
+    // old primary once it answers); any other primary is a returning old one, whose ledger
+    // misses everything written since it was fenced: it must be rebuilt as a replica.
+    let ledger = ledger_pool(cfg).await?;
+    let (in_recovery,): (bool,) = sqlx::query_as("SELECT pg_is_in_recovery()").fetch_one(&ledger).await?;
+    if !in_recovery {
+        let mine = region::record(&ledger).await?;
+        if !(current.region == cfg.region && mine.region == cfg.region && mine.epoch == current.epoch) {
+            bail!(
+                "this region's database is a primary at epoch {} ({}) while the witness names {} at epoch {}: \
+                 a fence takes over from a replica; rebuild this database as a replica of the writing region",
+                mine.epoch,
+                mine.region,
+                current.region,
+                current.epoch
+            );
+        }
+    }
     let to = if current.region == cfg.region {
         // Re-run of a fence towards this region: resume, never bump twice.
         Writer { region: cfg.region.clone(), epoch: current.epoch }
@@ -164,12 +182,11 @@ pub async fn fence(cfg: &Config) -> anyhow::Result<FenceReport> {
                 old_lsn = Some(lsn);
             }
             Err(e) => {
-                note = Some(format!("old primary not reached ({e:#}): the lease alone fences it"));
+                note = Some(format!("not reached ({e:#}): the lease alone fences it"));
             }
         },
     }
 
-    let ledger = ledger_pool(cfg).await?;
     let rep = region::replication(&ledger).await?;
     let lag_bytes = match &old_lsn {
         Some(old) => Some(region::lsn_diff(&ledger, old, &rep.lsn).await?.max(0)),
@@ -196,10 +213,17 @@ pub async fn fence(cfg: &Config) -> anyhow::Result<FenceReport> {
 /// its WAL position).
 async fn fence_peer(url: &str, to: &Writer) -> anyhow::Result<(i64, String)> {
     let opts: PgConnectOptions = url.parse().context("invalid region_peer_database_url")?;
+    // One attempt, bounded: a refused connection fails at once, a silent network in 3 s.
+    let opts = opts.application_name("boxoffice-region-fence");
+    let probe: sqlx::PgConnection =
+        tokio::time::timeout(Duration::from_secs(3), sqlx::Connection::connect_with(&opts))
+            .await
+            .map_err(|_| anyhow::anyhow!("no answer within 3 s"))??;
+    drop(probe);
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(1)
         .acquire_timeout(Duration::from_secs(3))
-        .connect_with(opts.application_name("boxoffice-region-fence"))
+        .connect_with(opts)
         .await?;
     let (in_recovery,): (bool,) = sqlx::query_as("SELECT pg_is_in_recovery()").fetch_one(&pool).await?;
     if in_recovery {
@@ -258,6 +282,19 @@ pub async fn promote(cfg: &Config) -> anyhow::Result<PromoteReport> {
     }
     let waited_for_leases_ms = started.elapsed().as_millis() as i64;
     let ledger = ledger_pool(cfg).await?;
+    let (in_recovery,): (bool,) = sqlx::query_as("SELECT pg_is_in_recovery()").fetch_one(&ledger).await?;
+    if !in_recovery {
+        // Already promoted (a promotion resumed): only this region's own ledger, one epoch
+        // behind at most (promoted, not yet fenced) or already at the witness's epoch.
+        let mine = region::record(&ledger).await?;
+        if !(mine.epoch == a.epoch || (mine.epoch + 1 == a.epoch && fenced_from_here(&w, &mine).await?)) {
+            bail!(
+                "this region's database is a primary at epoch {} ({}), not a replica: promotion takes a replica",
+                mine.epoch,
+                mine.region
+            );
+        }
+    }
     let promoted = region::promote(&ledger, 60).await?;
     let writer = Writer { region: a.region.clone(), epoch: a.epoch };
     let fence_lsn = match region::fence(&ledger, &writer, &by()).await {
@@ -268,6 +305,14 @@ pub async fn promote(cfg: &Config) -> anyhow::Result<PromoteReport> {
         Err(e) => return Err(e.into()),
     };
     Ok(PromoteReport { writer, promoted, waited_for_leases_ms, fence_lsn })
+}
+
+/// Whether the witness recorded, at its fence, a recovery point this promoted ledger was the
+/// replica of (its epoch record is the one the witness moved from): a promotion that stopped
+/// between `pg_promote` and fencing the ledger.
+async fn fenced_from_here(w: &PgPool, mine: &region::EpochRecord) -> anyhow::Result<bool> {
+    let a = witness::authority(w).await?.context("the witness has no authority")?;
+    Ok(a.recovery_lsn.is_some() && mine.region != a.region)
 }
 
 /// What `region republish` did.

@@ -151,8 +151,8 @@ pub enum Disposition {
     Ignored,
     /// Sent to the dead-letter topic.
     DeadLettered,
-    /// A fact of an older region epoch that is not in this ledger's cut: recorded in the
-    /// inbox and as an `orphan_fact` incident, never applied.
+    /// A fact of another region epoch (or, after a failover, of none) that is not in this
+    /// ledger's cut: recorded in the inbox and as an `orphan_fact` incident, never applied.
     Orphan,
 }
 
@@ -170,7 +170,9 @@ pub async fn handle_once<H: Handler>(
 }
 
 /// [`handle_once`] for a process writing at region epoch `writer_epoch` (design §15). A fact
-/// stamped with an older epoch is a claim from a fenced writer: it is applied only when its
+/// stamped with another epoch — an older one is a fenced writer's claim; a newer one no
+/// writer legitimately has; and once a failover has happened (`writer_epoch` > 1), a fact with
+/// no epoch came from a session the fence did not check — is applied only when its
 /// outbox row is in this ledger (committed before the recovery point, replayed by `region
 /// republish` or still in flight from before the failover). Otherwise it was committed by the
 /// old primary after the cut, or by a zombie: its effects are not in this ledger, so it is
@@ -190,8 +192,17 @@ pub async fn handle_once_at<H: Handler>(
         return Ok(Disposition::Duplicate);
     }
     let name = handler.name();
-    if let (Some(mine), Some(theirs)) = (writer_epoch, env.region_epoch) {
-        if theirs < mine {
+    if let Some(mine) = writer_epoch {
+        // Facts of this epoch are this ledger's. Any other one is checked against the ledger:
+        // an older epoch's (a fenced writer's), a newer one's (no writer legitimately has it),
+        // and, once a failover has happened, one without an epoch (written by a session that
+        // declared none, which the fence did not check).
+        let suspect = match env.region_epoch {
+            Some(theirs) => theirs != mine,
+            None => mine > 1,
+        };
+        if suspect {
+            let theirs = env.region_epoch;
             let mut tx = pool.begin().await?;
             if boxoffice_store::region::fact_in_cut(&mut tx, env.event_id).await? {
                 tx.rollback().await?;
@@ -215,8 +226,8 @@ pub async fn handle_once_at<H: Handler>(
                 .await?;
                 tx.commit().await?;
                 tracing::warn!(consumer = name, event.id = %env.event_id, event.type = %env.event_type,
-                    order.id = %env.aggregate_id, region_epoch = theirs, writer_epoch = mine,
-                    "fact of an older region epoch outside this ledger's cut: parked, not applied");
+                    order.id = %env.aggregate_id, region_epoch = ?theirs, writer_epoch = mine,
+                    "fact of another region epoch outside this ledger's cut: parked, not applied");
                 return Ok(Disposition::Orphan);
             }
         }

@@ -63,6 +63,12 @@ BEGIN
     IF current_setting('boxoffice.region_checked', true) = txid_current()::text THEN
         RETURN NULL;
     END IF;
+    -- The read below must see the record as of the lock: a snapshot taken earlier (REPEATABLE
+    -- READ, SERIALIZABLE) could show the epoch a fence has since moved.
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'region fence: purchase writes run at READ COMMITTED, not %',
+            current_setting('transaction_isolation') USING ERRCODE = 'BXF01';
+    END IF;
     -- ROW SHARE conflicts only with the fence's EXCLUSIVE lock; held to commit. The read
     -- below takes its snapshot after the lock is granted (READ COMMITTED, which every
     -- purchase-path transaction uses), so a writer that waited for a fence sees its epoch.
@@ -83,11 +89,44 @@ END $$;
 DO $$
 DECLARE t text;
 BEGIN
-    FOREACH t IN ARRAY ARRAY['seats', 'holds', 'hold_seats', 'orders', 'payments', 'tickets',
+    FOREACH t IN ARRAY ARRAY['events', 'seats', 'holds', 'hold_seats', 'orders', 'payments', 'tickets',
                              'idempotency_keys', 'outbox', 'inbox', 'stripe_events', 'incidents',
                              'admission_revocations'] LOOP
         EXECUTE format('CREATE TRIGGER %I BEFORE INSERT OR UPDATE OR DELETE OR TRUNCATE ON %I
                         FOR EACH STATEMENT EXECUTE FUNCTION region_fence_check()',
                        t || '_region_fence', t);
+    END LOOP;
+END $$;
+
+-- The lease again at commit: a transaction checked on its first write may wait on row locks
+-- or run more statements before it commits, so a deferred constraint trigger re-reads the
+-- lease mirror when the commit begins (once per transaction) and refuses with BXF02 once it
+-- has lapsed. Every purchase transaction writes at least one of these tables.
+CREATE FUNCTION region_lease_commit_check() RETURNS trigger LANGUAGE plpgsql
+SECURITY DEFINER SET search_path FROM CURRENT AS $$
+DECLARE
+    lease record;
+BEGIN
+    IF nullif(current_setting('boxoffice.region_epoch', true), '') IS NULL
+       OR current_setting('boxoffice.region_commit_checked', true) = txid_current()::text THEN
+        RETURN NULL;
+    END IF;
+    SELECT required, valid_until INTO lease FROM region_lease;
+    IF FOUND AND lease.required AND lease.valid_until <= clock_timestamp() THEN
+        RAISE EXCEPTION 'region lease lapsed at % before this transaction committed', lease.valid_until
+            USING ERRCODE = 'BXF02';
+    END IF;
+    PERFORM set_config('boxoffice.region_commit_checked', txid_current()::text, true);
+    RETURN NULL;
+END $$;
+
+DO $$
+DECLARE t text;
+BEGIN
+    FOREACH t IN ARRAY ARRAY['outbox', 'inbox', 'stripe_events', 'holds', 'payments', 'tickets'] LOOP
+        EXECUTE format('CREATE CONSTRAINT TRIGGER %I AFTER INSERT OR UPDATE OR DELETE ON %I
+                        DEFERRABLE INITIALLY DEFERRED
+                        FOR EACH ROW EXECUTE FUNCTION region_lease_commit_check()',
+                       t || '_region_lease_at_commit', t);
     END LOOP;
 END $$;

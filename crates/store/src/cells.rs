@@ -428,6 +428,14 @@ pub async fn mark_moved(pool: &PgPool, event: EventId, to: &str, epoch: i64) -> 
     Ok(r.rows_affected() == 1)
 }
 
+/// The purchase cells this ledger sells for (`events.purchase_cell` of its events not moved
+/// away): what PaymentIntent metadata must name for the intent to be this ledger's.
+pub async fn own_cells(pool: &PgPool) -> Result<Vec<String>, sqlx::Error> {
+    sqlx::query_scalar("SELECT DISTINCT purchase_cell FROM events WHERE cell_state <> 'moved'")
+        .fetch_all(pool)
+        .await
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

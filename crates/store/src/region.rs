@@ -199,13 +199,26 @@ fn quote_ident(s: &str) -> String {
     format!("\"{}\"", s.replace('"', "\"\""))
 }
 
+/// This database's clock now: read before a renewal is sent, so the mirrored lease is bounded
+/// by an instant that precedes the witness's grant.
+pub async fn clock(pool: &PgPool) -> Result<DateTime<Utc>, sqlx::Error> {
+    sqlx::query_scalar("SELECT clock_timestamp()").fetch_one(pool).await
+}
+
 /// Mirrors a lease the witness granted into this ledger: writes are refused once
-/// `valid_until` (now + `remaining_ms` by this database's clock) has passed. The lease only
-/// moves forward for the same writer; a new writer replaces it.
-pub async fn mirror_lease(pool: &PgPool, writer: &Writer, remaining_ms: i64) -> Result<(), sqlx::Error> {
+/// `valid_until` = `sent_at` + `ttl_ms` has passed by this database's clock, where `sent_at`
+/// is this database's [`clock`] read before the renewal was sent (so the mirror never outlives
+/// the witness's grant, however late this write lands). The lease only moves forward for the
+/// same writer; a new writer replaces it.
+pub async fn mirror_lease(
+    pool: &PgPool,
+    writer: &Writer,
+    sent_at: DateTime<Utc>,
+    ttl_ms: i64,
+) -> Result<(), sqlx::Error> {
     sqlx::query(
         "INSERT INTO region_lease (singleton, required, region, epoch, valid_until)
-         VALUES (true, true, $1, $2, clock_timestamp() + make_interval(secs => $3::double precision / 1000.0))
+         VALUES (true, true, $1, $2, $3::timestamptz + make_interval(secs => $4::double precision / 1000.0))
          ON CONFLICT (singleton) DO UPDATE
             SET required = true, region = EXCLUDED.region, epoch = EXCLUDED.epoch,
                 valid_until = CASE WHEN region_lease.region = EXCLUDED.region AND region_lease.epoch = EXCLUDED.epoch
@@ -214,7 +227,8 @@ pub async fn mirror_lease(pool: &PgPool, writer: &Writer, remaining_ms: i64) -> 
     )
     .bind(&writer.region)
     .bind(writer.epoch)
-    .bind(remaining_ms.max(0) as f64)
+    .bind(sent_at)
+    .bind(ttl_ms.max(0) as f64)
     .execute(pool)
     .await?;
     Ok(())
@@ -402,7 +416,7 @@ impl LeaseGate {
 /// bench calls it, on its throwaway database, to measure what the check costs.
 pub async fn drop_fence_triggers(pool: &PgPool) -> Result<i64, sqlx::Error> {
     let names: Vec<(String, String)> = sqlx::query_as(
-        "SELECT tgname::text, tgrelid::regclass::text FROM pg_trigger WHERE tgname LIKE '%\\_region\\_fence'",
+        "SELECT tgname::text, tgrelid::regclass::text FROM pg_trigger WHERE tgname LIKE '%\\_region\\_fence' OR tgname LIKE '%\\_region\\_lease\\_at\\_commit'",
     )
     .fetch_all(pool)
     .await?;

@@ -6,7 +6,8 @@
 //! extend `holder`'s lease for the writer's region and epoch; the witness grants it only to
 //! the region and epoch it names as the authority. A grant extends the gate to *send time +
 //! TTL* (never later than the witness's own expiry of the grant) and mirrors the same bound
-//! into the ledger by that database's clock ([`region::mirror_lease`]), where the fence
+//! into the ledger by that database's clock, read before the renewal was sent
+//! ([`region::mirror_lease`]), where the fence
 //! trigger refuses writes past it (SQLSTATE BXF02). A refusal or an unreachable witness
 //! extends nothing: after at most one TTL the process writes nothing more, however long its
 //! database stays reachable — which is what keeps a returning old primary from selling.
@@ -40,23 +41,25 @@ pub enum Renewal {
     Refused,
 }
 
-/// Renews once: asks the witness, and on a grant extends `gate` and mirrors the lease into
-/// `ledger`. Errors: the witness or the ledger could not be reached (nothing extended in the
-/// ledger; the gate may have been extended when only the mirror failed).
+/// Renews once: reads the ledger's clock, asks the witness, and on a grant extends `gate` to
+/// send time + TTL and mirrors the lease into `ledger` as ledger time before sending + TTL.
+/// Errors: the witness or the ledger could not be reached (nothing extended in the ledger;
+/// the gate may have been extended when only the mirror failed).
 pub async fn renew_once(
     witness_pool: &PgPool,
     ledger: &PgPool,
     gate: &LeaseGate,
     s: &LeaseSettings,
 ) -> anyhow::Result<Renewal> {
+    // The ledger's clock first: the mirror is bounded by an instant before the grant.
+    let sent_at = region::clock(ledger).await?;
     let sent = Instant::now();
     let granted = witness::renew(witness_pool, &s.holder, &s.writer, s.ttl.as_millis() as i64).await?;
     if granted.is_none() {
         return Ok(Renewal::Refused);
     }
     gate.extend(sent, s.ttl);
-    let remaining = s.ttl.saturating_sub(sent.elapsed());
-    region::mirror_lease(ledger, &s.writer, remaining.as_millis() as i64).await?;
+    region::mirror_lease(ledger, &s.writer, sent_at, s.ttl.as_millis() as i64).await?;
     Ok(Renewal::Granted)
 }
 

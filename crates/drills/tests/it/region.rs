@@ -386,3 +386,174 @@ async fn the_fence_holds_for_a_least_privileged_role_and_for_truncate(
     sqlx::query(&format!("DROP OWNED BY {role}")).execute(&admin).await.unwrap();
     sqlx::query(&format!("DROP ROLE {role}")).execute(&admin).await.unwrap();
 }
+
+/// A stale writer cannot change an event either (freeze it, move it, raise its limits), a
+/// REPEATABLE READ transaction is refused rather than trusted with an old snapshot, and a
+/// transaction checked before its lease lapsed is refused at commit once it has.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn the_fence_covers_events_snapshots_and_the_commit(pool: PgPoolOptions, opts: PgConnectOptions) {
+    let admin = pool.connect_with(opts.clone()).await.unwrap();
+    let (event, _) =
+        boxoffice_store::venue::seed(&admin, "E", &VenueSpec::small(1, 1, 2), chrono::Utc::now(), "cell-1")
+            .await
+            .unwrap();
+    region::fence(&admin, &writer("dr", 2), "test").await.unwrap();
+    let stale = writer_pool(&opts, &writer("primary", 1)).await;
+    let frozen = boxoffice_store::cells::freeze(&stale, event, "cell-1").await.map(|_| ());
+    assert_eq!(refusal_of(frozen), Some(Refusal::Fenced), "a stale writer cannot freeze an event");
+
+    let current = writer_pool(&opts, &writer("dr", 2)).await;
+    let mut rr = current.begin().await.unwrap();
+    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ").execute(&mut *rr).await.unwrap();
+    let r = sqlx::query(
+        "INSERT INTO outbox (id, topic, message_key, event_type, payload) VALUES ($1, 't', 'k', 'RR', '{}')",
+    )
+    .bind(Uuid::new_v4())
+    .execute(&mut *rr)
+    .await
+    .map(|_| ());
+    assert_eq!(refusal_of(r), Some(Refusal::Fenced), "purchase writes run at READ COMMITTED");
+    drop(rr);
+
+    // A lease that lapses between the transaction's first write and its commit.
+    sqlx::query(
+        "INSERT INTO region_lease (required, region, epoch, valid_until)
+         VALUES (true, 'dr', 2, clock_timestamp() + interval '300 milliseconds')",
+    )
+    .execute(&admin)
+    .await
+    .unwrap();
+    let mut tx = current.begin().await.unwrap();
+    sqlx::query("INSERT INTO outbox (id, topic, message_key, event_type, payload) VALUES ($1, 't', 'k', 'Late', '{}')")
+        .bind(Uuid::new_v4())
+        .execute(&mut *tx)
+        .await
+        .expect("checked while the lease holds");
+    let wait_out: f64 = sqlx::query_scalar(
+        "SELECT EXTRACT(EPOCH FROM valid_until - clock_timestamp())::float8 + 0.05 FROM region_lease",
+    )
+    .fetch_one(&admin)
+    .await
+    .unwrap();
+    // Waits out the lease on the database's clock, inside the transaction.
+    sqlx::query("SELECT pg_sleep($1)").bind(wait_out.max(0.0)).execute(&mut *tx).await.unwrap();
+    let committed = tx.commit().await.map(|_| ());
+    assert_eq!(refusal_of(committed), Some(Refusal::LeaseLapsed), "refused at commit");
+    let late: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox WHERE event_type = 'Late'")
+        .fetch_one(&admin)
+        .await
+        .unwrap();
+    assert_eq!(late, 0);
+}
+
+/// A fact with no epoch after a failover, or with an epoch no writer has, is parked unless it
+/// is inside this ledger's cut; before any failover, a fact without an epoch (written before
+/// regions existed) is applied.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn facts_without_an_epoch_or_from_the_future_are_checked_against_the_cut(
+    pool: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    let _admin = pool.connect_with(opts.clone()).await.unwrap();
+    let h = Counting(AtomicUsize::new(0));
+    let one = writer_pool(&opts, &writer("primary", 1)).await;
+    let mut unstamped = fact(1);
+    unstamped.region_epoch = None;
+    assert_eq!(handle_once_at(&one, &h, &unstamped, Some(1)).await.unwrap(), Disposition::Applied);
+    let future = fact(9);
+    assert_eq!(handle_once_at(&one, &h, &future, Some(1)).await.unwrap(), Disposition::Orphan);
+    region::fence(&_admin, &writer("dr", 2), "test").await.unwrap();
+    let two = writer_pool(&opts, &writer("dr", 2)).await;
+    let mut unstamped = fact(1);
+    unstamped.region_epoch = None;
+    assert_eq!(handle_once_at(&two, &h, &unstamped, Some(2)).await.unwrap(), Disposition::Orphan);
+    assert_eq!(h.0.load(Ordering::SeqCst), 1);
+}
+
+/// The runbook refuses to take over from a primary that is not the writing region's own
+/// ledger: a returning old primary, fenced at the witness while it was unreachable, cannot
+/// fence the live region back.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn a_returning_old_primary_cannot_run_the_runbook_back(_: PgPoolOptions, opts: PgConnectOptions) {
+    use sqlx::ConnectOptions;
+    let w = Extra::create(&opts, "wit").await;
+    let wpool = boxoffice_store::connect(w.opts(), 2, 10_000).await.unwrap();
+    witness::WITNESS_MIGRATOR.run(&wpool).await.unwrap();
+    witness::init(&wpool, &writer("primary", 1), "test").await.unwrap();
+    // The DR region fenced at the witness; this old primary's ledger never heard of it.
+    witness::fence(&wpool, &writer("dr", 2), 0, "test").await.unwrap();
+    let old = Config {
+        region: "primary".into(),
+        database_url: opts.to_url_lossy().to_string().into(),
+        witness_database_url: Some(w.url().into()),
+        ..Config::default()
+    };
+    let e = boxoffice::region::fence(&old).await.expect_err("refused");
+    assert!(format!("{e:#}").contains("rebuild this database as a replica"), "{e:#}");
+    let e = boxoffice::region::promote(&old).await.expect_err("refused");
+    assert!(format!("{e:#}").contains("region fence"), "{e:#}");
+    let a = witness::authority(&wpool).await.unwrap().unwrap();
+    assert_eq!((a.region.as_str(), a.epoch), ("dr", 2), "the witness still names the DR region");
+    wpool.close().await;
+    w.drop().await;
+}
+
+/// After a failover, `reconcile --fix` compensates this cell's lost orders only: an authorized
+/// PaymentIntent a fenced writer of this cell requested for an order the ledger lacks gets
+/// `AuthorizationCancelRequested`; another cell's intent on the shared account, for an order
+/// this ledger never had, is not this ledger's business and is left alone.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn reconcile_compensates_this_cells_lost_orders_and_no_other_cells(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    use boxoffice_payments::{CreatePaymentIntent, PaymentGateway, StripeClient, StripeConfig};
+    let app = TestApp::spawn(opts.clone(), &[Role::Api], VenueSpec::small(1, 1, 4)).await;
+    let stripe = StripeClient::new(StripeConfig {
+        api_base: app.cfg.stripe_api_base.clone(),
+        secret_key: app.cfg.stripe_secret_key.clone(),
+        timeout_ms: 10_000,
+    })
+    .unwrap();
+    let mut authorized = Vec::new();
+    for cell in ["cell-1", "cell-b"] {
+        let req = CreatePaymentIntent {
+            amount_minor: 5_000,
+            currency: "usd".into(),
+            metadata: vec![
+                ("order_id".into(), Uuid::new_v4().to_string()),
+                ("hold_id".into(), Uuid::new_v4().to_string()),
+                ("purchase_cell".into(), cell.into()),
+                ("region".into(), "primary".into()),
+                ("region_epoch".into(), "1".into()),
+            ],
+        };
+        let pi = stripe.create_payment_intent(&req, &format!("authorize:{}", Uuid::new_v4())).await.unwrap();
+        let pi = stripe
+            .confirm_with_client_secret(
+                &app.cfg.stripe_publishable_key,
+                &pi.id,
+                pi.client_secret.as_deref().unwrap(),
+                "pm_card_visa",
+            )
+            .await
+            .unwrap();
+        authorized.push(pi.id);
+    }
+    region::fence(&app.pool, &writer("dr", 2), "test").await.unwrap();
+    let ledger = writer_pool(&opts, &writer("dr", 2)).await;
+    let window = boxoffice::reconcile::Window::parse("1h", None, chrono::Utc::now()).unwrap();
+    let rep = boxoffice::reconcile::run(&ledger, &stripe, window, true).await.unwrap();
+    let kinds: Vec<(String, &str, Option<&str>)> =
+        rep.drift.iter().map(|d| (d.payment_intent_id.clone(), d.kind.name(), d.fact_name())).collect();
+    assert_eq!(
+        kinds,
+        vec![(authorized[0].clone(), "intent_of_lost_order", Some("AuthorizationCancelRequested"))],
+        "only this cell's lost order is compensated"
+    );
+    assert_eq!(rep.facts_emitted, 1);
+    let other = stripe.retrieve_payment_intent(&authorized[1]).await.unwrap();
+    assert_eq!(other.status.to_string(), "requires_capture", "another cell's authorization is untouched");
+    ledger.close().await;
+    app.stop().await;
+}
