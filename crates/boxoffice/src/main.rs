@@ -154,7 +154,7 @@ enum RegionAction {
     Init,
     /// Print the ledger's epoch record and lease, replication role and lag (bytes, seconds),
     /// and the witness's authority and live leases. Exit 0 when this configuration may write,
-    /// 1 when it may not.
+    /// 1 when it may not, 2 when the ledger or the witness could not be read.
     Status {
         /// Print JSON.
         #[arg(long)]
@@ -361,11 +361,20 @@ async fn region(cfg: &Config, action: RegionAction) -> anyhow::Result<i32> {
             println!("the witness names region {} at epoch {} (since {})", a.region, a.epoch, a.changed_at);
             Ok(0)
         }
-        RegionAction::Status { json } => {
-            let s = r::status(cfg).await?;
-            print(json, &s);
-            Ok(if s.writable { 0 } else { 1 })
-        }
+        RegionAction::Status { json } => match r::status(cfg).await {
+            Ok(s) => {
+                if json {
+                    print(true, &s);
+                } else {
+                    print!("{}", r::render_status(&s));
+                }
+                Ok(if s.writable { 0 } else { 1 })
+            }
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                Ok(2)
+            }
+        },
         RegionAction::Fence { json } => {
             let f = r::fence(cfg).await?;
             print(json, &f);

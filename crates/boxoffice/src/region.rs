@@ -113,6 +113,69 @@ pub async fn status(cfg: &Config) -> anyhow::Result<Status> {
     Ok(Status { configured, ledger: record, lease, replication, witness, leases, writable })
 }
 
+/// The text form of [`Status`].
+pub fn render_status(s: &Status) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let at = |t: &DateTime<Utc>| t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+    let _ = writeln!(out, "configured: region {} at epoch {}", s.configured.region, s.configured.epoch);
+    let _ = writeln!(
+        out,
+        "ledger: region {} at epoch {} (since {}{}), fence LSN {}",
+        s.ledger.region,
+        s.ledger.epoch,
+        at(&s.ledger.changed_at),
+        s.ledger.changed_by.as_ref().map(|b| format!(", by {b}")).unwrap_or_default(),
+        s.ledger.fence_lsn.as_deref().unwrap_or("-")
+    );
+    match &s.lease {
+        Some((region, epoch, until)) => {
+            let _ =
+                writeln!(out, "lease mirror: region {region} at epoch {epoch}, valid until {}", at(until));
+        }
+        None => out.push_str("lease mirror: none (no witness has granted one here)\n"),
+    }
+    let r = &s.replication;
+    let _ = writeln!(out, "replication: {} at {}", r.role, r.lsn);
+    if r.role == "replica" {
+        let _ = writeln!(
+            out,
+            "  received {}, last replayed commit {}, {} behind",
+            r.receive_lsn.as_deref().unwrap_or("-"),
+            r.last_replayed_commit_at.as_ref().map(at).unwrap_or_else(|| "-".into()),
+            r.lag_seconds.map(|l| format!("{l:.1} s")).unwrap_or_else(|| "-".into())
+        );
+    }
+    for x in &r.replicas {
+        let _ = writeln!(
+            out,
+            "  replica {}: {}, {} bytes behind, {}",
+            x.name,
+            x.state,
+            x.lag_bytes,
+            x.lag_seconds.map(|l| format!("{l:.1} s replay lag")).unwrap_or_else(|| "replay lag -".into())
+        );
+    }
+    match &s.witness {
+        Some(a) => {
+            let _ = writeln!(
+                out,
+                "witness: region {} at epoch {} (since {}), writers clear at {}, recovery point {} {}",
+                a.region,
+                a.epoch,
+                at(&a.changed_at),
+                a.writers_clear_at.as_ref().map(at).unwrap_or_else(|| "-".into()),
+                a.recovery_lsn.as_deref().unwrap_or("-"),
+                a.recovery_point_at.as_ref().map(at).unwrap_or_default()
+            );
+            let _ = writeln!(out, "live leases: {}", s.leases.len());
+        }
+        None => out.push_str("witness: not configured\n"),
+    }
+    let _ = writeln!(out, "writable: {}", if s.writable { "yes" } else { "no" });
+    out
+}
+
 /// What `region fence` did.
 #[derive(Debug, Clone, Serialize)]
 pub struct FenceReport {
