@@ -53,10 +53,13 @@ pub async fn witness_pool(cfg: &Config, create: bool) -> anyhow::Result<PgPool> 
     Ok(pool)
 }
 
-/// A small pool on this region's ledger for the runbook. Its sessions declare no epoch: the
-/// runbook reads and moves the epoch record, which no fence guards.
+/// A small pool on this region's ledger for the runbook. Its sessions declare no epoch (the
+/// runbook reads and moves the epoch record, which no fence guards) and are read-write
+/// whatever the role's default: a fence of the old primary sets that default there, and it
+/// replicates to a replica still streaming from it.
 async fn ledger_pool(cfg: &Config) -> anyhow::Result<PgPool> {
     let opts: PgConnectOptions = cfg.database_url.expose_secret().parse().context("invalid database_url")?;
+    let opts = opts.options([("default_transaction_read_only", "off")]);
     boxoffice_store::connect(opts.application_name("boxoffice-region"), 2, cfg.db_acquire_timeout_ms)
         .await
         .context("connecting to this region's database")
@@ -213,6 +216,13 @@ pub async fn fence(cfg: &Config) -> anyhow::Result<FenceReport> {
     let (in_recovery,): (bool,) = sqlx::query_as("SELECT pg_is_in_recovery()").fetch_one(&ledger).await?;
     if !in_recovery {
         let mine = region::record(&ledger).await?;
+        if current.region == cfg.region && mine.epoch < current.epoch {
+            bail!(
+                "this region's database is already promoted but its ledger is still at epoch {}: \
+                 finish with `region promote`",
+                mine.epoch
+            );
+        }
         if !(current.region == cfg.region && mine.region == cfg.region && mine.epoch == current.epoch) {
             bail!(
                 "this region's database is a primary at epoch {} ({}) while the witness names {} at epoch {}: \
@@ -359,6 +369,9 @@ pub async fn promote(cfg: &Config) -> anyhow::Result<PromoteReport> {
         }
     }
     let promoted = region::promote(&ledger, 60).await?;
+    // The old primary's fence may have made the application role read-only there while this
+    // replica still streamed: that setting replicated, and must not follow us.
+    region::clear_read_only(&ledger).await?;
     let writer = Writer { region: a.region.clone(), epoch: a.epoch };
     let fence_lsn = match region::fence(&ledger, &writer, &by()).await {
         Ok(f) => f.fence_lsn,

@@ -101,7 +101,10 @@ END $$;
 -- The lease again at commit: a transaction checked on its first write may wait on row locks
 -- or run more statements before it commits, so a deferred constraint trigger re-reads the
 -- lease mirror when the commit begins (once per transaction) and refuses with BXF02 once it
--- has lapsed. Every purchase transaction writes at least one of these tables.
+-- has lapsed. Every purchase transaction writes at least one of these tables (the hold and
+-- expiry paths holds and outbox, consumers inbox, webhooks stripe_events; the event changes of
+-- moves and limits events; revocations admission_revocations); the rows of the others in the
+-- same transactions need no second queued check.
 CREATE FUNCTION region_lease_commit_check() RETURNS trigger LANGUAGE plpgsql
 SECURITY DEFINER SET search_path FROM CURRENT AS $$
 DECLARE
@@ -123,7 +126,8 @@ END $$;
 DO $$
 DECLARE t text;
 BEGIN
-    FOREACH t IN ARRAY ARRAY['outbox', 'inbox', 'stripe_events', 'holds', 'payments', 'tickets'] LOOP
+    FOREACH t IN ARRAY ARRAY['outbox', 'inbox', 'stripe_events', 'holds', 'payments', 'tickets',
+                             'events', 'admission_revocations'] LOOP
         EXECUTE format('CREATE CONSTRAINT TRIGGER %I AFTER INSERT OR UPDATE OR DELETE ON %I
                         DEFERRABLE INITIALLY DEFERRED
                         FOR EACH ROW EXECUTE FUNCTION region_lease_commit_check()',

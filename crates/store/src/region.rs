@@ -195,6 +195,21 @@ pub async fn make_read_only(pool: &PgPool) -> Result<i64, sqlx::Error> {
     Ok(n)
 }
 
+/// Undoes [`make_read_only`] for the connected role in this database (the promoted replica
+/// inherited it when the old primary was fenced while it still streamed).
+pub async fn clear_read_only(pool: &PgPool) -> Result<(), sqlx::Error> {
+    let (role, db): (String, String) =
+        sqlx::query_as("SELECT current_user::text, current_database()::text").fetch_one(pool).await?;
+    sqlx::query(&format!(
+        "ALTER ROLE {} IN DATABASE {} RESET default_transaction_read_only",
+        quote_ident(&role),
+        quote_ident(&db)
+    ))
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
 fn quote_ident(s: &str) -> String {
     format!("\"{}\"", s.replace('"', "\"\""))
 }

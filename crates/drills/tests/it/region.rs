@@ -557,3 +557,57 @@ async fn reconcile_compensates_this_cells_lost_orders_and_no_other_cells(
     ledger.close().await;
     app.stop().await;
 }
+
+/// A planned switchover: the old primary is reachable and the replica still streams from it,
+/// so the fence's read-only setting for the application role replicates. The promotion clears
+/// it: the new primary takes writes at the new epoch.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn a_switchover_with_the_old_primary_reachable_leaves_the_new_primary_writable(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    let pair = boxoffice_drills::pgcluster::PgPair::create("bo_switch").await.unwrap();
+    let primary =
+        boxoffice_store::connect(pair.primary.connect_options("postgres"), 2, 10_000).await.unwrap();
+    boxoffice_store::MIGRATOR.run(&primary).await.unwrap();
+    let w = Extra::create(&opts, "wit").await;
+    let cfg = |region: &str, db: String, peer: Option<String>| Config {
+        region: region.into(),
+        database_url: db.into(),
+        witness_database_url: Some(w.url().into()),
+        region_peer_database_url: peer.map(Into::into),
+        region_lease_skew_ms: 100,
+        ..Config::default()
+    };
+    let old = cfg("primary", pair.primary.url("postgres"), None);
+    boxoffice::region::init(&old).await.unwrap();
+    let replica =
+        boxoffice_store::connect(pair.replica.connect_options("postgres"), 2, 10_000).await.unwrap();
+    eventually(Duration::from_secs(30), "the replica has the schema", || {
+        let r = replica.clone();
+        async move { sqlx::query("SELECT 1 FROM region_epoch").fetch_one(&r).await.is_ok() }
+    })
+    .await;
+    let dr = cfg("dr", pair.replica.url("postgres"), Some(pair.primary.url("postgres")));
+    let f = boxoffice::region::fence(&dr).await.unwrap();
+    assert!(f.old_primary_fenced, "{:?}", f.old_primary_note);
+    // The setting reaches the replica with the WAL.
+    let lsn = pair.primary.current_wal_lsn().await.unwrap();
+    eventually(Duration::from_secs(30), "the replica replayed the fence", || {
+        let pair = &pair;
+        async move { pair.replica.last_replay_lsn().await.ok().flatten().is_some_and(|l| l >= lsn) }
+    })
+    .await;
+    replica.close().await;
+    let p = boxoffice::region::promote(&dr).await.unwrap();
+    assert_eq!(p.writer.epoch, 2);
+    let new = writer_pool(&pair.replica.connect_options("postgres"), &writer("dr", 2)).await;
+    raw_outbox_write(&new).await.expect("the new primary takes writes at the new epoch");
+    let old_writer = writer_pool(&pair.primary.connect_options("postgres"), &writer("primary", 1)).await;
+    assert!(raw_outbox_write(&old_writer).await.is_err(), "the old primary refuses them");
+    new.close().await;
+    old_writer.close().await;
+    primary.close().await;
+    pair.remove().await.unwrap();
+    w.drop().await;
+}
