@@ -360,7 +360,7 @@ pub async fn promote(cfg: &Config) -> anyhow::Result<PromoteReport> {
         // Already promoted (a promotion resumed): only this region's own ledger, one epoch
         // behind at most (promoted, not yet fenced) or already at the witness's epoch.
         let mine = region::record(&ledger).await?;
-        if !(mine.epoch == a.epoch || (mine.epoch + 1 == a.epoch && fenced_from_here(&w, &mine).await?)) {
+        if !(mine.epoch == a.epoch || (mine.epoch + 1 == a.epoch && fenced_from_here(&a, &mine))) {
             bail!(
                 "this region's database is a primary at epoch {} ({}), not a replica: promotion takes a replica",
                 mine.epoch,
@@ -386,9 +386,8 @@ pub async fn promote(cfg: &Config) -> anyhow::Result<PromoteReport> {
 /// Whether the witness recorded, at its fence, a recovery point this promoted ledger was the
 /// replica of (its epoch record is the one the witness moved from): a promotion that stopped
 /// between `pg_promote` and fencing the ledger.
-async fn fenced_from_here(w: &PgPool, mine: &region::EpochRecord) -> anyhow::Result<bool> {
-    let a = witness::authority(w).await?.context("the witness has no authority")?;
-    Ok(a.recovery_lsn.is_some() && mine.region != a.region)
+fn fenced_from_here(a: &Authority, mine: &region::EpochRecord) -> bool {
+    a.recovery_lsn.is_some() && mine.region != a.region
 }
 
 /// What `region republish` did.

@@ -75,7 +75,7 @@ BEGIN
     LOCK TABLE region_epoch IN ROW SHARE MODE;
     SELECT epoch INTO ledger FROM region_epoch;
     IF ledger IS DISTINCT FROM writer::bigint THEN
-        RAISE EXCEPTION 'region fenced: this session writes at epoch %, the ledger is at epoch %', writer, ledger
+        RAISE EXCEPTION 'region fenced: this writer declares epoch %, the ledger is at epoch %', writer, ledger
             USING ERRCODE = 'BXF01';
     END IF;
     SELECT required, valid_until INTO lease FROM region_lease;
