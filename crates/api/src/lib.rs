@@ -21,11 +21,13 @@ pub mod cell_router;
 pub mod edge;
 pub mod limits;
 pub mod openapi;
+pub mod order_stream;
 pub mod problem;
 pub mod queue;
 pub mod revocation;
 pub mod routes;
 pub mod state;
+pub mod timeline;
 pub mod webhooks;
 
 pub use edge::{serve, EdgeSettings};

@@ -377,6 +377,22 @@ impl Problem {
         p
     }
 
+    /// 429 `too_many_streams`: this user (`scope` = `user`) or this process (`process`) has
+    /// as many order streams open as allowed ([`crate::order_stream`]).
+    pub fn too_many_streams(scope: &'static str, max: usize) -> Self {
+        let detail = if scope == "user" {
+            format!("this user already has {max} order streams open; close one, then retry")
+        } else {
+            "this server has as many order streams open as it serves; retry after the Retry-After delay"
+                .to_owned()
+        };
+        let mut p =
+            Problem::new(StatusCode::TOO_MANY_REQUESTS, "too_many_streams", "Too many order streams", detail)
+                .with(json!({ "scope": scope, "max_streams": max }));
+        p.retry_after = Some(5);
+        p
+    }
+
     /// 408 `request_body_timeout`: the request body stalled longer than the edge allows.
     pub fn body_timeout() -> Self {
         Problem::new(

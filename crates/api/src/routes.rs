@@ -59,6 +59,7 @@ pub fn router(state: AppState) -> Router {
     let purchase = purchase
         .route("/events/{event_id}/holds", post(create_hold))
         .route("/orders/{order_id}", get(get_order))
+        .route("/orders/{order_id}/events", get(crate::order_stream::order_events))
         .route_layer(buckets(state.clone(), crate::limits::purchase))
         .route_layer(in_flight(&buyer_in_flight));
     let catalog = Router::new()

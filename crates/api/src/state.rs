@@ -140,6 +140,8 @@ pub struct AppState {
     /// This process's region lease (design §15), when a witness is configured: holds and
     /// webhooks answer 503 `region_fenced` and `/readyz` 503 while it is lapsed.
     pub region_lease: Option<Arc<boxoffice_store::region::LeaseGate>>,
+    /// The buyers' live order streams (`GET /orders/{id}/events`) and their wake-ups.
+    pub order_streams: Arc<crate::order_stream::OrderStreams>,
 }
 
 impl AppState {
@@ -173,7 +175,14 @@ impl AppState {
             seat_maps,
             fallback_limiter: Arc::default(),
             region_lease: None,
+            order_streams: crate::order_stream::OrderStreams::new(Default::default()),
         }
+    }
+
+    /// This state with order streams bounded by `settings`.
+    pub fn with_order_streams(mut self, settings: crate::order_stream::StreamSettings) -> Self {
+        self.order_streams = crate::order_stream::OrderStreams::new(settings);
+        self
     }
 
     /// This state with the process's region lease gate.

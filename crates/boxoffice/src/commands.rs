@@ -214,6 +214,34 @@ pub async fn audit(cfg: &Config, json: bool, opts: &audit::AuditOptions) -> anyh
     Ok(report.exit_code())
 }
 
+/// `boxoffice timeline ORDER_ID`: prints the order's story ([`crate::timeline::render`]) or
+/// its JSON; the provider is asked unless `skip_provider` or no Stripe API base is
+/// configured. Exit code 1 when the ledger has no such order.
+pub async fn timeline(
+    cfg: &Config,
+    order: uuid::Uuid,
+    json: bool,
+    skip_provider: bool,
+    slo: boxoffice_store::timeline::Slo,
+) -> anyhow::Result<i32> {
+    let pool = boxoffice_store::connect(cfg.pg_options()?, 2, cfg.db_acquire_timeout_ms).await?;
+    let stripe = match (cfg.stripe(), skip_provider) {
+        (Some(s), false) => Some(StripeClient::new(s)?),
+        _ => None,
+    };
+    let gw = stripe.as_ref().map(|s| s as &dyn boxoffice_payments::PaymentGateway);
+    let Some(t) = boxoffice_api::timeline::read(&pool, gw, order, slo).await? else {
+        eprintln!("no order {order} in this ledger");
+        return Ok(1);
+    };
+    if json {
+        println!("{}", serde_json::to_string_pretty(&t)?);
+    } else {
+        print!("{}", crate::timeline::render(&t));
+    }
+    Ok(0)
+}
+
 /// `boxoffice reconcile`: compares the provider's PaymentIntents created in the window
 /// (`since` / `until`: RFC 3339 or a duration before now) with the ledger and prints the
 /// drift; with `fix`, writes the facts that close it to the outbox. Exit code 1 when drift

@@ -561,8 +561,20 @@ pub struct Config {
     pub relay_batch: i64,
     /// Relay lease on claimed rows, ms (must exceed the producer's 30 s delivery timeout).
     pub relay_lease_ms: i64,
-    /// Published outbox rows are deleted after this many seconds.
+    /// Published outbox rows move to the order history after this many seconds.
     pub outbox_retention_s: i64,
+    /// Live order streams (`GET /orders/{id}/events`) one user may have open per API process.
+    pub order_stream_max_per_user: usize,
+    /// Live order streams per API process; more get 429 `too_many_streams`.
+    pub order_stream_max: usize,
+    /// Heartbeat (an SSE comment) of an idle order stream, seconds.
+    pub order_stream_heartbeat_s: u64,
+    /// An order stream ends after this many seconds (the client reconnects).
+    pub order_stream_max_lifetime_s: u64,
+    /// Each order's facts and status changes are kept this many days for its timeline
+    /// (`boxoffice timeline`): 400 covers the card networks' 120-day dispute window and a
+    /// year of bookkeeping. About 0.5 KB per fact and 0.1 KB per status change.
+    pub order_history_retention_days: i64,
     /// Holds expired per expiry transaction.
     pub expiry_batch: i64,
     /// Expiry sweep interval when idle, ms.
@@ -701,6 +713,11 @@ impl Default for Config {
             relay_batch: 500,
             relay_lease_ms: 45_000,
             outbox_retention_s: 3_600,
+            order_history_retention_days: 400,
+            order_stream_max_per_user: 4,
+            order_stream_max: 20_000,
+            order_stream_heartbeat_s: 15,
+            order_stream_max_lifetime_s: 900,
             expiry_batch: 500,
             expiry_interval_ms: 250,
             capture_deadline_margin_s: 86_400,
@@ -781,6 +798,19 @@ impl Config {
         self.admission_tokens().context("invalid admission keys")?;
         if self.admission_ttl_s < 1 {
             bail!("admission_ttl_s must be at least 1");
+        }
+        if !(1..=36_500).contains(&self.order_history_retention_days) {
+            bail!("order_history_retention_days must be 1..=36500");
+        }
+        if self.order_stream_max_per_user < 1
+            || self.order_stream_max < self.order_stream_max_per_user
+            || !(1..=120).contains(&self.order_stream_heartbeat_s)
+            || self.order_stream_max_lifetime_s < 60
+        {
+            bail!(
+                "order_stream_max_per_user must be at least 1 and at most order_stream_max, \
+                 order_stream_heartbeat_s 1..=120 and order_stream_max_lifetime_s at least 60"
+            );
         }
         if !(50..=10_000).contains(&self.redis_timeout_ms) {
             bail!("redis_timeout_ms must be 50..=10000");
@@ -1423,6 +1453,17 @@ impl Config {
             abandon_after_ms: self.waitroom_abandon_after_ms,
             slot_ms: self.admission_ttl_s as u64 * 1_000,
             max_positions_per_user: self.waitroom_max_positions_per_user,
+            ..Default::default()
+        }
+    }
+
+    /// The bounds of the buyers' live order streams.
+    pub fn order_streams(&self) -> boxoffice_api::order_stream::StreamSettings {
+        boxoffice_api::order_stream::StreamSettings {
+            max_per_user: self.order_stream_max_per_user,
+            max_streams: self.order_stream_max,
+            heartbeat: std::time::Duration::from_secs(self.order_stream_heartbeat_s),
+            max_lifetime: std::time::Duration::from_secs(self.order_stream_max_lifetime_s),
             ..Default::default()
         }
     }

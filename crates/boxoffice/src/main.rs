@@ -95,6 +95,25 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Print one order's story: every fact, status change, webhook and incident, step by step
+    /// with who ran each, the provider's view of its PaymentIntents and the steps slower
+    /// than their SLO. Exit 1 when the ledger has no such order.
+    Timeline {
+        /// The order id.
+        order: uuid::Uuid,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+        /// Do not ask the payment provider.
+        #[arg(long)]
+        skip_provider: bool,
+        /// A fact published later than this after its commit is marked, ms.
+        #[arg(long, default_value_t = 1_000)]
+        publish_slo_ms: i64,
+        /// A fact applied later than this after its commit is marked, ms.
+        #[arg(long, default_value_t = 2_000)]
+        step_slo_ms: i64,
+    },
     /// Print a buyer bearer token signed with the HS256 `user_jwt_secret` (development only;
     /// production tokens come from the identity provider).
     UserToken {
@@ -470,6 +489,10 @@ async fn main() {
                 Ok(opts) => commands::audit(&cfg, json, &opts).await,
                 Err(e) => Err(e),
             }
+        }
+        Command::Timeline { order, json, skip_provider, publish_slo_ms, step_slo_ms } => {
+            let slo = boxoffice_store::timeline::Slo { publish_ms: publish_slo_ms, step_ms: step_slo_ms };
+            commands::timeline(&cfg, order, json, skip_provider, slo).await
         }
         Command::Reconcile { since, until, fix, json } => {
             commands::reconcile(&cfg, &since, until.as_deref(), fix, json).await

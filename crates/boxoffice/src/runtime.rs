@@ -252,7 +252,16 @@ pub async fn start(
                     producer.clone(),
                     metrics_handle(),
                 )
-                .with_region_lease(region_lease.clone());
+                .with_region_lease(region_lease.clone())
+                .with_order_streams(cfg.order_streams());
+                tasks.push((
+                    "order-notifications",
+                    tokio::spawn(boxoffice_api::order_stream::listen(
+                        pool.clone(),
+                        state.order_streams.clone(),
+                        shutdown.clone(),
+                    )),
+                ));
                 tasks.push(("api", spawn_api(state, shutdown.clone(), &mut api_addr, cfg).await?));
                 if cfg.release_max_per_s > 0.0 {
                     // Every API process runs one; the cell's advisory lock lets one release.
@@ -274,6 +283,7 @@ pub async fn start(
                     batch: cfg.relay_batch,
                     lease_ms: cfg.relay_lease_ms,
                     retention_s: cfg.outbox_retention_s,
+                    history_retention_s: cfg.order_history_retention_days.saturating_mul(86_400),
                     ..Default::default()
                 };
                 tasks.push(("relay", tokio::spawn(relay::run(pool, producer, k, id, settings, sd))));

@@ -7,6 +7,7 @@
 //! the store that writes the rows and the status endpoint agree on one vocabulary; [`saga`]
 //! decides what each fact does, and the workers execute it.
 
+pub mod consumers;
 pub mod events;
 pub mod hold;
 pub mod ids;

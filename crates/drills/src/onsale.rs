@@ -103,6 +103,11 @@ pub struct OnsaleArgs {
     /// secret.
     #[arg(long, default_value_t = 0)]
     pub pay_within_ms: u64,
+    /// How buyers follow their orders: `stream` (`GET /orders/{id}/events`, Server-Sent
+    /// Events pushed from the ledger's changes) or `poll` (`GET /orders/{id}` every second,
+    /// backing off to 4 s).
+    #[arg(long, default_value = "stream", value_parser = ["stream", "poll"])]
+    pub order_status: String,
     /// Purchase cells (design §13): N ≥ 2 sells N fresh events at once, one per cell, each
     /// cell with its own database, topics, Redis keys, roles and audit; buyers and rates are
     /// split evenly; the report shows each cell and the totals.
@@ -440,6 +445,11 @@ async fn run_one(
         max_seats: args.max_seats,
         hold_attempts: 5,
         poll_interval_ms: 1_000,
+        order_status: if args.order_status == "poll" {
+            buyers::OrderStatusMode::Poll
+        } else {
+            buyers::OrderStatusMode::Stream
+        },
         final_timeout_ms: (args.hold_ttl_ms + 120_000).max(180_000),
         seed: args.seed,
         user_token: Arc::new(move |u| users.issue(boxoffice_domain::UserId(u), 3_600)),
@@ -533,6 +543,17 @@ async fn run_one(
         "hold_to_ticket_p99_ms": stats.hold_to_ticket_ms.p99,
         "holds_per_s": stats.holds_per_s,
         "max_outbox_age_ms": max_outbox_age.load(Ordering::Relaxed),
+        "status_reads": {
+            "mode": args.order_status,
+            "polls": stats.status_polls,
+            "streams": stats.status_streams,
+            "stream_events": stats.status_stream_events,
+            "stream_fallbacks": stats.status_stream_fallbacks,
+            "polls_replaced": stats.status_polls_replaced,
+            // Requests a 1 s poller would have made, less the ones made (streams opened and
+            // polls after a failed stream).
+            "saved": stats.status_polls_replaced.saturating_sub(stats.status_streams + stats.status_polls),
+        },
         "waiting_room": stats.queue,
         "release_controller": release,
         "drained": drained,
@@ -620,6 +641,18 @@ fn print_report(r: &serde_json::Value, audited: &boxoffice::audit::AuditReport) 
         g("hold_to_ticket_p99_ms").as_f64().unwrap_or(0.0)
     );
     println!("  largest outbox age         {} ms", g("max_outbox_age_ms"));
+    if let Some(sr) = r.get("status_reads").filter(|v| !v.is_null()) {
+        let n = |k: &str| sr.get(k).cloned().unwrap_or_default();
+        println!(
+            "  order status reads         {} streams ({} events, {} fell back), {} polls; a 1 s poller: {} (saved {})",
+            n("streams"),
+            n("stream_events"),
+            n("stream_fallbacks"),
+            n("polls"),
+            n("polls_replaced"),
+            n("saved")
+        );
+    }
     if let Some(q) = r.get("waiting_room").filter(|q| !q.is_null()) {
         let n = |k: &str| q.get(k).cloned().unwrap_or_default();
         let p = |k: &str, s: &str| q.get(k).and_then(|v| v.get(s)).and_then(|v| v.as_f64()).unwrap_or(0.0);

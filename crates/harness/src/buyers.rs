@@ -39,6 +39,12 @@ const MAX_TRIES: u32 = 6;
 /// Per-request timeout of the shared HTTP client.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// An order stream silent this long (no event, no heartbeat: the server's is 15 s) is broken.
+const STREAM_READ_TIMEOUT: Duration = Duration::from_secs(40);
+
+/// Streams a buyer opens for one wait before it falls back to polling.
+const STREAM_TRIES: usize = 3;
+
 /// What `drive` needs to know. Times in ms; shares in `0.0..=1.0`.
 #[derive(Clone)]
 pub struct BuyerConfig {
@@ -62,8 +68,11 @@ pub struct BuyerConfig {
     pub max_seats: usize,
     /// Different seat picks a buyer tries after 409 `seat_unavailable` (default 5).
     pub hold_attempts: usize,
-    /// Order polling interval in ms (default 250).
+    /// Order polling interval in ms (default 250), for [`OrderStatusMode::Poll`] and for a
+    /// buyer whose stream failed.
     pub poll_interval_ms: u64,
+    /// How buyers follow their order (default [`OrderStatusMode::Stream`]).
+    pub order_status: OrderStatusMode,
     /// Per-buyer deadline in ms, from the hold, to see a final order state (default 180 000).
     pub final_timeout_ms: u64,
     /// Seed of the buyers' random choices (seat counts, picks, pay/decline/abandon).
@@ -83,6 +92,16 @@ pub struct BuyerConfig {
     /// When set, every successful hold appends (when its 202 arrived, its latency as in
     /// [`BuyerStats::hold_latency_ms`]) here, for latencies over time windows.
     pub hold_timeline: Option<HoldTimeline>,
+}
+
+/// How a buyer follows its order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OrderStatusMode {
+    /// `GET /orders/{id}/events` (Server-Sent Events): the server says when it changes.
+    #[default]
+    Stream,
+    /// `GET /orders/{id}` every `poll_interval_ms`, backing off.
+    Poll,
 }
 
 /// Successful holds as they complete: (when the 202 arrived, hold latency).
@@ -118,6 +137,7 @@ impl BuyerConfig {
             max_seats: 4,
             hold_attempts: 5,
             poll_interval_ms: 250,
+            order_status: OrderStatusMode::Stream,
             final_timeout_ms: 180_000,
             seed: 0,
             user_token,
@@ -186,6 +206,17 @@ pub struct BuyerStats {
     pub timed_out: u64,
     /// 5xx answers, transport errors and unexpected statuses (each occurrence).
     pub http_errors: u64,
+    /// `GET /orders/{id}` requests made (polling, or after a stream failed).
+    pub status_polls: u64,
+    /// `GET /orders/{id}/events` streams opened (reconnections included).
+    pub status_streams: u64,
+    /// `event: order` messages received on them.
+    pub status_stream_events: u64,
+    /// Streams refused or broken, after which the buyer polled.
+    pub status_stream_fallbacks: u64,
+    /// The `GET /orders/{id}` requests a buyer polling every `poll_interval_ms` (with the
+    /// same backoff) would have made over the time the streams covered.
+    pub status_polls_replaced: u64,
     /// Hold latency: first send (after the in-flight permit) to 202, same-key retries included.
     pub hold_latency_ms: Percentiles,
     /// 202 received → `ticketed` observed (resolution: the polling interval).
@@ -236,6 +267,11 @@ counters!(
     other_final,
     timed_out,
     http_errors,
+    status_polls,
+    status_streams,
+    status_stream_events,
+    status_stream_fallbacks,
+    status_polls_replaced,
 );
 
 fn inc(c: &AtomicU64) {
@@ -280,6 +316,8 @@ struct Ctx {
     /// the in-flight slots and cannot starve holds and payments.
     poll_slots: Semaphore,
     map: SharedMap,
+    /// For order streams: no total timeout, a read timeout above the server's heartbeat.
+    stream_http: reqwest::Client,
     stats: Counters,
     hold_latency_us: Mutex<Histogram<u64>>,
     hold_to_ticket_us: Mutex<Histogram<u64>>,
@@ -303,6 +341,11 @@ pub async fn drive(cfg: BuyerConfig) -> anyhow::Result<BuyerStats> {
         in_flight: Semaphore::new(cfg.max_in_flight),
         poll_slots: Semaphore::new((cfg.max_in_flight / 4).max(1)),
         client: BuyerClient::new(http, cfg.api_url.clone()),
+        stream_http: reqwest::Client::builder()
+            .read_timeout(STREAM_READ_TIMEOUT)
+            .connect_timeout(Duration::from_secs(5))
+            .build()
+            .context("building the HTTP client")?,
         cfg,
         map: SharedMap {
             current: RwLock::new(Arc::new(Snapshot { map: SeatMap::default(), fetched_at: started })),
@@ -595,7 +638,7 @@ impl Buyer {
             Intent::Pay => self.pay(ctx, order_id, "pm_card_visa", deadline).await,
         }
         // Everyone, paying or not, watches the order to its end so the report can count it.
-        match self.poll(ctx, order_id, deadline, |_| false).await {
+        match self.watch(ctx, order_id, deadline, |_| false).await {
             Some(view) => {
                 let counter = match view.status.as_str() {
                     "ticketed" => {
@@ -706,7 +749,7 @@ impl Buyer {
     /// with the publishable key, as Stripe.js does. Counts a 402 as `declined`.
     async fn pay(&mut self, ctx: &Ctx, order_id: Uuid, card: &str, deadline: Instant) {
         let ready = |v: &OrderView| v.client_secret.is_some() && v.payment_intent_id.is_some();
-        let Some(view) = self.poll(ctx, order_id, deadline, ready).await else {
+        let Some(view) = self.watch(ctx, order_id, deadline, ready).await else {
             return;
         };
         let (Some(pi), Some(secret)) = (view.payment_intent_id, view.client_secret) else {
@@ -738,6 +781,111 @@ impl Buyer {
         }
     }
 
+    /// Follows the order until it is final or `done` holds (`None` at the deadline): by its
+    /// event stream under [`OrderStatusMode::Stream`], polling when the stream is refused or
+    /// keeps breaking.
+    async fn watch(
+        &mut self,
+        ctx: &Ctx,
+        order_id: Uuid,
+        deadline: Instant,
+        done: impl Fn(&OrderView) -> bool,
+    ) -> Option<OrderView> {
+        if ctx.cfg.order_status == OrderStatusMode::Stream {
+            let started = Instant::now();
+            for _ in 0..STREAM_TRIES {
+                match self.stream(ctx, order_id, deadline, &done).await {
+                    Streamed::Seen(view) => {
+                        let covered = polls_for(started.elapsed(), ctx.cfg.poll_interval_ms);
+                        ctx.stats.status_polls_replaced.fetch_add(covered, Ordering::Relaxed);
+                        return Some(view);
+                    }
+                    Streamed::Deadline => return None,
+                    Streamed::Closed => {}
+                    Streamed::Refused => break,
+                }
+            }
+            inc(&ctx.stats.status_stream_fallbacks);
+            let covered = polls_for(started.elapsed(), ctx.cfg.poll_interval_ms);
+            ctx.stats.status_polls_replaced.fetch_add(covered, Ordering::Relaxed);
+        }
+        self.poll(ctx, order_id, deadline, done).await
+    }
+
+    /// One `GET /orders/{id}/events` stream, read until the order is final or `done` holds.
+    async fn stream(
+        &mut self,
+        ctx: &Ctx,
+        order_id: Uuid,
+        deadline: Instant,
+        done: &impl Fn(&OrderView) -> bool,
+    ) -> Streamed {
+        let deadline = tokio::time::Instant::from_std(deadline);
+        inc(&ctx.stats.status_streams);
+        let send = ctx
+            .client
+            .order_events(&ctx.stream_http, &self.bearer, order_id)
+            .header("x-forwarded-for", &self.forwarded_for)
+            .send();
+        let mut resp = match tokio::time::timeout_at(deadline, send).await {
+            Err(_) => return Streamed::Deadline,
+            Ok(Err(_)) => {
+                inc(&ctx.stats.http_errors);
+                return Streamed::Closed;
+            }
+            Ok(Ok(r)) if r.status() == StatusCode::OK => r,
+            Ok(Ok(r)) => {
+                // 429 `too_many_streams` or an error: poll instead.
+                if r.status().is_server_error() {
+                    inc(&ctx.stats.http_errors);
+                }
+                return Streamed::Refused;
+            }
+        };
+        let mut buf = String::new();
+        let mut last: Option<OrderView> = None;
+        loop {
+            match tokio::time::timeout_at(deadline, resp.chunk()).await {
+                Err(_) => return Streamed::Deadline,
+                Ok(Ok(Some(bytes))) => buf.push_str(&String::from_utf8_lossy(&bytes)),
+                Ok(Ok(None)) => {
+                    return match last {
+                        Some(v) if v.is_final() => Streamed::Seen(v),
+                        _ => Streamed::Closed,
+                    };
+                }
+                Ok(Err(_)) => {
+                    inc(&ctx.stats.http_errors);
+                    return Streamed::Closed;
+                }
+            }
+            for ev in client::take_sse_events(&mut buf) {
+                match ev.event.as_str() {
+                    "order" => {
+                        inc(&ctx.stats.status_stream_events);
+                        let Ok(view) = serde_json::from_str::<OrderView>(&ev.data) else {
+                            inc(&ctx.stats.http_errors);
+                            continue;
+                        };
+                        if matches!(view.status.as_str(), "confirming" | "paid" | "ticketed") {
+                            self.saw_authorized = true;
+                        }
+                        if view.is_final() || done(&view) {
+                            return Streamed::Seen(view);
+                        }
+                        last = Some(view);
+                    }
+                    "end" => {
+                        if let Some(v) = last.take() {
+                            return Streamed::Seen(v);
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+
     /// Polls `GET /orders/{id}` until the order is final or `done` holds; `None` at the
     /// deadline. The interval starts at `poll_interval_ms` and backs off ×1.5 up to 4× with
     /// ±20 % jitter, as a well-behaved client does. Notes whether payment was seen authorized.
@@ -751,6 +899,7 @@ impl Buyer {
         let base = ctx.cfg.poll_interval_ms.max(1) as f64;
         let mut interval_ms = base;
         loop {
+            inc(&ctx.stats.status_polls);
             let answer = {
                 let _slot = ctx.poll_slots.acquire().await.ok();
                 ctx.call(
@@ -791,7 +940,49 @@ impl Buyer {
     }
 }
 
+/// How one order stream ended.
+enum Streamed {
+    /// The order reached a final state or the awaited one.
+    Seen(OrderView),
+    /// The buyer's deadline passed.
+    Deadline,
+    /// The stream closed or broke before that: open another.
+    Closed,
+    /// The server refused the stream (e.g. 429 `too_many_streams`): poll.
+    Refused,
+}
+
+/// How many `GET /orders/{id}` a poller starting at `base_ms` and backing off ×1.5 up to 4×
+/// (jitter averages out) makes in `elapsed`: the first at once, then one per interval.
+pub fn polls_for(elapsed: Duration, base_ms: u64) -> u64 {
+    let base = base_ms.max(1) as f64;
+    let (mut t, mut interval, mut n) = (0.0, base, 1u64);
+    let total = elapsed.as_secs_f64() * 1000.0;
+    while t + interval <= total {
+        t += interval;
+        interval = (interval * 1.5).min(base * 4.0);
+        n += 1;
+    }
+    n
+}
+
 /// The problem+json body of an answer (empty when it has none).
 fn problem(r: &Reply) -> Problem {
     Problem::parse(&r.body)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::polls_for;
+    use std::time::Duration;
+
+    #[test]
+    fn a_poller_backs_off_to_four_times_its_interval() {
+        // 0, 1000, 2500, 4750, 8125, 12125, 16125 ms with a 1 s base.
+        assert_eq!(polls_for(Duration::ZERO, 1_000), 1);
+        assert_eq!(polls_for(Duration::from_millis(999), 1_000), 1);
+        assert_eq!(polls_for(Duration::from_millis(2_500), 1_000), 3);
+        assert_eq!(polls_for(Duration::from_millis(16_125), 1_000), 7);
+        assert_eq!(polls_for(Duration::from_secs(60), 1_000), 18);
+    }
 }

@@ -85,6 +85,14 @@ impl BuyerClient {
     pub fn order(&self, authorization: &str, order: Uuid) -> RequestBuilder {
         self.http.get(format!("{}/orders/{order}", self.api_url)).header("authorization", authorization)
     }
+
+    /// `GET /orders/{id}/events` (Server-Sent Events) on `http`, a client without a total
+    /// timeout (the stream lives until the order is final).
+    pub fn order_events(&self, http: &reqwest::Client, authorization: &str, order: Uuid) -> RequestBuilder {
+        http.get(format!("{}/orders/{order}/events", self.api_url))
+            .header("authorization", authorization)
+            .header("accept", "text/event-stream")
+    }
 }
 
 /// `POST {stripe_api_base}/v1/payment_intents/{payment_intent}/confirm` with the publishable
@@ -132,6 +140,36 @@ pub struct OrderView {
     pub client_secret: Option<String>,
 }
 
+/// One Server-Sent Event: its `event:` name (default `message`) and its `data:` lines joined.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SseEvent {
+    /// The `event:` field.
+    pub event: String,
+    /// The `data:` lines, joined by `\n`.
+    pub data: String,
+}
+
+/// Takes the complete events (those ended by a blank line) off the front of `buf`; comments
+/// (heartbeats) and `id:` / `retry:` fields are dropped.
+pub fn take_sse_events(buf: &mut String) -> Vec<SseEvent> {
+    let mut out = Vec::new();
+    while let Some(end) = buf.find("\n\n") {
+        let block: String = buf.drain(..end + 2).collect();
+        let (mut event, mut data) = (String::from("message"), Vec::new());
+        for line in block.lines() {
+            if let Some(v) = line.strip_prefix("event:") {
+                event = v.trim_start().to_owned();
+            } else if let Some(v) = line.strip_prefix("data:") {
+                data.push(v.strip_prefix(' ').unwrap_or(v).to_owned());
+            }
+        }
+        if !data.is_empty() {
+            out.push(SseEvent { event, data: data.join("\n") });
+        }
+    }
+    out
+}
+
 impl OrderView {
     /// Whether the order reached a state that never changes again.
     pub fn is_final(&self) -> bool {
@@ -175,4 +213,25 @@ pub struct QueueView {
 /// so a deployment that trusts the header sees a crowd rather than one host.
 pub fn forwarded_for(buyer: usize) -> String {
     format!("10.{}.{}.{}", (buyer >> 16) & 0xff, (buyer >> 8) & 0xff, buyer & 0xff)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn complete_events_are_taken_and_heartbeats_and_partial_ones_stay() {
+        let mut buf = String::from(
+            ": heartbeat\n\nevent: order\nid: 1\nretry: 2000\ndata: {\"a\":1}\n\nevent: end\ndata: final\n\nevent: order\ndata: {\"b\"",
+        );
+        let evs = take_sse_events(&mut buf);
+        assert_eq!(
+            evs,
+            [
+                SseEvent { event: "order".into(), data: "{\"a\":1}".into() },
+                SseEvent { event: "end".into(), data: "final".into() },
+            ]
+        );
+        assert_eq!(buf, "event: order\ndata: {\"b\"", "the partial event waits for the rest");
+    }
 }

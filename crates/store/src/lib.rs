@@ -25,6 +25,7 @@ pub mod revocations;
 pub mod signals;
 pub mod stripe_events;
 pub mod tickets;
+pub mod timeline;
 pub mod venue;
 pub mod witness;
 

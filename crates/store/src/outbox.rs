@@ -130,18 +130,41 @@ pub async fn claim_batch(
     })
 }
 
+/// The channel [`mark_published`] notifies: the payload is a comma-separated list of the
+/// order ids (message keys) just published, at most [`NOTIFY_IDS`] per notification.
+pub const ORDER_CHANNEL: &str = "boxoffice_orders";
+
+/// Order ids per notification: 200 ids of 36 characters and their commas stay far below
+/// PostgreSQL's 8,000-byte payload limit.
+pub const NOTIFY_IDS: i64 = 200;
+
 /// Marks `ids` published, but only those still leased to `relay` (a relay whose lease ran
 /// out must not overwrite another relay's claim). Returns how many rows were marked.
+///
+/// The same statement notifies [`ORDER_CHANNEL`] with the distinct order ids of the rows it
+/// marked (the buyers' live order status, `GET /orders/{id}/events`): one notifying
+/// transaction per relay batch, since PostgreSQL serializes the commits of notifying
+/// transactions.
 pub async fn mark_published(pool: &PgPool, relay: &str, ids: &[Uuid]) -> Result<u64, sqlx::Error> {
-    let r = sqlx::query(
-        "UPDATE outbox SET published_at = clock_timestamp(), claimed_by = NULL, claim_expires_at = NULL
-          WHERE id = ANY($1) AND claimed_by = $2 AND published_at IS NULL",
+    let marked: i64 = sqlx::query_scalar(
+        "WITH marked AS (
+            UPDATE outbox SET published_at = clock_timestamp(), claimed_by = NULL, claim_expires_at = NULL
+             WHERE id = ANY($1) AND claimed_by = $2 AND published_at IS NULL
+            RETURNING message_key),
+         keys AS (
+            SELECT k, (row_number() OVER (ORDER BY k) - 1) / $4 AS chunk
+              FROM (SELECT DISTINCT message_key AS k FROM marked) d),
+         sent AS (
+            SELECT pg_notify($3, string_agg(k, ',')) FROM keys GROUP BY chunk)
+         SELECT (SELECT count(*) FROM marked) + 0 * (SELECT count(*) FROM sent)",
     )
     .bind(ids)
     .bind(relay)
-    .execute(pool)
+    .bind(ORDER_CHANNEL)
+    .bind(NOTIFY_IDS)
+    .fetch_one(pool)
     .await?;
-    Ok(r.rows_affected())
+    Ok(marked as u64)
 }
 
 /// Gives back the lease on `ids` (publish failed) so another attempt can start at once.
@@ -178,20 +201,33 @@ pub async fn backlog<'e>(ex: impl sqlx::PgExecutor<'e>) -> Result<Backlog, sqlx:
     Ok(Backlog { unpublished, oldest_age_ms: oldest_age_ms.unwrap_or(0.0).max(0.0) as i64 })
 }
 
-/// Deletes up to `limit` rows published more than `retention_s` seconds ago (the outbox is
-/// a queue, not an archive: Kafka and the ledger tables keep the history). Returns how many
-/// were deleted.
+/// Moves up to `limit` rows published more than `retention_s` seconds ago out of the outbox
+/// and into `order_history`, in one statement (the outbox is a queue; the history keeps each
+/// order's facts for its timeline, [`crate::timeline`]). A row whose key is not an order id
+/// is deleted without a copy. Returns how many rows left the outbox.
 pub async fn prune_published(pool: &PgPool, retention_s: i64, limit: i64) -> Result<u64, sqlx::Error> {
-    let r = sqlx::query(
-        "DELETE FROM outbox WHERE id IN (
-            SELECT id FROM outbox
-             WHERE created_at < clock_timestamp() - make_interval(secs => $1::double precision)
-               AND published_at IS NOT NULL
-             LIMIT $2)",
+    let moved: i64 = sqlx::query_scalar(
+        "WITH moved AS (
+            DELETE FROM outbox WHERE id IN (
+                SELECT id FROM outbox
+                 WHERE created_at < clock_timestamp() - make_interval(secs => $1::double precision)
+                   AND published_at IS NOT NULL
+                 LIMIT $2)
+            RETURNING id, topic, message_key, event_type, payload, created_at, published_at,
+                      region, region_epoch, traceparent, xact),
+         kept AS (
+            INSERT INTO order_history (event_id, order_id, topic, event_type, payload, created_at,
+                                       published_at, region, region_epoch, traceparent, xact)
+            SELECT id, message_key::uuid, topic, event_type, payload, created_at, published_at,
+                   region, region_epoch, traceparent, xact
+              FROM moved
+             WHERE message_key ~* '^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$'
+            ON CONFLICT (event_id) DO NOTHING)
+         SELECT count(*) FROM moved",
     )
     .bind(retention_s as f64)
     .bind(limit)
-    .execute(pool)
+    .fetch_one(pool)
     .await?;
-    Ok(r.rows_affected())
+    Ok(moved as u64)
 }

@@ -37,7 +37,7 @@ use sqlx::PgPool;
 use std::sync::Arc;
 
 /// Consumer name (inbox key, consumer group `ticketing-payments`).
-pub const NAME: &str = "payments";
+pub const NAME: &str = boxoffice_domain::consumers::PAYMENTS;
 
 /// The payment consumer.
 #[derive(Clone)]

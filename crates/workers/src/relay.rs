@@ -29,13 +29,21 @@ pub struct RelaySettings {
     pub lease_ms: i64,
     /// Pause when the outbox is empty, ms.
     pub idle_ms: u64,
-    /// Published rows are deleted after this many seconds.
+    /// Published rows move to the order history after this many seconds.
     pub retention_s: i64,
+    /// The order history (and its status changes) is deleted after this many seconds.
+    pub history_retention_s: i64,
 }
 
 impl Default for RelaySettings {
     fn default() -> Self {
-        Self { batch: 500, lease_ms: 45_000, idle_ms: 20, retention_s: 3_600 }
+        Self {
+            batch: 500,
+            lease_ms: 45_000,
+            idle_ms: 20,
+            retention_s: 3_600,
+            history_retention_s: 400 * 86_400,
+        }
     }
 }
 
@@ -63,6 +71,11 @@ pub async fn run(
             last_prune = std::time::Instant::now();
             if let Err(e) = outbox::prune_published(&pool, settings.retention_s, 10_000).await {
                 tracing::warn!(relay = %relay_id, error = %e, "pruning published outbox rows failed");
+            }
+            if let Err(e) =
+                boxoffice_store::timeline::prune(&pool, settings.history_retention_s, 10_000).await
+            {
+                tracing::warn!(relay = %relay_id, error = %e, "pruning the order history failed");
             }
         }
         match publish_batch(&pool, &producer, &kafka, &relay_id, &settings).await {

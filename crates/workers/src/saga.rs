@@ -25,7 +25,7 @@ use sqlx::PgPool;
 pub struct Saga;
 
 /// Consumer name (inbox key, consumer group `ticketing-saga`).
-pub const NAME: &str = "saga";
+pub const NAME: &str = boxoffice_domain::consumers::SAGA;
 
 #[async_trait]
 impl Handler for Saga {

@@ -14,7 +14,7 @@ use boxoffice_store::{holds, orders, outbox, tickets, Tx};
 pub struct TicketWorker;
 
 /// Consumer name (inbox key, consumer group `ticketing-tickets`).
-pub const NAME: &str = "tickets";
+pub const NAME: &str = boxoffice_domain::consumers::TICKETS;
 
 #[async_trait]
 impl Handler for TicketWorker {

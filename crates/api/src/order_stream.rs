@@ -1,0 +1,362 @@
+//! Live order status for buyers: `GET /orders/{order_id}/events` as Server-Sent Events
+//! (design §16), so a buyer waiting for the client secret, the confirmation or the tickets
+//! is told when the order changes instead of asking every second.
+//!
+//! **Push, not polling.** The relay, in the statement that marks a batch published, sends
+//! `NOTIFY boxoffice_orders` with the batch's order ids ([`boxoffice_store::outbox::mark_published`]):
+//! every change of an order commits a fact in the same transaction (invariant 5), so a
+//! published fact means the ledger has changed for that order. One notifying transaction per
+//! relay batch, not per order: PostgreSQL serializes the commits of notifying transactions,
+//! and a trigger per change would put every purchase transaction in that queue. Each API
+//! process keeps ONE `LISTEN` connection ([`listen`]) and wakes only the streams of the
+//! orders named; a woken stream reads the order once with the same query and the same rules
+//! as `GET /orders/{id}` ([`boxoffice_store::orders::view`]: owner only, the client secret
+//! only while payment is pending) and sends it when it differs from what it sent last.
+//!
+//! **Bounds.** Every stream:
+//! - belongs to the order's owner (else 404, like `GET /orders/{id}`), and passes the purchase
+//!   route's rate buckets;
+//! - counts against [`StreamSettings::max_per_user`] streams per user and
+//!   [`StreamSettings::max_streams`] per process (429 `too_many_streams` with `Retry-After`);
+//! - sends a comment heartbeat every [`StreamSettings::heartbeat`], re-reads the order every
+//!   [`StreamSettings::reread`] as a net under a lost notification (a `LISTEN` connection that
+//!   dropped re-reads every stream once when it is back), and ends after
+//!   [`StreamSettings::max_lifetime`] (the client reconnects: `retry:` is sent);
+//! - ends cleanly (`event: end`) once the order is final (`ticketed`, `expired`, `failed`,
+//!   `canceled`, `refunded`).
+//!
+//! Metrics: `boxoffice_order_streams` (open), `boxoffice_order_stream_reads_total` (ledger
+//! reads made for streams), `boxoffice_order_stream_events_total`,
+//! `boxoffice_order_stream_refused_total{reason}`, `boxoffice_order_notifications_total`.
+
+use crate::auth::{IdPath, User};
+use crate::problem::Problem;
+use crate::state::AppState;
+use axum::extract::State;
+use axum::http::{header, HeaderValue};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use boxoffice_domain::{OrderId, UserId};
+use boxoffice_store::orders::{self, OrderView};
+use futures::Stream;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+/// The channel the relay notifies with the order ids of each published batch.
+pub const CHANNEL: &str = boxoffice_store::outbox::ORDER_CHANNEL;
+
+/// Stream bounds.
+#[derive(Debug, Clone)]
+pub struct StreamSettings {
+    /// Open streams per user per process.
+    pub max_per_user: usize,
+    /// Open streams per process.
+    pub max_streams: usize,
+    /// Comment heartbeat interval.
+    pub heartbeat: Duration,
+    /// Re-read interval without a notification.
+    pub reread: Duration,
+    /// A stream ends after this long; the client reconnects.
+    pub max_lifetime: Duration,
+}
+
+impl Default for StreamSettings {
+    fn default() -> Self {
+        Self {
+            max_per_user: 4,
+            max_streams: 20_000,
+            heartbeat: Duration::from_secs(15),
+            reread: Duration::from_secs(30),
+            max_lifetime: Duration::from_secs(15 * 60),
+        }
+    }
+}
+
+/// The streams of one process: who is open, and the wake-up channel per watched order.
+#[derive(Debug, Default)]
+pub struct OrderStreams {
+    settings: StreamSettings,
+    inner: Mutex<Inner>,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    per_user: HashMap<Uuid, usize>,
+    open: usize,
+    watched: HashMap<Uuid, (watch::Sender<u64>, usize)>,
+}
+
+/// One admitted stream: released (and its order unwatched) when dropped.
+#[derive(Debug)]
+pub struct Admitted {
+    hub: Arc<OrderStreams>,
+    user: Uuid,
+    order: Uuid,
+    /// Bumped on every notification naming the order.
+    pub changes: watch::Receiver<u64>,
+}
+
+impl Drop for Admitted {
+    fn drop(&mut self) {
+        let mut g = self.hub.inner.lock().expect("order streams");
+        g.open -= 1;
+        if let Some(n) = g.per_user.get_mut(&self.user) {
+            *n -= 1;
+            if *n == 0 {
+                g.per_user.remove(&self.user);
+            }
+        }
+        if let Some((_, n)) = g.watched.get_mut(&self.order) {
+            *n -= 1;
+            if *n == 0 {
+                g.watched.remove(&self.order);
+            }
+        }
+        metrics::gauge!("boxoffice_order_streams").set(g.open as f64);
+    }
+}
+
+/// Why a stream was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refused {
+    /// The user has `max_per_user` streams open.
+    User,
+    /// The process has `max_streams` open.
+    Process,
+}
+
+impl OrderStreams {
+    /// A hub with `settings`.
+    pub fn new(settings: StreamSettings) -> Arc<Self> {
+        Arc::new(Self { settings, inner: Mutex::default() })
+    }
+
+    /// The bounds.
+    pub fn settings(&self) -> &StreamSettings {
+        &self.settings
+    }
+
+    /// Admits a stream of `user` watching `order`, or says which bound refuses it.
+    pub fn admit(self: &Arc<Self>, user: Uuid, order: Uuid) -> Result<Admitted, Refused> {
+        let mut g = self.inner.lock().expect("order streams");
+        if g.open >= self.settings.max_streams {
+            return Err(Refused::Process);
+        }
+        let mine = g.per_user.get(&user).copied().unwrap_or(0);
+        if mine >= self.settings.max_per_user {
+            return Err(Refused::User);
+        }
+        g.open += 1;
+        *g.per_user.entry(user).or_default() += 1;
+        let entry = g.watched.entry(order).or_insert_with(|| (watch::channel(0).0, 0));
+        entry.1 += 1;
+        let changes = entry.0.subscribe();
+        metrics::gauge!("boxoffice_order_streams").set(g.open as f64);
+        Ok(Admitted { hub: self.clone(), user, order, changes })
+    }
+
+    /// Wakes the streams watching any of `orders`; returns how many orders had one.
+    pub fn notify<'a>(&self, orders: impl IntoIterator<Item = &'a str>) -> usize {
+        let g = self.inner.lock().expect("order streams");
+        let mut woken = 0;
+        for id in orders {
+            if let Some((tx, _)) = id.trim().parse::<Uuid>().ok().and_then(|id| g.watched.get(&id)) {
+                tx.send_modify(|n| *n = n.wrapping_add(1));
+                woken += 1;
+            }
+        }
+        woken
+    }
+
+    /// Wakes every stream (after the `LISTEN` connection was lost and came back).
+    pub fn notify_all(&self) {
+        let g = self.inner.lock().expect("order streams");
+        for (tx, _) in g.watched.values() {
+            tx.send_modify(|n| *n = n.wrapping_add(1));
+        }
+    }
+
+    /// Open streams.
+    pub fn open(&self) -> usize {
+        self.inner.lock().expect("order streams").open
+    }
+}
+
+/// Listens on [`CHANNEL`] with one dedicated connection until `shutdown` and wakes the
+/// streams of the orders named. Reconnects on its own (sqlx's `PgListener`); after a lost
+/// connection every stream is woken once, since notifications sent meanwhile are gone.
+pub async fn listen(pool: sqlx::PgPool, hub: Arc<OrderStreams>, shutdown: CancellationToken) {
+    let mut backoff = Duration::from_millis(200);
+    while !shutdown.is_cancelled() {
+        let mut listener = match sqlx::postgres::PgListener::connect_with(&pool).await {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::warn!(error = %e, "order notifications: cannot connect; streams fall back to re-reads");
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = tokio::time::sleep(backoff) => {}
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+                continue;
+            }
+        };
+        if let Err(e) = listener.listen(CHANNEL).await {
+            tracing::warn!(error = %e, "order notifications: LISTEN failed");
+            continue;
+        }
+        backoff = Duration::from_millis(200);
+        hub.notify_all();
+        loop {
+            let next = tokio::select! {
+                _ = shutdown.cancelled() => return,
+                n = listener.try_recv() => n,
+            };
+            match next {
+                Ok(Some(n)) => {
+                    metrics::counter!("boxoffice_order_notifications_total").increment(1);
+                    hub.notify(n.payload().split(','));
+                }
+                // The connection was lost and sqlx reconnected: what was sent meanwhile is lost.
+                Ok(None) => hub.notify_all(),
+                Err(e) => {
+                    tracing::warn!(error = %e, "order notifications: connection failed");
+                    break;
+                }
+            }
+        }
+    }
+}
+
+/// `GET /orders/{order_id}/events` → `text/event-stream`: `event: order` with the order as
+/// `GET /orders/{id}` returns it, now and on every change; `event: end` at a final state.
+#[utoipa::path(get, path = "/orders/{order_id}/events", tag = "purchase",
+    params(("order_id" = Uuid, Path, description = "Order id")),
+    security(("bearer" = [])),
+    responses(
+        (status = 200, description = "Server-Sent Events: `event: order` (data: the order, as `GET /orders/{id}`) now and at every change, a comment heartbeat every 15 s, `event: end` once the order is final; the stream also ends after 15 min (`retry:` is sent, reconnect)", content_type = "text/event-stream", body = String),
+        (status = 400, description = "`invalid_path`: the order id is not a UUID", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 401, description = "`unauthenticated`: no or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 404, description = "`not_found`: no such order for this user", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 429, description = "`too_many_streams` (this user has as many streams open as allowed, or the process is full), `rate_limited` or `too_many_in_flight`; `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 503, description = "`unavailable`: the database is unavailable; `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+    ))]
+pub async fn order_events(
+    State(st): State<AppState>,
+    user: User,
+    IdPath(order): IdPath<Uuid>,
+) -> Result<Response, Problem> {
+    let admitted = st.order_streams.admit(user.0 .0, order).map_err(|r| {
+        let settings = st.order_streams.settings();
+        let (scope, max) = match r {
+            Refused::User => ("user", settings.max_per_user),
+            Refused::Process => ("process", settings.max_streams),
+        };
+        metrics::counter!("boxoffice_order_stream_refused_total", "reason" => scope).increment(1);
+        Problem::too_many_streams(scope, max)
+    })?;
+    metrics::counter!("boxoffice_order_stream_reads_total").increment(1);
+    let Some(first) = orders::view(&st.pool, OrderId(order), user.0).await? else {
+        return Err(Problem::not_found("order"));
+    };
+    let settings = st.order_streams.settings().clone();
+    let stream = events(st.pool.clone(), user.0, admitted, first, settings.clone());
+    let mut resp = Sse::new(stream).keep_alive(KeepAlive::new().interval(settings.heartbeat)).into_response();
+    resp.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    // Proxies (nginx) must not buffer the stream.
+    resp.headers_mut().insert("x-accel-buffering", HeaderValue::from_static("no"));
+    Ok(resp)
+}
+
+/// Where a stream is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Sending changes.
+    Live,
+    /// The order is final and its state sent: `event: end` is next.
+    End,
+    /// Closed.
+    Done,
+}
+
+struct Streaming {
+    pool: sqlx::PgPool,
+    user: UserId,
+    admitted: Admitted,
+    last: Option<String>,
+    pending: Option<OrderView>,
+    deadline: tokio::time::Instant,
+    settings: StreamSettings,
+    phase: Phase,
+}
+
+fn events(
+    pool: sqlx::PgPool,
+    user: UserId,
+    admitted: Admitted,
+    first: OrderView,
+    settings: StreamSettings,
+) -> impl Stream<Item = Result<Event, std::convert::Infallible>> {
+    let deadline = tokio::time::Instant::now() + settings.max_lifetime;
+    let state = Streaming {
+        pool,
+        user,
+        admitted,
+        last: None,
+        pending: Some(first),
+        deadline,
+        settings,
+        phase: Phase::Live,
+    };
+    futures::stream::unfold(state, |mut s| async move {
+        loop {
+            match s.phase {
+                Phase::Done => return None,
+                Phase::End => {
+                    s.phase = Phase::Done;
+                    return Some((Ok(Event::default().event("end").data("final")), s));
+                }
+                Phase::Live => {}
+            }
+            if let Some(view) = s.pending.take() {
+                let json = serde_json::to_string(&view).expect("order views serialize");
+                if view.status.is_final() {
+                    s.phase = Phase::End;
+                }
+                if s.last.as_deref() != Some(json.as_str()) {
+                    metrics::counter!("boxoffice_order_stream_events_total").increment(1);
+                    let ev = Event::default()
+                        .event("order")
+                        .id(view.updated_at.timestamp_micros().to_string())
+                        .retry(Duration::from_secs(2))
+                        .data(json.clone());
+                    s.last = Some(json);
+                    return Some((Ok(ev), s));
+                }
+                continue;
+            }
+            tokio::select! {
+                changed = s.admitted.changes.changed() => {
+                    if changed.is_err() {
+                        return None;
+                    }
+                }
+                _ = tokio::time::sleep(s.settings.reread) => {}
+                _ = tokio::time::sleep_until(s.deadline) => return None,
+            }
+            metrics::counter!("boxoffice_order_stream_reads_total").increment(1);
+            match orders::view(&s.pool, OrderId(s.admitted.order), s.user).await {
+                Ok(Some(v)) => s.pending = Some(v),
+                Ok(None) => return None,
+                Err(e) => {
+                    // The client reconnects (`retry`) and reads again; nothing is lost.
+                    tracing::debug!(error = %e, "order stream: reading the order failed; closing");
+                    return None;
+                }
+            }
+        }
+    })
+}

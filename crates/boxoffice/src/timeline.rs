@@ -1,0 +1,191 @@
+//! `boxoffice timeline ORDER_ID`: one order's story as text for an operator (or JSON), from
+//! [`boxoffice_api::timeline`]: the order now, each step (one ledger transaction) with who ran
+//! it and what it changed, the provider's view of every PaymentIntent, and the steps slower
+//! than their SLO. It reads; it never writes and never prints a client secret.
+
+use boxoffice_api::timeline::OrderTimeline;
+use boxoffice_store::timeline::{Actor, Step};
+use chrono::{DateTime, Utc};
+use std::fmt::Write;
+
+/// Renders `t` as the text `boxoffice timeline` prints.
+pub fn render(t: &OrderTimeline) -> String {
+    let mut out = String::new();
+    let o = &t.timeline.order;
+    let start = o.created_at;
+    let _ = writeln!(out, "order {}  {}{}", o.id, o.status, reason(&o.failure_reason));
+    let _ = writeln!(
+        out,
+        "  buyer {}  event {}  {} {}  correlation {}",
+        o.user_id, o.event_id, o.amount_minor, o.currency, o.correlation_id
+    );
+    if let (Some(h), Some(s)) = (o.hold_id, &o.hold_status) {
+        let until =
+            o.hold_expires_at.map(|e| format!(" until {}", e.format("%H:%M:%S%.3f"))).unwrap_or_default();
+        let _ = writeln!(out, "  hold {h}  {s}{until}");
+    }
+    if let (Some(pi), Some(s)) = (&o.payment_intent_id, &o.payment_status) {
+        let _ = writeln!(
+            out,
+            "  payment {pi}  {s}  captured {}  refunded {}",
+            o.amount_captured_minor.unwrap_or(0),
+            o.amount_refunded_minor.unwrap_or(0)
+        );
+    }
+    if o.tickets > 0 {
+        let _ = writeln!(out, "  tickets {} ({} void)", o.tickets, o.tickets_voided);
+    }
+    let _ = writeln!(out, "\nsteps (one ledger transaction each; +time since the hold request):");
+    for s in &t.timeline.steps {
+        step(&mut out, s, start);
+    }
+    let _ = writeln!(out, "\nprovider:");
+    if !t.provider_checked {
+        let _ = writeln!(out, "  not asked (no Stripe API base configured, or --skip-provider)");
+    } else if t.provider.is_empty() {
+        let _ = writeln!(out, "  no PaymentIntent");
+    }
+    for p in &t.provider {
+        match (&p.status, &p.error) {
+            (Some(status), _) => {
+                let agrees = match p.agrees_with_ledger {
+                    Some(true) => "  (ledger agrees)",
+                    Some(false) => "  (LEDGER DISAGREES)",
+                    None => "  (not the order's current intent)",
+                };
+                let cancel =
+                    p.cancellation_reason.as_deref().map(|r| format!("  canceled: {r}")).unwrap_or_default();
+                let _ = writeln!(
+                    out,
+                    "  {}  {status}  amount {}  received {}  capturable {}{cancel}{agrees}",
+                    p.id,
+                    p.amount.unwrap_or(0),
+                    p.amount_received.unwrap_or(0),
+                    p.amount_capturable.unwrap_or(0)
+                );
+            }
+            (None, e) => {
+                let _ = writeln!(out, "  {}  unreadable: {}", p.id, e.as_deref().unwrap_or("?"));
+            }
+        }
+    }
+    let slo = t.timeline.slo;
+    let _ = writeln!(
+        out,
+        "\ngaps (SLO: published within {} ms, applied within {} ms of commit):",
+        slo.publish_ms, slo.step_ms
+    );
+    if t.timeline.gaps.is_empty() {
+        let _ = writeln!(out, "  none");
+    }
+    for g in &t.timeline.gaps {
+        let who = g.consumer.as_deref().map(|c| format!(" by {c}")).unwrap_or_default();
+        let what = match g.kind {
+            "publish" => "published",
+            "apply" => "applied",
+            _ => "still unpublished after",
+        };
+        let _ = writeln!(
+            out,
+            "  SLOW {} {}{who}: {what} {} ms (SLO {} ms)",
+            g.event_type,
+            short(&g.event_id.to_string()),
+            g.took_ms,
+            g.slo_ms
+        );
+    }
+    out
+}
+
+fn step(out: &mut String, s: &Step, start: DateTime<Utc>) {
+    let actor = match &s.actor {
+        Actor::BuyerRequest => "buyer's hold request (api)".to_owned(),
+        Actor::Consumer { consumer, applied, applied_type } => {
+            format!("{consumer}, applying {applied_type} {}", short(&applied.to_string()))
+        }
+        Actor::Webhook { stripe_event_id, r#type } => {
+            format!("webhook {type} {stripe_event_id}", type = r#type)
+        }
+        Actor::Sweep { wrote } => format!("sweep or operator command ({wrote})"),
+    };
+    let _ = writeln!(out, "  {} {:>9}  {actor}", s.at.format("%H:%M:%S%.3f"), offset(start, s.at));
+    for tr in &s.transitions {
+        let _ = writeln!(out, "      order {} → {}{}", tr.from, tr.to, reason(&tr.reason));
+    }
+    for w in &s.webhooks {
+        let pending = match (w.pending, w.resolved_at) {
+            (true, Some(r)) => {
+                format!("  (early: waited for the payment row until {})", r.format("%H:%M:%S%.3f"))
+            }
+            (true, None) => "  (early: waiting for the payment row)".to_owned(),
+            _ => String::new(),
+        };
+        let _ = writeln!(out, "      recorded webhook {} {}{pending}", w.r#type, w.stripe_event_id);
+    }
+    for f in &s.facts {
+        let published = match f.published_at {
+            Some(p) => format!("published +{} ms", (p - f.committed_at).num_milliseconds()),
+            None => "NOT PUBLISHED".to_owned(),
+        };
+        let cause =
+            f.causation_id.map(|c| format!(", caused by {}", short(&c.to_string()))).unwrap_or_default();
+        let region = match (&f.region, f.region_epoch) {
+            (Some(r), Some(e)) => format!(", {r} epoch {e}"),
+            _ => String::new(),
+        };
+        let trace = f.trace_id.as_deref().map(|t| format!(", trace {t}")).unwrap_or_default();
+        let _ = writeln!(
+            out,
+            "      → {} {}  {}{cause}{region}{trace}  {published}",
+            f.event_type,
+            short(&f.event_id.to_string()),
+            summary(&f.payload)
+        );
+        for a in &f.applied_by {
+            let _ = writeln!(
+                out,
+                "          applied by {} +{} ms",
+                a.consumer,
+                (a.at - f.committed_at).num_milliseconds()
+            );
+        }
+    }
+    for i in &s.incidents {
+        let _ = writeln!(out, "      ! incident {}  {}", i.kind, i.detail);
+    }
+}
+
+/// The payload's telling fields on one line (ids, amounts, statuses, reasons).
+fn summary(payload: &serde_json::Value) -> String {
+    let Some(m) = payload.as_object() else { return String::new() };
+    let mut parts = Vec::new();
+    for (k, v) in m {
+        if k == "order_id" {
+            continue;
+        }
+        let v = match v {
+            serde_json::Value::String(s) => s.clone(),
+            serde_json::Value::Array(a) => format!("[{} item(s)]", a.len()),
+            other => other.to_string(),
+        };
+        parts.push(format!("{k}={v}"));
+    }
+    parts.join(" ")
+}
+
+fn reason(r: &Option<String>) -> String {
+    r.as_deref().map(|r| format!(" ({r})")).unwrap_or_default()
+}
+
+fn short(id: &str) -> &str {
+    id.get(..8).unwrap_or(id)
+}
+
+fn offset(start: DateTime<Utc>, at: DateTime<Utc>) -> String {
+    let ms = (at - start).num_milliseconds();
+    if ms.abs() < 10_000 {
+        format!("+{ms} ms")
+    } else {
+        format!("+{:.1} s", ms as f64 / 1000.0)
+    }
+}
