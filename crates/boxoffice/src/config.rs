@@ -563,6 +563,10 @@ pub struct Config {
     pub relay_lease_ms: i64,
     /// Published outbox rows move to the order history after this many seconds.
     pub outbox_retention_s: i64,
+    /// Where a process serves `/metrics` and `/healthz` apart from the API (e.g.
+    /// `0.0.0.0:9100`): what a process running only workers or the relay needs to be scraped.
+    /// Empty (the default): only the API's and the router's `/metrics`.
+    pub metrics_bind: Option<String>,
     /// Live order streams (`GET /orders/{id}/events`) one user may have open per API process.
     pub order_stream_max_per_user: usize,
     /// Live order streams per API process; more get 429 `too_many_streams`.
@@ -714,6 +718,7 @@ impl Default for Config {
             relay_lease_ms: 45_000,
             outbox_retention_s: 3_600,
             order_history_retention_days: 400,
+            metrics_bind: None,
             order_stream_max_per_user: 4,
             order_stream_max: 20_000,
             order_stream_heartbeat_s: 15,

@@ -319,6 +319,9 @@ pub async fn start(
             }
         }
     }
+    if let Some(bind) = cfg.metrics_bind.as_deref().filter(|b| !b.is_empty()) {
+        tasks.push(("metrics", spawn_metrics(bind, shutdown.clone(), cfg).await?));
+    }
     Ok(Running {
         api_addr,
         router_addr,
@@ -381,6 +384,29 @@ async fn spawn_api(
     Ok(tokio::spawn(async move {
         if let Err(e) = boxoffice_api::serve(listener, app, edge, shutdown).await {
             tracing::error!(error = %e, "api server failed");
+        }
+    }))
+}
+
+/// `/metrics` and `/healthz` on `bind` for a process whose roles serve no HTTP of their own
+/// (the workers, the relay): bounded by the same edge (timeouts, connection cap) as the API.
+async fn spawn_metrics(bind: &str, shutdown: CancellationToken, cfg: &Config) -> anyhow::Result<JoinHandle<()>> {
+    let listener =
+        tokio::net::TcpListener::bind(bind).await.with_context(|| format!("binding metrics_bind {bind}"))?;
+    let handle = metrics_handle();
+    let app = axum::Router::new()
+        .route(
+            "/metrics",
+            axum::routing::get(move || {
+                let handle = handle.clone();
+                async move { handle.map(|h| h.render()).unwrap_or_default() }
+            }),
+        )
+        .route("/healthz", axum::routing::get(|| async { "ok" }));
+    let edge = cfg.edge();
+    Ok(tokio::spawn(async move {
+        if let Err(e) = boxoffice_api::serve(listener, app, edge, shutdown).await {
+            tracing::error!(error = %e, "metrics server failed");
         }
     }))
 }

@@ -83,5 +83,58 @@ async fn small_onsale_through_the_binary_has_no_violations(_: PgPoolOptions, opt
     // The release controller admitted them, at a rate the report read from /metrics.
     let rc = &r["release_controller"];
     assert!(rc["max_per_s"].as_f64().unwrap() > 0.0 && rc["samples"].as_u64().unwrap() > 0, "{rc}");
+    // Buyers followed their orders by stream, and that saved status reads.
+    let sr = &r["status_reads"];
+    assert_eq!(sr["mode"], "stream", "{sr}");
+    assert!(sr["streams"].as_u64().unwrap() >= r["holds"].as_u64().unwrap(), "{sr}");
+    assert!(sr["saved"].as_u64().unwrap() > 0, "{sr}");
+    assert!(sr["polls"].as_u64().unwrap() < sr["polls_replaced"].as_u64().unwrap() / 2, "{sr}");
+
+    // `boxoffice timeline` tells the story of a ticketed order and of a compensated one.
+    let pool = sqlx::PgPool::connect_with(opts.clone()).await.unwrap();
+    let ticketed: uuid::Uuid =
+        sqlx::query_scalar("SELECT id FROM orders WHERE status = 'ticketed' LIMIT 1").fetch_one(&pool).await.unwrap();
+    let compensated: uuid::Uuid = sqlx::query_scalar(
+        "SELECT o.id FROM orders o WHERE o.status = 'expired'
+            AND EXISTS (SELECT 1 FROM outbox x WHERE x.message_key = o.id::text AND x.event_type = 'PaymentCanceled')
+          LIMIT 1",
+    )
+    .fetch_one(&pool)
+    .await
+    .expect("an expired order whose authorization was cancelled");
+    let story = |order: uuid::Uuid| {
+        let out = Command::new(crate::helpers::product_bin())
+            .args(["timeline", &order.to_string(), "--skip-provider"])
+            .env("BOXOFFICE_DATABASE_URL", opts.to_url_lossy().to_string())
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let t = story(ticketed);
+    for want in [
+        "ticketed",
+        "buyer's hold request (api)",
+        "→ HoldCreated",
+        "payments, applying PaymentAuthorizationRequested",
+        "webhook payment_intent.amount_capturable_updated",
+        "order payment_required → confirming",
+        "order paid → ticketed",
+        "tickets, applying TicketIssueRequested",
+        "→ TicketIssued",
+        "gaps (SLO",
+    ] {
+        assert!(t.contains(want), "{want:?} in\n{t}");
+    }
+    let t = story(compensated);
+    for want in ["expired", "sweep or operator command (HoldExpired)", "→ AuthorizationCancelRequested", "→ PaymentCanceled"] {
+        assert!(t.contains(want), "{want:?} in\n{t}");
+    }
+    let missing = Command::new(crate::helpers::product_bin())
+        .args(["timeline", &uuid::Uuid::new_v4().to_string()])
+        .env("BOXOFFICE_DATABASE_URL", opts.to_url_lossy().to_string())
+        .output()
+        .unwrap();
+    assert_eq!(missing.status.code(), Some(1), "an unknown order exits 1");
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -21,6 +21,7 @@ mod faults;
 mod holds;
 mod lifetime;
 mod limits;
+mod observe;
 mod pgcluster;
 mod purchase;
 mod region;

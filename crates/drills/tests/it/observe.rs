@@ -1,0 +1,287 @@
+//! Design §16 for buyers and operators: the live order stream (`GET /orders/{id}/events`)
+//! and the order timeline (`boxoffice_api::timeline`, `boxoffice timeline`).
+
+use crate::helpers::{eventually, problem, Buyer, TestApp};
+use boxoffice::runtime::Role;
+use boxoffice_harness::client::{take_sse_events, SseEvent};
+use boxoffice_store::timeline::{Actor, Slo};
+use boxoffice_store::venue::VenueSpec;
+use serde_json::Value;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use std::time::{Duration, Instant};
+use uuid::Uuid;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+/// An open order stream: its events as they arrive, and whether a heartbeat was seen.
+struct Stream {
+    resp: reqwest::Response,
+    buf: String,
+    ready: std::collections::VecDeque<SseEvent>,
+    heartbeats: usize,
+}
+
+impl Stream {
+    async fn open(app: &TestApp, b: &Buyer, order: Uuid) -> reqwest::Response {
+        reqwest::Client::new()
+            .get(format!("{}/orders/{order}/events", app.api))
+            .header("authorization", b.bearer())
+            .header("accept", "text/event-stream")
+            .send()
+            .await
+            .expect("request")
+    }
+
+    async fn new(app: &TestApp, b: &Buyer, order: Uuid) -> Stream {
+        let resp = Self::open(app, b, order).await;
+        assert_eq!(resp.status(), 200);
+        assert_eq!(resp.headers()["content-type"], "text/event-stream");
+        assert_eq!(resp.headers()["cache-control"], "no-store");
+        Stream { resp, buf: String::new(), ready: Default::default(), heartbeats: 0 }
+    }
+
+    /// The next event, or `None` when the server closed the stream.
+    async fn next(&mut self) -> Option<SseEvent> {
+        loop {
+            self.ready.extend(take_sse_events(&mut self.buf));
+            if let Some(ev) = self.ready.pop_front() {
+                return Some(ev);
+            }
+            let chunk = tokio::time::timeout(WAIT, self.resp.chunk()).await.expect("the stream went silent");
+            let text = String::from_utf8_lossy(&chunk.expect("stream read")?).into_owned();
+            self.heartbeats += text.lines().filter(|l| l.starts_with(':')).count();
+            self.buf.push_str(&text);
+        }
+    }
+
+    /// Events until one satisfies `pred` (returned), failing at the stream's end.
+    async fn until(&mut self, seen: &mut Vec<Value>, pred: impl Fn(&Value) -> bool) -> Value {
+        loop {
+            let ev = self.next().await.expect("the stream ended early");
+            assert_eq!(ev.event, "order", "{ev:?}");
+            let v: Value = serde_json::from_str(&ev.data).unwrap();
+            seen.push(v.clone());
+            if pred(&v) {
+                return v;
+            }
+        }
+    }
+}
+
+async fn hold_one(app: &TestApp, b: &Buyer, seat: Uuid, key: &str) -> Uuid {
+    let r = app.hold(b, &app.admission_token(b), key, &[seat]).await;
+    assert_eq!(r.status(), 202);
+    r.json::<Value>().await.unwrap()["order_id"].as_str().unwrap().parse().unwrap()
+}
+
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn an_order_stream_pushes_each_change_and_ends_at_the_final_state(_: PgPoolOptions, opts: PgConnectOptions) {
+    // Re-reads without a notification come every 30 s: anything faster was pushed.
+    let app = TestApp::spawn(opts, &Role::ALL, VenueSpec::small(1, 1, 4)).await;
+    let s = app.seats().await;
+    let b = app.buyer();
+    let order = hold_one(&app, &b, s[0], "stream-1").await;
+    let mut stream = Stream::new(&app, &b, order).await;
+    let mut seen = Vec::new();
+    let payable = stream.until(&mut seen, |v| v.get("client_secret").is_some()).await;
+    assert_eq!(payable["order_id"], order.to_string());
+    let paid_at = Instant::now();
+    let pi = app.pay(&b, order, "pm_card_visa").await.expect("authorized");
+    let ticketed = stream.until(&mut seen, |v| v["status"] == "ticketed").await;
+    assert!(
+        paid_at.elapsed() < Duration::from_secs(20),
+        "ticketed {:?} after payment: pushed, not found by the 30 s re-read",
+        paid_at.elapsed()
+    );
+    assert_eq!(ticketed["tickets"].as_array().unwrap().len(), 1);
+    assert!(ticketed.get("client_secret").is_none(), "no client secret once paid");
+    assert_eq!(ticketed["payment_intent_id"], pi.id);
+    // Every event differs from the one before it (changes, not repeats), and the client
+    // secret was only ever sent while payment was pending.
+    for w in seen.windows(2) {
+        assert_ne!(w[0], w[1]);
+    }
+    for v in &seen {
+        if v.get("client_secret").is_some() {
+            assert!(["held", "payment_required"].contains(&v["status"].as_str().unwrap()), "{v}");
+        }
+    }
+    // A clean close: `event: end`, then the server ends the response.
+    let end = stream.next().await.expect("an end event");
+    assert_eq!(end.event, "end");
+    assert!(stream.next().await.is_none(), "the stream closes after the final state");
+    assert!(seen.len() <= 8, "one event per change, not per poll: {seen:?}");
+
+    // A stream opened on a final order sends it and closes at once.
+    let mut again = Stream::new(&app, &b, order).await;
+    let ev = again.next().await.unwrap();
+    assert_eq!(serde_json::from_str::<Value>(&ev.data).unwrap()["status"], "ticketed");
+    assert_eq!(again.next().await.unwrap().event, "end");
+    assert!(again.next().await.is_none());
+    app.stop().await;
+}
+
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn order_streams_belong_to_the_owner_are_capped_per_user_and_beat(_: PgPoolOptions, opts: PgConnectOptions) {
+    let app = TestApp::spawn_with(opts, &Role::ALL, VenueSpec::small(1, 1, 4), |c| {
+        c.order_stream_max_per_user = 2;
+        c.order_stream_heartbeat_s = 1;
+    })
+    .await;
+    let s = app.seats().await;
+    let b = app.buyer();
+    let order = hold_one(&app, &b, s[0], "cap-1").await;
+
+    // Another buyer, an unknown order, no token: the answers of GET /orders/{id}.
+    let other = app.buyer();
+    let (status, code, _) = problem(Stream::open(&app, &other, order).await).await;
+    assert_eq!((status, code.as_str()), (404, "not_found"));
+    let (status, _, _) = problem(Stream::open(&app, &b, Uuid::new_v4()).await).await;
+    assert_eq!(status, 404);
+    let anonymous = reqwest::get(format!("{}/orders/{order}/events", app.api)).await.unwrap();
+    assert_eq!(anonymous.status(), 401);
+    let junk = reqwest::Client::new()
+        .get(format!("{}/orders/not-a-uuid/events", app.api))
+        .header("authorization", b.bearer())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(junk.status(), 400);
+
+    // Two streams per user; the third is refused with problem+json; closing one frees a slot.
+    let mut first = Stream::new(&app, &b, order).await;
+    let second = Stream::new(&app, &b, order).await;
+    let refused = Stream::open(&app, &b, order).await;
+    assert_eq!(refused.headers()["retry-after"], "5");
+    let (status, code, body) = problem(refused).await;
+    assert_eq!((status, code.as_str()), (429, "too_many_streams"), "{body}");
+    assert_eq!(body["scope"], "user");
+    // Another user is not affected by this user's streams.
+    let order_c = hold_one(&app, &other, s[1], "cap-2").await;
+    let _theirs = Stream::new(&app, &other, order_c).await;
+    drop(second);
+    let (api, bearer) = (app.api.clone(), b.bearer());
+    eventually(WAIT, "a closed stream frees its slot", || {
+        let (api, bearer) = (api.clone(), bearer.clone());
+        async move {
+            let r = reqwest::Client::new()
+                .get(format!("{api}/orders/{order}/events"))
+                .header("authorization", bearer)
+                .send()
+                .await
+                .unwrap();
+            r.status() == 200
+        }
+    })
+    .await;
+
+    // An idle stream beats: the order does not change (nobody pays), yet comments arrive.
+    first.until(&mut Vec::new(), |v| v.get("client_secret").is_some()).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while first.heartbeats < 2 {
+        assert!(Instant::now() < deadline, "no heartbeat on an idle stream");
+        let chunk = tokio::time::timeout(Duration::from_secs(10), first.resp.chunk()).await.unwrap().unwrap();
+        let text = String::from_utf8_lossy(&chunk.expect("open")).into_owned();
+        first.heartbeats += text.lines().filter(|l| l.starts_with(':')).count();
+    }
+    app.stop().await;
+}
+
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn the_timeline_tells_who_moved_a_ticketed_and_a_compensated_order(_: PgPoolOptions, opts: PgConnectOptions) {
+    let app =
+        TestApp::spawn_with(opts, &Role::ALL, VenueSpec::small(1, 1, 4), |c| c.hold_ttl_ms = 6_000).await;
+    let s = app.seats().await;
+    let b = app.buyer();
+    let sold = hold_one(&app, &b, s[0], "tl-1").await;
+    app.pay(&b, sold, "pm_card_visa").await.expect("authorized");
+    app.await_order(&b, sold, WAIT, |v| v["status"] == "ticketed").await;
+    // Declined, never paid: the hold lapses and the PaymentIntent is cancelled (compensation).
+    let c = app.buyer();
+    let lapsed = hold_one(&app, &c, s[1], "tl-2").await;
+    app.pay(&c, lapsed, "pm_card_chargeDeclined").await.expect_err("declined");
+    app.await_order(&c, lapsed, WAIT, |v| v["status"] == "expired").await;
+    let pool = app.pool.clone();
+    eventually(WAIT, "the cancellation is recorded", || {
+        let pool = pool.clone();
+        async move {
+            crate::helpers::outbox_count(&pool, "PaymentCanceled", lapsed).await == 1
+                && boxoffice_store::outbox::backlog(&pool).await.unwrap().unpublished == 0
+        }
+    })
+    .await;
+    let gw = boxoffice_payments::StripeClient::new(boxoffice_payments::StripeConfig {
+        api_base: app.cfg.stripe_api_base.clone(),
+        secret_key: app.cfg.stripe_secret_key.clone(),
+        timeout_ms: 5_000,
+    })
+    .unwrap();
+    let gw: &dyn boxoffice_payments::PaymentGateway = &gw;
+
+    let t = boxoffice_api::timeline::read(&app.pool, Some(gw), sold, Slo::default()).await.unwrap().unwrap();
+    let actors: Vec<&Actor> = t.timeline.steps.iter().map(|s| &s.actor).collect();
+    assert_eq!(actors[0], &Actor::BuyerRequest, "{actors:?}");
+    let moves: Vec<(String, String, String)> = t
+        .timeline
+        .steps
+        .iter()
+        .flat_map(|s| {
+            let by = match &s.actor {
+                Actor::Consumer { consumer, applied_type, .. } => format!("{consumer}:{applied_type}"),
+                other => format!("{other:?}"),
+            };
+            s.transitions.iter().map(move |t| (t.from.clone(), t.to.clone(), by.clone()))
+        })
+        .collect();
+    let expected = [
+        ("held", "payment_required", "saga:PaymentIntentCreated"),
+        ("payment_required", "confirming", "saga:PaymentAuthorized"),
+        ("confirming", "paid", "saga:PaymentCaptured"),
+        ("paid", "ticketed", "tickets:TicketIssueRequested"),
+    ];
+    let expected: Vec<(String, String, String)> =
+        expected.iter().map(|(a, b, c)| (a.to_string(), b.to_string(), c.to_string())).collect();
+    assert_eq!(moves, expected, "each status change and who made it");
+    // Every fact is in a step after the step that wrote its cause, and was applied.
+    let mut written = std::collections::HashSet::new();
+    for st in &t.timeline.steps {
+        if let Actor::Consumer { applied, .. } = &st.actor {
+            assert!(written.contains(applied), "a step applied a fact not yet written: {st:?}");
+        }
+        for f in &st.facts {
+            if let Some(c) = f.causation_id {
+                assert!(written.contains(&c), "{} before its cause", f.event_type);
+            }
+            written.insert(f.event_id);
+        }
+    }
+    assert!(t.timeline.steps.iter().any(|s| matches!(&s.actor, Actor::Webhook { .. })), "webhooks are steps");
+    assert_eq!(t.provider.len(), 1);
+    assert_eq!(t.provider[0].status.as_deref(), Some("succeeded"));
+    assert_eq!(t.provider[0].agrees_with_ledger, Some(true));
+    assert_eq!(t.provider[0].metadata_order_id.as_deref(), Some(sold.to_string().as_str()));
+
+    let t = boxoffice_api::timeline::read(&app.pool, Some(gw), lapsed, Slo::default()).await.unwrap().unwrap();
+    let types: Vec<&str> =
+        t.timeline.steps.iter().flat_map(|s| s.facts.iter().map(|f| f.event_type.as_str())).collect();
+    for want in ["HoldCreated", "PaymentIntentCreated", "HoldExpired", "AuthorizationCancelRequested", "PaymentCanceled"] {
+        assert!(types.contains(&want), "{want} in {types:?}");
+    }
+    let expiry = t.timeline.steps.iter().find(|s| s.facts.iter().any(|f| f.event_type == "HoldExpired")).unwrap();
+    assert!(matches!(&expiry.actor, Actor::Sweep { .. }), "the expiry sweep: {:?}", expiry.actor);
+    assert!(expiry.transitions.iter().any(|t| t.to == "expired"), "{expiry:?}");
+    assert_eq!(t.provider[0].status.as_deref(), Some("canceled"));
+    assert_eq!(t.provider[0].agrees_with_ledger, Some(true));
+
+    // Facts the relay's prune moved out of the outbox are still in the story.
+    let moved = boxoffice_store::outbox::prune_published(&app.pool, -60, 10_000).await.unwrap();
+    assert!(moved >= 10, "{moved}");
+    assert_eq!(app.count("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL").await, 0);
+    let after = boxoffice_api::timeline::read(&app.pool, None, lapsed, Slo::default()).await.unwrap().unwrap();
+    let again: Vec<&str> =
+        after.timeline.steps.iter().flat_map(|s| s.facts.iter().map(|f| f.event_type.as_str())).collect();
+    assert_eq!(again, types, "the order history keeps what the outbox pruned");
+    assert!(after.timeline.steps.iter().flat_map(|s| &s.facts).all(|f| f.source == "order_history"));
+    assert!(!after.provider_checked);
+    app.stop().await;
+}
