@@ -141,6 +141,28 @@ ensure_infra_tools() {
   log "infra tools installed in $((SECONDS - started)) s"
 }
 
+# promtool, which checks deploy/observability's alert rules and runs their unit tests
+# (crates/boxoffice/src/observability.rs). Skipped when one is on PATH; otherwise the binary is
+# taken from Debian's `prometheus` package (apt-get download + extract, about 10 s the first
+# time: 19 MB) into ~/.cache/boxoffice rather than installing the package, which would pull the
+# web UI's JavaScript and start a Prometheus server where services start. Prints its path.
+PROMTOOL_DIR="${BOXOFFICE_PROMTOOL_DIR:-$HOME/.cache/boxoffice/promtool}"
+ensure_promtool() {
+  if command -v promtool >/dev/null 2>&1; then command -v promtool; return; fi
+  if [ -x "$PROMTOOL_DIR/usr/bin/promtool" ]; then echo "$PROMTOOL_DIR/usr/bin/promtool"; return; fi
+  log "fetching promtool from Debian's prometheus package into $PROMTOOL_DIR (first time only)"
+  local started=$SECONDS tmp
+  tmp=$(mktemp -d)
+  as_root apt-get update -qq >&2
+  (cd "$tmp" && apt-get download -qq prometheus >&2 2>/dev/null)
+  mkdir -p "$PROMTOOL_DIR"
+  dpkg-deb --fsys-tarfile "$tmp"/prometheus_*.deb | tar -x -C "$PROMTOOL_DIR" ./usr/bin/promtool >&2
+  rm -rf "$tmp"
+  "$PROMTOOL_DIR/usr/bin/promtool" --version >/dev/null
+  log "promtool fetched in $((SECONDS - started)) s"
+  echo "$PROMTOOL_DIR/usr/bin/promtool"
+}
+
 nisshi_bin() { command -v nisshi 2>/dev/null || echo "$HOME/.cargo/bin/nisshi"; }
 
 port_open() { (exec 3<>"/dev/tcp/${1%:*}/${1##*:}") 2>/dev/null; }

@@ -9,6 +9,8 @@ pub mod audit;
 pub mod cells;
 pub mod commands;
 pub mod config;
+#[cfg(test)]
+mod observability;
 pub mod reconcile;
 pub mod region;
 pub mod runtime;

@@ -732,7 +732,7 @@ pub async fn run(
     let mut s = scan(pool, stripe, window, None).await?;
     let facts_emitted = if fix_drift { fix(pool, &mut s.drift).await? } else { 0 };
     let unresolved = s.drift.iter().filter(|d| !d.fixed).count();
-    Ok(Report {
+    let report = Report {
         window,
         intents_listed: s.intents_listed,
         intents_compared: s.intents.len(),
@@ -740,7 +740,26 @@ pub async fn run(
         fix: fix_drift,
         facts_emitted,
         unresolved,
-    })
+    };
+    record_metrics(&report, Utc::now());
+    Ok(report)
+}
+
+/// Sets the gauges of a completed run (design §16, "Stripe/local status mismatch"; the rules in
+/// `deploy/observability/alerts.yml` read them): `boxoffice_reconcile_drift{kind}`, the drift
+/// of each kind the run left unresolved (every kind is set, 0 when none, so a kind that was
+/// cleared reads 0 and not its last count), and `boxoffice_reconcile_last_run_timestamp_seconds`,
+/// when it finished (unix seconds). A run that could not complete sets neither, so its staleness
+/// shows. They go to the process's installed recorder, if any.
+pub fn record_metrics(r: &Report, finished_at: DateTime<Utc>) {
+    let mut by_kind: BTreeMap<DriftKind, usize> = DriftKind::ALL.iter().map(|&k| (k, 0)).collect();
+    for d in r.drift.iter().filter(|d| !d.fixed) {
+        *by_kind.entry(d.kind).or_default() += 1;
+    }
+    for (kind, n) in by_kind {
+        metrics::gauge!("boxoffice_reconcile_drift", "kind" => kind.name()).set(n as f64);
+    }
+    metrics::gauge!("boxoffice_reconcile_last_run_timestamp_seconds").set(finished_at.timestamp() as f64);
 }
 
 /// The text form: a header, then one line per drift (provider vs ledger, the closing fact).
@@ -1018,5 +1037,43 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn a_run_sets_drift_per_kind_and_its_time() {
+        let mut drift = compare(
+            Some(&intent("requires_capture", 100, 0, Some(0))),
+            Some(&row("requires_payment_method", 100, 0, 0)),
+        );
+        drift.extend(compare(
+            Some(&intent("succeeded", 100, 100, Some(0))),
+            Some(&row("requires_capture", 100, 0, 0)),
+        ));
+        drift[1].fixed = true;
+        let report = Report {
+            window: Window::parse("2h", None, now()).unwrap(),
+            intents_listed: 2,
+            intents_compared: 2,
+            drift,
+            fix: true,
+            facts_emitted: 1,
+            unresolved: 1,
+        };
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        metrics::with_local_recorder(&recorder, || record_metrics(&report, now()));
+        let page = handle.render();
+        let line = |l: &str| page.lines().any(|x| x == l);
+        assert!(line(r#"boxoffice_reconcile_drift{kind="authorization_not_in_ledger"} 1"#), "{page}");
+        // Fixed drift does not count; every other kind reads 0.
+        assert!(line(r#"boxoffice_reconcile_drift{kind="capture_not_in_ledger"} 0"#), "{page}");
+        assert_eq!(
+            page.lines().filter(|l| l.starts_with("boxoffice_reconcile_drift{")).count(),
+            DriftKind::ALL.len()
+        );
+        assert!(
+            line(&format!("boxoffice_reconcile_last_run_timestamp_seconds {}", now().timestamp())),
+            "{page}"
+        );
     }
 }
