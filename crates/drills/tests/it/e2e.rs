@@ -105,6 +105,7 @@ async fn small_onsale_through_the_binary_has_no_violations(_: PgPoolOptions, opt
     let story = |order: uuid::Uuid| {
         let out = Command::new(crate::helpers::product_bin())
             .args(["timeline", &order.to_string(), "--skip-provider"])
+            .env("BOXOFFICE_ENV", "development")
             .env("BOXOFFICE_DATABASE_URL", opts.to_url_lossy().to_string())
             .output()
             .unwrap();
@@ -126,12 +127,16 @@ async fn small_onsale_through_the_binary_has_no_violations(_: PgPoolOptions, opt
     ] {
         assert!(t.contains(want), "{want:?} in\n{t}");
     }
+    println!("{t}");
     let t = story(compensated);
     for want in ["expired", "sweep or operator command (HoldExpired)", "→ AuthorizationCancelRequested", "→ PaymentCanceled"] {
         assert!(t.contains(want), "{want:?} in\n{t}");
     }
+    println!("{t}");
+    println!("status_reads: {sr}");
     let missing = Command::new(crate::helpers::product_bin())
         .args(["timeline", &uuid::Uuid::new_v4().to_string()])
+        .env("BOXOFFICE_ENV", "development")
         .env("BOXOFFICE_DATABASE_URL", opts.to_url_lossy().to_string())
         .output()
         .unwrap();
