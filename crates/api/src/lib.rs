@@ -25,6 +25,7 @@ pub mod problem;
 pub mod queue;
 pub mod revocation;
 pub mod routes;
+pub mod spans;
 pub mod state;
 pub mod webhooks;
 

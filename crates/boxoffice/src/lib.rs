@@ -12,5 +12,6 @@ pub mod config;
 pub mod reconcile;
 pub mod region;
 pub mod runtime;
+pub mod telemetry;
 
 pub use config::Config;
