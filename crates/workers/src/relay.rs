@@ -114,6 +114,8 @@ fn publish_span(kafka: &KafkaConfig, topic: &str, row: &outbox::OutboxRow) -> tr
         messaging.kafka.message.key = %row.message_key,
         messaging.message.id = %row.id,
         order.id = %row.message_key,
+        correlation_id = row.payload.0.get("correlation_id").and_then(|v| v.as_str()),
+        causation_id = row.payload.0.get("causation_id").and_then(|v| v.as_str()),
         event_id = %row.id,
         event_type = %row.event_type,
         region = row.region.as_deref().unwrap_or(&kafka.labels.region),
