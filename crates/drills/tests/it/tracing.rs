@@ -44,6 +44,19 @@ fn drain(mut collector: FakeCollectorServer, stop: CancellationToken) -> Arc<Mut
     spans
 }
 
+/// Attribute `key` of `span` as text: the collector renders values with `Debug`
+/// (`Some(AnyValue { value: Some(StringValue("…")) })`, `IntValue(7)`).
+fn attr(span: &ExportedSpan, key: &str) -> Option<String> {
+    let raw = span.attributes.get(key)?;
+    for (open, close) in [("StringValue(\"", "\")"), ("IntValue(", ")"), ("BoolValue(", ")")] {
+        if let Some(start) = raw.find(open) {
+            let rest = &raw[start + open.len()..];
+            return rest.find(close).map(|end| rest[..end].to_owned());
+        }
+    }
+    Some(raw.clone())
+}
+
 /// Polls the buyer's view of `order` until `pred` holds (panics after [`WAIT`]).
 async fn await_order(buyer: &BuyerClient, bearer: &str, order: Uuid, pred: fn(&Value) -> bool) -> Value {
     let deadline = Instant::now() + WAIT;
@@ -212,11 +225,9 @@ async fn one_purchase_is_one_trace_across_every_role_process(_: PgPoolOptions, o
     let order_s = order.to_string();
     let wanted = |spans: &[ExportedSpan]| {
         let about: Vec<&ExportedSpan> =
-            spans.iter().filter(|s| s.attributes.get("order.id") == Some(&order_s)).collect();
-        let groups: BTreeSet<&str> = about
-            .iter()
-            .filter_map(|s| s.attributes.get("messaging.consumer.group.name").map(String::as_str))
-            .collect();
+            spans.iter().filter(|s| attr(s, "order.id").as_ref() == Some(&order_s)).collect();
+        let groups: BTreeSet<String> =
+            about.iter().filter_map(|s| attr(s, "messaging.consumer.group.name")).collect();
         let has = |name: &str| about.iter().any(|s| s.name == name);
         has("hold")
             && has("publish ticketing.purchase.v1")
@@ -224,17 +235,27 @@ async fn one_purchase_is_one_trace_across_every_role_process(_: PgPoolOptions, o
             && has("webhook payment_intent.succeeded")
             && ["saga", "payments", "tickets"]
                 .iter()
-                .all(|c| groups.contains(format!("{}ticketing-{c}", cfg.kafka_topic_prefix).as_str()))
+                .all(|c| groups.contains(&format!("{}ticketing-{c}", cfg.kafka_topic_prefix)))
     };
-    eventually(Duration::from_secs(30), "every role's spans about the order", || {
-        let done = wanted(&spans.lock().unwrap());
-        async move { done }
-    })
-    .await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !wanted(&spans.lock().unwrap()) {
+        if Instant::now() > deadline {
+            let got = spans.lock().unwrap();
+            let seen: BTreeSet<(String, Option<String>, Option<String>)> = got
+                .iter()
+                .map(|s| {
+                    let a = |k: &str| attr(s, k);
+                    (s.name.clone(), a("order.id"), a("messaging.consumer.group.name"))
+                })
+                .collect();
+            panic!("not every role's spans about order {order} arrived; {} spans: {seen:#?}", got.len());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     stop_drain.cancel();
     let spans = spans.lock().unwrap().clone();
     let about: Vec<&ExportedSpan> =
-        spans.iter().filter(|s| s.attributes.get("order.id") == Some(&order_s)).collect();
+        spans.iter().filter(|s| attr(s, "order.id").as_ref() == Some(&order_s)).collect();
     let traces: HashSet<&str> = about.iter().map(|s| s.trace_id.as_str()).collect();
     assert_eq!(
         traces,
@@ -258,7 +279,7 @@ async fn one_purchase_is_one_trace_across_every_role_process(_: PgPoolOptions, o
         about.iter().filter(|s| s.kind == "SPAN_KIND_CONSUMER" && s.name.starts_with("process ")).collect();
     assert!(consumers.len() >= 6, "{consumers:#?}");
     for s in &consumers {
-        assert_eq!(s.attributes.get("messaging.system").map(String::as_str), Some("kafka"), "{s:?}");
+        assert_eq!(attr(s, "messaging.system").as_deref(), Some("kafka"), "{s:?}");
         for key in [
             "messaging.destination.name",
             "messaging.destination.partition.id",
