@@ -26,6 +26,7 @@ pub mod problem;
 pub mod queue;
 pub mod revocation;
 pub mod routes;
+pub mod spans;
 pub mod state;
 pub mod timeline;
 pub mod webhooks;

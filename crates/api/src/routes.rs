@@ -105,7 +105,12 @@ pub fn router(state: AppState) -> Router {
             )
         })
         .layer(DefaultBodyLimit::max(limit))
-        .layer(tower_http::trace::TraceLayer::new_for_http().on_failure(log_failure))
+        .layer(
+            tower_http::trace::TraceLayer::new_for_http()
+                .make_span_with(crate::spans::RequestSpan::new(&state.settings.labels))
+                .on_response(crate::spans::record_status)
+                .on_failure(log_failure),
+        )
         .with_state(state)
 }
 
@@ -197,6 +202,13 @@ pub struct HoldBody {
         (status = 429, description = "`rate_limited` (per IP or per user, named in `scope`), or `too_many_in_flight` (this client address has `max_in_flight` requests in progress); `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 503, description = "`unavailable` (the database), `fault_injected`, `revocation_check_failed` (Redis answered with an error), `event_moving` (the event is moving to another purchase cell) or `region_fenced` (this region does not write now, design §15); retry with the same Idempotency-Key after `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
     ))]
+#[tracing::instrument(name = "hold", skip_all, fields(
+    event.id = %event,
+    order.id = tracing::field::Empty,
+    correlation_id = tracing::field::Empty,
+    region = %st.settings.labels.region,
+    purchase_cell = %st.settings.labels.purchase_cell,
+))]
 async fn create_hold(
     State(st): State<AppState>,
     user: User,
@@ -224,6 +236,7 @@ async fn create_hold(
         .and_then(|v| v.to_str().ok())
         .and_then(|s| s.parse().ok())
         .unwrap_or_else(Uuid::new_v4);
+    tracing::Span::current().record("correlation_id", tracing::field::display(correlation_id));
     let req = ReserveRequest {
         user_id: user.0,
         event_id: EventId(event),
@@ -245,6 +258,7 @@ async fn create_hold(
     metrics::histogram!("boxoffice_hold_seconds", "outcome" => label).record(started.elapsed().as_secs_f64());
     let outcome = outcome?;
     let receipt = outcome.receipt();
+    tracing::Span::current().record("order.id", tracing::field::display(receipt.order_id));
     let mut resp = (StatusCode::ACCEPTED, Json(receipt)).into_response();
     let location = format!("/orders/{}", receipt.order_id);
     resp.headers_mut().insert(header::LOCATION, HeaderValue::from_str(&location).expect("uuid path"));
@@ -371,7 +385,12 @@ async fn stripe_webhook(
     if !st.may_write() {
         return Err(Problem::region_fenced(boxoffice_store::region::Refusal::LeaseLapsed));
     }
-    let outcome = webhooks::ingest(&st.webhook_pool, &event, &st.settings.hold_policy).await?;
+    let span = crate::spans::webhook_span(&event, &st.settings.labels);
+    let outcome = tracing::Instrument::instrument(
+        webhooks::ingest(&st.webhook_pool, &event, &st.settings.hold_policy),
+        span,
+    )
+    .await?;
     Ok(Json(crate::openapi::WebhookAck {
         received: true,
         duplicate: outcome == webhooks::Ingested::Duplicate,

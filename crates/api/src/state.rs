@@ -64,6 +64,8 @@ pub struct ApiSettings {
     /// Networks webhook ingress accepts requests from (Stripe publishes its webhook
     /// addresses); empty = any. Others get 403 `webhook_source_refused` before the body is read.
     pub webhook_allowed_networks: Vec<ipnet::IpNet>,
+    /// The region and purchase cell on the API's spans (design §16).
+    pub labels: boxoffice_trace::Labels,
 }
 
 impl Default for ApiSettings {
@@ -86,6 +88,7 @@ impl Default for ApiSettings {
             queue_max_concurrent: 256,
             webhook_timeout: Duration::from_secs(3),
             webhook_allowed_networks: Vec::new(),
+            labels: boxoffice_trace::Labels::default(),
         }
     }
 }

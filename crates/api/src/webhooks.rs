@@ -32,6 +32,10 @@
 //!   and ignored — except an authorization, which is checked the same way and then cancelled
 //!   by the saga (nobody may keep a buyer's funds reserved for nothing).
 //!
+//! Ingestion runs in the span `crate::spans::webhook_span` makes: in the order's trace when
+//! the PaymentIntent's metadata carries the `traceparent` the payment worker put there, so
+//! the `PaymentIntentRefreshRequested` it commits continues that trace (see `crate::spans`).
+//!
 //! Fault points: `webhook.before_commit`, `webhook.after_commit` (committed, not answered:
 //! Stripe redelivers and the duplicate is acknowledged without effect).
 
@@ -153,6 +157,9 @@ async fn ingest_tx(pool: &PgPool, event: &Event, policy: &HoldPolicy) -> Result<
         (Some(order), Some(pi)) if handled => {
             let local = payments::get(&mut *tx, order).await?;
             let known = orders::amount_and_correlation(&mut *tx, order).await?;
+            if let Some((_, correlation)) = known {
+                tracing::Span::current().record("correlation_id", tracing::field::display(correlation));
+            }
             if known.is_none() {
                 // No saga step exists for an order the ledger never had: a re-fetch would only
                 // produce facts nobody can apply.

@@ -590,6 +590,11 @@ pub struct Config {
     pub inbox_retention_s: i64,
     /// Log format: `text` or `json`.
     pub log_format: String,
+    /// OpenTelemetry collector to export spans to, OTLP over gRPC
+    /// (`BOXOFFICE_OTLP_ENDPOINT`, e.g. `http://127.0.0.1:4317`; `http` or `https`). Unset
+    /// (the default): no OpenTelemetry layer, no exporter, outbox rows without a
+    /// `traceparent`. Set: one trace per purchase across every role (`crate::telemetry`).
+    pub otlp_endpoint: Option<String>,
     /// Fault points to arm at start-up (`BOXOFFICE_FAULTS`), `point=actions;…` in the
     /// `fail` crate's syntax, e.g. `payments.after_remote=5%return(abort)`. Empty (the
     /// default) leaves every point inert; see `boxoffice_faults` for the points and modes.
@@ -728,6 +733,7 @@ impl Default for Config {
             capture_deadline_margin_s: 86_400,
             inbox_retention_s: 7 * 86_400,
             log_format: "text".into(),
+            otlp_endpoint: None,
             faults: String::new(),
         }
     }
@@ -874,6 +880,12 @@ impl Config {
         }
         if !matches!(self.log_format.as_str(), "text" | "json") {
             bail!("log_format must be text or json");
+        }
+        if let Some(e) = &self.otlp_endpoint {
+            let rest = e.strip_prefix("http://").or_else(|| e.strip_prefix("https://")).unwrap_or("");
+            if rest.is_empty() || rest.contains(char::is_whitespace) {
+                bail!("otlp_endpoint must be an http:// or https:// URL of an OTLP/gRPC collector");
+            }
         }
         boxoffice_faults::validate(&self.faults).map_err(|e| anyhow::anyhow!("faults: {e}"))?;
         self.validate_cells()?;
@@ -1428,7 +1440,13 @@ impl Config {
                 max_attempts: self.consumer_max_attempts,
             },
             writer_epoch: Some(self.region_epoch),
+            labels: self.trace_labels(),
         })
+    }
+
+    /// The region and purchase cell every span and log line of this process's roles carries.
+    pub fn trace_labels(&self) -> boxoffice_trace::Labels {
+        boxoffice_trace::Labels { region: self.region.clone(), purchase_cell: self.purchase_cell.clone() }
     }
 
     /// The admission-token key ring: the signing key (`admission_kid`,
@@ -1947,6 +1965,19 @@ mod tests {
         assert_eq!(c.kafka_partitions, 12);
         let refused = Config::load(None, Environment::Production).unwrap_err();
         assert!(refused.downcast_ref::<SecretFindings>().is_some(), "{refused:#}");
+    }
+
+    #[test]
+    fn the_otlp_endpoint_is_off_by_default_and_read_from_the_environment() {
+        assert_eq!(Config::default().otlp_endpoint, None);
+        for bad in ["", "127.0.0.1:4317", "grpc://collector:4317", "http://", "http://a b"] {
+            let c = Config { otlp_endpoint: Some(bad.into()), ..Config::default() };
+            assert!(format!("{:#}", c.validate().unwrap_err()).contains("otlp_endpoint"), "{bad:?}");
+        }
+        // nextest runs every test in its own process: this environment is this test's alone.
+        std::env::set_var("BOXOFFICE_OTLP_ENDPOINT", "http://127.0.0.1:4317");
+        let c = Config::load(None, Environment::Development).unwrap();
+        assert_eq!(c.otlp_endpoint.as_deref(), Some("http://127.0.0.1:4317"));
     }
 
     #[test]

@@ -468,7 +468,11 @@ async fn main() {
         },
         (None, _) => cfg,
     };
-    boxoffice::runtime::init_logging(&cfg, "info,sqlx=warn,rdkafka=warn");
+    let role_names: Vec<&str> = match &cli.command {
+        Command::Serve { roles } => roles.iter().map(|r| r.name()).collect(),
+        _ => Vec::new(),
+    };
+    boxoffice::telemetry::init(&cfg, "info,sqlx=warn,rdkafka=warn", &role_names);
     let result: anyhow::Result<i32> = match cli.command {
         Command::Migrate => commands::migrate(&cfg).await.map(|_| 0),
         Command::Serve { roles } => commands::serve(&cfg, &roles).await.map(|_| 0),
@@ -531,6 +535,8 @@ async fn main() {
             "user-token mints HS256 development tokens, which production refuses: set BOXOFFICE_ENV=development"
         )),
     };
+    // The last spans (a graceful stop's included) before the process exits.
+    boxoffice::telemetry::shutdown().await;
     match result {
         Ok(code) => std::process::exit(code),
         Err(e) => {

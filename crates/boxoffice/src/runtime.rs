@@ -247,6 +247,7 @@ pub async fn start(
                         queue_max_concurrent: cfg.waitroom_max_concurrent_requests,
                         webhook_timeout: Duration::from_millis(cfg.webhook_timeout_ms),
                         webhook_allowed_networks: cfg.webhook_networks()?,
+                        labels: cfg.trace_labels(),
                         ..ApiSettings::default()
                     },
                     producer.clone(),
@@ -497,15 +498,9 @@ pub async fn user_verifier(cfg: &Config) -> anyhow::Result<UserTokens> {
     Ok(UserTokens::with(cfg.user_token_policy(), hs256, jwks))
 }
 
-/// Installs the process's log subscriber on stderr: `BOXOFFICE_LOG` (an `EnvFilter`), else
-/// `default_filter`; JSON lines when `cfg.log_format` is `json`.
+/// Installs the process's log subscriber on stderr (and span export when `otlp_endpoint` is
+/// set): `BOXOFFICE_LOG` (an `EnvFilter`), else `default_filter`; JSON lines when
+/// `cfg.log_format` is `json`. See [`crate::telemetry::init`], which also names the roles.
 pub fn init_logging(cfg: &Config, default_filter: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("BOXOFFICE_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
-    if cfg.log_format == "json" {
-        builder.json().init();
-    } else {
-        builder.init();
-    }
+    crate::telemetry::init(cfg, default_filter, &[]);
 }

@@ -29,6 +29,9 @@ pub struct KafkaConfig {
     /// epoch is applied only when it is inside this ledger's cut
     /// ([`crate::consumer::handle_once_at`]). `None`: no check (one region).
     pub writer_epoch: Option<i64>,
+    /// The region and purchase cell of this deployment, on every consumer and relay span
+    /// (design §16).
+    pub labels: boxoffice_trace::Labels,
 }
 
 /// librdkafka's `security.protocol`.
@@ -200,6 +203,7 @@ mod tests {
             replication: 1,
             retry: RetryPolicy::default(),
             writer_epoch: None,
+            labels: boxoffice_trace::Labels::default(),
         }
     }
 

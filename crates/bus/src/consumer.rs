@@ -29,6 +29,16 @@
 //! `region republish` sends again); one whose outbox row this ledger does not have is an
 //! orphan, parked as an `orphan_fact` incident and never applied ([`handle_once_at`]).
 //!
+//! **Trace context** (design §16). Each attempt at a message runs inside a consumer span
+//! (`otel.kind = consumer`) whose parent is the message's `traceparent` header — the stored
+//! context of the span that committed the fact — or, for a copy that lost its headers (a
+//! replayed dead letter), the envelope's `traceparent`. The span carries the `messaging.*`
+//! attributes (topic, partition, offset, consumer group) and the fact's ids (`order.id`,
+//! `correlation_id`, `causation_id`, `event_id`, `event_type`, `region`, `purchase_cell`), so
+//! every log line of the handler has them too, and every fact the handler writes to the
+//! outbox stores the consumer span's context: the purchase's trace goes on. Retry and
+//! dead-letter copies keep the original's `traceparent` header.
+//!
 //! **What ordering still holds.** Within a partition, the messages of one order (one key)
 //! are applied in offset order by one lane, as long as each succeeds within its in-place
 //! attempts. A message that moves to a retry topic gives up its place: later messages of
@@ -55,6 +65,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 /// How a handler failed.
 #[derive(Debug, thiserror::Error)]
@@ -179,6 +190,72 @@ pub async fn handle_once<H: Handler>(
 /// parked (inbox row plus an `orphan_fact` incident, in one transaction) and never applied,
 /// and `prepare` (any remote call) is not run for it.
 pub async fn handle_once_at<H: Handler>(
+    pool: &PgPool,
+    handler: &H,
+    env: &Envelope,
+    writer_epoch: Option<i64>,
+) -> Result<Disposition, HandlerError> {
+    let span = consumer_span(handler.name(), env, None, &boxoffice_trace::Labels::default());
+    apply_once(pool, handler, env, writer_epoch).instrument(span).await
+}
+
+/// Where a message was read: what the consumer span says about it besides the fact's ids.
+#[derive(Debug, Clone, Copy)]
+pub struct Delivery<'a> {
+    /// The physical topic read.
+    pub topic: &'a str,
+    /// Its partition.
+    pub partition: i32,
+    /// The message's offset.
+    pub offset: i64,
+    /// The physical consumer group.
+    pub group: &'a str,
+    /// The message's `traceparent` header.
+    pub traceparent: Option<&'a str>,
+    /// Attempts at the message before this one.
+    pub attempt: u32,
+}
+
+/// The span one attempt at `env` runs in: a consumer span whose parent is the delivery's
+/// `traceparent` header, else the envelope's (see the module doc). Always created (its fields
+/// are on every log line of the handler); joined to the stored trace only when tracing is on.
+pub fn consumer_span(
+    consumer: &'static str,
+    env: &Envelope,
+    delivery: Option<&Delivery<'_>>,
+    labels: &boxoffice_trace::Labels,
+) -> tracing::Span {
+    use tracing::field::Empty;
+    let span = tracing::info_span!("consume",
+        otel.name = %format_args!("process {}", delivery.map_or("message", |d| d.topic)),
+        otel.kind = "consumer",
+        otel.status_code = Empty,
+        messaging.system = "kafka",
+        messaging.operation.type = "process",
+        messaging.destination.name = delivery.map(|d| d.topic),
+        messaging.destination.partition.id = delivery.map(|d| display(d.partition)),
+        messaging.kafka.destination.partition = delivery.map(|d| d.partition),
+        messaging.kafka.message.offset = delivery.map(|d| d.offset),
+        messaging.consumer.group.name = delivery.map(|d| d.group),
+        messaging.message.id = %env.event_id,
+        retry.attempt = delivery.map(|d| d.attempt),
+        consumer,
+        order.id = %env.aggregate_id,
+        correlation_id = %env.correlation_id,
+        causation_id = env.causation_id.as_ref().map(display),
+        event_id = %env.event_id,
+        event_type = %env.event_type,
+        region = env.region.as_deref().unwrap_or(&labels.region),
+        purchase_cell = %labels.purchase_cell,
+    );
+    if boxoffice_trace::enabled() {
+        let parent = delivery.and_then(|d| d.traceparent).or(env.traceparent.as_deref());
+        boxoffice_trace::set_parent(&span, parent);
+    }
+    span
+}
+
+async fn apply_once<H: Handler>(
     pool: &PgPool,
     handler: &H,
     env: &Envelope,
@@ -428,6 +505,7 @@ pub fn run_consumers<H: Handler>(
                 })?;
             consumer.subscribe(&[&cfg.topic(stage.topic().name())])?;
             let runner = Arc::new(Runner {
+                group: cfg.group(&group),
                 cfg: cfg.clone(),
                 pool: pool.clone(),
                 handler: handler.clone(),
@@ -444,6 +522,8 @@ pub fn run_consumers<H: Handler>(
 }
 
 struct Runner<H> {
+    /// The physical consumer group of this member.
+    group: String,
     cfg: KafkaConfig,
     pool: PgPool,
     handler: Arc<H>,
@@ -613,7 +693,7 @@ impl<H: Handler> Runner<H> {
                     .await;
             }
         };
-        match self.attempt(&env, attempts_before).await {
+        match self.attempt(msg, &env, attempts_before).await {
             Outcome::Done => true,
             Outcome::ShuttingDown => false,
             Outcome::DeadLetter { code, error, attempts } => {
@@ -629,7 +709,7 @@ impl<H: Handler> Runner<H> {
     }
 
     /// This stage's attempts: `inline_attempts` on the main topic, one on a retry topic.
-    async fn attempt(&self, env: &Envelope, attempts_before: u32) -> Outcome {
+    async fn attempt(&self, msg: &OwnedMessage, env: &Envelope, attempts_before: u32) -> Outcome {
         let name = self.handler.name();
         let budget = if self.stage == Stage::Main { self.cfg.retry.inline_attempts.max(1) } else { 1 };
         let mut attempts = attempts_before;
@@ -637,7 +717,22 @@ impl<H: Handler> Runner<H> {
         for i in 0..budget {
             attempts += 1;
             let started = std::time::Instant::now();
-            let result = match handle_once_at(&self.pool, &*self.handler, env, self.cfg.writer_epoch).await {
+            let delivery = Delivery {
+                topic: msg.topic(),
+                partition: msg.partition(),
+                offset: msg.offset(),
+                group: &self.group,
+                traceparent: header(msg, boxoffice_trace::TRACEPARENT),
+                attempt: attempts - 1,
+            };
+            let span = consumer_span(name, env, Some(&delivery), &self.cfg.labels);
+            let applied = apply_once(&self.pool, &*self.handler, env, self.cfg.writer_epoch)
+                .instrument(span.clone())
+                .await;
+            if applied.is_err() {
+                span.record("otel.status_code", "ERROR");
+            }
+            let result = match applied {
                 // The acknowledgement boundary: an injected failure here means the offset is
                 // not committed and the message comes again (into the inbox).
                 Ok(d) => boxoffice_faults::check_consumer(name, "before_ack")
@@ -656,7 +751,7 @@ impl<H: Handler> Runner<H> {
                     return Outcome::Done;
                 }
                 Err(HandlerError::Permanent { code, source }) => {
-                    tracing::error!(consumer = name, event.id = %env.event_id, event.type = %env.event_type,
+                    tracing::error!(parent: &span, consumer = name, event.id = %env.event_id, event.type = %env.event_type,
                         order.id = %env.aggregate_id, code, error = %format!("{source:#}"), "permanent failure: dead-lettering");
                     return Outcome::DeadLetter { code, error: format!("{source:#}"), attempts };
                 }
@@ -664,7 +759,7 @@ impl<H: Handler> Runner<H> {
                     last_error = format!("{e:#}");
                     metrics::counter!("boxoffice_consumer_retries_total", "consumer" => name, "stage" => self.stage.label())
                         .increment(1);
-                    tracing::warn!(consumer = name, stage = self.stage.label(), event.id = %env.event_id,
+                    tracing::warn!(parent: &span, consumer = name, stage = self.stage.label(), event.id = %env.event_id,
                         event.type = %env.event_type, order.id = %env.aggregate_id, attempts,
                         error = %last_error, "transient failure");
                     if i + 1 < budget {
@@ -697,7 +792,7 @@ impl<H: Handler> Runner<H> {
         let topic = self.cfg.topic(next.topic().name());
         let (attempt_s, due_s, part_s, off_s) =
             (attempts.to_string(), due.to_string(), origin.partition.to_string(), origin.offset.to_string());
-        let headers = [
+        let mut headers = vec![
             (retry_headers::CONSUMER, name),
             (retry_headers::ATTEMPT, attempt_s.as_str()),
             (retry_headers::NOT_BEFORE_MS, due_s.as_str()),
@@ -706,6 +801,8 @@ impl<H: Handler> Runner<H> {
             (retry_headers::ORIGIN_PARTITION, part_s.as_str()),
             (retry_headers::ORIGIN_OFFSET, off_s.as_str()),
         ];
+        // The copy stays in the purchase's trace.
+        headers.extend(header(msg, boxoffice_trace::TRACEPARENT).map(|t| (boxoffice_trace::TRACEPARENT, t)));
         let payload = msg.payload().unwrap_or_default();
         if !self.publish_durably(&topic, &key, payload, &headers).await {
             return false;
@@ -765,7 +862,9 @@ impl<H: Handler> Runner<H> {
         let key = msg.key().map(|k| String::from_utf8_lossy(k).into_owned()).unwrap_or_default();
         let topic = self.cfg.topic(Topic::DeadLetter.name());
         // The dead letter must be durable before the offset moves past the message.
-        if !self.publish_durably(&topic, &key, record.to_string().as_bytes(), &[("error-code", code)]).await {
+        let mut headers = vec![("error-code", code)];
+        headers.extend(header(msg, boxoffice_trace::TRACEPARENT).map(|t| (boxoffice_trace::TRACEPARENT, t)));
+        if !self.publish_durably(&topic, &key, record.to_string().as_bytes(), &headers).await {
             return false;
         }
         metrics::counter!("boxoffice_dead_letters_total", "consumer" => name, "code" => code.to_owned())

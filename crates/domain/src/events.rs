@@ -3,7 +3,8 @@
 //! Every fact and command travels as an [`Envelope`]: a stable `event_id` (the inbox key that
 //! makes redelivery harmless, invariant 4), the order as aggregate (and as Kafka key, so one
 //! order's saga stays ordered within a partition), a schema version, trace context
-//! (`correlation_id` = one buyer journey, `causation_id` = the event that caused this one),
+//! (`correlation_id` = one buyer journey, `causation_id` = the event that caused this one,
+//! `traceparent` = the W3C trace context of the span that committed it),
 //! and the payload. Payloads never carry card data or Stripe client secrets.
 //!
 //! Compatibility: fields are only ever added within `schema_version` 1 and consumers ignore
@@ -81,6 +82,13 @@ pub struct Envelope {
     /// consumers of a promoted region check a fact of an older epoch against their ledger.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub region_epoch: Option<i64>,
+    /// The W3C `traceparent` of the span that committed the fact (design §16), stamped by the
+    /// outbox from its `traceparent` column when the relay publishes, like `region` (also the
+    /// `traceparent` header); absent when the writer did not trace. Kept in the envelope so a
+    /// retry copy or a replayed dead letter stays in the purchase's trace, and so the payment
+    /// worker can send the very value the fact carries to Stripe on every retry.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub traceparent: Option<String>,
 }
 
 /// Why an envelope could not be decoded: a permanent error (dead-letter material).
@@ -132,6 +140,7 @@ impl Envelope {
             payload,
             region: None,
             region_epoch: None,
+            traceparent: None,
         }
     }
 

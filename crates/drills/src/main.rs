@@ -99,6 +99,7 @@ async fn main() {
             boxoffice_drills::stripe_sim::serve(&cfg, &bind, webhook_url).await.map(|_| 0)
         }
     };
+    boxoffice::telemetry::shutdown().await;
     match result {
         Ok(code) => std::process::exit(code),
         Err(e) => {

@@ -3,6 +3,11 @@
 //! commits the claim, publishes outside any transaction, and marks only rows still leased to
 //! it as published. A relay that dies mid-batch leaves rows whose lease expires and another
 //! relay publishes them again: at-least-once, made harmless by the consumers' inbox.
+//!
+//! Every row also stores the W3C `traceparent` of the span that wrote it (design §16; NULL
+//! when tracing is off or there is no span), in the same INSERT: the relay sends the stored
+//! value, not its own context, so the consumer continues the trace of the request or message
+//! that caused the fact ([`boxoffice_trace`]).
 
 use crate::Tx;
 use boxoffice_domain::{Envelope, Topic};
@@ -11,23 +16,25 @@ use sqlx::PgPool;
 use uuid::Uuid;
 
 /// Adds `envelope` to the outbox for `topic` inside the caller's transaction; the message key
-/// is the envelope's aggregate (order) id.
+/// is the envelope's aggregate (order) id, the trace context the current span's.
 pub async fn insert(tx: &mut Tx<'_>, topic: Topic, envelope: &Envelope) -> Result<(), sqlx::Error> {
     sqlx::query(
-        "INSERT INTO outbox (id, topic, message_key, event_type, payload)
-         VALUES ($1, $2, $3, $4, $5)",
+        "INSERT INTO outbox (id, topic, message_key, event_type, payload, traceparent)
+         VALUES ($1, $2, $3, $4, $5, $6)",
     )
     .bind(envelope.event_id)
     .bind(topic.name())
     .bind(envelope.aggregate_id.to_string())
     .bind(&envelope.event_type)
     .bind(sqlx::types::Json(envelope))
+    .bind(boxoffice_trace::current_traceparent())
     .execute(&mut **tx)
     .await?;
     Ok(())
 }
 
-/// Adds several envelopes for the purchase topic in one statement, in order.
+/// Adds several envelopes for the purchase topic in one statement, in order, all with the
+/// current span's trace context.
 pub async fn insert_all(tx: &mut Tx<'_>, envelopes: &[Envelope]) -> Result<(), sqlx::Error> {
     match envelopes {
         [] => Ok(()),
@@ -40,8 +47,8 @@ pub async fn insert_all(tx: &mut Tx<'_>, envelopes: &[Envelope]) -> Result<(), s
                 many.iter().map(|e| serde_json::to_value(e).expect("envelopes serialize")).collect();
             // clock_timestamp() + ordinality keeps created_at (the relay's order) as given.
             sqlx::query(
-                "INSERT INTO outbox (id, topic, message_key, event_type, payload, created_at)
-                 SELECT u.id, $1, u.k, u.t, u.p, clock_timestamp() + u.n * interval '1 microsecond'
+                "INSERT INTO outbox (id, topic, message_key, event_type, payload, created_at, traceparent)
+                 SELECT u.id, $1, u.k, u.t, u.p, clock_timestamp() + u.n * interval '1 microsecond', $6
                    FROM unnest($2::uuid[], $3::text[], $4::text[], $5::jsonb[]) WITH ORDINALITY AS u(id, k, t, p, n)",
             )
             .bind(Topic::Purchase.name())
@@ -49,6 +56,7 @@ pub async fn insert_all(tx: &mut Tx<'_>, envelopes: &[Envelope]) -> Result<(), s
             .bind(&keys)
             .bind(&types)
             .bind(&payloads)
+            .bind(boxoffice_trace::current_traceparent())
             .execute(&mut **tx)
             .await?;
             Ok(())
@@ -76,10 +84,14 @@ pub struct OutboxRow {
     pub region: Option<String>,
     /// See `region`.
     pub region_epoch: Option<i64>,
+    /// The W3C trace context of the span that wrote the row (`None`: it did not trace).
+    pub traceparent: Option<String>,
 }
 
 impl OutboxRow {
-    /// The message bytes: the stored envelope with the writer's `region` and `region_epoch`.
+    /// The message bytes: the stored envelope with the writer's `region`, `region_epoch` and
+    /// `traceparent` (the column is the fact's trace context: without one, the envelope has
+    /// none either).
     pub fn message(&self) -> Result<Vec<u8>, serde_json::Error> {
         let mut v = self.payload.0.clone();
         if let serde_json::Value::Object(m) = &mut v {
@@ -89,6 +101,10 @@ impl OutboxRow {
             if let Some(e) = self.region_epoch {
                 m.insert("region_epoch".into(), e.into());
             }
+            match &self.traceparent {
+                Some(t) => m.insert(boxoffice_trace::TRACEPARENT.into(), t.clone().into()),
+                None => m.remove(boxoffice_trace::TRACEPARENT),
+            };
         }
         serde_json::to_vec(&v)
     }
@@ -117,7 +133,8 @@ pub async fn claim_batch(
                 publish_attempts = o.publish_attempts + 1
            FROM picked
           WHERE o.id = picked.id
-         RETURNING o.id, o.topic, o.message_key, o.event_type, o.payload, o.created_at, o.region, o.region_epoch",
+         RETURNING o.id, o.topic, o.message_key, o.event_type, o.payload, o.created_at, o.region, o.region_epoch,
+                   o.traceparent",
     )
     .bind(relay)
     .bind(limit)

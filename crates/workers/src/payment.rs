@@ -11,6 +11,10 @@
 //! | PaymentIntentRefreshRequested  | retrieve PaymentIntent (+ its charge) | (read-only)            |
 //! | DisputeRefreshRequested        | retrieve Dispute                     | (read-only)              |
 //!
+//! The PaymentIntent's metadata carries the order, hold, cell, the fact's region and epoch and
+//! the fact's stored `traceparent` (design §16), all taken from the fact, so every retry of
+//! `authorize:{event_id}` sends identical parameters, as Stripe requires of one key.
+//!
 //! The provider's answer is then recorded (payment row + the resulting fact in the outbox) in
 //! the consumer's inbox transaction. If the worker crashes after the provider succeeded but
 //! before that commit, the replay sends the same key and gets the same answer.
@@ -221,6 +225,10 @@ impl Handler for PaymentWorker {
                     // requested by a fenced writer by them (design §15).
                     .chain(env.region.clone().map(|r| ("region".into(), r)))
                     .chain(env.region_epoch.map(|e| ("region_epoch".into(), e.to_string())))
+                    // The fact's stored trace context, byte for byte (never this worker's
+                    // span, which differs on every retry under this same idempotency key):
+                    // the intent's webhooks join the purchase's trace from it (design §16).
+                    .chain(env.traceparent.clone().map(|t| (boxoffice_trace::TRACEPARENT.into(), t)))
                     .collect(),
                 };
                 let pi = g

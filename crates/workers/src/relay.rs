@@ -9,6 +9,13 @@
 //! broker acknowledged, the rows are not marked: an injected error releases the claim so
 //! the rows are published again at once — the duplicate §17 asks to prove harmless) and
 //! `relay.after_commit` (marked).
+//!
+//! **Trace context** (design §16). Each message carries the row's stored `traceparent` as its
+//! `traceparent` header — the context of the span that committed the fact, never the
+//! relay's own, so the consumer continues the purchase's trace. With tracing on, each row
+//! also gets a producer span, a child of that stored context, open from enqueue to the
+//! delivery report (`messaging.*` attributes, the partition and offset the broker assigned);
+//! with tracing off the relay creates no span at all.
 
 use boxoffice_bus::KafkaConfig;
 use boxoffice_store::outbox;
@@ -102,6 +109,35 @@ pub async fn run(
     tracing::info!(relay = %relay_id, "relay stopped");
 }
 
+/// The producer span of one row, a child of the row's stored context (a span of its own trace
+/// when the row has none); disabled when tracing is off.
+fn publish_span(kafka: &KafkaConfig, topic: &str, row: &outbox::OutboxRow) -> tracing::Span {
+    if !boxoffice_trace::enabled() {
+        return tracing::Span::none();
+    }
+    let span = tracing::info_span!("relay.publish",
+        otel.name = format!("publish {}", row.topic),
+        otel.kind = "producer",
+        otel.status_code = tracing::field::Empty,
+        messaging.system = "kafka",
+        messaging.operation.type = "send",
+        messaging.destination.name = %topic,
+        messaging.destination.partition.id = tracing::field::Empty,
+        messaging.kafka.message.offset = tracing::field::Empty,
+        messaging.kafka.message.key = %row.message_key,
+        messaging.message.id = %row.id,
+        order.id = %row.message_key,
+        correlation_id = row.payload.0.get("correlation_id").and_then(|v| v.as_str()),
+        causation_id = row.payload.0.get("causation_id").and_then(|v| v.as_str()),
+        event_id = %row.id,
+        event_type = %row.event_type,
+        region = row.region.as_deref().unwrap_or(&kafka.labels.region),
+        purchase_cell = %kafka.labels.purchase_cell,
+    );
+    boxoffice_trace::set_parent(&span, row.traceparent.as_deref());
+    span
+}
+
 /// Claims, publishes and marks one batch; returns how many rows were claimed.
 pub async fn publish_batch(
     pool: &PgPool,
@@ -136,6 +172,10 @@ pub async fn publish_batch(
                 .insert(Header { key: "region", value: Some(region.as_str()) })
                 .insert(Header { key: "region-epoch", value: Some(epoch.as_str()) });
         }
+        if let Some(tp) = &row.traceparent {
+            headers = headers.insert(Header { key: boxoffice_trace::TRACEPARENT, value: Some(tp.as_str()) });
+        }
+        let span = publish_span(kafka, topic, row);
         let mut record = FutureRecord::to(topic).key(&row.message_key).payload(payload).headers(headers);
         // Enqueue in order; all delivery futures are awaited before anything is marked.
         let fut = loop {
@@ -148,20 +188,23 @@ pub async fn publish_batch(
                 Err((e, _)) => return Err(e.into()),
             }
         };
-        pending.push((row.id, row.created_at, fut));
+        pending.push((row.id, row.created_at, fut, span));
     }
     let mut delivered = Vec::with_capacity(pending.len());
     let mut failed = Vec::new();
     let now = chrono::Utc::now();
-    for (id, created_at, fut) in pending {
+    for (id, created_at, fut, span) in pending {
         match fut.await {
-            Ok(Ok(_)) => {
+            Ok(Ok(delivery)) => {
+                span.record("messaging.destination.partition.id", delivery.partition.to_string().as_str());
+                span.record("messaging.kafka.message.offset", delivery.offset);
                 delivered.push(id);
                 metrics::histogram!("boxoffice_outbox_publish_delay_seconds")
                     .record((now - created_at).num_milliseconds().max(0) as f64 / 1000.0);
             }
             Ok(Err((e, _))) => {
-                tracing::warn!(relay = relay_id, outbox.id = %id, error = %e, "publish failed");
+                span.record("otel.status_code", "ERROR");
+                tracing::warn!(parent: &span, relay = relay_id, outbox.id = %id, error = %e, "publish failed");
                 failed.push(id);
             }
             Err(_canceled) => failed.push(id),

@@ -28,5 +28,6 @@ mod region;
 mod release;
 mod saga;
 mod secrets;
+mod tracing;
 mod waitroom;
 mod webhooks;
