@@ -52,6 +52,10 @@ enum Command {
         #[arg(long)]
         webhook_url: Option<String>,
     },
+    /// Run an OTLP/gRPC receiver that counts and discards spans (the far end for measuring
+    /// the cost of tracing: point a run's `BOXOFFICE_OTLP_ENDPOINT` at the endpoint it
+    /// prints); prints the spans received when stopped (Ctrl-C / SIGTERM).
+    OtlpSink,
 }
 
 #[derive(Subcommand)]
@@ -64,6 +68,26 @@ enum DrillKind {
     /// accepted and the audit; exit 1 when an old-epoch write was accepted or the audit is not
     /// clean, 2 when the drill could not run. Needs root (pg_createcluster).
     Failover(boxoffice_drills::failover::FailoverArgs),
+}
+
+/// `otlp-sink`: see [`Command::OtlpSink`].
+async fn otlp_sink() -> anyhow::Result<i32> {
+    let mut sink = fake_opentelemetry_collector::FakeCollectorServer::start()
+        .await
+        .map_err(|e| anyhow::anyhow!("starting the OTLP receiver: {e}"))?;
+    println!("endpoint {}", sink.endpoint());
+    let mut received = 0usize;
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    loop {
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => break,
+            _ = term.recv() => break,
+            spans = sink.exported_spans(1, std::time::Duration::from_millis(200)) => received += spans.len(),
+        }
+    }
+    received += sink.exported_spans(0, std::time::Duration::ZERO).await.len();
+    println!("spans {received}");
+    Ok(0)
 }
 
 #[tokio::main]
@@ -98,6 +122,7 @@ async fn main() {
         Command::StripeSim { bind, webhook_url } => {
             boxoffice_drills::stripe_sim::serve(&cfg, &bind, webhook_url).await.map(|_| 0)
         }
+        Command::OtlpSink => otlp_sink().await,
     };
     boxoffice::telemetry::shutdown().await;
     match result {
