@@ -122,6 +122,19 @@ impl Modify for BearerAuth {
                     .build(),
             ),
         );
+        components.add_security_scheme(
+            "admin",
+            SecurityScheme::Http(
+                HttpBuilder::new()
+                    .scheme(HttpAuthScheme::Bearer)
+                    .description(Some(
+                        "The operator token (`admin_token`, `BOXOFFICE_ADMIN_TOKEN`), as \
+                         `Authorization: Bearer <admin_token>`; compared in constant time. A missing or \
+                         wrong token is a 401 `unauthenticated` problem.",
+                    ))
+                    .build(),
+            ),
+        );
     }
 }
 
@@ -137,6 +150,7 @@ impl Modify for BearerAuth {
         crate::routes::get_order,
         crate::routes::seat_map,
         crate::routes::stripe_webhook,
+        crate::dashboard::onsale,
     ),
     modifiers(&BearerAuth, &EdgeResponses),
     tags(
@@ -144,6 +158,7 @@ impl Modify for BearerAuth {
         (name = "purchase", description = "Admission, holds and order status"),
         (name = "catalog", description = "Availability (cached hints)"),
         (name = "webhooks", description = "Provider callbacks"),
+        (name = "operator", description = "The operator's onsale view (operator token only)"),
     )
 )]
 struct ApiDoc;

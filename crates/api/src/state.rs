@@ -64,6 +64,12 @@ pub struct ApiSettings {
     /// Networks webhook ingress accepts requests from (Stripe publishes its webhook
     /// addresses); empty = any. Others get 403 `webhook_source_refused` before the body is read.
     pub webhook_allowed_networks: Vec<ipnet::IpNet>,
+    /// The operator's bearer token of the `/admin` routes (secret, `Debug` redacts it; empty:
+    /// every operator request is refused). See [`crate::admin::Operator`].
+    pub admin_token: SecretString,
+    /// Requests one client address may have in flight at once on the `/admin` routes (0 = no
+    /// limit).
+    pub admin_max_in_flight_per_ip: usize,
 }
 
 impl Default for ApiSettings {
@@ -86,6 +92,8 @@ impl Default for ApiSettings {
             queue_max_concurrent: 256,
             webhook_timeout: Duration::from_secs(3),
             webhook_allowed_networks: Vec::new(),
+            admin_token: SecretString::default(),
+            admin_max_in_flight_per_ip: 4,
         }
     }
 }
@@ -140,6 +148,9 @@ pub struct AppState {
     /// This process's region lease (design §15), when a witness is configured: holds and
     /// webhooks answer 503 `region_fenced` and `/readyz` 503 while it is lapsed.
     pub region_lease: Option<Arc<boxoffice_store::region::LeaseGate>>,
+    /// The operator's onsale view: per-event conflict counts, the latest audit and dead-letter
+    /// readings, the rendered `/admin/onsale` ([`crate::dashboard`]).
+    pub dashboard: crate::dashboard::Dashboard,
 }
 
 impl AppState {
@@ -173,6 +184,7 @@ impl AppState {
             seat_maps,
             fallback_limiter: Arc::default(),
             region_lease: None,
+            dashboard: crate::dashboard::Dashboard::default(),
         }
     }
 

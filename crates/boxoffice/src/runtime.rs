@@ -247,12 +247,17 @@ pub async fn start(
                         queue_max_concurrent: cfg.waitroom_max_concurrent_requests,
                         webhook_timeout: Duration::from_millis(cfg.webhook_timeout_ms),
                         webhook_allowed_networks: cfg.webhook_networks()?,
+                        admin_token: cfg.admin_token.clone(),
+                        admin_max_in_flight_per_ip: cfg.admin_max_in_flight_per_ip,
                         ..ApiSettings::default()
                     },
                     producer.clone(),
                     metrics_handle(),
                 )
                 .with_region_lease(region_lease.clone());
+                let dashboard =
+                    boxoffice_api::dashboard::spawn(state.clone(), kafka.clone(), shutdown.clone());
+                tasks.push(("dashboard", dashboard));
                 tasks.push(("api", spawn_api(state, shutdown.clone(), &mut api_addr, cfg).await?));
                 if cfg.release_max_per_s > 0.0 {
                     // Every API process runs one; the cell's advisory lock lets one release.
