@@ -129,19 +129,19 @@ pub struct OnsaleView {
     /// The window of every `…_per_s` figure, seconds.
     pub window_s: i64,
     /// The release controller's last tick; `null` when no controller has led this cell.
-    pub release: Option<ReleaseView>,
+    pub release: Option<OnsaleRelease>,
     /// Events on sale, opening or closed within 15 minutes, or with a hold that recent
     /// (those first); at most 50.
-    pub events: Vec<EventView>,
+    pub events: Vec<OnsaleEvent>,
     /// Cell-wide health.
-    pub cell_signals: CellView,
+    pub cell_signals: OnsaleCell,
     /// The latest `boxoffice audit` run; `null` when none was recorded.
-    pub audit: Option<AuditView>,
+    pub audit: Option<OnsaleAudit>,
 }
 
 /// The release controller's rate R and why it is what it is.
 #[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
-pub struct ReleaseView {
+pub struct OnsaleRelease {
     /// R, positions admitted per second (the cell's, shared by the queued events).
     pub rate_per_s: f64,
     /// The controller's floor.
@@ -166,12 +166,12 @@ pub struct ReleaseView {
     /// True when `updated_at` is more than 5 s old: no controller is ticking.
     pub stale: bool,
     /// Every input of the control law.
-    pub signals: Vec<SignalView>,
+    pub signals: Vec<OnsaleSignal>,
 }
 
 /// One input of the release controller's law.
 #[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
-pub struct SignalView {
+pub struct OnsaleSignal {
     /// `pg_commit_ms`, `outbox_age_ms`, `consumer_lag`, …
     pub name: String,
     /// The reading, in the signal's unit; `null` when the probe failed or is off.
@@ -184,7 +184,7 @@ pub struct SignalView {
 
 /// One event's onsale.
 #[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
-pub struct EventView {
+pub struct OnsaleEvent {
     /// Event id.
     pub event_id: Uuid,
     /// Its name.
@@ -200,7 +200,7 @@ pub struct EventView {
     /// Its share of R, positions per second; `null` when it has no queue.
     pub release_per_s: Option<f64>,
     /// Its waiting room as of the controller's last tick; `null` when it has no queue.
-    pub queue: Option<QueueView>,
+    pub queue: Option<OnsaleQueue>,
     /// Holds created per second (one order each).
     pub holds_per_s: f64,
     /// 409 `seat_unavailable` answers per second (approximate; `null` when Redis cannot answer).
@@ -208,12 +208,12 @@ pub struct EventView {
     /// Tickets issued per second (one per seat).
     pub ticketed_per_s: f64,
     /// Running totals.
-    pub totals: EventTotals,
+    pub totals: OnsaleTotals,
 }
 
 /// An event's waiting room, as the release controller last saw it.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, utoipa::ToSchema)]
-pub struct QueueView {
+pub struct OnsaleQueue {
     /// Live positions queued.
     pub queued: u64,
     /// Entries in the pre-queue (before the opening).
@@ -228,7 +228,7 @@ pub struct QueueView {
 
 /// An event's running totals (ledger).
 #[derive(Debug, Clone, Default, Serialize, Deserialize, utoipa::ToSchema)]
-pub struct EventTotals {
+pub struct OnsaleTotals {
     /// Holds ever created (orders, whatever became of them).
     pub holds: i64,
     /// Seats under an active hold now.
@@ -241,7 +241,7 @@ pub struct EventTotals {
 
 /// Cell-wide signals.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, utoipa::ToSchema)]
-pub struct CellView {
+pub struct OnsaleCell {
     /// Age of the oldest unpublished outbox row, ms (0 when none): facts not reaching Kafka.
     pub outbox_oldest_age_ms: i64,
     /// Unpublished outbox rows.
@@ -253,7 +253,7 @@ pub struct CellView {
     pub active_holds: f64,
     /// Consumer lag of the purchase topic as of the controller's last tick; `null` without
     /// a broker or a controller.
-    pub consumer_lag: Option<LagView>,
+    pub consumer_lag: Option<OnsaleLag>,
     /// Messages in the dead-letter topic; `null` without a broker (or before the first
     /// reading).
     pub dlq_depth: Option<i64>,
@@ -263,16 +263,16 @@ pub struct CellView {
 
 /// Consumer lag, messages.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, utoipa::ToSchema)]
-pub struct LagView {
+pub struct OnsaleLag {
     /// Max over groups and partitions.
     pub max: f64,
     /// Every (group, partition) behind, largest first.
-    pub by_partition: Vec<PartitionLagView>,
+    pub by_partition: Vec<OnsalePartitionLag>,
 }
 
 /// One group's lag on one partition.
 #[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
-pub struct PartitionLagView {
+pub struct OnsalePartitionLag {
     /// The consumer group.
     pub group: String,
     /// The partition of the purchase topic.
@@ -283,7 +283,7 @@ pub struct PartitionLagView {
 
 /// The latest audit run.
 #[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
-pub struct AuditView {
+pub struct OnsaleAudit {
     /// Its id.
     pub id: i64,
     /// When it started.
@@ -340,7 +340,7 @@ pub async fn view(st: &AppState) -> Result<OnsaleView, sqlx::Error> {
     let figures = operator::cell_figures(&st.pool).await?;
     let audit = operator::latest_audit_run(&st.pool).await?;
 
-    let queues: HashMap<Uuid, (f64, QueueView)> = status
+    let queues: HashMap<Uuid, (f64, OnsaleQueue)> = status
         .as_ref()
         .and_then(|s| s.event_rates.0.as_object().cloned())
         .unwrap_or_default()
@@ -364,7 +364,7 @@ pub async fn view(st: &AppState) -> Result<OnsaleView, sqlx::Error> {
         .map(|(e, conflicts)| {
             let a = activity.get(&e.id).copied().unwrap_or_default();
             let q = queues.get(&e.id);
-            EventView {
+            OnsaleEvent {
                 event_id: e.id,
                 name: e.name,
                 on_sale: e.on_sale,
@@ -376,7 +376,7 @@ pub async fn view(st: &AppState) -> Result<OnsaleView, sqlx::Error> {
                 holds_per_s: per_s(a.holds_in_window),
                 conflicts_per_s: conflicts.ok().map(|n| n as f64 / WINDOW_S as f64),
                 ticketed_per_s: per_s(a.tickets_in_window),
-                totals: EventTotals {
+                totals: OnsaleTotals {
                     holds: a.holds_total,
                     seats_held: a.seats_held,
                     tickets: a.tickets_total,
@@ -386,13 +386,13 @@ pub async fn view(st: &AppState) -> Result<OnsaleView, sqlx::Error> {
         })
         .collect();
 
-    let signals: Vec<SignalView> = status
+    let signals: Vec<OnsaleSignal> = status
         .as_ref()
         .and_then(|s| s.signals.0.get("signals").cloned())
         .and_then(|v| serde_json::from_value(v).ok())
         .unwrap_or_default();
     let consumer_lag =
-        signals.iter().find(|s| s.name == "consumer_lag").and_then(|s| s.value).map(|max| LagView {
+        signals.iter().find(|s| s.name == "consumer_lag").and_then(|s| s.value).map(|max| OnsaleLag {
             max,
             by_partition: status
                 .as_ref()
@@ -401,7 +401,7 @@ pub async fn view(st: &AppState) -> Result<OnsaleView, sqlx::Error> {
                 .unwrap_or_default(),
         });
     let dlq = st.dashboard.dlq().and_then(Result::ok);
-    let release = status.map(|s| ReleaseView {
+    let release = status.map(|s| OnsaleRelease {
         stale: (now - s.updated_at).to_std().unwrap_or_default() > RELEASE_STALE_AFTER,
         rate_per_s: s.rate_per_s,
         min_per_s: s.min_per_s,
@@ -421,7 +421,7 @@ pub async fn view(st: &AppState) -> Result<OnsaleView, sqlx::Error> {
         window_s: WINDOW_S,
         release,
         events,
-        cell_signals: CellView {
+        cell_signals: OnsaleCell {
             outbox_oldest_age_ms: figures.outbox_oldest_age_ms,
             outbox_unpublished: figures.outbox_unpublished,
             expiry_delay_ms: figures.expiry_delay_ms,
@@ -434,14 +434,14 @@ pub async fn view(st: &AppState) -> Result<OnsaleView, sqlx::Error> {
     })
 }
 
-fn audit_view(a: operator::AuditRun) -> AuditView {
+fn audit_view(a: operator::AuditRun) -> OnsaleAudit {
     let violations = a
         .violations
         .0
         .as_object()
         .map(|m| m.iter().map(|(k, v)| (k.clone(), v.as_i64())).collect())
         .unwrap_or_default();
-    AuditView {
+    OnsaleAudit {
         id: a.id,
         started_at: a.started_at,
         finished_at: a.finished_at,
