@@ -71,8 +71,9 @@ struct Inner {
     conflicts: Mutex<HashMap<Uuid, u64>>,
     /// The last rendering.
     cache: moka::future::Cache<(), Bytes>,
-    /// The last dead-letter reading: (depth, when), or why there is none.
-    dlq: RwLock<Option<Result<(i64, DateTime<Utc>), String>>>,
+    /// The last dead-letter reading, (depth, when); `None` before the first or after a
+    /// failed one.
+    dlq: RwLock<Option<(i64, DateTime<Utc>)>>,
 }
 
 impl Default for Dashboard {
@@ -110,12 +111,12 @@ impl Dashboard {
         m.drain().map(|(e, n)| (EventId(e), n)).collect()
     }
 
-    fn dlq(&self) -> Option<Result<(i64, DateTime<Utc>), String>> {
-        self.inner.dlq.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    fn dlq(&self) -> Option<(i64, DateTime<Utc>)> {
+        *self.inner.dlq.read().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    fn set_dlq(&self, r: Result<(i64, DateTime<Utc>), String>) {
-        *self.inner.dlq.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(r);
+    fn set_dlq(&self, r: Option<(i64, DateTime<Utc>)>) {
+        *self.inner.dlq.write().unwrap_or_else(std::sync::PoisonError::into_inner) = r;
     }
 }
 
@@ -400,7 +401,7 @@ pub async fn view(st: &AppState) -> Result<OnsaleView, sqlx::Error> {
                 .and_then(|v| serde_json::from_value(v).ok())
                 .unwrap_or_default(),
         });
-    let dlq = st.dashboard.dlq().and_then(Result::ok);
+    let dlq = st.dashboard.dlq();
     let release = status.map(|s| OnsaleRelease {
         stale: (now - s.updated_at).to_std().unwrap_or_default() > RELEASE_STALE_AFTER,
         rate_per_s: s.rate_per_s,
@@ -509,12 +510,12 @@ async fn refresh_gauges(st: &AppState, kafka: Option<&boxoffice_bus::KafkaConfig
         match boxoffice_bus::dlq::depth(k, Duration::from_secs(5)).await {
             Ok(depth) => {
                 metrics::gauge!("boxoffice_dlq_depth").set(depth as f64);
-                st.dashboard.set_dlq(Ok((depth, Utc::now())));
+                st.dashboard.set_dlq(Some((depth, Utc::now())));
             }
             Err(e) => {
                 metrics::counter!("boxoffice_dashboard_refresh_errors_total", "source" => "dlq").increment(1);
                 tracing::debug!(error = format!("{e:#}"), "dashboard: cannot read the dead-letter depth");
-                st.dashboard.set_dlq(Err(format!("{e:#}")));
+                st.dashboard.set_dlq(None);
             }
         }
     }
