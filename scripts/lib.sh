@@ -163,6 +163,39 @@ ensure_promtool() {
   echo "$PROMTOOL_DIR/usr/bin/promtool"
 }
 
+# The dashboard's browser test (crates/drills/tests/it/dashboard.rs): Debian's chromium, and
+# the playwright-core pinned in crates/drills/tests/browser/package-lock.json, `npm ci`-ed
+# into a directory of its own under ~/.cache/boxoffice (skipped when the pinned version is
+# there; `npx playwright install` is never used: the test drives the system's chromium).
+# Needs node 20 or later; without it the browser test fails and says so.
+PLAYWRIGHT_VERSION="1.65.1"
+export BOXOFFICE_PLAYWRIGHT_DIR="${BOXOFFICE_PLAYWRIGHT_DIR:-$HOME/.cache/boxoffice/playwright-$PLAYWRIGHT_VERSION}"
+ensure_browser_tools() {
+  local started=$SECONDS src="$BOXOFFICE_ROOT/crates/drills/tests/browser" did=""
+  if ! command -v chromium >/dev/null 2>&1; then
+    log "installing chromium (first time only)"
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+    did=1
+  fi
+  export BOXOFFICE_CHROMIUM="${BOXOFFICE_CHROMIUM:-$(command -v chromium)}"
+  if ! node -e 'process.exit(Number(process.versions.node.split(".")[0]) >= 20 ? 0 : 1)' 2>/dev/null \
+     || ! command -v npm >/dev/null 2>&1; then
+    log "node 20+ and npm are missing: the dashboard's browser test will fail (install Node.js 20)"
+    return
+  fi
+  local have
+  have=$(node -p "require('$BOXOFFICE_PLAYWRIGHT_DIR/node_modules/playwright-core/package.json').version" 2>/dev/null || true)
+  if [ "$have" != "$PLAYWRIGHT_VERSION" ]; then
+    log "installing playwright-core $PLAYWRIGHT_VERSION into $BOXOFFICE_PLAYWRIGHT_DIR (first time only)"
+    mkdir -p "$BOXOFFICE_PLAYWRIGHT_DIR"
+    cp "$src/package.json" "$src/package-lock.json" "$BOXOFFICE_PLAYWRIGHT_DIR/"
+    npm ci --prefix "$BOXOFFICE_PLAYWRIGHT_DIR" --no-audit --no-fund --ignore-scripts --loglevel=error >/dev/null
+    did=1
+  fi
+  if [ -n "$did" ]; then log "browser tools installed in $((SECONDS - started)) s"; fi
+}
+
 nisshi_bin() { command -v nisshi 2>/dev/null || echo "$HOME/.cargo/bin/nisshi"; }
 
 port_open() { (exec 3<>"/dev/tcp/${1%:*}/${1##*:}") 2>/dev/null; }

@@ -11,13 +11,17 @@
 //! - `GET  /events/{event_id}/seats` — availability map, cached per event ≤ 1 s (a hint,
 //!   never a promise);
 //! - `POST /webhooks/stripe` — signature-verified, deduplicated webhook ingress (invariant 4);
-//! - `GET  /healthz`, `GET /readyz`, `GET /metrics`, `GET /openapi.json`.
+//! - `GET  /healthz`, `GET /readyz`, `GET /metrics`, `GET /openapi.json`;
+//! - `GET  /admin/` (the operator's onsale dashboard, a static page) and `GET /admin/onsale`
+//!   (its figures, operator token only) — [`admin`], [`dashboard`].
 //!
 //! Every buyer route sits behind per-IP and per-user rate buckets ([`limits`]); every
 //! connection behind the edge's timeouts and limits ([`edge`]).
 
+pub mod admin;
 pub mod auth;
 pub mod cell_router;
+pub mod dashboard;
 pub mod edge;
 pub mod limits;
 pub mod openapi;

@@ -2,12 +2,14 @@
 //! [`crate::edge::client_ip`]; IPv6 by /64) and one per authenticated user, GCRA buckets in
 //! Redis shared by every API process ([`boxoffice_waitroom::Waitroom::take`]).
 //!
-//! Three route classes have buckets of their own, so polling an order does not eat the
+//! Four route classes have buckets of their own, so polling an order does not eat the
 //! budget of joining the queue:
 //! - **queue** — `POST /events/{id}/queue`, `GET|DELETE /queue/{ticket}`: per IP and per user;
 //! - **purchase** — `POST /events/{id}/admission`, `POST /events/{id}/holds`,
 //!   `GET /orders/{id}`: per IP and per user;
-//! - **seats** — `GET /events/{id}/seats` (unauthenticated): per IP.
+//! - **seats** — `GET /events/{id}/seats` (unauthenticated): per IP;
+//! - **admin** — every `/admin` route (the operator's, [`crate::admin`]): per IP, taken
+//!   before the operator token is checked, so guessing tokens is as slow as the bucket.
 //!
 //! Over a bucket → 429 `rate_limited` problem+json with `Retry-After` (seconds) and `scope`
 //! (`ip` or `user`). A request without a valid bearer token skips the user bucket (the
@@ -17,7 +19,7 @@
 //! - **queue** routes answer 503 `waitroom_unavailable` — they need Redis anyway, and wait
 //!   for it up to `queue_timeout_ms` ([`Patience::Queue`]) rather than the hold path's
 //!   shorter bound;
-//! - **purchase** and **seats** routes fail open onto an in-process fallback limiter
+//! - **purchase**, **seats** and **admin** routes fail open onto an in-process fallback limiter
 //!   (`governor`'s keyed GCRA, the same rates, per process instead of per deployment): the
 //!   hold path must not depend on Redis, and a limit per process still stops one client from
 //!   hammering one instance. Counted in `boxoffice_rate_limit_fallback_total{route}`. After
@@ -68,6 +70,8 @@ pub struct RateLimits {
     pub purchase: RouteBuckets,
     /// The seat map (only `ip` is used).
     pub seats: RouteBuckets,
+    /// The operator's `/admin` routes (only `ip` is used).
+    pub admin: RouteBuckets,
 }
 
 /// A class of routes sharing buckets.
@@ -79,6 +83,8 @@ pub enum RouteClass {
     Purchase,
     /// The seat map (Redis down → fallback limiter).
     Seats,
+    /// The operator's routes (Redis down → fallback limiter).
+    Admin,
 }
 
 impl RouteClass {
@@ -88,6 +94,7 @@ impl RouteClass {
             Self::Queue => "queue",
             Self::Purchase => "purchase",
             Self::Seats => "seats",
+            Self::Admin => "admin",
         }
     }
 
@@ -96,6 +103,7 @@ impl RouteClass {
             Self::Queue => l.queue,
             Self::Purchase => l.purchase,
             Self::Seats => RouteBuckets { user: None, ..l.seats },
+            Self::Admin => RouteBuckets { user: None, ..l.admin },
         }
     }
 
@@ -108,6 +116,8 @@ impl RouteClass {
             (Self::Purchase, Scope::User) => "purchase:user",
             (Self::Seats, Scope::Ip) => "seats:ip",
             (Self::Seats, Scope::User) => "seats:user",
+            (Self::Admin, Scope::Ip) => "admin:ip",
+            (Self::Admin, Scope::User) => "admin:user",
         }
     }
 }
@@ -192,6 +202,11 @@ pub(crate) async fn purchase(State(st): State<AppState>, req: Request, next: Nex
 /// Middleware of the seat map.
 pub(crate) async fn seats(State(st): State<AppState>, req: Request, next: Next) -> Response {
     limit(st, RouteClass::Seats, req, next).await
+}
+
+/// Middleware of the operator's routes.
+pub(crate) async fn admin(State(st): State<AppState>, req: Request, next: Next) -> Response {
+    limit(st, RouteClass::Admin, req, next).await
 }
 
 async fn limit(st: AppState, class: RouteClass, req: Request, next: Next) -> Response {

@@ -122,6 +122,19 @@ impl Modify for BearerAuth {
                     .build(),
             ),
         );
+        components.add_security_scheme(
+            "admin",
+            SecurityScheme::Http(
+                HttpBuilder::new()
+                    .scheme(HttpAuthScheme::Bearer)
+                    .description(Some(
+                        "The operator token (`admin_token`, `BOXOFFICE_ADMIN_TOKEN`), as \
+                         `Authorization: Bearer <admin_token>`; compared in constant time. A missing or \
+                         wrong token is a 401 `unauthenticated` problem.",
+                    ))
+                    .build(),
+            ),
+        );
     }
 }
 
@@ -135,8 +148,11 @@ impl Modify for BearerAuth {
         crate::routes::admit,
         crate::routes::create_hold,
         crate::routes::get_order,
+        crate::order_stream::order_events,
         crate::routes::seat_map,
         crate::routes::stripe_webhook,
+        crate::dashboard::onsale,
+        crate::timeline::order_timeline,
     ),
     modifiers(&BearerAuth, &EdgeResponses),
     tags(
@@ -144,6 +160,7 @@ impl Modify for BearerAuth {
         (name = "purchase", description = "Admission, holds and order status"),
         (name = "catalog", description = "Availability (cached hints)"),
         (name = "webhooks", description = "Provider callbacks"),
+        (name = "operator", description = "The operator's onsale view and order timelines (operator token only)"),
     )
 )]
 struct ApiDoc;

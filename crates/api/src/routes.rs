@@ -91,6 +91,7 @@ pub fn router(state: AppState) -> Router {
         .merge(purchase)
         .merge(catalog)
         .merge(webhooks)
+        .merge(crate::admin::routes(&state))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
@@ -252,7 +253,10 @@ async fn create_hold(
     let label = match &outcome {
         Ok(ReserveOutcome::Created(_)) => "created",
         Ok(ReserveOutcome::Replayed(_)) => "replayed",
-        Err(holds::ReserveError::SeatUnavailable { .. }) => "seat_unavailable",
+        Err(holds::ReserveError::SeatUnavailable { .. }) => {
+            st.dashboard.count_conflict(EventId(event));
+            "seat_unavailable"
+        }
         Err(_) => "error",
     };
     metrics::histogram!("boxoffice_hold_seconds", "outcome" => label).record(started.elapsed().as_secs_f64());

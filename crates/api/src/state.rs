@@ -66,6 +66,12 @@ pub struct ApiSettings {
     pub webhook_allowed_networks: Vec<ipnet::IpNet>,
     /// The region and purchase cell on the API's spans (design §16).
     pub labels: boxoffice_trace::Labels,
+    /// The operator's bearer token of the `/admin` routes (secret, `Debug` redacts it; empty:
+    /// every operator request is refused). See [`crate::admin::Operator`].
+    pub admin_token: SecretString,
+    /// Requests one client address may have in flight at once on the `/admin` routes (0 = no
+    /// limit).
+    pub admin_max_in_flight_per_ip: usize,
 }
 
 impl Default for ApiSettings {
@@ -89,6 +95,8 @@ impl Default for ApiSettings {
             webhook_timeout: Duration::from_secs(3),
             webhook_allowed_networks: Vec::new(),
             labels: boxoffice_trace::Labels::default(),
+            admin_token: SecretString::default(),
+            admin_max_in_flight_per_ip: 4,
         }
     }
 }
@@ -143,8 +151,14 @@ pub struct AppState {
     /// This process's region lease (design §15), when a witness is configured: holds and
     /// webhooks answer 503 `region_fenced` and `/readyz` 503 while it is lapsed.
     pub region_lease: Option<Arc<boxoffice_store::region::LeaseGate>>,
+    /// The payment provider, for the operator's order timeline (its view of each
+    /// PaymentIntent); `None` when none is configured.
+    pub payment_gateway: Option<Arc<dyn boxoffice_payments::PaymentGateway>>,
     /// The buyers' live order streams (`GET /orders/{id}/events`) and their wake-ups.
     pub order_streams: Arc<crate::order_stream::OrderStreams>,
+    /// The operator's onsale view: per-event conflict counts, the latest audit and dead-letter
+    /// readings, the rendered `/admin/onsale` ([`crate::dashboard`]).
+    pub dashboard: crate::dashboard::Dashboard,
 }
 
 impl AppState {
@@ -179,7 +193,15 @@ impl AppState {
             fallback_limiter: Arc::default(),
             region_lease: None,
             order_streams: crate::order_stream::OrderStreams::new(Default::default()),
+            payment_gateway: None,
+            dashboard: crate::dashboard::Dashboard::default(),
         }
+    }
+
+    /// This state with the payment provider the operator's timeline asks.
+    pub fn with_payment_gateway(mut self, gateway: Option<Arc<dyn boxoffice_payments::PaymentGateway>>) -> Self {
+        self.payment_gateway = gateway;
+        self
     }
 
     /// This state with order streams bounded by `settings`.

@@ -97,6 +97,42 @@ pub async fn read(
     Ok(Some(OrderTimeline { timeline, provider, provider_checked: gateway.is_some() }))
 }
 
+/// Query of `GET /admin/orders/{order_id}/timeline`.
+#[derive(Debug, serde::Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+pub struct TimelineQuery {
+    /// Ask the payment provider about each PaymentIntent (default true).
+    pub provider: Option<bool>,
+}
+
+/// `GET /admin/orders/{order_id}/timeline` (operator token) → the order's [`OrderTimeline`].
+#[utoipa::path(get, path = "/admin/orders/{order_id}/timeline", tag = "operator",
+    params(("order_id" = Uuid, Path, description = "Order id"), TimelineQuery),
+    security(("admin" = [])),
+    responses(
+        (status = 200, description = "The order's story: its state now, every step (one ledger transaction) with its actor, status changes, facts, webhooks and incidents, the provider's view of its PaymentIntents and the steps slower than their SLO", body = OrderTimeline),
+        (status = 400, description = "`invalid_path` (the order id is not a UUID) or `invalid_query`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 401, description = "`unauthenticated`: no or wrong operator token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 404, description = "`not_found`: no such order in this ledger", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 429, description = "`rate_limited` or `too_many_in_flight`; `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 503, description = "`unavailable`: the database is unavailable; `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+    ))]
+pub async fn order_timeline(
+    axum::extract::State(st): axum::extract::State<crate::state::AppState>,
+    _operator: crate::admin::Operator,
+    crate::auth::IdPath(order): crate::auth::IdPath<Uuid>,
+    query: Result<axum::extract::Query<TimelineQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<axum::response::Response, crate::problem::Problem> {
+    use axum::response::IntoResponse;
+    let axum::extract::Query(q) =
+        query.map_err(|e| crate::problem::Problem::bad_request("invalid_query", e.body_text()))?;
+    let gw = if q.provider.unwrap_or(true) { st.payment_gateway.as_deref() } else { None };
+    match read(&st.pool, gw, order, Slo::default()).await.map_err(|e| crate::problem::Problem::database(&e))? {
+        Some(t) => Ok(axum::Json(t).into_response()),
+        None => Err(crate::problem::Problem::not_found("order")),
+    }
+}
+
 fn unread(id: &str, error: String) -> ProviderIntent {
     ProviderIntent {
         id: id.to_owned(),

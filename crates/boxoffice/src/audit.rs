@@ -10,6 +10,11 @@
 //! dead-letter check counts messages some consumer could not apply (invariant 5: a fact
 //! published but never applied).
 //!
+//! Each run is recorded in the ledger's `audit_runs` ([`record`]: every count by name, which
+//! checks ran, the totals); the operator's dashboard and the API's `boxoffice_audit_*`
+//! gauges show the latest. A run that cannot be recorded (a read-only replica) still
+//! reports and exits as usual, with a warning.
+//!
 //! A check that cannot run is never reported as zero: without a Stripe API base or a broker
 //! it says "not checked", and when the provider or broker fails it says so and the exit
 //! code is 2 (1 wins when a check that did run found a violation).
@@ -206,6 +211,30 @@ pub async fn run(pool: &PgPool, opts: &AuditOptions) -> anyhow::Result<AuditRepo
         },
     };
     Ok(AuditReport { ledger, provider, dead_letters, totals })
+}
+
+/// Records `report` (a run begun at `started_at` with `opts`) in `audit_runs`; returns the
+/// run's id.
+///
+/// # Errors
+/// When the ledger refuses the write.
+pub async fn record(
+    pool: &PgPool,
+    started_at: chrono::DateTime<chrono::Utc>,
+    opts: &AuditOptions,
+    report: &AuditReport,
+) -> Result<i64, sqlx::Error> {
+    let json = report.to_json();
+    let run = boxoffice_store::operator::NewAuditRun {
+        started_at,
+        event_id: opts.event,
+        violations: report.violations_json(),
+        total: report.total(),
+        exit_code: report.exit_code(),
+        checks: json["checks"].clone(),
+        totals: json["totals"].clone(),
+    };
+    boxoffice_store::operator::record_audit_run(pool, &run).await
 }
 
 /// The provider half: one reconciliation scan, then the counts only the provider shows.

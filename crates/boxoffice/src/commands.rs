@@ -201,10 +201,15 @@ pub fn audit_options(
 
 /// `boxoffice audit`: runs every check (ledger, provider, dead letters) and prints them as
 /// text or JSON. Exit code 1 on any violation, 2 when a configured check could not run, else
-/// 0.
+/// 0. The run is recorded in `audit_runs` ([`audit::record`]); a failed write is a warning.
 pub async fn audit(cfg: &Config, json: bool, opts: &audit::AuditOptions) -> anyhow::Result<i32> {
     let pool = boxoffice_store::connect(cfg.pg_options()?, 4, cfg.db_acquire_timeout_ms).await?;
+    let started_at = chrono::Utc::now();
     let report = audit::run(&pool, opts).await?;
+    if let Err(e) = audit::record(&pool, started_at, opts, &report).await {
+        tracing::warn!(error = %e, "the audit run could not be recorded in audit_runs");
+        eprintln!("warning: this run was not recorded in the ledger's audit_runs: {e}");
+    }
     if json {
         println!("{}", serde_json::to_string_pretty(&report.to_json())?);
     } else {

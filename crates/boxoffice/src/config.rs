@@ -26,7 +26,7 @@ use std::path::Path;
 
 /// The settings that are secrets ([`SecretString`]): read from `BOXOFFICE_*` verbatim, never
 /// parsed as numbers or booleans, never echoed in an error.
-pub const SECRET_KEYS: [&str; 10] = [
+pub const SECRET_KEYS: [&str; 11] = [
     "database_url",
     "control_database_url",
     "witness_database_url",
@@ -37,6 +37,7 @@ pub const SECRET_KEYS: [&str; 10] = [
     "redis_url",
     "stripe_secret_key",
     "stripe_webhook_secret",
+    "admin_token",
 ];
 
 /// Which rules the configuration is held to.
@@ -76,6 +77,10 @@ pub const MIN_STRIPE_SECRET_KEY_CHARS: usize = 32;
 pub const MIN_WEBHOOK_SECRET_CHARS: usize = 32;
 /// Shortest Kafka SASL password, characters.
 pub const MIN_KAFKA_PASSWORD_CHARS: usize = 16;
+/// The built-in development operator token of the `/admin` routes (public).
+pub const DEV_ADMIN_TOKEN: &str = "dev-admin-token-change-me-0123456789";
+/// Shortest operator token, characters (e.g. `openssl rand -hex 32` gives 64).
+pub const MIN_ADMIN_TOKEN_CHARS: usize = 32;
 
 /// How a [`SecretFinding`] weighs in each environment.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -513,6 +518,19 @@ pub struct Config {
     pub rate_limit_seats_ip_per_s: f64,
     /// Burst of the seat map's per-IP bucket, requests (default 20).
     pub rate_limit_seats_ip_burst: u32,
+    /// The operator's bearer token for the `/admin` routes (the onsale dashboard), until
+    /// operator identity exists: `Authorization: Bearer <admin_token>`, compared in constant
+    /// time. Secret; at least 32 characters; the default is public (refused in production).
+    #[serde(serialize_with = "redact")]
+    pub admin_token: SecretString,
+    /// `/admin` requests per second per client IP, authenticated or not (0 = none; default
+    /// 5: the dashboard polls once a second).
+    pub rate_limit_admin_ip_per_s: f64,
+    /// Burst of the `/admin` routes' per-IP bucket, requests (default 30).
+    pub rate_limit_admin_ip_burst: u32,
+    /// `/admin` requests one client address may have in flight at once (default 4; 0 = no
+    /// limit); one more is 429 `too_many_in_flight`.
+    pub admin_max_in_flight_per_ip: usize,
     /// Proxies of this deployment in front of the API, each appending the address it saw to
     /// `X-Forwarded-For`: the rate buckets count a request against the entry this many
     /// places from the right (what the outermost trusted proxy saw). 0 (the default) ignores
@@ -707,6 +725,10 @@ impl Default for Config {
             rate_limit_purchase_user_burst: 20,
             rate_limit_seats_ip_per_s: 10.0,
             rate_limit_seats_ip_burst: 20,
+            admin_token: DEV_ADMIN_TOKEN.into(),
+            rate_limit_admin_ip_per_s: 5.0,
+            rate_limit_admin_ip_burst: 30,
+            admin_max_in_flight_per_ip: 4,
             http_trusted_proxy_hops: 0,
             http_trust_forwarded_for: None,
             hold_ttl_ms: 300_000,
@@ -753,7 +775,8 @@ impl Config {
             .merge(Serialized::default("stripe_secret_key", d.stripe_secret_key.expose_secret()))
             .merge(Serialized::default("stripe_webhook_secret", d.stripe_webhook_secret.expose_secret()))
             .merge(Serialized::default("admission_private_key", d.admission_private_key.expose_secret()))
-            .merge(Serialized::default("redis_url", d.redis_url.expose_secret()));
+            .merge(Serialized::default("redis_url", d.redis_url.expose_secret()))
+            .merge(Serialized::default("admin_token", d.admin_token.expose_secret()));
         if let Some(f) = file {
             fig = fig.merge(Toml::file_exact(f));
         }
@@ -850,6 +873,7 @@ impl Config {
             self.rate_limit_purchase_ip_per_s,
             self.rate_limit_purchase_user_per_s,
             self.rate_limit_seats_ip_per_s,
+            self.rate_limit_admin_ip_per_s,
         ];
         if rates.iter().any(|r| !r.is_finite() || *r < 0.0) {
             bail!("release_max_per_s and rate_limit_*_per_s must be finite and >= 0");
@@ -863,6 +887,7 @@ impl Config {
             self.rate_limit_purchase_ip_burst,
             self.rate_limit_purchase_user_burst,
             self.rate_limit_seats_ip_burst,
+            self.rate_limit_admin_ip_burst,
         ];
         if bursts.iter().any(|b| *b < 1) {
             bail!("rate_limit_*_burst must be at least 1");
@@ -1221,6 +1246,22 @@ impl Config {
             );
         }
 
+        // The operator token: whoever holds it reads the dashboard.
+        let admin = self.admin_token.expose_secret();
+        if admin == DEV_ADMIN_TOKEN {
+            push(
+                "admin_token",
+                Severity::Development,
+                format!("{builtin}: anyone could read the operator's /admin routes"),
+            );
+        } else if admin.len() < MIN_ADMIN_TOKEN_CHARS {
+            push(
+                "admin_token",
+                Severity::Development,
+                format!("shorter than {MIN_ADMIN_TOKEN_CHARS} characters"),
+            );
+        }
+
         // The queue bypass: `POST /events/{id}/admission` admits anyone at once.
         if self.admission_direct {
             push(
@@ -1319,6 +1360,10 @@ impl Config {
             },
             seats: RouteBuckets {
                 ip: bucket(self.rate_limit_seats_ip_per_s, self.rate_limit_seats_ip_burst),
+                user: None,
+            },
+            admin: RouteBuckets {
+                ip: bucket(self.rate_limit_admin_ip_per_s, self.rate_limit_admin_ip_burst),
                 user: None,
             },
         }
@@ -1559,6 +1604,7 @@ mod tests {
             admission_private_key: key.to_pkcs8_pem().into(),
             stripe_secret_key: "sk_live_0123456789abcdefghijklmnopqrstuv".into(),
             stripe_webhook_secret: "whsec_0123456789abcdefghijklmnopqrstuvwx".into(),
+            admin_token: "0123456789abcdef0123456789abcdef-operator".into(),
             ..Config::default()
         }
     }
@@ -1608,7 +1654,13 @@ mod tests {
         let keys: Vec<&str> = c.development_warnings().iter().map(|(k, _)| *k).collect();
         assert_eq!(
             keys,
-            ["user_jwt_secret", "admission_private_key", "stripe_secret_key", "stripe_webhook_secret"]
+            [
+                "user_jwt_secret",
+                "admission_private_key",
+                "stripe_secret_key",
+                "stripe_webhook_secret",
+                "admin_token"
+            ]
         );
         assert!(production().development_warnings().is_empty());
         let replaced = Config { env: Environment::Development, ..production() };
@@ -1628,7 +1680,8 @@ mod tests {
                 "user_jwt_audience",
                 "admission_private_key",
                 "stripe_secret_key",
-                "stripe_webhook_secret"
+                "stripe_webhook_secret",
+                "admin_token"
             ]
         );
         let msg = format!("{:#}", anyhow::Error::from(r));
@@ -1636,6 +1689,7 @@ mod tests {
             DEV_USER_JWT_SECRET,
             DEV_STRIPE_SECRET_KEY,
             DEV_WEBHOOK_SECRETS[0],
+            DEV_ADMIN_TOKEN,
             "PRIVATE KEY",
             &AdmissionSigningKey::dev().to_pkcs8_pem(),
         ] {
@@ -1692,6 +1746,8 @@ mod tests {
             ("user_jwks_url", Config { user_jwks_url: None, ..production() }),
             ("user_jwt_issuer", Config { user_jwt_issuer: Some(String::new()), ..production() }),
             ("user_jwt_audience", Config { user_jwt_audience: None, ..production() }),
+            ("admin_token", Config { admin_token: DEV_ADMIN_TOKEN.into(), ..production() }),
+            ("admin_token", Config { admin_token: "short-operator-token".into(), ..production() }),
             (
                 "kafka_security_protocol",
                 Config {
@@ -1799,6 +1855,7 @@ mod tests {
             "sk_live_stripe-key-5e6f-0123456789abcdef",
             "whsec_webhook-secret-8a9b-0123456789abcdef",
             "kafka-password-1d2c-0123",
+            "admin-token-3e4f-0123456789abcdef0123",
         ];
         let key = AdmissionSigningKey::from_seed("k", [7; 32]);
         let c = Config {
@@ -1814,11 +1871,13 @@ mod tests {
             kafka_sasl_password: Some(secrets[5].into()),
             admission_kid: "k".into(),
             admission_private_key: key.to_pkcs8_pem().into(),
+            admin_token: secrets[6].into(),
             ..production()
         };
         c.validate().unwrap();
         let api = boxoffice_api::ApiSettings {
             webhook_secret: c.stripe_webhook_secret.clone(),
+            admin_token: c.admin_token.clone(),
             ..boxoffice_api::ApiSettings::default()
         };
         let outputs = [

@@ -248,13 +248,16 @@ pub async fn start(
                         webhook_timeout: Duration::from_millis(cfg.webhook_timeout_ms),
                         webhook_allowed_networks: cfg.webhook_networks()?,
                         labels: cfg.trace_labels(),
+                        admin_token: cfg.admin_token.clone(),
+                        admin_max_in_flight_per_ip: cfg.admin_max_in_flight_per_ip,
                         ..ApiSettings::default()
                     },
                     producer.clone(),
                     metrics_handle(),
                 )
                 .with_region_lease(region_lease.clone())
-                .with_order_streams(cfg.order_streams());
+                .with_order_streams(cfg.order_streams())
+                .with_payment_gateway(cfg.stripe().is_some().then(|| gateway(cfg)).transpose()?);
                 tasks.push((
                     "order-notifications",
                     tokio::spawn(boxoffice_api::order_stream::listen(
@@ -263,6 +266,9 @@ pub async fn start(
                         shutdown.clone(),
                     )),
                 ));
+                let dashboard =
+                    boxoffice_api::dashboard::spawn(state.clone(), kafka.clone(), shutdown.clone());
+                tasks.push(("dashboard", dashboard));
                 tasks.push(("api", spawn_api(state, shutdown.clone(), &mut api_addr, cfg).await?));
                 if cfg.release_max_per_s > 0.0 {
                     // Every API process runs one; the cell's advisory lock lets one release.

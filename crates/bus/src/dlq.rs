@@ -31,6 +31,31 @@ pub async fn list(cfg: &KafkaConfig, timeout: Duration) -> anyhow::Result<Vec<De
     tokio::task::spawn_blocking(move || list_blocking(&cfg, timeout)).await?
 }
 
+/// Messages in the dead-letter topic: the sum over its partitions of high − low watermark
+/// (one metadata and one watermark request per partition, no message read). Dead letters
+/// are never deleted by a replay, so this is what [`list`] would return until retention
+/// drops the oldest; the idempotent producer writes no control records, so the offsets
+/// count messages. A reader of its own, never a group member.
+pub async fn depth(cfg: &KafkaConfig, timeout: Duration) -> anyhow::Result<i64> {
+    let cfg = cfg.clone();
+    tokio::task::spawn_blocking(move || {
+        let topic = cfg.topic(Topic::DeadLetter.name());
+        let consumer: BaseConsumer = cfg
+            .client_config()
+            .set("group.id", format!("{}ticketing-dlq-reader", cfg.prefix))
+            .set("enable.auto.commit", "false")
+            .create()?;
+        let metadata = consumer.fetch_metadata(Some(&topic), timeout)?;
+        let mut depth = 0;
+        for p in metadata.topics().iter().flat_map(|t| t.partitions().iter().map(|p| p.id())) {
+            let (low, high) = consumer.fetch_watermarks(&topic, p, timeout)?;
+            depth += (high - low).max(0);
+        }
+        Ok(depth)
+    })
+    .await?
+}
+
 fn list_blocking(cfg: &KafkaConfig, timeout: Duration) -> anyhow::Result<Vec<DeadLetter>> {
     let topic = cfg.topic(Topic::DeadLetter.name());
     let consumer: BaseConsumer = cfg

@@ -508,7 +508,12 @@ async fn run_one(
         kafka: cfg.kafka().ok_or_else(|| "no broker configured".to_owned()),
         dlq_timeout: Duration::from_secs(30),
     };
+    let audit_started = chrono::Utc::now();
     let audited = boxoffice::audit::run(&pool, &audit_opts).await?;
+    // Recorded like `boxoffice audit`'s: the dashboard shows the onsale's own audit.
+    if let Err(e) = boxoffice::audit::record(&pool, audit_started, &audit_opts, &audited).await {
+        eprintln!("warning: the audit was not recorded in audit_runs: {e}");
+    }
     let venue_seats: i64 = sqlx::query_scalar("SELECT count(*) FROM seats WHERE event_id = $1")
         .bind(event)
         .fetch_one(&pool)

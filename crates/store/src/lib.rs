@@ -16,6 +16,7 @@ pub mod directory;
 pub mod error;
 pub mod holds;
 pub mod inbox;
+pub mod operator;
 pub mod orders;
 pub mod outbox;
 pub mod outcomes;

@@ -51,6 +51,11 @@ impl Keys {
         format!("{}rv-seeding", self.prefix)
     }
 
+    /// One second's count of `name` for `event` (the operator's activity counters).
+    pub fn counter(&self, event: Uuid, name: &str, unix_s: i64) -> String {
+        format!("{}e:{{{event}}}:n:{name}:{unix_s}", self.prefix)
+    }
+
     pub fn bucket(&self, scope: &str, id: &str) -> String {
         format!("{}rl:{scope}:{id}", self.prefix)
     }

@@ -93,6 +93,9 @@ pub enum Patience {
     Queue,
 }
 
+/// How long a per-second activity counter ([`Waitroom::add_counts`]) lives, seconds.
+pub const COUNTER_TTL_S: i64 = 120;
+
 /// Changes of Redis's health are logged at most this often.
 pub const HEALTH_LOG_EVERY: Duration = Duration::from_secs(10);
 
@@ -774,6 +777,56 @@ impl Waitroom {
         } else {
             RateDecision::Limited { retry_after_ms: retry_ms.max(1) as u64 }
         })
+    }
+
+    /// Adds each `(event, n)` to the per-second counter `name` of second `unix_s` (one
+    /// pipeline of `INCRBY` + `EXPIRE`; the keys live [`COUNTER_TTL_S`]). Every API process
+    /// flushes its own counts, so the sum over processes is the deployment's.
+    ///
+    /// # Errors
+    /// [`WaitroomError::Unavailable`] / [`WaitroomError::Timeout`] (the counts are then lost).
+    pub async fn add_counts(
+        &self,
+        name: &str,
+        unix_s: i64,
+        counts: &[(EventId, u64)],
+    ) -> Result<(), WaitroomError> {
+        if counts.is_empty() {
+            return Ok(());
+        }
+        let mut pipe = redis::pipe();
+        for (event, n) in counts {
+            let key = self.keys.counter(event.0, name, unix_s);
+            pipe.cmd("INCRBY").arg(&key).arg(*n).ignore();
+            pipe.cmd("EXPIRE").arg(&key).arg(COUNTER_TTL_S).ignore();
+        }
+        let mut conn = self.conn.clone();
+        self.call("add_counts", pipe.query_async::<()>(&mut conn)).await
+    }
+
+    /// The sum of `event`'s counter `name` over the seconds `from_s..to_s` (half-open, at
+    /// most [`COUNTER_TTL_S`] seconds): one `MGET`.
+    ///
+    /// # Errors
+    /// [`WaitroomError::Unavailable`] / [`WaitroomError::Timeout`].
+    pub async fn count_over(
+        &self,
+        event: EventId,
+        name: &str,
+        from_s: i64,
+        to_s: i64,
+    ) -> Result<u64, WaitroomError> {
+        let from_s = from_s.max(to_s - COUNTER_TTL_S);
+        if to_s <= from_s {
+            return Ok(0);
+        }
+        let mut cmd = redis::cmd("MGET");
+        for s in from_s..to_s {
+            cmd.arg(self.keys.counter(event.0, name, s));
+        }
+        let mut conn = self.conn.clone();
+        let counts: Vec<Option<u64>> = self.call("count_over", cmd.query_async(&mut conn)).await?;
+        Ok(counts.into_iter().flatten().sum())
     }
 
     /// The Redis clock, ms since the Unix epoch (every script measures time by it).

@@ -53,6 +53,13 @@
 //! queued, and each event's share accumulates fractional positions between ticks (an empty
 //! queue banks nothing).
 //!
+//! **Status.** After every tick the leader upserts the cell's `release_status` row (R, this
+//! tick's action and reasons, when and why R last moved, every signal against its threshold,
+//! the consumer lag by group and partition, and each queued event's share, queue length and
+//! admissions over the last [`ADMITTED_WINDOW`]) on its own connection; the operator's
+//! dashboard reads it. A failed write is counted in `boxoffice_release_status_errors_total`
+//! and changes nothing else: the row is a report, never an input of the law.
+//!
 //! Metrics (label `cell` on each): `boxoffice_release_rate_per_s` (R),
 //! `boxoffice_release_event_rate_per_s{event}` (each event's share),
 //! `boxoffice_release_signal{signal}` and `boxoffice_release_signal_threshold{signal}`,
@@ -318,6 +325,18 @@ pub struct Decision {
     pub soft: Vec<Signal>,
 }
 
+impl Decision {
+    /// The signals behind the action: over or failed for a decrease, soft for a hold, none
+    /// for an increase.
+    pub fn reasons(&self) -> Vec<Signal> {
+        match self.action {
+            Action::Decrease => self.over.iter().chain(&self.failed).copied().collect(),
+            Action::Hold => self.soft.clone(),
+            Action::Increase => Vec::new(),
+        }
+    }
+}
+
 /// The control law (AIMD with a hold zone; see the module docs): the rate after one tick at
 /// `rate` given `signals`. Pure: no clock, no I/O. A value that is not a number counts as a
 /// failed probe.
@@ -402,12 +421,25 @@ pub struct Status {
 }
 
 /// Consumer lag of the purchase topic, in messages.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ConsumerLag {
     /// Max over groups and partitions of high-water − committed (the controller's signal).
     pub max_partition: i64,
     /// Max over groups of the lag summed over the group's partitions (a group's backlog).
     pub max_group_total: i64,
+    /// Every (group, partition) with a lag above 0, largest first (the operator's view).
+    pub by_partition: Vec<PartitionLag>,
+}
+
+/// One consumer group's lag on one partition of the purchase topic.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct PartitionLag {
+    /// The consumer group (prefixed as on the broker).
+    pub group: String,
+    /// The partition.
+    pub partition: i32,
+    /// High-water − committed, messages.
+    pub lag: i64,
 }
 
 /// Reads consumer lag from the broker: committed offsets of each group against the
@@ -457,6 +489,7 @@ impl ConsumerLagProbe {
             marks.insert(*p, any.fetch_watermarks(&self.topic, *p, timeout)?);
         }
         let (mut max, mut max_total) = (0i64, 0i64);
+        let mut by_partition = Vec::new();
         for (group, c) in &self.groups {
             let mut tpl = TopicPartitionList::new();
             for p in &partitions {
@@ -475,10 +508,14 @@ impl ConsumerLagProbe {
                 let lag = (high - from).max(0);
                 max = max.max(lag);
                 total += lag;
+                if lag > 0 {
+                    by_partition.push(PartitionLag { group: group.clone(), partition: e.partition(), lag });
+                }
             }
             max_total = max_total.max(total);
         }
-        Ok(ConsumerLag { max_partition: max, max_group_total: max_total })
+        by_partition.sort_by(|a, b| b.lag.cmp(&a.lag).then(a.partition.cmp(&b.partition)));
+        Ok(ConsumerLag { max_partition: max, max_group_total: max_total, by_partition })
     }
 }
 
@@ -586,7 +623,7 @@ impl Controller {
                 self.status.send_modify(|s| s.leader = false);
                 continue;
             }
-            self.tick(leader, signals, sample_ms, tick).await;
+            self.tick(conn.as_mut().expect("connected"), leader, signals, sample_ms, tick).await;
         }
         metrics::gauge!("boxoffice_release_leader", "cell" => cell).set(0.0);
         self.status.send_modify(|s| s.leader = false);
@@ -664,7 +701,10 @@ impl Controller {
             let (lag, t) = (lag.clone(), Duration::from_millis(self.settings.probe_timeout_ms));
             let r = tokio::time::timeout(bound, tokio::task::spawn_blocking(move || lag.read(t))).await;
             let reading = match r {
-                Ok(Ok(Ok(v))) => Reading::Value(v.max_partition as f64),
+                Ok(Ok(Ok(v))) => {
+                    leader.lag_by_partition = v.by_partition;
+                    Reading::Value(v.max_partition as f64)
+                }
                 Ok(Ok(Err(e))) => {
                     tracing::debug!(signal = "consumer_lag", error = %e, "release probe failed");
                     Reading::Failed
@@ -676,8 +716,16 @@ impl Controller {
         (s, broken)
     }
 
-    /// Decides the next rate from `signals`, records it and releases the tick's share.
-    async fn tick(&self, leader: &mut Leader, signals: Signals, sample_ms: f64, tick: Duration) {
+    /// Decides the next rate from `signals`, records it, releases the tick's share and
+    /// writes the cell's `release_status` row on `c`.
+    async fn tick(
+        &self,
+        c: &mut PgConnection,
+        leader: &mut Leader,
+        signals: Signals,
+        sample_ms: f64,
+        tick: Duration,
+    ) {
         let cell = self.settings.cell.clone();
         let d = next_rate(leader.rate, &signals, &self.settings.thresholds, &self.settings.limits);
         for sig in Signal::ALL {
@@ -709,6 +757,9 @@ impl Controller {
             }
         }
         leader.last_action = Some(d.action);
+        if d.rate != leader.rate {
+            leader.moved = Some((chrono::Utc::now(), d.action, d.reasons()));
+        }
         leader.rate = d.rate;
         metrics::gauge!("boxoffice_release_rate_per_s", "cell" => cell.clone()).set(d.rate);
         metrics::gauge!("boxoffice_release_state", "cell" => cell.clone()).set(d.action.gauge());
@@ -733,10 +784,88 @@ impl Controller {
                     *s.decreases.entry(*sig).or_default() += 1;
                 }
             }
-            s.decision = Some(d);
+            s.decision = Some(d.clone());
         });
-        metrics::gauge!("boxoffice_release_allowance_total", "cell" => cell)
+        leader.last_decision = Some(d);
+        metrics::gauge!("boxoffice_release_allowance_total", "cell" => cell.clone())
             .set(self.status.borrow().allowance);
+        let row = self.status_row(leader, &signals);
+        let write = boxoffice_store::operator::record_release_status(c, &row);
+        match tokio::time::timeout(self.bound(), write).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                metrics::counter!("boxoffice_release_status_errors_total", "cell" => cell).increment(1);
+                tracing::debug!(error = %e, "release controller: cannot record its status");
+            }
+            Err(_) => {
+                metrics::counter!("boxoffice_release_status_errors_total", "cell" => cell).increment(1);
+                tracing::debug!("release controller: recording its status timed out");
+            }
+        }
+    }
+
+    /// The cell's `release_status` row after this tick (the operator's dashboard reads it).
+    fn status_row(&self, leader: &Leader, signals: &Signals) -> boxoffice_store::operator::ReleaseStatus {
+        let t = &self.settings.thresholds;
+        let soft = self.settings.limits.soft_fraction;
+        let list: Vec<serde_json::Value> = Signal::ALL
+            .iter()
+            .map(|s| {
+                let threshold = t.of(*s);
+                let (value, state) = match signals.get(*s) {
+                    Reading::Value(v) if v.is_nan() => (None, "failed"),
+                    Reading::Value(v) if v > threshold => (Some(v), "over"),
+                    Reading::Value(v) if v > threshold * soft => (Some(v), "soft"),
+                    Reading::Value(v) => (Some(v), "ok"),
+                    Reading::Failed => (None, "failed"),
+                    Reading::Off => (None, "off"),
+                };
+                serde_json::json!({"name": s.name(), "value": value, "threshold": threshold, "state": state})
+            })
+            .collect();
+        let now = Instant::now();
+        let events: serde_json::Map<String, serde_json::Value> = leader
+            .events
+            .iter()
+            .map(|(e, q)| {
+                let window = now.saturating_duration_since(leader.since_instant).min(ADMITTED_WINDOW);
+                let per_s = q.admitted_in(now) as f64 / window.as_secs_f64().max(1.0);
+                (
+                    e.0.to_string(),
+                    serde_json::json!({
+                        "rate_per_s": q.rate_per_s,
+                        "queued": q.queued,
+                        "pre_queued": q.pre_queued,
+                        "admitted_live": q.admitted_live,
+                        "admitted_per_s": per_s,
+                        "admitted_total": q.admitted_total,
+                    }),
+                )
+            })
+            .collect();
+        let (action, reasons) = leader
+            .last_decision
+            .as_ref()
+            .map(|d| (action_name(d.action), names(&d.reasons())))
+            .unwrap_or(("hold", Vec::new()));
+        boxoffice_store::operator::ReleaseStatus {
+            cell: self.settings.cell.clone(),
+            rate_per_s: leader.rate,
+            action: action.to_owned(),
+            reasons,
+            moved_at: leader.moved.as_ref().map(|m| m.0),
+            moved_action: leader.moved.as_ref().map(|m| action_name(m.1).to_owned()),
+            moved_reasons: leader.moved.as_ref().map(|m| names(&m.2)).unwrap_or_default(),
+            signals: sqlx::types::Json(serde_json::json!({
+                "signals": list,
+                "consumer_lag_by_partition": leader.lag_by_partition,
+            })),
+            event_rates: sqlx::types::Json(serde_json::Value::Object(events)),
+            min_per_s: self.settings.limits.min_per_s,
+            max_per_s: self.settings.limits.max_per_s,
+            leader_since: leader.since,
+            updated_at: chrono::Utc::now(),
+        }
     }
 
     /// How long the rate recorded with a release stays valid for the queue's wait estimates:
@@ -756,6 +885,7 @@ impl Controller {
             }
         };
         leader.carry.retain(|e, _| events.contains(e));
+        leader.events.retain(|e, _| events.contains(e));
         if events.is_empty() {
             return (0, 0.0);
         }
@@ -777,6 +907,7 @@ impl Controller {
                     allowance += share * dt;
                     *carry -= n as f64;
                     admitted += r.admitted.len() as u64;
+                    leader.events.entry(event).or_default().record(share, &r);
                     // An empty queue does not bank releases for later.
                     if r.queued == 0 {
                         *carry = 0.0;
@@ -793,13 +924,25 @@ impl Controller {
     }
 }
 
+/// The window of each event's `admitted_per_s` in `release_status`.
+pub const ADMITTED_WINDOW: Duration = Duration::from_secs(10);
+
 /// The state of the lock holder.
 struct Leader {
     rate: f64,
     last_deadlocks: Option<f64>,
     last_action: Option<Action>,
+    last_decision: Option<Decision>,
+    /// When R last changed value, by which action, for which signals.
+    moved: Option<(chrono::DateTime<chrono::Utc>, Action, Vec<Signal>)>,
     last_release: Instant,
     carry: HashMap<EventId, f64>,
+    /// Each queued event's share, queue and admissions, as of the last release.
+    events: HashMap<EventId, EventQueue>,
+    /// The last lag probe's breakdown.
+    lag_by_partition: Vec<PartitionLag>,
+    since: chrono::DateTime<chrono::Utc>,
+    since_instant: Instant,
 }
 
 impl Leader {
@@ -808,10 +951,67 @@ impl Leader {
             rate: initial.clamp(limits.min_per_s, limits.max_per_s.max(limits.min_per_s)),
             last_deadlocks: None,
             last_action: None,
+            last_decision: None,
+            moved: None,
             last_release: Instant::now(),
             carry: HashMap::new(),
+            events: HashMap::new(),
+            lag_by_partition: Vec::new(),
+            since: chrono::Utc::now(),
+            since_instant: Instant::now(),
         }
     }
+}
+
+/// One queued event as the leader last released it.
+#[derive(Default)]
+struct EventQueue {
+    rate_per_s: f64,
+    queued: u64,
+    pre_queued: u64,
+    admitted_live: u64,
+    admitted_total: u64,
+    /// Admissions of the last [`ADMITTED_WINDOW`], per release.
+    recent: std::collections::VecDeque<(Instant, u64)>,
+}
+
+impl EventQueue {
+    fn record(&mut self, share: f64, r: &boxoffice_waitroom::Released) {
+        let now = Instant::now();
+        let n = r.admitted.len() as u64;
+        self.rate_per_s = share;
+        self.queued = r.queued;
+        self.pre_queued = r.pre_queued;
+        self.admitted_live = r.admitted_live;
+        self.admitted_total += n;
+        if n > 0 {
+            self.recent.push_back((now, n));
+        }
+        while self.recent.front().is_some_and(|(t, _)| now.duration_since(*t) > ADMITTED_WINDOW) {
+            self.recent.pop_front();
+        }
+    }
+
+    /// Positions admitted within [`ADMITTED_WINDOW`] before `now`.
+    fn admitted_in(&self, now: Instant) -> u64 {
+        self.recent
+            .iter()
+            .filter(|(t, _)| now.saturating_duration_since(*t) <= ADMITTED_WINDOW)
+            .map(|(_, n)| n)
+            .sum()
+    }
+}
+
+fn action_name(a: Action) -> &'static str {
+    match a {
+        Action::Increase => "increase",
+        Action::Hold => "hold",
+        Action::Decrease => "decrease",
+    }
+}
+
+fn names(signals: &[Signal]) -> Vec<String> {
+    signals.iter().map(|s| s.name().to_owned()).collect()
 }
 
 /// A call that outlived its bound (the connection is then dropped).

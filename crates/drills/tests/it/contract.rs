@@ -131,6 +131,8 @@ async fn schemathesis_finds_no_contract_violation(_: PgPoolOptions, opts: PgConn
         .env("BOXOFFICE_RATE_LIMIT_PURCHASE_USER_BURST", generous)
         .env("BOXOFFICE_RATE_LIMIT_SEATS_IP_PER_S", generous)
         .env("BOXOFFICE_RATE_LIMIT_SEATS_IP_BURST", generous)
+        .env("BOXOFFICE_RATE_LIMIT_ADMIN_IP_PER_S", generous)
+        .env("BOXOFFICE_RATE_LIMIT_ADMIN_IP_BURST", generous)
         .env("BOXOFFICE_LOG", "warn")
         .env_remove("BOXOFFICE_CONFIG")
         .env_remove("BOXOFFICE_KAFKA_BROKERS")

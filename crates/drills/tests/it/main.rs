@@ -14,6 +14,7 @@ mod cells_drill;
 mod chaos;
 mod compensation;
 mod contract;
+mod dashboard;
 mod e2e;
 mod edge;
 mod failover_drill;

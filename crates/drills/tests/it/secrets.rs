@@ -39,6 +39,7 @@ fn builtin_secrets() -> Vec<String> {
         DEV_USER_JWT_SECRET.into(),
         DEV_STRIPE_SECRET_KEY.into(),
         DEV_WEBHOOK_SECRETS[0].into(),
+        boxoffice::config::DEV_ADMIN_TOKEN.into(),
         "PRIVATE KEY".into(),
         boxoffice_admission::AdmissionSigningKey::dev().to_pkcs8_pem(),
     ]
@@ -59,11 +60,12 @@ fn production_start_with_builtin_secrets_is_refused_naming_each_setting() {
             "user_jwt_audience",
             "admission_private_key",
             "stripe_secret_key",
-            "stripe_webhook_secret"
+            "stripe_webhook_secret",
+            "admin_token"
         ],
         "{stderr}"
     );
-    assert!(stderr.contains("refusing to start in production: 6 settings must change"), "{stderr}");
+    assert!(stderr.contains("refusing to start in production: 7 settings must change"), "{stderr}");
     for secret in builtin_secrets() {
         assert!(!stderr.contains(&secret), "a secret was printed: {stderr}");
     }
@@ -108,7 +110,13 @@ async fn development_start_warns_once_per_builtin_secret(_: PgPoolOptions, opts:
         .collect();
     assert_eq!(
         warned,
-        ["user_jwt_secret", "admission_private_key", "stripe_secret_key", "stripe_webhook_secret"],
+        [
+            "user_jwt_secret",
+            "admission_private_key",
+            "stripe_secret_key",
+            "stripe_webhook_secret",
+            "admin_token"
+        ],
         "{seen:#?}"
     );
     let all = seen.join("\n");
