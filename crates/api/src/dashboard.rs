@@ -22,8 +22,10 @@
 //! Gauges, refreshed every [`GAUGE_REFRESH`] by each API process from the ledger and the
 //! broker: `boxoffice_audit_violations{invariant}` (the latest run's count per invariant;
 //! NaN when that run did not check it), `boxoffice_audit_last_run_timestamp_seconds` (when
-//! it finished, Unix seconds) and `boxoffice_dlq_depth` (messages in the dead-letter topic;
-//! absent without a broker). A failed refresh keeps the previous values and is counted in
+//! it finished, Unix seconds), `boxoffice_reconcile_drift{kind}` and
+//! `boxoffice_reconcile_last_run_timestamp_seconds` (the latest `boxoffice reconcile` run's
+//! unresolved drift per kind, from `reconcile_runs`) and `boxoffice_dlq_depth` (messages in the
+//! dead-letter topic; absent without a broker). A failed refresh keeps the previous values and is counted in
 //! `boxoffice_dashboard_refresh_errors_total{source}`.
 
 use crate::problem::Problem;
@@ -504,6 +506,21 @@ async fn refresh_gauges(st: &AppState, kafka: Option<&boxoffice_bus::KafkaConfig
         Err(e) => {
             metrics::counter!("boxoffice_dashboard_refresh_errors_total", "source" => "audit").increment(1);
             tracing::debug!(error = %e, "dashboard: cannot read the latest audit run");
+        }
+    }
+    match operator::latest_reconcile_run(&st.pool).await {
+        Ok(Some(run)) => {
+            metrics::gauge!("boxoffice_reconcile_last_run_timestamp_seconds")
+                .set(run.finished_at.timestamp_millis() as f64 / 1_000.0);
+            for (kind, n) in run.unresolved.0 {
+                metrics::gauge!("boxoffice_reconcile_drift", "kind" => kind).set(n as f64);
+            }
+        }
+        Ok(None) => {}
+        Err(e) => {
+            metrics::counter!("boxoffice_dashboard_refresh_errors_total", "source" => "reconcile")
+                .increment(1);
+            tracing::debug!(error = %e, "dashboard: cannot read the latest reconcile run");
         }
     }
     if let Some(k) = kafka {

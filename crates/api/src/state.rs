@@ -199,7 +199,10 @@ impl AppState {
     }
 
     /// This state with the payment provider the operator's timeline asks.
-    pub fn with_payment_gateway(mut self, gateway: Option<Arc<dyn boxoffice_payments::PaymentGateway>>) -> Self {
+    pub fn with_payment_gateway(
+        mut self,
+        gateway: Option<Arc<dyn boxoffice_payments::PaymentGateway>>,
+    ) -> Self {
         self.payment_gateway = gateway;
         self
     }

@@ -127,7 +127,10 @@ pub async fn order_timeline(
     let axum::extract::Query(q) =
         query.map_err(|e| crate::problem::Problem::bad_request("invalid_query", e.body_text()))?;
     let gw = if q.provider.unwrap_or(true) { st.payment_gateway.as_deref() } else { None };
-    match read(&st.pool, gw, order, Slo::default()).await.map_err(|e| crate::problem::Problem::database(&e))? {
+    match read(&st.pool, gw, order, Slo::default())
+        .await
+        .map_err(|e| crate::problem::Problem::database(&e))?
+    {
         Some(t) => Ok(axum::Json(t).into_response()),
         None => Err(crate::problem::Problem::not_found("order")),
     }

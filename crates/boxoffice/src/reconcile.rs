@@ -742,7 +742,29 @@ pub async fn run(
         unresolved,
     };
     record_metrics(&report, Utc::now());
+    // The API role exports the latest run's drift from the ledger: this command's own process
+    // has no /metrics to scrape.
+    let unresolved: BTreeMap<String, i64> =
+        unresolved_by_kind(&report).into_iter().map(|(k, n)| (k.name().to_owned(), n as i64)).collect();
+    let fixed = report.drift.iter().filter(|d| d.fixed).count() as i64;
+    boxoffice_store::operator::record_reconcile_run(
+        pool,
+        report.window.since,
+        report.window.until,
+        &unresolved,
+        fixed,
+    )
+    .await?;
     Ok(report)
+}
+
+/// The drift a run left unresolved, per kind (every kind, 0 when none).
+fn unresolved_by_kind(r: &Report) -> BTreeMap<DriftKind, usize> {
+    let mut by_kind: BTreeMap<DriftKind, usize> = DriftKind::ALL.iter().map(|&k| (k, 0)).collect();
+    for d in r.drift.iter().filter(|d| !d.fixed) {
+        *by_kind.entry(d.kind).or_default() += 1;
+    }
+    by_kind
 }
 
 /// Sets the gauges of a completed run (design §16, "Stripe/local status mismatch"; the rules in
@@ -750,13 +772,10 @@ pub async fn run(
 /// of each kind the run left unresolved (every kind is set, 0 when none, so a kind that was
 /// cleared reads 0 and not its last count), and `boxoffice_reconcile_last_run_timestamp_seconds`,
 /// when it finished (unix seconds). A run that could not complete sets neither, so its staleness
-/// shows. They go to the process's installed recorder, if any.
+/// shows. They go to the process's installed recorder, if any; the run is also recorded in
+/// the ledger (`reconcile_runs`), from which every API process exports the same gauges.
 pub fn record_metrics(r: &Report, finished_at: DateTime<Utc>) {
-    let mut by_kind: BTreeMap<DriftKind, usize> = DriftKind::ALL.iter().map(|&k| (k, 0)).collect();
-    for d in r.drift.iter().filter(|d| !d.fixed) {
-        *by_kind.entry(d.kind).or_default() += 1;
-    }
-    for (kind, n) in by_kind {
+    for (kind, n) in unresolved_by_kind(r) {
         metrics::gauge!("boxoffice_reconcile_drift", "kind" => kind.name()).set(n as f64);
     }
     metrics::gauge!("boxoffice_reconcile_last_run_timestamp_seconds").set(finished_at.timestamp() as f64);

@@ -397,7 +397,11 @@ async fn spawn_api(
 
 /// `/metrics` and `/healthz` on `bind` for a process whose roles serve no HTTP of their own
 /// (the workers, the relay): bounded by the same edge (timeouts, connection cap) as the API.
-async fn spawn_metrics(bind: &str, shutdown: CancellationToken, cfg: &Config) -> anyhow::Result<JoinHandle<()>> {
+async fn spawn_metrics(
+    bind: &str,
+    shutdown: CancellationToken,
+    cfg: &Config,
+) -> anyhow::Result<JoinHandle<()>> {
     let listener =
         tokio::net::TcpListener::bind(bind).await.with_context(|| format!("binding metrics_bind {bind}"))?;
     let handle = metrics_handle();

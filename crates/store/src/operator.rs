@@ -155,6 +155,58 @@ pub async fn record_audit_run(pool: &PgPool, run: &NewAuditRun) -> Result<i64, s
     Ok(id)
 }
 
+/// A completed `boxoffice reconcile` run (migration 0017).
+#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
+pub struct ReconcileRun {
+    /// When it finished.
+    pub finished_at: DateTime<Utc>,
+    /// The drift it left unresolved, per kind (every kind, 0 when none).
+    pub unresolved: Json<std::collections::BTreeMap<String, i64>>,
+    /// Drift it closed (`--fix`).
+    pub fixed: i64,
+}
+
+/// Records a completed reconcile run over `since..until` and prunes runs older than the
+/// audit runs' retention, in one transaction.
+///
+/// # Errors
+/// Database errors.
+pub async fn record_reconcile_run(
+    pool: &PgPool,
+    since: DateTime<Utc>,
+    until: Option<DateTime<Utc>>,
+    unresolved: &std::collections::BTreeMap<String, i64>,
+    fixed: i64,
+) -> Result<(), sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    sqlx::query("INSERT INTO reconcile_runs (since, until, unresolved, fixed) VALUES ($1, $2, $3, $4)")
+        .bind(since)
+        .bind(until)
+        .bind(Json(unresolved))
+        .bind(fixed)
+        .execute(&mut *tx)
+        .await?;
+    sqlx::query(
+        "DELETE FROM reconcile_runs WHERE finished_at < clock_timestamp() - make_interval(days => $1::int)",
+    )
+    .bind(AUDIT_RETENTION_DAYS as i32)
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await
+}
+
+/// The most recent reconcile run (`None`: never reconciled).
+///
+/// # Errors
+/// Database errors.
+pub async fn latest_reconcile_run(pool: &PgPool) -> Result<Option<ReconcileRun>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT finished_at, unresolved, fixed FROM reconcile_runs ORDER BY finished_at DESC LIMIT 1",
+    )
+    .fetch_optional(pool)
+    .await
+}
+
 /// The most recent audit run (`None`: never audited).
 pub async fn latest_audit_run(pool: &PgPool) -> Result<Option<AuditRun>, sqlx::Error> {
     sqlx::query_as("SELECT * FROM audit_runs ORDER BY finished_at DESC LIMIT 1").fetch_optional(pool).await

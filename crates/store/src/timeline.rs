@@ -275,6 +275,7 @@ struct FactRow {
 ///
 /// # Errors
 /// Database errors.
+#[allow(clippy::type_complexity)]
 pub async fn read(
     pool: &PgPool,
     order: Uuid,
@@ -327,7 +328,6 @@ pub async fn read(
     .bind(order)
     .fetch_all(pool)
     .await?;
-    #[allow(clippy::type_complexity)]
     let webhooks: Vec<(
         String,
         String,
@@ -502,13 +502,10 @@ fn order_causally(steps: &mut Vec<Step>) {
             continue;
         }
         ordered.push(s);
-        loop {
-            let Some(i) = waiting.iter().position(|w| match &w.actor {
-                Actor::Consumer { applied, .. } => written(&ordered, *applied),
-                _ => true,
-            }) else {
-                break;
-            };
+        while let Some(i) = waiting.iter().position(|w| match &w.actor {
+            Actor::Consumer { applied, .. } => written(&ordered, *applied),
+            _ => true,
+        }) {
             ordered.push(waiting.remove(i));
         }
     }

@@ -92,8 +92,10 @@ async fn small_onsale_through_the_binary_has_no_violations(_: PgPoolOptions, opt
 
     // `boxoffice timeline` tells the story of a ticketed order and of a compensated one.
     let pool = sqlx::PgPool::connect_with(opts.clone()).await.unwrap();
-    let ticketed: uuid::Uuid =
-        sqlx::query_scalar("SELECT id FROM orders WHERE status = 'ticketed' LIMIT 1").fetch_one(&pool).await.unwrap();
+    let ticketed: uuid::Uuid = sqlx::query_scalar("SELECT id FROM orders WHERE status = 'ticketed' LIMIT 1")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
     let compensated: uuid::Uuid = sqlx::query_scalar(
         "SELECT o.id FROM orders o WHERE o.status = 'expired'
             AND EXISTS (SELECT 1 FROM outbox x WHERE x.message_key = o.id::text AND x.event_type = 'PaymentCanceled')
@@ -129,7 +131,12 @@ async fn small_onsale_through_the_binary_has_no_violations(_: PgPoolOptions, opt
     }
     println!("{t}");
     let t = story(compensated);
-    for want in ["expired", "sweep or operator command (HoldExpired)", "→ AuthorizationCancelRequested", "→ PaymentCanceled"] {
+    for want in [
+        "expired",
+        "sweep or operator command (HoldExpired)",
+        "→ AuthorizationCancelRequested",
+        "→ PaymentCanceled",
+    ] {
         assert!(t.contains(want), "{want:?} in\n{t}");
     }
     println!("{t}");

@@ -75,7 +75,10 @@ async fn hold_one(app: &TestApp, b: &Buyer, seat: Uuid, key: &str) -> Uuid {
 }
 
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
-async fn an_order_stream_pushes_each_change_and_ends_at_the_final_state(_: PgPoolOptions, opts: PgConnectOptions) {
+async fn an_order_stream_pushes_each_change_and_ends_at_the_final_state(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
     // Re-reads without a notification come every 30 s: anything faster was pushed.
     let app = TestApp::spawn(opts, &Role::ALL, VenueSpec::small(1, 1, 4)).await;
     let s = app.seats().await;
@@ -122,7 +125,10 @@ async fn an_order_stream_pushes_each_change_and_ends_at_the_final_state(_: PgPoo
 }
 
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
-async fn order_streams_belong_to_the_owner_are_capped_per_user_and_beat(_: PgPoolOptions, opts: PgConnectOptions) {
+async fn order_streams_belong_to_the_owner_are_capped_per_user_and_beat(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
     let app = TestApp::spawn_with(opts, &Role::ALL, VenueSpec::small(1, 1, 4), |c| {
         c.order_stream_max_per_user = 2;
         c.order_stream_heartbeat_s = 1;
@@ -188,7 +194,10 @@ async fn order_streams_belong_to_the_owner_are_capped_per_user_and_beat(_: PgPoo
 }
 
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
-async fn the_timeline_tells_who_moved_a_ticketed_and_a_compensated_order(_: PgPoolOptions, opts: PgConnectOptions) {
+async fn the_timeline_tells_who_moved_a_ticketed_and_a_compensated_order(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
     let app =
         TestApp::spawn_with(opts, &Role::ALL, VenueSpec::small(1, 1, 4), |c| c.hold_ttl_ms = 6_000).await;
     let s = app.seats().await;
@@ -261,13 +270,21 @@ async fn the_timeline_tells_who_moved_a_ticketed_and_a_compensated_order(_: PgPo
     assert_eq!(t.provider[0].agrees_with_ledger, Some(true));
     assert_eq!(t.provider[0].metadata_order_id.as_deref(), Some(sold.to_string().as_str()));
 
-    let t = boxoffice_api::timeline::read(&app.pool, Some(gw), lapsed, Slo::default()).await.unwrap().unwrap();
+    let t =
+        boxoffice_api::timeline::read(&app.pool, Some(gw), lapsed, Slo::default()).await.unwrap().unwrap();
     let types: Vec<&str> =
         t.timeline.steps.iter().flat_map(|s| s.facts.iter().map(|f| f.event_type.as_str())).collect();
-    for want in ["HoldCreated", "PaymentIntentCreated", "HoldExpired", "AuthorizationCancelRequested", "PaymentCanceled"] {
+    for want in [
+        "HoldCreated",
+        "PaymentIntentCreated",
+        "HoldExpired",
+        "AuthorizationCancelRequested",
+        "PaymentCanceled",
+    ] {
         assert!(types.contains(&want), "{want} in {types:?}");
     }
-    let expiry = t.timeline.steps.iter().find(|s| s.facts.iter().any(|f| f.event_type == "HoldExpired")).unwrap();
+    let expiry =
+        t.timeline.steps.iter().find(|s| s.facts.iter().any(|f| f.event_type == "HoldExpired")).unwrap();
     assert!(matches!(&expiry.actor, Actor::Sweep { .. }), "the expiry sweep: {:?}", expiry.actor);
     assert!(expiry.transitions.iter().any(|t| t.to == "expired"), "{expiry:?}");
     assert_eq!(t.provider[0].status.as_deref(), Some("canceled"));
@@ -277,7 +294,8 @@ async fn the_timeline_tells_who_moved_a_ticketed_and_a_compensated_order(_: PgPo
     let moved = boxoffice_store::outbox::prune_published(&app.pool, -60, 10_000).await.unwrap();
     assert!(moved >= 10, "{moved}");
     assert_eq!(app.count("SELECT count(*) FROM outbox WHERE published_at IS NOT NULL").await, 0);
-    let after = boxoffice_api::timeline::read(&app.pool, None, lapsed, Slo::default()).await.unwrap().unwrap();
+    let after =
+        boxoffice_api::timeline::read(&app.pool, None, lapsed, Slo::default()).await.unwrap().unwrap();
     let again: Vec<&str> =
         after.timeline.steps.iter().flat_map(|s| s.facts.iter().map(|f| f.event_type.as_str())).collect();
     assert_eq!(again, types, "the order history keeps what the outbox pruned");
