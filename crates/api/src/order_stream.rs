@@ -25,6 +25,11 @@
 //! - ends cleanly (`event: end`) once the order is final (`ticketed`, `expired`, `failed`,
 //!   `canceled`, `refunded`).
 //!
+//! One change commits no fact: the saga's `held → payment_required` when it applies
+//! `PaymentIntentCreated`. The stream was already woken by that fact, whose transaction wrote
+//! the PaymentIntent and its client secret, so the buyer can pay from the `held` event; the
+//! status itself shows `payment_required` at the next change or re-read.
+//!
 //! Metrics: `boxoffice_order_streams` (open), `boxoffice_order_stream_reads_total` (ledger
 //! reads made for streams), `boxoffice_order_stream_events_total`,
 //! `boxoffice_order_stream_refused_total{reason}`, `boxoffice_order_notifications_total`.
@@ -328,11 +333,9 @@ fn events(
                 }
                 if s.last.as_deref() != Some(json.as_str()) {
                     metrics::counter!("boxoffice_order_stream_events_total").increment(1);
-                    let ev = Event::default()
-                        .event("order")
-                        .id(view.updated_at.timestamp_micros().to_string())
-                        .retry(Duration::from_secs(2))
-                        .data(json.clone());
+                    // No `id:`: a reconnecting client gets the order as it is now, so there is
+                    // nothing to resume from.
+                    let ev = Event::default().event("order").retry(Duration::from_secs(2)).data(json.clone());
                     s.last = Some(json);
                     return Some((Ok(ev), s));
                 }
