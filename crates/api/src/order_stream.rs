@@ -16,8 +16,12 @@
 //! **Bounds.** Every stream:
 //! - belongs to the order's owner (else 404, like `GET /orders/{id}`), and passes the purchase
 //!   route's rate buckets;
-//! - counts against [`StreamSettings::max_per_user`] streams per user and
-//!   [`StreamSettings::max_streams`] per process (429 `too_many_streams` with `Retry-After`);
+//! - counts against [`StreamSettings::max_per_user`] streams per user,
+//!   [`StreamSettings::max_per_ip`] per client address and [`StreamSettings::max_streams`] per
+//!   process (429 `too_many_streams` with `Retry-After`). A stream holds a connection for its
+//!   whole life while the per-client in-flight bound counts a request only until its headers,
+//!   so the configuration keeps `max_streams` at most half of `http_max_connections`: streams
+//!   can never take the slots of holds and webhooks;
 //! - sends a comment heartbeat every [`StreamSettings::heartbeat`], re-reads the order every
 //!   [`StreamSettings::reread`] as a net under a lost notification (a `LISTEN` connection that
 //!   dropped re-reads every stream once when it is back), and ends after
@@ -59,6 +63,9 @@ pub const CHANNEL: &str = boxoffice_store::outbox::ORDER_CHANNEL;
 pub struct StreamSettings {
     /// Open streams per user per process.
     pub max_per_user: usize,
+    /// Open streams per client address per process (IPv6 by /64, behind the trusted proxy
+    /// hops): many accounts behind one address cannot hold every connection open.
+    pub max_per_ip: usize,
     /// Open streams per process.
     pub max_streams: usize,
     /// Comment heartbeat interval.
@@ -73,7 +80,8 @@ impl Default for StreamSettings {
     fn default() -> Self {
         Self {
             max_per_user: 4,
-            max_streams: 20_000,
+            max_per_ip: 16,
+            max_streams: 2_048,
             heartbeat: Duration::from_secs(15),
             reread: Duration::from_secs(30),
             max_lifetime: Duration::from_secs(15 * 60),
@@ -91,6 +99,7 @@ pub struct OrderStreams {
 #[derive(Debug, Default)]
 struct Inner {
     per_user: HashMap<Uuid, usize>,
+    per_ip: HashMap<String, usize>,
     open: usize,
     watched: HashMap<Uuid, (watch::Sender<u64>, usize)>,
 }
@@ -100,6 +109,7 @@ struct Inner {
 pub struct Admitted {
     hub: Arc<OrderStreams>,
     user: Uuid,
+    ip: String,
     order: Uuid,
     /// Bumped on every notification naming the order.
     pub changes: watch::Receiver<u64>,
@@ -113,6 +123,12 @@ impl Drop for Admitted {
             *n -= 1;
             if *n == 0 {
                 g.per_user.remove(&self.user);
+            }
+        }
+        if let Some(n) = g.per_ip.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                g.per_ip.remove(&self.ip);
             }
         }
         if let Some((_, n)) = g.watched.get_mut(&self.order) {
@@ -130,6 +146,8 @@ impl Drop for Admitted {
 pub enum Refused {
     /// The user has `max_per_user` streams open.
     User,
+    /// The client address has `max_per_ip` streams open.
+    Ip,
     /// The process has `max_streams` open.
     Process,
 }
@@ -145,23 +163,27 @@ impl OrderStreams {
         &self.settings
     }
 
-    /// Admits a stream of `user` watching `order`, or says which bound refuses it.
-    pub fn admit(self: &Arc<Self>, user: Uuid, order: Uuid) -> Result<Admitted, Refused> {
+    /// Admits a stream of `user` from client address `ip` (a bucket key) watching `order`,
+    /// or says which bound refuses it.
+    pub fn admit(self: &Arc<Self>, user: Uuid, ip: String, order: Uuid) -> Result<Admitted, Refused> {
         let mut g = self.inner.lock().expect("order streams");
         if g.open >= self.settings.max_streams {
             return Err(Refused::Process);
         }
-        let mine = g.per_user.get(&user).copied().unwrap_or(0);
-        if mine >= self.settings.max_per_user {
+        if g.per_user.get(&user).copied().unwrap_or(0) >= self.settings.max_per_user {
             return Err(Refused::User);
+        }
+        if g.per_ip.get(&ip).copied().unwrap_or(0) >= self.settings.max_per_ip {
+            return Err(Refused::Ip);
         }
         g.open += 1;
         *g.per_user.entry(user).or_default() += 1;
+        *g.per_ip.entry(ip.clone()).or_default() += 1;
         let entry = g.watched.entry(order).or_insert_with(|| (watch::channel(0).0, 0));
         entry.1 += 1;
         let changes = entry.0.subscribe();
         metrics::gauge!("boxoffice_order_streams").set(g.open as f64);
-        Ok(Admitted { hub: self.clone(), user, order, changes })
+        Ok(Admitted { hub: self.clone(), user, ip, order, changes })
     }
 
     /// Wakes the streams watching any of `orders`; returns how many orders had one.
@@ -246,18 +268,24 @@ pub async fn listen(pool: sqlx::PgPool, hub: Arc<OrderStreams>, shutdown: Cancel
         (status = 400, description = "`invalid_path`: the order id is not a UUID", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 401, description = "`unauthenticated`: no or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 404, description = "`not_found`: no such order for this user", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 429, description = "`too_many_streams` (this user has as many streams open as allowed, or the process is full), `rate_limited` or `too_many_in_flight`; `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 429, description = "`too_many_streams` (this user or this client address has as many streams open as allowed, or the process is full), `rate_limited` or `too_many_in_flight`; `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 503, description = "`unavailable`: the database is unavailable; `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
     ))]
 pub async fn order_events(
     State(st): State<AppState>,
+    peer: Option<axum::Extension<axum::extract::ConnectInfo<std::net::SocketAddr>>>,
+    headers: axum::http::HeaderMap,
     user: User,
     IdPath(order): IdPath<Uuid>,
 ) -> Result<Response, Problem> {
-    let admitted = st.order_streams.admit(user.0 .0, order).map_err(|r| {
+    let ip = crate::edge::client_ip(peer.map(|p| (p.0).0.ip()), &headers, st.settings.trusted_proxy_hops)
+        .map(crate::edge::bucket_key)
+        .unwrap_or_default();
+    let admitted = st.order_streams.admit(user.0 .0, ip, order).map_err(|r| {
         let settings = st.order_streams.settings();
         let (scope, max) = match r {
             Refused::User => ("user", settings.max_per_user),
+            Refused::Ip => ("ip", settings.max_per_ip),
             Refused::Process => ("process", settings.max_streams),
         };
         metrics::counter!("boxoffice_order_stream_refused_total", "reason" => scope).increment(1);

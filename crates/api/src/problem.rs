@@ -377,11 +377,14 @@ impl Problem {
         p
     }
 
-    /// 429 `too_many_streams`: this user (`scope` = `user`) or this process (`process`) has
+    /// 429 `too_many_streams`: this user (`scope` = `user`), this client address (`ip`) or
+    /// this process (`process`) has
     /// as many order streams open as allowed ([`crate::order_stream`]).
     pub fn too_many_streams(scope: &'static str, max: usize) -> Self {
         let detail = if scope == "user" {
             format!("this user already has {max} order streams open; close one, then retry")
+        } else if scope == "ip" {
+            format!("this client address already has {max} order streams open; close one, then retry")
         } else {
             "this server has as many order streams open as it serves; retry after the Retry-After delay"
                 .to_owned()

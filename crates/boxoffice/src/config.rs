@@ -587,7 +587,10 @@ pub struct Config {
     pub metrics_bind: Option<String>,
     /// Live order streams (`GET /orders/{id}/events`) one user may have open per API process.
     pub order_stream_max_per_user: usize,
-    /// Live order streams per API process; more get 429 `too_many_streams`.
+    /// Live order streams one client address may have open per API process.
+    pub order_stream_max_per_ip: usize,
+    /// Live order streams per API process; more get 429 `too_many_streams`. At most half of
+    /// `http_max_connections`: a stream holds its connection for its whole life.
     pub order_stream_max: usize,
     /// Heartbeat (an SSE comment) of an idle order stream, seconds.
     pub order_stream_heartbeat_s: u64,
@@ -747,7 +750,8 @@ impl Default for Config {
             order_history_retention_days: 400,
             metrics_bind: None,
             order_stream_max_per_user: 4,
-            order_stream_max: 20_000,
+            order_stream_max_per_ip: 16,
+            order_stream_max: 2_048,
             order_stream_heartbeat_s: 15,
             order_stream_max_lifetime_s: 900,
             expiry_batch: 500,
@@ -836,7 +840,15 @@ impl Config {
         if !(1..=36_500).contains(&self.order_history_retention_days) {
             bail!("order_history_retention_days must be 1..=36500");
         }
+        if self.order_stream_max > self.http_max_connections / 2 {
+            bail!(
+                "order_stream_max ({}) must be at most half of http_max_connections ({}): a stream holds its connection for its whole life",
+                self.order_stream_max,
+                self.http_max_connections
+            );
+        }
         if self.order_stream_max_per_user < 1
+            || self.order_stream_max_per_ip < 1
             || self.order_stream_max < self.order_stream_max_per_user
             || !(1..=120).contains(&self.order_stream_heartbeat_s)
             || self.order_stream_max_lifetime_s < 60
@@ -1529,6 +1541,7 @@ impl Config {
     pub fn order_streams(&self) -> boxoffice_api::order_stream::StreamSettings {
         boxoffice_api::order_stream::StreamSettings {
             max_per_user: self.order_stream_max_per_user,
+            max_per_ip: self.order_stream_max_per_ip,
             max_streams: self.order_stream_max,
             heartbeat: std::time::Duration::from_secs(self.order_stream_heartbeat_s),
             max_lifetime: std::time::Duration::from_secs(self.order_stream_max_lifetime_s),

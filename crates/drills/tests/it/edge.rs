@@ -369,6 +369,10 @@ async fn edge_request_timeout_answers_503_problem(_: PgPoolOptions, opts: PgConn
 async fn edge_connections_beyond_the_limit_get_503(_: PgPoolOptions, opts: PgConnectOptions) {
     let app = api_only(opts, |c| {
         c.http_max_connections = 4;
+        // Order streams may hold at most half of the connections.
+        c.order_stream_max = 2;
+        c.order_stream_max_per_user = 1;
+        c.order_stream_max_per_ip = 1;
         c.http_header_read_timeout_ms = 2_000;
     })
     .await;

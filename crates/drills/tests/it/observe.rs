@@ -131,6 +131,7 @@ async fn order_streams_belong_to_the_owner_are_capped_per_user_and_beat(
 ) {
     let app = TestApp::spawn_with(opts, &Role::ALL, VenueSpec::small(1, 1, 4), |c| {
         c.order_stream_max_per_user = 2;
+        c.order_stream_max_per_ip = 3;
         c.order_stream_heartbeat_s = 1;
     })
     .await;
@@ -180,6 +181,18 @@ async fn order_streams_belong_to_the_owner_are_capped_per_user_and_beat(
         }
     })
     .await;
+
+    // One client address (every buyer here is 127.0.0.1): 3 streams at most, whoever opens them.
+    let third = app.buyer();
+    let order_t = hold_one(&app, &third, s[2], "cap-3").await;
+    let _t1 = Stream::new(&app, &third, order_t).await;
+    let refused = Stream::open(&app, &third, order_t).await;
+    let (status, code, body) = problem(refused).await;
+    assert_eq!(
+        (status, code.as_str(), body["scope"].as_str()),
+        (429, "too_many_streams", Some("ip")),
+        "{body}"
+    );
 
     // An idle stream beats: the order does not change (nobody pays), yet comments arrive.
     first.until(&mut Vec::new(), |v| v.get("client_secret").is_some()).await;
