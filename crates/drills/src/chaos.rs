@@ -593,13 +593,13 @@ pub(crate) fn only_stdio(cmd: &mut std::process::Command, die_with_parent: bool)
 
 /// A free loopback port (bound once and released: another process could take it in between,
 /// which on loopback in a test run is rare enough).
-fn free_port() -> anyhow::Result<u16> {
+pub(crate) fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
 /// The nisshi binary: `--nisshi`/`BOXOFFICE_NISSHI_BIN`, else `nisshi` on PATH, else
 /// `~/.cargo/bin/nisshi`.
-fn find_nisshi(given: Option<&Path>) -> anyhow::Result<PathBuf> {
+pub(crate) fn find_nisshi(given: Option<&Path>) -> anyhow::Result<PathBuf> {
     if let Some(p) = given {
         anyhow::ensure!(p.is_file(), "nisshi binary {} not found", p.display());
         return Ok(p.to_owned());
@@ -628,7 +628,7 @@ struct Programs {
 }
 
 /// The product binary: `--boxoffice-bin`/`BOXOFFICE_BIN`, else `boxoffice` next to `exe`.
-fn find_boxoffice(given: Option<&Path>, exe: &Path) -> anyhow::Result<PathBuf> {
+pub(crate) fn find_boxoffice(given: Option<&Path>, exe: &Path) -> anyhow::Result<PathBuf> {
     let path = match given {
         Some(p) => p.to_owned(),
         None => exe.with_file_name("boxoffice"),
@@ -674,7 +674,7 @@ async fn load_balancer(
 }
 
 /// Waits until `ok` holds, polling every 100 ms; `false` at the deadline.
-async fn wait_until<F, Fut>(timeout: Duration, mut ok: F) -> bool
+pub(crate) async fn wait_until<F, Fut>(timeout: Duration, mut ok: F) -> bool
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = bool>,
@@ -691,7 +691,7 @@ where
     }
 }
 
-async fn port_open(addr: SocketAddr) -> bool {
+pub(crate) async fn port_open(addr: SocketAddr) -> bool {
     tokio::net::TcpStream::connect(addr).await.is_ok()
 }
 
@@ -1004,7 +1004,7 @@ fn broker_proc(run: &Run<'_>, broker_addr: SocketAddr) -> Proc {
 }
 
 /// The secrets every child process shares with this one, as `BOXOFFICE_*` variables.
-fn secret_env(cfg: &Config) -> Vec<(String, String)> {
+pub(crate) fn secret_env(cfg: &Config) -> Vec<(String, String)> {
     [
         ("BOXOFFICE_USER_JWT_SECRET", cfg.user_jwt_secret.expose_secret().to_owned()),
         ("BOXOFFICE_STRIPE_SECRET_KEY", cfg.stripe_secret_key.expose_secret().to_owned()),

@@ -7,16 +7,17 @@
 //!   zero-oversell check (invariant 1: one active hold / one ticket per seat).
 //! - P2 ([`p2`]): waiting-room join + poll through the HTTP API (and the library calls
 //!   directly, to show which layer bounds it).
-//! - P3 ([`p3`]): end-to-end ticketed orders per second with every role in-process
-//!   ([`boxoffice_harness::deploy`]), at stepped buyer arrival rates, with outbox age and
-//!   consumer lag sampled every 500 ms.
+//! - P3 ([`p3`]): end-to-end ticketed orders per second with every role in one
+//!   `boxoffice serve` process and the simulator and broker in processes of their own
+//!   ([`procs`]), at stepped buyer arrival rates, with outbox age and consumer lag sampled
+//!   every 500 ms, and the CPU-ms, transactions, statements and round trips per ticketed order.
 //! - P4 ([`p4`]): relay publish throughput (outbox rows → broker).
 //!
 //! Owns its databases: each phase that writes gets a fresh database named
 //! `boxoffice_bench_*` next to `database_url`'s, dropped at the end, so a bench never touches
 //! a deployment's ledger; Redis keys use a unique prefix and are deleted afterwards; Kafka
-//! topics use a unique prefix (on an embedded broker unless `BOXOFFICE_KAFKA_BROKERS` or
-//! `--kafka-brokers` names one). The recommended release rate R (design §3, §12) is the
+//! topics use a unique prefix (P3 on a `nisshi` process, P4 on an embedded broker, unless
+//! `BOXOFFICE_KAFKA_BROKERS` or `--kafka-brokers` names one). The recommended release rate R (design §3, §12) is the
 //! largest P3 arrival rate whose hold p99, outbox age p99 and consumer lag stay under the
 //! thresholds while the system keeps up (see [`report::recommend`]).
 
@@ -24,6 +25,7 @@ pub mod p1;
 pub mod p2;
 pub mod p3;
 pub mod p4;
+pub mod procs;
 pub mod report;
 
 use anyhow::Context;
@@ -67,8 +69,8 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 8)]
     pub p2_seconds: u64,
     /// P3 ramp: buyer arrival rates (per second) tried for `--p3-step-seconds` each before
-    /// the sustained step.
-    #[arg(long, value_delimiter = ',', default_value = "25,50,75,100,150,200")]
+    /// the sustained step, stopping after the first step that does not keep up.
+    #[arg(long, value_delimiter = ',', default_value = "50,100,150,200,250,300")]
     pub p3_ramp: Vec<f64>,
     /// Seconds per P3 ramp step.
     #[arg(long, default_value_t = 10)]
@@ -99,9 +101,21 @@ pub struct BenchArgs {
     /// Threshold for R: largest consumer lag, messages (summed over partitions of a group).
     #[arg(long, default_value_t = 5_000)]
     pub max_lag: i64,
-    /// Kafka bootstrap servers (default: BOXOFFICE_KAFKA_BROKERS, else an embedded broker).
+    /// Kafka bootstrap servers (default: BOXOFFICE_KAFKA_BROKERS, else P3 starts a nisshi
+    /// process and P4 an embedded broker).
     #[arg(long)]
     pub kafka_brokers: Option<String>,
+    /// The product binary P3 runs (`boxoffice serve`); default: `boxoffice` next to this
+    /// binary.
+    #[arg(long, env = "BOXOFFICE_BIN")]
+    pub boxoffice_bin: Option<PathBuf>,
+    /// The drills binary P3 runs the Stripe simulator with; default: this binary.
+    #[arg(long, env = "BOXOFFICE_DRILLS_BIN")]
+    pub drills_bin: Option<PathBuf>,
+    /// The nisshi broker P3 starts when no broker is configured; default: `nisshi` on PATH,
+    /// else `~/.cargo/bin/nisshi`; without one P3 uses an in-process mock cluster.
+    #[arg(long, env = "BOXOFFICE_NISSHI_BIN")]
+    pub nisshi: Option<PathBuf>,
     /// Busy processes outside boxoffice for the whole bench (a reproducible noisy neighbour,
     /// each spinning one CPU; recorded in the report).
     #[arg(long, default_value_t = 0)]
@@ -167,6 +181,20 @@ impl BenchArgs {
             self.p4_events = 2_000;
         }
         self
+    }
+
+    /// The programs P3 starts; `broker_configured`: a broker is named, so no nisshi.
+    pub fn programs(&self, broker_configured: bool) -> anyhow::Result<procs::Programs> {
+        let exe = std::env::current_exe().context("locating this binary")?;
+        Ok(procs::Programs {
+            boxoffice: crate::chaos::find_boxoffice(self.boxoffice_bin.as_deref(), &exe)?,
+            drills: self.drills_bin.clone().unwrap_or(exe),
+            nisshi: if broker_configured {
+                None
+            } else {
+                crate::chaos::find_nisshi(self.nisshi.as_deref()).ok()
+            },
+        })
     }
 
     fn validate(&self) -> anyhow::Result<()> {
@@ -258,12 +286,20 @@ pub async fn run_phases(mut cfg: Config, args: &BenchArgs) -> anyhow::Result<rep
     if let Some(b) = &args.kafka_brokers {
         cfg.kafka_brokers = Some(b.clone());
     }
-    let embedded = if args.phases.contains(&Phase::P3) || args.phases.contains(&Phase::P4) {
+    let p3 = args.phases.contains(&Phase::P3);
+    let programs = if p3 { Some(args.programs(cfg.kafka_brokers.is_some())?) } else { None };
+    let p3_nisshi = programs.as_ref().is_some_and(|p| p.nisshi.is_some());
+    let embedded = if args.phases.contains(&Phase::P4) || (p3 && !p3_nisshi) {
         deploy::embedded_broker_unless_configured(&mut cfg)?
     } else {
         None
     };
-    let broker_kind = if embedded.is_some() { "embedded (librdkafka mock cluster)" } else { "external" };
+    let broker_kind = match (p3_nisshi, embedded.is_some()) {
+        (true, true) => "P3: a nisshi process; P4: embedded (librdkafka mock cluster)",
+        (true, false) if cfg.kafka_brokers.is_none() => "P3: a nisshi process",
+        (false, true) => "embedded (librdkafka mock cluster)",
+        _ => "external",
+    };
     let stealers = boxoffice_harness::noise::CpuStealers::start(args.steal_cpu)?;
     if !stealers.is_empty() {
         eprintln!("{} busy process(es) stealing CPU for the whole bench", stealers.len());
@@ -280,7 +316,9 @@ pub async fn run_phases(mut cfg: Config, args: &BenchArgs) -> anyhow::Result<rep
     }
     if args.phases.contains(&Phase::P3) {
         step("P3: end-to-end ticketed orders");
-        report.p3 = Some(p3::run(&cfg, args, embedded.as_ref()).await?);
+        let programs = programs.as_ref().context("P3's programs")?;
+        let embedded = if programs.nisshi.is_some() { None } else { embedded.as_ref() };
+        report.p3 = Some(p3::run(&cfg, args, programs, embedded).await?);
     }
     if args.phases.contains(&Phase::P4) {
         step("P4: relay publish");

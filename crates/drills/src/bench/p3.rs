@@ -1,10 +1,14 @@
-//! P3: end-to-end ticketed orders per second. Every role runs in-process (the deployment of
-//! [`boxoffice_harness::deploy`], as the onsale starts it: the broker, the Stripe simulator,
-//! here with `admission_direct`), and an open-loop generator
+//! P3: end-to-end ticketed orders per second. The product runs as one `boxoffice serve`
+//! process with every role (here with `admission_direct`), the Stripe simulator and the
+//! broker as processes of their own ([`super::procs`]; the broker is the configured one when
+//! `kafka_brokers` names one, else a `nisshi` process, else, without nisshi, an in-process
+//! mock cluster), so the CPU of the product, of PostgreSQL and of the harness (this process,
+//! the simulator, the broker) are measured apart. An open-loop generator
 //! sends buyers at stepped arrival rates (the ramp, then the sustained step): each buyer is
 //! admitted (`POST /events/{id}/admission`), holds its own seats
 //! (`POST /events/{id}/holds`, seats dealt from a shuffled deck so buyers do not collide),
-//! waits for its PaymentIntent on `GET /orders/{id}` and confirms it at the simulator as
+//! waits for its PaymentIntent on its order's event stream (`GET /orders/{id}/events`, polling
+//! `GET /orders/{id}` when the stream is refused) and confirms it at the simulator as
 //! Stripe.js would (every request through [`boxoffice_harness::client`]); the saga, payment
 //! worker and ticket worker take it from there.
 //!
@@ -12,14 +16,19 @@
 //! consumer lag of the saga, payment and ticket groups (committed offsets vs high
 //! watermarks on the purchase topic). Hold latencies are kept per second for the chart and
 //! for the recommended release rate R.
+//!
+//! The cost of an order is measured over the sustained step, from its first arrival until
+//! every order is final and the outbox is empty, and divided by the orders ticketed in that
+//! window: CPU-ms of the product, of PostgreSQL and of the harness
+//! ([`super::procs::CpuMsPerOrder`]), and PostgreSQL's transactions, statements and round
+//! trips per order ([`super::procs::PgPerOrder`]; statements need `pg_stat_statements`).
 
 use super::{BenchArgs, BenchDb, Deck};
 use anyhow::Context;
 use boxoffice::config::Config;
-use boxoffice::runtime::{self, Role};
+use boxoffice::runtime;
 use boxoffice_domain::UserId;
 use boxoffice_harness::client::{self, Admission, BuyerClient, HoldReceipt, OrderView};
-use boxoffice_harness::deploy::{self, Deployment};
 use boxoffice_harness::drain::Drain;
 use boxoffice_harness::stats::{self, histogram, percentile, quantiles_ms};
 use boxoffice_store::{outbox, venue};
@@ -128,16 +137,24 @@ pub struct P3Result {
     pub max_lag: i64,
     /// The broker used.
     pub broker: String,
-    /// Where the CPU went during the sustained step.
-    pub sustained_cpu: super::CpuUse,
-    /// Whether the bench ran `ANALYZE` on the purchase tables every 5 s because the server's
+    /// Orders ticketed per second in the sustained step's steady part (the figure P3's
+    /// target is about); 0 when it ticketed none.
+    pub sustained_ticketed_per_s: f64,
+    /// Where the CPU went from the sustained step's first arrival until drained.
+    pub sustained_cpu: super::procs::ProcessCpu,
+    /// Orders ticketed in that window (the divisor of the per-order figures).
+    pub sustained_ticketed: i64,
+    /// What PostgreSQL did per ticketed order in that window.
+    pub postgres_per_order: Option<super::procs::PgPerOrder>,
+    /// Whether the bench ran `VACUUM (ANALYZE)` on the purchase tables every 5 s because the server's
     /// autovacuum is off (without fresh statistics the planner keeps the plans it chose for
-    /// the empty tables of a fresh database: sequential scans).
+    /// the empty tables of a fresh database: sequential scans; without vacuum the outbox's
+    /// claimed, published and pruned row versions pile up under its indexes).
     pub analyzed_every_5s: bool,
-    /// CPU milliseconds per order of the sustained step (the window runs until its last
-    /// buyer has confirmed payment): `(this process — every role, the generator, the Stripe
-    /// simulator and an embedded broker —, PostgreSQL)`.
-    pub cpu_ms_per_order: Option<(f64, f64)>,
+    /// CPU milliseconds per ticketed order of the sustained step (from its first arrival
+    /// until drained): the product's role process, PostgreSQL, and the harness (generator,
+    /// simulator, broker).
+    pub cpu_ms_per_order: Option<super::procs::CpuMsPerOrder>,
 }
 
 /// The most buyers the run can start: the ramp, then the sustained step at its explicit rate
@@ -150,16 +167,18 @@ pub fn max_buyers(args: &BenchArgs) -> usize {
 }
 
 /// Runs P3 on a fresh database (dropped afterwards), fresh topics and a fresh Redis prefix.
+///
+/// `programs.nisshi`: start a broker process (`cfg`'s broker is then not used); else
+/// `embedded`, when given, is the in-process broker `cfg` points at; else `cfg` names an
+/// external broker.
 pub async fn run(
     cfg: &Config,
     args: &BenchArgs,
+    programs: &super::procs::Programs,
     embedded: Option<&boxoffice_bus::embedded::EmbeddedBroker>,
 ) -> anyhow::Result<P3Result> {
     let (db, pool) = BenchDb::migrated(cfg, "p3", 8).await?;
-    let result = run_on(cfg, args, embedded, &db, &pool).await.map(|mut r| {
-        r.broker = if embedded.is_some() { "embedded".into() } else { "external".into() };
-        r
-    });
+    let result = run_on(cfg, args, programs, embedded, &db, &pool).await;
     pool.close().await;
     db.drop_db().await;
     result
@@ -184,6 +203,7 @@ struct Ctx {
 async fn run_on(
     cfg: &Config,
     args: &BenchArgs,
+    programs: &super::procs::Programs,
     embedded: Option<&boxoffice_bus::embedded::EmbeddedBroker>,
     db: &BenchDb,
     pool: &sqlx::PgPool,
@@ -211,18 +231,23 @@ async fn run_on(
     cfg.rate_limit_purchase_user_per_s = 0.0;
     cfg.rate_limit_seats_ip_per_s = 0.0;
     cfg.hold_ttl_ms = 600_000;
-    let deployment = Deployment::start(
-        cfg,
-        deploy::Options { embedded, ..deploy::Options::new(&Role::ALL, db.opts.clone()) },
-    )
-    .await?;
-    let outcome = async {
-        let addr = deployment.api_addr.context("api did not start")?;
-        drive(&deployment.cfg, args, event.0, deck, addr, pool).await
-    }
-    .await;
-    deployment.stop().await;
-    outcome
+    // Every buyer streams its order from the same address.
+    cfg.order_stream_max_per_ip = cfg.order_stream_max;
+    let broker = match (&programs.nisshi, embedded) {
+        (Some(_), _) => "nisshi process".to_owned(),
+        (None, Some(_)) => "in-process mock cluster (counted in the harness)".to_owned(),
+        (None, None) => "external (its CPU counts as other)".to_owned(),
+    };
+    let dir = args.out.join("p3-processes");
+    let db_url = sqlx::ConnectOptions::to_url_lossy(&db.opts).to_string();
+    let procs = super::procs::P3Processes::start(&mut cfg, programs, &db_url, embedded, &dir).await?;
+    eprintln!("   product, simulator and broker ({broker}) running; logs in {}", dir.display());
+    let outcome = drive(&cfg, args, event.0, deck, procs.api_addr, pool, &procs.pids()).await;
+    procs.stop().await;
+    outcome.map(|mut r| {
+        r.broker = broker;
+        r
+    })
 }
 
 async fn drive(
@@ -232,6 +257,7 @@ async fn drive(
     deck: Deck,
     addr: std::net::SocketAddr,
     pool: &sqlx::PgPool,
+    pids: &super::procs::Pids,
 ) -> anyhow::Result<P3Result> {
     let ctx = Arc::new(Ctx {
         client: BuyerClient::new(
@@ -266,10 +292,13 @@ async fn drive(
         }
     };
 
-    // With autovacuum off nothing refreshes the statistics of the fresh tables.
+    // With autovacuum off nothing refreshes the statistics of the fresh tables or reclaims
+    // their dead row versions.
     let analyze = !autovacuum_on(pool).await;
     if analyze {
-        eprintln!("   autovacuum is off on this server: running ANALYZE on the purchase tables every 5 s");
+        eprintln!(
+            "   autovacuum is off on this server: running VACUUM (ANALYZE) on the purchase tables every 5 s"
+        );
     }
 
     // Sampler.
@@ -289,8 +318,8 @@ async fn drive(
                     analyzed = Instant::now();
                     let tables =
                         "orders, holds, hold_seats, payments, tickets, outbox, inbox, idempotency_keys";
-                    if let Err(e) = sqlx::query(&format!("ANALYZE {tables}")).execute(&pool).await {
-                        tracing::warn!(error = %e, "ANALYZE failed");
+                    if let Err(e) = sqlx::query(&format!("VACUUM (ANALYZE) {tables}")).execute(&pool).await {
+                        tracing::warn!(error = %e, "VACUUM (ANALYZE) failed");
                     }
                 }
                 let t_s = ctx.started.elapsed().as_secs_f64();
@@ -324,7 +353,8 @@ async fn drive(
 
     // The ramp, a drain, then the sustained step (at the largest ramp rate within the
     // thresholds, else the smallest, unless --p3-attempt-rate is given): the drain keeps the
-    // ramp's overload out of the sustained step.
+    // ramp's overload out of the sustained step. The ramp stops after the first step that did
+    // not keep up: a faster one would only pile more backlog onto the drain.
     let deck = Arc::new(deck);
     let mut stats = Stats::default();
     let mut at = 0.0f64;
@@ -332,12 +362,28 @@ async fn drive(
     let step_s = args.p3_step_seconds as f64;
     let drain_timeout = Duration::from_secs(if args.quick { 60 } else { 180 });
     let mut plan: Vec<(f64, f64, f64, bool)> = Vec::new();
+    let mut ramp_buyers = tokio::task::JoinSet::new();
     for rate in &ramp {
-        plan.push((*rate, at, step_s, false));
+        let planned = (*rate, at, step_s, false);
         at += step_s;
+        plan.push(planned);
+        steps_run.lock().expect("steps lock").push((planned.0, planned.1, planned.2));
+        let (ctx2, deck2, seats) = (ctx.clone(), deck.clone(), args.p3_seats);
+        ramp_buyers.spawn(async move { arrivals(&ctx2, &[planned], &deck2, seats).await });
+        // At the step's end (plus a second for the last sample), judge it.
+        tokio::time::sleep_until((ctx.started + Duration::from_secs_f64(at + 1.0)).into()).await;
+        let hists = ctx.per_second.lock().expect("per-second lock").clone();
+        let samples_now = samples.lock().expect("samples lock").clone();
+        if !step(args, planned.0, planned.1, planned.2, false, &hists, &samples_now).keeps_up {
+            eprintln!("   ramp step {:.0}/s fell behind: the ramp stops there", planned.0);
+            break;
+        }
+        // The next step starts where this one ended.
+        at = ctx.started.elapsed().as_secs_f64().ceil();
     }
-    steps_run.lock().expect("steps lock").extend(plan.iter().map(|p| (p.0, p.1, p.2)));
-    arrivals(&ctx, &plan, &deck, args.p3_seats, &mut stats).await;
+    while let Some(started) = ramp_buyers.join_next().await {
+        stats.started += started.unwrap_or(0);
+    }
     let ramp_drained = drain(pool, event, drain_timeout).await?;
     let sustained_rate = if args.p3_attempt_rate > 0.0 {
         args.p3_attempt_rate
@@ -356,23 +402,29 @@ async fn drive(
     steps_run.lock().expect("steps lock").push((sustained.0, sustained.1, sustained.2));
     plan.push(sustained);
     eprintln!("   sustained step: {sustained_rate:.0} arrivals/s for {} s", args.p3_seconds);
-    let buyers_before = stats.started;
-    let cpu_before = super::CpuSnap::now();
-    arrivals(&ctx, &plan[plan.len() - 1..], &deck, args.p3_seats, &mut stats).await;
-    let sustained_cpu = cpu_before.until(&super::CpuSnap::now());
-    let sustained_buyers = stats.started - buyers_before;
+    let statements = match super::procs::PgCounters::enable(pool).await {
+        Ok(()) => true,
+        Err(why) => {
+            eprintln!("   no statement counts: {why}");
+            false
+        }
+    };
+    let ticketed_before = ticketed_count(pool, event).await?;
+    let pg_before = super::procs::PgCounters::read(pool, statements).await?;
+    let cpu_before = super::procs::CpuMark::now(pids);
+    stats.started += arrivals(&ctx, &plan[plan.len() - 1..], &deck, args.p3_seats).await;
     let arrivals_done = Instant::now();
-    let drained = ramp_drained && drain(pool, event, drain_timeout).await?;
+    // Drained even when the ramp was not: the window ends when the sustained step's orders do.
+    let drained = drain(pool, event, drain_timeout).await? && ramp_drained;
+    let sustained_cpu = cpu_before.until(&super::procs::CpuMark::now(pids));
+    let pg_after = super::procs::PgCounters::read(pool, statements).await?;
+    let sustained_ticketed = ticketed_count(pool, event).await? - ticketed_before;
     let drain_seconds = arrivals_done.elapsed().as_secs_f64();
     let plan_end = start + args.p3_seconds as f64;
     let started_buyers = stats.started;
     stop_sampling.cancel();
     let _ = sampler.await;
-    let ticketed: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM orders WHERE event_id = $1 AND status = 'ticketed'")
-            .bind(event)
-            .fetch_one(pool)
-            .await?;
+    let ticketed = ticketed_count(pool, event).await?;
 
     let samples = samples.lock().expect("samples lock").clone();
     let hists = ctx.per_second.lock().expect("per-second lock").clone();
@@ -406,16 +458,16 @@ async fn drive(
         drain_seconds,
         outbox_age_p99_ms: percentile(&during, 0.99),
         max_lag: samples.iter().map(|s| s.max_lag).max().unwrap_or(0),
-        steps,
         samples,
         seconds,
         broker: String::new(),
         analyzed_every_5s: analyze,
-        cpu_ms_per_order: (sustained_buyers > 0).then(|| {
-            let per = |cores: f64| cores * sustained_cpu.seconds * 1_000.0 / sustained_buyers as f64;
-            (per(sustained_cpu.boxoffice_cores), per(sustained_cpu.postgres_cores))
-        }),
+        sustained_ticketed_per_s: steps.iter().find(|s| s.sustained).map_or(0.0, |s| s.ticketed_per_s),
+        cpu_ms_per_order: super::procs::CpuMsPerOrder::of(&sustained_cpu, sustained_ticketed),
+        postgres_per_order: pg_before.per_order(&pg_after, sustained_ticketed),
+        sustained_ticketed,
         sustained_cpu,
+        steps,
     })
 }
 
@@ -473,22 +525,17 @@ struct Stats {
 }
 
 /// Starts the buyers of `steps` (rate, start s, seconds, _) at their open-loop arrival times,
-/// each with its own seats, and waits for all of them.
-async fn arrivals(
-    ctx: &Arc<Ctx>,
-    steps: &[(f64, f64, f64, bool)],
-    deck: &Deck,
-    seats_each: usize,
-    stats: &mut Stats,
-) {
+/// each with its own seats, and waits for all of them; returns how many started.
+async fn arrivals(ctx: &Arc<Ctx>, steps: &[(f64, f64, f64, bool)], deck: &Deck, seats_each: usize) -> u64 {
     let mut buyers = tokio::task::JoinSet::new();
+    let mut started = 0;
     for (rate, start, secs, _) in steps {
         let n = (rate * secs).ceil() as usize;
         for i in 0..n {
             let when = ctx.started + Duration::from_secs_f64(start + i as f64 / rate);
             let Some(seats) = deck.deal(seats_each) else { break };
             let ctx = ctx.clone();
-            stats.started += 1;
+            started += 1;
             buyers.spawn(async move {
                 tokio::time::sleep_until(when.into()).await;
                 if buyer(&ctx, seats).await.is_none() {
@@ -498,6 +545,7 @@ async fn arrivals(
         }
     }
     while buyers.join_next().await.is_some() {}
+    started
 }
 
 /// One buyer's journey up to its confirmed payment; None on any unexpected answer.
@@ -532,24 +580,10 @@ async fn buyer(ctx: &Ctx, seats: Vec<uuid::Uuid>) -> Option<()> {
     let receipt: HoldReceipt = serde_json::from_slice(&bytes).ok()?;
 
     // Wait for the PaymentIntent the saga asks the payment worker to create.
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let mut wait = Duration::from_millis(200);
-    let (pi, secret) = loop {
-        tokio::time::sleep(wait).await;
-        wait = (wait * 3 / 2).min(Duration::from_secs(1));
-        let (s, body) = send(ctx, ctx.client.order(&bearer, receipt.order_id)).await?;
-        if s == StatusCode::OK {
-            let v: OrderView = serde_json::from_slice(&body).ok()?;
-            if let (Some(pi), Some(secret)) = (v.payment_intent_id, v.client_secret) {
-                break (pi, secret);
-            }
-            if matches!(v.status.as_str(), "expired" | "failed" | "canceled") {
-                return None;
-            }
-        }
-        if Instant::now() >= deadline {
-            return None;
-        }
+    let (pi, secret) = match stream_payment_intent(ctx, &bearer, receipt.order_id).await {
+        Waited::Ready(pi, secret) => (pi, secret),
+        Waited::Gone => return None,
+        Waited::NoStream => poll_payment_intent(ctx, &bearer, receipt.order_id).await?,
     };
     let confirm = client::confirm_payment(
         &ctx.client.http,
@@ -568,6 +602,69 @@ async fn buyer(ctx: &Ctx, seats: Vec<uuid::Uuid>) -> Option<()> {
     Some(())
 }
 
+/// How waiting for the PaymentIntent on the order's event stream ended.
+enum Waited {
+    /// The PaymentIntent and its client secret.
+    Ready(String, String),
+    /// The order reached a final state first.
+    Gone,
+    /// The stream was refused or broke: poll instead.
+    NoStream,
+}
+
+/// Reads `GET /orders/{id}/events` until the order carries its PaymentIntent's client secret
+/// (pushed when the PaymentIntent's fact is published), as the onsale's buyers do.
+async fn stream_payment_intent(ctx: &Ctx, bearer: &str, order: uuid::Uuid) -> Waited {
+    let Ok(_permit) = ctx.in_flight.acquire().await else { return Waited::NoStream };
+    let Ok(mut resp) = ctx.client.order_events(&ctx.client.http, bearer, order).send().await else {
+        return Waited::NoStream;
+    };
+    if resp.status() != StatusCode::OK {
+        return Waited::NoStream;
+    }
+    let mut buf = String::new();
+    while let Ok(Some(bytes)) = resp.chunk().await {
+        buf.push_str(&String::from_utf8_lossy(&bytes));
+        for ev in client::take_sse_events(&mut buf) {
+            if ev.event != "order" {
+                continue;
+            }
+            let Ok(v) = serde_json::from_str::<OrderView>(&ev.data) else { return Waited::NoStream };
+            if v.is_final() {
+                return Waited::Gone;
+            }
+            if let (Some(pi), Some(secret)) = (v.payment_intent_id, v.client_secret) {
+                return Waited::Ready(pi, secret);
+            }
+        }
+    }
+    Waited::NoStream
+}
+
+/// Polls `GET /orders/{id}` (200 ms, backing off ×1.5 to 1 s) until the order carries its
+/// PaymentIntent's client secret; None when it ends first or after 120 s.
+async fn poll_payment_intent(ctx: &Ctx, bearer: &str, order: uuid::Uuid) -> Option<(String, String)> {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut wait = Duration::from_millis(200);
+    loop {
+        tokio::time::sleep(wait).await;
+        wait = (wait * 3 / 2).min(Duration::from_secs(1));
+        let (s, body) = send(ctx, ctx.client.order(bearer, order)).await?;
+        if s == StatusCode::OK {
+            let v: OrderView = serde_json::from_slice(&body).ok()?;
+            if v.is_final() {
+                return None;
+            }
+            if let (Some(pi), Some(secret)) = (v.payment_intent_id, v.client_secret) {
+                return Some((pi, secret));
+            }
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+    }
+}
+
 /// Sends under an in-flight permit and reads the body.
 async fn send(ctx: &Ctx, req: reqwest::RequestBuilder) -> Option<(StatusCode, Vec<u8>)> {
     let _permit = ctx.in_flight.acquire().await.ok()?;
@@ -583,6 +680,14 @@ async fn drain(pool: &sqlx::PgPool, event: uuid::Uuid, timeout: Duration) -> any
         eprintln!("{drained}");
     }
     Ok(drained.done)
+}
+
+/// Orders of `event` ticketed so far.
+async fn ticketed_count(pool: &sqlx::PgPool, event: uuid::Uuid) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar("SELECT count(*) FROM orders WHERE event_id = $1 AND status = 'ticketed'")
+        .bind(event)
+        .fetch_one(pool)
+        .await
 }
 
 /// Whether the server runs autovacuum (and with it the automatic ANALYZE).

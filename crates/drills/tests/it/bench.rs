@@ -2,7 +2,7 @@
 //! PostgreSQL, Redis and broker. Asserts the report files exist and hold every phase, that
 //! P1 found no oversold seat and lost no hold, and that P3 and P4 drained; never speed.
 
-use crate::helpers::{test_brokers, test_redis_url};
+use crate::helpers::{product_bin, test_brokers, test_redis_url};
 use boxoffice::config::Config;
 use boxoffice_drills::bench::{self, report, BenchArgs};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -18,7 +18,14 @@ async fn quick_bench_reports_every_phase_without_oversell(_: PgPoolOptions, opts
         ..Config::default()
     };
     let out = std::env::temp_dir().join(format!("boxoffice-bench-{}", uuid::Uuid::new_v4()));
-    let args = BenchArgs { quick: true, out: out.clone(), ..BenchArgs::defaults() }.resolved();
+    let args = BenchArgs {
+        quick: true,
+        out: out.clone(),
+        boxoffice_bin: Some(product_bin()),
+        drills_bin: Some(env!("CARGO_BIN_EXE_boxoffice-drills").into()),
+        ..BenchArgs::defaults()
+    }
+    .resolved();
     let r = bench::run_phases(cfg, &args).await.expect("bench runs");
     let files = report::write(&r, &out).expect("report written");
     assert_eq!(files.len(), 3, "report.json, report.md, chart.png: {files:?}");
@@ -37,6 +44,7 @@ async fn quick_bench_reports_every_phase_without_oversell(_: PgPoolOptions, opts
     assert_eq!(p1.oversold_seats, 0, "invariant 1: no seat held or sold twice");
     assert_eq!(p1.hold_count_mismatch, 0, "one hold row per successful hold transaction");
     assert!(p1.levels.iter().all(|l| l.pgbench_tps.is_some()), "pgbench ran: {:?}", p1.pgbench_error);
+    assert!(json["p1"]["best_ratio"].is_number(), "report.json key p1.best_ratio");
     let p2 = r.p2.as_ref().unwrap();
     assert!(p2.levels.iter().any(|l| l.path == "http" && l.attempts > 0));
     assert!(p2.levels.iter().any(|l| l.path == "library" && l.attempts > 0));
@@ -49,6 +57,32 @@ async fn quick_bench_reports_every_phase_without_oversell(_: PgPoolOptions, opts
         p3.confirmed
     );
     assert_eq!(p3.steps.len(), 2, "one ramp step and the sustained step");
+    // The product ran as a process of its own: its CPU, PostgreSQL's and the harness's are
+    // read apart, per ticketed order of the sustained step.
+    assert!(p3.sustained_ticketed > 0, "the sustained step ticketed orders");
+    let cpu = p3.cpu_ms_per_order.expect("CPU-ms per ticketed order");
+    assert!(cpu.product > 0.0 && cpu.postgres > 0.0 && cpu.harness > 0.0, "{cpu:?}");
+    assert!(
+        json["p3"]["cpu_ms_per_order"]["product"].is_number(),
+        "report.json key p3.cpu_ms_per_order.product"
+    );
+    assert!(json["p3"]["sustained_ticketed_per_s"].is_number());
+    let pg = p3.postgres_per_order.as_ref().expect("PostgreSQL per order");
+    assert!(pg.transactions >= 5.0, "a ticketed order takes several transactions: {pg:?}");
+    let preloaded: String = {
+        let mut c = opts.connect().await.unwrap();
+        sqlx::query_scalar("SELECT current_setting('shared_preload_libraries')")
+            .fetch_one(&mut c)
+            .await
+            .unwrap()
+    };
+    if preloaded.contains("pg_stat_statements") {
+        let (st, rt) = (pg.statements.unwrap(), pg.round_trips.unwrap());
+        assert!(st >= 10.0 && rt > st, "statements {st}, round trips {rt}");
+        assert!(!pg.top.is_empty());
+    } else {
+        assert!(pg.statements.is_none() && pg.statements_unavailable.is_some());
+    }
     assert!(r.recommendation.is_some());
     let p4 = r.p4.as_ref().unwrap();
     assert!(p4.drained && p4.events == 2_000);

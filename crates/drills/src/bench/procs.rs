@@ -1,0 +1,539 @@
+//! P3's processes and counters: the product runs as a `boxoffice serve` process of its own
+//! (every role), the Stripe simulator as a `boxoffice-drills stripe-sim` process and the
+//! broker as a `nisshi` process, apart from the bench's process (the load generator), so
+//! the CPU of each can be read from `/proc` and charged to the product, to PostgreSQL or to
+//! the harness ([`ProcessCpu`]). [`PgCounters`] reads what PostgreSQL did for the bench's
+//! database: transactions (`pg_stat_database`) and, when the server loads
+//! `pg_stat_statements`, statements and round trips.
+//!
+//! Every child is started with [`crate::chaos::only_stdio`] (SIGKILLed if the bench dies, no
+//! inherited descriptors) and `kill_on_drop`, its output in a log file under the run
+//! directory; [`P3Processes::stop`] sends SIGTERM and waits, so the product drains its
+//! in-flight work the way a deployment's stop does.
+
+use anyhow::Context;
+use boxoffice::config::Config;
+use secrecy::ExposeSecret;
+use serde::Serialize;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+use tokio::process::{Child, Command};
+
+/// Where the three programs of P3 come from.
+#[derive(Debug, Clone)]
+pub struct Programs {
+    /// The product binary (`boxoffice`).
+    pub boxoffice: PathBuf,
+    /// The drills binary, for `stripe-sim`.
+    pub drills: PathBuf,
+    /// The broker (`nisshi`), when no broker is configured and one was found.
+    pub nisshi: Option<PathBuf>,
+}
+
+/// A started child: its name (`product`, `stripe-sim`, `broker`), process and log file.
+struct Proc {
+    name: &'static str,
+    child: Child,
+    log: PathBuf,
+}
+
+/// The processes of one P3 run.
+pub struct P3Processes {
+    procs: Vec<Proc>,
+    /// Where the API listens.
+    pub api_addr: SocketAddr,
+    /// The simulator's base URL.
+    pub sim_base: String,
+}
+
+/// Which processes' CPU is whose.
+#[derive(Debug, Clone, Default)]
+pub struct Pids {
+    /// The product (`boxoffice serve`).
+    pub product: Vec<u32>,
+    /// The simulator and the broker (the bench's own process is added by [`ProcessCpu`]).
+    pub harness: Vec<u32>,
+}
+
+fn spawn(
+    name: &'static str,
+    program: &Path,
+    args: &[String],
+    env: &[(String, String)],
+    dir: &Path,
+) -> anyhow::Result<Proc> {
+    let log = dir.join(format!("{name}.log"));
+    let out = std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+    let mut cmd = Command::new(program);
+    cmd.args(args)
+        .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .current_dir(dir)
+        .stdin(std::process::Stdio::null())
+        .stdout(out.try_clone()?)
+        .stderr(out)
+        .kill_on_drop(true);
+    crate::chaos::only_stdio(cmd.as_std_mut(), true);
+    let child = cmd.spawn().with_context(|| format!("starting {name} ({})", program.display()))?;
+    Ok(Proc { name, child, log })
+}
+
+fn tail(path: &Path) -> String {
+    let s = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = s.lines().collect();
+    lines[lines.len().saturating_sub(15)..].join("\n")
+}
+
+impl P3Processes {
+    /// Starts the broker (when `programs.nisshi` is given: `cfg.kafka_brokers` is pointed at
+    /// it), the simulator and one `boxoffice serve` with every role on `db_url`, creates the
+    /// topics, and returns once the API answers `/readyz` and every consumer group of the
+    /// product has all its partitions (`boxoffice_consumer_assigned_partitions` on `/metrics`).
+    /// `embedded`: the in-process broker `cfg` points at, if that is the broker.
+    pub async fn start(
+        cfg: &mut Config,
+        programs: &Programs,
+        db_url: &str,
+        embedded: Option<&boxoffice_bus::embedded::EmbeddedBroker>,
+        dir: &Path,
+    ) -> anyhow::Result<Self> {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let mut procs = Vec::new();
+        if let Some(nisshi) = &programs.nisshi {
+            let addr = format!("127.0.0.1:{}", crate::chaos::free_port()?);
+            let url = format!("tcp://{addr}");
+            let args = [
+                "broker",
+                "--listener-url",
+                &url,
+                "--advertised-listener-url",
+                &url,
+                "--storage-engine",
+                "memory://nisshi/",
+            ]
+            .map(String::from);
+            procs.push(spawn("broker", nisshi, &args, &[], dir)?);
+            let sock: SocketAddr = addr.parse()?;
+            anyhow::ensure!(
+                crate::chaos::wait_until(Duration::from_secs(30), || crate::chaos::port_open(sock)).await,
+                "the broker did not open {addr}: {}",
+                tail(&procs[0].log)
+            );
+            cfg.kafka_brokers = Some(addr);
+        }
+        let mut created = Err(anyhow::anyhow!("not tried"));
+        for _ in 0..20 {
+            created = boxoffice_harness::deploy::create_topics(cfg, embedded).await;
+            if created.is_ok() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        created.context("creating the topics")?;
+
+        let api_addr: SocketAddr = format!("127.0.0.1:{}", crate::chaos::free_port()?).parse()?;
+        let sim_addr: SocketAddr = format!("127.0.0.1:{}", crate::chaos::free_port()?).parse()?;
+        let sim_base = format!("http://{sim_addr}");
+        let secrets = secret_env(cfg);
+        let sim_args = [
+            "stripe-sim",
+            "--bind",
+            &sim_addr.to_string(),
+            "--webhook-url",
+            &format!("http://{api_addr}/webhooks/stripe"),
+        ]
+        .map(String::from);
+        procs.push(spawn("stripe-sim", &programs.drills, &sim_args, &secrets, dir)?);
+        cfg.stripe_api_base = sim_base.clone();
+        cfg.http_bind = api_addr.to_string();
+        let mut env = product_env(cfg, db_url);
+        env.extend(secrets);
+        procs.push(spawn("product", &programs.boxoffice, &["serve".to_owned()], &env, dir)?);
+        let mut me = Self { procs, api_addr, sim_base };
+        if let Err(e) = me.ready(cfg).await {
+            let logs: Vec<String> =
+                me.procs.iter().map(|p| format!("--- {} ---\n{}", p.name, tail(&p.log))).collect();
+            me.stop().await;
+            return Err(e.context(logs.join("\n")));
+        }
+        Ok(me)
+    }
+
+    async fn ready(&mut self, cfg: &Config) -> anyhow::Result<()> {
+        let http = reqwest::Client::builder().timeout(Duration::from_secs(5)).build()?;
+        let deadline = Instant::now() + Duration::from_secs(90);
+        let want = cfg.kafka_partitions as f64;
+        loop {
+            for p in &mut self.procs {
+                if let Ok(Some(status)) = p.child.try_wait() {
+                    anyhow::bail!("{} exited during start-up ({status})", p.name);
+                }
+            }
+            let sim = http
+                .get(format!("{}/_sim/stats", self.sim_base))
+                .send()
+                .await
+                .is_ok_and(|r| r.status().is_success());
+            let api = http
+                .get(format!("http://{}/readyz", self.api_addr))
+                .send()
+                .await
+                .is_ok_and(|r| r.status().is_success());
+            let assigned = match http.get(format!("http://{}/metrics", self.api_addr)).send().await {
+                Ok(r) => assigned_partitions(&r.text().await.unwrap_or_default()),
+                Err(_) => Vec::new(),
+            };
+            let groups = boxoffice_domain::consumers::ALL;
+            let all_assigned =
+                groups.iter().all(|g| assigned.iter().any(|(name, n)| name == g && *n >= want));
+            if sim && api && all_assigned {
+                return Ok(());
+            }
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "not ready within 90 s (simulator {sim}, api {api}, consumer partitions {assigned:?})"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// The pids, for CPU accounting.
+    pub fn pids(&self) -> Pids {
+        let mut pids = Pids::default();
+        for p in &self.procs {
+            let Some(id) = p.child.id() else { continue };
+            if p.name == "product" {
+                pids.product.push(id);
+            } else {
+                pids.harness.push(id);
+            }
+        }
+        pids
+    }
+
+    /// SIGTERM to the product first (it finishes in-flight work), then the others; waits up
+    /// to 30 s for each before SIGKILL.
+    pub async fn stop(mut self) {
+        self.procs.sort_by_key(|p| if p.name == "product" { 0 } else { 1 });
+        for p in &mut self.procs {
+            if let Some(pid) = p.child.id() {
+                // SAFETY: plain kill(2) on our own child's pid.
+                unsafe {
+                    libc::kill(pid as i32, libc::SIGTERM);
+                }
+            }
+            if tokio::time::timeout(Duration::from_secs(30), p.child.wait()).await.is_err() {
+                let _ = p.child.kill().await;
+            }
+        }
+    }
+}
+
+/// `(consumer, partitions)` from the product's `boxoffice_consumer_assigned_partitions` lines.
+fn assigned_partitions(metrics: &str) -> Vec<(String, f64)> {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with("boxoffice_consumer_assigned_partitions{"))
+        .filter_map(|l| {
+            let name = l.split("consumer=\"").nth(1)?.split('"').next()?.to_owned();
+            let value = l.rsplit(' ').next()?.parse().ok()?;
+            Some((name, value))
+        })
+        .collect()
+}
+
+/// The secrets the children share with the bench, as `BOXOFFICE_*` variables: the chaos
+/// drill's set and the Redis URL (which may carry a password).
+fn secret_env(cfg: &Config) -> Vec<(String, String)> {
+    let mut env = crate::chaos::secret_env(cfg);
+    env.push(("BOXOFFICE_REDIS_URL".into(), cfg.redis_url.expose_secret().to_owned()));
+    env
+}
+
+/// What the product process is told besides the bench's own `BOXOFFICE_*` environment, which
+/// it inherits: the settings P3 changes for its run (see `p3::run_on`).
+fn product_env(cfg: &Config, db_url: &str) -> Vec<(String, String)> {
+    let mut env: Vec<(&str, String)> = vec![
+        ("BOXOFFICE_ENV", cfg.env.as_str().to_owned()),
+        ("BOXOFFICE_DATABASE_URL", db_url.to_owned()),
+        ("BOXOFFICE_HTTP_BIND", cfg.http_bind.clone()),
+        ("BOXOFFICE_STRIPE_API_BASE", cfg.stripe_api_base.clone()),
+        ("BOXOFFICE_KAFKA_TOPIC_PREFIX", cfg.kafka_topic_prefix.clone()),
+        ("BOXOFFICE_KAFKA_PARTITIONS", cfg.kafka_partitions.to_string()),
+        ("BOXOFFICE_REDIS_KEY_PREFIX", cfg.redis_key_prefix.clone()),
+        ("BOXOFFICE_ADMISSION_DIRECT", cfg.admission_direct.to_string()),
+        ("BOXOFFICE_RELEASE_MAX_PER_S", cfg.release_max_per_s.to_string()),
+        ("BOXOFFICE_RATE_LIMIT_IP_PER_S", cfg.rate_limit_ip_per_s.to_string()),
+        ("BOXOFFICE_RATE_LIMIT_USER_PER_S", cfg.rate_limit_user_per_s.to_string()),
+        ("BOXOFFICE_RATE_LIMIT_PURCHASE_IP_PER_S", cfg.rate_limit_purchase_ip_per_s.to_string()),
+        ("BOXOFFICE_RATE_LIMIT_PURCHASE_USER_PER_S", cfg.rate_limit_purchase_user_per_s.to_string()),
+        ("BOXOFFICE_RATE_LIMIT_SEATS_IP_PER_S", cfg.rate_limit_seats_ip_per_s.to_string()),
+        ("BOXOFFICE_HTTP_MAX_IN_FLIGHT_PER_IP", cfg.http_max_in_flight_per_ip.to_string()),
+        ("BOXOFFICE_HOLD_TTL_MS", cfg.hold_ttl_ms.to_string()),
+        ("BOXOFFICE_ORDER_STREAM_MAX_PER_IP", cfg.order_stream_max_per_ip.to_string()),
+    ];
+    if let Some(b) = &cfg.kafka_brokers {
+        env.push(("BOXOFFICE_KAFKA_BROKERS", b.clone()));
+    }
+    env.into_iter().map(|(k, v)| (k.to_owned(), v)).collect()
+}
+
+/// CPU used by the product, PostgreSQL, the harness (this process plus the simulator and the
+/// broker) and everything else over a window.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct ProcessCpu {
+    /// Window length, seconds.
+    pub seconds: f64,
+    /// Share of all cores busy (not idle or waiting for IO), percent.
+    pub machine_busy_pct: f64,
+    /// Cores used by the `boxoffice serve` process (every role).
+    pub product_cores: f64,
+    /// Cores used by PostgreSQL processes (every database of the server).
+    pub postgres_cores: f64,
+    /// Cores used by the load generator (this process), the simulator and the broker.
+    pub harness_cores: f64,
+    /// Cores used by everything else (Redis, other work on the machine, an external broker).
+    pub other_cores: f64,
+}
+
+/// Counters at one instant, clock ticks.
+#[derive(Debug, Clone)]
+pub struct CpuMark {
+    at: Instant,
+    product: u64,
+    harness: u64,
+    base: super::CpuSnap,
+}
+
+impl CpuMark {
+    /// Reads the counters of `pids` (and this process) now.
+    pub fn now(pids: &Pids) -> Self {
+        let sum = |ids: &[u32]| -> u64 {
+            ids.iter().filter_map(|p| super::proc_ticks(&format!("/proc/{p}/stat")).map(|t| t.1)).sum()
+        };
+        Self {
+            at: Instant::now(),
+            product: sum(&pids.product),
+            harness: sum(&pids.harness),
+            base: super::CpuSnap::now(),
+        }
+    }
+
+    /// The use between `self` and `later`.
+    pub fn until(&self, later: &CpuMark) -> ProcessCpu {
+        let seconds = (later.at - self.at).as_secs_f64().max(1e-3);
+        let cores = |a: u64, b: u64| b.saturating_sub(a) as f64 / super::TICKS_PER_S / seconds;
+        let base = self.base.until(&later.base);
+        let product = cores(self.product, later.product);
+        let harness = cores(self.harness, later.harness) + base.boxoffice_cores;
+        let busy = base.machine_busy_pct / 100.0 * cores_of_machine();
+        ProcessCpu {
+            seconds,
+            machine_busy_pct: base.machine_busy_pct,
+            product_cores: product,
+            postgres_cores: base.postgres_cores,
+            harness_cores: harness,
+            other_cores: (busy - product - harness - base.postgres_cores).max(0.0),
+        }
+    }
+}
+
+fn cores_of_machine() -> f64 {
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) as f64
+}
+
+/// CPU-ms per ticketed order, by whom.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct CpuMsPerOrder {
+    /// The `boxoffice serve` process: every role.
+    pub product: f64,
+    /// PostgreSQL.
+    pub postgres: f64,
+    /// The load generator, the Stripe simulator and the broker.
+    pub harness: f64,
+}
+
+impl CpuMsPerOrder {
+    /// `cpu` spread over `orders`; None without orders.
+    pub fn of(cpu: &ProcessCpu, orders: i64) -> Option<Self> {
+        (orders > 0).then(|| {
+            let per = |cores: f64| cores * cpu.seconds * 1_000.0 / orders as f64;
+            Self {
+                product: per(cpu.product_cores),
+                postgres: per(cpu.postgres_cores),
+                harness: per(cpu.harness_cores),
+            }
+        })
+    }
+}
+
+/// One statement's share of the window, from `pg_stat_statements`.
+#[derive(Debug, Clone, Serialize)]
+pub struct StatementCost {
+    /// The normalized text, at most 200 characters.
+    pub query: String,
+    /// Calls per ticketed order.
+    pub calls_per_order: f64,
+    /// Execution time per ticketed order, ms (server time, not CPU).
+    pub exec_ms_per_order: f64,
+}
+
+/// What PostgreSQL did for the bench's database over the window, per ticketed order.
+#[derive(Debug, Clone, Serialize)]
+pub struct PgPerOrder {
+    /// Committed and rolled-back transactions (`pg_stat_database`), per ticketed order.
+    pub transactions: f64,
+    /// Statements other than transaction control (`BEGIN`, `COMMIT`, `ROLLBACK`, savepoints);
+    /// None without `pg_stat_statements`.
+    pub statements: Option<f64>,
+    /// Every call of a client `pg_stat_statements` saw, transaction control included: each is
+    /// one round trip (none are pipelined); None without it.
+    pub round_trips: Option<f64>,
+    /// Statements PostgreSQL ran itself at commit, outside any client statement (the region
+    /// lease's deferred check, migration 0013), which `pg_stat_statements` lists as top
+    /// level: neither statements nor round trips above.
+    pub commit_trigger_statements: Option<f64>,
+    /// Why statements are missing, when they are.
+    pub statements_unavailable: Option<String>,
+    /// The statements with the most calls per order, most first (at most 25).
+    pub top: Vec<StatementCost>,
+}
+
+/// Counters of the bench database at one instant.
+#[derive(Debug, Clone)]
+pub struct PgCounters {
+    xacts: i64,
+    statements: Result<std::collections::HashMap<i64, (String, i64, f64)>, String>,
+}
+
+impl PgCounters {
+    /// Enables `pg_stat_statements` in the bench's database when the server has it loaded;
+    /// the reason otherwise.
+    pub async fn enable(pool: &sqlx::PgPool) -> Result<(), String> {
+        let loaded: Option<String> = sqlx::query_scalar("SELECT current_setting('shared_preload_libraries')")
+            .fetch_optional(pool)
+            .await
+            .map_err(|e| e.to_string())?;
+        if !loaded.unwrap_or_default().split(',').any(|l| l.trim() == "pg_stat_statements") {
+            return Err("the server does not load pg_stat_statements (shared_preload_libraries)".into());
+        }
+        sqlx::query("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+            .execute(pool)
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(())
+    }
+
+    /// Reads the counters now (`statements` only when `enabled`).
+    pub async fn read(pool: &sqlx::PgPool, enabled: bool) -> anyhow::Result<Self> {
+        let xacts: i64 = sqlx::query_scalar(
+            "SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = current_database()",
+        )
+        .fetch_one(pool)
+        .await?;
+        let statements = if enabled {
+            sqlx::query_as::<_, (i64, String, i64, f64)>(
+                "SELECT queryid, query, calls, total_exec_time FROM pg_stat_statements
+                  WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())",
+            )
+            .fetch_all(pool)
+            .await
+            .map(|rows| rows.into_iter().map(|(id, q, c, t)| (id, (q, c, t))).collect())
+            .map_err(|e| e.to_string())
+        } else {
+            Err("pg_stat_statements is not enabled".into())
+        };
+        Ok(Self { xacts, statements })
+    }
+
+    /// What happened between `self` and `later`, per ticketed order.
+    pub fn per_order(&self, later: &PgCounters, orders: i64) -> Option<PgPerOrder> {
+        if orders <= 0 {
+            return None;
+        }
+        let n = orders as f64;
+        let transactions = (later.xacts - self.xacts) as f64 / n;
+        let (before, after) = match (&self.statements, &later.statements) {
+            (Ok(b), Ok(a)) => (b, a),
+            (Err(e), _) | (_, Err(e)) => {
+                return Some(PgPerOrder {
+                    transactions,
+                    statements: None,
+                    round_trips: None,
+                    commit_trigger_statements: None,
+                    statements_unavailable: Some(e.clone()),
+                    top: Vec::new(),
+                })
+            }
+        };
+        let mut rows: Vec<(String, i64, f64)> = after
+            .iter()
+            .map(|(id, (q, c, t))| {
+                let (c0, t0) = before.get(id).map(|(_, c, t)| (*c, *t)).unwrap_or((0, 0.0));
+                (q.clone(), c - c0, t - t0)
+            })
+            .filter(|r| r.1 > 0)
+            .collect();
+        rows.sort_by_key(|r| std::cmp::Reverse(r.1));
+        let server: i64 = rows.iter().filter(|r| is_commit_trigger(&r.0)).map(|r| r.1).sum();
+        let calls: i64 = rows.iter().map(|r| r.1).sum::<i64>() - server;
+        let control: i64 = rows.iter().filter(|r| is_transaction_control(&r.0)).map(|r| r.1).sum();
+        let top = rows
+            .iter()
+            .take(25)
+            .map(|(q, c, t)| StatementCost {
+                query: q.split_whitespace().collect::<Vec<_>>().join(" ").chars().take(200).collect(),
+                calls_per_order: *c as f64 / n,
+                exec_ms_per_order: t / n,
+            })
+            .collect();
+        Some(PgPerOrder {
+            transactions,
+            statements: Some((calls - control) as f64 / n),
+            round_trips: Some(calls as f64 / n),
+            commit_trigger_statements: Some(server as f64 / n),
+            statements_unavailable: None,
+            top,
+        })
+    }
+}
+
+/// The statements of `region_lease_commit_check` (migration 0013), which runs when a commit
+/// begins and so shows up as a top-level statement.
+const COMMIT_TRIGGER_STATEMENTS: [&str; 2] =
+    ["SELECT required, valid_until FROM region_lease", "SELECT set_config($1, txid_current()::text, $2)"];
+
+fn is_commit_trigger(q: &str) -> bool {
+    let q = q.split_whitespace().collect::<Vec<_>>().join(" ");
+    COMMIT_TRIGGER_STATEMENTS.contains(&q.as_str())
+}
+
+fn is_transaction_control(q: &str) -> bool {
+    let head = q.split_whitespace().next().unwrap_or("").to_ascii_uppercase();
+    matches!(head.as_str(), "BEGIN" | "COMMIT" | "ROLLBACK" | "SAVEPOINT" | "RELEASE" | "START" | "END")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_assigned_partitions_per_consumer() {
+        let text = "# TYPE boxoffice_consumer_assigned_partitions gauge\n\
+            boxoffice_consumer_assigned_partitions{consumer=\"saga\"} 12\n\
+            boxoffice_consumer_assigned_partitions{consumer=\"payments\"} 3\n\
+            boxoffice_consumer_lag{consumer=\"saga\",partition=\"1\"} 0\n";
+        assert_eq!(assigned_partitions(text), vec![("saga".into(), 12.0), ("payments".into(), 3.0)]);
+    }
+
+    #[test]
+    fn transaction_control_is_not_a_statement() {
+        for q in ["BEGIN", "commit", " ROLLBACK", "SAVEPOINT sp1", "RELEASE SAVEPOINT sp1"] {
+            assert!(is_transaction_control(q), "{q}");
+        }
+        assert!(!is_transaction_control("SELECT 1"));
+        assert!(!is_transaction_control("INSERT INTO inbox VALUES ($1)"));
+        assert!(is_commit_trigger("SELECT required, valid_until\n  FROM region_lease"));
+        assert!(!is_commit_trigger("SELECT required, valid_until FROM region_lease WHERE required"));
+    }
+}
