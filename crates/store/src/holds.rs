@@ -309,7 +309,7 @@ pub async fn reserve(pool: &PgPool, req: &ReserveRequest) -> Result<ReserveOutco
 }
 
 /// One attempt of the hold transaction, as named steps in the ledger's lock order: the
-/// idempotency key (remembered answer or claim), the seat rows, their current owners (lapsed
+/// buyer's lock and the idempotency key (remembered answer or claim), the seat rows, their current owners (lapsed
 /// holds reclaimed), then the order, hold, seats, `HoldCreated` and the stored answer.
 async fn reserve_once(
     pool: &PgPool,
@@ -334,8 +334,7 @@ async fn reserve_once(
 }
 
 /// The event's rules, read from the event row after taking the buyer's lock for this event
-/// (a transaction-scoped advisory lock on (event, user), so one buyer's concurrent holds are
-/// counted one after the other and N requests with N keys can never pass the cap together).
+/// (step 1, [`claim_idempotency_key`]).
 struct EventRules {
     placement: crate::cells::Placement,
     max_seats_per_buyer: i32,
@@ -364,11 +363,8 @@ async fn check_event_rules(
     req: &ReserveRequest,
     requested: usize,
 ) -> Result<(), ReserveError> {
-    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1::text || '/' || $2::text, 0))")
-        .bind(req.event_id.0)
-        .bind(req.user_id.0)
-        .execute(&mut **tx)
-        .await?;
+    // The buyer's lock was taken with the key (step 1): this statement's snapshot sees every
+    // hold of theirs that committed before it.
     let rules: Option<EventRules> = sqlx::query_as::<
         _,
         (
@@ -446,16 +442,37 @@ async fn check_event_rules(
     Ok(())
 }
 
-/// Step 1: a key seen before answers from memory (`Some(receipt)`), or refuses a different
-/// body / a request still in flight; otherwise the key is claimed in this transaction. A
-/// concurrent claim blocks on the insert until its transaction ends; if it committed, the
-/// retry answers from memory, if it rolled back, we own the key.
+/// Step 1: the buyer's lock for this event (a transaction-scoped advisory lock on (event,
+/// user), so one buyer's concurrent holds are counted one after the other and N requests with
+/// N keys can never pass the cap together), then the key, in one statement: a fresh key is
+/// claimed in this transaction (`None`); a key seen before answers from memory
+/// (`Some(receipt)`), or refuses a different body / a request still in flight. A concurrent
+/// claim of the same key blocks on the insert until its transaction ends; if it committed,
+/// the read that follows answers from memory, if it rolled back, we own the key. The lock
+/// is taken before the key in every hold, so two holds never wait on each other in opposite
+/// orders.
 async fn claim_idempotency_key(
     tx: &mut Tx<'_>,
     req: &ReserveRequest,
     hash: &str,
 ) -> Result<Option<HoldReceipt>, ReserveError> {
     let user = req.user_id.0;
+    let claimed = sqlx::query(
+        "INSERT INTO idempotency_keys (user_id, idempotency_key, request_hash, expires_at)
+         SELECT $1, $2, $3, now() + make_interval(hours => $4)
+           FROM (SELECT pg_advisory_xact_lock(hashtextextended($5::text || '/' || $1::text, 0))) buyer_lock
+         ON CONFLICT DO NOTHING",
+    )
+    .bind(user)
+    .bind(&req.idempotency_key)
+    .bind(hash)
+    .bind(IDEMPOTENCY_RETENTION_HOURS as i32)
+    .bind(req.event_id.0)
+    .execute(&mut **tx)
+    .await?;
+    if claimed.rows_affected() == 1 {
+        return Ok(None);
+    }
     let existing: Option<(String, Option<sqlx::types::Json<HoldReceipt>>)> = sqlx::query_as(
         "SELECT request_hash, response FROM idempotency_keys WHERE user_id = $1 AND idempotency_key = $2",
     )
@@ -463,30 +480,12 @@ async fn claim_idempotency_key(
     .bind(&req.idempotency_key)
     .fetch_optional(&mut **tx)
     .await?;
-    if let Some((stored_hash, response)) = existing {
-        if stored_hash != hash {
-            return Err(ReserveError::IdempotencyConflict);
-        }
-        return match response {
-            Some(r) => Ok(Some(r.0)),
-            None => Err(ReserveError::InProgress),
-        };
+    match existing {
+        Some((stored_hash, _)) if stored_hash != hash => Err(ReserveError::IdempotencyConflict),
+        Some((_, Some(r))) => Ok(Some(r.0)),
+        // Claimed by a transaction still running (or gone between the two statements).
+        _ => Err(ReserveError::InProgress),
     }
-    let claimed = sqlx::query(
-        "INSERT INTO idempotency_keys (user_id, idempotency_key, request_hash, expires_at)
-         VALUES ($1, $2, $3, now() + make_interval(hours => $4))
-         ON CONFLICT DO NOTHING",
-    )
-    .bind(user)
-    .bind(&req.idempotency_key)
-    .bind(hash)
-    .bind(IDEMPOTENCY_RETENTION_HOURS as i32)
-    .execute(&mut **tx)
-    .await?;
-    if claimed.rows_affected() == 0 {
-        return Err(ReserveError::InProgress);
-    }
-    Ok(None)
 }
 
 /// A seat row locked by the hold transaction.
@@ -582,10 +581,22 @@ async fn insert_hold(
     let hold_id = HoldId::new();
     let amount_minor: i64 = locked.iter().map(|r| r.price_minor).sum();
     let currency = locked[0].currency.clone();
-    let expires_at: DateTime<Utc> = sqlx::query_scalar(
-        "INSERT INTO orders (id, user_id, event_id, status, amount_minor, currency, correlation_id)
-         VALUES ($1, $2, $3, $4, $5, $6, $7)
-         RETURNING clock_timestamp() + make_interval(secs => $8::double precision / 1000.0)",
+    let seat_uuids: Vec<Uuid> = seats.iter().map(|s| s.0).collect();
+    // The order, its hold and the hold's seats in one statement (the foreign keys are checked
+    // at its end); the hold's expiry is taken from the database clock now.
+    let inserted: Result<DateTime<Utc>, sqlx::Error> = sqlx::query_scalar(
+        "WITH new_order AS (
+            INSERT INTO orders (id, user_id, event_id, status, amount_minor, currency, correlation_id)
+            VALUES ($1, $2, $3, $4, $5, $6, $7)
+            RETURNING clock_timestamp() + make_interval(secs => $8::double precision / 1000.0) AS expires_at
+         ), new_hold AS (
+            INSERT INTO holds (id, order_id, status, expires_at, payable_by)
+            SELECT $9, $1, $10, expires_at, clock_timestamp() + make_interval(secs => $11) FROM new_order
+            RETURNING id
+         ), new_seats AS (
+            INSERT INTO hold_seats (hold_id, seat_id) SELECT new_hold.id, unnest($12::uuid[]) FROM new_hold
+         )
+         SELECT expires_at FROM new_order",
     )
     .bind(order_id.0)
     .bind(req.user_id.0)
@@ -595,34 +606,22 @@ async fn insert_hold(
     .bind(&currency)
     .bind(req.correlation_id)
     .bind(req.ttl.as_millis() as f64)
-    .fetch_one(&mut **tx)
-    .await?;
-    sqlx::query(
-        "INSERT INTO holds (id, order_id, status, expires_at, payable_by)
-         VALUES ($1, $2, $3, $4, clock_timestamp() + make_interval(secs => $5))",
-    )
     .bind(hold_id.0)
-    .bind(order_id.0)
     .bind(HoldStatus::Active.as_str())
-    .bind(expires_at)
     .bind(req.payable_within.map(|d| d.as_secs_f64()))
-    .execute(&mut **tx)
-    .await?;
-    let seat_uuids: Vec<Uuid> = seats.iter().map(|s| s.0).collect();
-    let inserted = sqlx::query("INSERT INTO hold_seats (hold_id, seat_id) SELECT $1, unnest($2::uuid[])")
-        .bind(hold_id.0)
-        .bind(&seat_uuids)
-        .execute(&mut **tx)
-        .await;
-    if let Err(e) = inserted {
+    .bind(&seat_uuids)
+    .fetch_one(&mut **tx)
+    .await;
+    let expires_at = match inserted {
+        Ok(at) => at,
         // Only reachable if some path took a seat without its row lock: the index is the
         // last guard, and we report it as the conflict it is.
-        if constraint(&e) == Some("hold_seat_active_uq") {
+        Err(e) if constraint(&e) == Some("hold_seat_active_uq") => {
             metrics::counter!("boxoffice_hold_unique_index_rejections_total").increment(1);
             return Err(ReserveError::SeatUnavailable { seat_ids: seats.to_vec() });
         }
-        return Err(e.into());
-    }
+        Err(e) => return Err(e.into()),
+    };
     let receipt = HoldReceipt {
         order_id,
         hold_id,
