@@ -273,6 +273,11 @@ pub struct Config {
     /// order's events stay ordered while different orders are applied in parallel. Each
     /// busy lane holds one database connection.
     pub consumer_lanes: usize,
+    /// Most messages a lane of the saga or ticket consumer applies in one transaction (what
+    /// has queued up for it, never waiting for more; `boxoffice_bus::consumer`, "Batches").
+    /// 1 applies each message in a transaction of its own. Default 16; 1..=1000. A batch holds
+    /// the row locks of its orders until it commits, so a webhook for one of them waits for it.
+    pub consumer_batch_max: usize,
     /// Attempts of a transiently failing message in place before it moves to the 5 s retry
     /// topic (design §8).
     pub consumer_inline_attempts: u32,
@@ -648,6 +653,7 @@ impl Default for Config {
             kafka_replication: 1,
             consumers_per_role: 1,
             consumer_lanes: 8,
+            consumer_batch_max: 16,
             consumer_inline_attempts: 3,
             consumer_retry_5s_delay_ms: 5_000,
             consumer_retry_1m_delay_ms: 60_000,
@@ -816,6 +822,9 @@ impl Config {
         }
         if self.consumer_lanes < 1 || self.consumer_lanes > 256 || self.consumers_per_role < 1 {
             bail!("consumer_lanes must be 1..=256 and consumers_per_role at least 1");
+        }
+        if !(1..=1_000).contains(&self.consumer_batch_max) {
+            bail!("consumer_batch_max must be 1..=1000");
         }
         if self.consumer_inline_attempts < 1 || self.consumer_max_attempts <= self.consumer_inline_attempts {
             bail!("consumer_inline_attempts must be at least 1 and below consumer_max_attempts");

@@ -297,18 +297,21 @@ pub async fn start(
             }
             Role::Saga | Role::Payments | Role::Tickets => {
                 let (k, p) = (kafka.as_ref().expect("kafka"), producer.clone().expect("kafka"));
-                let (lanes, sd) = (cfg.consumer_lanes, shutdown.clone());
+                let members = boxoffice_bus::Members {
+                    instances: consumers,
+                    lanes: cfg.consumer_lanes,
+                    batch: cfg.consumer_batch_max,
+                };
+                let sd = shutdown.clone();
                 let (handles, assignment) = match role {
-                    Role::Saga => run_consumers(k, pool.clone(), Arc::new(Saga), p, consumers, lanes, sd)?,
-                    Role::Tickets => {
-                        run_consumers(k, pool.clone(), Arc::new(TicketWorker), p, consumers, lanes, sd)?
-                    }
+                    Role::Saga => run_consumers(k, pool.clone(), Arc::new(Saga), p, members, sd)?,
+                    Role::Tickets => run_consumers(k, pool.clone(), Arc::new(TicketWorker), p, members, sd)?,
                     _ => {
                         let worker = Arc::new(
                             PaymentWorker::new(gateway(cfg)?, pool.clone(), cfg.hold_policy())
                                 .in_cell(&cfg.purchase_cell),
                         );
-                        run_consumers(k, pool.clone(), worker, p, consumers, lanes, sd)?
+                        run_consumers(k, pool.clone(), worker, p, members, sd)?
                     }
                 };
                 groups.push(assignment);

@@ -5,7 +5,7 @@
 //! ids already in the inbox; run the handler's `prepare` step outside any transaction (where
 //! remote calls such as Stripe happen, each with a stable idempotency key); then, in one
 //! PostgreSQL transaction, insert `(consumer, event_id)` into the inbox and apply the effect;
-//! commit; and only then commit the Kafka offset. A crash anywhere before the offset commit
+//! commit; and only then commit the Kafka offset (batched, see [`run_consumers`]). A crash anywhere before the offset commit
 //! replays the message, and the inbox turns the replay into a no-op (invariant 4).
 //!
 //! **Retries** (design §8). A transient error (database unreachable, provider 5xx, timeout,
@@ -22,6 +22,24 @@
 //! and the attempt count, and the runner moves on. A copy is durable in the next topic
 //! before the offset of the original is committed, so a crash in between only duplicates it
 //! (into the inbox).
+//!
+//! **Batches.** On the purchase topic, a consumer whose `prepare` makes no remote call (the
+//! saga, the ticket worker) applies what has queued up for one lane — at most
+//! `consumer_batch_max` messages, never waiting for more — in one transaction: per message, in
+//! offset order and in its own consumer span, the inbox row and the effect; then one commit,
+//! and the offsets of all of them only after it. A batch may contain facts of different
+//! orders, at most one fact per order (a second fact of an order starts the next
+//! transaction, after the commit of the first: a lane holds every message of its keys in
+//! partition order, so one order's facts are still applied in that order, and each
+//! transaction applies one fact of an order, the step the per-order timeline shows), and
+//! copies of a fact already applied (the inbox turns them into nothing). It never contains a message that calls out (the
+//! payment worker's, whose Stripe call must precede its own transaction), a retry-topic copy,
+//! an undecodable envelope or a fact of another region epoch: those are processed alone,
+//! after the messages before them. If anything in the shared transaction fails, all of it is
+//! rolled back and each of its messages is processed alone, with its own attempts, retry
+//! topics and dead letter, so one bad message costs the others a second try and nothing else.
+//! Messages of a type the consumer does not act on are acknowledged unread, by the relay's
+//! `event-type` header when it is there.
 //!
 //! **Facts of an older region epoch** (design §15). After a regional failover the promoted
 //! region's consumers may read facts stamped with the fenced epoch (`region_epoch`): those
@@ -462,22 +480,35 @@ struct Origin {
     offset: i64,
 }
 
-/// Runs `instances` members of the handler's consumer group until `shutdown`. Each member
-/// reads its partitions and spreads messages over `lanes` concurrent lanes by message key
-/// (the order id): one order's messages are applied in partition order, different orders in
-/// parallel. Offsets are committed only up to the lowest message still in flight in its
-/// partition, so a crash replays everything unfinished (into the inbox). Each instance also
-/// runs one member on each retry topic (see the module doc). Returns the tasks and the main
-/// group's [`Assignment`].
+/// How many members a process runs and how each applies messages.
+#[derive(Debug, Clone, Copy)]
+pub struct Members {
+    /// Members of the consumer group in this process (`consumers_per_role`).
+    pub instances: usize,
+    /// Concurrent lanes per member (`consumer_lanes`).
+    pub lanes: usize,
+    /// Most messages a lane applies in one transaction (`consumer_batch_max`; see the
+    /// module doc, "Batches").
+    pub batch: usize,
+}
+
+/// Runs `members.instances` members of the handler's consumer group until `shutdown`. Each
+/// member reads its partitions and spreads messages over `members.lanes` concurrent lanes by
+/// message key (the order id): one order's messages are applied in partition order, different
+/// orders in parallel. Offsets are committed only up to the lowest message still in flight in
+/// its partition, every 200 ms for all partitions that moved in one request, so a crash
+/// replays everything unfinished and what finished since the last commit (into the inbox).
+/// Each instance also runs one member on each retry topic (see the module doc). Returns the
+/// tasks and the main group's [`Assignment`].
 pub fn run_consumers<H: Handler>(
     cfg: &KafkaConfig,
     pool: PgPool,
     handler: Arc<H>,
     producer: FutureProducer,
-    instances: usize,
-    lanes: usize,
+    members: Members,
     shutdown: CancellationToken,
 ) -> anyhow::Result<(Vec<tokio::task::JoinHandle<()>>, Arc<Assignment>)> {
+    let Members { instances, lanes, batch } = members;
     let assignment = Arc::new(Assignment::default());
     let retry_assignment = Arc::new(Assignment::default());
     let mut tasks = Vec::new();
@@ -512,6 +543,9 @@ pub fn run_consumers<H: Handler>(
                 producer: producer.clone(),
                 shutdown: shutdown.clone(),
                 stage,
+                // A batch shares one transaction: only for handlers with no remote call, and
+                // only on the main topic (a retry copy waits for its own due time).
+                batch: if stage == Stage::Main && !handler.calls_out() { batch.max(1) } else { 1 },
             });
             // Retry members mostly wait for due times; a couple of lanes is plenty.
             let lanes = if stage == Stage::Main { lanes.max(1) } else { lanes.clamp(1, 2) };
@@ -530,6 +564,8 @@ struct Runner<H> {
     producer: FutureProducer,
     shutdown: CancellationToken,
     stage: Stage,
+    /// Most messages one lane applies in one transaction.
+    batch: usize,
 }
 
 /// Offsets dispatched but not finished, per partition: the commit point of a partition is
@@ -558,6 +594,16 @@ impl InFlight {
     }
 }
 
+/// Whether a message can join a shared transaction ([`Runner::process_all`]).
+enum Batchable {
+    /// Not a fact this consumer acts on: acknowledged unread.
+    Ignored,
+    /// Yes: the decoded envelope and fact.
+    Yes(Box<Envelope>, Box<PurchaseEvent>),
+    /// Only on its own (undecodable, or of another region epoch).
+    Alone,
+}
+
 /// How one stage's attempts at a message ended.
 enum Outcome {
     Done,
@@ -584,24 +630,41 @@ impl<H: Handler> Runner<H> {
             lane_tx.push(tx);
             let (me, done) = (self.clone(), done_tx.clone());
             lane_tasks.push(tokio::spawn(async move {
-                while let Some(msg) = rx.recv().await {
-                    if !me.process(&msg).await {
-                        break; // shutting down mid-retry: the offset stays uncommitted
+                while let Some(first) = rx.recv().await {
+                    // What is already queued for this lane, up to the batch size: never waits
+                    // for more.
+                    let mut batch = vec![first];
+                    while batch.len() < me.batch {
+                        match rx.try_recv() {
+                            Ok(m) => batch.push(m),
+                            Err(_) => break,
+                        }
                     }
-                    let _ = done.send((msg.topic().to_owned(), msg.partition(), msg.offset()));
+                    let (finished, stopped) = me.process_all(&batch).await;
+                    for i in finished {
+                        let msg = &batch[i];
+                        let _ = done.send((msg.topic().to_owned(), msg.partition(), msg.offset()));
+                    }
+                    if stopped {
+                        break; // shutting down mid-retry: those offsets stay uncommitted
+                    }
                 }
             }));
         }
         drop(done_tx);
         let mut in_flight = InFlight::default();
+        let mut commits = PendingCommits::default();
+        let mut flush = tokio::time::interval(COMMIT_EVERY);
+        flush.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
                 _ = self.shutdown.cancelled() => break,
                 Some((topic, partition, offset)) = done_rx.recv() => {
                     if let Some(next) = in_flight.finish(&topic, partition, offset) {
-                        commit(&consumer, name, &topic, partition, next);
+                        commits.set(topic, partition, next);
                     }
                 }
+                _ = flush.tick() => commits.flush(&consumer, name, CommitMode::Async),
                 m = consumer.recv() => match m {
                     Ok(m) => {
                         let msg = m.detach();
@@ -620,27 +683,215 @@ impl<H: Handler> Runner<H> {
                 },
             }
         }
-        // Let each lane finish the message in hand, then commit what completed.
+        // Let each lane finish the message in hand, then commit what completed (and nothing
+        // past a message a lane gave up on at shutdown).
         drop(lane_tx);
         for t in lane_tasks {
             let _ = t.await;
         }
         while let Ok((topic, partition, offset)) = done_rx.try_recv() {
             if let Some(next) = in_flight.finish(&topic, partition, offset) {
-                commit(&consumer, name, &topic, partition, next);
+                commits.set(topic, partition, next);
             }
         }
         lag_reporter.abort();
-        if let Err(e) = consumer.commit_consumer_state(CommitMode::Sync) {
-            tracing::debug!(consumer = name, error = %e, "final offset commit");
-        }
+        commits.flush(&consumer, name, CommitMode::Sync);
         tracing::info!(consumer = name, stage = self.stage.label(), "consumer stopped");
+    }
+
+    /// Where `msg` was read, for its consumer span; `attempt`: attempts before this one.
+    fn delivery<'m>(&'m self, msg: &'m OwnedMessage, attempt: u32) -> Delivery<'m> {
+        Delivery {
+            topic: msg.topic(),
+            partition: msg.partition(),
+            offset: msg.offset(),
+            group: &self.group,
+            traceparent: header(msg, boxoffice_trace::TRACEPARENT),
+            attempt,
+        }
+    }
+
+    /// Processes a lane's batch in order: consecutive messages this consumer applies share
+    /// one transaction ([`Runner::apply_batch`]); a message it does not want is acknowledged
+    /// unread; anything else (an undecodable envelope, a fact of another region epoch, a batch
+    /// of one) goes through [`Runner::process`] alone, after the messages before it. When a
+    /// shared transaction fails, nothing of it is kept and each of its messages is processed
+    /// alone, with its own attempts, retry topics and dead letter. Returns the indexes of the
+    /// finished messages and whether shutdown interrupted the batch.
+    async fn process_all(&self, batch: &[OwnedMessage]) -> (Vec<usize>, bool) {
+        if batch.len() == 1 {
+            return if self.process(&batch[0]).await { (vec![0], false) } else { (vec![], true) };
+        }
+        let name = self.handler.name();
+        let mut finished = Vec::with_capacity(batch.len());
+        let mut run: Vec<(usize, Envelope, PurchaseEvent)> = Vec::new();
+        for (i, msg) in batch.iter().enumerate() {
+            match self.batchable(msg) {
+                // One fact per order in a transaction: a second one of an order waits for
+                // the commit of the first.
+                Batchable::Yes(env, event)
+                    if run.iter().any(|(_, e, _)| e.aggregate_id == env.aggregate_id) =>
+                {
+                    if !self.flush_run(batch, &mut run, &mut finished).await {
+                        return (finished, true);
+                    }
+                    run.push((i, *env, *event));
+                }
+                Batchable::Ignored => {
+                    metrics::counter!("boxoffice_consumer_messages_total", "consumer" => name, "outcome" => "Ignored")
+                        .increment(1);
+                    finished.push(i);
+                }
+                Batchable::Yes(env, event) => run.push((i, *env, *event)),
+                Batchable::Alone => {
+                    if !self.flush_run(batch, &mut run, &mut finished).await {
+                        return (finished, true);
+                    }
+                    if !self.process(msg).await {
+                        return (finished, true);
+                    }
+                    finished.push(i);
+                }
+            }
+        }
+        let complete = self.flush_run(batch, &mut run, &mut finished).await;
+        (finished, !complete)
+    }
+
+    /// Whether `msg` can share a transaction: a fact this consumer wants, decoded, of this
+    /// writer's region epoch.
+    fn batchable(&self, msg: &OwnedMessage) -> Batchable {
+        // The relay's `event-type` header spares decoding what this consumer ignores.
+        if let Some(kind) = header(msg, crate::fact_headers::EVENT_TYPE).and_then(EventKind::of) {
+            if !self.handler.wants(kind) {
+                return Batchable::Ignored;
+            }
+        }
+        let Some(Ok(env)) = msg.payload().map(Envelope::from_slice) else { return Batchable::Alone };
+        if !EventKind::of(&env.event_type).is_some_and(|kind| self.handler.wants(kind)) {
+            return Batchable::Ignored;
+        }
+        if let Some(mine) = self.cfg.writer_epoch {
+            let suspect = match env.region_epoch {
+                Some(theirs) => theirs != mine,
+                None => mine > 1,
+            };
+            if suspect {
+                return Batchable::Alone;
+            }
+        }
+        match env.decode() {
+            Ok(event) => Batchable::Yes(Box::new(env), Box::new(event)),
+            Err(_) => Batchable::Alone,
+        }
+    }
+
+    /// Applies `run` (emptied) in one transaction, or each message alone when that fails;
+    /// `false` if shutdown interrupted it.
+    async fn flush_run(
+        &self,
+        batch: &[OwnedMessage],
+        run: &mut Vec<(usize, Envelope, PurchaseEvent)>,
+        finished: &mut Vec<usize>,
+    ) -> bool {
+        let name = self.handler.name();
+        match run.len() {
+            0 => return true,
+            1 => {
+                let (i, _, _) = run.remove(0);
+                if !self.process(&batch[i]).await {
+                    return false;
+                }
+                finished.push(i);
+                return true;
+            }
+            _ => {}
+        }
+        let started = std::time::Instant::now();
+        match self.apply_batch(batch, run).await {
+            Ok(dispositions) => {
+                let per = started.elapsed().as_secs_f64() / run.len() as f64;
+                metrics::histogram!("boxoffice_consumer_batch_messages", "consumer" => name)
+                    .record(run.len() as f64);
+                for ((i, _, _), d) in run.drain(..).zip(dispositions) {
+                    if d == Disposition::Applied {
+                        metrics::histogram!("boxoffice_consumer_apply_seconds", "consumer" => name)
+                            .record(per);
+                    }
+                    metrics::counter!("boxoffice_consumer_messages_total", "consumer" => name, "outcome" => format!("{d:?}"))
+                        .increment(1);
+                    finished.push(i);
+                }
+                true
+            }
+            Err(e) => {
+                tracing::debug!(consumer = name, messages = run.len(), error = %e,
+                    "shared transaction failed: applying its messages one by one");
+                metrics::counter!("boxoffice_consumer_batch_fallbacks_total", "consumer" => name)
+                    .increment(1);
+                for (i, _, _) in run.drain(..) {
+                    if !self.process(&batch[i]).await {
+                        return false;
+                    }
+                    finished.push(i);
+                }
+                true
+            }
+        }
+    }
+
+    /// One transaction for `run`: per message, in order and inside its own consumer span, the
+    /// inbox row and the effect (a duplicate, even of a message earlier in the run, finds its
+    /// inbox row and does nothing); then one commit. The fault points are those of
+    /// [`handle_once`], once per message around the handler and once per batch around the
+    /// commit. Any error rolls everything back.
+    async fn apply_batch(
+        &self,
+        batch: &[OwnedMessage],
+        run: &[(usize, Envelope, PurchaseEvent)],
+    ) -> Result<Vec<Disposition>, HandlerError> {
+        let name = self.handler.name();
+        let mut tx = self.pool.begin().await?;
+        let mut out = Vec::with_capacity(run.len());
+        for (i, env, event) in run {
+            let span = consumer_span(name, env, Some(&self.delivery(&batch[*i], 0)), &self.cfg.labels);
+            let tx = &mut tx;
+            let d = async move {
+                boxoffice_faults::check_consumer(name, "before_remote")?;
+                let prepared = self.handler.prepare(env, event).await?;
+                boxoffice_faults::check_consumer(name, "after_remote")?;
+                if !inbox::record(tx, name, env.event_id).await? {
+                    return Ok(Disposition::Duplicate);
+                }
+                self.handler.apply(tx, env, event, prepared).await?;
+                Ok::<_, HandlerError>(Disposition::Applied)
+            }
+            .instrument(span)
+            .await?;
+            out.push(d);
+        }
+        boxoffice_faults::check_consumer(name, "before_commit")?;
+        tx.commit().await?;
+        boxoffice_faults::check_consumer(name, "after_commit")?;
+        boxoffice_faults::check_consumer(name, "before_ack")?;
+        Ok(out)
     }
 
     /// Processes one message until applied, skipped, handed to the next retry topic or
     /// dead-lettered; `false` if shutdown interrupted it (its offset must not be committed).
     async fn process(&self, msg: &OwnedMessage) -> bool {
         let name = self.handler.name();
+        if self.stage == Stage::Main {
+            // The relay's `event-type` header spares decoding what this consumer ignores.
+            if header(msg, crate::fact_headers::EVENT_TYPE)
+                .and_then(EventKind::of)
+                .is_some_and(|k| !self.handler.wants(k))
+            {
+                metrics::counter!("boxoffice_consumer_messages_total", "consumer" => name, "outcome" => "Ignored")
+                    .increment(1);
+                return true;
+            }
+        }
         let (origin, attempts_before) = if self.stage == Stage::Main {
             (
                 Origin {
@@ -717,14 +968,7 @@ impl<H: Handler> Runner<H> {
         for i in 0..budget {
             attempts += 1;
             let started = std::time::Instant::now();
-            let delivery = Delivery {
-                topic: msg.topic(),
-                partition: msg.partition(),
-                offset: msg.offset(),
-                group: &self.group,
-                traceparent: header(msg, boxoffice_trace::TRACEPARENT),
-                attempt: attempts - 1,
-            };
+            let delivery = self.delivery(msg, attempts - 1);
             let span = consumer_span(name, env, Some(&delivery), &self.cfg.labels);
             let applied = apply_once(&self.pool, &*self.handler, env, self.cfg.writer_epoch)
                 .instrument(span.clone())
@@ -905,12 +1149,32 @@ async fn report_lag(consumer: Arc<GroupConsumer>, name: String, shutdown: Cancel
     }
 }
 
-/// Commits `offset` (the next to read) for one partition, asynchronously: a lost commit only
-/// replays messages into the inbox.
-fn commit(consumer: &GroupConsumer, name: &'static str, topic: &str, partition: i32, offset: i64) {
-    let mut tpl = TopicPartitionList::new();
-    if tpl.add_partition_offset(topic, partition, Offset::Offset(offset)).is_ok() {
-        if let Err(e) = consumer.commit(&tpl, CommitMode::Async) {
+/// How often a member sends the commit points that moved: one request for all its
+/// partitions, instead of one per message.
+const COMMIT_EVERY: Duration = Duration::from_millis(200);
+
+/// Commit points (the next offset to read) that moved since the last flush, per partition.
+#[derive(Default)]
+struct PendingCommits {
+    next: HashMap<(String, i32), i64>,
+}
+
+impl PendingCommits {
+    fn set(&mut self, topic: String, partition: i32, offset: i64) {
+        self.next.insert((topic, partition), offset);
+    }
+
+    /// Commits every moved partition in one request: a lost or failed commit only replays
+    /// messages into the inbox.
+    fn flush(&mut self, consumer: &GroupConsumer, name: &'static str, mode: CommitMode) {
+        if self.next.is_empty() {
+            return;
+        }
+        let mut tpl = TopicPartitionList::new();
+        for ((topic, partition), offset) in self.next.drain() {
+            let _ = tpl.add_partition_offset(&topic, partition, Offset::Offset(offset));
+        }
+        if let Err(e) = consumer.commit(&tpl, mode) {
             tracing::debug!(consumer = name, error = %e, "offset commit failed; messages will replay into the inbox");
         }
     }

@@ -13,5 +13,15 @@ pub mod embedded;
 pub mod producer;
 pub mod topics;
 
+/// Headers the relay puts on every fact it publishes, from the same outbox row as the
+/// envelope (`boxoffice_workers::relay`); consumers read `EVENT_TYPE` to skip facts they do
+/// not act on without decoding them.
+pub mod fact_headers {
+    /// The fact's event id (the envelope's `event_id`).
+    pub const EVENT_ID: &str = "event-id";
+    /// The fact's type (the envelope's `event_type`).
+    pub const EVENT_TYPE: &str = "event-type";
+}
+
 pub use config::{KafkaConfig, KafkaSecurity, RetryPolicy, SaslMechanism, SecurityProtocol};
-pub use consumer::{run_consumers, Handler, HandlerError};
+pub use consumer::{run_consumers, Handler, HandlerError, Members};

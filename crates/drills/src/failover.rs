@@ -637,7 +637,7 @@ fn mirror_topic(
                 let owned = h.detach();
                 if let Some(id) = owned
                     .iter()
-                    .find(|h| h.key == "event-id")
+                    .find(|h| h.key == boxoffice_bus::fact_headers::EVENT_ID)
                     .and_then(|h| h.value)
                     .and_then(|v| std::str::from_utf8(v).ok())
                     .and_then(|s| s.parse().ok())

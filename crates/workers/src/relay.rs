@@ -165,8 +165,11 @@ pub async fn publish_batch(
         let id = row.id.to_string();
         let epoch = row.region_epoch.map(|e| e.to_string());
         let mut headers = OwnedHeaders::new()
-            .insert(Header { key: "event-id", value: Some(id.as_str()) })
-            .insert(Header { key: "event-type", value: Some(row.event_type.as_str()) });
+            .insert(Header { key: boxoffice_bus::fact_headers::EVENT_ID, value: Some(id.as_str()) })
+            .insert(Header {
+                key: boxoffice_bus::fact_headers::EVENT_TYPE,
+                value: Some(row.event_type.as_str()),
+            });
         if let (Some(region), Some(epoch)) = (&row.region, &epoch) {
             headers = headers
                 .insert(Header { key: "region", value: Some(region.as_str()) })

@@ -13,6 +13,7 @@ mod cells;
 mod cells_drill;
 mod chaos;
 mod compensation;
+mod consumer_batch;
 mod contract;
 mod dashboard;
 mod e2e;
