@@ -189,13 +189,31 @@ async fn one_purchase_is_one_trace_across_every_role_process(_: PgPoolOptions, o
     assert_eq!(v["tickets"].as_array().unwrap().len(), 2, "{v}");
     assert!(sim.wait_webhooks_idle(WAIT).await, "the simulator delivered its webhooks");
 
-    // Every fact of the order stored a context of the buyer's trace.
-    let stored: Vec<Option<String>> =
-        sqlx::query_scalar("SELECT traceparent FROM outbox WHERE message_key = $1")
-            .bind(order.to_string())
-            .fetch_all(&pool)
-            .await
-            .unwrap();
+    // The relay stops below: first let it publish what the last webhook's fact started.
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let unpublished: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM outbox WHERE message_key = $1 AND published_at IS NULL")
+                .bind(order.to_string())
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        if unpublished == 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the order's facts were not all published");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+
+    // Every fact of the order stored a context of the buyer's trace (those published, each
+    // of which has a publish span below; a saga step may still be adding one).
+    let stored: Vec<Option<String>> = sqlx::query_scalar(
+        "SELECT traceparent FROM outbox WHERE message_key = $1 AND published_at IS NOT NULL",
+    )
+    .bind(order.to_string())
+    .fetch_all(&pool)
+    .await
+    .unwrap();
     assert!(stored.len() >= 8, "{stored:?}");
     for t in &stored {
         assert!(t.as_deref().is_some_and(|t| t.starts_with(&format!("00-{trace_id}-"))), "{stored:?}");
