@@ -26,20 +26,23 @@
 //! **Batches.** On the purchase topic, a consumer whose `prepare` makes no remote call (the
 //! saga, the ticket worker) applies what has queued up for one lane — at most
 //! `consumer_batch_max` messages, never waiting for more — in one transaction: per message, in
-//! offset order and in its own consumer span, the inbox row and the effect; then one commit,
+//! the order of their order ids (so two shared transactions lock their orders' rows in one
+//! order and never deadlock each other) and in its own consumer span, the inbox row and the
+//! effect; then one commit,
 //! and the offsets of all of them only after it. A batch may contain facts of different
 //! orders, at most one fact per order (a second fact of an order starts the next
 //! transaction, after the commit of the first: a lane holds every message of its keys in
 //! partition order, so one order's facts are still applied in that order, and each
 //! transaction applies one fact of an order, the step the per-order timeline shows), and
-//! copies of a fact already applied (the inbox turns them into nothing). It never contains a message that calls out (the
-//! payment worker's, whose Stripe call must precede its own transaction), a retry-topic copy,
-//! an undecodable envelope or a fact of another region epoch: those are processed alone,
-//! after the messages before them. If anything in the shared transaction fails, all of it is
-//! rolled back and each of its messages is processed alone, with its own attempts, retry
-//! topics and dead letter, so one bad message costs the others a second try and nothing else.
-//! Messages of a type the consumer does not act on are acknowledged unread, by the relay's
-//! `event-type` header when it is there.
+//! copies of a fact already applied (the inbox turns them into nothing). It never contains a
+//! message that calls out (the payment worker's, whose Stripe call must precede its own
+//! transaction), a retry-topic copy, an undecodable envelope or a fact of another region
+//! epoch: those are processed alone, after the messages before them. If anything in the
+//! shared transaction fails, all of it is rolled back and each of its messages is processed
+//! alone, with its own attempts, retry topics and dead letter, so one bad message costs the
+//! others a second try and nothing else. Messages of a type the consumer does not act on are
+//! acknowledged unread, by the relay's `event-type` header when it is there (the relay writes
+//! it from the outbox row the envelope is made of; a message without it is decoded).
 //!
 //! **Facts of an older region epoch** (design §15). After a regional failover the promoted
 //! region's consumers may read facts stamped with the fenced epoch (`region_epoch`): those
@@ -840,8 +843,9 @@ impl<H: Handler> Runner<H> {
         }
     }
 
-    /// One transaction for `run`: per message, in order and inside its own consumer span, the
-    /// inbox row and the effect (a duplicate, even of a message earlier in the run, finds its
+    /// One transaction for `run`: per message, in the order of their order ids (one fact per
+    /// order: no order's facts are reordered) and inside its own consumer span, the inbox row
+    /// and the effect (a duplicate, even of a message earlier in the run, finds its
     /// inbox row and does nothing); then one commit. The fault points are those of
     /// [`handle_once`], once per message around the handler and once per batch around the
     /// commit. Any error rolls everything back.
@@ -851,9 +855,15 @@ impl<H: Handler> Runner<H> {
         run: &[(usize, Envelope, PurchaseEvent)],
     ) -> Result<Vec<Disposition>, HandlerError> {
         let name = self.handler.name();
+        // Each order's rows are locked in order-id order: two shared transactions (of two
+        // lanes, or of the saga and the ticket worker) never wait for each other in a cycle.
+        // A run holds one fact per order, so this reorders no order's facts.
+        let mut by_order: Vec<usize> = (0..run.len()).collect();
+        by_order.sort_by_key(|&k| run[k].1.aggregate_id);
         let mut tx = self.pool.begin().await?;
-        let mut out = Vec::with_capacity(run.len());
-        for (i, env, event) in run {
+        let mut out = vec![Disposition::Duplicate; run.len()];
+        for k in by_order {
+            let (i, env, event) = &run[k];
             let span = consumer_span(name, env, Some(&self.delivery(&batch[*i], 0)), &self.cfg.labels);
             let tx = &mut tx;
             let d = async move {
@@ -868,7 +878,7 @@ impl<H: Handler> Runner<H> {
             }
             .instrument(span)
             .await?;
-            out.push(d);
+            out[k] = d;
         }
         boxoffice_faults::check_consumer(name, "before_commit")?;
         tx.commit().await?;
