@@ -635,8 +635,9 @@ pub(crate) fn find_boxoffice(given: Option<&Path>, exe: &Path) -> anyhow::Result
     };
     anyhow::ensure!(
         path.is_file(),
-        "the product binary {} was not found: build it (`cargo build -p boxoffice`) or pass --boxoffice-bin",
-        path.display()
+        "the product binary {} was not found: build it (`cargo build{} -p boxoffice`) or pass --boxoffice-bin",
+        path.display(),
+        if exe.components().any(|c| c.as_os_str() == "release") { " --release" } else { "" }
     );
     Ok(path)
 }

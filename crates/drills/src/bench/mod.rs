@@ -189,10 +189,11 @@ impl BenchArgs {
         Ok(procs::Programs {
             boxoffice: crate::chaos::find_boxoffice(self.boxoffice_bin.as_deref(), &exe)?,
             drills: self.drills_bin.clone().unwrap_or(exe),
-            nisshi: if broker_configured {
-                None
-            } else {
-                crate::chaos::find_nisshi(self.nisshi.as_deref()).ok()
+            nisshi: match (broker_configured, &self.nisshi) {
+                (true, _) => None,
+                // Named: it must exist.
+                (false, Some(given)) => Some(crate::chaos::find_nisshi(Some(given))?),
+                (false, None) => crate::chaos::find_nisshi(None).ok(),
             },
         })
     }

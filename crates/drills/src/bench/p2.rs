@@ -273,8 +273,8 @@ async fn library_level(room: &Waitroom, event: EventId, c: usize, secs: u64) -> 
     Ok(level("library", c, m))
 }
 
-/// Deletes every key under the bench's prefix.
-async fn delete_keys(cfg: &Config) -> anyhow::Result<()> {
+/// Deletes every key under the bench's prefix (`cfg.redis_key_prefix`).
+pub(crate) async fn delete_keys(cfg: &Config) -> anyhow::Result<()> {
     use secrecy::ExposeSecret;
     let client = redis::Client::open(cfg.redis_url.expose_secret())?;
     let mut conn = client.get_multiplexed_async_connection().await?;

@@ -244,6 +244,9 @@ async fn run_on(
     eprintln!("   product, simulator and broker ({broker}) running; logs in {}", dir.display());
     let outcome = drive(&cfg, args, event.0, deck, procs.api_addr, pool, &procs.pids()).await;
     procs.stop().await;
+    if let Err(e) = super::p2::delete_keys(&cfg).await {
+        tracing::warn!(error = %format!("{e:#}"), "could not delete the bench's Redis keys");
+    }
     outcome.map(|mut r| {
         r.broker = broker;
         r
@@ -311,17 +314,21 @@ async fn drive(
         tokio::spawn(async move {
             let mut every = tokio::time::interval(SAMPLE_EVERY);
             every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            let mut analyzed = Instant::now();
+            // As autovacuum would, in a task of its own so the samples stay 500 ms apart.
+            let vacuum = analyze.then(|| {
+                let (pool, stop) = (pool.clone(), stop.clone());
+                tokio::spawn(async move {
+                    let tables = "orders, holds, hold_seats, payments, tickets, outbox, inbox, idempotency_keys";
+                    loop {
+                        tokio::select! { _ = stop.cancelled() => break, _ = tokio::time::sleep(Duration::from_secs(5)) => {} }
+                        if let Err(e) = sqlx::query(&format!("VACUUM (ANALYZE) {tables}")).execute(&pool).await {
+                            tracing::warn!(error = %e, "VACUUM (ANALYZE) failed");
+                        }
+                    }
+                })
+            });
             while !stop.is_cancelled() {
                 tokio::select! { _ = stop.cancelled() => break, _ = every.tick() => {} }
-                if analyze && analyzed.elapsed() >= Duration::from_secs(5) {
-                    analyzed = Instant::now();
-                    let tables =
-                        "orders, holds, hold_seats, payments, tickets, outbox, inbox, idempotency_keys";
-                    if let Err(e) = sqlx::query(&format!("VACUUM (ANALYZE) {tables}")).execute(&pool).await {
-                        tracing::warn!(error = %e, "VACUUM (ANALYZE) failed");
-                    }
-                }
                 let t_s = ctx.started.elapsed().as_secs_f64();
                 let ticketed: i64 = sqlx::query_scalar(
                     "SELECT count(*) FROM orders WHERE event_id = $1 AND status = 'ticketed'",
@@ -347,6 +354,9 @@ async fn drive(
                     outbox_age_ms: backlog.oldest_age_ms,
                     max_lag,
                 });
+            }
+            if let Some(v) = vacuum {
+                let _ = v.await;
             }
         })
     };

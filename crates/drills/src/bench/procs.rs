@@ -503,7 +503,8 @@ impl PgCounters {
 const COMMIT_TRIGGER_STATEMENTS: [&str; 2] =
     ["SELECT required, valid_until FROM region_lease", "SELECT set_config($1, txid_current()::text, $2)"];
 
-fn is_commit_trigger(q: &str) -> bool {
+/// Whether `q` (normalized by `pg_stat_statements`) is one of [`COMMIT_TRIGGER_STATEMENTS`].
+pub(crate) fn is_commit_trigger(q: &str) -> bool {
     let q = q.split_whitespace().collect::<Vec<_>>().join(" ");
     COMMIT_TRIGGER_STATEMENTS.contains(&q.as_str())
 }

@@ -266,8 +266,8 @@ pub fn recommend(p3: &P3Result, p1: Option<&P1Result>, args: &BenchArgs) -> Reco
         rule: format!(
             "R = the largest P3 ramp rate whose step kept up (holds/s ≥ 90 % and ticketed/s ≥ 80 % of the rate) with hold \
              p99 ≤ {} ms, outbox age p99 ≤ {} ms and consumer lag ≤ {} messages, and below the sustained step's rate if \
-             that 60 s step broke a threshold; configure it as release_max_per_s, the release controller's ceiling",
-            args.max_hold_p99_ms, args.max_outbox_age_ms, args.max_lag
+             that {} s step broke a threshold; configure it as release_max_per_s, the release controller's ceiling",
+            args.max_hold_p99_ms, args.max_outbox_age_ms, args.max_lag, args.p3_seconds
         ),
         max_hold_p99_ms: args.max_hold_p99_ms,
         max_outbox_age_ms: args.max_outbox_age_ms,
@@ -404,12 +404,12 @@ pub fn markdown(r: &Report) -> String {
         let _ = writeln!(s, "\n## P3: end-to-end\n");
         let _ = writeln!(
             s,
-            "| Arrivals/s | Seconds | Holds/s | Hold p50 ms | Hold p99 ms | Ticketed/s | Outbox age p99 ms | Max lag | Within thresholds |\n|---|---|---|---|---|---|---|---|---|"
+            "| Arrivals/s | Seconds | Holds/s | Hold p50 ms | Hold p99 ms | Ticketed/s | Outbox age p99 ms | Max lag | Kept up | Within thresholds |\n|---|---|---|---|---|---|---|---|---|---|"
         );
         for st in &p3.steps {
             let _ = writeln!(
                 s,
-                "| {:.0}{} | {:.0} | {:.0} | {:.1} | {:.1} | {:.0} | {:.0} | {} | {} |",
+                "| {:.0}{} | {:.0} | {:.0} | {:.1} | {:.1} | {:.0} | {:.0} | {} | {} | {} |",
                 st.rate,
                 if st.sustained { " (sustained)" } else { "" },
                 st.seconds,
@@ -419,6 +419,7 @@ pub fn markdown(r: &Report) -> String {
                 st.ticketed_per_s,
                 st.outbox_age_p99_ms,
                 st.max_lag,
+                if st.keeps_up { "yes" } else { "no" },
                 if st.within_thresholds { "yes" } else { "no" }
             );
         }
@@ -468,10 +469,15 @@ pub fn markdown(r: &Report) -> String {
                 for t in &pg.top {
                     let _ = writeln!(
                         s,
-                        "| {:.2} | {:.3} | `{}` |",
+                        "| {:.2} | {:.3} | `{}`{} |",
                         t.calls_per_order,
                         t.exec_ms_per_order,
-                        t.query.replace('|', "\\|")
+                        t.query.replace('|', "\\|"),
+                        if super::procs::is_commit_trigger(&t.query) {
+                            " (at commit, not a round trip)"
+                        } else {
+                            ""
+                        }
                     );
                 }
             }
