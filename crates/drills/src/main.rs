@@ -113,7 +113,10 @@ async fn main() {
     boxoffice::runtime::init_logging(&cfg, filter);
     let result: anyhow::Result<i32> = match cli.command {
         Command::Onsale(args) => boxoffice_drills::onsale::run(cfg, args).await,
-        Command::Bench(args) => boxoffice_drills::bench::run(cfg, args).await,
+        Command::Bench(mut args) => {
+            args.config_file = cli.config.clone();
+            boxoffice_drills::bench::run(cfg, args).await
+        }
         Command::Chaos(args) => boxoffice_drills::chaos::run(cfg, args).await,
         Command::Cells(args) => boxoffice_drills::cells::run(cfg, args).await,
         Command::Drill { which: DrillKind::Failover(args) } => {

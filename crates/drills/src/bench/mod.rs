@@ -40,6 +40,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 /// Options of `boxoffice-drills bench`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct BenchArgs {
+    /// The configuration file the bench was given (`--config` / `BOXOFFICE_CONFIG`), set by
+    /// the caller: P3's product process is started with the same file.
+    #[arg(skip)]
+    pub config_file: Option<PathBuf>,
     /// Directory for report.json, report.md and chart.png.
     #[arg(long, default_value = "bench-report")]
     pub out: PathBuf,
@@ -186,7 +190,13 @@ impl BenchArgs {
     /// The programs P3 starts; `broker_configured`: a broker is named, so no nisshi.
     pub fn programs(&self, broker_configured: bool) -> anyhow::Result<procs::Programs> {
         let exe = std::env::current_exe().context("locating this binary")?;
+        let config = match &self.config_file {
+            // The product runs in P3's own directory: give it the file by absolute path.
+            Some(f) => Some(std::fs::canonicalize(f).with_context(|| format!("locating {}", f.display()))?),
+            None => None,
+        };
         Ok(procs::Programs {
+            config,
             boxoffice: crate::chaos::find_boxoffice(self.boxoffice_bin.as_deref(), &exe)?,
             drills: self.drills_bin.clone().unwrap_or(exe),
             nisshi: match (broker_configured, &self.nisshi) {

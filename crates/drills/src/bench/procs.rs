@@ -23,6 +23,9 @@ use tokio::process::{Child, Command};
 /// Where the three programs of P3 come from.
 #[derive(Debug, Clone)]
 pub struct Programs {
+    /// The bench's configuration file (absolute), which the product is started with; the
+    /// `BOXOFFICE_*` variables P3 sets override it, as they override any file.
+    pub config: Option<PathBuf>,
     /// The product binary (`boxoffice`).
     pub boxoffice: PathBuf,
     /// The drills binary, for `stripe-sim`.
@@ -67,6 +70,8 @@ fn spawn(
     let out = std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
     let mut cmd = Command::new(program);
     cmd.args(args)
+        .env_clear()
+        .envs(inherited_env())
         .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
         .current_dir(dir)
         .stdin(std::process::Stdio::null())
@@ -76,6 +81,21 @@ fn spawn(
     crate::chaos::only_stdio(cmd.as_std_mut(), true);
     let child = cmd.spawn().with_context(|| format!("starting {name} ({})", program.display()))?;
     Ok(Proc { name, child, log })
+}
+
+/// What a child takes from the bench's environment: the `BOXOFFICE_*` configuration and what
+/// a process needs to run and log (`PATH`, `HOME`, `TMPDIR`, locale, `RUST_LOG`,
+/// `RUST_BACKTRACE`, `HOSTNAME`), nothing else — the bench may run in a shell holding
+/// credentials of unrelated tools. `BOXOFFICE_CONFIG` is left out: a relative path would name
+/// another file in the child's directory, and [`Programs::config`] passes the file itself.
+fn inherited_env() -> Vec<(String, String)> {
+    const KEEP: [&str; 8] =
+        ["PATH", "HOME", "TMPDIR", "LANG", "LC_ALL", "RUST_LOG", "RUST_BACKTRACE", "HOSTNAME"];
+    std::env::vars()
+        .filter(|(k, _)| {
+            KEEP.contains(&k.as_str()) || (k.starts_with("BOXOFFICE_") && k != "BOXOFFICE_CONFIG")
+        })
+        .collect()
 }
 
 fn tail(path: &Path) -> String {
@@ -148,7 +168,12 @@ impl P3Processes {
         cfg.http_bind = api_addr.to_string();
         let mut env = product_env(cfg, db_url);
         env.extend(secrets);
-        procs.push(spawn("product", &programs.boxoffice, &["serve".to_owned()], &env, dir)?);
+        let mut args = Vec::new();
+        if let Some(file) = &programs.config {
+            args.extend(["--config".to_owned(), file.display().to_string()]);
+        }
+        args.push("serve".to_owned());
+        procs.push(spawn("product", &programs.boxoffice, &args, &env, dir)?);
         let mut me = Self { procs, api_addr, sim_base };
         if let Err(e) = me.ready(cfg).await {
             let logs: Vec<String> =
@@ -517,6 +542,21 @@ fn is_transaction_control(q: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn children_inherit_only_the_configuration_and_the_basics() {
+        // The test runner's environment holds CARGO_*, NEXTEST_* and the like.
+        assert!(std::env::vars().any(|(k, _)| !k.starts_with("BOXOFFICE_") && k != "PATH"));
+        for (k, _) in inherited_env() {
+            assert!(
+                ["PATH", "HOME", "TMPDIR", "LANG", "LC_ALL", "RUST_LOG", "RUST_BACKTRACE", "HOSTNAME"]
+                    .contains(&k.as_str())
+                    || (k.starts_with("BOXOFFICE_") && k != "BOXOFFICE_CONFIG"),
+                "{k} reached a child"
+            );
+        }
+        assert!(inherited_env().iter().any(|(k, _)| k == "PATH"));
+    }
 
     #[test]
     fn reads_assigned_partitions_per_consumer() {

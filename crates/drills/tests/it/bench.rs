@@ -10,15 +10,21 @@ use sqlx::ConnectOptions;
 
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn quick_bench_reports_every_phase_without_oversell(_: PgPoolOptions, opts: PgConnectOptions) {
+    let out = std::env::temp_dir().join(format!("boxoffice-bench-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&out).unwrap();
+    // A setting only the file names: P3's product process must read the same file.
+    let file = out.join("bench.toml");
+    std::fs::write(&file, "log_format = \"json\"\n").unwrap();
     let cfg = Config {
         database_url: opts.to_url_lossy().to_string().into(),
         kafka_brokers: Some(test_brokers()),
         kafka_partitions: 4,
         redis_url: test_redis_url().into(),
+        log_format: "json".into(),
         ..Config::default()
     };
-    let out = std::env::temp_dir().join(format!("boxoffice-bench-{}", uuid::Uuid::new_v4()));
     let args = BenchArgs {
+        config_file: Some(file),
         quick: true,
         out: out.clone(),
         boxoffice_bin: Some(product_bin()),
@@ -57,6 +63,12 @@ async fn quick_bench_reports_every_phase_without_oversell(_: PgPoolOptions, opts
         p3.confirmed
     );
     assert_eq!(p3.steps.len(), 2, "one ramp step and the sustained step");
+    let product_log = std::fs::read_to_string(out.join("p3-processes/product.log")).unwrap();
+    assert!(
+        !product_log.is_empty() && product_log.lines().all(|l| l.starts_with('{')),
+        "the product logs JSON as the bench's file says: {}",
+        &product_log[..product_log.len().min(400)]
+    );
     // The product ran as a process of its own: its CPU, PostgreSQL's and the harness's are
     // read apart, per ticketed order of the sustained step.
     assert!(p3.sustained_ticketed > 0, "the sustained step ticketed orders");
