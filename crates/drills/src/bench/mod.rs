@@ -190,13 +190,8 @@ impl BenchArgs {
     /// The programs P3 starts; `broker_configured`: a broker is named, so no nisshi.
     pub fn programs(&self, broker_configured: bool) -> anyhow::Result<procs::Programs> {
         let exe = std::env::current_exe().context("locating this binary")?;
-        let config = match &self.config_file {
-            // The product runs in P3's own directory: give it the file by absolute path.
-            Some(f) => Some(std::fs::canonicalize(f).with_context(|| format!("locating {}", f.display()))?),
-            None => None,
-        };
         Ok(procs::Programs {
-            config,
+            config: self.config_file.clone(),
             boxoffice: crate::chaos::find_boxoffice(self.boxoffice_bin.as_deref(), &exe)?,
             drills: self.drills_bin.clone().unwrap_or(exe),
             nisshi: match (broker_configured, &self.nisshi) {

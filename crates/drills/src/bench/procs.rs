@@ -23,8 +23,9 @@ use tokio::process::{Child, Command};
 /// Where the three programs of P3 come from.
 #[derive(Debug, Clone)]
 pub struct Programs {
-    /// The bench's configuration file (absolute), which the product is started with; the
-    /// `BOXOFFICE_*` variables P3 sets override it, as they override any file.
+    /// The bench's configuration file, as given, which the product and the simulator are
+    /// started with (in the bench's directory); the `BOXOFFICE_*` variables P3 sets override
+    /// it, as they override any file. The children read it again when P3 starts.
     pub config: Option<PathBuf>,
     /// The product binary (`boxoffice`).
     pub boxoffice: PathBuf,
@@ -59,46 +60,77 @@ pub struct Pids {
     pub harness: Vec<u32>,
 }
 
+/// Starts `program` with `args`, its output in `<dir>/<name>.log`, an environment of
+/// [`inherited_env`] (with the bench's `BOXOFFICE_*` variables only when `configured`) plus
+/// `env`, in `cwd` when given (else the bench's own directory, so that relative paths in the
+/// configuration name the same files for the child as for the bench).
 fn spawn(
     name: &'static str,
     program: &Path,
-    args: &[String],
+    args: &[std::ffi::OsString],
     env: &[(String, String)],
     dir: &Path,
+    cwd: Option<&Path>,
+    configured: bool,
 ) -> anyhow::Result<Proc> {
     let log = dir.join(format!("{name}.log"));
     let out = std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
     let mut cmd = Command::new(program);
     cmd.args(args)
         .env_clear()
-        .envs(inherited_env())
+        .envs(inherited_env(configured))
         .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-        .current_dir(dir)
         .stdin(std::process::Stdio::null())
         .stdout(out.try_clone()?)
         .stderr(out)
         .kill_on_drop(true);
+    if let Some(cwd) = cwd {
+        cmd.current_dir(cwd);
+    }
     crate::chaos::only_stdio(cmd.as_std_mut(), true);
     let child = cmd.spawn().with_context(|| format!("starting {name} ({})", program.display()))?;
     Ok(Proc { name, child, log })
 }
 
-/// What a child takes from the bench's environment: the `BOXOFFICE_*` configuration and what
-/// a process needs to run and log (`PATH`, `HOME`, `TMPDIR`, locale, `RUST_LOG`,
-/// `RUST_BACKTRACE`, `HOSTNAME`), nothing else — the bench may run in a shell holding
-/// credentials of unrelated tools. `BOXOFFICE_CONFIG` is left out: a relative path would name
-/// another file in the child's directory, and [`Programs::config`] passes the file itself.
-fn inherited_env() -> Vec<(String, String)> {
-    std::env::vars().filter(|(k, _)| inherited(k)).collect()
+/// What a child takes from the bench's environment: what a process needs to run, log, trust
+/// certificates, reach a proxy and export spans ([`INHERITED_VARS`], [`INHERITED_PREFIXES`]),
+/// and, for the children that read boxoffice's configuration (`configured`: the product and
+/// the simulator), the `BOXOFFICE_*` variables. Nothing else: the bench may run in a shell
+/// holding credentials of unrelated tools, and the broker gets no boxoffice setting or secret.
+/// `BOXOFFICE_CONFIG` is never passed: the children that read the file are given it as
+/// `--config`.
+fn inherited_env(configured: bool) -> Vec<(String, String)> {
+    std::env::vars().filter(|(k, _)| inherited(k, configured)).collect()
 }
 
-/// The variables besides `BOXOFFICE_*` that [`inherited_env`] passes on.
-const INHERITED_VARS: [&str; 8] =
-    ["PATH", "HOME", "TMPDIR", "LANG", "LC_ALL", "RUST_LOG", "RUST_BACKTRACE", "HOSTNAME"];
+/// Variables every child inherits.
+const INHERITED_VARS: [&str; 15] = [
+    "PATH",
+    "HOME",
+    "TMPDIR",
+    "TZ",
+    "LANG",
+    "RUST_LOG",
+    "RUST_BACKTRACE",
+    "TOKIO_WORKER_THREADS",
+    "SSL_CERT_FILE",
+    "SSL_CERT_DIR",
+    "HTTP_PROXY",
+    "HTTPS_PROXY",
+    "NO_PROXY",
+    "https_proxy",
+    "no_proxy",
+];
+
+/// Prefixes of variables every child inherits: the locale and OpenTelemetry's SDK settings
+/// (`OTEL_BSP_*`, `OTEL_EXPORTER_OTLP_HEADERS`, …).
+const INHERITED_PREFIXES: [&str; 2] = ["LC_", "OTEL_"];
 
 /// Whether a child inherits variable `name` (see [`inherited_env`]).
-fn inherited(name: &str) -> bool {
-    INHERITED_VARS.contains(&name) || (name.starts_with("BOXOFFICE_") && name != "BOXOFFICE_CONFIG")
+fn inherited(name: &str, configured: bool) -> bool {
+    INHERITED_VARS.contains(&name)
+        || INHERITED_PREFIXES.iter().any(|p| name.starts_with(p))
+        || (configured && name.starts_with("BOXOFFICE_") && name != "BOXOFFICE_CONFIG")
 }
 
 fn tail(path: &Path) -> String {
@@ -134,8 +166,9 @@ impl P3Processes {
                 "--storage-engine",
                 "memory://nisshi/",
             ]
-            .map(String::from);
-            procs.push(spawn("broker", nisshi, &args, &[], dir)?);
+            .map(std::ffi::OsString::from);
+            // In P3's directory: the broker keeps its state files where it runs.
+            procs.push(spawn("broker", nisshi, &args, &[], dir, Some(dir), false)?);
             let sock: SocketAddr = addr.parse()?;
             anyhow::ensure!(
                 crate::chaos::wait_until(Duration::from_secs(30), || crate::chaos::port_open(sock)).await,
@@ -158,25 +191,31 @@ impl P3Processes {
         let sim_addr: SocketAddr = format!("127.0.0.1:{}", crate::chaos::free_port()?).parse()?;
         let sim_base = format!("http://{sim_addr}");
         let secrets = secret_env(cfg);
-        let sim_args = [
-            "stripe-sim",
-            "--bind",
-            &sim_addr.to_string(),
-            "--webhook-url",
-            &format!("http://{api_addr}/webhooks/stripe"),
-        ]
-        .map(String::from);
-        procs.push(spawn("stripe-sim", &programs.drills, &sim_args, &secrets, dir)?);
+        // The bench's file, as given: the product and the simulator run in the bench's
+        // directory, so a relative path names the same file.
+        let config: Vec<std::ffi::OsString> = match &programs.config {
+            Some(file) => vec!["--config".into(), file.clone().into_os_string()],
+            None => Vec::new(),
+        };
+        let mut sim_args = config.clone();
+        sim_args.extend(
+            [
+                "stripe-sim",
+                "--bind",
+                &sim_addr.to_string(),
+                "--webhook-url",
+                &format!("http://{api_addr}/webhooks/stripe"),
+            ]
+            .map(std::ffi::OsString::from),
+        );
+        procs.push(spawn("stripe-sim", &programs.drills, &sim_args, &secrets, dir, None, true)?);
         cfg.stripe_api_base = sim_base.clone();
         cfg.http_bind = api_addr.to_string();
         let mut env = product_env(cfg, db_url);
         env.extend(secrets);
-        let mut args = Vec::new();
-        if let Some(file) = &programs.config {
-            args.extend(["--config".to_owned(), file.display().to_string()]);
-        }
-        args.push("serve".to_owned());
-        procs.push(spawn("product", &programs.boxoffice, &args, &env, dir)?);
+        let mut args = config;
+        args.push("serve".into());
+        procs.push(spawn("product", &programs.boxoffice, &args, &env, dir, None, true)?);
         let mut me = Self { procs, api_addr, sim_base };
         if let Err(e) = me.ready(cfg).await {
             let logs: Vec<String> =
@@ -546,20 +585,35 @@ fn is_transaction_control(q: &str) -> bool {
 mod tests {
     use super::*;
 
-    #[test]
-    fn children_inherit_only_the_configuration_and_the_basics() {
-        // The test runner's environment holds CARGO_*, NEXTEST_* and the like.
-        assert!(std::env::vars().any(|(k, _)| !k.starts_with("BOXOFFICE_") && k != "PATH"));
-        let passed: Vec<String> = inherited_env().into_iter().map(|(k, _)| k).collect();
-        for k in &passed {
-            assert!(
-                INHERITED_VARS.contains(&k.as_str()) || k.starts_with("BOXOFFICE_"),
-                "{k} reached a child"
-            );
+    /// The environment a real child got: `env` run through [`spawn`], read from its log.
+    async fn child_env(configured: bool) -> Vec<String> {
+        let dir = std::env::temp_dir().join(format!("boxoffice-spawn-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let extra = [("BOXOFFICE_SET_BY_P3".to_owned(), "1".to_owned())];
+        let mut p = spawn("env", Path::new("/usr/bin/env"), &[], &extra, &dir, None, configured).unwrap();
+        assert!(p.child.wait().await.unwrap().success());
+        let out = std::fs::read_to_string(&p.log).unwrap();
+        std::fs::remove_dir_all(&dir).ok();
+        out.lines().filter_map(|l| l.split_once('=')).map(|(k, _)| k.to_owned()).collect()
+    }
+
+    #[tokio::test]
+    async fn children_inherit_only_the_configuration_and_the_basics() {
+        // Cargo and nextest set CARGO_* (and NEXTEST_*) for every test process.
+        assert!(std::env::vars().any(|(k, _)| k.starts_with("CARGO_")), "the precondition of this test");
+        for configured in [true, false] {
+            let got = child_env(configured).await;
+            assert!(got.iter().any(|k| k == "PATH"), "{got:?}");
+            assert!(got.iter().any(|k| k == "BOXOFFICE_SET_BY_P3"), "what P3 sets is always passed: {got:?}");
+            for k in &got {
+                assert!(!k.starts_with("CARGO_") && !k.starts_with("NEXTEST_"), "{k} reached a child");
+                assert!(inherited(k, configured) || k == "BOXOFFICE_SET_BY_P3", "{k} reached a child");
+            }
         }
-        assert!(passed.iter().any(|k| k == "PATH"), "{passed:?}");
-        assert!(!inherited("BOXOFFICE_CONFIG") && inherited("BOXOFFICE_DATABASE_URL"));
-        assert!(!inherited("AWS_SECRET_ACCESS_KEY") && !inherited("CARGO_PKG_NAME"));
+        assert!(!inherited("BOXOFFICE_CONFIG", true) && inherited("BOXOFFICE_DATABASE_URL", true));
+        assert!(!inherited("BOXOFFICE_ADMIN_TOKEN", false), "the broker gets no boxoffice secret");
+        assert!(inherited("OTEL_EXPORTER_OTLP_HEADERS", false) && inherited("SSL_CERT_FILE", false));
+        assert!(!inherited("AWS_SECRET_ACCESS_KEY", true));
     }
 
     #[test]
