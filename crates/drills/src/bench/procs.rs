@@ -9,7 +9,9 @@
 //! Every child is started with [`crate::chaos::only_stdio`] (SIGKILLed if the bench dies, no
 //! inherited descriptors) and `kill_on_drop`, its output in a log file under the run
 //! directory; [`P3Processes::stop`] sends SIGTERM and waits, so the product drains its
-//! in-flight work the way a deployment's stop does.
+//! in-flight work the way a deployment's stop does. A child's environment is an allow-list
+//! ([`inherited_env`]): no variable of the bench's shell reaches it unless it is needed, and no
+//! boxoffice setting or secret reaches the broker.
 
 use anyhow::Context;
 use boxoffice::config::Config;
