@@ -41,7 +41,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 #[derive(Debug, Clone, clap::Args)]
 pub struct BenchArgs {
     /// The configuration file the bench was given (`--config` / `BOXOFFICE_CONFIG`), set by
-    /// the caller: P3's product process is started with the same file.
+    /// the caller: P3's product and simulator processes are started with the same file.
     #[arg(skip)]
     pub config_file: Option<PathBuf>,
     /// Directory for report.json, report.md and chart.png.
