@@ -4,8 +4,8 @@
 //! For each message: decode the envelope; skip types the handler does not want; skip event
 //! ids already in the inbox; run the handler's `prepare` step outside any transaction (where
 //! remote calls such as Stripe happen, each with a stable idempotency key); then, in one
-//! PostgreSQL transaction, insert `(consumer, event_id)` into the inbox and apply the effect;
-//! commit; and only then commit the Kafka offset (batched, see [`run_consumers`]). A crash anywhere before the offset commit
+//! PostgreSQL transaction, insert `(consumer, event_id)` into the inbox, apply the effect and
+//! write the facts it emits to the outbox; commit; and only then commit the Kafka offset (batched, see [`run_consumers`]). A crash anywhere before the offset commit
 //! replays the message, and the inbox turns the replay into a no-op (invariant 4).
 //!
 //! **Retries** (design §8). A transient error (database unreachable, provider 5xx, timeout,
@@ -25,10 +25,12 @@
 //!
 //! **Batches.** On the purchase topic, a consumer whose `prepare` makes no remote call (the
 //! saga, the ticket worker) applies what has queued up for one lane — at most
-//! `consumer_batch_max` messages, never waiting for more — in one transaction: per message, in
-//! the order of their order ids (so two shared transactions lock their orders' rows in one
-//! order and never deadlock each other) and in its own consumer span, the inbox row and the
-//! effect; then one commit,
+//! `consumer_batch_max` messages, never waiting for more — in one transaction: the inbox rows
+//! of all of them in one statement, then per message whose row was new, in the order of their
+//! order ids (so two shared transactions lock their orders' rows in one order and never
+//! deadlock each other) and in its own consumer span, the effect; then the facts and commands
+//! all of them emit, in one outbox statement (each row with its own message's trace
+//! context); then one commit,
 //! and the offsets of all of them only after it. A batch may contain facts of different
 //! orders, at most one fact per order (a second fact of an order starts the next
 //! transaction, after the commit of the first: a lane holds every message of its keys in
@@ -42,7 +44,9 @@
 //! alone, with its own attempts, retry topics and dead letter, so one bad message costs the
 //! others a second try and nothing else. Messages of a type the consumer does not act on are
 //! acknowledged unread, by the relay's `event-type` header when it is there (the relay writes
-//! it from the outbox row the envelope is made of; a message without it is decoded).
+//! it from the outbox row the envelope is made of; a message without it is decoded). A
+//! decoded fact whose handler does not act on it (`Handler::acts_on`, decided from the
+//! payload alone) is acknowledged the same way: no inbox row, no transaction.
 //!
 //! **Facts of an older region epoch** (design §15). After a regional failover the promoted
 //! region's consumers may read facts stamped with the fenced epoch (`region_epoch`): those
@@ -73,7 +77,7 @@
 use crate::{KafkaConfig, RetryPolicy};
 use async_trait::async_trait;
 use boxoffice_domain::{Envelope, EventKind, PurchaseEvent, Topic};
-use boxoffice_store::{inbox, Tx};
+use boxoffice_store::{inbox, outbox, Tx};
 use rand::Rng;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer};
 use rdkafka::message::{Headers, Message, OwnedMessage};
@@ -151,6 +155,15 @@ pub trait Handler: Send + Sync + 'static {
     /// build does not know) are acknowledged unread.
     fn wants(&self, kind: EventKind) -> bool;
 
+    /// Whether this consumer acts on this decoded fact of a kind it [`Handler::wants`]; a
+    /// fact it does not act on is acknowledged like an unwanted kind: no inbox row, no
+    /// transaction. For what the payload alone rules out (the saga and a `HoldCreated` that
+    /// came with its authorization request); anything that depends on the ledger is decided
+    /// in `apply`.
+    fn acts_on(&self, _event: &PurchaseEvent) -> bool {
+        true
+    }
+
     /// Whether `prepare` calls out (e.g. to Stripe): then the runner first checks the inbox
     /// so a known duplicate costs no remote call. Handlers without remote work skip that
     /// read; the inbox insert in the transaction still catches duplicates.
@@ -162,14 +175,17 @@ pub trait Handler: Send + Sync + 'static {
     /// than once for one message.
     async fn prepare(&self, env: &Envelope, event: &PurchaseEvent) -> Result<Self::Prepared, HandlerError>;
 
-    /// The effect, inside the transaction that also records the inbox row.
+    /// The effect, inside the transaction that also records the inbox row. Returns the facts
+    /// and commands that follow (made with [`Envelope::follow`]), which the runner writes to
+    /// the outbox in the same transaction with the consumer span's trace context — for a
+    /// batch, those of all its messages in one statement before the commit.
     async fn apply(
         &self,
         tx: &mut Tx<'_>,
         env: &Envelope,
         event: &PurchaseEvent,
         prepared: Self::Prepared,
-    ) -> Result<(), HandlerError>;
+    ) -> Result<Vec<Envelope>, HandlerError>;
 }
 
 /// What happened to one message.
@@ -286,6 +302,9 @@ async fn apply_once<H: Handler>(
         return Ok(Disposition::Ignored);
     }
     let event = env.decode().map_err(|e| HandlerError::permanent("bad_payload", e))?;
+    if !handler.acts_on(&event) {
+        return Ok(Disposition::Ignored);
+    }
     if handler.calls_out() && inbox::seen(pool, handler.name(), env.event_id).await? {
         return Ok(Disposition::Duplicate);
     }
@@ -337,7 +356,8 @@ async fn apply_once<H: Handler>(
     if !inbox::record(&mut tx, name, env.event_id).await? {
         return Ok(Disposition::Duplicate);
     }
-    handler.apply(&mut tx, env, &event, prepared).await?;
+    let follows = handler.apply(&mut tx, env, &event, prepared).await?;
+    outbox::insert_all(&mut tx, &follows).await?;
     boxoffice_faults::check_consumer(name, "before_commit")?;
     tx.commit().await?;
     boxoffice_faults::check_consumer(name, "after_commit")?;
@@ -784,6 +804,7 @@ impl<H: Handler> Runner<H> {
             }
         }
         match env.decode() {
+            Ok(event) if !self.handler.acts_on(&event) => Batchable::Ignored,
             Ok(event) => Batchable::Yes(Box::new(env), Box::new(event)),
             Err(_) => Batchable::Alone,
         }
@@ -843,10 +864,11 @@ impl<H: Handler> Runner<H> {
         }
     }
 
-    /// One transaction for `run`: per message, in the order of their order ids (one fact per
-    /// order: no order's facts are reordered) and inside its own consumer span, the inbox row
-    /// and the effect (a duplicate, even of a message earlier in the run, finds its
-    /// inbox row and does nothing); then one commit. The fault points are those of
+    /// One transaction for `run`: the inbox rows of all its messages in one statement; then,
+    /// per message, in the order of their order ids (one fact per order: no order's facts
+    /// are reordered) and inside its own consumer span, the effect of each message whose row
+    /// was new (a duplicate finds its row and does nothing); then what they emitted, in one
+    /// outbox statement; then one commit. The fault points are those of
     /// [`handle_once`], once per message around the handler and once per batch around the
     /// commit. Any error rolls everything back.
     async fn apply_batch(
@@ -861,25 +883,34 @@ impl<H: Handler> Runner<H> {
         let mut by_order: Vec<usize> = (0..run.len()).collect();
         by_order.sort_by_key(|&k| run[k].1.aggregate_id);
         let mut tx = self.pool.begin().await?;
+        // Every inbox row of the run in one statement: the messages it did not record now
+        // are duplicates (a run holds one fact per order, so never two copies of one fact).
+        let ids: Vec<uuid::Uuid> = run.iter().map(|(_, env, _)| env.event_id).collect();
+        let fresh = inbox::record_all(&mut tx, name, &ids).await?;
         let mut out = vec![Disposition::Duplicate; run.len()];
+        let mut follows: Vec<outbox::Traced> = Vec::new();
         for k in by_order {
             let (i, env, event) = &run[k];
             let span = consumer_span(name, env, Some(&self.delivery(&batch[*i], 0)), &self.cfg.labels);
-            let tx = &mut tx;
+            let (tx, follows) = (&mut tx, &mut follows);
+            let fresh = fresh.contains(&env.event_id);
             let d = async move {
                 boxoffice_faults::check_consumer(name, "before_remote")?;
                 let prepared = self.handler.prepare(env, event).await?;
                 boxoffice_faults::check_consumer(name, "after_remote")?;
-                if !inbox::record(tx, name, env.event_id).await? {
+                if !fresh {
                     return Ok(Disposition::Duplicate);
                 }
-                self.handler.apply(tx, env, event, prepared).await?;
+                let emitted = self.handler.apply(tx, env, event, prepared).await?;
+                // Stored with this message's span: its trace goes on from its own fact.
+                follows.extend(emitted.into_iter().map(outbox::Traced::here));
                 Ok::<_, HandlerError>(Disposition::Applied)
             }
             .instrument(span)
             .await?;
             out[k] = d;
         }
+        outbox::insert_traced(&mut tx, &follows).await?;
         boxoffice_faults::check_consumer(name, "before_commit")?;
         tx.commit().await?;
         boxoffice_faults::check_consumer(name, "after_commit")?;

@@ -195,6 +195,11 @@ pub enum PurchaseEvent {
         expires_at: DateTime<Utc>,
         amount_minor: i64,
         currency: String,
+        /// Whether the hold transaction wrote the order's `PaymentAuthorizationRequested`
+        /// beside this fact ([`crate::saga::hold_created`]); `false` (the default) on facts
+        /// written before it did, for which the saga still requests the authorization.
+        #[serde(default)]
+        authorization_requested: bool,
     },
     /// Command to the payment worker: create the manual-capture PaymentIntent.
     PaymentAuthorizationRequested { order_id: OrderId, hold_id: HoldId, amount_minor: i64, currency: String },

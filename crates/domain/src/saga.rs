@@ -10,7 +10,7 @@
 //!
 //! | fact                 | when                                   | steps                                                   |
 //! |----------------------|----------------------------------------|---------------------------------------------------------|
-//! | HoldCreated          | order `held`                           | PaymentAuthorizationRequested                           |
+//! | HoldCreated          | written without its authorization request (older facts), order `held` | PaymentAuthorizationRequested |
 //! | PaymentIntentCreated | order `held`                           | → `payment_required`                                    |
 //! |                      | order ended (not ticketed)             | cancel the authorization (compensation)                 |
 //! | PaymentAuthorized    | not the order's PaymentIntent          | cancel that authorization                               |
@@ -30,6 +30,11 @@
 //! |                      | lost, order `ticketed`                 | → `refunded`, tickets void, TicketsVoided (case C15)    |
 //! |                      | won                                    | tickets valid again                                     |
 //!
+//! The first forward step is not a row: the hold transaction writes `HoldCreated` and the
+//! order's `PaymentAuthorizationRequested` together ([`hold_created`]), since the order is
+//! `held` when it commits and the step has no other condition. The saga acts on a
+//! `HoldCreated` only when it was written without the request ([`acts_on`]).
+//!
 //! Invariant 2: only `PaymentAuthorized` for the order's PaymentIntent with an active,
 //! unlapsed hold confirms. Invariant 6: a late authorization is cancelled and a capture for an
 //! order that no longer owns seats is refunded. Invariant 4: decisions depend on state, not on
@@ -38,7 +43,7 @@
 use chrono::{DateTime, Utc};
 
 use crate::events::{EventKind, PurchaseEvent};
-use crate::ids::{HoldId, OrderId};
+use crate::ids::{EventId, HoldId, OrderId, SeatId};
 use crate::status::{HoldStatus, OrderStatus, PaymentIntentStatus, PaymentUpdate};
 
 /// The facts the saga consumes (its consumer routes on these).
@@ -262,10 +267,47 @@ impl Refusal {
     }
 }
 
+/// The facts the hold transaction writes for a new order, in order: `HoldCreated`, then the
+/// command that starts the saga's first forward step, `PaymentAuthorizationRequested` (the
+/// order is `held` when they commit, the step's only condition; its compensation is the hold's
+/// expiry, which cancels whatever authorization follows). `seat_ids` are the hold's seats,
+/// `amount_minor` their total in `currency`'s minor units.
+pub fn hold_created(
+    order_id: OrderId,
+    hold_id: HoldId,
+    event_id: EventId,
+    seat_ids: Vec<SeatId>,
+    expires_at: DateTime<Utc>,
+    amount_minor: i64,
+    currency: String,
+) -> [PurchaseEvent; 2] {
+    [
+        PurchaseEvent::HoldCreated {
+            order_id,
+            hold_id,
+            event_id,
+            seat_ids,
+            expires_at,
+            amount_minor,
+            currency: currency.clone(),
+            authorization_requested: true,
+        },
+        PurchaseEvent::PaymentAuthorizationRequested { order_id, hold_id, amount_minor, currency },
+    ]
+}
+
+/// Whether the saga acts on `fact` at all (the consumer acknowledges the rest unapplied,
+/// without a transaction): every fact of [`FACTS`] but a `HoldCreated` whose authorization
+/// request the hold transaction wrote beside it ([`hold_created`]).
+pub fn acts_on(fact: &PurchaseEvent) -> bool {
+    !matches!(fact, PurchaseEvent::HoldCreated { authorization_requested: true, .. })
+}
+
 /// The saga's decision for `fact` given `s`: the steps to execute, in order.
 pub fn decide(s: &Snapshot, fact: &PurchaseEvent) -> Result<Vec<Step>, Refusal> {
     use PurchaseEvent as E;
     Ok(match fact {
+        E::HoldCreated { authorization_requested: true, .. } => vec![],
         E::HoldCreated { order_id, hold_id, amount_minor, currency, .. } => {
             request_authorization(s, *order_id, *hold_id, *amount_minor, currency)
         }
@@ -324,7 +366,8 @@ pub fn give_up_before_capture_deadline(s: &Snapshot, payment_intent_id: &str) ->
     steps
 }
 
-/// Forward, on HoldCreated: ask the payment worker for a manual-capture PaymentIntent.
+/// Forward, on a HoldCreated written without its request (see [`hold_created`]): ask the
+/// payment worker for a manual-capture PaymentIntent.
 fn request_authorization(
     s: &Snapshot,
     order_id: OrderId,

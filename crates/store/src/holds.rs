@@ -310,7 +310,8 @@ pub async fn reserve(pool: &PgPool, req: &ReserveRequest) -> Result<ReserveOutco
 
 /// One attempt of the hold transaction, as named steps in the ledger's lock order: the
 /// buyer's lock and the idempotency key (remembered answer or claim), the seat rows, their current owners (lapsed
-/// holds reclaimed), then the order, hold, seats, `HoldCreated` and the stored answer.
+/// holds reclaimed), then the order, hold, seats, `HoldCreated` +
+/// `PaymentAuthorizationRequested` and the stored answer.
 async fn reserve_once(
     pool: &PgPool,
     req: &ReserveRequest,
@@ -570,7 +571,8 @@ async fn take_seats_from_lapsed_holds(tx: &mut Tx<'_>, seats: &[SeatId]) -> Resu
 }
 
 /// Step 4: the order (`held`), its `active` hold expiring `req.ttl` from now by the database
-/// clock, the hold's seat rows, and `HoldCreated` in the outbox.
+/// clock, the hold's seat rows, and `HoldCreated` with the order's
+/// `PaymentAuthorizationRequested` in the outbox.
 async fn insert_hold(
     tx: &mut Tx<'_>,
     req: &ReserveRequest,
@@ -632,21 +634,20 @@ async fn insert_hold(
         amount_minor,
         currency: currency.clone(),
     };
-    let event = Envelope::new(
+    // `HoldCreated` and the saga's first command, in one statement (the saga decides what
+    // they are: `saga::hold_created`).
+    let [created, request] = saga::hold_created(
         order_id,
-        &PurchaseEvent::HoldCreated {
-            order_id,
-            hold_id,
-            event_id: req.event_id,
-            seat_ids: seats.to_vec(),
-            expires_at,
-            amount_minor,
-            currency,
-        },
-        req.correlation_id,
-        None,
+        hold_id,
+        req.event_id,
+        seats.to_vec(),
+        expires_at,
+        amount_minor,
+        currency,
     );
-    outbox::insert(tx, boxoffice_domain::Topic::Purchase, &event).await?;
+    let created = Envelope::new(order_id, &created, req.correlation_id, None);
+    let request = created.follow(&request);
+    outbox::insert_all(tx, &[created, request]).await?;
     Ok(receipt)
 }
 

@@ -16,6 +16,31 @@ pub async fn record(tx: &mut Tx<'_>, consumer: &str, event_id: Uuid) -> Result<b
     Ok(r.rows_affected() == 1)
 }
 
+/// Records every id of `event_ids` for `consumer` in one statement; returns those recorded
+/// now (first deliveries), leaving out duplicates. Must run in the transaction that applies
+/// the effects of exactly the returned ids.
+pub async fn record_all(
+    tx: &mut Tx<'_>,
+    consumer: &str,
+    event_ids: &[Uuid],
+) -> Result<std::collections::HashSet<Uuid>, sqlx::Error> {
+    match event_ids {
+        [] => Ok(Default::default()),
+        [one] => Ok(if record(tx, consumer, *one).await? { [*one].into() } else { Default::default() }),
+        many => {
+            let fresh: Vec<Uuid> = sqlx::query_scalar(
+                "INSERT INTO inbox (consumer, event_id) SELECT $1, unnest($2::uuid[])
+                 ON CONFLICT DO NOTHING RETURNING event_id",
+            )
+            .bind(consumer)
+            .bind(many)
+            .fetch_all(&mut **tx)
+            .await?;
+            Ok(fresh.into_iter().collect())
+        }
+    }
+}
+
 /// Whether `consumer` already applied `event_id` (outside any transaction: a pre-check that
 /// spares a remote call for a known duplicate; [`record`] stays the guard).
 pub async fn seen(pool: &sqlx::PgPool, consumer: &str, event_id: Uuid) -> Result<bool, sqlx::Error> {

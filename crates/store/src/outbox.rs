@@ -64,6 +64,53 @@ pub async fn insert_all(tx: &mut Tx<'_>, envelopes: &[Envelope]) -> Result<(), s
     }
 }
 
+/// A fact for the purchase topic with the trace context to store beside it (the span that
+/// decided it; `None` stores NULL).
+#[derive(Debug, Clone)]
+pub struct Traced {
+    /// The fact.
+    pub envelope: Envelope,
+    /// W3C `traceparent` of the span that wrote it.
+    pub traceparent: Option<String>,
+}
+
+impl Traced {
+    /// `envelope` with the current span's trace context.
+    pub fn here(envelope: Envelope) -> Self {
+        Self { envelope, traceparent: boxoffice_trace::current_traceparent() }
+    }
+}
+
+/// Adds the facts of several writers (a consumer's batch) for the purchase topic in one
+/// statement, in order, each with its own trace context.
+pub async fn insert_traced(tx: &mut Tx<'_>, rows: &[Traced]) -> Result<(), sqlx::Error> {
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let ids: Vec<Uuid> = rows.iter().map(|r| r.envelope.event_id).collect();
+    let keys: Vec<String> = rows.iter().map(|r| r.envelope.aggregate_id.to_string()).collect();
+    let types: Vec<&str> = rows.iter().map(|r| r.envelope.event_type.as_str()).collect();
+    let payloads: Vec<serde_json::Value> =
+        rows.iter().map(|r| serde_json::to_value(&r.envelope).expect("envelopes serialize")).collect();
+    let traceparents: Vec<Option<&str>> = rows.iter().map(|r| r.traceparent.as_deref()).collect();
+    // clock_timestamp() + ordinality keeps created_at (the relay's order) as given.
+    sqlx::query(
+        "INSERT INTO outbox (id, topic, message_key, event_type, payload, created_at, traceparent)
+         SELECT u.id, $1, u.k, u.t, u.p, clock_timestamp() + u.n * interval '1 microsecond', u.tp
+           FROM unnest($2::uuid[], $3::text[], $4::text[], $5::jsonb[], $6::text[])
+                WITH ORDINALITY AS u(id, k, t, p, tp, n)",
+    )
+    .bind(Topic::Purchase.name())
+    .bind(&ids)
+    .bind(&keys)
+    .bind(&types)
+    .bind(&payloads)
+    .bind(&traceparents)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
 /// A claimed outbox row: the logical topic, key and serialized envelope.
 #[derive(Debug, sqlx::FromRow)]
 pub struct OutboxRow {

@@ -36,7 +36,7 @@ use boxoffice_domain::{
 use boxoffice_payments::{
     CreatePaymentIntent, PaymentGateway, PaymentIntent, PaymentIntentStatus, StripeError,
 };
-use boxoffice_store::{holds, orders, outbox, payments, stripe_events, Tx};
+use boxoffice_store::{holds, orders, payments, stripe_events, Tx};
 use sqlx::PgPool;
 use std::sync::Arc;
 
@@ -299,7 +299,7 @@ impl Handler for PaymentWorker {
         env: &Envelope,
         event: &PurchaseEvent,
         prepared: Prepared,
-    ) -> Result<(), HandlerError> {
+    ) -> Result<Vec<Envelope>, HandlerError> {
         let order_id = event.order_id();
         let mut emit = Vec::new();
         match (event, prepared) {
@@ -398,9 +398,7 @@ impl Handler for PaymentWorker {
                 return Err(HandlerError::permanent("unexpected_outcome", anyhow::anyhow!("{e:?} -> {p:?}")));
             }
         }
-        let envelopes: Vec<Envelope> = emit.iter().map(|e| env.follow(e)).collect();
-        outbox::insert_all(tx, &envelopes).await?;
-        Ok(())
+        Ok(emit.iter().map(|e| env.follow(e)).collect())
     }
 }
 

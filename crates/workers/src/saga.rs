@@ -39,6 +39,10 @@ impl Handler for Saga {
         saga::FACTS.contains(&kind)
     }
 
+    fn acts_on(&self, event: &PurchaseEvent) -> bool {
+        saga::acts_on(event)
+    }
+
     async fn prepare(&self, _: &Envelope, _: &PurchaseEvent) -> Result<(), HandlerError> {
         Ok(())
     }
@@ -49,7 +53,7 @@ impl Handler for Saga {
         env: &Envelope,
         event: &PurchaseEvent,
         _: (),
-    ) -> Result<(), HandlerError> {
+    ) -> Result<Vec<Envelope>, HandlerError> {
         apply(tx, env, event).await
     }
 }
@@ -66,8 +70,7 @@ struct Locked {
 
 impl Locked {
     /// `None` when the order does not exist. The payment row is read only `with_payment`: a
-    /// fact that names no PaymentIntent (`HoldCreated`) decides without it, and that is one
-    /// statement less on the busiest fact.
+    /// fact that names no PaymentIntent (`HoldCreated`) decides without it.
     async fn load(
         tx: &mut Tx<'_>,
         order_id: OrderId,
@@ -102,8 +105,13 @@ impl Locked {
     }
 }
 
-/// Applies one saga fact inside `tx` (which already holds the inbox row).
-pub async fn apply(tx: &mut Tx<'_>, env: &Envelope, event: &PurchaseEvent) -> Result<(), HandlerError> {
+/// Applies one saga fact inside `tx` (which already holds the inbox row); returns the facts
+/// and commands it emits, for the caller to write to the outbox in `tx`.
+pub async fn apply(
+    tx: &mut Tx<'_>,
+    env: &Envelope,
+    event: &PurchaseEvent,
+) -> Result<Vec<Envelope>, HandlerError> {
     let order_id = event.order_id();
     let Some(mut locked) = Locked::load(tx, order_id, event.payment_intent_id().is_some()).await? else {
         return Err(HandlerError::permanent(
@@ -120,9 +128,7 @@ pub async fn apply(tx: &mut Tx<'_>, env: &Envelope, event: &PurchaseEvent) -> Re
         HandlerError::permanent(r.code(), anyhow::anyhow!(r.clone()).context(format!("{event:?}")))
     })?;
     let emit = execute(tx, &mut locked, pi.unwrap_or_default(), &steps).await?;
-    let envelopes: Vec<Envelope> = emit.iter().map(|e| env.follow(e)).collect();
-    outbox::insert_all(tx, &envelopes).await?;
-    Ok(())
+    Ok(emit.iter().map(|e| env.follow(e)).collect())
 }
 
 /// Executes `steps` for the locked rows, in order; returns the facts and commands to emit.

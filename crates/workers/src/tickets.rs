@@ -7,7 +7,7 @@
 use async_trait::async_trait;
 use boxoffice_bus::{Handler, HandlerError};
 use boxoffice_domain::{Envelope, EventKind, HoldStatus, OrderStatus, PurchaseEvent};
-use boxoffice_store::{holds, orders, outbox, tickets, Tx};
+use boxoffice_store::{holds, orders, tickets, Tx};
 
 /// The ticket consumer.
 #[derive(Debug, Default, Clone)]
@@ -38,7 +38,7 @@ impl Handler for TicketWorker {
         env: &Envelope,
         event: &PurchaseEvent,
         _: (),
-    ) -> Result<(), HandlerError> {
+    ) -> Result<Vec<Envelope>, HandlerError> {
         let PurchaseEvent::TicketIssueRequested { order_id, hold_id } = event else {
             return Err(HandlerError::permanent("unexpected_event", anyhow::anyhow!("{}", env.event_type)));
         };
@@ -49,7 +49,7 @@ impl Handler for TicketWorker {
         let status = order.status;
         if status != OrderStatus::Paid {
             tracing::info!(order.id = %order_id, status = %status, "ticket issue requested for an order that is not paid; nothing to do");
-            return Ok(());
+            return Ok(vec![]);
         }
         let Some(mut hold) = hold else {
             return Err(HandlerError::permanent("missing_hold", anyhow::anyhow!("hold {hold_id}")));
@@ -63,12 +63,7 @@ impl Handler for TicketWorker {
         let ids = tickets::issue(tx, *order_id, *hold_id, order.event_id).await?;
         holds::transition(tx, &mut hold, HoldStatus::Released).await?;
         orders::transition(tx, &mut order, OrderStatus::Ticketed, None).await?;
-        outbox::insert_all(
-            tx,
-            &[env.follow(&PurchaseEvent::TicketIssued { order_id: *order_id, ticket_ids: ids.clone() })],
-        )
-        .await?;
         metrics::counter!("boxoffice_tickets_issued_total").increment(ids.len() as u64);
-        Ok(())
+        Ok(vec![env.follow(&PurchaseEvent::TicketIssued { order_id: *order_id, ticket_ids: ids })])
     }
 }

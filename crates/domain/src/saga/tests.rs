@@ -143,6 +143,8 @@ fn fact(kind: EventKind, pi: &str) -> PurchaseEvent {
             expires_at: Utc::now(),
             amount_minor: 18_500,
             currency: "usd".into(),
+            // A fact of a writer from before `hold_created`: the saga requests the authorization.
+            authorization_requested: false,
         },
         EventKind::PaymentIntentCreated => PurchaseEvent::PaymentIntentCreated {
             order_id,
@@ -383,4 +385,46 @@ proptest! {
             }
         }
     }
+}
+
+/// The hold transaction's facts start the saga by themselves: the request follows the
+/// `HoldCreated`, which the saga then leaves alone; one written without the request (an
+/// older writer's) still gets it from the saga, once per `held` order.
+#[test]
+fn the_hold_transaction_requests_the_authorization_itself() {
+    let (order_id, hold_id) = (OrderId(Uuid::new_v4()), HoldId(Uuid::new_v4()));
+    let [created, request] = crate::saga::hold_created(
+        order_id,
+        hold_id,
+        crate::EventId(Uuid::new_v4()),
+        vec![],
+        Utc::now(),
+        18_500,
+        "usd".into(),
+    );
+    assert_eq!(
+        request,
+        PurchaseEvent::PaymentAuthorizationRequested {
+            order_id,
+            hold_id,
+            amount_minor: 18_500,
+            currency: "usd".into()
+        }
+    );
+    assert!(!crate::saga::acts_on(&created), "the saga skips a HoldCreated that came with its request");
+    let held = World::new(OrderStatus::Held, HoldStatus::Active, false);
+    assert_eq!(decide(&held.snapshot(PI), &created).unwrap(), vec![]);
+    let older = fact(EventKind::HoldCreated, PI);
+    assert!(crate::saga::acts_on(&older));
+    let steps = decide(&held.snapshot(PI), &older).unwrap();
+    assert!(
+        matches!(steps.as_slice(), [Step::Emit(PurchaseEvent::PaymentAuthorizationRequested { .. })]),
+        "{steps:?}"
+    );
+    let paying = World::new(OrderStatus::PaymentRequired, HoldStatus::Active, false);
+    assert_eq!(
+        decide(&paying.snapshot(PI), &older).unwrap(),
+        vec![],
+        "an order past `held` is not asked again"
+    );
 }

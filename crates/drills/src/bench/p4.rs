@@ -107,6 +107,7 @@ async fn fill(pool: &sqlx::PgPool, n: usize) -> anyhow::Result<()> {
                             expires_at: chrono::Utc::now() + chrono::Duration::minutes(5),
                             amount_minor: 24_000,
                             currency: "usd".into(),
+                            authorization_requested: true,
                         },
                         uuid::Uuid::new_v4(),
                         None,

@@ -2,8 +2,9 @@
 //! the real broker: facts of several orders that queued up for one lane are applied in one
 //! transaction (at most one fact of an order in each), each once, in partition order per
 //! order, duplicates included; a fact the
-//! consumer ignores costs nothing; and one failing fact rolls its batch back, is
-//! dead-lettered alone, and costs the others nothing but a second try.
+//! consumer ignores costs nothing; what each fact emits is written to the outbox in its
+//! transaction, once; and one failing fact rolls its batch back, is dead-lettered alone, and
+//! costs the others nothing but a second try.
 
 use crate::helpers::{eventually, test_brokers};
 use async_trait::async_trait;
@@ -43,7 +44,7 @@ impl Handler for Probe {
         env: &Envelope,
         _: &PurchaseEvent,
         _: (),
-    ) -> Result<(), HandlerError> {
+    ) -> Result<Vec<Envelope>, HandlerError> {
         if env.event_id == self.refuse {
             return Err(HandlerError::permanent("probe_refused", anyhow::anyhow!("refused")));
         }
@@ -54,8 +55,32 @@ impl Handler for Probe {
         .bind(env.aggregate_id)
         .execute(&mut **tx)
         .await?;
-        Ok(())
+        // A fact that follows, which the runner writes to the outbox (a batch's in one statement).
+        Ok(vec![env.follow(&PurchaseEvent::TicketIssued { order_id: env.order_id(), ticket_ids: vec![] })])
     }
+}
+
+/// Per applied probe row: whether exactly one outbox row follows it (caused by it, for its
+/// order) and was written by the same transaction.
+async fn each_applied_fact_emitted_once_in_its_transaction(pool: &PgPool) {
+    let bad: Vec<(Uuid, i64)> = sqlx::query_as(
+        "SELECT p.event_id, count(x.id) FROM probe_applied p
+           LEFT JOIN outbox x ON x.payload->>'causation_id' = p.event_id::text
+                             AND x.message_key = p.order_id::text AND x.event_type = 'TicketIssued'
+                             AND x.xact::text = p.xact
+          GROUP BY p.event_id HAVING count(x.id) <> 1",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    assert!(bad.is_empty(), "facts without exactly one follow-up in their transaction: {bad:?}");
+    let follows: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox WHERE event_type = 'TicketIssued'")
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    let applied: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM probe_applied").fetch_one(pool).await.unwrap();
+    assert_eq!(follows, applied, "no follow-up of a rolled-back or duplicate fact");
 }
 
 fn fact(order: Uuid, kind: &str) -> Envelope {
@@ -188,6 +213,7 @@ async fn queued_facts_of_many_orders_share_a_transaction_and_a_bad_one_goes_alon
         .await
         .unwrap();
     assert_eq!(inbox, 12, "ignored facts leave no inbox row");
+    each_applied_fact_emitted_once_in_its_transaction(&pool).await;
 
     // A refused fact among good ones: rolled back with its batch, then dead-lettered alone;
     // the others applied once each.
@@ -213,6 +239,7 @@ async fn queued_facts_of_many_orders_share_a_transaction_and_a_bad_one_goes_alon
         assert_eq!(rows.iter().filter(|r| r.0 == g.event_id).count(), 1, "{} applied once", g.event_id);
     }
     assert!(rows.iter().all(|r| r.0 != refuse.event_id));
+    each_applied_fact_emitted_once_in_its_transaction(&pool).await;
     shutdown.cancel();
     for t in tasks {
         t.await.unwrap();

@@ -427,10 +427,12 @@ async fn early_webhook_is_kept_and_rederived_from_stripe(_: PgPoolOptions, opts:
     });
     let event = cmd.decode().unwrap();
     let mut tx = app.pool.begin().await.unwrap();
-    worker
+    let follows = worker
         .apply(&mut tx, &cmd, &event, boxoffice_workers::payment::Prepared::Intent(created.clone()))
         .await
         .unwrap();
+    // As the consumer runner does: what the effect emits goes to the outbox in its transaction.
+    boxoffice_store::outbox::insert_all(&mut tx, &follows).await.unwrap();
     tx.commit().await.unwrap();
     let (pending, owner): (bool, Option<Uuid>) =
         sqlx::query_as("SELECT pending, order_id FROM stripe_events WHERE stripe_event_id = 'evt_early'")

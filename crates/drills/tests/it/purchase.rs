@@ -79,6 +79,9 @@ async fn declined_card_then_hold_expiry_releases_seats_and_cancels(_: PgPoolOpti
 
 /// Design §17 / C11: the relay crashes after the broker acknowledged but before it marked
 /// the row; the lease expires, the message is published again, and the saga applies it once.
+/// The fact is a `HoldCreated` as a writer from before `saga::hold_created` wrote it (without
+/// its authorization request), on which the saga emits `PaymentAuthorizationRequested` while
+/// the order is `held`: applied twice, it would emit two.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn republished_message_is_applied_once(_: PgPoolOptions, opts: PgConnectOptions) {
     let app = TestApp::spawn(opts, &[Role::Relay, Role::Saga], VenueSpec::small(1, 1, 4)).await;
@@ -89,17 +92,37 @@ async fn republished_message_is_applied_once(_: PgPoolOptions, opts: PgConnectOp
     let requested = move |pool: sqlx::PgPool| async move {
         crate::helpers::outbox_count(&pool, "PaymentAuthorizationRequested", order).await
     };
-    eventually(WAIT, "saga consumed HoldCreated", || {
+    assert_eq!(requested(pool.clone()).await, 1, "the hold transaction wrote the request");
+    let older = Envelope::new(
+        receipt.order_id,
+        &PurchaseEvent::HoldCreated {
+            order_id: receipt.order_id,
+            hold_id: receipt.hold_id,
+            event_id: receipt.event_id,
+            seat_ids: receipt.seat_ids.clone(),
+            expires_at: receipt.expires_at,
+            amount_minor: receipt.amount_minor,
+            currency: receipt.currency.clone(),
+            authorization_requested: false,
+        },
+        Uuid::new_v4(),
+        None,
+    );
+    let mut tx = app.pool.begin().await.unwrap();
+    boxoffice_store::outbox::insert(&mut tx, boxoffice_domain::Topic::Purchase, &older).await.unwrap();
+    tx.commit().await.unwrap();
+    eventually(WAIT, "saga applied the older HoldCreated", || {
         let f = requested(pool.clone());
-        async move { f.await == 1 }
+        async move { f.await == 2 }
     })
     .await;
 
     // The crash: the row looks claimed by a dead relay whose lease has run out.
     sqlx::query(
         "UPDATE outbox SET published_at = NULL, claimed_by = 'dead-relay', claim_expires_at = now() - interval '1 second'
-          WHERE event_type = 'HoldCreated'",
+          WHERE id = $1",
     )
+    .bind(older.event_id)
     .execute(&app.pool)
     .await
     .unwrap();
@@ -130,11 +153,13 @@ async fn republished_message_is_applied_once(_: PgPoolOptions, opts: PgConnectOp
         }
     })
     .await;
-    let republished: i64 = app
-        .count("SELECT count(*) FROM outbox WHERE event_type = 'HoldCreated' AND publish_attempts = 2")
-        .await;
-    assert_eq!(republished, 1, "the row was published a second time");
-    assert_eq!(requested(app.pool.clone()).await, 1, "the duplicate had no second effect");
+    let republished: i32 = sqlx::query_scalar("SELECT publish_attempts FROM outbox WHERE id = $1")
+        .bind(older.event_id)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(republished, 2, "the row was published a second time");
+    assert_eq!(requested(app.pool.clone()).await, 2, "the duplicate had no second effect");
     app.stop().await;
 }
 
@@ -179,8 +204,10 @@ async fn poison_messages_are_dead_lettered_and_the_partition_moves_on(
     .fetch_one(&app.pool)
     .await
     .unwrap();
+    // As an older writer's (without its request), so the saga emits one.
     let mut copy = hold_created.clone();
     copy["event_id"] = serde_json::json!(Uuid::new_v4());
+    copy["payload"]["authorization_requested"] = serde_json::json!(false);
     boxoffice_bus::producer::send(&producer, &topic, key, &serde_json::to_vec(&copy).unwrap(), &[])
         .await
         .unwrap();
@@ -188,7 +215,8 @@ async fn poison_messages_are_dead_lettered_and_the_partition_moves_on(
     let order = receipt.order_id.0;
     eventually(WAIT, "the healthy message behind the poison was applied", || {
         let pool = pool.clone();
-        async move { crate::helpers::outbox_count(&pool, "PaymentAuthorizationRequested", order).await >= 1 }
+        // One from the hold transaction, one from the saga.
+        async move { crate::helpers::outbox_count(&pool, "PaymentAuthorizationRequested", order).await >= 2 }
     })
     .await;
 

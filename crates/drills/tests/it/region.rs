@@ -242,9 +242,9 @@ impl Handler for Counting {
         _: &Envelope,
         _: &PurchaseEvent,
         _: (),
-    ) -> Result<(), HandlerError> {
+    ) -> Result<Vec<Envelope>, HandlerError> {
         self.0.fetch_add(1, Ordering::SeqCst);
-        Ok(())
+        Ok(vec![])
     }
 }
 
