@@ -302,9 +302,6 @@ async fn apply_once<H: Handler>(
         return Ok(Disposition::Ignored);
     }
     let event = env.decode().map_err(|e| HandlerError::permanent("bad_payload", e))?;
-    if !handler.acts_on(&event) {
-        return Ok(Disposition::Ignored);
-    }
     if handler.calls_out() && inbox::seen(pool, handler.name(), env.event_id).await? {
         return Ok(Disposition::Duplicate);
     }
@@ -348,6 +345,11 @@ async fn apply_once<H: Handler>(
                 return Ok(Disposition::Orphan);
             }
         }
+    }
+    // After the epoch check: a fenced writer's fact is parked even if this consumer would
+    // not act on it.
+    if !handler.acts_on(&event) {
+        return Ok(Disposition::Ignored);
     }
     boxoffice_faults::check_consumer(name, "before_remote")?;
     let prepared = handler.prepare(env, &event).await?;
@@ -867,7 +869,8 @@ impl<H: Handler> Runner<H> {
     /// One transaction for `run`: the inbox rows of all its messages in one statement; then,
     /// per message, in the order of their order ids (one fact per order: no order's facts
     /// are reordered) and inside its own consumer span, the effect of each message whose row
-    /// was new (a duplicate finds its row and does nothing); then what they emitted, in one
+    /// was new (a duplicate — of an applied fact, or a second copy of an id in the run —
+    /// does nothing); then what they emitted, in one
     /// outbox statement; then one commit. The fault points are those of
     /// [`handle_once`], once per message around the handler and once per batch around the
     /// commit. Any error rolls everything back.
@@ -883,17 +886,18 @@ impl<H: Handler> Runner<H> {
         let mut by_order: Vec<usize> = (0..run.len()).collect();
         by_order.sort_by_key(|&k| run[k].1.aggregate_id);
         let mut tx = self.pool.begin().await?;
-        // Every inbox row of the run in one statement: the messages it did not record now
-        // are duplicates (a run holds one fact per order, so never two copies of one fact).
+        // Every inbox row of the run in one statement: a message whose id it did not record
+        // now is a duplicate, and so is a second copy of an id within the run (each id counts
+        // as new once, for the first message that carries it).
         let ids: Vec<uuid::Uuid> = run.iter().map(|(_, env, _)| env.event_id).collect();
-        let fresh = inbox::record_all(&mut tx, name, &ids).await?;
+        let mut fresh = inbox::record_all(&mut tx, name, &ids).await?;
         let mut out = vec![Disposition::Duplicate; run.len()];
         let mut follows: Vec<outbox::Traced> = Vec::new();
         for k in by_order {
             let (i, env, event) = &run[k];
             let span = consumer_span(name, env, Some(&self.delivery(&batch[*i], 0)), &self.cfg.labels);
             let (tx, follows) = (&mut tx, &mut follows);
-            let fresh = fresh.contains(&env.event_id);
+            let fresh = fresh.remove(&env.event_id);
             let d = async move {
                 boxoffice_faults::check_consumer(name, "before_remote")?;
                 let prepared = self.handler.prepare(env, event).await?;

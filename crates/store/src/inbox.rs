@@ -16,9 +16,10 @@ pub async fn record(tx: &mut Tx<'_>, consumer: &str, event_id: Uuid) -> Result<b
     Ok(r.rows_affected() == 1)
 }
 
-/// Records every id of `event_ids` for `consumer` in one statement; returns those recorded
-/// now (first deliveries), leaving out duplicates. Must run in the transaction that applies
-/// the effects of exactly the returned ids.
+/// Records every id of `event_ids` for `consumer` in one statement; returns the ids recorded
+/// now (first deliveries), without those already in the inbox. An id given twice is returned
+/// once: the caller applies one effect per returned id (not per message). Must run in the
+/// transaction that applies those effects.
 pub async fn record_all(
     tx: &mut Tx<'_>,
     consumer: &str,

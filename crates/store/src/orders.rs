@@ -135,12 +135,21 @@ pub async fn lock_many(tx: &mut Tx<'_>, ids: &[Uuid]) -> Result<Vec<OrderRow>, s
     .await
 }
 
-/// The status of order `id` (no lock), or `None` when it does not exist: the payment worker's
-/// pre-checks outside any transaction.
-pub async fn status(pool: &PgPool, id: OrderId) -> Result<Option<OrderStatus>, StoreError> {
-    let s: Option<String> =
-        sqlx::query_scalar("SELECT status FROM orders WHERE id = $1").bind(id.0).fetch_optional(pool).await?;
-    s.map(|s| OrderStatus::try_from(s).map_err(|e| StoreError::Corrupt(e.to_string()))).transpose()
+/// Whether order `id` still waits for its PaymentIntent (no lock, one statement): it exists,
+/// is `held`, and has no payment row. The payment worker's pre-check before creating an
+/// intent: an order has at most one payment row, so an intent created for an order that has
+/// one could never be recorded (a second authorization request for one order — an older
+/// writer's, a replayed or forged one — creates nothing).
+pub async fn awaits_payment_intent(pool: &PgPool, id: OrderId) -> Result<bool, StoreError> {
+    let waits: Option<bool> = sqlx::query_scalar(
+        "SELECT o.status = $2 AND NOT EXISTS (SELECT 1 FROM payments p WHERE p.order_id = o.id)
+           FROM orders o WHERE o.id = $1",
+    )
+    .bind(id.0)
+    .bind(OrderStatus::Held.as_str())
+    .fetch_optional(pool)
+    .await?;
+    Ok(waits.unwrap_or(false))
 }
 
 /// The order's status and its hold's (no lock), or `None` when either is missing: the

@@ -206,9 +206,8 @@ impl Handler for PaymentWorker {
         let g = &*self.gateway;
         match event {
             PurchaseEvent::PaymentAuthorizationRequested { order_id, hold_id, amount_minor, currency } => {
-                let status = orders::status(&self.pool, *order_id).await?;
-                if status != Some(OrderStatus::Held) {
-                    return Ok(Prepared::Skipped("order_not_held"));
+                if !orders::awaits_payment_intent(&self.pool, *order_id).await? {
+                    return Ok(Prepared::Skipped("order_not_awaiting_payment_intent"));
                 }
                 let req = CreatePaymentIntent {
                     amount_minor: *amount_minor,

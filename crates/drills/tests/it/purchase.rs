@@ -317,3 +317,59 @@ async fn metrics_export_the_business_signals(_: PgPoolOptions, opts: PgConnectOp
     .await;
     app.stop().await;
 }
+
+/// A second `PaymentAuthorizationRequested` for one order (an older saga's beside the hold
+/// transaction's, or a replayed or forged one with a new event id, hence a new idempotency
+/// key) creates no second PaymentIntent: the order already has its payment row.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn a_second_authorization_request_creates_no_second_intent(_: PgPoolOptions, opts: PgConnectOptions) {
+    let app = TestApp::spawn(opts, &[Role::Relay, Role::Payments], VenueSpec::small(1, 1, 4)).await;
+    let seat = app.seats().await[0];
+    let receipt = hold_directly(&app, seat).await;
+    let order = receipt.order_id.0;
+    let pool = app.pool.clone();
+    eventually(WAIT, "the order's PaymentIntent recorded", || {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>("SELECT count(*) FROM payments WHERE order_id = $1")
+                .bind(order)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+                == 1
+        }
+    })
+    .await;
+    assert_eq!(app.sim.stats().payment_intents_created, 1);
+    let again = Envelope::new(
+        receipt.order_id,
+        &PurchaseEvent::PaymentAuthorizationRequested {
+            order_id: receipt.order_id,
+            hold_id: receipt.hold_id,
+            amount_minor: receipt.amount_minor,
+            currency: receipt.currency.clone(),
+        },
+        Uuid::new_v4(),
+        None,
+    );
+    let mut tx = app.pool.begin().await.unwrap();
+    boxoffice_store::outbox::insert(&mut tx, boxoffice_domain::Topic::Purchase, &again).await.unwrap();
+    tx.commit().await.unwrap();
+    let (pool, id) = (app.pool.clone(), again.event_id);
+    eventually(WAIT, "the payment worker took the second request", || {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, bool>(
+                "SELECT EXISTS (SELECT 1 FROM inbox WHERE consumer = 'payments' AND event_id = $1)",
+            )
+            .bind(id)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    })
+    .await;
+    assert_eq!(app.sim.stats().payment_intents_created, 1, "no second intent");
+    assert_eq!(app.outbox_count("PaymentIntentCreated", order).await, 1);
+    app.stop().await;
+}
