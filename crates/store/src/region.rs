@@ -6,13 +6,13 @@
 //! processes can commit purchase writes. The check itself lives in the database
 //! (migration 0013): the first write statement of each transaction to a purchase table runs
 //! `region_fence_check()` in full (later ones find the transaction-local mark it leaves),
-//! which takes `region_epoch` in ROW SHARE mode and compares the session's declared epoch
+//! which takes `region_epoch` in ACCESS SHARE mode (migration 0018) and compares the session's declared epoch
 //! (`boxoffice.region_epoch`, set in the connection's startup options by
 //! [`writer_options`]) with the record, and refuses with SQLSTATE [`FENCED`]; when the
 //! region's lease has lapsed by this database's clock it refuses with [`LEASE_LAPSED`]. A
 //! transaction is thereby checked on its first write, under a lock held to its commit, with
 //! no extra round trip and whatever code path it came from. [`fence`] takes the record in
-//! EXCLUSIVE mode before bumping it: it waits only for transactions already past their first
+//! ACCESS EXCLUSIVE mode before bumping it: it waits only for transactions already past their first
 //! write, new writers queue behind it, and every commit under the old epoch lies before the
 //! WAL position it records. (A bare `UPDATE` would wait for a row lock that a stream of new
 //! share-lockers can keep it from ever getting.)
@@ -119,7 +119,8 @@ pub enum FenceError {
 }
 
 /// Moves the ledger to `to` (epoch strictly greater than the record's): takes the record in
-/// EXCLUSIVE mode (waiting for writers already past their first write; new ones queue), records
+/// ACCESS EXCLUSIVE mode (waiting for writers already past their first write, which hold it in
+/// ACCESS SHARE mode; new ones queue), records
 /// the WAL insert position and updates the record, in one transaction. Idempotent for the same
 /// `to`: a fence already at `to` returns the recorded position without waiting.
 ///
@@ -139,7 +140,7 @@ pub async fn fence(pool: &PgPool, to: &Writer, by: &str) -> Result<Fenced, Fence
 async fn fence_once(pool: &PgPool, to: &Writer, by: &str) -> Result<Fenced, FenceError> {
     let mut tx = pool.begin().await?;
     let started = std::time::Instant::now();
-    sqlx::query("LOCK TABLE region_epoch IN EXCLUSIVE MODE").execute(&mut *tx).await?;
+    sqlx::query("LOCK TABLE region_epoch IN ACCESS EXCLUSIVE MODE").execute(&mut *tx).await?;
     let waited_ms = started.elapsed().as_millis() as i64;
     let current = record(&mut *tx).await?;
     let from = Writer { region: current.region.clone(), epoch: current.epoch };

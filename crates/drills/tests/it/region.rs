@@ -353,9 +353,10 @@ async fn region_status_tells_whether_this_configuration_may_write(
     assert!(s.ledger.fence_lsn.is_some());
 }
 
-/// The fence needs no privilege on the epoch record: an application role that may write the
-/// outbox but not touch `region_epoch` writes at the ledger's epoch, is refused at another,
-/// cannot move the epoch itself, and a stale writer's TRUNCATE is refused like any write.
+/// The fence needs no right to change the epoch record: an application role that may write
+/// the outbox and only read `region_epoch` and `region_lease` (the check runs as the caller,
+/// migration 0018) writes at the ledger's epoch, is refused at another, cannot move the epoch
+/// itself, and a stale writer's TRUNCATE is refused like any write.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn the_fence_holds_for_a_least_privileged_role_and_for_truncate(
     pool: PgPoolOptions,
@@ -365,6 +366,10 @@ async fn the_fence_holds_for_a_least_privileged_role_and_for_truncate(
     let role = format!("bo_app_{}", &Uuid::new_v4().simple().to_string()[..12]);
     sqlx::query(&format!("CREATE ROLE {role} LOGIN")).execute(&admin).await.unwrap();
     sqlx::query(&format!("GRANT INSERT, SELECT, TRUNCATE ON outbox TO {role}"))
+        .execute(&admin)
+        .await
+        .unwrap();
+    sqlx::query(&format!("GRANT SELECT ON region_epoch, region_lease TO {role}"))
         .execute(&admin)
         .await
         .unwrap();
