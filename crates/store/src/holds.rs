@@ -308,10 +308,11 @@ pub async fn reserve(pool: &PgPool, req: &ReserveRequest) -> Result<ReserveOutco
     }
 }
 
-/// One attempt of the hold transaction, as named steps in the ledger's lock order: the
-/// buyer's lock and the idempotency key (remembered answer or claim), the seat rows, their current owners (lapsed
-/// holds reclaimed), then the order, hold, seats, `HoldCreated` +
-/// `PaymentAuthorizationRequested` and the stored answer.
+/// One attempt of the hold transaction, as named steps in the ledger's lock order, four
+/// statements between `BEGIN` and `COMMIT`: the buyer's lock and the idempotency key
+/// (remembered answer or claim); the event's rules and the seat rows locked; the seats'
+/// current owners (lapsed holds reclaimed); then the order, hold, seats, `HoldCreated` +
+/// `PaymentAuthorizationRequested` and the stored answer in one statement.
 async fn reserve_once(
     pool: &PgPool,
     req: &ReserveRequest,
@@ -322,11 +323,9 @@ async fn reserve_once(
     if let Some(replayed) = claim_idempotency_key(&mut tx, req, hash).await? {
         return Ok(ReserveOutcome::Replayed(replayed));
     }
-    check_event_rules(&mut tx, req, seats.len()).await?;
-    let locked = lock_seats(&mut tx, req.event_id, seats).await?;
-    take_seats_from_lapsed_holds(&mut tx, seats).await?;
-    let receipt = insert_hold(&mut tx, req, seats, &locked).await?;
-    store_receipt(&mut tx, req, &receipt).await?;
+    let locked = check_rules_and_lock_seats(&mut tx, req, seats).await?;
+    let now = take_seats_from_lapsed_holds(&mut tx, seats).await?;
+    let receipt = insert_hold(&mut tx, req, seats, &locked, now).await?;
     boxoffice_faults::check("hold.before_commit")?;
     tx.commit().await?;
     // Committed but unanswered: the client's retry with the same key gets this receipt.
@@ -348,7 +347,16 @@ struct EventRules {
     tickets: i64,
 }
 
-/// Step 2: the event exists (404), this ledger sells it for the token's cell at the token's
+/// A seat row locked by the hold transaction.
+struct LockedSeat {
+    price_minor: i64,
+    currency: String,
+}
+
+/// Step 2, one statement: the event's rules and the requested seats of the event locked in id
+/// order.
+///
+/// The rules: the event exists (404), this ledger sells it for the token's cell at the token's
 /// directory epoch (409 `event_in_another_cell` / `admission_token_stale_epoch`, 503
 /// `event_moving`; read without a row lock: a move waits for every transaction older than its
 /// freeze, `cells::wait_for_transactions_before`), its sales window is open by the database clock (403
@@ -358,31 +366,42 @@ struct EventRules {
 /// must stay below `max_active_holds_per_buyer`. A hold past its expiry still counts until the
 /// expiry releases it: the saga may be confirming it right now (it decided under its own row
 /// lock, before the lapse, and has not committed), so only a released hold gives its seats
-/// back to the buyer's allowance.
-async fn check_event_rules(
+/// back to the buyer's allowance. The statement's snapshot is taken after the buyer's lock
+/// (step 1), so it sees every hold of theirs that committed before; while it waits for a seat
+/// lock, no hold of this buyer for this event can commit (they wait for the buyer's lock), so
+/// the counts cannot grow under it.
+///
+/// The seats: unknown seats refuse (422), and so do seats another cell's ledger sold before
+/// the event moved here (`seats.sold_in_cell`, 409 like any taken seat). The rules are judged
+/// first, as if they had been read first.
+async fn check_rules_and_lock_seats(
     tx: &mut Tx<'_>,
     req: &ReserveRequest,
-    requested: usize,
-) -> Result<(), ReserveError> {
-    // The buyer's lock was taken with the key (step 1): this statement's snapshot sees every
-    // hold of theirs that committed before it.
-    let rules: Option<EventRules> = sqlx::query_as::<
-        _,
-        (
-            i32,
-            i32,
-            Option<DateTime<Utc>>,
-            Option<DateTime<Utc>>,
-            DateTime<Utc>,
-            i64,
-            i64,
-            i64,
-            String,
-            i64,
-            String,
-        ),
-    >(
-        "SELECT e.max_seats_per_buyer, e.max_active_holds_per_buyer, e.sales_open_at, e.sales_close_at,
+    seats: &[SeatId],
+) -> Result<Vec<LockedSeat>, ReserveError> {
+    type Row = (
+        i32,
+        i32,
+        Option<DateTime<Utc>>,
+        Option<DateTime<Utc>>,
+        DateTime<Utc>,
+        i64,
+        i64,
+        i64,
+        String,
+        i64,
+        String,
+        Vec<Uuid>,
+        Vec<i64>,
+        Vec<String>,
+        Vec<bool>,
+    );
+    let seat_uuids: Vec<Uuid> = seats.iter().map(|s| s.0).collect();
+    let row: Option<Row> = sqlx::query_as(
+        "WITH locked AS MATERIALIZED (
+            SELECT id, price_minor, currency, sold_in_cell IS NOT NULL AS elsewhere FROM seats
+             WHERE event_id = $1 AND id = ANY($3) ORDER BY id FOR UPDATE)
+         SELECT e.max_seats_per_buyer, e.max_active_holds_per_buyer, e.sales_open_at, e.sales_close_at,
                 clock_timestamp(),
                 (SELECT count(*) FROM orders o JOIN holds h ON h.order_id = o.id
                    JOIN hold_seats hs ON hs.hold_id = h.id AND hs.released_at IS NULL
@@ -391,17 +410,25 @@ async fn check_event_rules(
                   WHERE o.event_id = e.id AND o.user_id = $2 AND h.status = 'active'),
                 (SELECT count(*) FROM orders o JOIN tickets t ON t.order_id = o.id
                   WHERE o.event_id = e.id AND o.user_id = $2 AND t.voided_at IS NULL),
-                e.purchase_cell, e.directory_epoch, e.cell_state
+                e.purchase_cell, e.directory_epoch, e.cell_state,
+                ARRAY(SELECT id FROM locked ORDER BY id),
+                ARRAY(SELECT price_minor FROM locked ORDER BY id),
+                ARRAY(SELECT currency FROM locked ORDER BY id),
+                ARRAY(SELECT elsewhere FROM locked ORDER BY id)
            FROM events e WHERE e.id = $1",
     )
     .bind(req.event_id.0)
     .bind(req.user_id.0)
+    .bind(&seat_uuids)
     .fetch_optional(&mut **tx)
-    .await?
-    .map(|r| -> Result<EventRules, ReserveError> {
-        let state = crate::cells::CellState::try_from(r.10)
-            .map_err(|e| ReserveError::Ledger(StoreError::Corrupt(e)))?;
-        Ok(EventRules {
+    .await?;
+    let Some(r) = row else {
+        return Err(ReserveError::EventNotFound);
+    };
+    let state =
+        crate::cells::CellState::try_from(r.10).map_err(|e| ReserveError::Ledger(StoreError::Corrupt(e)))?;
+    check_rules(
+        &EventRules {
             placement: crate::cells::Placement { cell: r.8, directory_epoch: r.9, state },
             max_seats_per_buyer: r.0,
             max_active_holds_per_buyer: r.1,
@@ -411,12 +438,31 @@ async fn check_event_rules(
             seats_held: r.5,
             active_holds: r.6,
             tickets: r.7,
-        })
-    })
-    .transpose()?;
-    let Some(rules) = rules else {
-        return Err(ReserveError::EventNotFound);
-    };
+        },
+        req,
+        seats.len(),
+    )?;
+    let (ids, prices, currencies, elsewhere) = (r.11, r.12, r.13, r.14);
+    if ids.len() != seats.len() {
+        let found: std::collections::HashSet<Uuid> = ids.into_iter().collect();
+        return Err(ReserveError::UnknownSeats {
+            seat_ids: seats.iter().filter(|s| !found.contains(&s.0)).copied().collect(),
+        });
+    }
+    let sold_elsewhere: Vec<SeatId> =
+        ids.iter().zip(&elsewhere).filter(|(_, e)| **e).map(|(id, _)| SeatId(*id)).collect();
+    if !sold_elsewhere.is_empty() {
+        return Err(ReserveError::SeatUnavailable { seat_ids: sold_elsewhere });
+    }
+    Ok(prices
+        .into_iter()
+        .zip(currencies)
+        .map(|(price_minor, currency)| LockedSeat { price_minor, currency })
+        .collect())
+}
+
+/// The event's rules against the request (see [`check_rules_and_lock_seats`]).
+fn check_rules(rules: &EventRules, req: &ReserveRequest, requested: usize) -> Result<(), ReserveError> {
     rules.placement.admits(&req.cell, req.directory_epoch)?;
     match rules.sales_open_at {
         Some(open) if open <= rules.now => {}
@@ -489,71 +535,42 @@ async fn claim_idempotency_key(
     }
 }
 
-/// A seat row locked by the hold transaction.
-struct LockedSeat {
-    price_minor: i64,
-    currency: String,
-}
-
-/// Step 2: locks the requested seats of `event` in id order; refuses unknown seats (422), an
-/// unknown event (404), or seats another cell's ledger sold before the event moved here
-/// (`seats.sold_in_cell`, 409 like any taken seat).
-async fn lock_seats(
-    tx: &mut Tx<'_>,
-    event: EventId,
-    seats: &[SeatId],
-) -> Result<Vec<LockedSeat>, ReserveError> {
-    let seat_uuids: Vec<Uuid> = seats.iter().map(|s| s.0).collect();
-    let locked: Vec<(Uuid, i64, String, bool)> = sqlx::query_as(
-        "SELECT id, price_minor, currency, sold_in_cell IS NOT NULL FROM seats
-          WHERE event_id = $1 AND id = ANY($2) ORDER BY id FOR UPDATE",
-    )
-    .bind(event.0)
-    .bind(&seat_uuids)
-    .fetch_all(&mut **tx)
-    .await?;
-    if locked.len() != seats.len() {
-        let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM events WHERE id = $1)")
-            .bind(event.0)
-            .fetch_one(&mut **tx)
-            .await?;
-        if !exists {
-            return Err(ReserveError::EventNotFound);
-        }
-        let found: std::collections::HashSet<Uuid> = locked.iter().map(|r| r.0).collect();
-        return Err(ReserveError::UnknownSeats {
-            seat_ids: seats.iter().filter(|s| !found.contains(&s.0)).copied().collect(),
-        });
-    }
-    let elsewhere: Vec<SeatId> = locked.iter().filter(|r| r.3).map(|r| SeatId(r.0)).collect();
-    if !elsewhere.is_empty() {
-        return Err(ReserveError::SeatUnavailable { seat_ids: elsewhere });
-    }
-    Ok(locked.into_iter().map(|(_, price_minor, currency, _)| LockedSeat { price_minor, currency }).collect())
-}
-
 /// Step 3, all or nothing: any seat sold or held by a live hold refuses the request (409);
 /// holds that are `active` but past expiry are reclaimed through the expiry's own routine
 /// ([`expire_if_due`]), under their own row lock (which re-checks status and expiry).
+/// Returns the database clock read after the seat locks were granted: the hold's times count
+/// from it.
+///
+/// A statement of its own after the seat locks: its snapshot is taken after they were
+/// granted, so it sees the hold of any transaction that held them before us.
 ///
 /// The owner query reads each hold by primary key alone and computes the lapse from the row:
 /// a `status = 'active'` filter would invite the partial expiry index, which holds every
 /// active hold during an onsale.
-async fn take_seats_from_lapsed_holds(tx: &mut Tx<'_>, seats: &[SeatId]) -> Result<(), ReserveError> {
+async fn take_seats_from_lapsed_holds(
+    tx: &mut Tx<'_>,
+    seats: &[SeatId],
+) -> Result<DateTime<Utc>, ReserveError> {
     let seat_uuids: Vec<Uuid> = seats.iter().map(|s| s.0).collect();
-    let owners: Vec<(Uuid, Option<Uuid>, bool)> = sqlx::query_as(concat!(
-        "SELECT hs.seat_id, hs.hold_id,
-                COALESCE((SELECT h.status = 'active' AND ",
-        hold_end!("h."),
-        " < clock_timestamp()
-                            FROM holds h WHERE h.id = hs.hold_id), false) AS lapsed
-           FROM hold_seats hs WHERE hs.seat_id = ANY($1) AND hs.released_at IS NULL
-         UNION ALL
-         SELECT t.seat_id, NULL, false FROM tickets t WHERE t.seat_id = ANY($1) AND t.seat_released_at IS NULL",
-    ))
-    .bind(&seat_uuids)
-    .fetch_all(&mut **tx)
-    .await?;
+    let (now, owner_seats, owner_holds, lapsed): (DateTime<Utc>, Vec<Uuid>, Vec<Option<Uuid>>, Vec<bool>) =
+        sqlx::query_as(concat!(
+            "WITH owners AS (
+                SELECT hs.seat_id, hs.hold_id,
+                       COALESCE((SELECT h.status = 'active' AND ",
+            hold_end!("h."),
+            " < clock_timestamp()
+                                   FROM holds h WHERE h.id = hs.hold_id), false) AS lapsed
+                  FROM hold_seats hs WHERE hs.seat_id = ANY($1) AND hs.released_at IS NULL
+                UNION ALL
+                SELECT t.seat_id, NULL, false FROM tickets t WHERE t.seat_id = ANY($1) AND t.seat_released_at IS NULL)
+             SELECT clock_timestamp(), ARRAY(SELECT seat_id FROM owners), ARRAY(SELECT hold_id FROM owners),
+                    ARRAY(SELECT lapsed FROM owners)",
+        ))
+        .bind(&seat_uuids)
+        .fetch_one(&mut **tx)
+        .await?;
+    let owners: Vec<(Uuid, Option<Uuid>, bool)> =
+        owner_seats.into_iter().zip(owner_holds).zip(lapsed).map(|((s, h), l)| (s, h, l)).collect();
     let live: Vec<SeatId> = owners.iter().filter(|o| !o.2).map(|o| SeatId(o.0)).collect();
     if !live.is_empty() {
         return Err(ReserveError::SeatUnavailable { seat_ids: live });
@@ -567,63 +584,32 @@ async fn take_seats_from_lapsed_holds(tx: &mut Tx<'_>, seats: &[SeatId]) -> Resu
             return Err(ReserveError::SeatUnavailable { seat_ids: seats.to_vec() });
         }
     }
-    Ok(())
+    Ok(now)
 }
 
-/// Step 4: the order (`held`), its `active` hold expiring `req.ttl` from now by the database
-/// clock, the hold's seat rows, and `HoldCreated` with the order's
-/// `PaymentAuthorizationRequested` in the outbox.
+/// Step 4, one statement: the order (`held`), its `active` hold expiring `req.ttl` after `now`
+/// (the database clock once the seats were locked), the hold's seat rows, `HoldCreated` with
+/// the order's `PaymentAuthorizationRequested` in the outbox, and the answer stored with the
+/// claimed key, so a retry returns it (invariant 3). The foreign keys are checked at the
+/// statement's end.
+///
+/// The two outbox rows are written here as [`outbox::insert_all`] writes facts (same columns,
+/// `created_at` one microsecond apart in order, the current span's trace context), so the hold
+/// costs one round trip for all its writes.
 async fn insert_hold(
     tx: &mut Tx<'_>,
     req: &ReserveRequest,
     seats: &[SeatId],
     locked: &[LockedSeat],
+    now: DateTime<Utc>,
 ) -> Result<HoldReceipt, ReserveError> {
     let order_id = OrderId::new();
     let hold_id = HoldId::new();
     let amount_minor: i64 = locked.iter().map(|r| r.price_minor).sum();
     let currency = locked[0].currency.clone();
     let seat_uuids: Vec<Uuid> = seats.iter().map(|s| s.0).collect();
-    // The order, its hold and the hold's seats in one statement (the foreign keys are checked
-    // at its end); the hold's expiry is taken from the database clock now.
-    let inserted: Result<DateTime<Utc>, sqlx::Error> = sqlx::query_scalar(
-        "WITH new_order AS (
-            INSERT INTO orders (id, user_id, event_id, status, amount_minor, currency, correlation_id)
-            VALUES ($1, $2, $3, $4, $5, $6, $7)
-            RETURNING clock_timestamp() + make_interval(secs => $8::double precision / 1000.0) AS expires_at
-         ), new_hold AS (
-            INSERT INTO holds (id, order_id, status, expires_at, payable_by)
-            SELECT $9, $1, $10, expires_at, clock_timestamp() + make_interval(secs => $11) FROM new_order
-            RETURNING id
-         ), new_seats AS (
-            INSERT INTO hold_seats (hold_id, seat_id) SELECT new_hold.id, unnest($12::uuid[]) FROM new_hold
-         )
-         SELECT expires_at FROM new_order",
-    )
-    .bind(order_id.0)
-    .bind(req.user_id.0)
-    .bind(req.event_id.0)
-    .bind(OrderStatus::Held.as_str())
-    .bind(amount_minor)
-    .bind(&currency)
-    .bind(req.correlation_id)
-    .bind(req.ttl.as_millis() as f64)
-    .bind(hold_id.0)
-    .bind(HoldStatus::Active.as_str())
-    .bind(req.payable_within.map(|d| d.as_secs_f64()))
-    .bind(&seat_uuids)
-    .fetch_one(&mut **tx)
-    .await;
-    let expires_at = match inserted {
-        Ok(at) => at,
-        // Only reachable if some path took a seat without its row lock: the index is the
-        // last guard, and we report it as the conflict it is.
-        Err(e) if constraint(&e) == Some("hold_seat_active_uq") => {
-            metrics::counter!("boxoffice_hold_unique_index_rejections_total").increment(1);
-            return Err(ReserveError::SeatUnavailable { seat_ids: seats.to_vec() });
-        }
-        Err(e) => return Err(e.into()),
-    };
+    let expires_at = now + chrono::Duration::milliseconds(req.ttl.as_millis() as i64);
+    let payable_by = req.payable_within.map(|d| now + chrono::Duration::milliseconds(d.as_millis() as i64));
     let receipt = HoldReceipt {
         order_id,
         hold_id,
@@ -634,8 +620,8 @@ async fn insert_hold(
         amount_minor,
         currency: currency.clone(),
     };
-    // `HoldCreated` and the saga's first command, in one statement (the saga decides what
-    // they are: `saga::hold_created`).
+    // `HoldCreated` and the saga's first command (the saga decides what they are:
+    // `saga::hold_created`).
     let [created, request] = saga::hold_created(
         order_id,
         hold_id,
@@ -643,31 +629,66 @@ async fn insert_hold(
         seats.to_vec(),
         expires_at,
         amount_minor,
-        currency,
+        currency.clone(),
     );
     let created = Envelope::new(order_id, &created, req.correlation_id, None);
     let request = created.follow(&request);
-    outbox::insert_all(tx, &[created, request]).await?;
-    Ok(receipt)
-}
-
-/// Step 5: the answer stored with the claimed key, so a retry returns it (invariant 3).
-async fn store_receipt(
-    tx: &mut Tx<'_>,
-    req: &ReserveRequest,
-    receipt: &HoldReceipt,
-) -> Result<(), ReserveError> {
-    sqlx::query(
-        "UPDATE idempotency_keys SET order_id = $3, response_status = 202, response = $4
-          WHERE user_id = $1 AND idempotency_key = $2",
+    let facts = [&created, &request];
+    let fact_ids: Vec<Uuid> = facts.iter().map(|e| e.event_id).collect();
+    let fact_types: Vec<&str> = facts.iter().map(|e| e.event_type.as_str()).collect();
+    let fact_payloads: Vec<serde_json::Value> =
+        facts.iter().map(|e| serde_json::to_value(e).expect("envelopes serialize")).collect();
+    let inserted = sqlx::query(
+        "WITH new_order AS (
+            INSERT INTO orders (id, user_id, event_id, status, amount_minor, currency, correlation_id)
+            VALUES ($1, $2, $3, $4, $5, $6, $7)
+         ), new_hold AS (
+            INSERT INTO holds (id, order_id, status, expires_at, payable_by)
+            VALUES ($8, $1, $9, $10, $11)
+         ), new_seats AS (
+            INSERT INTO hold_seats (hold_id, seat_id) SELECT $8, unnest($12::uuid[])
+         ), facts AS (
+            INSERT INTO outbox (id, topic, message_key, event_type, payload, created_at, traceparent)
+            SELECT f.id, $13, $1::text, f.t, f.p, clock_timestamp() + f.n * interval '1 microsecond', $17
+              FROM unnest($14::uuid[], $15::text[], $16::jsonb[]) WITH ORDINALITY AS f(id, t, p, n)
+         )
+         UPDATE idempotency_keys SET order_id = $1, response_status = 202, response = $19
+          WHERE user_id = $2 AND idempotency_key = $18",
     )
+    .bind(order_id.0)
     .bind(req.user_id.0)
+    .bind(req.event_id.0)
+    .bind(OrderStatus::Held.as_str())
+    .bind(amount_minor)
+    .bind(&currency)
+    .bind(req.correlation_id)
+    .bind(hold_id.0)
+    .bind(HoldStatus::Active.as_str())
+    .bind(expires_at)
+    .bind(payable_by)
+    .bind(&seat_uuids)
+    .bind(boxoffice_domain::Topic::Purchase.name())
+    .bind(&fact_ids)
+    .bind(&fact_types)
+    .bind(&fact_payloads)
+    .bind(boxoffice_trace::current_traceparent())
     .bind(&req.idempotency_key)
-    .bind(receipt.order_id.0)
-    .bind(sqlx::types::Json(receipt))
+    .bind(sqlx::types::Json(&receipt))
     .execute(&mut **tx)
-    .await?;
-    Ok(())
+    .await;
+    match inserted {
+        Ok(r) if r.rows_affected() == 1 => Ok(receipt),
+        Ok(_) => Err(ReserveError::Ledger(StoreError::Corrupt(format!(
+            "idempotency key of order {order_id} was not claimed by its own transaction"
+        )))),
+        // Only reachable if some path took a seat without its row lock: the index is the
+        // last guard, and we report it as the conflict it is.
+        Err(e) if constraint(&e) == Some("hold_seat_active_uq") => {
+            metrics::counter!("boxoffice_hold_unique_index_rejections_total").increment(1);
+            Err(ReserveError::SeatUnavailable { seat_ids: seats.to_vec() })
+        }
+        Err(e) => Err(e.into()),
+    }
 }
 
 /// A hold as locked by a worker.
