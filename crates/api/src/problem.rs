@@ -277,6 +277,7 @@ impl From<crate::webhooks::IngestError> for Problem {
         match e {
             crate::webhooks::IngestError::Db(db) => Problem::database(&db),
             crate::webhooks::IngestError::Fault(f) => f.into(),
+            crate::webhooks::IngestError::Ledger(e) => e.into(),
             crate::webhooks::IngestError::Malformed(what) => {
                 Problem::bad_request("malformed_event", format!("the event's {what} is not a Stripe id"))
             }

@@ -11,7 +11,10 @@
 //! hold's lapse until the re-fetch has spoken (below):
 //! - **known**: a claim the ledger already records (a redelivered authorization after the
 //!   saga confirmed, a capture the payment worker recorded from its own call) is recorded and
-//!   has nothing left to do;
+//!   has nothing left to do; so is a capture claimed while the saga's capture request is
+//!   outstanding (order `confirming`, authorization mirrored): the payment worker records
+//!   the provider's answer to its own capture call (or re-fetches the PaymentIntent when the
+//!   call fails), so a re-fetch now would only race that answer;
 //! - **news**: any other claim for the order's PaymentIntent — the saga's next step included,
 //!   and any amount or status that contradicts the ledger — is recorded with a
 //!   `PaymentIntentRefreshRequested` command: the payment worker re-fetches the PaymentIntent
@@ -40,13 +43,11 @@
 //! Stripe redelivers and the duplicate is acknowledged without effect).
 
 use boxoffice_domain::HoldPolicy;
-use boxoffice_domain::PaymentIntentStatus;
-use boxoffice_domain::{Envelope, OrderId, PurchaseEvent};
+use boxoffice_domain::{Envelope, OrderId, OrderStatus, PaymentIntentStatus, PurchaseEvent};
 use boxoffice_payments::webhook::Event;
-use boxoffice_store::{holds, orders, outbox, payments, stripe_events};
+use boxoffice_store::{holds, outbox, payments, stripe_events, StoreError};
 use serde_json::Value;
 use sqlx::PgPool;
-use uuid::Uuid;
 
 /// The event type by which Stripe reports an authorization (manual capture).
 const AUTHORIZATION: &str = "payment_intent.amount_capturable_updated";
@@ -105,10 +106,20 @@ pub enum IngestError {
     /// A fault point fired (`webhook.before_commit` / `webhook.after_commit`).
     #[error(transparent)]
     Fault(#[from] boxoffice_faults::Injected),
+    /// A ledger row contradicted its own rules (an unknown status); nothing was committed.
+    #[error(transparent)]
+    Ledger(StoreError),
     /// A signed event whose ids no Stripe object has (longer than [`MAX_ID_LEN`] bytes, or with
     /// a NUL byte): nothing is written.
     #[error("malformed Stripe event: {0}")]
     Malformed(&'static str),
+}
+
+fn store_error(e: StoreError) -> IngestError {
+    match e {
+        StoreError::Db(e) => IngestError::Db(e),
+        other => IngestError::Ledger(other),
+    }
 }
 
 /// The longest Stripe id (event, PaymentIntent, dispute) or event type accepted, bytes.
@@ -155,20 +166,20 @@ async fn ingest_tx(pool: &PgPool, event: &Event, policy: &HoldPolicy) -> Result<
     let mut outcome = Ingested::Recorded;
     match (order, pi.as_deref()) {
         (Some(order), Some(pi)) if handled => {
-            let local = payments::get(&mut *tx, order).await?;
-            let known = orders::amount_and_correlation(&mut *tx, order).await?;
-            if let Some((_, correlation)) = known {
-                tracing::Span::current().record("correlation_id", tracing::field::display(correlation));
+            let known = payments::order_with_payment(&mut *tx, order).await.map_err(store_error)?;
+            if let Some(k) = &known {
+                tracing::Span::current().record("correlation_id", tracing::field::display(k.correlation_id));
             }
-            if known.is_none() {
+            let Some(known) = known else {
                 // No saga step exists for an order the ledger never had: a re-fetch would only
                 // produce facts nobody can apply.
                 tracing::warn!(stripe.event_id = %event.id, stripe.event_type = %event.r#type, order.id = %order,
                     "webhook names an order this ledger does not have: recorded, ignored");
                 tx.commit().await?;
                 return Ok(Ingested::UnknownOrder);
-            }
-            match judge(&event.r#type, object, local.as_ref(), known.map(|k| k.0), pi) {
+            };
+            let local = known.payment.as_ref();
+            match judge(&event.r#type, object, local, known.status, known.amount_minor, pi) {
                 Verdict::Known => {}
                 Verdict::Stale => {
                     tracing::warn!(stripe.event_id = %event.id, stripe.event_type = %event.r#type, order.id = %order,
@@ -183,7 +194,7 @@ async fn ingest_tx(pool: &PgPool, event: &Event, policy: &HoldPolicy) -> Result<
                     metrics::counter!("boxoffice_webhook_claims_verified_total", "reason" => reason)
                         .increment(1);
                     outcome = Ingested::Refresh;
-                    let current = local.as_ref().is_some_and(|p| p.payment_intent_id == pi);
+                    let current = local.is_some_and(|p| p.payment_intent_id == pi);
                     if event.r#type == AUTHORIZATION && current && reason == UNVERIFIED_CLAIM {
                         // Case C19: reported while the hold is live, so our lag (the re-fetch,
                         // the saga) must not cost the buyer the seats. The re-fetch confirms
@@ -202,8 +213,7 @@ async fn ingest_tx(pool: &PgPool, event: &Event, policy: &HoldPolicy) -> Result<
                             reason: reason.to_owned(),
                         },
                     };
-                    let correlation = known.map(|k| k.1).unwrap_or_else(Uuid::new_v4);
-                    let env = Envelope::new(order, &fact, correlation, None);
+                    let env = Envelope::new(order, &fact, known.correlation_id, None);
                     outbox::insert(&mut tx, boxoffice_domain::Topic::Purchase, &env).await?;
                 }
             }
@@ -246,7 +256,8 @@ fn judge(
     event_type: &str,
     object: &Value,
     local: Option<&payments::PaymentRow>,
-    order_amount: Option<i64>,
+    order_status: OrderStatus,
+    order_amount: i64,
     pi: &str,
 ) -> Verdict {
     if let Some(p) = local {
@@ -264,8 +275,8 @@ fn judge(
         "payment_intent.succeeded" => Some("amount_received"),
         _ => None,
     };
-    if let (Some(field), Some(expected)) = (amount_field, order_amount) {
-        if amount(object, field) != expected {
+    if let Some(field) = amount_field {
+        if amount(object, field) != order_amount {
             return Verdict::Verify("amount_mismatch");
         }
     }
@@ -291,8 +302,14 @@ fn judge(
             matches!(p.status, PaymentIntentStatus::RequiresCapture | PaymentIntentStatus::Succeeded)
         }
         "payment_intent.succeeded" => {
-            p.status == PaymentIntentStatus::Succeeded
-                && p.amount_captured_minor >= amount(object, "amount_received")
+            (p.status == PaymentIntentStatus::Succeeded
+                && p.amount_captured_minor >= amount(object, "amount_received"))
+                // The saga asked for this capture (`confirming` is the order's state from the
+                // confirmation, which emits CaptureRequested, until the capture's answer is
+                // recorded): the payment worker records what the provider answers to its own
+                // call, or retrieves the PaymentIntent when the call fails. A re-fetch now
+                // would only race that answer.
+                || (p.status == PaymentIntentStatus::RequiresCapture && order_status == OrderStatus::Confirming)
         }
         "payment_intent.canceled" => p.status == PaymentIntentStatus::Canceled,
         "charge.refunded" => amount(object, "amount_refunded") <= p.amount_refunded_minor,
@@ -324,4 +341,57 @@ fn order_id(object: &Value) -> Option<OrderId> {
 
 fn amount(object: &Value, field: &str) -> i64 {
     object.get(field).and_then(Value::as_i64).unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn payment(status: PaymentIntentStatus) -> payments::PaymentRow {
+        payments::PaymentRow {
+            order_id: uuid::Uuid::nil(),
+            payment_intent_id: "pi_1".into(),
+            status,
+            amount_minor: 500,
+            currency: "usd".into(),
+            amount_captured_minor: 0,
+            amount_refunded_minor: 0,
+            capture_before: None,
+            last_error_code: None,
+            dispute_id: None,
+            dispute_status: None,
+        }
+    }
+
+    #[test]
+    fn a_capture_claimed_while_the_sagas_capture_is_outstanding_needs_no_re_fetch() {
+        let claim = serde_json::json!({ "id": "pi_1", "amount_received": 500 });
+        let authorized = payment(PaymentIntentStatus::RequiresCapture);
+        let succeeded = "payment_intent.succeeded";
+        assert_eq!(
+            judge(succeeded, &claim, Some(&authorized), OrderStatus::Confirming, 500, "pi_1"),
+            Verdict::Known
+        );
+        // Before the saga asked for the capture, the claim is news: the provider is asked.
+        assert_eq!(
+            judge(succeeded, &claim, Some(&authorized), OrderStatus::PaymentRequired, 500, "pi_1"),
+            Verdict::Verify(UNVERIFIED_CLAIM)
+        );
+        // No authorization mirrored (case C16): asked, whatever the order's status.
+        let unpaid = payment(PaymentIntentStatus::RequiresPaymentMethod);
+        assert_eq!(
+            judge(succeeded, &claim, Some(&unpaid), OrderStatus::Confirming, 500, "pi_1"),
+            Verdict::Verify(UNVERIFIED_CLAIM)
+        );
+        // Another amount than the order's is checked, even while the capture is outstanding.
+        assert_eq!(
+            judge(succeeded, &claim, Some(&authorized), OrderStatus::Confirming, 700, "pi_1"),
+            Verdict::Verify("amount_mismatch")
+        );
+        // Another PaymentIntent than the order's is stale.
+        assert_eq!(
+            judge(succeeded, &claim, Some(&authorized), OrderStatus::Confirming, 500, "pi_2"),
+            Verdict::Stale
+        );
+    }
 }

@@ -115,6 +115,77 @@ pub async fn get<'e, E: Executor<'e, Database = Postgres>>(
     .await
 }
 
+/// An order as webhook ingress judges a claim about it: its total, correlation id and status,
+/// and its payment row when one is recorded.
+#[derive(Debug, Clone)]
+pub struct OrderPayment {
+    /// The order's total, minor units.
+    pub amount_minor: i64,
+    /// The buyer journey's correlation id.
+    pub correlation_id: Uuid,
+    /// The order's status.
+    pub status: OrderStatus,
+    /// Its payment row (`None` until the payment worker records the PaymentIntent).
+    pub payment: Option<PaymentRow>,
+}
+
+/// Order `order` and its payment row in one statement, without locks; `None` when the ledger
+/// has no such order.
+pub async fn order_with_payment<'e, E: Executor<'e, Database = Postgres>>(
+    ex: E,
+    order: OrderId,
+) -> Result<Option<OrderPayment>, StoreError> {
+    type Row = (
+        i64,
+        Uuid,
+        String,
+        Option<String>,
+        Option<String>,
+        Option<i64>,
+        Option<String>,
+        Option<i64>,
+        Option<i64>,
+        Option<DateTime<Utc>>,
+        Option<String>,
+        Option<String>,
+        Option<String>,
+    );
+    let row: Option<Row> = sqlx::query_as(
+        "SELECT o.amount_minor, o.correlation_id, o.status, p.payment_intent_id, p.status, p.amount_minor,
+                p.currency, p.amount_captured_minor, p.amount_refunded_minor, p.capture_before,
+                p.last_error_code, p.dispute_id, p.dispute_status
+           FROM orders o LEFT JOIN payments p ON p.order_id = o.id
+          WHERE o.id = $1",
+    )
+    .bind(order.0)
+    .fetch_optional(ex)
+    .await?;
+    let Some(r) = row else { return Ok(None) };
+    let corrupt = |e: &dyn std::fmt::Display| StoreError::Corrupt(e.to_string());
+    let payment = match (r.3, r.4) {
+        (Some(payment_intent_id), Some(status)) => Some(PaymentRow {
+            order_id: order.0,
+            payment_intent_id,
+            status: PaymentIntentStatus::from(status),
+            amount_minor: r.5.unwrap_or_default(),
+            currency: r.6.unwrap_or_default(),
+            amount_captured_minor: r.7.unwrap_or_default(),
+            amount_refunded_minor: r.8.unwrap_or_default(),
+            capture_before: r.9,
+            last_error_code: r.10,
+            dispute_id: r.11,
+            dispute_status: r.12,
+        }),
+        _ => None,
+    };
+    Ok(Some(OrderPayment {
+        amount_minor: r.0,
+        correlation_id: r.1,
+        status: OrderStatus::try_from(r.2).map_err(|e| corrupt(&e))?,
+        payment,
+    }))
+}
+
 /// The order that owns PaymentIntent `pi`.
 pub async fn order_for_intent<'e, E: Executor<'e, Database = Postgres>>(
     ex: E,
