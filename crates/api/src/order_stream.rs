@@ -29,10 +29,13 @@
 //! - ends cleanly (`event: end`) once the order is final (`ticketed`, `expired`, `failed`,
 //!   `canceled`, `refunded`).
 //!
-//! One change commits no fact: the saga's `held → payment_required` when it applies
-//! `PaymentIntentCreated`. The stream was already woken by that fact, whose transaction wrote
-//! the PaymentIntent and its client secret, so the buyer can pay from the `held` event; the
-//! status itself shows `payment_required` at the next change or re-read.
+//! One change may commit no fact: the saga's `held → payment_required` when it applies
+//! `PaymentIntentCreated` from the bus. In a process that runs the saga beside the payment
+//! worker, that step rides in the transaction that records the PaymentIntent
+//! (`boxoffice_bus::follow`) and the stream sees `payment_required` at once; otherwise the
+//! stream was already woken by that fact, whose transaction wrote the PaymentIntent and its
+//! client secret, so the buyer can pay from the `held` event, and the status itself shows
+//! `payment_required` at the next change or re-read.
 //!
 //! Metrics: `boxoffice_order_streams` (open), `boxoffice_order_stream_reads_total` (ledger
 //! reads made for streams), `boxoffice_order_stream_events_total`,

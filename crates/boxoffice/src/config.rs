@@ -278,6 +278,12 @@ pub struct Config {
     /// 1 applies each message in a transaction of its own. Default 16; 1..=1000. A batch holds
     /// the row locks of its orders until it commits, so a webhook for one of them waits for it.
     pub consumer_batch_max: usize,
+    /// Whether a process that runs the saga or the ticket worker beside another consumer
+    /// applies their steps in the transaction that commits the fact they follow
+    /// (`boxoffice_bus::follow`): the capture's transaction also moves the order to `paid`
+    /// and issues the tickets. Default true; false leaves every step to its consumer on the
+    /// bus (one relay hop and one transaction per step).
+    pub follow_through: bool,
     /// Attempts of a transiently failing message in place before it moves to the 5 s retry
     /// topic (design §8).
     pub consumer_inline_attempts: u32,
@@ -654,6 +660,7 @@ impl Default for Config {
             consumers_per_role: 1,
             consumer_lanes: 8,
             consumer_batch_max: 16,
+            follow_through: true,
             consumer_inline_attempts: 3,
             consumer_retry_5s_delay_ms: 5_000,
             consumer_retry_1m_delay_ms: 60_000,

@@ -303,15 +303,18 @@ pub async fn start(
                     batch: cfg.consumer_batch_max,
                 };
                 let sd = shutdown.clone();
+                let followers = followers(roles, cfg);
                 let (handles, assignment) = match role {
-                    Role::Saga => run_consumers(k, pool.clone(), Arc::new(Saga), p, members, sd)?,
-                    Role::Tickets => run_consumers(k, pool.clone(), Arc::new(TicketWorker), p, members, sd)?,
+                    Role::Saga => run_consumers(k, pool.clone(), Arc::new(Saga), p, members, followers, sd)?,
+                    Role::Tickets => {
+                        run_consumers(k, pool.clone(), Arc::new(TicketWorker), p, members, followers, sd)?
+                    }
                     _ => {
                         let worker = Arc::new(
                             PaymentWorker::new(gateway(cfg)?, pool.clone(), cfg.hold_policy())
                                 .in_cell(&cfg.purchase_cell),
                         );
-                        run_consumers(k, pool.clone(), worker, p, members, sd)?
+                        run_consumers(k, pool.clone(), worker, p, members, followers, sd)?
                     }
                 };
                 groups.push(assignment);
@@ -348,6 +351,23 @@ pub async fn start(
 /// The region lease renewer (design §15): one renewal before the roles start (a healthy
 /// region writes at once; a refused or unreachable witness leaves the gate closed and the
 /// process running, answering 503), then one every `region_lease_renew_ms`.
+/// The consumers of this process that follow other consumers' facts through in their
+/// transactions (`boxoffice_bus::follow`): those of `roles` that make no remote call (the saga
+/// and the ticket worker), unless `follow_through` is off.
+fn followers(roles: &[Role], cfg: &Config) -> boxoffice_bus::Followers {
+    let mut f = boxoffice_bus::Followers::none();
+    if !cfg.follow_through {
+        return f;
+    }
+    if roles.contains(&Role::Saga) {
+        f = f.with(Arc::new(Saga));
+    }
+    if roles.contains(&Role::Tickets) {
+        f = f.with(Arc::new(TicketWorker));
+    }
+    f
+}
+
 async fn start_lease(
     cfg: &Config,
     witness_url: &secrecy::SecretString,

@@ -142,12 +142,16 @@ fn step(out: &mut String, s: &Step, start: DateTime<Utc>) {
             summary(&f.payload)
         );
         for a in &f.applied_by {
-            let _ = writeln!(
-                out,
-                "          applied by {} +{} ms",
-                a.consumer,
-                (a.at - f.committed_at).num_milliseconds()
-            );
+            if a.in_writing_transaction {
+                let _ = writeln!(out, "          applied by {} in this transaction", a.consumer);
+            } else {
+                let _ = writeln!(
+                    out,
+                    "          applied by {} +{} ms",
+                    a.consumer,
+                    (a.at - f.committed_at).num_milliseconds()
+                );
+            }
         }
     }
     for i in &s.incidents {

@@ -48,6 +48,15 @@
 //! decoded fact whose handler does not act on it (`Handler::acts_on`, decided from the
 //! payload alone) is acknowledged the same way: no inbox row, no transaction.
 //!
+//! **Following through** ([`crate::follow`]). A consumer's transaction can also run, for the
+//! facts it emits, the steps of the consumers of this process that make no remote call (the
+//! saga, the ticket worker): their inbox rows and effects join the transaction, and the facts
+//! name them in `applied_by`. When such a fact reaches one of them on the bus it is
+//! acknowledged like a fact it does not act on (its inbox row is already there). If a
+//! follower fails, the whole transaction is rolled back and the message is applied again
+//! without followers, so a follower's failure never holds back the writer's own step. A
+//! shared batch follows its facts after all its messages, before its commit.
+//!
 //! **Facts of an older region epoch** (design §15). After a regional failover the promoted
 //! region's consumers may read facts stamped with the fenced epoch (`region_epoch`): those
 //! inside the promoted ledger's cut are applied as usual (the inbox absorbs the ones
@@ -74,6 +83,7 @@
 //! idempotency keys; ticket issuance is idempotent per seat. Retry copies of one order keep
 //! their relative order inside a retry topic (same key, same partition, one lane).
 
+use crate::follow::Followers;
 use crate::{KafkaConfig, RetryPolicy};
 use async_trait::async_trait;
 use boxoffice_domain::{Envelope, EventKind, PurchaseEvent, Topic};
@@ -233,7 +243,19 @@ pub async fn handle_once_at<H: Handler>(
     writer_epoch: Option<i64>,
 ) -> Result<Disposition, HandlerError> {
     let span = consumer_span(handler.name(), env, None, &boxoffice_trace::Labels::default());
-    apply_once(pool, handler, env, writer_epoch).instrument(span).await
+    apply_once(pool, handler, env, writer_epoch, &Followers::none()).instrument(span).await
+}
+
+/// [`handle_once`] with `followers` following the facts it emits through in its transaction
+/// ([`crate::follow`]), as a process running those consumers too does.
+pub async fn handle_once_following<H: Handler>(
+    pool: &PgPool,
+    handler: &H,
+    followers: &Followers,
+    env: &Envelope,
+) -> Result<Disposition, HandlerError> {
+    let span = consumer_span(handler.name(), env, None, &boxoffice_trace::Labels::default());
+    apply_once(pool, handler, env, None, followers).instrument(span).await
 }
 
 /// Where a message was read: what the consumer span says about it besides the fact's ids.
@@ -297,6 +319,7 @@ async fn apply_once<H: Handler>(
     handler: &H,
     env: &Envelope,
     writer_epoch: Option<i64>,
+    followers: &Followers,
 ) -> Result<Disposition, HandlerError> {
     if !EventKind::of(&env.event_type).is_some_and(|kind| handler.wants(kind)) {
         return Ok(Disposition::Ignored);
@@ -351,19 +374,52 @@ async fn apply_once<H: Handler>(
     if !handler.acts_on(&event) {
         return Ok(Disposition::Ignored);
     }
-    boxoffice_faults::check_consumer(name, "before_remote")?;
-    let prepared = handler.prepare(env, &event).await?;
-    boxoffice_faults::check_consumer(name, "after_remote")?;
-    let mut tx = pool.begin().await?;
-    if !inbox::record(&mut tx, name, env.event_id).await? {
+    if env.was_applied_by(name) {
+        // Applied in the transaction that committed it (crate::follow): its inbox row is there.
         return Ok(Disposition::Duplicate);
     }
-    let follows = handler.apply(&mut tx, env, &event, prepared).await?;
-    outbox::insert_all(&mut tx, &follows).await?;
-    boxoffice_faults::check_consumer(name, "before_commit")?;
-    tx.commit().await?;
-    boxoffice_faults::check_consumer(name, "after_commit")?;
-    Ok(Disposition::Applied)
+    // With followers first; if following fails, everything is rolled back and the message is
+    // applied again alone (crate::follow, "Failure isolation").
+    let mut followers = followers;
+    let none = Followers::none();
+    loop {
+        boxoffice_faults::check_consumer(name, "before_remote")?;
+        let prepared = handler.prepare(env, &event).await?;
+        boxoffice_faults::check_consumer(name, "after_remote")?;
+        let mut tx = pool.begin().await?;
+        if !inbox::record(&mut tx, name, env.event_id).await? {
+            return Ok(Disposition::Duplicate);
+        }
+        let emitted: Vec<outbox::Traced> = handler
+            .apply(&mut tx, env, &event, prepared)
+            .await?
+            .into_iter()
+            .map(outbox::Traced::here)
+            .collect();
+        let (facts, followed) = match followers.follow(&mut tx, emitted).await {
+            Ok(r) => r,
+            Err(e) => {
+                drop(tx);
+                follow_failed(name, env, &e);
+                followers = &none;
+                continue;
+            }
+        };
+        outbox::insert_traced(&mut tx, &facts).await?;
+        boxoffice_faults::check_consumer(name, "before_commit")?;
+        tx.commit().await?;
+        boxoffice_faults::check_consumer(name, "after_commit")?;
+        Followers::after_commit(&followed)?;
+        return Ok(Disposition::Applied);
+    }
+}
+
+/// Following `env`'s facts through failed: the transaction is gone, the message is applied
+/// again without followers.
+fn follow_failed(consumer: &'static str, env: &Envelope, e: &HandlerError) {
+    tracing::warn!(consumer, event.id = %env.event_id, event.type = %env.event_type, order.id = %env.aggregate_id,
+        error = %e, "following through in the transaction failed: applying the message alone");
+    metrics::counter!("boxoffice_follow_failures_total", "consumer" => consumer).increment(1);
 }
 
 /// Consumer-group membership of this process, for readiness and the
@@ -531,8 +587,10 @@ pub fn run_consumers<H: Handler>(
     handler: Arc<H>,
     producer: FutureProducer,
     members: Members,
+    followers: Followers,
     shutdown: CancellationToken,
 ) -> anyhow::Result<(Vec<tokio::task::JoinHandle<()>>, Arc<Assignment>)> {
+    let followers = followers.without(handler.name()).labelled(cfg.labels.clone());
     let Members { instances, lanes, batch } = members;
     let assignment = Arc::new(Assignment::default());
     let retry_assignment = Arc::new(Assignment::default());
@@ -571,6 +629,7 @@ pub fn run_consumers<H: Handler>(
                 // A batch shares one transaction: only for handlers with no remote call, and
                 // only on the main topic (a retry copy waits for its own due time).
                 batch: if stage == Stage::Main && !handler.calls_out() { batch.max(1) } else { 1 },
+                followers: followers.clone(),
             });
             // Retry members mostly wait for due times; a couple of lanes is plenty.
             let lanes = if stage == Stage::Main { lanes.max(1) } else { lanes.clamp(1, 2) };
@@ -591,6 +650,8 @@ struct Runner<H> {
     stage: Stage,
     /// Most messages one lane applies in one transaction.
     batch: usize,
+    /// The consumers that follow this one's facts through in its transactions.
+    followers: Followers,
 }
 
 /// Offsets dispatched but not finished, per partition: the commit point of a partition is
@@ -807,6 +868,8 @@ impl<H: Handler> Runner<H> {
         }
         match env.decode() {
             Ok(event) if !self.handler.acts_on(&event) => Batchable::Ignored,
+            // Applied in the transaction that committed it (crate::follow).
+            Ok(_) if env.was_applied_by(self.handler.name()) => Batchable::Ignored,
             Ok(event) => Batchable::Yes(Box::new(env), Box::new(event)),
             Err(_) => Batchable::Alone,
         }
@@ -914,11 +977,14 @@ impl<H: Handler> Runner<H> {
             .await?;
             out[k] = d;
         }
-        outbox::insert_traced(&mut tx, &follows).await?;
+        // A follower's failure fails the batch: each message is then processed alone.
+        let (facts, followed) = self.followers.follow(&mut tx, follows).await?;
+        outbox::insert_traced(&mut tx, &facts).await?;
         boxoffice_faults::check_consumer(name, "before_commit")?;
         tx.commit().await?;
         boxoffice_faults::check_consumer(name, "after_commit")?;
         boxoffice_faults::check_consumer(name, "before_ack")?;
+        Followers::after_commit(&followed)?;
         Ok(out)
     }
 
@@ -1015,7 +1081,7 @@ impl<H: Handler> Runner<H> {
             let started = std::time::Instant::now();
             let delivery = self.delivery(msg, attempts - 1);
             let span = consumer_span(name, env, Some(&delivery), &self.cfg.labels);
-            let applied = apply_once(&self.pool, &*self.handler, env, self.cfg.writer_epoch)
+            let applied = apply_once(&self.pool, &*self.handler, env, self.cfg.writer_epoch, &self.followers)
                 .instrument(span.clone())
                 .await;
             if applied.is_err() {

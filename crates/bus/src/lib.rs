@@ -10,6 +10,7 @@ pub mod config;
 pub mod consumer;
 pub mod dlq;
 pub mod embedded;
+pub mod follow;
 pub mod producer;
 pub mod topics;
 
@@ -25,3 +26,4 @@ pub mod fact_headers {
 
 pub use config::{KafkaConfig, KafkaSecurity, RetryPolicy, SaslMechanism, SecurityProtocol};
 pub use consumer::{run_consumers, Handler, HandlerError, Members};
+pub use follow::{Follower, Followers};

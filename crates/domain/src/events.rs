@@ -89,6 +89,13 @@ pub struct Envelope {
     /// worker can send the very value the fact carries to Stripe on every retry.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub traceparent: Option<String>,
+    /// The consumers that applied this fact in the very transaction that committed it (a
+    /// step followed through in its writer's transaction, `boxoffice_bus::follow`): each has
+    /// its inbox row for `event_id` in that transaction, so when the fact reaches it on the
+    /// bus it acknowledges it without a transaction. Empty (and absent on the wire) for
+    /// every other fact; a consumer that does not know the field still finds its inbox row.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub applied_by: Vec<String>,
 }
 
 /// Why an envelope could not be decoded: a permanent error (dead-letter material).
@@ -141,6 +148,7 @@ impl Envelope {
             region: None,
             region_epoch: None,
             traceparent: None,
+            applied_by: Vec::new(),
         }
     }
 
@@ -165,6 +173,12 @@ impl Envelope {
             "payload": self.payload,
         }))
         .map_err(|source| DecodeError::Payload { event_type: self.event_type.clone(), source })
+    }
+
+    /// Whether `consumer` applied this fact in the transaction that committed it (it is in
+    /// the `applied_by` field).
+    pub fn was_applied_by(&self, consumer: &str) -> bool {
+        self.applied_by.iter().any(|c| c == consumer)
     }
 
     /// The order this event belongs to.

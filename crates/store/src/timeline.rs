@@ -12,7 +12,9 @@
 //! **Steps.** Every one of those rows carries the id of the transaction that wrote it
 //! (`xact`, `pg_current_xact_id()`). Rows of one transaction are one step; its actor is
 //! exact, not guessed: the consumer whose inbox row is in that transaction (and the fact it
-//! applied), else the webhook recorded in it, else the buyer's hold request (the step that
+//! applied; the inbox rows of consumers that followed the transaction's own facts through
+//! in it, `boxoffice_bus::follow`, mark those facts as applied in the writing transaction and
+//! name no actor), else the webhook recorded in it, else the buyer's hold request (the step that
 //! wrote `HoldCreated`), else a sweep or operator command (expiry, `reconcile --fix`,
 //! `tickets resell`) named by what it wrote.
 //!
@@ -125,6 +127,10 @@ pub struct Applied {
     pub consumer: String,
     /// When its transaction began.
     pub at: DateTime<Utc>,
+    /// Whether it applied the fact in the very transaction that committed it, following it
+    /// through (`boxoffice_bus::follow`): then `at` is that transaction's start, before the
+    /// fact's commit, and the step is the writer's.
+    pub in_writing_transaction: bool,
 }
 
 /// A status change of the order.
@@ -353,12 +359,23 @@ pub async fn read(
 
     let mut applied: HashMap<Uuid, Vec<Applied>> = HashMap::new();
     let mut steps: BTreeMap<String, StepBuilder> = BTreeMap::new();
-    let type_of: HashMap<Uuid, String> = facts.iter().map(|f| (f.id, f.event_type.clone())).collect();
+    let type_of: HashMap<Uuid, (String, Option<String>)> =
+        facts.iter().map(|f| (f.id, (f.event_type.clone(), f.xact.clone()))).collect();
     for (consumer, event_id, at, xact) in &inbox {
-        applied.entry(*event_id).or_default().push(Applied { consumer: consumer.clone(), at: *at });
+        let (event_type, fact_xact) = &type_of[event_id];
+        // A fact applied in the transaction that wrote it was followed through: the step is
+        // the writer's, and its actor the consumer that applied a fact committed before it.
+        let followed = xact.is_some() && fact_xact == xact;
+        applied.entry(*event_id).or_default().push(Applied {
+            consumer: consumer.clone(),
+            at: *at,
+            in_writing_transaction: followed,
+        });
         let s = steps.entry(xact_key(xact, "inbox", event_id)).or_default();
         s.touch(*at);
-        s.consumer.get_or_insert((consumer.clone(), *event_id, type_of[event_id].clone()));
+        if !followed {
+            s.consumer.get_or_insert((consumer.clone(), *event_id, event_type.clone()));
+        }
     }
     let mut all_facts = Vec::with_capacity(facts.len());
     for f in facts {

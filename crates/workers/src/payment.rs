@@ -470,6 +470,9 @@ async fn facts_from_intent(
     order_id: OrderId,
     pi: &PaymentIntent,
 ) -> Result<Vec<PurchaseEvent>, HandlerError> {
+    // The hold first, the ledger's lock order (hold, order, payment): the saga may follow
+    // this fact through in this transaction (boxoffice_bus::follow) and lock the hold next.
+    holds::lock_for_order(tx, order_id).await?;
     if !payments::transition(tx, &pi.id, &PaymentUpdate::status(pi.status.clone())).await?
         && payments::get(&mut **tx, order_id).await?.is_none()
     {

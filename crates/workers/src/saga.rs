@@ -5,6 +5,11 @@
 //! transition functions (which refuse any move the status tables do not list) and emits the
 //! next facts and commands through the outbox — all in the consumer's inbox transaction.
 //!
+//! The same `apply` runs on the bus (the saga's consumer) and, in a process that runs the
+//! saga beside the payment worker, inside the payment worker's transaction that commits the
+//! fact (`boxoffice_bus::follow`): the payment worker locks the hold first, so the lock order
+//! holds there too.
+//!
 //! It also runs the capture-deadline sweep (case C09) through the same executor.
 //!
 //! Duplicate facts (a webhook and a re-fetch both reporting the authorization, invariant 4)

@@ -2,7 +2,10 @@
 //! with an id derived from (order, seat) — insert-or-nothing, so a replay changes nothing —
 //! releases the hold rows (the ticket now owns the seats), moves the order to `ticketed` and
 //! emits TicketIssued. A confirmed hold is never released because issuance is slow: a failed
-//! attempt rolls back and is retried (invariant 1: one ticket per seat).
+//! attempt rolls back and is retried (invariant 1: one ticket per seat). Followed through in
+//! the capture's transaction when the process runs it beside the payment worker and the saga
+//! (`boxoffice_bus::follow`); a failure there rolls that transaction back and leaves the
+//! request to this worker's consumer, so the capture is never held back by issuance.
 
 use async_trait::async_trait;
 use boxoffice_bus::{Handler, HandlerError};

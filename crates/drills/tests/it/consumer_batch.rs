@@ -168,6 +168,7 @@ async fn queued_facts_of_many_orders_share_a_transaction_and_a_bad_one_goes_alon
         std::sync::Arc::new(Probe { refuse: refuse.event_id }),
         producer.clone(),
         boxoffice_bus::Members { instances: 1, lanes: 1, batch: 32 },
+        boxoffice_bus::Followers::none(),
         shutdown.clone(),
     )
     .unwrap();

@@ -123,7 +123,8 @@ async fn small_onsale_through_the_binary_has_no_violations(_: PgPoolOptions, opt
         "webhook payment_intent.amount_capturable_updated",
         "order payment_required → confirming",
         "order paid → ticketed",
-        "tickets, applying TicketIssueRequested",
+        "payments, applying CaptureRequested",
+        "applied by tickets in this transaction",
         "→ TicketIssued",
         "gaps (SLO",
     ] {

@@ -20,6 +20,7 @@ mod e2e;
 mod edge;
 mod failover_drill;
 mod faults;
+mod follow;
 mod holds;
 mod lifetime;
 mod limits;

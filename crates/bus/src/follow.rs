@@ -1,0 +1,234 @@
+//! Following a fact through in the transaction that commits it (design §8, §9).
+//!
+//! When one process runs several consumers, the step a fact triggers in a consumer that makes
+//! no remote call (the saga, the ticket worker) can run in the very transaction that commits
+//! the fact, instead of one relay hop, one bus delivery and one transaction later. The payment
+//! worker's transaction that records a capture then also moves the order to `paid` (the saga's
+//! step) and issues the tickets (the ticket worker's), each decided by the module that owns
+//! it ([`Follower`] is that consumer's own `apply`).
+//!
+//! What stays the same (invariants 4 and 5):
+//! - every fact is still written to the outbox, published and delivered to every consumer;
+//! - a follower records its inbox row `(consumer, event_id)` in that transaction, as its own
+//!   consumer would, and the envelope names it in `applied_by`: when the fact reaches the
+//!   follower's consumer on the bus, it is acknowledged without a transaction (a consumer of
+//!   an older build, which does not read the field, finds the inbox row);
+//! - the fault points of a follower are those of its consumer: `{consumer}.before_remote`,
+//!   `.after_remote` and `.before_commit` inside the shared transaction,
+//!   `.after_commit` and `.before_ack` after its commit ([`Followers::after_commit`]).
+//!
+//! **Failure isolation.** A follower's failure must not cost the writer its step (a ticket
+//! issuance that keeps failing must never hold back recording the capture). When following
+//! fails, the caller rolls the whole transaction back and applies the writer's message again
+//! without followers (the payment worker's remote call is repeated under its idempotency key):
+//! the facts then travel the bus as before and each follower's own consumer applies them, with
+//! its retries and dead-letter topic.
+//!
+//! **Locks.** A follower locks the order's rows in the ledger's order (hold, then order); the
+//! writer has locked some of them already in the same order, so following adds no lock cycle.
+//! A shared consumer batch follows its facts after every message of the batch was applied,
+//! orders in the batch's order-id order.
+
+use crate::consumer::{consumer_span, Handler, HandlerError};
+use async_trait::async_trait;
+use boxoffice_domain::{Envelope, EventKind, PurchaseEvent};
+use boxoffice_store::outbox::Traced;
+use boxoffice_store::{inbox, Tx};
+use std::collections::VecDeque;
+use std::sync::Arc;
+use tracing::Instrument;
+
+/// Most follower steps one transaction runs: a chain of steps longer than the purchase's
+/// (authorization → confirmation; capture → paid → tickets) is left to the bus.
+pub const MAX_STEPS: usize = 16;
+
+/// A consumer whose step can run inside another consumer's transaction: one that makes no
+/// remote call.
+#[async_trait]
+pub trait Follower: Send + Sync + 'static {
+    /// The consumer's name (its inbox key).
+    fn name(&self) -> &'static str;
+
+    /// [`Handler::wants`].
+    fn wants(&self, kind: EventKind) -> bool;
+
+    /// [`Handler::acts_on`].
+    fn acts_on(&self, event: &PurchaseEvent) -> bool;
+
+    /// The consumer's effect for `event` in `tx` (its inbox row is already recorded);
+    /// returns the facts that follow.
+    async fn apply(
+        &self,
+        tx: &mut Tx<'_>,
+        env: &Envelope,
+        event: &PurchaseEvent,
+    ) -> Result<Vec<Envelope>, HandlerError>;
+}
+
+#[async_trait]
+impl<H: Handler<Prepared = ()>> Follower for H {
+    fn name(&self) -> &'static str {
+        Handler::name(self)
+    }
+
+    fn wants(&self, kind: EventKind) -> bool {
+        Handler::wants(self, kind)
+    }
+
+    fn acts_on(&self, event: &PurchaseEvent) -> bool {
+        Handler::acts_on(self, event)
+    }
+
+    async fn apply(
+        &self,
+        tx: &mut Tx<'_>,
+        env: &Envelope,
+        event: &PurchaseEvent,
+    ) -> Result<Vec<Envelope>, HandlerError> {
+        self.prepare(env, event).await?;
+        Handler::apply(self, tx, env, event, ()).await
+    }
+}
+
+/// The followers of one consumer: the other consumers of this process that make no remote
+/// call. Empty: nothing is followed through (each fact waits for its consumer on the bus).
+#[derive(Clone, Default)]
+pub struct Followers {
+    list: Vec<Arc<dyn Follower>>,
+    labels: boxoffice_trace::Labels,
+}
+
+impl std::fmt::Debug for Followers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.list.iter().map(|x| x.name())).finish()
+    }
+}
+
+/// The followers that applied facts in one transaction, for their after-commit fault points.
+#[derive(Debug, Default)]
+pub struct Followed(Vec<&'static str>);
+
+impl Followed {
+    /// How many follower steps ran.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Whether none ran.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl Followers {
+    /// No followers.
+    pub fn none() -> Self {
+        Self::default()
+    }
+
+    /// `handler` follows facts through too. Panics on a handler that calls out: its remote
+    /// call would run inside another consumer's transaction.
+    pub fn with<H: Handler<Prepared = ()>>(mut self, handler: Arc<H>) -> Self {
+        assert!(
+            !handler.calls_out(),
+            "{} calls out: it cannot follow inside a transaction",
+            Handler::name(&*handler)
+        );
+        self.list.push(handler);
+        self
+    }
+
+    /// The labels every follower span carries (region, purchase cell).
+    pub fn labelled(mut self, labels: boxoffice_trace::Labels) -> Self {
+        self.labels = labels;
+        self
+    }
+
+    /// The same followers without `consumer` (a consumer never follows its own facts: its
+    /// own runner applies what reaches it).
+    pub fn without(&self, consumer: &str) -> Self {
+        Self {
+            list: self.list.iter().filter(|f| f.name() != consumer).cloned().collect(),
+            labels: self.labels.clone(),
+        }
+    }
+
+    /// Whether there is no follower.
+    pub fn is_empty(&self) -> bool {
+        self.list.is_empty()
+    }
+
+    /// Applies, in `tx`, every step the followers take on `facts` and on the facts those
+    /// steps emit (breadth first, at most [`MAX_STEPS`]): for each fact and each follower that
+    /// acts on it, the follower's inbox row, its fault points up to `before_commit`, its effect
+    /// inside its own consumer span, and its name added to the fact's `applied_by`. Returns
+    /// every fact to write to the outbox, in order (the given ones first, each step's after
+    /// the fact it followed), and the followers that ran. On error the caller must roll `tx`
+    /// back (see the module doc).
+    pub async fn follow(
+        &self,
+        tx: &mut Tx<'_>,
+        facts: Vec<Traced>,
+    ) -> Result<(Vec<Traced>, Followed), HandlerError> {
+        let mut out = Vec::with_capacity(facts.len() + 4);
+        let mut followed = Followed::default();
+        if self.list.is_empty() {
+            return Ok((facts, followed));
+        }
+        let mut queue: VecDeque<Traced> = facts.into();
+        while let Some(mut fact) = queue.pop_front() {
+            let env = &fact.envelope;
+            let kind = EventKind::of(&env.event_type);
+            let event = match (kind, followed.len() < MAX_STEPS) {
+                (Some(kind), true) if self.list.iter().any(|f| f.wants(kind)) => env.decode().ok(),
+                _ => None,
+            };
+            let mut next = Vec::new();
+            if let Some(event) = event {
+                for f in &self.list {
+                    if followed.len() >= MAX_STEPS || !f.wants(event.kind()) || !f.acts_on(&event) {
+                        continue;
+                    }
+                    let name = f.name();
+                    let span = consumer_span(name, &fact.envelope, None, &self.labels);
+                    let env = &fact.envelope;
+                    let (tx, event) = (&mut *tx, &event);
+                    let emitted = async move {
+                        boxoffice_faults::check_consumer(name, "before_remote")?;
+                        boxoffice_faults::check_consumer(name, "after_remote")?;
+                        if !inbox::record(tx, name, env.event_id).await? {
+                            return Ok(None);
+                        }
+                        let emitted = f.apply(tx, env, event).await?;
+                        boxoffice_faults::check_consumer(name, "before_commit")?;
+                        // Stored with the follower's span: the purchase's trace goes on from it.
+                        Ok::<_, HandlerError>(Some(emitted.into_iter().map(Traced::here).collect::<Vec<_>>()))
+                    }
+                    .instrument(span)
+                    .await?;
+                    if let Some(emitted) = emitted {
+                        fact.envelope.applied_by.push(name.to_owned());
+                        followed.0.push(name);
+                        metrics::counter!("boxoffice_consumer_messages_total", "consumer" => name, "outcome" => "Followed")
+                            .increment(1);
+                        next.extend(emitted);
+                    }
+                }
+            }
+            out.push(fact);
+            queue.extend(next);
+        }
+        Ok((out, followed))
+    }
+
+    /// The after-commit fault points (`after_commit`, `before_ack`) of the followers that ran
+    /// in a transaction that has just committed: an injected failure here is the writer's
+    /// failure after its commit (its message is applied again, and the inbox absorbs it).
+    pub fn after_commit(followed: &Followed) -> Result<(), boxoffice_faults::Injected> {
+        for name in &followed.0 {
+            boxoffice_faults::check_consumer(name, "after_commit")?;
+            boxoffice_faults::check_consumer(name, "before_ack")?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,345 @@
+//! Following facts through in their writer's transaction (`boxoffice_bus::follow`): in a
+//! process that runs every role, the saga's steps and the ticket worker's run in the payment
+//! worker's transactions, each recorded in its own inbox and named in the fact's `applied_by`,
+//! and the bus still carries every fact; a follower that fails costs the writer nothing but a
+//! second try without followers; a fact its consumer already applied in its writer's
+//! transaction is acknowledged without one.
+
+use crate::helpers::TestApp;
+use async_trait::async_trait;
+use boxoffice::runtime::Role;
+use boxoffice_bus::consumer::{handle_once, handle_once_following, Disposition, Handler, HandlerError};
+use boxoffice_bus::Followers;
+use boxoffice_domain::{Envelope, EventKind, HoldId, OrderId, PurchaseEvent};
+use boxoffice_store::venue::VenueSpec;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::PgPool;
+use std::sync::Arc;
+use std::time::Duration;
+use uuid::Uuid;
+
+/// The outbox rows of `order`: type, `applied_by`, writing transaction.
+async fn facts(pool: &PgPool, order: Uuid) -> Vec<(String, Vec<String>, String)> {
+    sqlx::query_as(
+        "SELECT event_type,
+                ARRAY(SELECT jsonb_array_elements_text(COALESCE(payload->'applied_by', '[]'::jsonb))),
+                xact::text
+           FROM outbox WHERE message_key = $1::text ORDER BY created_at",
+    )
+    .bind(order)
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+/// The transaction of the inbox row of `consumer` for the fact of `event_type` of `order`.
+async fn applied_in(pool: &PgPool, consumer: &str, event_type: &str, order: Uuid) -> Option<String> {
+    sqlx::query_scalar(
+        "SELECT i.xact::text FROM inbox i JOIN outbox o ON o.id = i.event_id
+          WHERE i.consumer = $1 AND o.event_type = $2 AND o.message_key = $3::text",
+    )
+    .bind(consumer)
+    .bind(event_type)
+    .bind(order)
+    .fetch_optional(pool)
+    .await
+    .unwrap()
+}
+
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn a_purchase_in_one_process_is_followed_through_by_the_saga_and_the_ticket_worker(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    let app = TestApp::spawn(opts, &Role::ALL, VenueSpec::small(1, 1, 4)).await;
+    let seat = app.seats().await[0];
+    let b = app.buyer();
+    let r = app.hold(&b, &app.admission_token(&b), "follow", &[seat]).await;
+    assert_eq!(r.status(), 202);
+    let order: Uuid =
+        r.json::<serde_json::Value>().await.unwrap()["order_id"].as_str().unwrap().parse().unwrap();
+    app.pay(&b, order, "pm_card_visa").await.expect("authorized");
+    app.await_order(&b, order, Duration::from_secs(60), |v| v["status"] == "ticketed").await;
+    app.assert_drained_and_clean().await;
+
+    let facts = facts(&app.pool, order).await;
+    let xact_of = |t: &str| facts.iter().find(|f| f.0 == t).map(|f| f.2.clone()).expect(t);
+    let applied_by = |t: &str| facts.iter().find(|f| f.0 == t).map(|f| f.1.clone()).expect(t);
+    // The saga's facts, each applied by the saga in the transaction that wrote it.
+    for t in ["PaymentIntentCreated", "PaymentAuthorized", "PaymentCaptured"] {
+        assert_eq!(applied_by(t), vec!["saga".to_owned()], "{t}");
+        assert_eq!(applied_in(&app.pool, "saga", t, order).await, Some(xact_of(t)), "{t}");
+    }
+    assert_eq!(applied_by("TicketIssueRequested"), vec!["tickets".to_owned()]);
+    assert_eq!(
+        applied_in(&app.pool, "tickets", "TicketIssueRequested", order).await,
+        Some(xact_of("TicketIssueRequested"))
+    );
+    // The capture's transaction: the payment worker's capture, the saga's `paid`, the tickets.
+    let capture = xact_of("PaymentCaptured");
+    for t in ["TicketIssueRequested", "TicketIssued"] {
+        assert_eq!(xact_of(t), capture, "{t} in the capture's transaction");
+    }
+    let moves: Vec<(String, String)> = sqlx::query_as(
+        "SELECT from_status, to_status FROM order_transitions WHERE order_id = $1 AND xact::text = $2 ORDER BY at",
+    )
+    .bind(order)
+    .bind(&capture)
+    .fetch_all(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        moves,
+        vec![("confirming".into(), "paid".into()), ("paid".into(), "ticketed".into())],
+        "the order went from confirming to ticketed in the capture's transaction"
+    );
+    // The capture webhook arrived while the saga's capture request was outstanding or after
+    // its answer was recorded: no re-fetch of a capture the payment worker reports itself.
+    let refreshes: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM outbox WHERE message_key = $1::text AND event_type = 'PaymentIntentRefreshRequested'
+            AND payload->'payload'->>'reason' = 'webhook_claim'",
+    )
+    .bind(order)
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(refreshes, 1, "one re-fetch: the authorization's; {facts:?}");
+    // No consumer applied a followed fact a second time from the bus: its one inbox row is
+    // the writing transaction's.
+    let twice: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM outbox o
+           CROSS JOIN LATERAL jsonb_array_elements_text(COALESCE(o.payload->'applied_by', '[]'::jsonb)) AS c(consumer)
+           JOIN inbox i ON i.consumer = c.consumer AND i.event_id = o.id
+          WHERE o.message_key = $1::text AND i.xact <> o.xact",
+    )
+    .bind(order)
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(twice, 0);
+
+    // The order's story names the writer as the step's actor and the followers per fact.
+    let t = boxoffice_store::timeline::read(
+        &app.pool,
+        order,
+        &boxoffice_domain::consumers::ALL,
+        Default::default(),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let step = t
+        .steps
+        .iter()
+        .find(|s| s.facts.iter().any(|f| f.event_type == "PaymentCaptured"))
+        .expect("the capture's step");
+    match &step.actor {
+        boxoffice_store::timeline::Actor::Consumer { consumer, applied_type, .. } => {
+            assert_eq!((consumer.as_str(), applied_type.as_str()), ("payments", "CaptureRequested"));
+        }
+        other => panic!("the capture's step was run by {other:?}"),
+    }
+    let captured = step.facts.iter().find(|f| f.event_type == "PaymentCaptured").unwrap();
+    assert!(captured.applied_by.iter().any(|a| a.consumer == "saga" && a.in_writing_transaction));
+    app.stop().await;
+}
+
+/// Writes one probe row per fact it applies and emits `TicketIssueRequested` for it.
+struct Writer;
+
+#[async_trait]
+impl Handler for Writer {
+    type Prepared = ();
+
+    fn name(&self) -> &'static str {
+        "writer"
+    }
+
+    fn wants(&self, kind: EventKind) -> bool {
+        kind == EventKind::OrderConfirmed
+    }
+
+    async fn prepare(&self, _: &Envelope, _: &PurchaseEvent) -> Result<(), HandlerError> {
+        Ok(())
+    }
+
+    async fn apply(
+        &self,
+        tx: &mut boxoffice_store::Tx<'_>,
+        env: &Envelope,
+        _: &PurchaseEvent,
+        _: (),
+    ) -> Result<Vec<Envelope>, HandlerError> {
+        sqlx::query(
+            "INSERT INTO probe (who, event_id, xact) VALUES ('writer', $1, pg_current_xact_id()::text)",
+        )
+        .bind(env.event_id)
+        .execute(&mut **tx)
+        .await?;
+        Ok(vec![env.follow(&PurchaseEvent::TicketIssueRequested {
+            order_id: env.order_id(),
+            hold_id: HoldId(Uuid::new_v4()),
+        })])
+    }
+}
+
+/// Applies `TicketIssueRequested` (a probe row), or fails while `fail` is set.
+struct Follower {
+    fail: std::sync::atomic::AtomicBool,
+}
+
+#[async_trait]
+impl Handler for Follower {
+    type Prepared = ();
+
+    fn name(&self) -> &'static str {
+        "follower"
+    }
+
+    fn wants(&self, kind: EventKind) -> bool {
+        kind == EventKind::TicketIssueRequested
+    }
+
+    async fn prepare(&self, _: &Envelope, _: &PurchaseEvent) -> Result<(), HandlerError> {
+        Ok(())
+    }
+
+    async fn apply(
+        &self,
+        tx: &mut boxoffice_store::Tx<'_>,
+        env: &Envelope,
+        _: &PurchaseEvent,
+        _: (),
+    ) -> Result<Vec<Envelope>, HandlerError> {
+        sqlx::query(
+            "INSERT INTO probe (who, event_id, xact) VALUES ('follower', $1, pg_current_xact_id()::text)",
+        )
+        .bind(env.event_id)
+        .execute(&mut **tx)
+        .await?;
+        if self.fail.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(HandlerError::Transient(anyhow::anyhow!("the follower fails")));
+        }
+        Ok(vec![])
+    }
+}
+
+fn confirmed() -> Envelope {
+    let order = OrderId(Uuid::new_v4());
+    Envelope::new(
+        order,
+        &PurchaseEvent::OrderConfirmed { order_id: order, hold_id: HoldId(Uuid::new_v4()) },
+        Uuid::new_v4(),
+        None,
+    )
+}
+
+async fn probes(pool: &PgPool) -> Vec<(String, Uuid, String)> {
+    sqlx::query_as("SELECT who, event_id, xact FROM probe ORDER BY seq").fetch_all(pool).await.unwrap()
+}
+
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn a_failing_follower_costs_the_writer_nothing_and_a_followed_fact_is_not_applied_twice(
+    pool_opts: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    let pool = pool_opts.max_connections(4).connect_with(opts).await.unwrap();
+    sqlx::query(
+        "CREATE TABLE probe (seq bigserial PRIMARY KEY, who text NOT NULL, event_id uuid NOT NULL, xact text NOT NULL)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let follower = Arc::new(Follower { fail: true.into() });
+    let followers = Followers::none().with(follower.clone());
+
+    // The follower fails: everything is rolled back and the writer applies its fact alone.
+    let first = confirmed();
+    assert_eq!(
+        handle_once_following(&pool, &Writer, &followers, &first).await.unwrap(),
+        Disposition::Applied
+    );
+    let rows = probes(&pool).await;
+    assert_eq!(rows.len(), 1, "the follower's write was rolled back: {rows:?}");
+    assert_eq!((rows[0].0.as_str(), rows[0].1), ("writer", first.event_id));
+    let (payload, follower_rows): (serde_json::Value, i64) = sqlx::query_as(
+        "SELECT o.payload, (SELECT count(*) FROM inbox WHERE consumer = 'follower')
+           FROM outbox o WHERE o.event_type = 'TicketIssueRequested'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(follower_rows, 0, "no inbox row of the follower");
+    let left: Envelope = serde_json::from_value(payload).unwrap();
+    assert!(left.applied_by.is_empty(), "left to the follower's consumer: {:?}", left.applied_by);
+    // Its consumer applies it from the bus as before.
+    follower.fail.store(false, std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(handle_once(&pool, &*follower, &left).await.unwrap(), Disposition::Applied);
+
+    // The follower succeeds: its step runs in the writer's transaction, recorded in its inbox
+    // and in the fact's `applied_by`; the fact, delivered to its consumer, is not applied again.
+    sqlx::query("TRUNCATE probe").execute(&pool).await.unwrap();
+    let second = confirmed();
+    assert_eq!(
+        handle_once_following(&pool, &Writer, &followers, &second).await.unwrap(),
+        Disposition::Applied
+    );
+    let rows = probes(&pool).await;
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    assert_eq!(rows[0].2, rows[1].2, "the writer and its follower in one transaction");
+    let payload: serde_json::Value = sqlx::query_scalar(
+        "SELECT payload FROM outbox WHERE event_type = 'TicketIssueRequested' AND payload->>'causation_id' = $1",
+    )
+    .bind(second.event_id.to_string())
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    let followed: Envelope = serde_json::from_value(payload).unwrap();
+    assert_eq!(followed.applied_by, vec!["follower".to_owned()]);
+    let inbox_xact: String =
+        sqlx::query_scalar("SELECT xact::text FROM inbox WHERE consumer = 'follower' AND event_id = $1")
+            .bind(followed.event_id)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(inbox_xact, rows[0].2);
+    assert_eq!(handle_once(&pool, &*follower, &followed).await.unwrap(), Disposition::Duplicate);
+    // A consumer of an older build, which does not read `applied_by`, finds its inbox row.
+    let mut older = followed.clone();
+    older.applied_by.clear();
+    assert_eq!(handle_once(&pool, &*follower, &older).await.unwrap(), Disposition::Duplicate);
+    assert_eq!(probes(&pool).await.len(), 2, "applied once");
+}
+
+/// With `follow_through` off, every step is its consumer's own transaction on the bus, as in
+/// a deployment that runs the saga and the ticket worker in processes of their own.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn without_follow_through_each_consumer_applies_its_facts_from_the_bus(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    let app =
+        TestApp::spawn_with(opts, &Role::ALL, VenueSpec::small(1, 1, 4), |c| c.follow_through = false).await;
+    let seat = app.seats().await[0];
+    let b = app.buyer();
+    let r = app.hold(&b, &app.admission_token(&b), "bus", &[seat]).await;
+    assert_eq!(r.status(), 202);
+    let order: Uuid =
+        r.json::<serde_json::Value>().await.unwrap()["order_id"].as_str().unwrap().parse().unwrap();
+    app.pay(&b, order, "pm_card_visa").await.expect("authorized");
+    app.await_order(&b, order, Duration::from_secs(60), |v| v["status"] == "ticketed").await;
+    app.assert_drained_and_clean().await;
+    let facts = facts(&app.pool, order).await;
+    assert!(facts.iter().all(|f| f.1.is_empty()), "nothing followed through: {facts:?}");
+    for (consumer, t) in [
+        ("saga", "PaymentIntentCreated"),
+        ("saga", "PaymentAuthorized"),
+        ("saga", "PaymentCaptured"),
+        ("tickets", "TicketIssueRequested"),
+    ] {
+        let written = facts.iter().find(|f| f.0 == t).map(|f| f.2.clone()).expect(t);
+        let applied = applied_in(&app.pool, consumer, t, order).await.expect(t);
+        assert_ne!(applied, written, "{consumer} applied {t} in a transaction of its own");
+    }
+    app.stop().await;
+}
