@@ -158,15 +158,24 @@ async fn ingest_tx(pool: &PgPool, event: &Event, policy: &HoldPolicy) -> Result<
             None => None,
         },
     };
-    if !stripe_events::record(&mut tx, &event.id, &event.r#type, pi.as_deref(), order).await? {
+    let handled = HANDLED_EVENTS.contains(&event.r#type.as_str());
+    // The event's row, and for a handled claim about an order the order and its payment as
+    // they stand, in one statement.
+    let (new, known) = match (order, pi.as_deref()) {
+        (Some(order), Some(_)) if handled => {
+            stripe_events::record_with_order(&mut tx, &event.id, &event.r#type, pi.as_deref(), order)
+                .await
+                .map_err(store_error)?
+        }
+        _ => (stripe_events::record(&mut tx, &event.id, &event.r#type, pi.as_deref(), order).await?, None),
+    };
+    if !new {
         tx.rollback().await?;
         return Ok(Ingested::Duplicate);
     }
-    let handled = HANDLED_EVENTS.contains(&event.r#type.as_str());
     let mut outcome = Ingested::Recorded;
     match (order, pi.as_deref()) {
         (Some(order), Some(pi)) if handled => {
-            let known = payments::order_with_payment(&mut *tx, order).await.map_err(store_error)?;
             if let Some(k) = &known {
                 tracing::Span::current().record("correlation_id", tracing::field::display(k.correlation_id));
             }

@@ -239,6 +239,12 @@ pub struct Config {
     /// (default 10000; 0: none, e.g. for a long `migrate`). Bounds how long a write can
     /// still commit after its region's lease lapsed (`region_lease_skew_ms` covers it).
     pub db_statement_timeout_ms: u64,
+    /// `plan_cache_mode` of every session: `force_generic_plan` (default), `auto` or
+    /// `force_custom_plan`. Every statement boxoffice prepares finds its rows by key or by an
+    /// array of keys, with literals wherever a partial index applies, so one generic plan per
+    /// session serves each; `auto` plans most of them again at every execution (a custom plan
+    /// for each `= ANY($1)`), which cost more PostgreSQL CPU than running them.
+    pub db_plan_cache_mode: String,
     /// Kafka bootstrap servers; unset means "none configured" (the onsale drill then starts an
     /// embedded broker; `serve` refuses roles that need one).
     pub kafka_brokers: Option<String>,
@@ -648,6 +654,7 @@ impl Default for Config {
             db_pool_expiry: 2,
             db_acquire_timeout_ms: 3_000,
             db_statement_timeout_ms: 10_000,
+            db_plan_cache_mode: "force_generic_plan".into(),
             kafka_brokers: None,
             kafka_topic_prefix: String::new(),
             kafka_security_protocol: None,
@@ -829,6 +836,9 @@ impl Config {
         }
         if self.consumer_lanes < 1 || self.consumer_lanes > 256 || self.consumers_per_role < 1 {
             bail!("consumer_lanes must be 1..=256 and consumers_per_role at least 1");
+        }
+        if !["auto", "force_generic_plan", "force_custom_plan"].contains(&self.db_plan_cache_mode.as_str()) {
+            bail!("db_plan_cache_mode must be auto, force_generic_plan or force_custom_plan");
         }
         if !(1..=1_000).contains(&self.consumer_batch_max) {
             bail!("consumer_batch_max must be 1..=1000");
@@ -1579,7 +1589,9 @@ impl Config {
         let opts: sqlx::postgres::PgConnectOptions =
             self.database_url.expose_secret().parse().context("invalid database_url")?;
         // Names the cell in pg_stat_activity (which cell's process holds a connection).
-        let mut opts = opts.application_name(&format!("boxoffice-{}", self.purchase_cell));
+        let mut opts = opts
+            .application_name(&format!("boxoffice-{}", self.purchase_cell))
+            .options([("plan_cache_mode", self.db_plan_cache_mode.as_str())]);
         if self.db_statement_timeout_ms > 0 {
             let t = self.db_statement_timeout_ms.to_string();
             opts = opts.options([

@@ -181,6 +181,14 @@ pub trait Handler: Send + Sync + 'static {
         false
     }
 
+    /// Whether `prepare` reads the inbox itself, in the statement of its own pre-check, and
+    /// makes no remote call for a message already there (so the runner does not read the
+    /// inbox first for a handler that [`Handler::calls_out`]). A duplicate that gets past it
+    /// is still caught by the inbox insert in the effect's transaction.
+    fn prechecks_inbox(&self) -> bool {
+        false
+    }
+
     /// Work outside any transaction (remote calls with stable idempotency keys). May run more
     /// than once for one message.
     async fn prepare(&self, env: &Envelope, event: &PurchaseEvent) -> Result<Self::Prepared, HandlerError>;
@@ -325,7 +333,10 @@ async fn apply_once<H: Handler>(
         return Ok(Disposition::Ignored);
     }
     let event = env.decode().map_err(|e| HandlerError::permanent("bad_payload", e))?;
-    if handler.calls_out() && inbox::seen(pool, handler.name(), env.event_id).await? {
+    if handler.calls_out()
+        && !handler.prechecks_inbox()
+        && inbox::seen(pool, handler.name(), env.event_id).await?
+    {
         return Ok(Disposition::Duplicate);
     }
     let name = handler.name();
@@ -405,7 +416,7 @@ async fn apply_once<H: Handler>(
                 continue;
             }
         };
-        outbox::insert_traced(&mut tx, &facts).await?;
+        outbox::insert_traced_with_inbox(&mut tx, &facts, followed.inbox_rows()).await?;
         boxoffice_faults::check_consumer(name, "before_commit")?;
         tx.commit().await?;
         boxoffice_faults::check_consumer(name, "after_commit")?;
@@ -606,7 +617,8 @@ pub fn run_consumers<H: Handler>(
                 .set("auto.offset.reset", "earliest")
                 .set("session.timeout.ms", "10000")
                 .set("heartbeat.interval.ms", "1000")
-                .set("fetch.wait.max.ms", if stage == Stage::Main { "20" } else { "200" })
+                // Retry members mostly wait for due times: a longer poll costs the broker less.
+                .set("fetch.wait.max.ms", if stage == Stage::Main { "20" } else { "500" })
                 .set("partition.assignment.strategy", "cooperative-sticky")
                 .create_with_context(GroupContext {
                     name: handler.name(),
@@ -979,7 +991,7 @@ impl<H: Handler> Runner<H> {
         }
         // A follower's failure fails the batch: each message is then processed alone.
         let (facts, followed) = self.followers.follow(&mut tx, follows).await?;
-        outbox::insert_traced(&mut tx, &facts).await?;
+        outbox::insert_traced_with_inbox(&mut tx, &facts, followed.inbox_rows()).await?;
         boxoffice_faults::check_consumer(name, "before_commit")?;
         tx.commit().await?;
         boxoffice_faults::check_consumer(name, "after_commit")?;

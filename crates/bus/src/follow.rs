@@ -9,8 +9,9 @@
 //!
 //! What stays the same (invariants 4 and 5):
 //! - every fact is still written to the outbox, published and delivered to every consumer;
-//! - a follower records its inbox row `(consumer, event_id)` in that transaction, as its own
-//!   consumer would, and the envelope names it in `applied_by`: when the fact reaches the
+//! - a follower's inbox row `(consumer, event_id)` is written in that transaction (with the
+//!   facts, in one statement), as its own consumer would write it, and the envelope names it
+//!   in `applied_by`: when the fact reaches the
 //!   follower's consumer on the bus, it is acknowledged without a transaction (a consumer of
 //!   an older build, which does not read the field, finds the inbox row);
 //! - the fault points of a follower are those of its consumer: `{consumer}.before_remote`,
@@ -33,7 +34,7 @@ use crate::consumer::{consumer_span, Handler, HandlerError};
 use async_trait::async_trait;
 use boxoffice_domain::{Envelope, EventKind, PurchaseEvent};
 use boxoffice_store::outbox::Traced;
-use boxoffice_store::{inbox, Tx};
+use boxoffice_store::Tx;
 use std::collections::VecDeque;
 use std::sync::Arc;
 use tracing::Instrument;
@@ -104,9 +105,11 @@ impl std::fmt::Debug for Followers {
     }
 }
 
-/// The followers that applied facts in one transaction, for their after-commit fault points.
+/// The follower steps that ran in one transaction: each follower and the fact it applied.
+/// Their inbox rows are written with the facts ([`Followed::inbox_rows`]), and their
+/// after-commit fault points fire after the commit ([`Followers::after_commit`]).
 #[derive(Debug, Default)]
-pub struct Followed(Vec<&'static str>);
+pub struct Followed(Vec<(&'static str, uuid::Uuid)>);
 
 impl Followed {
     /// How many follower steps ran.
@@ -117,6 +120,12 @@ impl Followed {
     /// Whether none ran.
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
+    }
+
+    /// The inbox rows `(consumer, event_id)` of the steps, for
+    /// [`boxoffice_store::outbox::insert_traced_with_inbox`] in the same transaction.
+    pub fn inbox_rows(&self) -> &[(&'static str, uuid::Uuid)] {
+        &self.0
     }
 }
 
@@ -160,11 +169,12 @@ impl Followers {
 
     /// Applies, in `tx`, every step the followers take on `facts` and on the facts those
     /// steps emit (breadth first, at most [`MAX_STEPS`]): for each fact and each follower that
-    /// acts on it, the follower's inbox row, its fault points up to `before_commit`, its effect
-    /// inside its own consumer span, and its name added to the fact's `applied_by`. Returns
-    /// every fact to write to the outbox, in order (the given ones first, each step's after
-    /// the fact it followed), and the followers that ran. On error the caller must roll `tx`
-    /// back (see the module doc).
+    /// acts on it, its fault points up to `before_commit`, its effect inside its own consumer
+    /// span, and its name added to the fact's `applied_by`. Returns every fact to write to the
+    /// outbox, in order (the given ones first, each step's after the fact it followed), and
+    /// the steps that ran, whose inbox rows the caller writes with those facts in `tx`
+    /// ([`Followed::inbox_rows`]: every fact followed here was created in this transaction, so
+    /// no inbox can hold it yet). On error the caller must roll `tx` back (see the module doc).
     pub async fn follow(
         &self,
         tx: &mut Tx<'_>,
@@ -196,23 +206,18 @@ impl Followers {
                     let emitted = async move {
                         boxoffice_faults::check_consumer(name, "before_remote")?;
                         boxoffice_faults::check_consumer(name, "after_remote")?;
-                        if !inbox::record(tx, name, env.event_id).await? {
-                            return Ok(None);
-                        }
                         let emitted = f.apply(tx, env, event).await?;
                         boxoffice_faults::check_consumer(name, "before_commit")?;
                         // Stored with the follower's span: the purchase's trace goes on from it.
-                        Ok::<_, HandlerError>(Some(emitted.into_iter().map(Traced::here).collect::<Vec<_>>()))
+                        Ok::<_, HandlerError>(emitted.into_iter().map(Traced::here).collect::<Vec<_>>())
                     }
                     .instrument(span)
                     .await?;
-                    if let Some(emitted) = emitted {
-                        fact.envelope.applied_by.push(name.to_owned());
-                        followed.0.push(name);
-                        metrics::counter!("boxoffice_consumer_messages_total", "consumer" => name, "outcome" => "Followed")
-                            .increment(1);
-                        next.extend(emitted);
-                    }
+                    fact.envelope.applied_by.push(name.to_owned());
+                    followed.0.push((name, fact.envelope.event_id));
+                    metrics::counter!("boxoffice_consumer_messages_total", "consumer" => name, "outcome" => "Followed")
+                        .increment(1);
+                    next.extend(emitted);
                 }
             }
             out.push(fact);
@@ -225,7 +230,7 @@ impl Followers {
     /// in a transaction that has just committed: an injected failure here is the writer's
     /// failure after its commit (its message is applied again, and the inbox absorbs it).
     pub fn after_commit(followed: &Followed) -> Result<(), boxoffice_faults::Injected> {
-        for name in &followed.0 {
+        for (name, _) in &followed.0 {
             boxoffice_faults::check_consumer(name, "after_commit")?;
             boxoffice_faults::check_consumer(name, "before_ack")?;
         }

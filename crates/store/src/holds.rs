@@ -714,6 +714,53 @@ pub async fn lock_for_order(tx: &mut Tx<'_>, order: OrderId) -> Result<Option<Ho
     lock_where(tx, "order_id", order.0).await
 }
 
+/// Locks the hold of `order` and then the order (`FOR UPDATE`, the ledger's lock order) in
+/// one statement: `None` when the order does not exist, `(None, order)` when it has no hold
+/// (a corrupt row the saga refuses where it needs one). The first step of every saga
+/// transition and of ticket issuance.
+pub async fn lock_with_order(
+    tx: &mut Tx<'_>,
+    order: OrderId,
+) -> Result<Option<(Option<HoldRow>, crate::orders::OrderRow)>, StoreError> {
+    type Row = (Uuid, Uuid, String, DateTime<Utc>, bool, Uuid, Uuid, String, i64, String, Uuid);
+    // Row marks are taken in the order `FOR UPDATE OF` names them: the hold, then the order.
+    let row: Option<Row> = sqlx::query_as(&format!(
+        "SELECT h.id, h.order_id, h.status, h.expires_at, {LAPSED_H} AS lapsed,
+                o.user_id, o.event_id, o.status, o.amount_minor, o.currency, o.correlation_id
+           FROM holds h JOIN orders o ON o.id = h.order_id
+          WHERE h.order_id = $1
+            FOR UPDATE OF h, o"
+    ))
+    .bind(order.0)
+    .fetch_optional(&mut **tx)
+    .await?;
+    let Some(r) = row else {
+        // No hold (or no order): the order alone, as the callers' two-step path read it.
+        return Ok(crate::orders::lock(tx, order).await?.map(|o| (None, o)));
+    };
+    let corrupt = |e: boxoffice_domain::status::UnknownStatus| StoreError::Corrupt(e.to_string());
+    let hold = HoldRow {
+        id: r.0,
+        order_id: r.1,
+        status: HoldStatus::try_from(r.2).map_err(corrupt)?,
+        expires_at: r.3,
+        lapsed: r.4,
+    };
+    let order = crate::orders::OrderRow {
+        id: order.0,
+        user_id: r.5,
+        event_id: r.6,
+        status: OrderStatus::try_from(r.7).map_err(corrupt)?,
+        amount_minor: r.8,
+        currency: r.9,
+        correlation_id: r.10,
+    };
+    Ok(Some((Some(hold), order)))
+}
+
+/// [`LAPSED`] on `holds h`.
+const LAPSED_H: &str = concat!(hold_end!("h."), " < clock_timestamp()");
+
 /// Locks hold `hold` (`FOR UPDATE`).
 pub async fn lock(tx: &mut Tx<'_>, hold: HoldId) -> Result<Option<HoldRow>, sqlx::Error> {
     lock_where(tx, "id", hold.0).await

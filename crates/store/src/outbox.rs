@@ -111,6 +111,47 @@ pub async fn insert_traced(tx: &mut Tx<'_>, rows: &[Traced]) -> Result<(), sqlx:
     Ok(())
 }
 
+/// [`insert_traced`], and in the same statement the inbox rows `(consumer, event_id)` of the
+/// consumers that applied some of these facts in this transaction (they followed them
+/// through, `boxoffice_bus::follow`). The facts are new, so no inbox row can exist yet; a
+/// conflict would be a bug, and fails the statement.
+pub async fn insert_traced_with_inbox(
+    tx: &mut Tx<'_>,
+    rows: &[Traced],
+    inbox: &[(&str, Uuid)],
+) -> Result<(), sqlx::Error> {
+    if inbox.is_empty() {
+        return insert_traced(tx, rows).await;
+    }
+    let ids: Vec<Uuid> = rows.iter().map(|r| r.envelope.event_id).collect();
+    let keys: Vec<String> = rows.iter().map(|r| r.envelope.aggregate_id.to_string()).collect();
+    let types: Vec<&str> = rows.iter().map(|r| r.envelope.event_type.as_str()).collect();
+    let payloads: Vec<serde_json::Value> =
+        rows.iter().map(|r| serde_json::to_value(&r.envelope).expect("envelopes serialize")).collect();
+    let traceparents: Vec<Option<&str>> = rows.iter().map(|r| r.traceparent.as_deref()).collect();
+    let consumers: Vec<&str> = inbox.iter().map(|(c, _)| *c).collect();
+    let applied: Vec<Uuid> = inbox.iter().map(|(_, id)| *id).collect();
+    sqlx::query(
+        "WITH followed AS (
+            INSERT INTO inbox (consumer, event_id) SELECT * FROM unnest($7::text[], $8::uuid[]))
+         INSERT INTO outbox (id, topic, message_key, event_type, payload, created_at, traceparent)
+         SELECT u.id, $1, u.k, u.t, u.p, clock_timestamp() + u.n * interval '1 microsecond', u.tp
+           FROM unnest($2::uuid[], $3::text[], $4::text[], $5::jsonb[], $6::text[])
+                WITH ORDINALITY AS u(id, k, t, p, tp, n)",
+    )
+    .bind(Topic::Purchase.name())
+    .bind(&ids)
+    .bind(&keys)
+    .bind(&types)
+    .bind(&payloads)
+    .bind(&traceparents)
+    .bind(&consumers)
+    .bind(&applied)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
 /// A claimed outbox row: the logical topic, key and serialized envelope.
 #[derive(Debug, sqlx::FromRow)]
 pub struct OutboxRow {

@@ -129,61 +129,149 @@ pub struct OrderPayment {
     pub payment: Option<PaymentRow>,
 }
 
+/// The columns [`order_payment`] reads after a leading boolean (orders `o`, payments `p`).
+macro_rules! order_payment_columns {
+    () => {
+        "o.amount_minor, o.correlation_id, o.status,
+         p.payment_intent_id, p.status, p.amount_minor, p.currency, p.amount_captured_minor,
+         p.amount_refunded_minor, p.capture_before, p.last_error_code, p.dispute_id, p.dispute_status"
+    };
+}
+
 /// Order `order` and its payment row in one statement, without locks; `None` when the ledger
 /// has no such order.
 pub async fn order_with_payment<'e, E: Executor<'e, Database = Postgres>>(
     ex: E,
     order: OrderId,
 ) -> Result<Option<OrderPayment>, StoreError> {
-    type Row = (
-        i64,
-        Uuid,
-        String,
-        Option<String>,
-        Option<String>,
-        Option<i64>,
-        Option<String>,
-        Option<i64>,
-        Option<i64>,
-        Option<DateTime<Utc>>,
-        Option<String>,
-        Option<String>,
-        Option<String>,
-    );
-    let row: Option<Row> = sqlx::query_as(
-        "SELECT o.amount_minor, o.correlation_id, o.status, p.payment_intent_id, p.status, p.amount_minor,
-                p.currency, p.amount_captured_minor, p.amount_refunded_minor, p.capture_before,
-                p.last_error_code, p.dispute_id, p.dispute_status
-           FROM orders o LEFT JOIN payments p ON p.order_id = o.id
-          WHERE o.id = $1",
-    )
+    let row: Option<OrderPaymentRow> = sqlx::query_as(concat!(
+        "SELECT true, ",
+        order_payment_columns!(),
+        " FROM orders o LEFT JOIN payments p ON p.order_id = o.id WHERE o.id = $1"
+    ))
     .bind(order.0)
     .fetch_optional(ex)
     .await?;
-    let Some(r) = row else { return Ok(None) };
-    let corrupt = |e: &dyn std::fmt::Display| StoreError::Corrupt(e.to_string());
-    let payment = match (r.3, r.4) {
+    Ok(row.map(|r| order_payment(order, r)).transpose()?.flatten())
+}
+
+/// Records a Stripe event about `order` (`stripe_events`, deduplicated on Stripe's id) and
+/// reads [`order_with_payment`] in the same statement: whether the event is new, and the
+/// order (`None` when the ledger has no such order). `crate::stripe_events::record_with_order`.
+pub(crate) async fn record_event_with_order(
+    tx: &mut crate::Tx<'_>,
+    stripe_event_id: &str,
+    event_type: &str,
+    payment_intent_id: Option<&str>,
+    order: OrderId,
+) -> Result<(bool, Option<OrderPayment>), StoreError> {
+    let row: OrderPaymentRow = sqlx::query_as(concat!(
+        "WITH recorded AS (
+            INSERT INTO stripe_events (stripe_event_id, type, payment_intent_id, order_id)
+            VALUES ($2, $3, $4, $1) ON CONFLICT (stripe_event_id) DO NOTHING RETURNING 1)
+         SELECT EXISTS (SELECT 1 FROM recorded), ",
+        order_payment_columns!(),
+        " FROM (SELECT 1) one LEFT JOIN orders o ON o.id = $1 LEFT JOIN payments p ON p.order_id = o.id"
+    ))
+    .bind(order.0)
+    .bind(stripe_event_id)
+    .bind(event_type)
+    .bind(payment_intent_id)
+    .fetch_one(&mut **tx)
+    .await?;
+    let new = row.0;
+    Ok((new, order_payment(order, row)?))
+}
+
+type OrderPaymentRow = (
+    bool,
+    Option<i64>,
+    Option<Uuid>,
+    Option<String>,
+    Option<String>,
+    Option<String>,
+    Option<i64>,
+    Option<String>,
+    Option<i64>,
+    Option<i64>,
+    Option<DateTime<Utc>>,
+    Option<String>,
+    Option<String>,
+    Option<String>,
+);
+
+/// The order and its payment of an [`OrderPaymentRow`]; `None` without an order.
+fn order_payment(order: OrderId, r: OrderPaymentRow) -> Result<Option<OrderPayment>, StoreError> {
+    let (Some(amount_minor), Some(correlation_id), Some(status)) = (r.1, r.2, r.3) else { return Ok(None) };
+    Ok(Some(OrderPayment {
+        amount_minor,
+        correlation_id,
+        status: OrderStatus::try_from(status).map_err(|e| StoreError::Corrupt(e.to_string()))?,
+        payment: payment_of(order, (r.4, r.5, r.6, r.7, r.8, r.9, r.10, r.11, r.12, r.13)),
+    }))
+}
+
+/// [`get`] outside any transaction, with whether `delivery` is in the inbox already, in one
+/// statement: `None` when it is (the pre-check of a payment command that calls the provider).
+pub async fn get_unless_applied(
+    pool: &PgPool,
+    order: OrderId,
+    delivery: crate::inbox::Delivery<'_>,
+) -> Result<Option<Option<PaymentRow>>, sqlx::Error> {
+    let (seen, payment): (bool, MaybePayment) = {
+        let row: (bool, Option<String>, Option<String>, Option<i64>, Option<String>, Option<i64>, Option<i64>,
+                  Option<DateTime<Utc>>, Option<String>, Option<String>, Option<String>) = sqlx::query_as(
+            "SELECT EXISTS (SELECT 1 FROM inbox WHERE consumer = $2 AND event_id = $3),
+                    p.payment_intent_id, p.status, p.amount_minor, p.currency, p.amount_captured_minor,
+                    p.amount_refunded_minor, p.capture_before, p.last_error_code, p.dispute_id, p.dispute_status
+               FROM (SELECT 1) one LEFT JOIN payments p ON p.order_id = $1",
+        )
+        .bind(order.0)
+        .bind(delivery.consumer)
+        .bind(delivery.event_id)
+        .fetch_one(pool)
+        .await?;
+        (row.0, (row.1, row.2, row.3, row.4, row.5, row.6, row.7, row.8, row.9, row.10))
+    };
+    if seen {
+        return Ok(None);
+    }
+    Ok(Some(payment_of(order, payment)))
+}
+
+/// A payment row's columns read through an outer join (all `None` without a row):
+/// PaymentIntent id, status, amount, currency, captured, refunded, capture deadline, last
+/// error code, dispute id, dispute status.
+type MaybePayment = (
+    Option<String>,
+    Option<String>,
+    Option<i64>,
+    Option<String>,
+    Option<i64>,
+    Option<i64>,
+    Option<DateTime<Utc>>,
+    Option<String>,
+    Option<String>,
+    Option<String>,
+);
+
+fn payment_of(order: OrderId, r: MaybePayment) -> Option<PaymentRow> {
+    match (r.0, r.1) {
         (Some(payment_intent_id), Some(status)) => Some(PaymentRow {
             order_id: order.0,
             payment_intent_id,
             status: PaymentIntentStatus::from(status),
-            amount_minor: r.5.unwrap_or_default(),
-            currency: r.6.unwrap_or_default(),
-            amount_captured_minor: r.7.unwrap_or_default(),
-            amount_refunded_minor: r.8.unwrap_or_default(),
-            capture_before: r.9,
-            last_error_code: r.10,
-            dispute_id: r.11,
-            dispute_status: r.12,
+            amount_minor: r.2.unwrap_or_default(),
+            currency: r.3.unwrap_or_default(),
+            amount_captured_minor: r.4.unwrap_or_default(),
+            amount_refunded_minor: r.5.unwrap_or_default(),
+            capture_before: r.6,
+            last_error_code: r.7,
+            dispute_id: r.8,
+            dispute_status: r.9,
         }),
         _ => None,
-    };
-    Ok(Some(OrderPayment {
-        amount_minor: r.0,
-        correlation_id: r.1,
-        status: OrderStatus::try_from(r.2).map_err(|e| corrupt(&e))?,
-        payment,
-    }))
+    }
 }
 
 /// The order that owns PaymentIntent `pi`.

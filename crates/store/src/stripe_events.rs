@@ -27,6 +27,19 @@ pub async fn record(
     Ok(r.rows_affected() == 1)
 }
 
+/// [`record`] for an event about `order`, and in the same statement the order and its payment
+/// as they stand ([`crate::payments::order_with_payment`]; `None` when the ledger has no such
+/// order): whether the event is new, and what webhook ingress judges its claim against.
+pub async fn record_with_order(
+    tx: &mut Tx<'_>,
+    stripe_event_id: &str,
+    event_type: &str,
+    payment_intent_id: Option<&str>,
+    order: OrderId,
+) -> Result<(bool, Option<crate::payments::OrderPayment>), crate::StoreError> {
+    crate::payments::record_event_with_order(tx, stripe_event_id, event_type, payment_intent_id, order).await
+}
+
 /// Marks the just-recorded event `stripe_event_id` pending: its PaymentIntent has no
 /// payment row yet and the event names no order.
 pub async fn mark_pending(tx: &mut Tx<'_>, stripe_event_id: &str) -> Result<(), sqlx::Error> {

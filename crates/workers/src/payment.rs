@@ -36,6 +36,7 @@ use boxoffice_domain::{
 use boxoffice_payments::{
     CreatePaymentIntent, PaymentGateway, PaymentIntent, PaymentIntentStatus, StripeError,
 };
+use boxoffice_store::inbox::{self, Delivery};
 use boxoffice_store::{holds, orders, payments, stripe_events, Tx};
 use sqlx::PgPool;
 use std::sync::Arc;
@@ -67,6 +68,10 @@ impl PaymentWorker {
         self
     }
 }
+
+/// Why `prepare` sent nothing for a command already in this consumer's inbox (its
+/// transaction then finds the inbox row and changes nothing).
+const ALREADY_APPLIED: &str = "already_applied";
 
 /// The commands this worker carries out (its consumer routes on these).
 pub const COMMANDS: [EventKind; 6] = [
@@ -114,8 +119,14 @@ impl PaymentWorker {
         &self,
         order: OrderId,
         payment_intent_id: &str,
+        delivery: Delivery<'_>,
     ) -> Result<Prepared, HandlerError> {
         let g = &*self.gateway;
+        // The ledger's payment row (read before the provider is asked: it is written once,
+        // by the intent's creation), and whether this command was applied already.
+        let Some(recorded) = payments::get_unless_applied(&self.pool, order, delivery).await? else {
+            return Ok(Prepared::Skipped(ALREADY_APPLIED));
+        };
         let pi = match g.retrieve_payment_intent(payment_intent_id).await {
             Ok(pi) => pi,
             Err(e) if e.status() == Some(404) => {
@@ -129,7 +140,6 @@ impl PaymentWorker {
         // The intent must be the order's: the one the ledger recorded for it, or one whose
         // metadata (the provider's copy) names it; otherwise the claim is about someone
         // else's money.
-        let recorded = payments::get(&self.pool, order).await?;
         let ours = recorded.is_some_and(|p| p.payment_intent_id == pi.id)
             || pi.metadata.get("order_id") == Some(&order.to_string());
         if !ours {
@@ -161,14 +171,17 @@ impl PaymentWorker {
         order: OrderId,
         payment_intent_id: &str,
         dispute_id: &str,
+        delivery: Delivery<'_>,
     ) -> Result<Prepared, HandlerError> {
         let refuted = |why| Ok(Prepared::Refuted { payment_intent_id: payment_intent_id.to_owned(), why });
+        let Some(recorded) = payments::get_unless_applied(&self.pool, order, delivery).await? else {
+            return Ok(Prepared::Skipped(ALREADY_APPLIED));
+        };
         let dispute = match self.gateway.retrieve_dispute(dispute_id).await {
             Ok(d) => d,
             Err(e) if e.status() == Some(404) => return refuted("unknown_dispute"),
             Err(e) => return Err(stripe_err(e)),
         };
-        let recorded = payments::get(&self.pool, order).await?;
         let ours = dispute.payment_intent.as_deref() == Some(payment_intent_id)
             && recorded.is_some_and(|p| p.payment_intent_id == payment_intent_id);
         if !ours {
@@ -198,16 +211,25 @@ impl Handler for PaymentWorker {
         true
     }
 
+    fn prechecks_inbox(&self) -> bool {
+        true
+    }
+
     fn wants(&self, kind: EventKind) -> bool {
         COMMANDS.contains(&kind)
     }
 
     async fn prepare(&self, env: &Envelope, event: &PurchaseEvent) -> Result<Prepared, HandlerError> {
         let g = &*self.gateway;
+        // Every command reads the inbox before any remote call, in its pre-check's statement
+        // (`Handler::prechecks_inbox`): a known duplicate costs no provider call.
+        let delivery = Delivery { consumer: NAME, event_id: env.event_id };
         match event {
             PurchaseEvent::PaymentAuthorizationRequested { order_id, hold_id, amount_minor, currency } => {
-                if !orders::awaits_payment_intent(&self.pool, *order_id).await? {
-                    return Ok(Prepared::Skipped("order_not_awaiting_payment_intent"));
+                match orders::awaits_payment_intent(&self.pool, *order_id, delivery).await? {
+                    None => return Ok(Prepared::Skipped(ALREADY_APPLIED)),
+                    Some(false) => return Ok(Prepared::Skipped("order_not_awaiting_payment_intent")),
+                    Some(true) => {}
                 }
                 let req = CreatePaymentIntent {
                     amount_minor: *amount_minor,
@@ -238,10 +260,12 @@ impl Handler for PaymentWorker {
             }
             PurchaseEvent::CaptureRequested { order_id, payment_intent_id, .. } => {
                 // Case C06: never capture without a confirmed hold.
-                if orders::status_with_hold(&self.pool, *order_id).await?
-                    != Some((OrderStatus::Confirming, HoldStatus::Confirmed))
-                {
-                    return Ok(Prepared::Skipped("hold_not_confirmed"));
+                match orders::status_with_hold(&self.pool, *order_id, delivery).await? {
+                    None => return Ok(Prepared::Skipped(ALREADY_APPLIED)),
+                    Some(s) if s != Some((OrderStatus::Confirming, HoldStatus::Confirmed)) => {
+                        return Ok(Prepared::Skipped("hold_not_confirmed"))
+                    }
+                    Some(_) => {}
                 }
                 match g.capture_payment_intent(payment_intent_id, &format!("capture:{order_id}")).await {
                     Ok(pi) => Ok(Prepared::Intent(pi)),
@@ -262,6 +286,9 @@ impl Handler for PaymentWorker {
                 }
             }
             PurchaseEvent::AuthorizationCancelRequested { order_id, payment_intent_id, .. } => {
+                if inbox::seen(&self.pool, NAME, env.event_id).await? {
+                    return Ok(Prepared::Skipped(ALREADY_APPLIED));
+                }
                 match g.cancel_payment_intent(payment_intent_id, &format!("cancel:{order_id}")).await {
                     Ok(pi) => Ok(Prepared::Intent(pi)),
                     Err(e) if !e.is_retryable() && matches!(e, StripeError::Api { .. }) => {
@@ -272,6 +299,9 @@ impl Handler for PaymentWorker {
                 }
             }
             PurchaseEvent::RefundRequested { order_id, payment_intent_id, .. } => {
+                if inbox::seen(&self.pool, NAME, env.event_id).await? {
+                    return Ok(Prepared::Skipped(ALREADY_APPLIED));
+                }
                 let meta = vec![("order_id".to_owned(), order_id.to_string())];
                 let refund = g
                     .create_refund(payment_intent_id, &meta, &format!("refund:{order_id}"))
@@ -283,10 +313,10 @@ impl Handler for PaymentWorker {
                 })
             }
             PurchaseEvent::PaymentIntentRefreshRequested { order_id, payment_intent_id, .. } => {
-                self.refresh_intent(*order_id, payment_intent_id).await
+                self.refresh_intent(*order_id, payment_intent_id, delivery).await
             }
             PurchaseEvent::DisputeRefreshRequested { order_id, payment_intent_id, dispute_id } => {
-                self.refresh_dispute(*order_id, payment_intent_id, dispute_id).await
+                self.refresh_dispute(*order_id, payment_intent_id, dispute_id, delivery).await
             }
             _ => Ok(Prepared::Skipped("not_a_payment_command")),
         }

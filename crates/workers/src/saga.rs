@@ -81,8 +81,7 @@ impl Locked {
         order_id: OrderId,
         with_payment: bool,
     ) -> Result<Option<Locked>, StoreError> {
-        let hold = holds::lock_for_order(tx, order_id).await?;
-        let Some(order) = orders::lock(tx, order_id).await? else {
+        let Some((hold, order)) = holds::lock_with_order(tx, order_id).await? else {
             return Ok(None);
         };
         let payment = if with_payment { payments::get(&mut **tx, order_id).await? } else { None };

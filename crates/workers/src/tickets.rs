@@ -45,10 +45,11 @@ impl Handler for TicketWorker {
         let PurchaseEvent::TicketIssueRequested { order_id, hold_id } = event else {
             return Err(HandlerError::permanent("unexpected_event", anyhow::anyhow!("{}", env.event_type)));
         };
-        let hold = holds::lock(tx, *hold_id).await?;
-        let Some(mut order) = orders::lock(tx, *order_id).await? else {
+        let Some((hold, mut order)) = holds::lock_with_order(tx, *order_id).await? else {
             return Err(HandlerError::permanent("unknown_order", anyhow::anyhow!("order {order_id}")));
         };
+        // The order's one hold is the request's, or the request names a hold it does not have.
+        let hold = hold.filter(|h| h.id == hold_id.0);
         let status = order.status;
         if status != OrderStatus::Paid {
             tracing::info!(order.id = %order_id, status = %status, "ticket issue requested for an order that is not paid; nothing to do");
