@@ -218,26 +218,38 @@ pub async fn get_unless_applied(
     order: OrderId,
     delivery: crate::inbox::Delivery<'_>,
 ) -> Result<Option<Option<PaymentRow>>, sqlx::Error> {
-    let (seen, payment): (bool, MaybePayment) = {
-        let row: (bool, Option<String>, Option<String>, Option<i64>, Option<String>, Option<i64>, Option<i64>,
-                  Option<DateTime<Utc>>, Option<String>, Option<String>, Option<String>) = sqlx::query_as(
-            "SELECT EXISTS (SELECT 1 FROM inbox WHERE consumer = $2 AND event_id = $3),
-                    p.payment_intent_id, p.status, p.amount_minor, p.currency, p.amount_captured_minor,
-                    p.amount_refunded_minor, p.capture_before, p.last_error_code, p.dispute_id, p.dispute_status
-               FROM (SELECT 1) one LEFT JOIN payments p ON p.order_id = $1",
-        )
-        .bind(order.0)
-        .bind(delivery.consumer)
-        .bind(delivery.event_id)
-        .fetch_one(pool)
-        .await?;
-        (row.0, (row.1, row.2, row.3, row.4, row.5, row.6, row.7, row.8, row.9, row.10))
-    };
+    let r: SeenPaymentRow = sqlx::query_as(
+        "SELECT EXISTS (SELECT 1 FROM inbox WHERE consumer = $2 AND event_id = $3),
+                p.payment_intent_id, p.status, p.amount_minor, p.currency, p.amount_captured_minor,
+                p.amount_refunded_minor, p.capture_before, p.last_error_code, p.dispute_id, p.dispute_status
+           FROM (SELECT 1) one LEFT JOIN payments p ON p.order_id = $1",
+    )
+    .bind(order.0)
+    .bind(delivery.consumer)
+    .bind(delivery.event_id)
+    .fetch_one(pool)
+    .await?;
+    let (seen, payment) = (r.0, (r.1, r.2, r.3, r.4, r.5, r.6, r.7, r.8, r.9, r.10));
     if seen {
         return Ok(None);
     }
     Ok(Some(payment_of(order, payment)))
 }
+
+/// Whether a delivery is in the inbox, then a [`MaybePayment`].
+type SeenPaymentRow = (
+    bool,
+    Option<String>,
+    Option<String>,
+    Option<i64>,
+    Option<String>,
+    Option<i64>,
+    Option<i64>,
+    Option<DateTime<Utc>>,
+    Option<String>,
+    Option<String>,
+    Option<String>,
+);
 
 /// A payment row's columns read through an outer join (all `None` without a row):
 /// PaymentIntent id, status, amount, currency, captured, refunded, capture deadline, last
