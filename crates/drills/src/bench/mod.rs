@@ -273,6 +273,65 @@ impl BenchDb {
     }
 }
 
+/// The tables the purchase path writes, which the bench keeps vacuumed and analyzed when the
+/// server's autovacuum is off ([`Autovacuum`]).
+pub const PURCHASE_TABLES: &str =
+    "orders, holds, hold_seats, payments, tickets, outbox, inbox, idempotency_keys";
+
+/// What autovacuum would do for the bench's database while a phase runs, on a server whose
+/// autovacuum is off: `VACUUM (ANALYZE)` of [`PURCHASE_TABLES`] every 5 s, in a task of its
+/// own. Without it the planner keeps the plans it chose for the empty tables of a fresh
+/// database (sequential scans, or index choices for no rows) while they grow, and dead row
+/// versions pile up under the indexes: the phase would measure a database no deployment runs.
+pub struct Autovacuum {
+    stop: tokio_util::sync::CancellationToken,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Autovacuum {
+    /// Starts the emulation when the server's autovacuum is off; does nothing otherwise.
+    pub async fn start(pool: &sqlx::PgPool) -> Self {
+        let stop = tokio_util::sync::CancellationToken::new();
+        if autovacuum_on(pool).await {
+            return Self { stop, task: None };
+        }
+        let (pool, token) = (pool.clone(), stop.clone());
+        let task = tokio::spawn(async move {
+            loop {
+                tokio::select! { _ = token.cancelled() => break, _ = tokio::time::sleep(std::time::Duration::from_secs(5)) => {} }
+                if let Err(e) =
+                    sqlx::query(&format!("VACUUM (ANALYZE) {PURCHASE_TABLES}")).execute(&pool).await
+                {
+                    tracing::warn!(error = %e, "VACUUM (ANALYZE) failed");
+                }
+            }
+        });
+        Self { stop, task: Some(task) }
+    }
+
+    /// Whether the emulation runs (the server's autovacuum is off).
+    pub fn running(&self) -> bool {
+        self.task.is_some()
+    }
+
+    /// Stops the emulation, after the pass in progress.
+    pub async fn stop(self) {
+        self.stop.cancel();
+        if let Some(t) = self.task {
+            let _ = t.await;
+        }
+    }
+}
+
+/// Whether the server runs autovacuum (and with it the automatic ANALYZE).
+pub async fn autovacuum_on(pool: &sqlx::PgPool) -> bool {
+    sqlx::query_scalar::<_, String>("SHOW autovacuum")
+        .fetch_one(pool)
+        .await
+        .map(|v| v == "on")
+        .unwrap_or(true)
+}
+
 /// `boxoffice-drills bench`: runs the phases, writes the report files, prints the Markdown table.
 /// Returns the exit code: 0, or 1 when P1 found oversold seats.
 pub async fn run(cfg: Config, args: BenchArgs) -> anyhow::Result<i32> {

@@ -116,11 +116,13 @@ async fn run_on(cfg: &Config, args: &BenchArgs, db: &BenchDb, pool: &PgPool) -> 
     let mut levels = Vec::new();
     let mut total_holds = 0;
     for &n in &args.p1_concurrency {
-        // Fresh statistics for each level, as autovacuum would keep them (it may be off).
-        sqlx::query("ANALYZE orders, holds, hold_seats, tickets, outbox, idempotency_keys")
-            .execute(pool)
-            .await?;
-        let mut level = hold_level(db.opts.clone(), event, deck.clone(), n, args).await?;
+        // Fresh statistics for each level, and while it runs as autovacuum would keep them
+        // (the tables grow by thousands of holds per level; it may be off).
+        sqlx::query(&format!("ANALYZE {}", super::PURCHASE_TABLES)).execute(pool).await?;
+        let autovacuum = super::Autovacuum::start(pool).await;
+        let level = hold_level(db.opts.clone(), event, deck.clone(), n, args).await;
+        autovacuum.stop().await;
+        let mut level = level?;
         total_holds += level.holds;
         if let Ok(pg) = &pgbench {
             match pg.run(n, args.p1_seconds).await {

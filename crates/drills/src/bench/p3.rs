@@ -296,8 +296,9 @@ async fn drive(
     };
 
     // With autovacuum off nothing refreshes the statistics of the fresh tables or reclaims
-    // their dead row versions.
-    let analyze = !autovacuum_on(pool).await;
+    // their dead row versions: the bench does what autovacuum would.
+    let autovacuum = super::Autovacuum::start(pool).await;
+    let analyze = autovacuum.running();
     if analyze {
         eprintln!(
             "   autovacuum is off on this server: running VACUUM (ANALYZE) on the purchase tables every 5 s"
@@ -314,19 +315,6 @@ async fn drive(
         tokio::spawn(async move {
             let mut every = tokio::time::interval(SAMPLE_EVERY);
             every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            // As autovacuum would, in a task of its own so the samples stay 500 ms apart.
-            let vacuum = analyze.then(|| {
-                let (pool, stop) = (pool.clone(), stop.clone());
-                tokio::spawn(async move {
-                    let tables = "orders, holds, hold_seats, payments, tickets, outbox, inbox, idempotency_keys";
-                    loop {
-                        tokio::select! { _ = stop.cancelled() => break, _ = tokio::time::sleep(Duration::from_secs(5)) => {} }
-                        if let Err(e) = sqlx::query(&format!("VACUUM (ANALYZE) {tables}")).execute(&pool).await {
-                            tracing::warn!(error = %e, "VACUUM (ANALYZE) failed");
-                        }
-                    }
-                })
-            });
             while !stop.is_cancelled() {
                 tokio::select! { _ = stop.cancelled() => break, _ = every.tick() => {} }
                 let t_s = ctx.started.elapsed().as_secs_f64();
@@ -354,9 +342,6 @@ async fn drive(
                     outbox_age_ms: backlog.oldest_age_ms,
                     max_lag,
                 });
-            }
-            if let Some(v) = vacuum {
-                let _ = v.await;
             }
         })
     };
@@ -434,6 +419,7 @@ async fn drive(
     let started_buyers = stats.started;
     stop_sampling.cancel();
     let _ = sampler.await;
+    autovacuum.stop().await;
     let ticketed = ticketed_count(pool, event).await?;
 
     let samples = samples.lock().expect("samples lock").clone();
@@ -698,13 +684,4 @@ async fn ticketed_count(pool: &sqlx::PgPool, event: uuid::Uuid) -> Result<i64, s
         .bind(event)
         .fetch_one(pool)
         .await
-}
-
-/// Whether the server runs autovacuum (and with it the automatic ANALYZE).
-async fn autovacuum_on(pool: &sqlx::PgPool) -> bool {
-    sqlx::query_scalar::<_, String>("SHOW autovacuum")
-        .fetch_one(pool)
-        .await
-        .map(|v| v == "on")
-        .unwrap_or(true)
 }
