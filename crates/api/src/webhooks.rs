@@ -11,15 +11,16 @@
 //! hold's lapse until the re-fetch has spoken (below):
 //! - **known**: a claim the ledger already records (a redelivered authorization after the
 //!   saga confirmed, a capture the payment worker recorded from its own call) is recorded and
-//!   has nothing left to do; so is a capture claimed while the saga's capture request is
-//!   outstanding (order `confirming`, authorization mirrored): the payment worker records
-//!   the provider's answer to its own capture call (or re-fetches the PaymentIntent when the
-//!   call fails), so a re-fetch now would only race that answer;
+//!   has nothing left to do;
 //! - **news**: any other claim for the order's PaymentIntent — the saga's next step included,
 //!   and any amount or status that contradicts the ledger — is recorded with a
 //!   `PaymentIntentRefreshRequested` command: the payment worker re-fetches the PaymentIntent
 //!   (and its charge) and the saga acts on what the provider says (counted in
-//!   `boxoffice_webhook_claims_verified_total` by reason);
+//!   `boxoffice_webhook_claims_verified_total` by reason). A capture claimed while the saga's
+//!   capture request is outstanding (order `confirming`) — usually the capture's own webhook,
+//!   ahead of the payment worker's record of the answer — goes with reason
+//!   `capture_outstanding`: its re-fetch stops at the ledger when the capture is recorded by
+//!   then, and asks the provider otherwise (the capture command may have been dead-lettered);
 //! - **early**: an event whose PaymentIntent names no order (no payment row, no metadata) is
 //!   kept as pending and re-derived from Stripe once the payment row exists;
 //! - **disputes**: `charge.dispute.created` / `.closed` lead to a `DisputeRefreshRequested`
@@ -196,7 +197,7 @@ async fn ingest_tx(pool: &PgPool, event: &Event, policy: &HoldPolicy) -> Result<
                     outcome = Ingested::Stale;
                 }
                 Verdict::Verify(reason) => {
-                    if reason != UNVERIFIED_CLAIM {
+                    if reason != UNVERIFIED_CLAIM && reason != CAPTURE_OUTSTANDING {
                         tracing::warn!(stripe.event_id = %event.id, stripe.event_type = %event.r#type, order.id = %order,
                             reason, "webhook contradicts the ledger: asking the provider");
                     }
@@ -243,6 +244,9 @@ async fn ingest_tx(pool: &PgPool, event: &Event, policy: &HoldPolicy) -> Result<
 /// The reason sent with a claim that brings news the ledger has not recorded (every claim is
 /// checked with the provider before it has any effect, case C16).
 const UNVERIFIED_CLAIM: &str = "webhook_claim";
+
+/// The reason sent with a capture claimed while the saga's capture request is outstanding.
+const CAPTURE_OUTSTANDING: &str = boxoffice_domain::events::refresh_reason::CAPTURE_OUTSTANDING;
 
 /// What to do with a handled event, given the ledger's view.
 #[derive(Debug, PartialEq, Eq)]
@@ -311,14 +315,8 @@ fn judge(
             matches!(p.status, PaymentIntentStatus::RequiresCapture | PaymentIntentStatus::Succeeded)
         }
         "payment_intent.succeeded" => {
-            (p.status == PaymentIntentStatus::Succeeded
-                && p.amount_captured_minor >= amount(object, "amount_received"))
-                // The saga asked for this capture (`confirming` is the order's state from the
-                // confirmation, which emits CaptureRequested, until the capture's answer is
-                // recorded): the payment worker records what the provider answers to its own
-                // call, or retrieves the PaymentIntent when the call fails. A re-fetch now
-                // would only race that answer.
-                || (p.status == PaymentIntentStatus::RequiresCapture && order_status == OrderStatus::Confirming)
+            p.status == PaymentIntentStatus::Succeeded
+                && p.amount_captured_minor >= amount(object, "amount_received")
         }
         "payment_intent.canceled" => p.status == PaymentIntentStatus::Canceled,
         "charge.refunded" => amount(object, "amount_refunded") <= p.amount_refunded_minor,
@@ -326,6 +324,15 @@ fn judge(
     };
     if known {
         Verdict::Known
+    } else if event_type == "payment_intent.succeeded"
+        && p.status == PaymentIntentStatus::RequiresCapture
+        && order_status == OrderStatus::Confirming
+    {
+        // The saga asked for this capture (`confirming` from the confirmation, which emits
+        // CaptureRequested, until the capture's answer is recorded). Still checked — the
+        // capture command may never record it (dead-lettered) — but the re-fetch may stop at
+        // the ledger once the capture is recorded there.
+        Verdict::Verify(CAPTURE_OUTSTANDING)
     } else {
         Verdict::Verify(UNVERIFIED_CLAIM)
     }
@@ -373,13 +380,13 @@ mod tests {
     }
 
     #[test]
-    fn a_capture_claimed_while_the_sagas_capture_is_outstanding_needs_no_re_fetch() {
+    fn a_capture_claimed_while_the_sagas_capture_is_outstanding_is_checked_with_its_own_reason() {
         let claim = serde_json::json!({ "id": "pi_1", "amount_received": 500 });
         let authorized = payment(PaymentIntentStatus::RequiresCapture);
         let succeeded = "payment_intent.succeeded";
         assert_eq!(
             judge(succeeded, &claim, Some(&authorized), OrderStatus::Confirming, 500, "pi_1"),
-            Verdict::Known
+            Verdict::Verify(CAPTURE_OUTSTANDING)
         );
         // Before the saga asked for the capture, the claim is news: the provider is asked.
         assert_eq!(

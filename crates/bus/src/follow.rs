@@ -25,8 +25,10 @@
 //! the facts then travel the bus as before and each follower's own consumer applies them, with
 //! its retries and dead-letter topic.
 //!
-//! **Locks.** A follower locks the order's rows in the ledger's order (hold, then order); the
-//! writer has locked some of them already in the same order, so following adds no lock cycle.
+//! **Locks.** A follower locks the order's rows in the ledger's order (hold, then order, then
+//! payment); a writer that writes one of them before its followers run locks the hold first
+//! (the payment worker does wherever it writes the payment row), so following adds no lock
+//! cycle.
 //! A shared consumer batch follows its facts after every message of the batch was applied,
 //! orders in the batch's order-id order.
 

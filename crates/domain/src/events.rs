@@ -271,6 +271,17 @@ pub enum PurchaseEvent {
     PaymentIntentRefreshRequested { order_id: OrderId, payment_intent_id: String, reason: String },
 }
 
+/// Reasons a `PaymentIntentRefreshRequested` carries that change how its re-fetch runs (any
+/// other reason — `webhook_claim`, `amount_mismatch`, `early_webhook`, `hold_lapsing`, … — is
+/// only logged and counted).
+pub mod refresh_reason {
+    /// A capture was claimed (a webhook) while the saga's own capture request was outstanding:
+    /// most likely the capture's own webhook, ahead of the payment worker's record of the same
+    /// answer. The re-fetch stops at the ledger when the capture is recorded by the time it
+    /// runs, and asks the provider otherwise.
+    pub const CAPTURE_OUTSTANDING: &str = "capture_outstanding";
+}
+
 impl EventKind {
     /// The kind named by an envelope's `event_type`; `None` for a type this build does not
     /// know (a newer producer's), which consumers acknowledge unread.

@@ -6,18 +6,32 @@
 -- statement trigger on every write statement of every purchase transaction and by a deferred
 -- trigger on every row of eight tables at commit. They now run as the caller, without SET.
 --
--- They ran as the owner because the writer's lock was ROW SHARE, which PostgreSQL 15 grants
--- only to roles that may modify the table. The writer now takes region_epoch in ACCESS SHARE
--- mode (the lock any SELECT takes, granted with SELECT) and the fence takes ACCESS EXCLUSIVE
--- (crates/store/src/region.rs): the two conflict exactly as ROW SHARE and EXCLUSIVE did — the
--- fence waits for every transaction already past its first write, and every writer that asks
--- after the fence queues behind it — so the application role needs SELECT on region_epoch and
--- region_lease, and still no right to move the epoch.
+-- They ran as the owner because the writer's lock was ROW SHARE on region_epoch, which
+-- PostgreSQL 15 grants only to roles that may modify the table. The fence's lock is now a
+-- transaction-scoped advisory lock, key pair (1113081393, 1) ('BXF1', 1;
+-- `boxoffice_store::region::FENCE_LOCK`): a writer takes it
+-- shared on its first write and holds it to commit, `boxoffice region fence` takes it
+-- exclusive (crates/store/src/region.rs). They conflict exactly as ROW SHARE and EXCLUSIVE on
+-- the table did — the fence waits for every transaction already past its first write, and
+-- every writer that asks after the fence queues behind it (PostgreSQL queues a request behind
+-- a waiting one it conflicts with) — while a plain reader of region_epoch (a report, a
+-- pg_dump) takes no part and never holds the fence up. Any role may take an advisory lock;
+-- reading the epoch and the lease mirror is granted to every role below, and moving them
+-- still needs rights the application role does not have.
 --
 -- The lock stays a statement of its own before the read: a statement's snapshot is taken
--- before its locks, so only a read in a later statement sees the epoch a fence it waited for
--- has set.
-CREATE OR REPLACE FUNCTION region_fence_check() RETURNS trigger LANGUAGE plpgsql AS $$
+-- before it waits, so only a read in a later statement sees the epoch a fence it waited for
+-- has set. The tables are named with the schema the migration runs in, so a caller's
+-- search_path (a temporary table of the same name, another schema first) cannot stand in for
+-- them, without a SET clause.
+GRANT SELECT ON region_epoch, region_lease TO PUBLIC;
+
+DO $migration$
+DECLARE
+    s text := quote_ident(current_schema());
+BEGIN
+    EXECUTE format($f$
+CREATE OR REPLACE FUNCTION %1$s.region_fence_check() RETURNS trigger LANGUAGE plpgsql AS $$
 DECLARE
     writer text := current_setting('boxoffice.region_epoch', true);
     ledger bigint;
@@ -32,25 +46,25 @@ BEGIN
         RETURN NULL;
     END IF;
     IF current_setting('transaction_isolation') <> 'read committed' THEN
-        RAISE EXCEPTION 'region fence: purchase writes run at READ COMMITTED, not %',
+        RAISE EXCEPTION 'region fence: purchase writes run at READ COMMITTED, not %%',
             current_setting('transaction_isolation') USING ERRCODE = 'BXF01';
     END IF;
-    -- Conflicts only with the fence's ACCESS EXCLUSIVE lock; held to commit.
-    LOCK TABLE region_epoch IN ACCESS SHARE MODE;
-    SELECT epoch INTO ledger FROM region_epoch;
+    -- The fence's lock, shared: conflicts only with the fence; held to commit.
+    PERFORM pg_catalog.pg_advisory_xact_lock_shared(1113081393, 1);
+    SELECT epoch INTO ledger FROM %1$s.region_epoch;
     IF ledger IS DISTINCT FROM writer::bigint THEN
-        RAISE EXCEPTION 'region fenced: this writer declares epoch %, the ledger is at epoch %', writer, ledger
+        RAISE EXCEPTION 'region fenced: this writer declares epoch %%, the ledger is at epoch %%', writer, ledger
             USING ERRCODE = 'BXF01';
     END IF;
-    SELECT required, valid_until INTO lease FROM region_lease;
+    SELECT required, valid_until INTO lease FROM %1$s.region_lease;
     IF FOUND AND lease.required AND lease.valid_until <= clock_timestamp() THEN
-        RAISE EXCEPTION 'region lease lapsed at %', lease.valid_until USING ERRCODE = 'BXF02';
+        RAISE EXCEPTION 'region lease lapsed at %%', lease.valid_until USING ERRCODE = 'BXF02';
     END IF;
     PERFORM set_config('boxoffice.region_checked', txid_current()::text, true);
     RETURN NULL;
 END $$;
 
-CREATE OR REPLACE FUNCTION region_lease_commit_check() RETURNS trigger LANGUAGE plpgsql AS $$
+CREATE OR REPLACE FUNCTION %1$s.region_lease_commit_check() RETURNS trigger LANGUAGE plpgsql AS $$
 DECLARE
     lease record;
 BEGIN
@@ -58,11 +72,13 @@ BEGIN
        OR current_setting('boxoffice.region_commit_checked', true) = txid_current()::text THEN
         RETURN NULL;
     END IF;
-    SELECT required, valid_until INTO lease FROM region_lease;
+    SELECT required, valid_until INTO lease FROM %1$s.region_lease;
     IF FOUND AND lease.required AND lease.valid_until <= clock_timestamp() THEN
-        RAISE EXCEPTION 'region lease lapsed at % before this transaction committed', lease.valid_until
+        RAISE EXCEPTION 'region lease lapsed at %% before this transaction committed', lease.valid_until
             USING ERRCODE = 'BXF02';
     END IF;
     PERFORM set_config('boxoffice.region_commit_checked', txid_current()::text, true);
     RETURN NULL;
 END $$;
+$f$, s);
+END $migration$;

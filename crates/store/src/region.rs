@@ -6,13 +6,13 @@
 //! processes can commit purchase writes. The check itself lives in the database
 //! (migration 0013): the first write statement of each transaction to a purchase table runs
 //! `region_fence_check()` in full (later ones find the transaction-local mark it leaves),
-//! which takes `region_epoch` in ACCESS SHARE mode (migration 0018) and compares the session's declared epoch
+//! which takes the fence's advisory lock ([`FENCE_LOCK`]) shared (migration 0018) and compares the session's declared epoch
 //! (`boxoffice.region_epoch`, set in the connection's startup options by
 //! [`writer_options`]) with the record, and refuses with SQLSTATE [`FENCED`]; when the
 //! region's lease has lapsed by this database's clock it refuses with [`LEASE_LAPSED`]. A
 //! transaction is thereby checked on its first write, under a lock held to its commit, with
-//! no extra round trip and whatever code path it came from. [`fence`] takes the record in
-//! ACCESS EXCLUSIVE mode before bumping it: it waits only for transactions already past their first
+//! no extra round trip and whatever code path it came from. [`fence`] takes the same lock
+//! exclusive before bumping the record: it waits only for transactions already past their first
 //! write, new writers queue behind it, and every commit under the old epoch lies before the
 //! WAL position it records. (A bare `UPDATE` would wait for a row lock that a stream of new
 //! share-lockers can keep it from ever getting.)
@@ -21,6 +21,13 @@ use chrono::{DateTime, Utc};
 use sqlx::postgres::PgConnectOptions;
 use sqlx::PgPool;
 use uuid::Uuid;
+
+/// The fence's lock: a transaction-scoped advisory lock on this key pair (`'BXF1'`, 1), taken
+/// shared by every purchase writer on its first write (the `region_fence_check` trigger,
+/// migration 0018) and held to its commit, and exclusive by [`fence`]. Readers of
+/// `region_epoch` take no part in it, so a long read (a report, a backup) never holds a fence
+/// up.
+pub const FENCE_LOCK: (i32, i32) = (1_113_081_393, 1);
 
 /// SQLSTATE of a write whose session epoch is not the ledger's.
 pub const FENCED: &str = "BXF01";
@@ -118,9 +125,9 @@ pub enum FenceError {
     Db(#[from] sqlx::Error),
 }
 
-/// Moves the ledger to `to` (epoch strictly greater than the record's): takes the record in
-/// ACCESS EXCLUSIVE mode (waiting for writers already past their first write, which hold it in
-/// ACCESS SHARE mode; new ones queue), records
+/// Moves the ledger to `to` (epoch strictly greater than the record's): takes [`FENCE_LOCK`]
+/// exclusive (waiting for writers already past their first write, which hold it shared; new
+/// ones queue), records
 /// the WAL insert position and updates the record, in one transaction. Idempotent for the same
 /// `to`: a fence already at `to` returns the recorded position without waiting.
 ///
@@ -140,7 +147,11 @@ pub async fn fence(pool: &PgPool, to: &Writer, by: &str) -> Result<Fenced, Fence
 async fn fence_once(pool: &PgPool, to: &Writer, by: &str) -> Result<Fenced, FenceError> {
     let mut tx = pool.begin().await?;
     let started = std::time::Instant::now();
-    sqlx::query("LOCK TABLE region_epoch IN ACCESS EXCLUSIVE MODE").execute(&mut *tx).await?;
+    sqlx::query("SELECT pg_advisory_xact_lock($1, $2)")
+        .bind(FENCE_LOCK.0)
+        .bind(FENCE_LOCK.1)
+        .execute(&mut *tx)
+        .await?;
     let waited_ms = started.elapsed().as_millis() as i64;
     let current = record(&mut *tx).await?;
     let from = Writer { region: current.region.clone(), epoch: current.epoch };

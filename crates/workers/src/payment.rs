@@ -30,6 +30,7 @@
 
 use async_trait::async_trait;
 use boxoffice_bus::{Handler, HandlerError};
+use boxoffice_domain::events::refresh_reason;
 use boxoffice_domain::{
     Envelope, EventKind, HoldPolicy, HoldStatus, OrderId, OrderStatus, PaymentUpdate, PurchaseEvent,
 };
@@ -72,6 +73,10 @@ impl PaymentWorker {
 /// Why `prepare` sent nothing for a command already in this consumer's inbox (its
 /// transaction then finds the inbox row and changes nothing).
 const ALREADY_APPLIED: &str = "already_applied";
+
+/// Why the re-fetch of a capture claimed while the capture was outstanding called no one:
+/// the capture's answer is in the ledger by now.
+const CAPTURE_RECORDED: &str = "capture_recorded";
 
 /// The commands this worker carries out (its consumer routes on these).
 pub const COMMANDS: [EventKind; 6] = [
@@ -119,6 +124,7 @@ impl PaymentWorker {
         &self,
         order: OrderId,
         payment_intent_id: &str,
+        reason: &str,
         delivery: Delivery<'_>,
     ) -> Result<Prepared, HandlerError> {
         let g = &*self.gateway;
@@ -127,6 +133,17 @@ impl PaymentWorker {
         let Some(recorded) = payments::get_unless_applied(&self.pool, order, delivery).await? else {
             return Ok(Prepared::Skipped(ALREADY_APPLIED));
         };
+        // A capture claimed while the saga's capture was outstanding, recorded since from
+        // the provider's answer to the capture call: the claim now agrees with the ledger, as
+        // one judged known on arrival would (its amount was checked against the order's when
+        // it came in). Nothing to ask.
+        if reason == refresh_reason::CAPTURE_OUTSTANDING
+            && recorded.as_ref().is_some_and(|p| {
+                p.payment_intent_id == payment_intent_id && p.status == PaymentIntentStatus::Succeeded
+            })
+        {
+            return Ok(Prepared::Skipped(CAPTURE_RECORDED));
+        }
         let pi = match g.retrieve_payment_intent(payment_intent_id).await {
             Ok(pi) => pi,
             Err(e) if e.status() == Some(404) => {
@@ -312,8 +329,8 @@ impl Handler for PaymentWorker {
                     amount_minor: refund.amount,
                 })
             }
-            PurchaseEvent::PaymentIntentRefreshRequested { order_id, payment_intent_id, .. } => {
-                self.refresh_intent(*order_id, payment_intent_id, delivery).await
+            PurchaseEvent::PaymentIntentRefreshRequested { order_id, payment_intent_id, reason } => {
+                self.refresh_intent(*order_id, payment_intent_id, reason, delivery).await
             }
             PurchaseEvent::DisputeRefreshRequested { order_id, payment_intent_id, dispute_id } => {
                 self.refresh_dispute(*order_id, payment_intent_id, dispute_id, delivery).await
@@ -354,6 +371,9 @@ impl Handler for PaymentWorker {
                 PurchaseEvent::CaptureRequested { .. },
                 Prepared::CaptureRefused { payment_intent_id, reason, intent },
             ) => {
+                // The hold first, as everywhere this worker writes the payment row: the saga
+                // may follow CaptureFailed through here and lock the hold and the order next.
+                holds::lock_for_order(tx, order_id).await?;
                 if let Some(pi) = &intent {
                     let update = PaymentUpdate {
                         last_error_code: Some(reason.clone()),

@@ -93,8 +93,9 @@ async fn a_purchase_in_one_process_is_followed_through_by_the_saga_and_the_ticke
         vec![("confirming".into(), "paid".into()), ("paid".into(), "ticketed".into())],
         "the order went from confirming to ticketed in the capture's transaction"
     );
-    // The capture webhook arrived while the saga's capture request was outstanding or after
-    // its answer was recorded: no re-fetch of a capture the payment worker reports itself.
+    // The capture's own webhook is no claim the provider must answer: it arrived after the
+    // capture was recorded (known) or while it was outstanding (`capture_outstanding`, whose
+    // re-fetch stops at the ledger). One re-fetch asked the provider: the authorization's.
     let refreshes: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM outbox WHERE message_key = $1::text AND event_type = 'PaymentIntentRefreshRequested'
             AND payload->'payload'->>'reason' = 'webhook_claim'",
@@ -104,19 +105,13 @@ async fn a_purchase_in_one_process_is_followed_through_by_the_saga_and_the_ticke
     .await
     .unwrap();
     assert_eq!(refreshes, 1, "one re-fetch: the authorization's; {facts:?}");
-    // No consumer applied a followed fact a second time from the bus: its one inbox row is
-    // the writing transaction's.
-    let twice: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM outbox o
-           CROSS JOIN LATERAL jsonb_array_elements_text(COALESCE(o.payload->'applied_by', '[]'::jsonb)) AS c(consumer)
-           JOIN inbox i ON i.consumer = c.consumer AND i.event_id = o.id
-          WHERE o.message_key = $1::text AND i.xact <> o.xact",
-    )
-    .bind(order)
-    .fetch_one(&app.pool)
-    .await
-    .unwrap();
-    assert_eq!(twice, 0);
+    // Each status change happened once, whoever applied it.
+    let changes: i64 = sqlx::query_scalar("SELECT count(*) FROM order_transitions WHERE order_id = $1")
+        .bind(order)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(changes, 4, "held → payment_required → confirming → paid → ticketed");
 
     // The order's story names the writer as the step's actor and the followers per fact.
     let t = boxoffice_store::timeline::read(
@@ -341,5 +336,65 @@ async fn without_follow_through_each_consumer_applies_its_facts_from_the_bus(
         let applied = applied_in(&app.pool, consumer, t, order).await.expect(t);
         assert_ne!(applied, written, "{consumer} applied {t} in a transaction of its own");
     }
+    app.stop().await;
+}
+
+/// The payment worker's capture, whose ticket issuance fails when followed through: the whole
+/// transaction is rolled back and the capture applied again alone — the Stripe call repeated
+/// under its idempotency key, so one capture at the provider — and the saga and the ticket
+/// worker then apply their steps from the bus; the order ends ticketed, each fact once.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn a_capture_whose_ticket_issuance_fails_in_its_transaction_is_recorded_once_and_ticketed_from_the_bus(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    let app = TestApp::spawn(opts, &Role::ALL, VenueSpec::small(1, 1, 4)).await;
+    let seat = app.seats().await[0];
+    let b = app.buyer();
+    let r = app.hold(&b, &app.admission_token(&b), "isolated", &[seat]).await;
+    assert_eq!(r.status(), 202);
+    let order: Uuid =
+        r.json::<serde_json::Value>().await.unwrap()["order_id"].as_str().unwrap().parse().unwrap();
+    // Ticket issuance fails once: in the capture's transaction, where the ticket worker follows.
+    boxoffice_faults::set("tickets.before_commit", "1*return").unwrap();
+    let pi = app.pay(&b, order, "pm_card_visa").await.expect("authorized");
+    app.await_order(&b, order, Duration::from_secs(60), |v| v["status"] == "ticketed").await;
+    assert_eq!(boxoffice_faults::fired("tickets.before_commit"), 1);
+    boxoffice_faults::clear("tickets.before_commit");
+    app.assert_drained_and_clean().await;
+
+    assert_eq!(app.sim.captures_for(&pi.id), 1, "one capture at the provider");
+    let facts = facts(&app.pool, order).await;
+    let count = |t: &str| facts.iter().filter(|f| f.0 == t).count();
+    assert_eq!(
+        (count("PaymentCaptured"), count("TicketIssueRequested"), count("TicketIssued")),
+        (1, 1, 1),
+        "{facts:?}"
+    );
+    let captured = facts.iter().find(|f| f.0 == "PaymentCaptured").unwrap();
+    assert!(
+        captured.1.is_empty(),
+        "the retry without followers left PaymentCaptured to the bus: {captured:?}"
+    );
+    assert_ne!(
+        applied_in(&app.pool, "saga", "PaymentCaptured", order).await,
+        Some(captured.2.clone()),
+        "the saga applied the capture from the bus"
+    );
+    let payments_rows: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM inbox i JOIN outbox o ON o.id = i.event_id
+          WHERE i.consumer = 'payments' AND o.event_type = 'CaptureRequested' AND o.message_key = $1::text",
+    )
+    .bind(order)
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(payments_rows, 1);
+    let tickets: i64 = sqlx::query_scalar("SELECT count(*) FROM tickets WHERE order_id = $1")
+        .bind(order)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(tickets, 1);
     app.stop().await;
 }

@@ -110,9 +110,12 @@ async fn the_fence_waits_for_writers_in_flight_and_refuses_the_ones_behind_it(
     });
     let waiting = |admin: PgPool, n: i64| async move {
         let c: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_locks l JOIN pg_class c ON c.oid = l.relation
-              WHERE c.relname = 'region_epoch' AND NOT l.granted",
+            "SELECT count(*) FROM pg_locks
+              WHERE locktype = 'advisory' AND classid = $1::oid AND objid = $2::oid AND objsubid = 2
+                AND NOT granted",
         )
+        .bind(region::FENCE_LOCK.0 as i64)
+        .bind(region::FENCE_LOCK.1 as i64)
         .fetch_one(&admin)
         .await
         .unwrap();
