@@ -266,7 +266,7 @@ pub struct Config {
     pub kafka_ssl_ca_location: Option<String>,
     /// Partitions of every topic. Design §12: `partitions ≥ max(peak topic bytes/s ÷ tested
     /// bytes/s per partition, parallel consumer members)`. Here a purchase event is ~0.5 KB
-    /// and an order emits ~9 events, so even 1,000 orders/s is ~4.5 MB/s — far below one
+    /// and an order emits ~10 events, so even 1,000 orders/s is ~5 MB/s — far below one
     /// partition's tested rate — and the consumer term decides: members across every process
     /// of the busiest consumer role (`consumers_per_role` × processes). Partitions cannot be
     /// lowered later and ordering is per order id, so size for the largest planned scale-out.

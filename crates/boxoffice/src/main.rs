@@ -28,14 +28,16 @@ enum Command {
     Migrate,
     /// Run roles until SIGTERM / ctrl-c.
     Serve {
-        /// Comma-separated roles: api, relay, saga, payments, expiry, tickets.
+        /// Comma-separated roles: api, relay, saga, payments, expiry, tickets, and router (the
+        /// purchase-cell router, see the README's "Purchase cells").
         #[arg(long, value_delimiter = ',', default_value = "api,relay,saga,payments,expiry,tickets")]
         roles: Vec<Role>,
     },
     /// Create an event with a reserved-seating venue (idempotent).
     SeedVenue {
-        /// Event name, unique; seeding the same name again changes nothing (the event's id is
-        /// random and printed).
+        /// Event name, unique; seeding the same name again keeps the event, its venue and
+        /// seats (the id is random and printed), and applies the window and limit options
+        /// given.
         #[arg(long, default_value = "Arena Onsale")]
         name: String,
         /// A small venue `SECTIONS,ROWS,SEATS` instead of the 18,000-seat arena.
