@@ -459,7 +459,7 @@ pub struct PgPerOrder {
     /// one round trip (none are pipelined); None without it.
     pub round_trips: Option<f64>,
     /// Statements PostgreSQL ran itself at commit, outside any client statement (the region
-    /// lease's deferred check, migration 0013), which `pg_stat_statements` lists as top
+    /// lease's deferred check, migrations 0013 and 0018), which `pg_stat_statements` lists as top
     /// level: neither statements nor round trips above.
     pub commit_trigger_statements: Option<f64>,
     /// Why statements are missing, when they are.
@@ -567,15 +567,26 @@ impl PgCounters {
     }
 }
 
-/// The statements of `region_lease_commit_check` (migration 0013), which runs when a commit
-/// begins and so shows up as a top-level statement.
-const COMMIT_TRIGGER_STATEMENTS: [&str; 2] =
-    ["SELECT required, valid_until FROM region_lease", "SELECT set_config($1, txid_current()::text, $2)"];
+/// The statements of `region_lease_commit_check` (migrations 0013 and 0018), which runs when a
+/// commit begins and so shows up as a top-level statement: its lease read (since 0018 with the
+/// table named by its schema, e.g. `public.region_lease`) and its mark.
+const COMMIT_TRIGGER_LEASE_READ: &str = "SELECT required, valid_until FROM ";
+const COMMIT_TRIGGER_MARK: &str = "SELECT set_config($1, txid_current()::text, $2)";
 
-/// Whether `q` (normalized by `pg_stat_statements`) is one of [`COMMIT_TRIGGER_STATEMENTS`].
+/// Whether `q` (normalized by `pg_stat_statements`) is one of the commit-time statements of
+/// `region_lease_commit_check`.
 pub(crate) fn is_commit_trigger(q: &str) -> bool {
     let q = q.split_whitespace().collect::<Vec<_>>().join(" ");
-    COMMIT_TRIGGER_STATEMENTS.contains(&q.as_str())
+    if q == COMMIT_TRIGGER_MARK {
+        return true;
+    }
+    let Some(table) = q.strip_prefix(COMMIT_TRIGGER_LEASE_READ) else { return false };
+    // `region_lease`, `schema.region_lease` or `"a schema".region_lease` (quote_ident's form).
+    table == "region_lease"
+        || table.strip_suffix(".region_lease").is_some_and(|schema| {
+            let quoted = schema.len() >= 2 && schema.starts_with('"') && schema.ends_with('"');
+            !schema.is_empty() && (quoted || !schema.contains([' ', '"']))
+        })
 }
 
 fn is_transaction_control(q: &str) -> bool {
@@ -635,6 +646,11 @@ mod tests {
         assert!(!is_transaction_control("SELECT 1"));
         assert!(!is_transaction_control("INSERT INTO inbox VALUES ($1)"));
         assert!(is_commit_trigger("SELECT required, valid_until\n  FROM region_lease"));
+        assert!(is_commit_trigger("SELECT required, valid_until FROM public.region_lease"));
+        assert!(is_commit_trigger("SELECT required, valid_until FROM \"my schema\".region_lease"));
+        assert!(is_commit_trigger("SELECT set_config($1, txid_current()::text, $2)"));
         assert!(!is_commit_trigger("SELECT required, valid_until FROM region_lease WHERE required"));
+        assert!(!is_commit_trigger("SELECT required, valid_until FROM public.region_lease WHERE required"));
+        assert!(!is_commit_trigger("SELECT required, valid_until FROM region_lease_archive"));
     }
 }
