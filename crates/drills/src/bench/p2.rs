@@ -52,7 +52,8 @@ pub struct P2Level {
 pub struct P2Result {
     /// Every level of both paths.
     pub levels: Vec<P2Level>,
-    /// Best HTTP level whose p99 is under 20 ms (the target's bound), else the best overall.
+    /// Best HTTP level whose p99 is under 20 ms (the target's bound) and that had no failed
+    /// request, else the best under the bound, else the best overall ([`best_level`]).
     pub best_http: Option<P2Level>,
     /// Best library level likewise.
     pub best_library: Option<P2Level>,
@@ -115,15 +116,25 @@ async fn run_on(
     shutdown.cancel();
     running.join().await;
     result?;
-    let best = |path: &str| {
-        let of_path = levels.iter().filter(|l| l.path == path);
-        let under = of_path
-            .clone()
-            .filter(|l| l.p99_ms < P2_P99_BOUND_MS)
-            .max_by(|a, b| a.attempts_per_s.total_cmp(&b.attempts_per_s));
-        under.or_else(|| of_path.max_by(|a, b| a.attempts_per_s.total_cmp(&b.attempts_per_s))).cloned()
+    Ok(P2Result {
+        best_http: best_level(&levels, "http"),
+        best_library: best_level(&levels, "library"),
+        levels,
+    })
+}
+
+/// The level of `path` with the most successful attempts per second among those with p99 under
+/// [`P2_P99_BOUND_MS`] and no failed request; else among those under the bound (failures and
+/// all); else of all. A level where requests were refused (e.g. the API's 429s once more clients
+/// than `http_max_in_flight_per_ip` share one address) is not the waiting room serving that rate.
+fn best_level(levels: &[P2Level], path: &str) -> Option<P2Level> {
+    let most = |it: &mut dyn Iterator<Item = &P2Level>| {
+        it.max_by(|a, b| a.attempts_per_s.total_cmp(&b.attempts_per_s)).cloned()
     };
-    Ok(P2Result { best_http: best("http"), best_library: best("library"), levels })
+    let of_path = || levels.iter().filter(move |l| l.path == path);
+    most(&mut of_path().filter(|l| l.p99_ms < P2_P99_BOUND_MS && l.errors == 0))
+        .or_else(|| most(&mut of_path().filter(|l| l.p99_ms < P2_P99_BOUND_MS)))
+        .or_else(|| most(&mut of_path()))
 }
 
 fn print_level(l: &P2Level) {
@@ -296,5 +307,49 @@ pub(crate) async fn delete_keys(cfg: &Config) -> anyhow::Result<()> {
             return Ok(());
         }
         cursor = next;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn level(path: &str, concurrency: usize, attempts_per_s: f64, p99_ms: f64, errors: u64) -> P2Level {
+        P2Level {
+            path: path.into(),
+            concurrency,
+            seconds: 8.0,
+            attempts: (attempts_per_s * 8.0) as u64,
+            errors,
+            attempts_per_s,
+            p50_ms: p99_ms / 4.0,
+            p99_ms,
+            max_ms: p99_ms * 2.0,
+            cpu: super::super::CpuUse::default(),
+        }
+    }
+
+    #[test]
+    fn the_best_level_refused_no_request_and_kept_the_latency_bound() {
+        let levels = vec![
+            level("http", 4, 10_000.0, 1.3, 0),
+            level("http", 16, 14_000.0, 2.7, 0),
+            level("http", 64, 15_000.0, 6.0, 27_000),
+            level("http", 128, 16_000.0, 25.0, 0),
+            level("library", 64, 40_000.0, 5.0, 0),
+        ];
+        assert_eq!(best_level(&levels, "http").map(|l| l.concurrency), Some(16));
+        assert_eq!(best_level(&levels, "library").map(|l| l.concurrency), Some(64));
+        // Every level under the bound refused requests: the best of them, failures and all.
+        let failing = vec![
+            level("http", 16, 9_000.0, 2.0, 5),
+            level("http", 64, 12_000.0, 6.0, 9),
+            level("http", 128, 20_000.0, 30.0, 0),
+        ];
+        assert_eq!(best_level(&failing, "http").map(|l| l.concurrency), Some(64));
+        // None under the bound: the best overall.
+        let slow = vec![level("http", 16, 9_000.0, 21.0, 0), level("http", 64, 12_000.0, 40.0, 0)];
+        assert_eq!(best_level(&slow, "http").map(|l| l.concurrency), Some(64));
+        assert!(best_level(&levels, "grpc").is_none());
     }
 }
