@@ -35,6 +35,9 @@ pub struct P2Level {
     pub attempts: u64,
     /// Failed requests (non-2xx, transport errors, Redis errors).
     pub errors: u64,
+    /// The failed requests by kind: the HTTP status code (`"429"`, `"503"`, …), `"transport"`
+    /// (no answer, or a body that did not arrive or parse), or `"redis"` (a library call's error).
+    pub errors_by_kind: std::collections::BTreeMap<String, u64>,
     /// Successful attempts per second.
     pub attempts_per_s: f64,
     /// Latency of one attempt, ms.
@@ -137,25 +140,45 @@ fn best_level(levels: &[P2Level], path: &str) -> Option<P2Level> {
         .or_else(|| most(&mut of_path()))
 }
 
+/// A failed request that got no answer, or whose answer's body did not arrive or parse.
+const TRANSPORT: &str = "transport";
+/// A library call that returned an error.
+const REDIS: &str = "redis";
+
 fn print_level(l: &P2Level) {
     eprintln!(
         "   {:<7} c={:<4} attempts/s {:>8.0}  p50 {:>6.2} ms  p99 {:>7.2} ms  errors {}",
-        l.path, l.concurrency, l.attempts_per_s, l.p50_ms, l.p99_ms, l.errors
+        l.path,
+        l.concurrency,
+        l.attempts_per_s,
+        l.p50_ms,
+        l.p99_ms,
+        errors_text(l)
     );
+}
+
+/// `0`, or the count with its kinds: `27579 (429: 27579)`.
+pub fn errors_text(l: &P2Level) -> String {
+    if l.errors == 0 {
+        return "0".into();
+    }
+    let kinds: Vec<String> = l.errors_by_kind.iter().map(|(k, n)| format!("{k}: {n}")).collect();
+    format!("{} ({})", l.errors, kinds.join(", "))
 }
 
 #[derive(Default)]
 struct Counts {
     ok: AtomicU64,
-    errors: AtomicU64,
+    errors: Mutex<std::collections::BTreeMap<String, u64>>,
 }
 
 /// Runs `c` closed-loop clients for `secs`; each iteration calls `attempt` which returns the
-/// latencies of its successful requests and its failed-request count.
+/// latencies of its successful requests and the kind of the request that failed, if one did
+/// (an attempt stops at its first failure).
 async fn closed_loop<F, Fut>(c: usize, secs: u64, attempt: F) -> Measured
 where
     F: Fn() -> Fut + Send + Sync + 'static,
-    Fut: std::future::Future<Output = (Vec<Duration>, u64)> + Send + 'static,
+    Fut: std::future::Future<Output = (Vec<Duration>, Option<String>)> + Send + 'static,
 {
     let attempt = Arc::new(attempt);
     let cpu_before = super::CpuSnap::now();
@@ -169,14 +192,16 @@ where
             tokio::spawn(async move {
                 let mut local = histogram();
                 while Instant::now() < until {
-                    let (lat, errors) = attempt().await;
+                    let (lat, failed) = attempt().await;
                     for d in &lat {
                         stats::record(&mut local, *d);
                     }
                     counts.ok.fetch_add(lat.len() as u64, Ordering::Relaxed);
-                    counts.errors.fetch_add(errors, Ordering::Relaxed);
-                    if errors > 0 && lat.is_empty() {
-                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    if let Some(kind) = failed {
+                        *counts.errors.lock().expect("error counts lock").entry(kind).or_default() += 1;
+                        if lat.is_empty() {
+                            tokio::time::sleep(Duration::from_millis(10)).await;
+                        }
                     }
                 }
                 let _ = hist.lock().expect("histogram lock").add(&local);
@@ -189,20 +214,15 @@ where
     let secs = started.elapsed().as_secs_f64();
     let cpu = cpu_before.until(&super::CpuSnap::now());
     let h = hist.lock().expect("histogram lock").clone();
-    Measured {
-        secs,
-        ok: counts.ok.load(Ordering::Relaxed),
-        errors: counts.errors.load(Ordering::Relaxed),
-        h,
-        cpu,
-    }
+    let errors = std::mem::take(&mut *counts.errors.lock().expect("error counts lock"));
+    Measured { secs, ok: counts.ok.load(Ordering::Relaxed), errors, h, cpu }
 }
 
 /// What one closed-loop run measured.
 struct Measured {
     secs: f64,
     ok: u64,
-    errors: u64,
+    errors: std::collections::BTreeMap<String, u64>,
     h: hdrhistogram::Histogram<u64>,
     cpu: super::CpuUse,
 }
@@ -214,7 +234,8 @@ fn level(path: &str, c: usize, Measured { secs, ok, errors, h, cpu }: Measured) 
         concurrency: c,
         seconds: secs,
         attempts: ok,
-        errors,
+        errors: errors.values().sum(),
+        errors_by_kind: errors,
         attempts_per_s: ok as f64 / secs,
         p50_ms,
         p99_ms,
@@ -238,21 +259,28 @@ async fn http_level(
             let mut lat = Vec::with_capacity(2);
             let t = Instant::now();
             let joined = match client.join_queue(&bearer, event.0).send().await {
-                Ok(r) if r.status().is_success() => r.json::<QueueView>().await.ok(),
-                _ => None,
+                Ok(r) if r.status().is_success() => {
+                    r.json::<QueueView>().await.map_err(|_| TRANSPORT.to_owned())
+                }
+                Ok(r) => Err(r.status().as_u16().to_string()),
+                Err(_) => Err(TRANSPORT.to_owned()),
             };
-            let Some(joined) = joined else { return (lat, 1) };
+            let joined = match joined {
+                Ok(joined) => joined,
+                Err(kind) => return (lat, Some(kind)),
+            };
             lat.push(t.elapsed());
             let t = Instant::now();
             match client.poll_queue(&bearer, joined.ticket).send().await {
                 Ok(r) if r.status().is_success() => {
                     if r.bytes().await.is_err() {
-                        return (lat, 1);
+                        return (lat, Some(TRANSPORT.to_owned()));
                     }
                     lat.push(t.elapsed());
-                    (lat, 0)
+                    (lat, None)
                 }
-                _ => (lat, 1),
+                Ok(r) => (lat, Some(r.status().as_u16().to_string())),
+                Err(_) => (lat, Some(TRANSPORT.to_owned())),
             }
         }
     })
@@ -268,15 +296,15 @@ async fn library_level(room: &Waitroom, event: EventId, c: usize, secs: u64) -> 
             let user = UserId(uuid::Uuid::new_v4());
             let mut lat = Vec::with_capacity(2);
             let t = Instant::now();
-            let Ok(ticket) = room.join(event, user).await else { return (lat, 1) };
+            let Ok(ticket) = room.join(event, user).await else { return (lat, Some(REDIS.to_owned())) };
             lat.push(t.elapsed());
             let t = Instant::now();
             match room.status(ticket.ticket, user).await {
                 Ok(_) => {
                     lat.push(t.elapsed());
-                    (lat, 0)
+                    (lat, None)
                 }
-                Err(_) => (lat, 1),
+                Err(_) => (lat, Some(REDIS.to_owned())),
             }
         }
     })
@@ -325,6 +353,11 @@ mod tests {
             p50_ms: p99_ms / 4.0,
             p99_ms,
             max_ms: p99_ms * 2.0,
+            errors_by_kind: if errors == 0 {
+                Default::default()
+            } else {
+                [("429".to_owned(), errors)].into()
+            },
             cpu: super::super::CpuUse::default(),
         }
     }
@@ -351,5 +384,7 @@ mod tests {
         let slow = vec![level("http", 16, 9_000.0, 21.0, 0), level("http", 64, 12_000.0, 40.0, 0)];
         assert_eq!(best_level(&slow, "http").map(|l| l.concurrency), Some(64));
         assert!(best_level(&levels, "grpc").is_none());
+        assert_eq!(errors_text(&levels[0]), "0");
+        assert_eq!(errors_text(&levels[2]), "27000 (429: 27000)");
     }
 }

@@ -393,7 +393,7 @@ pub fn markdown(r: &Report) -> String {
                 l.attempts_per_s,
                 l.p50_ms,
                 l.p99_ms,
-                l.errors,
+                super::p2::errors_text(l),
                 l.cpu.machine_busy_pct,
                 l.cpu.boxoffice_cores,
                 l.cpu.other_cores
