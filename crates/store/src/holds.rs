@@ -790,30 +790,24 @@ pub async fn transition(
     if !from.can_transition_to(to) {
         return Err(crate::IllegalTransition::hold(from, to).into());
     }
-    // A move that gives the seats back releases them in the same statement (by `hold_id`
+    // A move that gives the seats back ($4) releases them in the same statement (by `hold_id`
     // alone, as `release_seats` does).
-    let sql = if to.releases_seats() {
+    let moved: i64 = sqlx::query_scalar(
         "WITH moved AS (
             UPDATE holds SET status = $2,
                    confirmed_at = CASE WHEN $2 = 'confirmed' THEN clock_timestamp() ELSE confirmed_at END
              WHERE id = $1 AND status = $3 RETURNING id),
          freed AS (
             UPDATE hold_seats SET released_at = COALESCE(released_at, clock_timestamp())
-             WHERE hold_id IN (SELECT id FROM moved))
-         SELECT count(*) FROM moved"
-    } else {
-        "WITH moved AS (
-            UPDATE holds SET status = $2,
-                   confirmed_at = CASE WHEN $2 = 'confirmed' THEN clock_timestamp() ELSE confirmed_at END
-             WHERE id = $1 AND status = $3 RETURNING id)
-         SELECT count(*) FROM moved"
-    };
-    let moved: i64 = sqlx::query_scalar(sql)
-        .bind(hold.id)
-        .bind(to.as_str())
-        .bind(from.as_str())
-        .fetch_one(&mut **tx)
-        .await?;
+             WHERE $4 AND hold_id IN (SELECT id FROM moved))
+         SELECT count(*) FROM moved",
+    )
+    .bind(hold.id)
+    .bind(to.as_str())
+    .bind(from.as_str())
+    .bind(to.releases_seats())
+    .fetch_one(&mut **tx)
+    .await?;
     if moved != 1 {
         return Err(StoreError::Corrupt(format!("hold {} left {from} under its row lock", hold.id)));
     }
