@@ -57,12 +57,15 @@ async fn st_run(dir: &std::path::Path, config: &str, api: &str, bearer: &str, na
     let cfg = dir.join(format!("{name}.toml"));
     std::fs::write(&cfg, config).unwrap();
     let mut cmd = tokio::process::Command::new(st_bin());
+    // One worker: with two, hypothesis describes filter lambdas from two threads at once, and
+    // this machine's CPython 3.11 `ast` once raised "AST constructor recursion depth mismatch"
+    // inside the tool under load: a run error of the tool's own, not a finding about the API.
     cmd.current_dir(dir)
         .arg("--no-color")
         .arg("--config-file")
         .arg(&cfg)
         .args(["run", &format!("{api}/openapi.json"), "--checks", "all", "--max-examples", MAX_EXAMPLES])
-        .args(["--seed", "7", "--generation-database", "none", "--request-timeout", "10", "--workers", "2"])
+        .args(["--seed", "7", "--generation-database", "none", "--request-timeout", "10", "--workers", "1"])
         .args(["-H", &format!("Authorization: Bearer {bearer}")])
         .stdin(Stdio::null())
         .kill_on_drop(true);
