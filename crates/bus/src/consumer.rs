@@ -23,30 +23,39 @@
 //! before the offset of the original is committed, so a crash in between only duplicates it
 //! (into the inbox).
 //!
-//! **Batches.** On the purchase topic, a consumer whose `prepare` makes no remote call (the
-//! saga, the ticket worker) applies what has queued up for one lane — at most
-//! `consumer_batch_max` messages, never waiting for more — in one transaction: the inbox rows
-//! of all of them in one statement, then per message whose row was new, in the order of their
-//! order ids (so two shared transactions lock their orders' rows in one order and never
-//! deadlock each other) and in its own consumer span, the effect; then the facts and commands
-//! all of them emit, in one outbox statement (each row with its own message's trace
-//! context); then one commit,
-//! and the offsets of all of them only after it. A batch may contain facts of different
-//! orders, at most one fact per order (a second fact of an order starts the next
-//! transaction, after the commit of the first: a lane holds every message of its keys in
-//! partition order, so one order's facts are still applied in that order, and each
-//! transaction applies one fact of an order, the step the per-order timeline shows), and
-//! copies of a fact already applied (the inbox turns them into nothing). It never contains a
-//! message that calls out (the payment worker's, whose Stripe call must precede its own
-//! transaction), a retry-topic copy, an undecodable envelope or a fact of another region
-//! epoch: those are processed alone, after the messages before them. If anything in the
-//! shared transaction fails, all of it is rolled back and each of its messages is processed
-//! alone, with its own attempts, retry topics and dead letter, so one bad message costs the
-//! others a second try and nothing else. Messages of a type the consumer does not act on are
-//! acknowledged unread, by the relay's `event-type` header when it is there (the relay writes
-//! it from the outbox row the envelope is made of; a message without it is decoded). A
-//! decoded fact whose handler does not act on it (`Handler::acts_on`, decided from the
-//! payload alone) is acknowledged the same way: no inbox row, no transaction.
+//! **Batches.** On the purchase topic, a consumer applies what has queued up for one lane —
+//! at most `consumer_batch_max` messages, never waiting for more — in one transaction. First,
+//! outside any transaction, the `prepare` of every message of the batch, all at once (they
+//! are of different orders): for the payment worker these are its Stripe calls, each with
+//! its own stable idempotency key, so a batch of k commands makes k concurrent provider calls
+//! and a group member at most `consumer_lanes` × `consumer_batch_max` (batches fill only
+//! under a backlog; a lane with nothing queued calls one at a time); their pre-check reads
+//! share the role's pool, each holding a connection only for its read, never across a
+//! provider call. Then the transaction: the inbox
+//! rows of all of them in one statement, then per message whose row was new, in the order of
+//! their order ids (so two shared transactions lock their orders' rows in one order and never
+//! deadlock each other) and in its own consumer span, the effect with what its `prepare`
+//! returned; then the facts and commands all of them emit, in one outbox statement (each row
+//! with its own message's trace context); then one commit, and the offsets of all of them
+//! only after it. A batch may contain facts of different orders, at most one fact per order
+//! (a second fact of an order starts the next transaction, after the commit of the first: a
+//! lane holds every message of its keys in partition order, so one order's facts are still
+//! applied in that order — and a command's provider call is made only after the previous
+//! command of its order committed — and each transaction applies one fact of an order, the
+//! step the per-order timeline shows), and copies of a fact already applied (the inbox turns
+//! them into nothing; the payment worker's pre-check skips their provider call). It never
+//! contains a retry-topic copy, an undecodable envelope or a fact of another region epoch:
+//! those are processed alone, after the messages before them. If any `prepare` fails, or
+//! anything in the shared transaction, all of it is rolled back and each of its messages is
+//! processed alone, with its own attempts, retry topics and dead letter, so one bad message
+//! costs the others a second try and nothing else: their provider calls are sent again under
+//! the same idempotency keys, which return the first answers (a provider that rate-limits a
+//! batch's calls thus drops the lane back to one call at a time). Messages of a type the
+//! consumer does not act on are acknowledged unread, by the relay's `event-type` header when
+//! it is there (the relay writes it from the outbox row the envelope is made of; a message
+//! without it is decoded). A decoded fact whose handler does not act on it
+//! (`Handler::acts_on`, decided from the payload alone) is acknowledged the same way: no
+//! inbox row, no transaction.
 //!
 //! **Following through** ([`crate::follow`]). A consumer's transaction can also run, for the
 //! facts it emits, the steps of the consumers of this process that make no remote call (the
@@ -425,6 +434,138 @@ async fn apply_once<H: Handler>(
     }
 }
 
+/// Applies `envs` — facts of different orders, at most one of each — as a lane's shared batch
+/// is applied ([`apply_shared`]; the module doc, "Batches"): every `prepare` first, outside any
+/// transaction, then one transaction for all of them. A fact the handler does not want or act
+/// on is `Ignored` and left out. Public so tests can drive a handler's batch without a broker;
+/// unlike the runner, it does not fall back to applying each alone when the batch fails: the
+/// error is returned.
+///
+/// # Errors
+/// `bad_payload` (permanent) for an undecodable fact, `duplicate_order_in_batch` for two facts
+/// of one order; otherwise the first error of a `prepare` or of the transaction (nothing of
+/// the batch is then committed, unless the failure came after the commit).
+pub async fn handle_batch<H: Handler>(
+    pool: &PgPool,
+    handler: &H,
+    followers: &Followers,
+    envs: &[Envelope],
+) -> Result<Vec<Disposition>, HandlerError> {
+    let mut out = vec![Disposition::Ignored; envs.len()];
+    let mut run = Vec::new();
+    let mut events = Vec::with_capacity(envs.len());
+    for env in envs {
+        events.push(env.decode().map_err(|e| HandlerError::permanent("bad_payload", e))?);
+    }
+    for (k, (env, event)) in envs.iter().zip(&events).enumerate() {
+        let wanted = EventKind::of(&env.event_type).is_some_and(|kind| handler.wants(kind));
+        if !wanted || !handler.acts_on(event) || env.was_applied_by(handler.name()) {
+            continue;
+        }
+        if run
+            .iter()
+            .any(|(_, (e, _)): &(usize, (&Envelope, &PurchaseEvent))| e.aggregate_id == env.aggregate_id)
+        {
+            return Err(HandlerError::permanent(
+                "duplicate_order_in_batch",
+                anyhow::anyhow!("two facts of order {} in one batch", env.aggregate_id),
+            ));
+        }
+        run.push((k, (env, event)));
+    }
+    let spans = run
+        .iter()
+        .map(|(_, (env, _))| consumer_span(handler.name(), env, None, &Default::default()))
+        .collect();
+    let shared: Vec<(&Envelope, &PurchaseEvent)> = run.iter().map(|(_, r)| *r).collect();
+    let dispositions = apply_shared(pool, handler, followers, &shared, spans).await?;
+    for ((k, _), d) in run.iter().zip(dispositions) {
+        out[*k] = d;
+    }
+    Ok(out)
+}
+
+/// `run`'s remote work, then one transaction for it. First, outside any transaction, every
+/// message's `prepare` (for a handler that [`Handler::calls_out`], its provider calls, each
+/// with its stable idempotency key), all at once — they are of different orders — each in
+/// its message's consumer span; a message the inbox already holds is not prepared when the
+/// handler asks the runner to check (a handler that [`Handler::prechecks_inbox`] checks
+/// itself). Then the transaction: the inbox rows of all its messages in one statement;
+/// then, per message, in the order of their order ids (one fact per order: no order's facts
+/// are reordered) and inside its consumer span, the effect of each message whose row was
+/// new (a duplicate — of an applied fact, or a second copy of an id in the run — does
+/// nothing); then what they emitted, in one outbox statement; then one commit. The fault
+/// points are those of [`handle_once`], once per message around `prepare` and once per
+/// batch around the commit. Any error, in a `prepare` or in the transaction, fails the whole
+/// run (rolled back, nothing kept): its messages are then processed alone, and their
+/// `prepare` runs again — a provider call repeated under the same idempotency key returns
+/// the first call's answer.
+async fn apply_shared<H: Handler>(
+    pool: &PgPool,
+    handler: &H,
+    followers: &Followers,
+    run: &[(&Envelope, &PurchaseEvent)],
+    spans: Vec<tracing::Span>,
+) -> Result<Vec<Disposition>, HandlerError> {
+    let name = handler.name();
+    let runner_checks_inbox = handler.calls_out() && !handler.prechecks_inbox();
+    // Every call is let finish (none is abandoned half-way) before a failure fails the run.
+    let mut prepared: Vec<Option<H::Prepared>> =
+        futures::future::join_all(run.iter().zip(&spans).map(|((env, event), span)| {
+            async move {
+                if runner_checks_inbox && inbox::seen(pool, name, env.event_id).await? {
+                    return Ok::<_, HandlerError>(None);
+                }
+                boxoffice_faults::check_consumer(name, "before_remote")?;
+                let prepared = handler.prepare(env, event).await?;
+                boxoffice_faults::check_consumer(name, "after_remote")?;
+                Ok(Some(prepared))
+            }
+            .instrument(span.clone())
+        }))
+        .await
+        .into_iter()
+        .collect::<Result<_, _>>()?;
+    // Each order's rows are locked in order-id order: two shared transactions (of two
+    // lanes, or of the saga and the ticket worker) never wait for each other in a cycle.
+    // A run holds one fact per order, so this reorders no order's facts.
+    let mut by_order: Vec<usize> = (0..run.len()).collect();
+    by_order.sort_by_key(|&k| run[k].0.aggregate_id);
+    let mut tx = pool.begin().await?;
+    // Every inbox row of the run in one statement: a message whose id it did not record
+    // now is a duplicate, and so is a second copy of an id within the run (each id counts
+    // as new once, for the first message that carries it).
+    let ids: Vec<uuid::Uuid> = run.iter().map(|(env, _)| env.event_id).collect();
+    let mut fresh = inbox::record_all(&mut tx, name, &ids).await?;
+    let mut out = vec![Disposition::Duplicate; run.len()];
+    let mut follows: Vec<outbox::Traced> = Vec::new();
+    for k in by_order {
+        let (env, event) = run[k];
+        let fresh = fresh.remove(&env.event_id);
+        // Found in the inbox before its `prepare`, or not new now: nothing to apply.
+        let Some(prepared) = prepared[k].take().filter(|_| fresh) else { continue };
+        let (tx, follows) = (&mut tx, &mut follows);
+        async move {
+            let emitted = handler.apply(tx, env, event, prepared).await?;
+            // Stored with this message's span: its trace goes on from its own fact.
+            follows.extend(emitted.into_iter().map(outbox::Traced::here));
+            Ok::<_, HandlerError>(())
+        }
+        .instrument(spans[k].clone())
+        .await?;
+        out[k] = Disposition::Applied;
+    }
+    // A follower's failure fails the batch: each message is then processed alone.
+    let (facts, followed) = followers.follow(&mut tx, follows).await?;
+    outbox::insert_traced_with_inbox(&mut tx, &facts, followed.inbox_rows()).await?;
+    boxoffice_faults::check_consumer(name, "before_commit")?;
+    tx.commit().await?;
+    boxoffice_faults::check_consumer(name, "after_commit")?;
+    boxoffice_faults::check_consumer(name, "before_ack")?;
+    Followers::after_commit(&followed)?;
+    Ok(out)
+}
+
 /// Following `env`'s facts through failed: the transaction is gone, the message is applied
 /// again without followers.
 fn follow_failed(consumer: &'static str, env: &Envelope, e: &HandlerError) {
@@ -638,9 +779,9 @@ pub fn run_consumers<H: Handler>(
                 producer: producer.clone(),
                 shutdown: shutdown.clone(),
                 stage,
-                // A batch shares one transaction: only for handlers with no remote call, and
-                // only on the main topic (a retry copy waits for its own due time).
-                batch: if stage == Stage::Main && !handler.calls_out() { batch.max(1) } else { 1 },
+                // A batch shares one transaction, only on the main topic (a retry copy waits
+                // for its own due time).
+                batch: if stage == Stage::Main { batch.max(1) } else { 1 },
                 followers: followers.clone(),
             });
             // Retry members mostly wait for due times; a couple of lanes is plenty.
@@ -941,63 +1082,20 @@ impl<H: Handler> Runner<H> {
         }
     }
 
-    /// One transaction for `run`: the inbox rows of all its messages in one statement; then,
-    /// per message, in the order of their order ids (one fact per order: no order's facts
-    /// are reordered) and inside its own consumer span, the effect of each message whose row
-    /// was new (a duplicate — of an applied fact, or a second copy of an id in the run —
-    /// does nothing); then what they emitted, in one
-    /// outbox statement; then one commit. The fault points are those of
-    /// [`handle_once`], once per message around the handler and once per batch around the
-    /// commit. Any error rolls everything back.
+    /// [`apply_shared`] for `run`, with each message's delivery in its consumer span.
     async fn apply_batch(
         &self,
         batch: &[OwnedMessage],
         run: &[(usize, Envelope, PurchaseEvent)],
     ) -> Result<Vec<Disposition>, HandlerError> {
-        let name = self.handler.name();
-        // Each order's rows are locked in order-id order: two shared transactions (of two
-        // lanes, or of the saga and the ticket worker) never wait for each other in a cycle.
-        // A run holds one fact per order, so this reorders no order's facts.
-        let mut by_order: Vec<usize> = (0..run.len()).collect();
-        by_order.sort_by_key(|&k| run[k].1.aggregate_id);
-        let mut tx = self.pool.begin().await?;
-        // Every inbox row of the run in one statement: a message whose id it did not record
-        // now is a duplicate, and so is a second copy of an id within the run (each id counts
-        // as new once, for the first message that carries it).
-        let ids: Vec<uuid::Uuid> = run.iter().map(|(_, env, _)| env.event_id).collect();
-        let mut fresh = inbox::record_all(&mut tx, name, &ids).await?;
-        let mut out = vec![Disposition::Duplicate; run.len()];
-        let mut follows: Vec<outbox::Traced> = Vec::new();
-        for k in by_order {
-            let (i, env, event) = &run[k];
-            let span = consumer_span(name, env, Some(&self.delivery(&batch[*i], 0)), &self.cfg.labels);
-            let (tx, follows) = (&mut tx, &mut follows);
-            let fresh = fresh.remove(&env.event_id);
-            let d = async move {
-                boxoffice_faults::check_consumer(name, "before_remote")?;
-                let prepared = self.handler.prepare(env, event).await?;
-                boxoffice_faults::check_consumer(name, "after_remote")?;
-                if !fresh {
-                    return Ok(Disposition::Duplicate);
-                }
-                let emitted = self.handler.apply(tx, env, event, prepared).await?;
-                // Stored with this message's span: its trace goes on from its own fact.
-                follows.extend(emitted.into_iter().map(outbox::Traced::here));
-                Ok::<_, HandlerError>(Disposition::Applied)
-            }
-            .instrument(span)
-            .await?;
-            out[k] = d;
-        }
-        // A follower's failure fails the batch: each message is then processed alone.
-        let (facts, followed) = self.followers.follow(&mut tx, follows).await?;
-        outbox::insert_traced_with_inbox(&mut tx, &facts, followed.inbox_rows()).await?;
-        boxoffice_faults::check_consumer(name, "before_commit")?;
-        tx.commit().await?;
-        boxoffice_faults::check_consumer(name, "after_commit")?;
-        boxoffice_faults::check_consumer(name, "before_ack")?;
-        Followers::after_commit(&followed)?;
-        Ok(out)
+        let spans = run
+            .iter()
+            .map(|(i, env, _)| {
+                consumer_span(self.handler.name(), env, Some(&self.delivery(&batch[*i], 0)), &self.cfg.labels)
+            })
+            .collect();
+        let run: Vec<(&Envelope, &PurchaseEvent)> = run.iter().map(|(_, env, event)| (env, event)).collect();
+        apply_shared(&self.pool, &*self.handler, &self.followers, &run, spans).await
     }
 
     /// Processes one message until applied, skipped, handed to the next retry topic or

@@ -16,7 +16,9 @@
 //! `authorize:{event_id}` sends identical parameters, as Stripe requires of one key.
 //!
 //! The provider's answer is then recorded (payment row + the resulting fact in the outbox) in
-//! the consumer's inbox transaction. If the worker crashes after the provider succeeded but
+//! the consumer's inbox transaction — with those of the other commands of its lane's batch
+//! when several were queued (`boxoffice_bus::consumer`, "Batches": their calls are made
+//! concurrently, one per order, before that transaction begins). If the worker crashes after the provider succeeded but
 //! before that commit, the replay sends the same key and gets the same answer.
 //!
 //! Capture is only sent for an order whose hold is confirmed (case C06); a cancel that finds

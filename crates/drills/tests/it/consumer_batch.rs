@@ -4,15 +4,22 @@
 //! order, duplicates included; a fact the
 //! consumer ignores costs nothing; what each fact emits is written to the outbox in its
 //! transaction, once; and one failing fact rolls its batch back, is dead-lettered alone, and
-//! costs the others nothing but a second try.
+//! costs the others nothing but a second try. A consumer that calls out (the payment worker)
+//! batches too: every call of a batch is made before its transaction begins, and a failure at
+//! any boundary fails the batch whole and costs a repeat of the calls under the same
+//! idempotency keys, never a second PaymentIntent or a second record.
 
-use crate::helpers::{eventually, test_brokers};
+use crate::helpers::{eventually, test_brokers, TestApp};
 use async_trait::async_trait;
 use boxoffice::config::Config;
+use boxoffice::runtime::Role;
+use boxoffice_bus::consumer::{handle_batch, Disposition};
 use boxoffice_bus::consumer::{run_consumers, Handler, HandlerError};
 use boxoffice_domain::{Envelope, EventKind, HoldId, OrderId, PurchaseEvent, Topic};
+use boxoffice_store::venue::VenueSpec;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::PgPool;
+use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
@@ -245,4 +252,275 @@ async fn queued_facts_of_many_orders_share_a_transaction_and_a_bad_one_goes_alon
     for t in tasks {
         t.await.unwrap();
     }
+}
+
+/// A consumer that calls out: `prepare` records its "remote call" with the wall clock on its
+/// own connection, outside any transaction of the runner's; `apply` records the transaction
+/// that applies the fact and when that transaction began.
+struct Caller {
+    pool: PgPool,
+}
+
+#[async_trait]
+impl Handler for Caller {
+    type Prepared = ();
+
+    fn name(&self) -> &'static str {
+        "caller"
+    }
+
+    fn wants(&self, kind: EventKind) -> bool {
+        kind == EventKind::TicketIssueRequested
+    }
+
+    fn calls_out(&self) -> bool {
+        true
+    }
+
+    async fn prepare(&self, env: &Envelope, _: &PurchaseEvent) -> Result<(), HandlerError> {
+        sqlx::query("INSERT INTO caller_calls (event_id, at) VALUES ($1, clock_timestamp())")
+            .bind(env.event_id)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    async fn apply(
+        &self,
+        tx: &mut boxoffice_store::Tx<'_>,
+        env: &Envelope,
+        _: &PurchaseEvent,
+        _: (),
+    ) -> Result<Vec<Envelope>, HandlerError> {
+        sqlx::query(
+            "INSERT INTO caller_applied (event_id, order_id, xact, xact_start)
+             VALUES ($1, $2, pg_current_xact_id()::text, now())",
+        )
+        .bind(env.event_id)
+        .bind(env.aggregate_id)
+        .execute(&mut **tx)
+        .await?;
+        Ok(vec![])
+    }
+}
+
+/// A consumer that calls out batches what queued up for its lane like any other: several
+/// orders' facts in one transaction, each fact's call made before that transaction began; a
+/// copy of an applied fact is caught by the inbox before any call.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn a_consumer_that_calls_out_makes_its_calls_before_the_shared_transaction(
+    pool_opts: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    let pool = pool_opts.max_connections(6).connect_with(opts).await.unwrap();
+    sqlx::raw_sql(
+        "CREATE TABLE caller_calls (event_id uuid NOT NULL, at timestamptz NOT NULL);
+         CREATE TABLE caller_applied (event_id uuid PRIMARY KEY, order_id uuid NOT NULL, xact text NOT NULL,
+                                      xact_start timestamptz NOT NULL);",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let cfg = Config {
+        kafka_brokers: Some(test_brokers()),
+        kafka_topic_prefix: format!("call{}.", &Uuid::new_v4().simple().to_string()[..8]),
+        kafka_partitions: 1,
+        ..Config::default()
+    };
+    let k = cfg.kafka().unwrap();
+    boxoffice_bus::topics::create_all(&k).await.unwrap();
+    let producer = boxoffice_bus::producer::build(&k).unwrap();
+    // Eight orders' facts, queued before the consumer starts.
+    let facts: Vec<Envelope> = (0..8).map(|_| fact(Uuid::new_v4(), "issue")).collect();
+    publish(&k, &producer, &facts).await;
+    let shutdown = CancellationToken::new();
+    let start = |shutdown: CancellationToken| {
+        run_consumers(
+            &k,
+            pool.clone(),
+            Arc::new(Caller { pool: pool.clone() }),
+            producer.clone(),
+            boxoffice_bus::Members { instances: 1, lanes: 1, batch: 16 },
+            boxoffice_bus::Followers::none(),
+            shutdown,
+        )
+        .unwrap()
+    };
+    let (tasks, _) = start(shutdown.clone());
+    let count = |sql: &'static str| {
+        let pool = pool.clone();
+        async move { sqlx::query_scalar::<_, i64>(sql).fetch_one(&pool).await.unwrap() }
+    };
+    eventually(Duration::from_secs(60), "the 8 facts applied", || async {
+        count("SELECT count(*) FROM caller_applied").await >= 8
+    })
+    .await;
+    let shared: i64 =
+        count("SELECT count(*) FROM (SELECT xact FROM caller_applied GROUP BY xact HAVING count(*) > 1) s")
+            .await;
+    assert!(shared >= 1, "facts of different orders shared a transaction");
+    // Every applied fact's call, made before the transaction that applied it began.
+    let late: i64 = count(
+        "SELECT count(*) FROM caller_applied a
+          WHERE NOT EXISTS (SELECT 1 FROM caller_calls c WHERE c.event_id = a.event_id AND c.at < a.xact_start)",
+    )
+    .await;
+    assert_eq!(late, 0, "a call made inside the transaction that applied its fact");
+    let calls = count("SELECT count(*) FROM caller_calls").await;
+    assert_eq!(calls, 8, "one call per fact (nothing failed, nothing repeated)");
+    shutdown.cancel();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    // Copies of all eight, from a restarted member: the inbox, read before any call, stops them.
+    publish(&k, &producer, &facts).await;
+    let marker = fact(Uuid::new_v4(), "issue");
+    publish(&k, &producer, std::slice::from_ref(&marker)).await;
+    let shutdown = CancellationToken::new();
+    let (tasks, _) = start(shutdown.clone());
+    eventually(Duration::from_secs(60), "the fact after the copies applied", || async {
+        count("SELECT count(*) FROM caller_applied").await >= 9
+    })
+    .await;
+    assert_eq!(count("SELECT count(*) FROM caller_calls").await, 9, "no call for a copy of an applied fact");
+    assert_eq!(count("SELECT count(*) FROM caller_applied").await, 9);
+    shutdown.cancel();
+    for t in tasks {
+        t.await.unwrap();
+    }
+}
+
+/// The payment worker's commands in one batch ([`handle_batch`], what a lane does with the
+/// commands that queued up for it), for every consumer boundary: the batch fails there once,
+/// then is applied again. Only the provider calls are repeated, under the same idempotency
+/// keys: each order has one PaymentIntent, one payment row and one `PaymentIntentCreated`,
+/// all of the batch recorded by one transaction (with the saga following each through); the
+/// simulator created exactly one intent per order. A copy of a committed batch calls no one.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn a_batch_of_payment_commands_that_fails_at_any_boundary_repeats_only_its_calls(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    let app = TestApp::spawn(opts, &[Role::Api], VenueSpec::small(1, 4, 8)).await;
+    let seats = app.seats().await;
+    let gateway: Arc<dyn boxoffice_payments::PaymentGateway> = Arc::new(
+        boxoffice_payments::StripeClient::new(boxoffice_payments::StripeConfig {
+            api_base: app.cfg.stripe_api_base.clone(),
+            secret_key: app.cfg.stripe_secret_key.clone(),
+            timeout_ms: 10_000,
+        })
+        .unwrap(),
+    );
+    let worker =
+        boxoffice_workers::payment::PaymentWorker::new(gateway, app.pool.clone(), app.cfg.hold_policy());
+    let saga = boxoffice_bus::Followers::none().with(Arc::new(boxoffice_workers::saga::Saga));
+    let mut next_seat = 0;
+    for boundary in boxoffice_faults::CONSUMER_BOUNDARIES {
+        // Four orders awaiting their PaymentIntent, and their commands as the relay sends them.
+        let mut orders = Vec::new();
+        for i in 0..4 {
+            let b = app.buyer();
+            let r =
+                app.hold(&b, &app.admission_token(&b), &format!("{boundary}-{i}"), &[seats[next_seat]]).await;
+            next_seat += 1;
+            assert_eq!(r.status().as_u16(), 202, "{:?}", r.text().await);
+            let v: serde_json::Value = r.json().await.unwrap();
+            orders.push(v["order_id"].as_str().unwrap().parse::<Uuid>().unwrap());
+        }
+        let keys: Vec<String> = orders.iter().map(Uuid::to_string).collect();
+        let cmds: Vec<Envelope> = sqlx::query_scalar::<_, serde_json::Value>(
+            "SELECT payload FROM outbox WHERE event_type = 'PaymentAuthorizationRequested'
+               AND message_key = ANY($1) ORDER BY created_at, id",
+        )
+        .bind(&keys)
+        .fetch_all(&app.pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|p| serde_json::from_value(p).unwrap())
+        .collect();
+        assert_eq!(cmds.len(), 4);
+        let before = app.sim.stats();
+
+        let point = format!("payments.{boundary}");
+        boxoffice_faults::set(&point, "1*return").unwrap();
+        let failed = handle_batch(&app.pool, &worker, &saga, &cmds).await;
+        boxoffice_faults::clear(&point);
+        assert!(failed.is_err(), "{point}: the batch failed");
+        assert_eq!(boxoffice_faults::fired(&point), 1, "{point}");
+        let committed = matches!(boundary, "after_commit" | "before_ack");
+        let recorded = app
+            .count(&format!("SELECT count(*) FROM payments WHERE order_id IN ('{}')", keys.join("','")))
+            .await;
+        assert_eq!(recorded, if committed { 4 } else { 0 }, "{point}: all of the batch or nothing");
+        let called = app.sim.stats().payment_intents_created - before.payment_intents_created;
+        match boundary {
+            // The one command whose check failed made no call; the others' calls finished.
+            "before_remote" => assert_eq!(called, 3, "{point}"),
+            _ => assert_eq!(called, 4, "{point}"),
+        }
+
+        // The runner's next attempt at the same messages.
+        let replays_before = app.sim.stats().idempotent_replays;
+        let again = handle_batch(&app.pool, &worker, &saga, &cmds).await.unwrap();
+        let want = if committed { Disposition::Duplicate } else { Disposition::Applied };
+        assert_eq!(again, vec![want; 4], "{point}");
+        let after = app.sim.stats();
+        assert_eq!(
+            after.payment_intents_created - before.payment_intents_created,
+            4,
+            "{point}: one PaymentIntent per order, however often its call was made"
+        );
+        let replayed = after.idempotent_replays - replays_before;
+        match boundary {
+            "before_remote" => assert_eq!(replayed, 3, "{point}: the calls made before were replayed"),
+            "after_remote" | "before_commit" => assert_eq!(replayed, 4, "{point}: every call replayed"),
+            _ => assert_eq!(replayed, 0, "{point}: a committed batch is not called again"),
+        }
+        let per_order: Vec<(Uuid, i64, i64, String)> = sqlx::query_as(
+            "SELECT o.id,
+                    (SELECT count(*) FROM payments p WHERE p.order_id = o.id),
+                    (SELECT count(*) FROM outbox x WHERE x.message_key = o.id::text
+                        AND x.event_type = 'PaymentIntentCreated'),
+                    o.status::text
+               FROM orders o WHERE o.id = ANY($1) ORDER BY o.id",
+        )
+        .bind(&orders)
+        .fetch_all(&app.pool)
+        .await
+        .unwrap();
+        for (order, payments, facts, status) in &per_order {
+            assert_eq!((*payments, *facts), (1, 1), "{point}: order {order}");
+            assert_eq!(status, "payment_required", "{point}: the saga followed order {order} through");
+            let pi: String = sqlx::query_scalar("SELECT payment_intent_id FROM payments WHERE order_id = $1")
+                .bind(order)
+                .fetch_one(&app.pool)
+                .await
+                .unwrap();
+            let intent = app.sim.payment_intent(&pi).expect("the simulator knows the recorded intent");
+            assert_eq!(intent["metadata"]["order_id"], order.to_string(), "{point}");
+        }
+        let transactions = app
+            .count(&format!(
+                "SELECT count(DISTINCT xact) FROM outbox WHERE event_type = 'PaymentIntentCreated'
+                   AND message_key IN ('{}')",
+                keys.join("','")
+            ))
+            .await;
+        assert_eq!(transactions, 1, "{point}: the batch recorded by one transaction");
+
+        // A copy of the committed batch: nothing applied, no one called.
+        let stats = app.sim.stats();
+        let copy = handle_batch(&app.pool, &worker, &saga, &cmds).await.unwrap();
+        assert_eq!(copy, vec![Disposition::Duplicate; 4], "{point}");
+        let now = app.sim.stats();
+        assert_eq!(
+            (now.payment_intents_created, now.idempotent_replays),
+            (stats.payment_intents_created, stats.idempotent_replays),
+            "{point}: a copy calls no one"
+        );
+    }
+    let v = boxoffice_store::audit::violations(&app.pool, 600_000, None).await.unwrap();
+    assert_eq!(v.total(), 0, "{v:?}");
+    app.stop().await;
 }
