@@ -403,14 +403,7 @@ async fn a_batch_of_payment_commands_that_fails_at_any_boundary_repeats_only_its
 ) {
     let app = TestApp::spawn(opts, &[Role::Api], VenueSpec::small(1, 4, 8)).await;
     let seats = app.seats().await;
-    let gateway: Arc<dyn boxoffice_payments::PaymentGateway> = Arc::new(
-        boxoffice_payments::StripeClient::new(boxoffice_payments::StripeConfig {
-            api_base: app.cfg.stripe_api_base.clone(),
-            secret_key: app.cfg.stripe_secret_key.clone(),
-            timeout_ms: 10_000,
-        })
-        .unwrap(),
-    );
+    let gateway: Arc<dyn boxoffice_payments::PaymentGateway> = Arc::new(app.stripe());
     let worker =
         boxoffice_workers::payment::PaymentWorker::new(gateway, app.pool.clone(), app.cfg.hold_policy());
     let saga = boxoffice_bus::Followers::none().with(Arc::new(boxoffice_workers::saga::Saga));

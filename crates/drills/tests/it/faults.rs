@@ -72,14 +72,7 @@ async fn every_boundary_fails_once_and_every_purchase_converges(_: PgPoolOptions
     let outbox_before = app.count("SELECT count(*) FROM outbox").await;
     let statuses_before: Vec<(Uuid, String)> =
         sqlx::query_as("SELECT id, status FROM orders ORDER BY id").fetch_all(&app.pool).await.unwrap();
-    let gateway: Arc<dyn boxoffice_payments::PaymentGateway> = Arc::new(
-        boxoffice_payments::StripeClient::new(boxoffice_payments::StripeConfig {
-            api_base: app.cfg.stripe_api_base.clone(),
-            secret_key: app.cfg.stripe_secret_key.clone(),
-            timeout_ms: 10_000,
-        })
-        .unwrap(),
-    );
+    let gateway: Arc<dyn boxoffice_payments::PaymentGateway> = Arc::new(app.stripe());
     let payments =
         boxoffice_workers::payment::PaymentWorker::new(gateway, app.pool.clone(), app.cfg.hold_policy());
     let history: Vec<serde_json::Value> =
@@ -371,12 +364,7 @@ async fn early_webhook_is_kept_and_rederived_from_stripe(_: PgPoolOptions, opts:
 
     // Stripe authorizes a PaymentIntent (created without our metadata) and its webhook
     // arrives before any payment row names it.
-    let gateway = boxoffice_payments::StripeClient::new(boxoffice_payments::StripeConfig {
-        api_base: app.cfg.stripe_api_base.clone(),
-        secret_key: app.cfg.stripe_secret_key.clone(),
-        timeout_ms: 10_000,
-    })
-    .unwrap();
+    let gateway = app.stripe();
     use boxoffice_payments::PaymentGateway;
     let created = gateway
         .create_payment_intent(

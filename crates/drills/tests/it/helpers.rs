@@ -230,13 +230,7 @@ impl TestApp {
     ) -> Result<boxoffice_payments::PaymentIntent, boxoffice_payments::StripeError> {
         let v =
             self.await_order(b, order, Duration::from_secs(30), |v| v.get("client_secret").is_some()).await;
-        let client = boxoffice_payments::StripeClient::new(boxoffice_payments::StripeConfig {
-            api_base: self.cfg.stripe_api_base.clone(),
-            secret_key: self.cfg.stripe_secret_key.clone(),
-            timeout_ms: 10_000,
-        })
-        .unwrap();
-        client
+        self.stripe()
             .confirm_with_client_secret(
                 &self.cfg.stripe_publishable_key,
                 v["payment_intent_id"].as_str().unwrap(),
@@ -244,6 +238,17 @@ impl TestApp {
                 payment_method,
             )
             .await
+    }
+
+    /// A Stripe client of the app's configuration (the in-process simulator, the secret key),
+    /// with a 10 s timeout.
+    pub fn stripe(&self) -> boxoffice_payments::StripeClient {
+        boxoffice_payments::StripeClient::new(boxoffice_payments::StripeConfig {
+            api_base: self.cfg.stripe_api_base.clone(),
+            secret_key: self.cfg.stripe_secret_key.clone(),
+            timeout_ms: 10_000,
+        })
+        .unwrap()
     }
 
     pub async fn count(&self, sql: &str) -> i64 {
