@@ -49,8 +49,9 @@
 //! anything in the shared transaction, all of it is rolled back and each of its messages is
 //! processed alone, with its own attempts, retry topics and dead letter, so one bad message
 //! costs the others a second try and nothing else: their provider calls are sent again under
-//! the same idempotency keys, which return the first answers (a provider that rate-limits a
-//! batch's calls thus drops the lane back to one call at a time). Messages of a type the
+//! the same idempotency keys, and a call that succeeded the first time gets its first answer
+//! back (a batch whose calls a provider rate-limits is thus carried out one call at a time;
+//! the lane's next batch calls concurrently again). Messages of a type the
 //! consumer does not act on are acknowledged unread, by the relay's `event-type` header when
 //! it is there (the relay writes it from the outbox row the envelope is made of; a message
 //! without it is decoded). A decoded fact whose handler does not act on it
