@@ -277,12 +277,14 @@ pub struct Config {
     pub consumers_per_role: usize,
     /// Concurrent lanes per member: messages are spread over lanes by order id, so one
     /// order's events stay ordered while different orders are applied in parallel. Each
-    /// busy lane holds one database connection.
+    /// busy lane holds one database connection for its transaction; a payment lane's batch
+    /// also runs its pre-check reads at once, each borrowing a connection for one read.
     pub consumer_lanes: usize,
-    /// Most messages a lane of the saga or ticket consumer applies in one transaction (what
-    /// has queued up for it, never waiting for more; `boxoffice_bus::consumer`, "Batches").
-    /// 1 applies each message in a transaction of its own. Default 16; 1..=1000. A batch holds
-    /// the row locks of its orders until it commits, so a webhook for one of them waits for it.
+    /// Most messages a lane of any consumer applies in one transaction (what has queued up
+    /// for it, never waiting for more; `boxoffice_bus::consumer`, "Batches"); for the payment
+    /// worker also how many Stripe calls a lane makes at once. 1 applies each message in a
+    /// transaction of its own. Default 16; 1..=1000. A batch holds the row locks of its orders
+    /// until it commits, so a webhook for one of them waits for it.
     pub consumer_batch_max: usize,
     /// Whether a process that runs the saga or the ticket worker beside another consumer
     /// applies their steps in the transaction that commits the fact they follow

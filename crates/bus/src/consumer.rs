@@ -28,10 +28,12 @@
 //! outside any transaction, the `prepare` of every message of the batch, all at once (they
 //! are of different orders): for the payment worker these are its Stripe calls, each with
 //! its own stable idempotency key, so a batch of k commands makes k concurrent provider calls
-//! and a group member at most `consumer_lanes` × `consumer_batch_max` (batches fill only
-//! under a backlog; a lane with nothing queued calls one at a time); their pre-check reads
-//! share the role's pool, each holding a connection only for its read, never across a
-//! provider call. Then the transaction: the inbox
+//! and a main-topic member at most `consumer_lanes` × `consumer_batch_max` (its retry-topic
+//! members, two lanes each, call one at a time; batches form when messages queue up while a
+//! lane works, and fill under a backlog); their pre-check reads share the role's pool, each
+//! holding a connection only for its read, never across a provider call, so a busy lane may
+//! briefly want more connections than one (they wait up to `db_acquire_timeout_ms`). Then
+//! the transaction: the inbox
 //! rows of all of them in one statement, then per message whose row was new, in the order of
 //! their order ids (so two shared transactions lock their orders' rows in one order and never
 //! deadlock each other) and in its own consumer span, the effect with what its `prepare`
@@ -45,13 +47,15 @@
 //! step the per-order timeline shows), and copies of a fact already applied (the inbox turns
 //! them into nothing; the payment worker's pre-check skips their provider call). It never
 //! contains a retry-topic copy, an undecodable envelope or a fact of another region epoch:
-//! those are processed alone, after the messages before them. If any `prepare` fails, or
-//! anything in the shared transaction, all of it is rolled back and each of its messages is
-//! processed alone, with its own attempts, retry topics and dead letter, so one bad message
-//! costs the others a second try and nothing else: their provider calls are sent again under
-//! the same idempotency keys, and a call that succeeded the first time gets its first answer
-//! back (a batch whose calls a provider rate-limits is thus carried out one call at a time;
-//! the lane's next batch calls concurrently again). Messages of a type the
+//! those are processed alone, after the messages before them. A message whose `prepare`
+//! fails (a provider error, a failed pre-check) is left out of the transaction whole — no
+//! inbox row, no effect — and processed alone after its commit, with its own attempts, retry
+//! topics and dead letter; the others' answers are recorded, so their calls are not made
+//! twice. If anything in the shared transaction fails (or every `prepare` did), all of it is
+//! rolled back and each of its messages is processed alone, so one bad message costs the
+//! others a second try and nothing else: their provider calls are sent again under the same
+//! idempotency keys, and a call that succeeded the first time gets its first answer back (a
+//! re-fetch, a read, gets the provider's state then). Messages of a type the
 //! consumer does not act on are acknowledged unread, by the relay's `event-type` header when
 //! it is there (the relay writes it from the outbox row the envelope is made of; a message
 //! without it is decoded). A decoded fact whose handler does not act on it
@@ -438,21 +442,22 @@ async fn apply_once<H: Handler>(
 /// Applies `envs` — facts of different orders, at most one of each — as a lane's shared batch
 /// is applied ([`apply_shared`]; the module doc, "Batches"): every `prepare` first, outside any
 /// transaction, then one transaction for all of them. A fact the handler does not want or act
-/// on is `Ignored` and left out. Public so tests can drive a handler's batch without a broker;
-/// unlike the runner, it does not fall back to applying each alone when the batch fails: the
-/// error is returned.
+/// on is `Some(Ignored)` and left out; a fact whose `prepare` failed is `None` (nothing of it
+/// was written; the runner then processes it alone). Public so tests can drive a handler's
+/// batch without a broker; unlike the runner, it does not process anything alone itself.
 ///
 /// # Errors
 /// `bad_payload` (permanent) for an undecodable fact, `duplicate_order_in_batch` for two facts
-/// of one order; otherwise the first error of a `prepare` or of the transaction (nothing of
-/// the batch is then committed, unless the failure came after the commit).
+/// of one order; otherwise the error of the transaction, or the first `prepare`'s when all of
+/// them failed (nothing of the batch is then committed, unless the failure came after the
+/// commit).
 pub async fn handle_batch<H: Handler>(
     pool: &PgPool,
     handler: &H,
     followers: &Followers,
     envs: &[Envelope],
-) -> Result<Vec<Disposition>, HandlerError> {
-    let mut out = vec![Disposition::Ignored; envs.len()];
+) -> Result<Vec<Option<Disposition>>, HandlerError> {
+    let mut out = vec![Some(Disposition::Ignored); envs.len()];
     let mut run = Vec::new();
     let mut events = Vec::with_capacity(envs.len());
     for env in envs {
@@ -497,21 +502,23 @@ pub async fn handle_batch<H: Handler>(
 /// new (a duplicate — of an applied fact, or a second copy of an id in the run — does
 /// nothing); then what they emitted, in one outbox statement; then one commit. The fault
 /// points are those of [`handle_once`], once per message around `prepare` and once per
-/// batch around the commit. Any error, in a `prepare` or in the transaction, fails the whole
-/// run (rolled back, nothing kept): its messages are then processed alone, and their
-/// `prepare` runs again — a provider call repeated under the same idempotency key returns
-/// the first call's answer.
+/// batch around the commit. A message whose `prepare` failed is left out of the transaction
+/// whole (no inbox row, no effect) and returned as `None`, for the caller to process alone;
+/// the others' answers are recorded. When every `prepare` failed, or the transaction did,
+/// the error is returned and nothing is kept: the caller processes every message alone, and
+/// their `prepare` runs again — a provider call that succeeded, repeated under the same
+/// idempotency key, gets its first answer back.
 async fn apply_shared<H: Handler>(
     pool: &PgPool,
     handler: &H,
     followers: &Followers,
     run: &[(&Envelope, &PurchaseEvent)],
     spans: Vec<tracing::Span>,
-) -> Result<Vec<Disposition>, HandlerError> {
+) -> Result<Vec<Option<Disposition>>, HandlerError> {
     let name = handler.name();
     let runner_checks_inbox = handler.calls_out() && !handler.prechecks_inbox();
-    // Every call is let finish (none is abandoned half-way) before a failure fails the run.
-    let mut prepared: Vec<Option<H::Prepared>> =
+    // Every call is let finish (none is abandoned half-way).
+    let outcomes: Vec<Result<Option<H::Prepared>, HandlerError>> =
         futures::future::join_all(run.iter().zip(&spans).map(|((env, event), span)| {
             async move {
                 if runner_checks_inbox && inbox::seen(pool, name, env.event_id).await? {
@@ -524,9 +531,27 @@ async fn apply_shared<H: Handler>(
             }
             .instrument(span.clone())
         }))
-        .await
-        .into_iter()
-        .collect::<Result<_, _>>()?;
+        .await;
+    // A message whose `prepare` failed is left out whole (no inbox row, no effect): the caller
+    // processes it alone. The others' answers are recorded, not thrown away with it.
+    let mut prepared: Vec<Option<H::Prepared>> = Vec::with_capacity(run.len());
+    let mut left_out = vec![false; run.len()];
+    let mut first_error = None;
+    for (k, outcome) in outcomes.into_iter().enumerate() {
+        match outcome {
+            Ok(p) => prepared.push(p),
+            Err(e) => {
+                tracing::debug!(parent: &spans[k], consumer = name, error = %e,
+                    "prepare failed: the message is left out of its batch and applied alone");
+                left_out[k] = true;
+                prepared.push(None);
+                first_error.get_or_insert(e);
+            }
+        }
+    }
+    if let Some(e) = first_error.filter(|_| left_out.iter().all(|&l| l)) {
+        return Err(e);
+    }
     // Each order's rows are locked in order-id order: two shared transactions (of two
     // lanes, or of the saga and the ticket worker) never wait for each other in a cycle.
     // A run holds one fact per order, so this reorders no order's facts.
@@ -536,11 +561,13 @@ async fn apply_shared<H: Handler>(
     // Every inbox row of the run in one statement: a message whose id it did not record
     // now is a duplicate, and so is a second copy of an id within the run (each id counts
     // as new once, for the first message that carries it).
-    let ids: Vec<uuid::Uuid> = run.iter().map(|(env, _)| env.event_id).collect();
+    let ids: Vec<uuid::Uuid> =
+        run.iter().zip(&left_out).filter(|(_, &l)| !l).map(|((env, _), _)| env.event_id).collect();
     let mut fresh = inbox::record_all(&mut tx, name, &ids).await?;
-    let mut out = vec![Disposition::Duplicate; run.len()];
+    let mut out: Vec<Option<Disposition>> =
+        left_out.iter().map(|&l| (!l).then_some(Disposition::Duplicate)).collect();
     let mut follows: Vec<outbox::Traced> = Vec::new();
-    for k in by_order {
+    for k in by_order.into_iter().filter(|&k| !left_out[k]) {
         let (env, event) = run[k];
         let fresh = fresh.remove(&env.event_id);
         // Found in the inbox before its `prepare`, or not new now: nothing to apply.
@@ -554,7 +581,7 @@ async fn apply_shared<H: Handler>(
         }
         .instrument(spans[k].clone())
         .await?;
-        out[k] = Disposition::Applied;
+        out[k] = Some(Disposition::Applied);
     }
     // A follower's failure fails the batch: each message is then processed alone.
     let (facts, followed) = followers.follow(&mut tx, follows).await?;
@@ -1056,13 +1083,29 @@ impl<H: Handler> Runner<H> {
                 let per = started.elapsed().as_secs_f64() / run.len() as f64;
                 metrics::histogram!("boxoffice_consumer_batch_messages", "consumer" => name)
                     .record(run.len() as f64);
+                let mut alone = Vec::new();
                 for ((i, _, _), d) in run.drain(..).zip(dispositions) {
+                    let Some(d) = d else {
+                        alone.push(i);
+                        continue;
+                    };
                     if d == Disposition::Applied {
                         metrics::histogram!("boxoffice_consumer_apply_seconds", "consumer" => name)
                             .record(per);
                     }
                     metrics::counter!("boxoffice_consumer_messages_total", "consumer" => name, "outcome" => format!("{d:?}"))
                         .increment(1);
+                    finished.push(i);
+                }
+                // Those whose `prepare` failed: alone, with their own attempts, after the commit.
+                if !alone.is_empty() {
+                    metrics::counter!("boxoffice_consumer_batch_left_out_total", "consumer" => name)
+                        .increment(alone.len() as u64);
+                }
+                for i in alone {
+                    if !self.process(&batch[i]).await {
+                        return false;
+                    }
                     finished.push(i);
                 }
                 true
@@ -1088,7 +1131,7 @@ impl<H: Handler> Runner<H> {
         &self,
         batch: &[OwnedMessage],
         run: &[(usize, Envelope, PurchaseEvent)],
-    ) -> Result<Vec<Disposition>, HandlerError> {
+    ) -> Result<Vec<Option<Disposition>>, HandlerError> {
         let spans = run
             .iter()
             .map(|(i, env, _)| {

@@ -259,6 +259,8 @@ async fn queued_facts_of_many_orders_share_a_transaction_and_a_bad_one_goes_alon
 /// that applies the fact and when that transaction began.
 struct Caller {
     pool: PgPool,
+    /// Its call is refused (after being made), every time.
+    refuse: Uuid,
 }
 
 #[async_trait]
@@ -282,6 +284,9 @@ impl Handler for Caller {
             .bind(env.event_id)
             .execute(&self.pool)
             .await?;
+        if env.event_id == self.refuse {
+            return Err(HandlerError::permanent("caller_refused", anyhow::anyhow!("refused")));
+        }
         Ok(())
     }
 
@@ -306,7 +311,9 @@ impl Handler for Caller {
 
 /// A consumer that calls out batches what queued up for its lane like any other: several
 /// orders' facts in one transaction, each fact's call made before that transaction began; a
-/// copy of an applied fact is caught by the inbox before any call.
+/// fact whose call is refused is left out of its batch and dead-lettered alone while the
+/// others' calls are made once; a copy of an applied fact is caught by the inbox before any
+/// call.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn a_consumer_that_calls_out_makes_its_calls_before_the_shared_transaction(
     pool_opts: PgPoolOptions,
@@ -330,15 +337,19 @@ async fn a_consumer_that_calls_out_makes_its_calls_before_the_shared_transaction
     let k = cfg.kafka().unwrap();
     boxoffice_bus::topics::create_all(&k).await.unwrap();
     let producer = boxoffice_bus::producer::build(&k).unwrap();
-    // Eight orders' facts, queued before the consumer starts.
+    // Eight orders' facts and one whose call is refused among them, queued before the
+    // consumer starts.
     let facts: Vec<Envelope> = (0..8).map(|_| fact(Uuid::new_v4(), "issue")).collect();
-    publish(&k, &producer, &facts).await;
+    let refused = fact(Uuid::new_v4(), "issue");
+    let mut queued = facts.clone();
+    queued.insert(3, refused.clone());
+    publish(&k, &producer, &queued).await;
     let shutdown = CancellationToken::new();
     let start = |shutdown: CancellationToken| {
         run_consumers(
             &k,
             pool.clone(),
-            Arc::new(Caller { pool: pool.clone() }),
+            Arc::new(Caller { pool: pool.clone(), refuse: refused.event_id }),
             producer.clone(),
             boxoffice_bus::Members { instances: 1, lanes: 1, batch: 16 },
             boxoffice_bus::Followers::none(),
@@ -366,8 +377,22 @@ async fn a_consumer_that_calls_out_makes_its_calls_before_the_shared_transaction
     )
     .await;
     assert_eq!(late, 0, "a call made inside the transaction that applied its fact");
-    let calls = count("SELECT count(*) FROM caller_calls").await;
-    assert_eq!(calls, 8, "one call per fact (nothing failed, nothing repeated)");
+    // The refused call left its own fact out; the others' calls were not made again.
+    eventually(Duration::from_secs(60), "the refused fact dead-lettered", || {
+        let k = k.clone();
+        async move { !boxoffice_bus::dlq::list(&k, Duration::from_secs(5)).await.unwrap().is_empty() }
+    })
+    .await;
+    let letters = boxoffice_bus::dlq::list(&k, Duration::from_secs(5)).await.unwrap();
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert_eq!(letters[0].record["event_id"], refused.event_id.to_string());
+    let others = |sql: &'static str| {
+        let (pool, refused) = (pool.clone(), refused.event_id);
+        async move { sqlx::query_scalar::<_, i64>(sql).bind(refused).fetch_one(&pool).await.unwrap() }
+    };
+    let calls = others("SELECT count(*) FROM caller_calls WHERE event_id <> $1").await;
+    assert_eq!(calls, 8, "one call per good fact: none repeated for the refused one's sake");
+    assert_eq!(others("SELECT count(*) FROM caller_applied WHERE event_id = $1").await, 0);
     shutdown.cancel();
     for t in tasks {
         t.await.unwrap();
@@ -382,7 +407,11 @@ async fn a_consumer_that_calls_out_makes_its_calls_before_the_shared_transaction
         count("SELECT count(*) FROM caller_applied").await >= 9
     })
     .await;
-    assert_eq!(count("SELECT count(*) FROM caller_calls").await, 9, "no call for a copy of an applied fact");
+    assert_eq!(
+        others("SELECT count(*) FROM caller_calls WHERE event_id <> $1").await,
+        9,
+        "no call for a copy of an applied fact"
+    );
     assert_eq!(count("SELECT count(*) FROM caller_applied").await, 9);
     shutdown.cancel();
     for t in tasks {
@@ -392,10 +421,12 @@ async fn a_consumer_that_calls_out_makes_its_calls_before_the_shared_transaction
 
 /// The payment worker's commands in one batch ([`handle_batch`], what a lane does with the
 /// commands that queued up for it), for every consumer boundary: the batch fails there once,
-/// then is applied again. Only the provider calls are repeated, under the same idempotency
-/// keys: each order has one PaymentIntent, one payment row and one `PaymentIntentCreated`,
-/// all of the batch recorded by one transaction (with the saga following each through); the
-/// simulator created exactly one intent per order. A copy of a committed batch calls no one.
+/// then the runner's next attempt follows. A command whose `prepare` failed (around its
+/// call) is left out whole and the other three are recorded, so only its call is repeated;
+/// a failure of the transaction repeats every call, under the same idempotency keys. Either
+/// way each order ends with one PaymentIntent, one payment row and one
+/// `PaymentIntentCreated` (the saga following each through), and the simulator created
+/// exactly one intent per order. A copy of a committed batch calls no one.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn a_batch_of_payment_commands_that_fails_at_any_boundary_repeats_only_its_calls(
     _: PgPoolOptions,
@@ -437,15 +468,24 @@ async fn a_batch_of_payment_commands_that_fails_at_any_boundary_repeats_only_its
 
         let point = format!("payments.{boundary}");
         boxoffice_faults::set(&point, "1*return").unwrap();
-        let failed = handle_batch(&app.pool, &worker, &saga, &cmds).await;
+        let first = handle_batch(&app.pool, &worker, &saga, &cmds).await;
         boxoffice_faults::clear(&point);
-        assert!(failed.is_err(), "{point}: the batch failed");
         assert_eq!(boxoffice_faults::fired(&point), 1, "{point}");
+        let around_the_call = matches!(boundary, "before_remote" | "after_remote");
         let committed = matches!(boundary, "after_commit" | "before_ack");
         let recorded = app
             .count(&format!("SELECT count(*) FROM payments WHERE order_id IN ('{}')", keys.join("','")))
             .await;
-        assert_eq!(recorded, if committed { 4 } else { 0 }, "{point}: all of the batch or nothing");
+        if around_the_call {
+            // One command failed around its call: left out; the other three recorded.
+            let d = first.expect("the batch committed without the failed command");
+            assert_eq!(d.iter().filter(|d| d.is_none()).count(), 1, "{point}: {d:?}");
+            assert_eq!(d.iter().filter(|d| **d == Some(Disposition::Applied)).count(), 3, "{point}: {d:?}");
+            assert_eq!(recorded, 3, "{point}: the others' answers kept");
+        } else {
+            assert!(first.is_err(), "{point}: the batch failed");
+            assert_eq!(recorded, if committed { 4 } else { 0 }, "{point}: all of the batch or nothing");
+        }
         let called = app.sim.stats().payment_intents_created - before.payment_intents_created;
         match boundary {
             // The one command whose check failed made no call; the others' calls finished.
@@ -453,11 +493,17 @@ async fn a_batch_of_payment_commands_that_fails_at_any_boundary_repeats_only_its
             _ => assert_eq!(called, 4, "{point}"),
         }
 
-        // The runner's next attempt at the same messages.
+        // The runner's next attempt: the left-out command alone, or the whole batch again.
         let replays_before = app.sim.stats().idempotent_replays;
         let again = handle_batch(&app.pool, &worker, &saga, &cmds).await.unwrap();
-        let want = if committed { Disposition::Duplicate } else { Disposition::Applied };
-        assert_eq!(again, vec![want; 4], "{point}");
+        if around_the_call {
+            let applied = again.iter().filter(|d| **d == Some(Disposition::Applied)).count();
+            let duplicates = again.iter().filter(|d| **d == Some(Disposition::Duplicate)).count();
+            assert_eq!((applied, duplicates), (1, 3), "{point}: {again:?}");
+        } else {
+            let want = Some(if committed { Disposition::Duplicate } else { Disposition::Applied });
+            assert_eq!(again, vec![want; 4], "{point}");
+        }
         let after = app.sim.stats();
         assert_eq!(
             after.payment_intents_created - before.payment_intents_created,
@@ -466,8 +512,11 @@ async fn a_batch_of_payment_commands_that_fails_at_any_boundary_repeats_only_its
         );
         let replayed = after.idempotent_replays - replays_before;
         match boundary {
-            "before_remote" => assert_eq!(replayed, 3, "{point}: the calls made before were replayed"),
-            "after_remote" | "before_commit" => assert_eq!(replayed, 4, "{point}: every call replayed"),
+            "before_remote" => assert_eq!(replayed, 0, "{point}: recorded calls are not made again"),
+            "after_remote" => assert_eq!(replayed, 1, "{point}: only the left-out call repeated"),
+            "before_commit" => {
+                assert_eq!(replayed, 4, "{point}: every call of the rolled-back batch repeated")
+            }
             _ => assert_eq!(replayed, 0, "{point}: a committed batch is not called again"),
         }
         let per_order: Vec<(Uuid, i64, i64, String)> = sqlx::query_as(
@@ -500,12 +549,16 @@ async fn a_batch_of_payment_commands_that_fails_at_any_boundary_repeats_only_its
                 keys.join("','")
             ))
             .await;
-        assert_eq!(transactions, 1, "{point}: the batch recorded by one transaction");
+        let want = if around_the_call { 2 } else { 1 };
+        assert_eq!(
+            transactions, want,
+            "{point}: the batch (and the left-out command) recorded by one transaction each"
+        );
 
         // A copy of the committed batch: nothing applied, no one called.
         let stats = app.sim.stats();
         let copy = handle_batch(&app.pool, &worker, &saga, &cmds).await.unwrap();
-        assert_eq!(copy, vec![Disposition::Duplicate; 4], "{point}");
+        assert_eq!(copy, vec![Some(Disposition::Duplicate); 4], "{point}");
         let now = app.sim.stats();
         assert_eq!(
             (now.payment_intents_created, now.idempotent_replays),
