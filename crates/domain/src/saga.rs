@@ -208,7 +208,7 @@ pub enum Step {
     },
     /// Compensation: cancel authorization `payment_intent_id`. For the order's recorded
     /// PaymentIntent only the first request is emitted (one cancel per payment); any other
-    /// is emitted as is (Stripe's idempotency key `cancel:{order_id}` makes repeats harmless).
+    /// is emitted as is (Stripe's idempotency key `cancel:{payment_intent_id}` makes repeats harmless).
     CancelAuthorization {
         /// The PaymentIntent to cancel.
         payment_intent_id: String,

@@ -459,7 +459,7 @@ pub async fn set_capture_before<'e, E: Executor<'e, Database = Postgres>>(
 
 /// Marks the payment of `order` as having a cancel requested. Returns the PaymentIntent id
 /// the first time (the caller emits AuthorizationCancelRequested), `None` if a cancel was
-/// already requested or no payment is recorded. One cancel with key `cancel:{order_id}`
+/// already requested or no payment is recorded. One cancel with key `cancel:{payment_intent_id}`
 /// covers the intent whatever its state when it runs (invariant 6).
 pub async fn request_cancel<'e, E: Executor<'e, Database = Postgres>>(
     ex: E,

@@ -6,7 +6,7 @@
 //! |--------------------------------|-------------------------------------|--------------------------|
 //! | PaymentAuthorizationRequested  | create PaymentIntent (manual capture)| `authorize:{event_id}`  |
 //! | CaptureRequested               | capture                              | `capture:{order_id}`    |
-//! | AuthorizationCancelRequested   | cancel                               | `cancel:{order_id}`     |
+//! | AuthorizationCancelRequested   | cancel                               | `cancel:{payment_intent_id}` |
 //! | RefundRequested                | refund                               | `refund:{order_id}`     |
 //! | PaymentIntentRefreshRequested  | retrieve PaymentIntent (+ its charge) | (read-only)            |
 //! | DisputeRefreshRequested        | retrieve Dispute                     | (read-only)              |
@@ -304,11 +304,15 @@ impl Handler for PaymentWorker {
                     Err(e) => Err(stripe_err(e)),
                 }
             }
-            PurchaseEvent::AuthorizationCancelRequested { order_id, payment_intent_id, .. } => {
+            PurchaseEvent::AuthorizationCancelRequested { payment_intent_id, .. } => {
                 if inbox::seen(&self.pool, NAME, env.event_id).await? {
                     return Ok(Prepared::Skipped(ALREADY_APPLIED));
                 }
-                match g.cancel_payment_intent(payment_intent_id, &format!("cancel:{order_id}")).await {
+                // One key per PaymentIntent, not per order: an order may have a stale
+                // authorization to cancel besides its own, and a key reused with another
+                // intent is refused by Stripe (invariant 6).
+                match g.cancel_payment_intent(payment_intent_id, &format!("cancel:{payment_intent_id}")).await
+                {
                     Ok(pi) => Ok(Prepared::Intent(pi)),
                     Err(e) if !e.is_retryable() && matches!(e, StripeError::Api { .. }) => {
                         let pi = g.retrieve_payment_intent(payment_intent_id).await.map_err(stripe_err)?;

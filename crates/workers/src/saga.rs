@@ -211,7 +211,7 @@ fn missing_hold(order: OrderId) -> StoreError {
 /// The cancel command for authorization `pi`: for the order's recorded PaymentIntent only
 /// the first time (one cancel per payment); for any other, or when the payment row is not
 /// recorded yet (the webhook overtook the payment worker), emitted anyway — Stripe's
-/// idempotency key `cancel:{order_id}` makes repeats harmless.
+/// idempotency key `cancel:{payment_intent_id}` makes repeats harmless.
 async fn cancel_once(
     tx: &mut Tx<'_>,
     locked: &Locked,

@@ -206,3 +206,68 @@ async fn c05_capture_after_release_is_refunded(_: PgPoolOptions, opts: PgConnect
     assert_eq!((v.oversold, v.captured_without_ticket_or_refund, v.tickets_without_capture), (0, 0, 0));
     app.stop().await;
 }
+
+/// Invariant 6 with two PaymentIntents of one order: an authorization cancelled for the order
+/// and then another one (a stale intent authorized for the same order) must both be
+/// cancelled at the provider: each cancel is its own operation under its own idempotency
+/// key, so the second is not refused as a reuse of the first's key with other parameters.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn two_authorizations_of_one_order_are_both_cancelled(_: PgPoolOptions, opts: PgConnectOptions) {
+    use boxoffice_payments::PaymentGateway;
+    let app = TestApp::spawn(opts, &[Role::Api], VenueSpec::small(1, 1, 4)).await;
+    let seats = app.seats().await;
+    let b = app.buyer();
+    let order = order_of(app.hold(&b, &app.admission_token(&b), "two-pi", &seats[..1]).await).await;
+    let gateway = app.stripe();
+    let mut intents = Vec::new();
+    for i in 0..2 {
+        let pi = gateway
+            .create_payment_intent(
+                &boxoffice_payments::CreatePaymentIntent {
+                    amount_minor: 1_000,
+                    currency: "usd".into(),
+                    metadata: vec![("order_id".into(), order.to_string())],
+                },
+                &format!("two-pi:{i}:{order}"),
+            )
+            .await
+            .unwrap();
+        gateway
+            .confirm_with_client_secret(
+                &app.cfg.stripe_publishable_key,
+                &pi.id,
+                pi.client_secret.as_deref().unwrap(),
+                "pm_card_visa",
+            )
+            .await
+            .unwrap();
+        intents.push(pi.id);
+    }
+    let worker = boxoffice_workers::payment::PaymentWorker::new(
+        std::sync::Arc::new(gateway),
+        app.pool.clone(),
+        app.cfg.hold_policy(),
+    );
+    let hold_created = Envelope::new(
+        OrderId(order),
+        &PurchaseEvent::OrderConfirmed {
+            order_id: OrderId(order),
+            hold_id: boxoffice_domain::HoldId(Uuid::new_v4()),
+        },
+        Uuid::new_v4(),
+        None,
+    );
+    for pi in &intents {
+        let cmd = hold_created.follow(&PurchaseEvent::AuthorizationCancelRequested {
+            order_id: OrderId(order),
+            payment_intent_id: pi.clone(),
+            reason: "stale_authorization".into(),
+        });
+        handle_once(&app.pool, &worker, &cmd).await.unwrap();
+    }
+    for pi in &intents {
+        let status = app.sim.payment_intent(pi).unwrap()["status"].clone();
+        assert_eq!(status, "canceled", "{pi}: the buyer's funds released");
+    }
+    app.stop().await;
+}
