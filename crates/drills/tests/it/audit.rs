@@ -10,7 +10,7 @@ use boxoffice::audit::{self, AuditReport, Check};
 use boxoffice::commands::audit_options;
 use boxoffice::reconcile::{self, DriftKind, Window};
 use boxoffice::runtime::Role;
-use boxoffice_payments::{CreatePaymentIntent, PaymentGateway, StripeClient, StripeConfig};
+use boxoffice_payments::PaymentGateway;
 use boxoffice_store::venue::VenueSpec;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::ConnectOptions;
@@ -18,15 +18,6 @@ use std::time::Duration;
 use uuid::Uuid;
 
 const WAIT: Duration = Duration::from_secs(90);
-
-fn stripe(app: &TestApp) -> StripeClient {
-    StripeClient::new(StripeConfig {
-        api_base: app.cfg.stripe_api_base.clone(),
-        secret_key: app.cfg.stripe_secret_key.clone(),
-        timeout_ms: 10_000,
-    })
-    .unwrap()
-}
 
 /// Every check, as `boxoffice audit` runs them with the app's configuration.
 async fn run_audit(app: &TestApp) -> AuditReport {
@@ -37,7 +28,7 @@ async fn run_audit(app: &TestApp) -> AuditReport {
 /// Reconciles the last hour, fixing or not.
 async fn run_reconcile(app: &TestApp, fix: bool) -> reconcile::Report {
     let window = Window::parse("1h", None, chrono::Utc::now()).unwrap();
-    reconcile::run(&app.pool, &stripe(app), window, fix).await.unwrap()
+    reconcile::run(&app.pool, &app.stripe(), window, fix).await.unwrap()
 }
 
 fn provider(r: &AuditReport) -> &audit::ProviderViolations {
@@ -89,28 +80,6 @@ async fn settle(app: &TestApp) {
     .await;
 }
 
-/// A PaymentIntent for `order` made straight at the provider, authorized by a good card.
-async fn authorize_at_provider(app: &TestApp, order: Uuid, amount: i64, key: &str) -> String {
-    let s = stripe(app);
-    let req = CreatePaymentIntent {
-        amount_minor: amount,
-        currency: "usd".into(),
-        metadata: vec![("order_id".into(), order.to_string())],
-    };
-    let pi = s.create_payment_intent(&req, key).await.unwrap();
-    let pi = s
-        .confirm_with_client_secret(
-            &app.cfg.stripe_publishable_key,
-            &pi.id,
-            pi.client_secret.as_deref().unwrap(),
-            "pm_card_visa",
-        )
-        .await
-        .unwrap();
-    assert_eq!(pi.status, "requires_capture");
-    pi.id
-}
-
 /// A clean system audits clean; a second PaymentIntent captured for a ticketed order, made
 /// directly at the provider, is `multiple_captures_at_provider = 1` (and an intent the ledger
 /// does not know), a message in the dead-letter topic is counted, and `boxoffice audit`
@@ -134,8 +103,8 @@ async fn second_capture_at_the_provider_and_dead_letters_fail_the_audit(
     // The buyer is charged a second time for the same order, behind the ledger's back (no
     // webhook tells the saga, which would cancel a stray authorization before its capture).
     app.sim.set_webhook_url(None);
-    let extra = authorize_at_provider(&app, order, 18_500, "second-charge").await;
-    stripe(&app).capture_payment_intent(&extra, "second-capture").await.unwrap();
+    let extra = app.authorize_at_provider(order, 18_500, "second-charge").await;
+    app.stripe().capture_payment_intent(&extra, "second-capture").await.unwrap();
     // And one message some consumer gave up on.
     let kafka = app.cfg.kafka().unwrap();
     let producer = boxoffice_bus::producer::build(&kafka).unwrap();
@@ -196,7 +165,7 @@ async fn reconcile_fix_closes_drift_through_the_saga(_: PgPoolOptions, opts: PgC
     let (b2, behind) = hold(&app, s[1], "captured-behind").await;
     app.pay(&b1, lost, "pm_card_visa").await.expect("authorized");
     let pi2 = app.pay(&b2, behind, "pm_card_visa").await.expect("authorized").id;
-    stripe(&app).capture_payment_intent(&pi2, "out-of-band").await.unwrap();
+    app.stripe().capture_payment_intent(&pi2, "out-of-band").await.unwrap();
     for (b, o) in [(&b1, lost), (&b2, behind)] {
         app.await_order(b, o, WAIT, |v| v["status"] == "payment_required").await;
     }
@@ -321,7 +290,7 @@ async fn authorization_past_its_deadline_is_seen_on_both_sides(_: PgPoolOptions,
     let (_, order) = hold(&app, seat, "deadline").await;
     // No relay runs here: the hold's own events are not what this test is about.
     sqlx::query("UPDATE outbox SET published_at = now()").execute(&app.pool).await.unwrap();
-    let pi = authorize_at_provider(&app, order, 18_500, "deadline-auth").await;
+    let pi = app.authorize_at_provider(order, 18_500, "deadline-auth").await;
     let oid = boxoffice_domain::OrderId(order);
     boxoffice_store::payments::insert_created(&app.pool, oid, &pi, None, "requires_capture", 18_500, "usd")
         .await
@@ -357,7 +326,7 @@ async fn authorization_past_its_deadline_is_seen_on_both_sides(_: PgPoolOptions,
     assert_eq!(provider(&r).uncaptured_past_deadline_at_provider, 1, "still held at the provider");
     assert_eq!(r.exit_code(), 1);
 
-    stripe(&app).cancel_payment_intent(&pi, "deadline-cancel").await.unwrap();
+    app.stripe().cancel_payment_intent(&pi, "deadline-cancel").await.unwrap();
     let r = run_audit(&app).await;
     assert_eq!((r.total(), r.exit_code()), (0, 0), "{}", audit::render(&r));
     // Skipping the provider is reported, not silently clean.

@@ -213,38 +213,16 @@ async fn c05_capture_after_release_is_refunded(_: PgPoolOptions, opts: PgConnect
 /// key, so the second is not refused as a reuse of the first's key with other parameters.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn two_authorizations_of_one_order_are_both_cancelled(_: PgPoolOptions, opts: PgConnectOptions) {
-    use boxoffice_payments::PaymentGateway;
     let app = TestApp::spawn(opts, &[Role::Api], VenueSpec::small(1, 1, 4)).await;
     let seats = app.seats().await;
     let b = app.buyer();
     let order = order_of(app.hold(&b, &app.admission_token(&b), "two-pi", &seats[..1]).await).await;
-    let gateway = app.stripe();
     let mut intents = Vec::new();
     for i in 0..2 {
-        let pi = gateway
-            .create_payment_intent(
-                &boxoffice_payments::CreatePaymentIntent {
-                    amount_minor: 1_000,
-                    currency: "usd".into(),
-                    metadata: vec![("order_id".into(), order.to_string())],
-                },
-                &format!("two-pi:{i}:{order}"),
-            )
-            .await
-            .unwrap();
-        gateway
-            .confirm_with_client_secret(
-                &app.cfg.stripe_publishable_key,
-                &pi.id,
-                pi.client_secret.as_deref().unwrap(),
-                "pm_card_visa",
-            )
-            .await
-            .unwrap();
-        intents.push(pi.id);
+        intents.push(app.authorize_at_provider(order, 1_000, &format!("two-pi:{i}:{order}")).await);
     }
     let worker = boxoffice_workers::payment::PaymentWorker::new(
-        std::sync::Arc::new(gateway),
+        std::sync::Arc::new(app.stripe()),
         app.pool.clone(),
         app.cfg.hold_policy(),
     );

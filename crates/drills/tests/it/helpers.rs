@@ -251,6 +251,29 @@ impl TestApp {
         .unwrap()
     }
 
+    /// A PaymentIntent for `order` made straight at the provider, authorized by a good card.
+    pub async fn authorize_at_provider(&self, order: Uuid, amount: i64, key: &str) -> String {
+        use boxoffice_payments::PaymentGateway;
+        let s = self.stripe();
+        let req = boxoffice_payments::CreatePaymentIntent {
+            amount_minor: amount,
+            currency: "usd".into(),
+            metadata: vec![("order_id".into(), order.to_string())],
+        };
+        let pi = s.create_payment_intent(&req, key).await.unwrap();
+        let pi = s
+            .confirm_with_client_secret(
+                &self.cfg.stripe_publishable_key,
+                &pi.id,
+                pi.client_secret.as_deref().unwrap(),
+                "pm_card_visa",
+            )
+            .await
+            .unwrap();
+        assert_eq!(pi.status, "requires_capture");
+        pi.id
+    }
+
     pub async fn count(&self, sql: &str) -> i64 {
         sqlx::query_scalar(sql).fetch_one(&self.pool).await.unwrap()
     }
