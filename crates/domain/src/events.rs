@@ -262,7 +262,8 @@ pub enum PurchaseEvent {
     PaymentCanceled { order_id: OrderId, payment_intent_id: String },
     /// Command to the payment worker: refund captured money (compensation).
     RefundRequested { order_id: OrderId, payment_intent_id: String, amount_minor: i64, reason: String },
-    /// Fact: the refund succeeded.
+    /// Fact: money was refunded; `amount_refunded_minor` is everything refunded on the
+    /// PaymentIntent's charge so far (minor units), not one refund's amount.
     PaymentRefunded { order_id: OrderId, payment_intent_id: String, amount_refunded_minor: i64 },
     /// Command to the payment worker: a webhook disagreed with the ledger (amount, or a
     /// status contradicting a settled one), so re-fetch the PaymentIntent from Stripe and

@@ -22,7 +22,10 @@
 //! before that commit, the replay sends the same key and gets the same answer.
 //!
 //! Capture is only sent for an order whose hold is confirmed (case C06); a cancel that finds
-//! the money already captured turns into a refund (invariant 6).
+//! the money already captured turns into a refund (invariant 6). A refund the provider refuses
+//! because the charge was already refunded in full (from the dashboard, say) is recorded as
+//! done; `PaymentRefunded` always reports the charge's whole refunded amount, read back from
+//! the provider after the refund, as a re-fetch reports it.
 //!
 //! The hold's lifetime rules (case C19, `boxoffice_domain::hold`) are applied here in the
 //! same transaction as what the provider said: recording a new PaymentIntent opens the
@@ -104,7 +107,8 @@ pub enum Prepared {
     Refuted { payment_intent_id: String, why: &'static str },
     /// A dispute as Stripe reports it now (a refresh), about the order's PaymentIntent.
     ObservedDispute { dispute: boxoffice_payments::Dispute },
-    /// A refund went through.
+    /// A refund went through, now or before (a refund refused because the charge was already
+    /// refunded in full); `amount_minor` is everything refunded on the charge, minor units.
     Refunded { payment_intent_id: String, amount_minor: i64 },
     /// The PaymentIntent as Stripe reports it now (a refresh), with its charge's refunded
     /// amount in minor units.
@@ -207,6 +211,19 @@ impl PaymentWorker {
             return refuted("dispute_of_another_payment");
         }
         Ok(Prepared::ObservedDispute { dispute })
+    }
+}
+
+/// The captured (`amount_received`) and refunded (its charge's `amount_refunded`) amounts of
+/// PaymentIntent `id` at the provider, minor units; (0, 0) for an intent never captured.
+async fn refunded_so_far(g: &dyn PaymentGateway, id: &str) -> Result<(i64, i64), HandlerError> {
+    let pi = g.retrieve_payment_intent(id).await.map_err(stripe_err)?;
+    match (&pi.status, &pi.latest_charge) {
+        (PaymentIntentStatus::Succeeded, Some(charge)) => {
+            let charge = g.retrieve_charge(charge).await.map_err(stripe_err)?;
+            Ok((pi.amount_received, charge.amount_refunded))
+        }
+        _ => Ok((pi.amount_received, 0)),
     }
 }
 
@@ -326,14 +343,25 @@ impl Handler for PaymentWorker {
                     return Ok(Prepared::Skipped(ALREADY_APPLIED));
                 }
                 let meta = vec![("order_id".to_owned(), order_id.to_string())];
-                let refund = g
-                    .create_refund(payment_intent_id, &meta, &format!("refund:{order_id}"))
-                    .await
-                    .map_err(stripe_err)?;
-                Ok(Prepared::Refunded {
-                    payment_intent_id: payment_intent_id.clone(),
-                    amount_minor: refund.amount,
-                })
+                let (refused, this_refund) =
+                    match g.create_refund(payment_intent_id, &meta, &format!("refund:{order_id}")).await {
+                        Ok(refund) => (None, refund.amount),
+                        // Already refunded (from the dashboard, or by a refund under another
+                        // key) or not refundable: ask Stripe what is true.
+                        Err(e) if !e.is_retryable() && matches!(e, StripeError::Api { .. }) => (Some(e), 0),
+                        Err(e) => return Err(stripe_err(e)),
+                    };
+                // What the fact reports is the charge's whole refunded amount, as a re-fetch
+                // reports it, not this refund's: after a partial refund at the provider this
+                // refund returns only the rest.
+                let (received, refunded) = refunded_so_far(g, payment_intent_id).await?;
+                match refused {
+                    Some(e) if refunded == 0 || refunded < received => Err(stripe_err(e)),
+                    _ => Ok(Prepared::Refunded {
+                        payment_intent_id: payment_intent_id.clone(),
+                        amount_minor: refunded.max(this_refund),
+                    }),
+                }
             }
             PurchaseEvent::PaymentIntentRefreshRequested { order_id, payment_intent_id, reason } => {
                 self.refresh_intent(*order_id, payment_intent_id, reason, delivery).await

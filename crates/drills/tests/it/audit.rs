@@ -337,25 +337,6 @@ async fn authorization_past_its_deadline_is_seen_on_both_sides(_: PgPoolOptions,
     app.stop().await;
 }
 
-/// Refunds `amount` (all that remains when `None`) of `pi` directly at the provider, as an
-/// operator does from the dashboard.
-async fn refund_at_provider(app: &TestApp, pi: &str, amount: Option<i64>) {
-    let mut form = vec![("payment_intent", pi.to_owned())];
-    if let Some(a) = amount {
-        form.push(("amount", a.to_string()));
-    }
-    let r = app
-        .http
-        .post(format!("{}/v1/refunds", app.cfg.stripe_api_base))
-        .bearer_auth(secrecy::ExposeSecret::expose_secret(&app.cfg.stripe_secret_key))
-        .header("Idempotency-Key", Uuid::new_v4().to_string())
-        .form(&form)
-        .send()
-        .await
-        .unwrap();
-    assert!(r.status().is_success(), "refund at the provider: {}", r.text().await.unwrap());
-}
-
 async fn order_status(app: &TestApp, order: Uuid) -> String {
     sqlx::query_scalar("SELECT status FROM orders WHERE id = $1")
         .bind(order)
@@ -384,8 +365,8 @@ async fn c14_a_refund_at_the_provider_voids_the_tickets(_: PgPoolOptions, opts: 
     let (part, part_pi) = buy(&app, s[1], "part").await;
     settle(&app).await;
 
-    refund_at_provider(&app, &full_pi, None).await;
-    refund_at_provider(&app, &part_pi, Some(5_000)).await;
+    app.refund_at_provider(&full_pi, None).await;
+    app.refund_at_provider(&part_pi, Some(5_000)).await;
     let pool = app.pool.clone();
     eventually(WAIT, "the full refund voided the tickets", || {
         let pool = pool.clone();

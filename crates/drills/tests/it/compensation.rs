@@ -249,3 +249,70 @@ async fn two_authorizations_of_one_order_are_both_cancelled(_: PgPoolOptions, op
     }
     app.stop().await;
 }
+
+/// Invariant 6 when the provider refunded first: a refund the saga asks for (here of a late
+/// capture) of a charge an operator already refunded in full from the dashboard is recorded
+/// as done — `PaymentRefunded`, no second refund, not a dead letter — and after a partial
+/// refund there, the refund returns the rest and the fact reports the charge's whole refunded
+/// amount (what a re-fetch would report), not only this refund's.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn a_refund_the_provider_already_made_is_recorded_once(_: PgPoolOptions, opts: PgConnectOptions) {
+    use boxoffice_payments::PaymentGateway;
+    let app = TestApp::spawn(opts, &[Role::Api], VenueSpec::small(1, 1, 4)).await;
+    let seats = app.seats().await;
+    let stripe = app.stripe();
+    let worker = boxoffice_workers::payment::PaymentWorker::new(
+        std::sync::Arc::new(app.stripe()),
+        app.pool.clone(),
+        app.cfg.hold_policy(),
+    );
+    // (refunded at the provider first, what the fact must report, refunds made in all)
+    let cases = [(None, 1_000, 1), (Some(400), 1_000, 2)];
+    for (i, (at_provider, reported, refunds)) in cases.into_iter().enumerate() {
+        let b = app.buyer();
+        let key = format!("refunded-first-{i}");
+        let order = order_of(app.hold(&b, &app.admission_token(&b), &key, &seats[i..=i]).await).await;
+        let oid = OrderId(order);
+        let pi = app.authorize_at_provider(order, 1_000, &format!("{key}:{order}")).await;
+        stripe.capture_payment_intent(&pi, &format!("{key}:capture")).await.unwrap();
+        boxoffice_store::payments::insert_created(&app.pool, oid, &pi, None, "succeeded", 1_000, "usd")
+            .await
+            .unwrap();
+        let before = app.sim.stats().refunds;
+        app.refund_at_provider(&pi, at_provider).await;
+
+        let cmd = Envelope::new(
+            oid,
+            &PurchaseEvent::RefundRequested {
+                order_id: oid,
+                payment_intent_id: pi.clone(),
+                amount_minor: 1_000,
+                reason: "capture_after_release".into(),
+            },
+            Uuid::new_v4(),
+            None,
+        );
+        handle_once(&app.pool, &worker, &cmd).await.expect("recorded, not dead-lettered");
+        let amounts: Vec<i64> = sqlx::query_scalar(
+            "SELECT (payload->'payload'->>'amount_refunded_minor')::bigint FROM outbox
+              WHERE event_type = 'PaymentRefunded' AND message_key = $1",
+        )
+        .bind(order.to_string())
+        .fetch_all(&app.pool)
+        .await
+        .unwrap();
+        assert_eq!(amounts, vec![reported], "case {i}: one fact with the charge's whole refunded amount");
+        let intent = stripe.retrieve_payment_intent(&pi).await.unwrap();
+        let charge = stripe.retrieve_charge(intent.latest_charge.as_deref().unwrap()).await.unwrap();
+        assert_eq!(charge.amount_refunded, 1_000, "case {i}: refunded in full, never more");
+        assert_eq!(
+            app.sim.stats().refunds - before,
+            refunds,
+            "case {i}: refunds made, the operator's included"
+        );
+        // The same command again is a duplicate: no call, no second fact.
+        handle_once(&app.pool, &worker, &cmd).await.unwrap();
+        assert_eq!(app.outbox_count("PaymentRefunded", order).await, 1, "case {i}");
+    }
+    app.stop().await;
+}

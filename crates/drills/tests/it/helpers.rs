@@ -274,6 +274,25 @@ impl TestApp {
         pi.id
     }
 
+    /// Refunds `amount` (all that remains when `None`) of `pi` directly at the provider, as
+    /// an operator does from the dashboard.
+    pub async fn refund_at_provider(&self, pi: &str, amount: Option<i64>) {
+        let mut form = vec![("payment_intent", pi.to_owned())];
+        if let Some(a) = amount {
+            form.push(("amount", a.to_string()));
+        }
+        let r = self
+            .http
+            .post(format!("{}/v1/refunds", self.cfg.stripe_api_base))
+            .bearer_auth(secrecy::ExposeSecret::expose_secret(&self.cfg.stripe_secret_key))
+            .header("Idempotency-Key", Uuid::new_v4().to_string())
+            .form(&form)
+            .send()
+            .await
+            .unwrap();
+        assert!(r.status().is_success(), "refund at the provider: {}", r.text().await.unwrap());
+    }
+
     pub async fn count(&self, sql: &str) -> i64 {
         sqlx::query_scalar(sql).fetch_one(&self.pool).await.unwrap()
     }
