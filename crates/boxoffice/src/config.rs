@@ -594,6 +594,12 @@ pub struct Config {
     pub stripe_webhook_secret: SecretString,
     /// Timeout of one Stripe call, ms.
     pub stripe_timeout_ms: u64,
+    /// Stripe calls one process has in flight at once (default 32; 1..=1000); one more waits
+    /// for a slot (`StripeClient::with_max_in_flight`). Without it a payment member could
+    /// make `consumer_lanes × consumer_batch_max` calls at once under a backlog. Stripe
+    /// limits an account's requests (<https://docs.stripe.com/rate-limits>): keep the sum
+    /// over every process that calls it inside that.
+    pub stripe_max_in_flight: usize,
     /// Outbox rows per relay batch.
     pub relay_batch: i64,
     /// Relay lease on claimed rows, ms (must exceed the producer's 30 s delivery timeout).
@@ -766,6 +772,7 @@ impl Default for Config {
             stripe_publishable_key: "pk_test_boxoffice_dev".into(),
             stripe_webhook_secret: DEV_WEBHOOK_SECRETS[0].into(),
             stripe_timeout_ms: 10_000,
+            stripe_max_in_flight: 32,
             relay_batch: 500,
             relay_lease_ms: 45_000,
             outbox_retention_s: 3_600,
@@ -841,6 +848,9 @@ impl Config {
         }
         if !["auto", "force_generic_plan", "force_custom_plan"].contains(&self.db_plan_cache_mode.as_str()) {
             bail!("db_plan_cache_mode must be auto, force_generic_plan or force_custom_plan");
+        }
+        if !(1..=1_000).contains(&self.stripe_max_in_flight) {
+            bail!("stripe_max_in_flight must be 1..=1000");
         }
         if !(1..=1_000).contains(&self.consumer_batch_max) {
             bail!("consumer_batch_max must be 1..=1000");

@@ -151,13 +151,17 @@ impl Running {
     }
 }
 
-/// The Stripe client configured by `cfg`.
+/// The Stripe client configured by `cfg` (one per process: `stripe_max_in_flight` bounds all
+/// its roles' calls together).
 pub fn gateway(cfg: &Config) -> anyhow::Result<Arc<dyn PaymentGateway>> {
-    Ok(Arc::new(StripeClient::new(StripeConfig {
-        api_base: cfg.stripe_api_base.clone(),
-        secret_key: cfg.stripe_secret_key.clone(),
-        timeout_ms: cfg.stripe_timeout_ms,
-    })?))
+    Ok(Arc::new(
+        StripeClient::new(StripeConfig {
+            api_base: cfg.stripe_api_base.clone(),
+            secret_key: cfg.stripe_secret_key.clone(),
+            timeout_ms: cfg.stripe_timeout_ms,
+        })?
+        .with_max_in_flight(cfg.stripe_max_in_flight),
+    ))
 }
 
 /// The pool size of `role`.
@@ -205,6 +209,12 @@ pub async fn start(
             Some(gate)
         }
         None => None,
+    };
+    // One Stripe client for every role of the process, so `stripe_max_in_flight` bounds
+    // their calls together.
+    let provider = match cfg.stripe() {
+        Some(_) if roles.iter().any(|r| matches!(r, Role::Api | Role::Payments)) => Some(gateway(cfg)?),
+        _ => None,
     };
     for role in roles {
         if *role == Role::Router {
@@ -257,7 +267,7 @@ pub async fn start(
                 )
                 .with_region_lease(region_lease.clone())
                 .with_order_streams(cfg.order_streams())
-                .with_payment_gateway(cfg.stripe().is_some().then(|| gateway(cfg)).transpose()?);
+                .with_payment_gateway(provider.clone());
                 tasks.push((
                     "order-notifications",
                     tokio::spawn(boxoffice_api::order_stream::listen(
@@ -311,8 +321,12 @@ pub async fn start(
                     }
                     _ => {
                         let worker = Arc::new(
-                            PaymentWorker::new(gateway(cfg)?, pool.clone(), cfg.hold_policy())
-                                .in_cell(&cfg.purchase_cell),
+                            PaymentWorker::new(
+                                provider.clone().context("the payments role needs stripe_api_base")?,
+                                pool.clone(),
+                                cfg.hold_policy(),
+                            )
+                            .in_cell(&cfg.purchase_cell),
                         );
                         run_consumers(k, pool.clone(), worker, p, members, followers, sd)?
                     }

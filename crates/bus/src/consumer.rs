@@ -27,10 +27,11 @@
 //! at most `consumer_batch_max` messages, never waiting for more — in one transaction. First,
 //! outside any transaction, the `prepare` of every message of the batch, all at once (they
 //! are of different orders): for the payment worker these are its Stripe calls, each with
-//! its own stable idempotency key, so a batch of k commands makes k concurrent provider calls
-//! and a main-topic member at most `consumer_lanes` × `consumer_batch_max` (its retry-topic
-//! members, two lanes each, call one at a time; batches form when messages queue up while a
-//! lane works, and fill under a backlog); their pre-check reads share the role's pool, each
+//! its own stable idempotency key, so a batch of k commands asks for k concurrent provider
+//! calls and a main-topic member for at most `consumer_lanes` × `consumer_batch_max` (its
+//! retry-topic members, two lanes each, call one at a time; batches form when messages queue
+//! up while a lane works, and fill under a backlog), of which the process's Stripe client lets
+//! `stripe_max_in_flight` be in flight at once, for all its roles together; their pre-check reads share the role's pool, each
 //! holding a connection only for its read, never across a provider call, so a busy lane may
 //! briefly want more connections than one (they wait up to `db_acquire_timeout_ms`). Then
 //! the transaction: the inbox

@@ -145,6 +145,8 @@ struct Inner {
     base: Url,
     secret_key: SecretString,
     stripe_version: Option<String>,
+    /// Bounds the requests in flight through this client and its clones (`None`: unbounded).
+    in_flight: Option<Arc<tokio::sync::Semaphore>>,
 }
 
 impl std::fmt::Debug for StripeClient {
@@ -184,13 +186,33 @@ impl StripeClient {
             .user_agent(concat!("boxoffice-payments/", env!("CARGO_PKG_VERSION")))
             .build()
             .map_err(|e| StripeError::Config(format!("cannot build HTTP client: {e}")))?;
-        Ok(Self { inner: Arc::new(Inner { http, base, secret_key: cfg.secret_key, stripe_version: None }) })
+        Ok(Self {
+            inner: Arc::new(Inner {
+                http,
+                base,
+                secret_key: cfg.secret_key,
+                stripe_version: None,
+                in_flight: None,
+            }),
+        })
     }
 
     /// Pins the API version with a `Stripe-Version` header on every request
     /// (<https://docs.stripe.com/api/versioning>); without it the account default applies.
     pub fn with_stripe_version(mut self, version: impl Into<String>) -> Self {
         Arc::make_mut(&mut self.inner).stripe_version = Some(version.into());
+        self
+    }
+
+    /// Lets at most `max` requests of this client and its clones be in flight at once (0: no
+    /// bound); one more waits for a slot before it is sent, and its timeout starts when it
+    /// is sent. Stripe limits an account's request rate and concurrency and answers 429
+    /// beyond them (<https://docs.stripe.com/rate-limits>); one bound per process keeps a
+    /// burst of payment commands (every lane's batch calling at once) inside a share of
+    /// that instead of meeting it as errors.
+    pub fn with_max_in_flight(mut self, max: usize) -> Self {
+        Arc::make_mut(&mut self.inner).in_flight =
+            (max > 0).then(|| Arc::new(tokio::sync::Semaphore::new(max)));
         self
     }
 
@@ -320,6 +342,11 @@ impl StripeClient {
             req = req.header(reqwest::header::CONTENT_TYPE, "application/x-www-form-urlencoded").body(body);
         }
 
+        // Held until the answer's body is read; the semaphore is never closed.
+        let _slot = match &inner.in_flight {
+            Some(s) => Some(s.acquire().await.map_err(|_| StripeError::Config("client closed".into()))?),
+            None => None,
+        };
         let started = Instant::now();
         let outcome = async {
             let resp = req.send().await.map_err(StripeError::Transport)?;

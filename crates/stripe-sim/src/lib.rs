@@ -120,6 +120,9 @@ pub struct SimStats {
     pub webhook_deliveries_abandoned: u64,
     /// Captures per captured intent (absent = 0). Anything above 1 is a double capture.
     pub captures_per_payment_intent: BTreeMap<String, u32>,
+    /// Most `/v1` requests ever in progress at once (what a client's concurrency cap bounds).
+    #[serde(default)]
+    pub peak_requests_in_flight: u64,
 }
 
 /// The simulator: a cheap-to-clone handle (`Arc` inside) shared by routes and tests.
@@ -141,8 +144,29 @@ struct Shared {
     /// Test-clock offset from wall-clock time, seconds.
     clock_offset_s: AtomicI64,
     idempotent_replays: AtomicU64,
+    /// `/v1` requests in progress, and the most there ever were.
+    in_flight: AtomicU64,
+    peak_in_flight: AtomicU64,
     /// Cancelled when serving stops: releases requests whose answer a fault dropped.
     hangup: CancellationToken,
+}
+
+/// One `/v1` request in progress, counted until dropped (the answer sent or the request
+/// abandoned).
+pub(crate) struct InFlight(StripeSim);
+
+impl InFlight {
+    pub(crate) fn start(sim: &StripeSim) -> Self {
+        let now = sim.shared.in_flight.fetch_add(1, Ordering::Relaxed) + 1;
+        sim.shared.peak_in_flight.fetch_max(now, Ordering::Relaxed);
+        Self(sim.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.shared.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -166,6 +190,8 @@ impl StripeSim {
                 webhook_events: cfg.webhook_events,
                 clock_offset_s: AtomicI64::new(0),
                 idempotent_replays: AtomicU64::new(0),
+                in_flight: AtomicU64::new(0),
+                peak_in_flight: AtomicU64::new(0),
                 hangup: CancellationToken::new(),
             }),
         }
@@ -279,6 +305,7 @@ impl StripeSim {
                 .iter()
                 .map(|(k, v)| (k.clone(), *v))
                 .collect(),
+            peak_requests_in_flight: self.shared.peak_in_flight.load(Ordering::Relaxed),
         }
     }
 

@@ -42,6 +42,7 @@ pub(crate) fn router(sim: StripeSim) -> Router {
         .route("/v1/refunds/{id}", get(retrieve_refund))
         .route("/v1/disputes", get(list_disputes))
         .route("/v1/disputes/{id}", get(retrieve_dispute))
+        .route_layer(axum::middleware::from_fn_with_state(sim.clone(), count_in_flight))
         .route("/_sim/faults", post(set_faults).get(get_faults))
         .route("/_sim/disputes", post(open_dispute))
         .route("/_sim/disputes/{id}/close", post(close_dispute))
@@ -49,6 +50,16 @@ pub(crate) fn router(sim: StripeSim) -> Router {
         .route("/_sim/stats", get(stats))
         .fallback(unknown_route)
         .with_state(sim)
+}
+
+/// Counts a `/v1` request as in progress while it runs (`SimStats::peak_requests_in_flight`).
+async fn count_in_flight(
+    State(sim): State<StripeSim>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let _counted = crate::InFlight::start(&sim);
+    next.run(req).await
 }
 
 /// Which keys an endpoint accepts.

@@ -570,3 +570,38 @@ async fn a_batch_of_payment_commands_that_fails_at_any_boundary_repeats_only_its
     assert_eq!(v.total(), 0, "{v:?}");
     app.stop().await;
 }
+
+/// The provider concurrency a payment lane's batch may ask for is bounded per process: the
+/// Stripe client `runtime::gateway` builds (one per process, shared by its roles) lets
+/// `stripe_max_in_flight` calls be in flight at once and queues the others; the same calls
+/// through an unbounded client overlap further, so the bound is what held them.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn a_process_keeps_its_stripe_calls_in_flight_within_its_bound(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    use boxoffice_payments::{CreatePaymentIntent, PaymentGateway};
+    let app = TestApp::spawn(opts, &[Role::Api], VenueSpec::small(1, 1, 4)).await;
+    app.sim.set_faults(boxoffice_stripe_sim::Faults { latency_ms: 150, ..Default::default() });
+    let calls = |g: Arc<dyn PaymentGateway>, run: &'static str| {
+        futures::future::join_all((0..12).map(move |i| {
+            let g = g.clone();
+            async move {
+                let req = CreatePaymentIntent {
+                    amount_minor: 1_000,
+                    currency: "usd".into(),
+                    metadata: vec![("order_id".into(), Uuid::new_v4().to_string())],
+                };
+                g.create_payment_intent(&req, &format!("{run}:{i}")).await.expect("created")
+            }
+        }))
+    };
+    let mut cfg = app.cfg.clone();
+    cfg.stripe_max_in_flight = 3;
+    calls(boxoffice::runtime::gateway(&cfg).unwrap(), "bounded").await;
+    assert_eq!(app.sim.stats().peak_requests_in_flight, 3, "the bound was reached and never passed");
+    calls(Arc::new(app.stripe()), "unbounded").await;
+    assert!(app.sim.stats().peak_requests_in_flight > 3, "unbounded, the same calls overlap further");
+    assert_eq!(app.sim.stats().payment_intents_created, 24);
+    app.stop().await;
+}
