@@ -18,12 +18,14 @@
 //! |                      | hold active and not lapsed             | hold confirmed, → `confirming`, OrderConfirmed + CaptureRequested |
 //! |                      | hold lapsed / expired / order ended    | expire the hold if active, cancel, → `canceled`         |
 //! | PaymentFailed        | payment unsettled                      | record the decline (the buyer may retry)                |
-//! | PaymentCaptured      | order `confirming`                     | → `paid`, TicketIssueRequested                          |
+//! | PaymentCaptured      | not the order's PaymentIntent          | incident, RefundRequested for it; the order unchanged   |
+//! |                      | order `confirming`                     | → `paid`, TicketIssueRequested                          |
 //! |                      | order without seats                    | incident, → `refunding`, RefundRequested (compensation) |
 //! | CaptureFailed        | order `confirming`                     | release hold, → `failed`, cancel the authorization      |
 //! | PaymentCanceled      | order `confirming` (auth expired)      | release hold, → `failed`                                |
 //! |                      | unpaid order, its own intent           | expire the hold, → `canceled` (nobody can pay it)       |
-//! | PaymentRefunded      | order `refunding`                      | → `refunded`                                            |
+//! | PaymentRefunded      | not the order's PaymentIntent          | nothing (the refund of a stray capture)                 |
+//! |                      | order `refunding`                      | → `refunded`                                            |
 //! |                      | order `ticketed`, refunded in full     | → `refunded`, tickets void, TicketsVoided (case C14)    |
 //! |                      | order `paid` / `ticketed`, in part     | recorded, incident; tickets stay valid                  |
 //! | PaymentDisputed      | opened, order `ticketed`               | incident, tickets flagged (or void, per the event)      |
@@ -471,6 +473,27 @@ fn captured(
     payment_intent_id: &str,
     amount: i64,
 ) -> Result<Vec<Step>, Refusal> {
+    if s.intent == IntentMatch::Other {
+        // Money captured on a PaymentIntent that is not the order's (a stray authorization
+        // captured elsewhere, e.g. from the dashboard): it pays for nothing, so it is
+        // refunded and the order is left as it is (invariant 6).
+        return Ok(vec![
+            Step::Incident {
+                kind: reason::NOT_CURRENT_PAYMENT_INTENT,
+                details: serde_json::json!({
+                    "payment_intent_id": payment_intent_id,
+                    "order_status": s.order.as_str(),
+                    "amount_captured_minor": amount,
+                }),
+            },
+            Step::Emit(PurchaseEvent::RefundRequested {
+                order_id,
+                payment_intent_id: payment_intent_id.to_owned(),
+                amount_minor: amount,
+                reason: reason::NOT_CURRENT_PAYMENT_INTENT.into(),
+            }),
+        ]);
+    }
     let mut steps = vec![Step::MirrorPayment(PaymentUpdate {
         amount_captured_minor: Some(amount),
         ..PaymentUpdate::status(PaymentIntentStatus::Succeeded)
@@ -557,6 +580,11 @@ fn canceled(s: &Snapshot) -> Vec<Step> {
 /// C14): in full, the ticketed order is `refunded` and its tickets void; in part, it is
 /// recorded and reported, and the tickets stay valid.
 fn refunded(s: &Snapshot, amount: i64) -> Vec<Step> {
+    if s.intent == IntentMatch::Other {
+        // The refund of a PaymentIntent that is not the order's (a stray capture's): the
+        // order's own payment, status and tickets are not about it.
+        return vec![];
+    }
     let mut steps = vec![Step::MirrorPayment(PaymentUpdate {
         amount_refunded_minor: Some(amount),
         ..PaymentUpdate::status(PaymentIntentStatus::Succeeded)

@@ -277,6 +277,35 @@ fn an_authorization_confirms_only_a_live_hold_of_its_own_intent() {
     }
 }
 
+/// Invariant 6 for money on a stray PaymentIntent: a capture of another intent of the order
+/// (an authorization captured elsewhere, e.g. from the dashboard) is refunded, whatever the
+/// order's status, and neither it nor that refund moves the order, its hold or its tickets.
+#[test]
+fn a_stray_intents_capture_is_refunded_and_moves_nothing() {
+    for from in OrderStatus::ALL {
+        let mut w = World::new(from, hold_beside(from), false);
+        w.payment = Some(if from == OrderStatus::Confirming {
+            PaymentIntentStatus::RequiresCapture
+        } else {
+            PaymentIntentStatus::Succeeded
+        });
+        let hold = w.hold.status;
+        w.apply(&fact(EventKind::PaymentCaptured, OTHER_PI));
+        assert_eq!((w.order, w.hold.status), (from, hold), "capture of another intent on a {from} order");
+        assert_eq!(w.emitted, vec![EventKind::RefundRequested], "{from}");
+        let steps = decide(&w.snapshot(OTHER_PI), &fact(EventKind::PaymentCaptured, OTHER_PI)).unwrap();
+        assert!(
+            steps
+                .iter()
+                .any(|s| matches!(s, Step::Emit(PurchaseEvent::RefundRequested { payment_intent_id, .. })
+                if payment_intent_id == OTHER_PI)),
+            "the refund is of the stray intent"
+        );
+        w.apply(&fact(EventKind::PaymentRefunded, OTHER_PI));
+        assert_eq!((w.order, w.hold.status), (from, hold), "refund of another intent on a {from} order");
+    }
+}
+
 #[test]
 fn a_confirmed_order_near_its_capture_deadline_is_given_up_once() {
     let mut w = World::new(OrderStatus::Confirming, HoldStatus::Confirmed, false);
