@@ -30,7 +30,7 @@ const LIST_PAGE_LIMIT: u32 = 100;
 ///
 /// Every method maps to one Stripe request; none retries by itself. On error, consult
 /// [`StripeError::is_retryable`] and retry with the *same* `idempotency_key` (design §10 uses
-/// `authorize:{event_id}`, `capture:{order_id}`, `cancel:{payment_intent_id}`, `refund:{order_id}`).
+/// `authorize:{event_id}`, `capture:{order_id}`, `cancel:{payment_intent_id}`, `refund:{payment_intent_id}`).
 /// Idempotency keys must be 1..=255 characters ([`StripeError::Config`] otherwise).
 #[async_trait::async_trait]
 pub trait PaymentGateway: Send + Sync + 'static {

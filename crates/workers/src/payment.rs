@@ -7,7 +7,7 @@
 //! | PaymentAuthorizationRequested  | create PaymentIntent (manual capture)| `authorize:{event_id}`  |
 //! | CaptureRequested               | capture                              | `capture:{order_id}`    |
 //! | AuthorizationCancelRequested   | cancel                               | `cancel:{payment_intent_id}` |
-//! | RefundRequested                | refund                               | `refund:{order_id}`     |
+//! | RefundRequested                | refund                               | `refund:{payment_intent_id}` |
 //! | PaymentIntentRefreshRequested  | retrieve PaymentIntent (+ its charge) | (read-only)            |
 //! | DisputeRefreshRequested        | retrieve Dispute                     | (read-only)              |
 //!
@@ -342,15 +342,20 @@ impl Handler for PaymentWorker {
                 if inbox::seen(&self.pool, NAME, env.event_id).await? {
                     return Ok(Prepared::Skipped(ALREADY_APPLIED));
                 }
+                // One key per PaymentIntent, as for a cancel: an order may have a stray
+                // capture to refund besides its own. A refund first sent under another key
+                // and retried under this one finds the charge refunded: recorded as done.
                 let meta = vec![("order_id".to_owned(), order_id.to_string())];
-                let (refused, this_refund) =
-                    match g.create_refund(payment_intent_id, &meta, &format!("refund:{order_id}")).await {
-                        Ok(refund) => (None, refund.amount),
-                        // Already refunded (from the dashboard, or by a refund under another
-                        // key) or not refundable: ask Stripe what is true.
-                        Err(e) if !e.is_retryable() && matches!(e, StripeError::Api { .. }) => (Some(e), 0),
-                        Err(e) => return Err(stripe_err(e)),
-                    };
+                let (refused, this_refund) = match g
+                    .create_refund(payment_intent_id, &meta, &format!("refund:{payment_intent_id}"))
+                    .await
+                {
+                    Ok(refund) => (None, refund.amount),
+                    // Already refunded (from the dashboard, or by a refund under another
+                    // key) or not refundable: ask Stripe what is true.
+                    Err(e) if !e.is_retryable() && matches!(e, StripeError::Api { .. }) => (Some(e), 0),
+                    Err(e) => return Err(stripe_err(e)),
+                };
                 // What the fact reports is the charge's whole refunded amount, as a re-fetch
                 // reports it, not this refund's: after a partial refund at the provider this
                 // refund returns only the rest.

@@ -118,7 +118,7 @@ async fn c06_no_capture_without_a_confirmed_hold(_: PgPoolOptions, opts: PgConne
 }
 
 /// C05: the money is captured after the order was released locally. The saga records an
-/// incident, moves the order to refunding and asks for a refund with `refund:{order_id}`;
+/// incident, moves the order to refunding and asks for a refund with `refund:{payment_intent_id}`;
 /// the refund fact ends it refunded; repeats of the late capture change nothing more.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn c05_capture_after_release_is_refunded(_: PgPoolOptions, opts: PgConnectOptions) {
@@ -314,5 +314,55 @@ async fn a_refund_the_provider_already_made_is_recorded_once(_: PgPoolOptions, o
         handle_once(&app.pool, &worker, &cmd).await.unwrap();
         assert_eq!(app.outbox_count("PaymentRefunded", order).await, 1, "case {i}");
     }
+    app.stop().await;
+}
+
+/// Invariant 6 with two captured PaymentIntents of one order (its own, and a stray
+/// authorization captured from the dashboard): each refund is its own operation under its own
+/// idempotency key, so the second is not refused as a reuse of the first's key with other
+/// parameters, and both charges end refunded in full.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn two_captures_of_one_order_are_both_refunded(_: PgPoolOptions, opts: PgConnectOptions) {
+    use boxoffice_payments::PaymentGateway;
+    let app = TestApp::spawn(opts, &[Role::Api], VenueSpec::small(1, 1, 4)).await;
+    let seats = app.seats().await;
+    let b = app.buyer();
+    let order = order_of(app.hold(&b, &app.admission_token(&b), "two-captures", &seats[..1]).await).await;
+    let oid = OrderId(order);
+    let stripe = app.stripe();
+    let mut intents = Vec::new();
+    for i in 0..2 {
+        let pi = app.authorize_at_provider(order, 1_000, &format!("two-captures:{i}:{order}")).await;
+        stripe.capture_payment_intent(&pi, &format!("two-captures:capture:{i}")).await.unwrap();
+        intents.push(pi);
+    }
+    boxoffice_store::payments::insert_created(&app.pool, oid, &intents[0], None, "succeeded", 1_000, "usd")
+        .await
+        .unwrap();
+    let worker = boxoffice_workers::payment::PaymentWorker::new(
+        std::sync::Arc::new(app.stripe()),
+        app.pool.clone(),
+        app.cfg.hold_policy(),
+    );
+    for pi in &intents {
+        let cmd = Envelope::new(
+            oid,
+            &PurchaseEvent::RefundRequested {
+                order_id: oid,
+                payment_intent_id: pi.clone(),
+                amount_minor: 1_000,
+                reason: "capture_after_release".into(),
+            },
+            Uuid::new_v4(),
+            None,
+        );
+        handle_once(&app.pool, &worker, &cmd).await.expect("refunded");
+    }
+    for pi in &intents {
+        let intent = stripe.retrieve_payment_intent(pi).await.unwrap();
+        let charge = stripe.retrieve_charge(intent.latest_charge.as_deref().unwrap()).await.unwrap();
+        assert_eq!(charge.amount_refunded, 1_000, "{pi}: the buyer's money returned");
+    }
+    assert_eq!(app.sim.stats().refunds, 2);
     app.stop().await;
 }
