@@ -187,7 +187,7 @@ pub fn audit_options(
         (Some(s), false) => {
             let window =
                 Window::parse(since.unwrap_or(audit::DEFAULT_PROVIDER_WINDOW), None, chrono::Utc::now())?;
-            Ok((StripeClient::new(s)?, window))
+            Ok((StripeClient::new(s)?.with_max_in_flight(cfg.stripe_max_in_flight), window))
         }
     };
     Ok(audit::AuditOptions {
@@ -231,7 +231,7 @@ pub async fn timeline(
 ) -> anyhow::Result<i32> {
     let pool = boxoffice_store::connect(cfg.pg_options()?, 2, cfg.db_acquire_timeout_ms).await?;
     let stripe = match (cfg.stripe(), skip_provider) {
-        (Some(s), false) => Some(StripeClient::new(s)?),
+        (Some(s), false) => Some(StripeClient::new(s)?.with_max_in_flight(cfg.stripe_max_in_flight)),
         _ => None,
     };
     let gw = stripe.as_ref().map(|s| s as &dyn boxoffice_payments::PaymentGateway);
@@ -260,7 +260,7 @@ pub async fn reconcile(
     json: bool,
 ) -> anyhow::Result<i32> {
     let stripe = cfg.stripe().context("set BOXOFFICE_STRIPE_API_BASE to reconcile with the provider")?;
-    let stripe = StripeClient::new(stripe)?;
+    let stripe = StripeClient::new(stripe)?.with_max_in_flight(cfg.stripe_max_in_flight);
     let window = Window::parse(since, until, chrono::Utc::now())?;
     let pool = boxoffice_store::connect(cfg.pg_options()?, 4, cfg.db_acquire_timeout_ms).await?;
     let report = match reconcile::run(&pool, &stripe, window, fix).await {

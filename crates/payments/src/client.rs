@@ -204,8 +204,8 @@ impl StripeClient {
         self
     }
 
-    /// Lets at most `max` requests of this client and its clones be in flight at once (0: no
-    /// bound); one more waits for a slot before it is sent, and its timeout starts when it
+    /// Lets at most `max` requests of the returned client and the clones made of it be in
+    /// flight at once (0: no bound; clones made before this call are not bound by it); one more waits for a slot before it is sent, and its timeout starts when it
     /// is sent. Stripe limits an account's request rate and concurrency and answers 429
     /// beyond them (<https://docs.stripe.com/rate-limits>); one bound per process keeps a
     /// burst of payment commands (every lane's batch calling at once) inside a share of
