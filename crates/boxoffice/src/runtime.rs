@@ -151,8 +151,8 @@ impl Running {
     }
 }
 
-/// The Stripe client configured by `cfg` (one per process: `stripe_max_in_flight` bounds all
-/// its roles' calls together).
+/// The Stripe client configured by `cfg`, its calls in flight bounded by
+/// `stripe_max_in_flight`; [`start`] builds one per process for all its roles.
 pub fn gateway(cfg: &Config) -> anyhow::Result<Arc<dyn PaymentGateway>> {
     Ok(Arc::new(
         StripeClient::new(StripeConfig {

@@ -145,7 +145,7 @@ struct Inner {
     base: Url,
     secret_key: SecretString,
     stripe_version: Option<String>,
-    /// Bounds the requests in flight through this client and its clones (`None`: unbounded).
+    /// Bounds the requests in flight through the clients sharing it (`None`: unbounded).
     in_flight: Option<Arc<tokio::sync::Semaphore>>,
 }
 
@@ -205,8 +205,8 @@ impl StripeClient {
     }
 
     /// Lets at most `max` requests of the returned client and the clones made of it be in
-    /// flight at once (0: no bound; clones made before this call are not bound by it); one more waits for a slot before it is sent, and its timeout starts when it
-    /// is sent. Stripe limits an account's request rate and concurrency and answers 429
+    /// flight at once (0: no bound; clones made before this call are not bound by it); one
+    /// more waits for a slot before it is sent, and its timeout starts when it is sent. Stripe limits an account's request rate and concurrency and answers 429
     /// beyond them (<https://docs.stripe.com/rate-limits>); one bound per process keeps a
     /// burst of payment commands (every lane's batch calling at once) inside a share of
     /// that instead of meeting it as errors.

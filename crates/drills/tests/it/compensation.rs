@@ -22,6 +22,48 @@ async fn order_of(resp: reqwest::Response) -> Uuid {
     resp.json::<serde_json::Value>().await.unwrap()["order_id"].as_str().unwrap().parse().unwrap()
 }
 
+/// A payment worker calling the app's simulator.
+fn payment_worker(app: &TestApp) -> boxoffice_workers::payment::PaymentWorker {
+    boxoffice_workers::payment::PaymentWorker::new(
+        std::sync::Arc::new(app.stripe()),
+        app.pool.clone(),
+        app.cfg.hold_policy(),
+    )
+}
+
+/// A PaymentIntent of 1,000 for `order`, authorized and captured straight at the provider
+/// (keys derived from `key`).
+async fn captured_at_provider(app: &TestApp, order: Uuid, key: &str) -> String {
+    use boxoffice_payments::PaymentGateway;
+    let pi = app.authorize_at_provider(order, 1_000, &format!("{key}:{order}")).await;
+    app.stripe().capture_payment_intent(&pi, &format!("{key}:capture")).await.unwrap();
+    pi
+}
+
+/// The saga's `RefundRequested` of all 1,000 captured on `pi` for `order`.
+fn refund_command(order: Uuid, pi: &str) -> Envelope {
+    let order_id = OrderId(order);
+    Envelope::new(
+        order_id,
+        &PurchaseEvent::RefundRequested {
+            order_id,
+            payment_intent_id: pi.to_owned(),
+            amount_minor: 1_000,
+            reason: "capture_after_release".into(),
+        },
+        Uuid::new_v4(),
+        None,
+    )
+}
+
+/// What the provider says is refunded on `pi`'s charge, minor units.
+async fn refunded_on_charge(app: &TestApp, pi: &str) -> i64 {
+    use boxoffice_payments::PaymentGateway;
+    let stripe = app.stripe();
+    let intent = stripe.retrieve_payment_intent(pi).await.unwrap();
+    stripe.retrieve_charge(intent.latest_charge.as_deref().unwrap()).await.unwrap().amount_refunded
+}
+
 /// Design §17 "capture retry uses one Stripe operation": every mutating Stripe call is applied
 /// and then answered with a 500 (or not answered at all); the payment worker retries with
 /// the same keys and the order still ends ticketed with exactly one capture.
@@ -221,11 +263,7 @@ async fn two_authorizations_of_one_order_are_both_cancelled(_: PgPoolOptions, op
     for i in 0..2 {
         intents.push(app.authorize_at_provider(order, 1_000, &format!("two-pi:{i}:{order}")).await);
     }
-    let worker = boxoffice_workers::payment::PaymentWorker::new(
-        std::sync::Arc::new(app.stripe()),
-        app.pool.clone(),
-        app.cfg.hold_policy(),
-    );
+    let worker = payment_worker(&app);
     let hold_created = Envelope::new(
         OrderId(order),
         &PurchaseEvent::OrderConfirmed {
@@ -257,15 +295,9 @@ async fn two_authorizations_of_one_order_are_both_cancelled(_: PgPoolOptions, op
 /// amount (what a re-fetch would report), not only this refund's.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn a_refund_the_provider_already_made_is_recorded_once(_: PgPoolOptions, opts: PgConnectOptions) {
-    use boxoffice_payments::PaymentGateway;
     let app = TestApp::spawn(opts, &[Role::Api], VenueSpec::small(1, 1, 4)).await;
     let seats = app.seats().await;
-    let stripe = app.stripe();
-    let worker = boxoffice_workers::payment::PaymentWorker::new(
-        std::sync::Arc::new(app.stripe()),
-        app.pool.clone(),
-        app.cfg.hold_policy(),
-    );
+    let worker = payment_worker(&app);
     // (refunded at the provider first, what the fact must report, refunds made in all)
     let cases = [(None, 1_000, 1), (Some(400), 1_000, 2)];
     for (i, (at_provider, reported, refunds)) in cases.into_iter().enumerate() {
@@ -273,25 +305,14 @@ async fn a_refund_the_provider_already_made_is_recorded_once(_: PgPoolOptions, o
         let key = format!("refunded-first-{i}");
         let order = order_of(app.hold(&b, &app.admission_token(&b), &key, &seats[i..=i]).await).await;
         let oid = OrderId(order);
-        let pi = app.authorize_at_provider(order, 1_000, &format!("{key}:{order}")).await;
-        stripe.capture_payment_intent(&pi, &format!("{key}:capture")).await.unwrap();
+        let pi = captured_at_provider(&app, order, &key).await;
         boxoffice_store::payments::insert_created(&app.pool, oid, &pi, None, "succeeded", 1_000, "usd")
             .await
             .unwrap();
         let before = app.sim.stats().refunds;
         app.refund_at_provider(&pi, at_provider).await;
 
-        let cmd = Envelope::new(
-            oid,
-            &PurchaseEvent::RefundRequested {
-                order_id: oid,
-                payment_intent_id: pi.clone(),
-                amount_minor: 1_000,
-                reason: "capture_after_release".into(),
-            },
-            Uuid::new_v4(),
-            None,
-        );
+        let cmd = refund_command(order, &pi);
         handle_once(&app.pool, &worker, &cmd).await.expect("recorded, not dead-lettered");
         let amounts: Vec<i64> = sqlx::query_scalar(
             "SELECT (payload->'payload'->>'amount_refunded_minor')::bigint FROM outbox
@@ -302,9 +323,7 @@ async fn a_refund_the_provider_already_made_is_recorded_once(_: PgPoolOptions, o
         .await
         .unwrap();
         assert_eq!(amounts, vec![reported], "case {i}: one fact with the charge's whole refunded amount");
-        let intent = stripe.retrieve_payment_intent(&pi).await.unwrap();
-        let charge = stripe.retrieve_charge(intent.latest_charge.as_deref().unwrap()).await.unwrap();
-        assert_eq!(charge.amount_refunded, 1_000, "case {i}: refunded in full, never more");
+        assert_eq!(refunded_on_charge(&app, &pi).await, 1_000, "case {i}: refunded in full, never more");
         assert_eq!(
             app.sim.stats().refunds - before,
             refunds,
@@ -323,45 +342,24 @@ async fn a_refund_the_provider_already_made_is_recorded_once(_: PgPoolOptions, o
 /// parameters, and both charges end refunded in full.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn two_captures_of_one_order_are_both_refunded(_: PgPoolOptions, opts: PgConnectOptions) {
-    use boxoffice_payments::PaymentGateway;
     let app = TestApp::spawn(opts, &[Role::Api], VenueSpec::small(1, 1, 4)).await;
     let seats = app.seats().await;
     let b = app.buyer();
     let order = order_of(app.hold(&b, &app.admission_token(&b), "two-captures", &seats[..1]).await).await;
     let oid = OrderId(order);
-    let stripe = app.stripe();
     let mut intents = Vec::new();
     for i in 0..2 {
-        let pi = app.authorize_at_provider(order, 1_000, &format!("two-captures:{i}:{order}")).await;
-        stripe.capture_payment_intent(&pi, &format!("two-captures:capture:{i}")).await.unwrap();
-        intents.push(pi);
+        intents.push(captured_at_provider(&app, order, &format!("two-captures:{i}")).await);
     }
     boxoffice_store::payments::insert_created(&app.pool, oid, &intents[0], None, "succeeded", 1_000, "usd")
         .await
         .unwrap();
-    let worker = boxoffice_workers::payment::PaymentWorker::new(
-        std::sync::Arc::new(app.stripe()),
-        app.pool.clone(),
-        app.cfg.hold_policy(),
-    );
+    let worker = payment_worker(&app);
     for pi in &intents {
-        let cmd = Envelope::new(
-            oid,
-            &PurchaseEvent::RefundRequested {
-                order_id: oid,
-                payment_intent_id: pi.clone(),
-                amount_minor: 1_000,
-                reason: "capture_after_release".into(),
-            },
-            Uuid::new_v4(),
-            None,
-        );
-        handle_once(&app.pool, &worker, &cmd).await.expect("refunded");
+        handle_once(&app.pool, &worker, &refund_command(order, pi)).await.expect("refunded");
     }
     for pi in &intents {
-        let intent = stripe.retrieve_payment_intent(pi).await.unwrap();
-        let charge = stripe.retrieve_charge(intent.latest_charge.as_deref().unwrap()).await.unwrap();
-        assert_eq!(charge.amount_refunded, 1_000, "{pi}: the buyer's money returned");
+        assert_eq!(refunded_on_charge(&app, pi).await, 1_000, "{pi}: the buyer's money returned");
     }
     assert_eq!(app.sim.stats().refunds, 2);
     app.stop().await;
