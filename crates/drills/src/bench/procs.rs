@@ -106,13 +106,12 @@ fn inherited_env(configured: bool) -> Vec<(String, String)> {
 }
 
 /// Variables every child inherits.
-const INHERITED_VARS: [&str; 15] = [
+const INHERITED_VARS: [&str; 14] = [
     "PATH",
     "HOME",
     "TMPDIR",
     "TZ",
     "LANG",
-    "RUST_LOG",
     "RUST_BACKTRACE",
     "TOKIO_WORKER_THREADS",
     "SSL_CERT_FILE",
@@ -128,11 +127,15 @@ const INHERITED_VARS: [&str; 15] = [
 /// (`OTEL_BSP_*`, `OTEL_EXPORTER_OTLP_HEADERS`, …).
 const INHERITED_PREFIXES: [&str; 2] = ["LC_", "OTEL_"];
 
-/// Whether a child inherits variable `name` (see [`inherited_env`]).
+/// Whether a child inherits variable `name` (see [`inherited_env`]). `RUST_LOG` reaches
+/// only the product and the simulator (whose logging `BOXOFFICE_LOG` sets): the broker reads
+/// it too, and a shell's `RUST_LOG=info` makes it log every request it serves (tens of GB
+/// in a P3 run, and a core of CPU charged to the harness).
 fn inherited(name: &str, configured: bool) -> bool {
     INHERITED_VARS.contains(&name)
         || INHERITED_PREFIXES.iter().any(|p| name.starts_with(p))
-        || (configured && name.starts_with("BOXOFFICE_") && name != "BOXOFFICE_CONFIG")
+        || (configured
+            && (name == "RUST_LOG" || (name.starts_with("BOXOFFICE_") && name != "BOXOFFICE_CONFIG")))
 }
 
 fn tail(path: &Path) -> String {
@@ -627,6 +630,10 @@ mod tests {
         assert!(!inherited("BOXOFFICE_ADMIN_TOKEN", false), "the broker gets no boxoffice secret");
         assert!(inherited("OTEL_EXPORTER_OTLP_HEADERS", false) && inherited("SSL_CERT_FILE", false));
         assert!(!inherited("AWS_SECRET_ACCESS_KEY", true));
+        assert!(
+            inherited("RUST_LOG", true) && !inherited("RUST_LOG", false),
+            "the broker logs as it defaults"
+        );
     }
 
     #[test]
