@@ -22,7 +22,8 @@
 //! |                      | order `confirming`                     | → `paid`, TicketIssueRequested                          |
 //! |                      | order without seats                    | incident, → `refunding`, RefundRequested (compensation) |
 //! | CaptureFailed        | order `confirming`                     | release hold, → `failed`, cancel the authorization      |
-//! | PaymentCanceled      | order `confirming` (auth expired)      | release hold, → `failed`                                |
+//! | PaymentCanceled      | not the order's PaymentIntent          | nothing (a stray authorization's cancel)                |
+//! |                      | order `confirming` (auth expired)      | release hold, → `failed`                                |
 //! |                      | unpaid order, its own intent           | expire the hold, → `canceled` (nobody can pay it)       |
 //! | PaymentRefunded      | not the order's PaymentIntent          | nothing (the refund of a stray capture)                 |
 //! |                      | order `refunding`                      | → `refunded`                                            |
@@ -557,6 +558,11 @@ fn capture_failed(s: &Snapshot, payment_intent_id: &str, why: &str) -> Vec<Step>
 /// Compensation, on PaymentCanceled: the authorization lapsed or was cancelled before capture (case C09);
 /// a confirmed order fails and gives its seats back.
 fn canceled(s: &Snapshot) -> Vec<Step> {
+    if s.intent == IntentMatch::Other {
+        // A stray authorization's cancel (the saga asks for it): the order's own PaymentIntent
+        // is still what pays it, so its hold and status are not about this.
+        return vec![];
+    }
     let mut steps = vec![Step::MirrorPayment(PaymentUpdate::status(PaymentIntentStatus::Canceled))];
     if s.order == OrderStatus::Confirming {
         steps.extend(release_hold(s));

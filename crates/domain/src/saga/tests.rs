@@ -306,6 +306,23 @@ fn a_stray_intents_capture_is_refunded_and_moves_nothing() {
     }
 }
 
+/// The cancel of a stray authorization (which the saga itself asks for) is not the order's:
+/// a `confirming` order keeps its confirmed hold and goes on to capture its own PaymentIntent,
+/// and an unpaid order stays payable.
+#[test]
+fn a_stray_intents_cancel_moves_nothing() {
+    for from in OrderStatus::ALL {
+        let mut w = World::new(from, hold_beside(from), false);
+        if from == OrderStatus::Confirming {
+            w.payment = Some(PaymentIntentStatus::RequiresCapture);
+        }
+        let hold = w.hold.status;
+        w.apply(&fact(EventKind::PaymentCanceled, OTHER_PI));
+        assert_eq!((w.order, w.hold.status), (from, hold), "cancel of another intent on a {from} order");
+        assert!(w.emitted.is_empty(), "{from}: {:?}", w.emitted);
+    }
+}
+
 #[test]
 fn a_confirmed_order_near_its_capture_deadline_is_given_up_once() {
     let mut w = World::new(OrderStatus::Confirming, HoldStatus::Confirmed, false);
