@@ -161,10 +161,15 @@ impl PaymentWorker {
             Err(e) => return Err(stripe_err(e)),
         };
         // The intent must be the order's: the one the ledger recorded for it, or one whose
-        // metadata (the provider's copy) names it; otherwise the claim is about someone
-        // else's money.
-        let ours = recorded.is_some_and(|p| p.payment_intent_id == pi.id)
-            || pi.metadata.get("order_id") == Some(&order.to_string());
+        // metadata (the provider's copy) names it and that the ledger records for no other
+        // order; otherwise the claim is about someone else's money.
+        let recorded_here = recorded.is_some_and(|p| p.payment_intent_id == pi.id);
+        let mut ours = recorded_here || pi.metadata.get("order_id") == Some(&order.to_string());
+        if ours && !recorded_here {
+            // Metadata can be edited at the provider: an intent the ledger records for
+            // another order is that order's, whatever its metadata says now.
+            ours = payments::order_for_intent(&self.pool, &pi.id).await?.is_none_or(|owner| owner == order);
+        }
         if !ours {
             return Ok(Prepared::Refuted {
                 payment_intent_id: payment_intent_id.to_owned(),

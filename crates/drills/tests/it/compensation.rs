@@ -364,3 +364,48 @@ async fn two_captures_of_one_order_are_both_refunded(_: PgPoolOptions, opts: PgC
     assert_eq!(app.sim.stats().refunds, 2);
     app.stop().await;
 }
+
+/// A claim about another order's money is refuted even when the provider's metadata agrees
+/// with it: buyer B's captured PaymentIntent, its metadata naming order A (as anyone with
+/// access to the provider account could edit it), re-fetched for A is refuted with an
+/// incident, and nothing is refunded or emitted for A; B's payment is untouched.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn an_intent_the_ledger_records_for_another_order_is_refuted(_: PgPoolOptions, opts: PgConnectOptions) {
+    let app = TestApp::spawn(opts, &[Role::Api], VenueSpec::small(1, 1, 4)).await;
+    let seats = app.seats().await;
+    let mut orders = Vec::new();
+    for (i, key) in ["a", "b"].into_iter().enumerate() {
+        let b = app.buyer();
+        orders.push(order_of(app.hold(&b, &app.admission_token(&b), key, &seats[i..=i]).await).await);
+    }
+    let (a, b) = (orders[0], orders[1]);
+    // B's payment, whose metadata names A.
+    let pi = captured_at_provider(&app, a, "relabelled").await;
+    boxoffice_store::payments::insert_created(&app.pool, OrderId(b), &pi, None, "succeeded", 1_000, "usd")
+        .await
+        .unwrap();
+    let refresh = Envelope::new(
+        OrderId(a),
+        &PurchaseEvent::PaymentIntentRefreshRequested {
+            order_id: OrderId(a),
+            payment_intent_id: pi.clone(),
+            reason: "webhook_claim".into(),
+        },
+        Uuid::new_v4(),
+        None,
+    );
+    handle_once(&app.pool, &payment_worker(&app), &refresh).await.unwrap();
+    assert_eq!(
+        app.count(
+            "SELECT count(*) FROM incidents WHERE kind = 'webhook_claim_refuted'
+                AND detail->>'reason' = 'payment_intent_of_another_order'"
+        )
+        .await,
+        1
+    );
+    for fact in ["PaymentAuthorized", "PaymentCaptured", "PaymentCanceled", "PaymentRefunded"] {
+        assert_eq!(app.outbox_count(fact, a).await, 0, "nothing reported for A: {fact}");
+    }
+    assert_eq!(refunded_on_charge(&app, &pi).await, 0, "B's payment untouched");
+    app.stop().await;
+}
