@@ -41,6 +41,7 @@ use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 
 pub use faults::{Faults, FAULT_HEADER};
+pub use webhooks::MAX_CONCURRENT_DELIVERIES;
 
 use faults::FaultState;
 use idempotency::IdempotencyStore;

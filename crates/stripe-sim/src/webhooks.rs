@@ -26,8 +26,10 @@ use crate::StripeSim;
 
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
 const DELIVERY_TIMEOUT: Duration = Duration::from_secs(10);
-/// First attempts in flight at once; retries wait out their backoff outside this bound.
-const MAX_CONCURRENT_DELIVERIES: usize = 32;
+/// Delivery attempts in flight at once, first attempts and retries together (a retry waits
+/// out its backoff without a slot). All come from one address, where Stripe's come from
+/// several: a receiver limiting webhooks per address must allow this many to take them all.
+pub const MAX_CONCURRENT_DELIVERIES: usize = 32;
 
 /// The queue between the API handlers and the delivery task.
 pub(crate) struct WebhookQueue {
@@ -115,7 +117,8 @@ pub(crate) async fn run(sim: StripeSim, shutdown: CancellationToken) {
                 _ = shutdown.cancelled() => break,
                 p = in_flight.clone().acquire_owned() => p.expect("never closed"),
             };
-            let (sim, http, shutdown) = (sim.clone(), http.clone(), shutdown.clone());
+            let (sim, http, shutdown, slots) =
+                (sim.clone(), http.clone(), shutdown.clone(), in_flight.clone());
             retries.spawn(async move {
                 let body = serde_json::to_vec_pretty(&event).expect("JSON values serialize");
                 let delivered = attempt(&sim, &http, &event, &body, 1).await;
@@ -123,7 +126,7 @@ pub(crate) async fn run(sim: StripeSim, shutdown: CancellationToken) {
                 if delivered {
                     sim.shared.webhooks.finish_one();
                 } else {
-                    retry(sim, http, event, body, shutdown).await;
+                    retry(sim, http, event, body, slots, shutdown).await;
                 }
             });
         }
@@ -134,12 +137,14 @@ pub(crate) async fn run(sim: StripeSim, shutdown: CancellationToken) {
     retries.wait().await;
 }
 
-/// Attempts 2..=max with doubling backoff; gives up quietly on shutdown.
+/// Attempts 2..=max with doubling backoff, each in one of `slots`; gives up quietly on
+/// shutdown.
 async fn retry(
     sim: StripeSim,
     http: reqwest::Client,
     event: Value,
     body: Vec<u8>,
+    slots: std::sync::Arc<tokio::sync::Semaphore>,
     shutdown: CancellationToken,
 ) {
     let mut backoff = Duration::from_millis(sim.shared.webhook_initial_backoff_ms);
@@ -148,6 +153,10 @@ async fn retry(
             _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep(backoff) => {}
         }
+        let _slot = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            p = slots.acquire() => p.expect("never closed"),
+        };
         if attempt(&sim, &http, &event, &body, n).await {
             sim.shared.webhooks.finish_one();
             return;

@@ -233,6 +233,8 @@ async fn run_on(
     cfg.hold_ttl_ms = 600_000;
     // Every buyer streams its order from the same address.
     cfg.order_stream_max_per_ip = cfg.order_stream_max;
+    // The simulator sends every webhook from one address, where Stripe uses several.
+    cfg.webhook_max_in_flight_per_ip = boxoffice_stripe_sim::MAX_CONCURRENT_DELIVERIES;
     let broker = match (&programs.nisshi, embedded) {
         (Some(_), _) => "nisshi process".to_owned(),
         (None, Some(_)) => "in-process mock cluster (counted in the harness)".to_owned(),
