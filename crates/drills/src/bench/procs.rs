@@ -341,6 +341,7 @@ fn product_env(cfg: &Config, db_url: &str) -> Vec<(String, String)> {
         ("BOXOFFICE_RATE_LIMIT_PURCHASE_USER_PER_S", cfg.rate_limit_purchase_user_per_s.to_string()),
         ("BOXOFFICE_RATE_LIMIT_SEATS_IP_PER_S", cfg.rate_limit_seats_ip_per_s.to_string()),
         ("BOXOFFICE_HTTP_MAX_IN_FLIGHT_PER_IP", cfg.http_max_in_flight_per_ip.to_string()),
+        ("BOXOFFICE_WEBHOOK_MAX_IN_FLIGHT_PER_IP", cfg.webhook_max_in_flight_per_ip.to_string()),
         ("BOXOFFICE_HOLD_TTL_MS", cfg.hold_ttl_ms.to_string()),
         ("BOXOFFICE_ORDER_STREAM_MAX_PER_IP", cfg.order_stream_max_per_ip.to_string()),
     ];
