@@ -31,9 +31,10 @@
 //! calls and a main-topic member for at most `consumer_lanes` × `consumer_batch_max` (its
 //! retry-topic members, two lanes each, call one at a time; batches form when messages queue
 //! up while a lane works, and fill under a backlog), of which the process's Stripe client lets
-//! `stripe_max_in_flight` be in flight at once, for all its roles together; their pre-check reads share the role's pool, each
-//! holding a connection only for its read, never across a provider call, so a busy lane may
-//! briefly want more connections than one (they wait up to `db_acquire_timeout_ms`). Then
+//! `stripe_max_in_flight` be in flight at once, for all its roles together. What those calls
+//! check in the ledger first (the inbox, the order's state) is read before them for the
+//! whole batch in one statement (`Handler::precheck`), holding a connection only for that
+//! read, never across a provider call. Then
 //! the transaction: the inbox
 //! rows of all of them in one statement, then per message whose row was new, in the order of
 //! their order ids (so two shared transactions lock their orders' rows in one order and never
@@ -49,10 +50,11 @@
 //! them into nothing; the payment worker's pre-check skips their provider call). It never
 //! contains a retry-topic copy, an undecodable envelope or a fact of another region epoch:
 //! those are processed alone, after the messages before them. A message whose `prepare`
-//! fails (a provider error, a failed pre-check) is left out of the transaction whole — no
+//! fails (a provider error) is left out of the transaction whole — no
 //! inbox row, no effect — and processed alone after its commit, with its own attempts, retry
 //! topics and dead letter; the others' answers are recorded, so their calls are not made
-//! twice. If anything in the shared transaction fails (or every `prepare` did), all of it is
+//! twice. If the batch's pre-check read or anything in the shared transaction fails (or every
+//! `prepare` did), all of it is
 //! rolled back and each of its messages is processed alone, so one bad message costs the
 //! others a second try and nothing else: their provider calls are sent again under the same
 //! idempotency keys, and a call that succeeded the first time gets its first answer back (a
@@ -196,7 +198,7 @@ pub trait Handler: Send + Sync + 'static {
         false
     }
 
-    /// Whether `prepare` reads the inbox itself, in the statement of its own pre-check, and
+    /// Whether [`Handler::precheck`] reads the inbox itself, in its statement, and `prepare`
     /// makes no remote call for a message already there (so the runner does not read the
     /// inbox first for a handler that [`Handler::calls_out`]). A duplicate that gets past it
     /// is still caught by the inbox insert in the effect's transaction.
@@ -204,9 +206,31 @@ pub trait Handler: Send + Sync + 'static {
         false
     }
 
-    /// Work outside any transaction (remote calls with stable idempotency keys). May run more
-    /// than once for one message.
-    async fn prepare(&self, env: &Envelope, event: &PurchaseEvent) -> Result<Self::Prepared, HandlerError>;
+    /// What [`Handler::precheck`] reads for one message and hands to its `prepare` (`()`
+    /// for a handler that reads nothing first).
+    type Precheck: Send + Default;
+
+    /// Reads, outside any transaction, what the `prepare` of each message of `run` checks in
+    /// the ledger before it calls out — for a shared batch, in one statement for all of them
+    /// instead of one each; for a message processed alone, `run` has that message only. One
+    /// [`Handler::Precheck`] per message, in `run`'s order. Read again before each attempt.
+    /// An error fails every message of `run` (a batch's are then processed alone). Default:
+    /// reads nothing.
+    async fn precheck(
+        &self,
+        run: &[(&Envelope, &PurchaseEvent)],
+    ) -> Result<Vec<Self::Precheck>, HandlerError> {
+        Ok(run.iter().map(|_| Self::Precheck::default()).collect())
+    }
+
+    /// Work outside any transaction (remote calls with stable idempotency keys), given what
+    /// [`Handler::precheck`] read for this message. May run more than once for one message.
+    async fn prepare(
+        &self,
+        env: &Envelope,
+        event: &PurchaseEvent,
+        precheck: Self::Precheck,
+    ) -> Result<Self::Prepared, HandlerError>;
 
     /// The effect, inside the transaction that also records the inbox row. Returns the facts
     /// and commands that follow (made with [`Envelope::follow`]), which the runner writes to
@@ -409,8 +433,9 @@ async fn apply_once<H: Handler>(
     let mut followers = followers;
     let none = Followers::none();
     loop {
+        let precheck = prechecks_of(handler, &[(env, &event)]).await?.pop().unwrap_or_default();
         boxoffice_faults::check_consumer(name, "before_remote")?;
-        let prepared = handler.prepare(env, &event).await?;
+        let prepared = handler.prepare(env, &event, precheck).await?;
         boxoffice_faults::check_consumer(name, "after_remote")?;
         let mut tx = pool.begin().await?;
         if !inbox::record(&mut tx, name, env.event_id).await? {
@@ -492,8 +517,8 @@ pub async fn handle_batch<H: Handler>(
     Ok(out)
 }
 
-/// `run`'s remote work, then one transaction for it. First, outside any transaction, every
-/// message's `prepare` (for a handler that [`Handler::calls_out`], its provider calls, each
+/// `run`'s remote work, then one transaction for it. First, outside any transaction, the
+/// handler's [`Handler::precheck`] of the whole run (one read), then every message's `prepare` (for a handler that [`Handler::calls_out`], its provider calls, each
 /// with its stable idempotency key), all at once — they are of different orders — each in
 /// its message's consumer span; a message the inbox already holds is not prepared when the
 /// handler asks the runner to check (a handler that [`Handler::prechecks_inbox`] checks
@@ -518,21 +543,24 @@ async fn apply_shared<H: Handler>(
 ) -> Result<Vec<Option<Disposition>>, HandlerError> {
     let name = handler.name();
     let runner_checks_inbox = handler.calls_out() && !handler.prechecks_inbox();
+    // What the `prepare`s check first, read for all of them at once.
+    let prechecks = prechecks_of(handler, run).await?;
     // Every call is let finish (none is abandoned half-way).
-    let outcomes: Vec<Result<Option<H::Prepared>, HandlerError>> =
-        futures::future::join_all(run.iter().zip(&spans).map(|((env, event), span)| {
+    let outcomes: Vec<Result<Option<H::Prepared>, HandlerError>> = futures::future::join_all(
+        run.iter().zip(&spans).zip(prechecks).map(|(((env, event), span), precheck)| {
             async move {
                 if runner_checks_inbox && inbox::seen(pool, name, env.event_id).await? {
                     return Ok::<_, HandlerError>(None);
                 }
                 boxoffice_faults::check_consumer(name, "before_remote")?;
-                let prepared = handler.prepare(env, event).await?;
+                let prepared = handler.prepare(env, event, precheck).await?;
                 boxoffice_faults::check_consumer(name, "after_remote")?;
                 Ok(Some(prepared))
             }
             .instrument(span.clone())
-        }))
-        .await;
+        }),
+    )
+    .await;
     // A message whose `prepare` failed is left out whole (no inbox row, no effect): the caller
     // processes it alone. The others' answers are recorded, not thrown away with it.
     let mut prepared: Vec<Option<H::Prepared>> = Vec::with_capacity(run.len());
@@ -593,6 +621,21 @@ async fn apply_shared<H: Handler>(
     boxoffice_faults::check_consumer(name, "before_ack")?;
     Followers::after_commit(&followed)?;
     Ok(out)
+}
+
+/// [`Handler::precheck`] of `run`, one per message or an error.
+async fn prechecks_of<H: Handler>(
+    handler: &H,
+    run: &[(&Envelope, &PurchaseEvent)],
+) -> Result<Vec<H::Precheck>, HandlerError> {
+    let prechecks = handler.precheck(run).await?;
+    if prechecks.len() != run.len() {
+        return Err(HandlerError::permanent(
+            "precheck_count",
+            anyhow::anyhow!("{} pre-checks for {} messages", prechecks.len(), run.len()),
+        ));
+    }
+    Ok(prechecks)
 }
 
 /// Following `env`'s facts through failed: the transaction is gone, the message is applied

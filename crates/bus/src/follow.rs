@@ -69,7 +69,7 @@ pub trait Follower: Send + Sync + 'static {
 }
 
 #[async_trait]
-impl<H: Handler<Prepared = ()>> Follower for H {
+impl<H: Handler<Prepared = (), Precheck = ()>> Follower for H {
     fn name(&self) -> &'static str {
         Handler::name(self)
     }
@@ -88,7 +88,7 @@ impl<H: Handler<Prepared = ()>> Follower for H {
         env: &Envelope,
         event: &PurchaseEvent,
     ) -> Result<Vec<Envelope>, HandlerError> {
-        self.prepare(env, event).await?;
+        self.prepare(env, event, ()).await?;
         Handler::apply(self, tx, env, event, ()).await
     }
 }
@@ -139,7 +139,7 @@ impl Followers {
 
     /// `handler` follows facts through too. Panics on a handler that calls out: its remote
     /// call would run inside another consumer's transaction.
-    pub fn with<H: Handler<Prepared = ()>>(mut self, handler: Arc<H>) -> Self {
+    pub fn with<H: Handler<Prepared = (), Precheck = ()>>(mut self, handler: Arc<H>) -> Self {
         assert!(
             !handler.calls_out(),
             "{} calls out: it cannot follow inside a transaction",

@@ -42,18 +42,6 @@ pub async fn record_all(
     }
 }
 
-/// A message a consumer is about to act on, for pre-checks that read the inbox in the same
-/// statement as what they check (`orders::awaits_payment_intent`, `orders::status_with_hold`,
-/// `payments::get_unless_applied`): `None` from them means `consumer` applied `event_id`
-/// already. [`record`] in the effect's transaction stays the guard.
-#[derive(Debug, Clone, Copy)]
-pub struct Delivery<'a> {
-    /// The consumer (inbox key).
-    pub consumer: &'a str,
-    /// The message's event id.
-    pub event_id: Uuid,
-}
-
 /// Whether `consumer` already applied `event_id` (outside any transaction: a pre-check that
 /// spares a remote call for a known duplicate; [`record`] stays the guard).
 pub async fn seen(pool: &sqlx::PgPool, consumer: &str, event_id: Uuid) -> Result<bool, sqlx::Error> {

@@ -135,59 +135,6 @@ pub async fn lock_many(tx: &mut Tx<'_>, ids: &[Uuid]) -> Result<Vec<OrderRow>, s
     .await
 }
 
-/// Whether order `id` still waits for its PaymentIntent (no lock, one statement): it exists,
-/// is `held`, and has no payment row. The payment worker's pre-check before creating an
-/// intent: an order has at most one payment row, so an intent created for an order that has
-/// one could never be recorded (a second authorization request for one order — an older
-/// writer's, a replayed or forged one — creates nothing). `None` when `delivery` is in the
-/// inbox already (read in the same statement).
-pub async fn awaits_payment_intent(
-    pool: &PgPool,
-    id: OrderId,
-    delivery: crate::inbox::Delivery<'_>,
-) -> Result<Option<bool>, StoreError> {
-    let (seen, waits): (bool, bool) = sqlx::query_as(
-        "SELECT EXISTS (SELECT 1 FROM inbox WHERE consumer = $3 AND event_id = $4),
-                COALESCE((SELECT o.status = $2 AND NOT EXISTS (SELECT 1 FROM payments p WHERE p.order_id = o.id)
-                            FROM orders o WHERE o.id = $1), false)",
-    )
-    .bind(id.0)
-    .bind(OrderStatus::Held.as_str())
-    .bind(delivery.consumer)
-    .bind(delivery.event_id)
-    .fetch_one(pool)
-    .await?;
-    Ok((!seen).then_some(waits))
-}
-
-/// The order's status and its hold's (no lock; `Some(None)` when either is missing): the
-/// capture pre-check (case C06: capture only a confirmed hold). `None` when `delivery` is in
-/// the inbox already (read in the same statement).
-pub async fn status_with_hold(
-    pool: &PgPool,
-    id: OrderId,
-    delivery: crate::inbox::Delivery<'_>,
-) -> Result<Option<Option<(OrderStatus, HoldStatus)>>, StoreError> {
-    let (seen, order, hold): (bool, Option<String>, Option<String>) = sqlx::query_as(
-        "SELECT EXISTS (SELECT 1 FROM inbox WHERE consumer = $2 AND event_id = $3), o.status, h.status
-           FROM (SELECT 1) one
-           LEFT JOIN (orders o JOIN holds h ON h.order_id = o.id) ON o.id = $1",
-    )
-    .bind(id.0)
-    .bind(delivery.consumer)
-    .bind(delivery.event_id)
-    .fetch_one(pool)
-    .await?;
-    if seen {
-        return Ok(None);
-    }
-    let (Some(o), Some(h)) = (order, hold) else { return Ok(Some(None)) };
-    Ok(Some(Some((
-        OrderStatus::try_from(o).map_err(|e| StoreError::Corrupt(e.to_string()))?,
-        HoldStatus::try_from(h).map_err(|e| StoreError::Corrupt(e.to_string()))?,
-    ))))
-}
-
 /// The order's total (minor units) and correlation id, or `None` when it does not exist:
 /// what webhook ingress compares a Stripe amount with and copies onto the fact it records.
 pub async fn amount_and_correlation<'e, E: sqlx::Executor<'e, Database = sqlx::Postgres>>(

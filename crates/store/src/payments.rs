@@ -10,7 +10,7 @@
 //! status (`canceled`, `succeeded`) for another, as Stripe never does.
 
 use crate::{IllegalTransition, StoreError};
-use boxoffice_domain::{OrderId, OrderStatus, PaymentIntentStatus, PaymentUpdate};
+use boxoffice_domain::{HoldStatus, OrderId, OrderStatus, PaymentIntentStatus, PaymentUpdate};
 use chrono::{DateTime, Utc};
 use sqlx::{Executor, PgPool, Postgres};
 use uuid::Uuid;
@@ -211,34 +211,80 @@ fn order_payment(order: OrderId, r: OrderPaymentRow) -> Result<Option<OrderPayme
     }))
 }
 
-/// [`get`] outside any transaction, with whether `delivery` is in the inbox already, in one
-/// statement: `None` when it is (the pre-check of a payment command that calls the provider).
-pub async fn get_unless_applied(
-    pool: &PgPool,
-    order: OrderId,
-    delivery: crate::inbox::Delivery<'_>,
-) -> Result<Option<Option<PaymentRow>>, sqlx::Error> {
-    let r: SeenPaymentRow = sqlx::query_as(
-        "SELECT EXISTS (SELECT 1 FROM inbox WHERE consumer = $2 AND event_id = $3),
-                p.payment_intent_id, p.status, p.amount_minor, p.currency, p.amount_captured_minor,
-                p.amount_refunded_minor, p.capture_before, p.last_error_code, p.dispute_id, p.dispute_status
-           FROM (SELECT 1) one LEFT JOIN payments p ON p.order_id = $1",
-    )
-    .bind(order.0)
-    .bind(delivery.consumer)
-    .bind(delivery.event_id)
-    .fetch_one(pool)
-    .await?;
-    let (seen, payment) = (r.0, (r.1, r.2, r.3, r.4, r.5, r.6, r.7, r.8, r.9, r.10));
-    if seen {
-        return Ok(None);
-    }
-    Ok(Some(payment_of(order, payment)))
+/// What the ledger says about one payment command before its provider call: whether the
+/// consumer applied the command already, and the order, hold and payment it is about.
+/// Read outside any transaction ([`prechecks`]); [`crate::inbox::record`] in the effect's
+/// transaction stays the guard against a duplicate.
+#[derive(Debug, Clone, Default)]
+pub struct Precheck {
+    /// The command's event id is in the consumer's inbox: applied already, call no one.
+    pub applied: bool,
+    /// The order's status; `None` without the order.
+    pub order_status: Option<OrderStatus>,
+    /// Its hold's status; `None` without a hold.
+    pub hold_status: Option<HoldStatus>,
+    /// Its payment row; `None` before a PaymentIntent is recorded.
+    pub payment: Option<PaymentRow>,
 }
 
-/// Whether a delivery is in the inbox, then a [`MaybePayment`].
-type SeenPaymentRow = (
+/// The [`Precheck`] of each `(order, event id)` of `commands` for `consumer`, in one
+/// statement whatever their number (a lane's batch of payment commands, or one alone),
+/// outside any transaction, in the order given. Errors: the read's, or a status column
+/// this build cannot parse ([`StoreError::Corrupt`]).
+pub async fn prechecks(
+    pool: &PgPool,
+    consumer: &str,
+    commands: &[(OrderId, Uuid)],
+) -> Result<Vec<Precheck>, StoreError> {
+    let (orders, events): (Vec<Uuid>, Vec<Uuid>) = commands.iter().map(|(o, e)| (o.0, *e)).unzip();
+    let rows: Vec<PrecheckRow> = sqlx::query_as(
+        "SELECT c.k, EXISTS (SELECT 1 FROM inbox i WHERE i.consumer = $1 AND i.event_id = c.event_id),
+                o.status, h.status,
+                p.payment_intent_id, p.status, p.amount_minor, p.currency, p.amount_captured_minor,
+                p.amount_refunded_minor, p.capture_before, p.last_error_code, p.dispute_id, p.dispute_status
+           FROM unnest($2::uuid[], $3::uuid[]) WITH ORDINALITY AS c (order_id, event_id, k)
+           LEFT JOIN orders o ON o.id = c.order_id
+           LEFT JOIN holds h ON h.order_id = c.order_id
+           LEFT JOIN payments p ON p.order_id = c.order_id
+          ORDER BY c.k",
+    )
+    .bind(consumer)
+    .bind(&orders)
+    .bind(&events)
+    .fetch_all(pool)
+    .await?;
+    if rows.len() != commands.len() {
+        return Err(StoreError::Corrupt(format!(
+            "{} pre-checks read for {} commands",
+            rows.len(),
+            commands.len()
+        )));
+    }
+    let corrupt = |e: String| StoreError::Corrupt(e);
+    rows.into_iter()
+        .zip(&orders)
+        .map(|(r, order)| {
+            Ok(Precheck {
+                applied: r.1,
+                order_status: r
+                    .2
+                    .map(OrderStatus::try_from)
+                    .transpose()
+                    .map_err(|e| corrupt(e.to_string()))?,
+                hold_status: r.3.map(HoldStatus::try_from).transpose().map_err(|e| corrupt(e.to_string()))?,
+                payment: payment_of(OrderId(*order), (r.4, r.5, r.6, r.7, r.8, r.9, r.10, r.11, r.12, r.13)),
+            })
+        })
+        .collect()
+}
+
+/// Position, whether the command is in the inbox, the order's and hold's statuses, then a
+/// [`MaybePayment`].
+type PrecheckRow = (
+    i64,
     bool,
+    Option<String>,
+    Option<String>,
     Option<String>,
     Option<String>,
     Option<i64>,

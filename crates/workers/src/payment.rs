@@ -15,6 +15,12 @@
 //! the fact's stored `traceparent` (design §16), all taken from the fact, so every retry of
 //! `authorize:{event_id}` sends identical parameters, as Stripe requires of one key.
 //!
+//! Before any call, each command's pre-check reads the ledger outside any transaction:
+//! whether the command is in this consumer's inbox (then no call), and the order, its hold
+//! and its payment row — for a lane's batch, one statement for all its commands
+//! ([`payments::prechecks`]). The inbox row the effect's transaction inserts stays the guard
+//! against a duplicate that got past it.
+//!
 //! The provider's answer is then recorded (payment row + the resulting fact in the outbox) in
 //! the consumer's inbox transaction — with those of the other commands of its lane's batch
 //! when several were queued (`boxoffice_bus::consumer`, "Batches": their calls are made
@@ -42,8 +48,7 @@ use boxoffice_domain::{
 use boxoffice_payments::{
     CreatePaymentIntent, PaymentGateway, PaymentIntent, PaymentIntentStatus, StripeError,
 };
-use boxoffice_store::inbox::{self, Delivery};
-use boxoffice_store::{holds, orders, payments, stripe_events, Tx};
+use boxoffice_store::{holds, payments, stripe_events, Tx};
 use sqlx::PgPool;
 use std::sync::Arc;
 
@@ -131,14 +136,11 @@ impl PaymentWorker {
         order: OrderId,
         payment_intent_id: &str,
         reason: &str,
-        delivery: Delivery<'_>,
+        recorded: Option<payments::PaymentRow>,
     ) -> Result<Prepared, HandlerError> {
         let g = &*self.gateway;
-        // The ledger's payment row (read before the provider is asked: it is written once,
-        // by the intent's creation), and whether this command was applied already.
-        let Some(recorded) = payments::get_unless_applied(&self.pool, order, delivery).await? else {
-            return Ok(Prepared::Skipped(ALREADY_APPLIED));
-        };
+        // `recorded`: the ledger's payment row, read before the provider is asked (it is
+        // written once, by the intent's creation).
         // A capture claimed while the saga's capture was outstanding, recorded since from
         // the provider's answer to the capture call: the claim now agrees with the ledger, as
         // one judged known on arrival would (its amount was checked against the order's when
@@ -196,15 +198,11 @@ impl PaymentWorker {
     /// `payment_intent_id`; refuted when the provider does not know it or it is another's.
     async fn refresh_dispute(
         &self,
-        order: OrderId,
         payment_intent_id: &str,
         dispute_id: &str,
-        delivery: Delivery<'_>,
+        recorded: Option<payments::PaymentRow>,
     ) -> Result<Prepared, HandlerError> {
         let refuted = |why| Ok(Prepared::Refuted { payment_intent_id: payment_intent_id.to_owned(), why });
-        let Some(recorded) = payments::get_unless_applied(&self.pool, order, delivery).await? else {
-            return Ok(Prepared::Skipped(ALREADY_APPLIED));
-        };
         let dispute = match self.gateway.retrieve_dispute(dispute_id).await {
             Ok(d) => d,
             Err(e) if e.status() == Some(404) => return refuted("unknown_dispute"),
@@ -260,17 +258,41 @@ impl Handler for PaymentWorker {
         COMMANDS.contains(&kind)
     }
 
-    async fn prepare(&self, env: &Envelope, event: &PurchaseEvent) -> Result<Prepared, HandlerError> {
+    type Precheck = payments::Precheck;
+
+    /// Every command's pre-check, for a lane's whole batch in one statement
+    /// ([`payments::prechecks`]): whether it is in the inbox already, and the order, hold and
+    /// payment it is about.
+    async fn precheck(
+        &self,
+        run: &[(&Envelope, &PurchaseEvent)],
+    ) -> Result<Vec<payments::Precheck>, HandlerError> {
+        let commands: Vec<(OrderId, uuid::Uuid)> =
+            run.iter().map(|(env, event)| (event.order_id(), env.event_id)).collect();
+        Ok(payments::prechecks(&self.pool, NAME, &commands).await?)
+    }
+
+    async fn prepare(
+        &self,
+        env: &Envelope,
+        event: &PurchaseEvent,
+        pre: payments::Precheck,
+    ) -> Result<Prepared, HandlerError> {
         let g = &*self.gateway;
-        // Every command reads the inbox before any remote call, in its pre-check's statement
+        // Every command's pre-check read the inbox before any remote call
         // (`Handler::prechecks_inbox`): a known duplicate costs no provider call.
-        let delivery = Delivery { consumer: NAME, event_id: env.event_id };
+        if pre.applied {
+            return Ok(Prepared::Skipped(ALREADY_APPLIED));
+        }
         match event {
             PurchaseEvent::PaymentAuthorizationRequested { order_id, hold_id, amount_minor, currency } => {
-                match orders::awaits_payment_intent(&self.pool, *order_id, delivery).await? {
-                    None => return Ok(Prepared::Skipped(ALREADY_APPLIED)),
-                    Some(false) => return Ok(Prepared::Skipped("order_not_awaiting_payment_intent")),
-                    Some(true) => {}
+                // Only an order still waiting for its PaymentIntent (`held`, no payment row)
+                // gets one: an order has at most one payment row, so an intent created for an
+                // order that has one could never be recorded (a second authorization request
+                // for one order — an older writer's, a replayed or forged one — creates
+                // nothing).
+                if pre.order_status != Some(OrderStatus::Held) || pre.payment.is_some() {
+                    return Ok(Prepared::Skipped("order_not_awaiting_payment_intent"));
                 }
                 let req = CreatePaymentIntent {
                     amount_minor: *amount_minor,
@@ -301,12 +323,10 @@ impl Handler for PaymentWorker {
             }
             PurchaseEvent::CaptureRequested { order_id, payment_intent_id, .. } => {
                 // Case C06: never capture without a confirmed hold.
-                match orders::status_with_hold(&self.pool, *order_id, delivery).await? {
-                    None => return Ok(Prepared::Skipped(ALREADY_APPLIED)),
-                    Some(s) if s != Some((OrderStatus::Confirming, HoldStatus::Confirmed)) => {
-                        return Ok(Prepared::Skipped("hold_not_confirmed"))
-                    }
-                    Some(_) => {}
+                if (pre.order_status, pre.hold_status)
+                    != (Some(OrderStatus::Confirming), Some(HoldStatus::Confirmed))
+                {
+                    return Ok(Prepared::Skipped("hold_not_confirmed"));
                 }
                 match g.capture_payment_intent(payment_intent_id, &format!("capture:{order_id}")).await {
                     Ok(pi) => Ok(Prepared::Intent(pi)),
@@ -327,9 +347,6 @@ impl Handler for PaymentWorker {
                 }
             }
             PurchaseEvent::AuthorizationCancelRequested { payment_intent_id, .. } => {
-                if inbox::seen(&self.pool, NAME, env.event_id).await? {
-                    return Ok(Prepared::Skipped(ALREADY_APPLIED));
-                }
                 // One key per PaymentIntent, not per order: an order may have a stale
                 // authorization to cancel besides its own, and a key reused with another
                 // intent is refused by Stripe (invariant 6).
@@ -344,9 +361,6 @@ impl Handler for PaymentWorker {
                 }
             }
             PurchaseEvent::RefundRequested { order_id, payment_intent_id, .. } => {
-                if inbox::seen(&self.pool, NAME, env.event_id).await? {
-                    return Ok(Prepared::Skipped(ALREADY_APPLIED));
-                }
                 // One key per PaymentIntent, as for a cancel: an order may have a stray
                 // capture to refund besides its own. A refund first sent under another key
                 // and retried under this one finds the charge refunded: recorded as done.
@@ -374,10 +388,10 @@ impl Handler for PaymentWorker {
                 }
             }
             PurchaseEvent::PaymentIntentRefreshRequested { order_id, payment_intent_id, reason } => {
-                self.refresh_intent(*order_id, payment_intent_id, reason, delivery).await
+                self.refresh_intent(*order_id, payment_intent_id, reason, pre.payment).await
             }
-            PurchaseEvent::DisputeRefreshRequested { order_id, payment_intent_id, dispute_id } => {
-                self.refresh_dispute(*order_id, payment_intent_id, dispute_id, delivery).await
+            PurchaseEvent::DisputeRefreshRequested { payment_intent_id, dispute_id, .. } => {
+                self.refresh_dispute(payment_intent_id, dispute_id, pre.payment).await
             }
             _ => Ok(Prepared::Skipped("not_a_payment_command")),
         }

@@ -35,6 +35,7 @@ pub const NAME: &str = boxoffice_domain::consumers::SAGA;
 #[async_trait]
 impl Handler for Saga {
     type Prepared = ();
+    type Precheck = ();
 
     fn name(&self) -> &'static str {
         NAME
@@ -48,7 +49,7 @@ impl Handler for Saga {
         saga::acts_on(event)
     }
 
-    async fn prepare(&self, _: &Envelope, _: &PurchaseEvent) -> Result<(), HandlerError> {
+    async fn prepare(&self, _: &Envelope, _: &PurchaseEvent, _: ()) -> Result<(), HandlerError> {
         Ok(())
     }
 

@@ -22,6 +22,7 @@ pub const NAME: &str = boxoffice_domain::consumers::TICKETS;
 #[async_trait]
 impl Handler for TicketWorker {
     type Prepared = ();
+    type Precheck = ();
 
     fn name(&self) -> &'static str {
         NAME
@@ -31,7 +32,7 @@ impl Handler for TicketWorker {
         kind == EventKind::TicketIssueRequested
     }
 
-    async fn prepare(&self, _: &Envelope, _: &PurchaseEvent) -> Result<(), HandlerError> {
+    async fn prepare(&self, _: &Envelope, _: &PurchaseEvent, _: ()) -> Result<(), HandlerError> {
         Ok(())
     }
 

@@ -32,6 +32,7 @@ struct Probe {
 #[async_trait]
 impl Handler for Probe {
     type Prepared = ();
+    type Precheck = ();
 
     fn name(&self) -> &'static str {
         "probe"
@@ -41,7 +42,7 @@ impl Handler for Probe {
         kind == EventKind::TicketIssueRequested
     }
 
-    async fn prepare(&self, _: &Envelope, _: &PurchaseEvent) -> Result<(), HandlerError> {
+    async fn prepare(&self, _: &Envelope, _: &PurchaseEvent, _: ()) -> Result<(), HandlerError> {
         Ok(())
     }
 
@@ -266,6 +267,7 @@ struct Caller {
 #[async_trait]
 impl Handler for Caller {
     type Prepared = ();
+    type Precheck = ();
 
     fn name(&self) -> &'static str {
         "caller"
@@ -279,7 +281,7 @@ impl Handler for Caller {
         true
     }
 
-    async fn prepare(&self, env: &Envelope, _: &PurchaseEvent) -> Result<(), HandlerError> {
+    async fn prepare(&self, env: &Envelope, _: &PurchaseEvent, _: ()) -> Result<(), HandlerError> {
         sqlx::query("INSERT INTO caller_calls (event_id, at) VALUES ($1, clock_timestamp())")
             .bind(env.event_id)
             .execute(&self.pool)
@@ -603,5 +605,142 @@ async fn a_process_keeps_its_stripe_calls_in_flight_within_its_bound(
     calls(Arc::new(app.stripe()), "unbounded").await;
     assert!(app.sim.stats().peak_requests_in_flight > 3, "unbounded, the same calls overlap further");
     assert_eq!(app.sim.stats().payment_intents_created, 24);
+    app.stop().await;
+}
+
+/// Counts the [`Handler::precheck`] reads the runner asks of the payment worker it wraps,
+/// with the number of messages each covered; everything else is the worker's.
+struct CountingPrechecks {
+    inner: boxoffice_workers::payment::PaymentWorker,
+    reads: std::sync::Mutex<Vec<usize>>,
+}
+
+#[async_trait]
+impl Handler for CountingPrechecks {
+    type Prepared = boxoffice_workers::payment::Prepared;
+    type Precheck = boxoffice_store::payments::Precheck;
+
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+
+    fn wants(&self, kind: EventKind) -> bool {
+        self.inner.wants(kind)
+    }
+
+    fn calls_out(&self) -> bool {
+        self.inner.calls_out()
+    }
+
+    fn prechecks_inbox(&self) -> bool {
+        self.inner.prechecks_inbox()
+    }
+
+    async fn precheck(
+        &self,
+        run: &[(&Envelope, &PurchaseEvent)],
+    ) -> Result<Vec<Self::Precheck>, HandlerError> {
+        self.reads.lock().unwrap().push(run.len());
+        self.inner.precheck(run).await
+    }
+
+    async fn prepare(
+        &self,
+        env: &Envelope,
+        event: &PurchaseEvent,
+        pre: Self::Precheck,
+    ) -> Result<Self::Prepared, HandlerError> {
+        self.inner.prepare(env, event, pre).await
+    }
+
+    async fn apply(
+        &self,
+        tx: &mut boxoffice_store::Tx<'_>,
+        env: &Envelope,
+        event: &PurchaseEvent,
+        prepared: Self::Prepared,
+    ) -> Result<Vec<Envelope>, HandlerError> {
+        self.inner.apply(tx, env, event, prepared).await
+    }
+}
+
+/// A lane's batch of payment commands reads what their calls check first (the inbox, the
+/// order, its hold and payment) once for the whole batch, not once per command, and what it
+/// reads is the ledger's: before the batch, each order `held` with an `active` hold and no
+/// payment; after it, each command applied and each order's payment the intent the
+/// simulator created for it; an order the ledger does not know has nothing. A copy of the
+/// batch is read once too, and calls no one.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn a_batch_of_payment_commands_reads_its_prechecks_once(_: PgPoolOptions, opts: PgConnectOptions) {
+    use boxoffice_domain::{HoldStatus, OrderStatus};
+    use boxoffice_store::payments::prechecks;
+    let app = TestApp::spawn(opts, &[Role::Api], VenueSpec::small(1, 2, 4)).await;
+    let seats = app.seats().await;
+    let mut orders = Vec::new();
+    for (i, seat) in seats.iter().take(5).enumerate() {
+        let b = app.buyer();
+        let r = app.hold(&b, &app.admission_token(&b), &format!("pre-{i}"), &[*seat]).await;
+        assert_eq!(r.status().as_u16(), 202, "{:?}", r.text().await);
+        let v: serde_json::Value = r.json().await.unwrap();
+        orders.push(v["order_id"].as_str().unwrap().parse::<Uuid>().unwrap());
+    }
+    let keys: Vec<String> = orders.iter().map(Uuid::to_string).collect();
+    let cmds: Vec<Envelope> = sqlx::query_scalar::<_, serde_json::Value>(
+        "SELECT payload FROM outbox WHERE event_type = 'PaymentAuthorizationRequested'
+           AND message_key = ANY($1) ORDER BY created_at, id",
+    )
+    .bind(&keys)
+    .fetch_all(&app.pool)
+    .await
+    .unwrap()
+    .into_iter()
+    .map(|p| serde_json::from_value(p).unwrap())
+    .collect();
+    assert_eq!(cmds.len(), 5);
+    let name = boxoffice_workers::payment::NAME;
+    let asked: Vec<(OrderId, Uuid)> = cmds.iter().map(|c| (OrderId(c.aggregate_id), c.event_id)).collect();
+
+    let before = prechecks(&app.pool, name, &asked).await.unwrap();
+    assert_eq!(before.len(), 5);
+    for p in &before {
+        assert!(!p.applied && p.payment.is_none(), "{p:?}");
+        assert_eq!((p.order_status, p.hold_status), (Some(OrderStatus::Held), Some(HoldStatus::Active)));
+    }
+    let gateway: Arc<dyn boxoffice_payments::PaymentGateway> = Arc::new(app.stripe());
+    let worker = CountingPrechecks {
+        inner: boxoffice_workers::payment::PaymentWorker::new(
+            gateway,
+            app.pool.clone(),
+            app.cfg.hold_policy(),
+        ),
+        reads: Default::default(),
+    };
+    let none = boxoffice_bus::Followers::none();
+    let created = app.sim.stats().payment_intents_created;
+    let done = handle_batch(&app.pool, &worker, &none, &cmds).await.unwrap();
+    assert_eq!(done, vec![Some(Disposition::Applied); 5]);
+    assert_eq!(*worker.reads.lock().unwrap(), vec![5], "one pre-check read for the batch of five");
+    assert_eq!(app.sim.stats().payment_intents_created - created, 5);
+
+    // In the order asked, a stranger's order in the middle.
+    let mut again = asked.clone();
+    again.insert(2, (OrderId(Uuid::new_v4()), Uuid::new_v4()));
+    let after = prechecks(&app.pool, name, &again).await.unwrap();
+    assert_eq!(after.len(), 6);
+    let stranger = &after[2];
+    assert!(!stranger.applied && stranger.order_status.is_none() && stranger.hold_status.is_none());
+    assert!(stranger.payment.is_none());
+    for ((order, _), p) in again.iter().zip(&after).filter(|((o, _), _)| orders.contains(&o.0)) {
+        assert!(p.applied, "order {order}: its command is in the inbox");
+        let payment = p.payment.as_ref().expect("the payment recorded");
+        assert_eq!(payment.order_id, order.0);
+        let intent = app.sim.payment_intent(&payment.payment_intent_id).expect("the simulator's intent");
+        assert_eq!(intent["metadata"]["order_id"], order.0.to_string());
+    }
+
+    let copy = handle_batch(&app.pool, &worker, &none, &cmds).await.unwrap();
+    assert_eq!(copy, vec![Some(Disposition::Duplicate); 5]);
+    assert_eq!(*worker.reads.lock().unwrap(), vec![5, 5], "the copy's pre-checks in one read too");
+    assert_eq!(app.sim.stats().payment_intents_created - created, 5, "a copy calls no one");
     app.stop().await;
 }

@@ -145,6 +145,7 @@ struct Writer;
 #[async_trait]
 impl Handler for Writer {
     type Prepared = ();
+    type Precheck = ();
 
     fn name(&self) -> &'static str {
         "writer"
@@ -154,7 +155,7 @@ impl Handler for Writer {
         kind == EventKind::OrderConfirmed
     }
 
-    async fn prepare(&self, _: &Envelope, _: &PurchaseEvent) -> Result<(), HandlerError> {
+    async fn prepare(&self, _: &Envelope, _: &PurchaseEvent, _: ()) -> Result<(), HandlerError> {
         Ok(())
     }
 
@@ -186,6 +187,7 @@ struct Follower {
 #[async_trait]
 impl Handler for Follower {
     type Prepared = ();
+    type Precheck = ();
 
     fn name(&self) -> &'static str {
         "follower"
@@ -195,7 +197,7 @@ impl Handler for Follower {
         kind == EventKind::TicketIssueRequested
     }
 
-    async fn prepare(&self, _: &Envelope, _: &PurchaseEvent) -> Result<(), HandlerError> {
+    async fn prepare(&self, _: &Envelope, _: &PurchaseEvent, _: ()) -> Result<(), HandlerError> {
         Ok(())
     }
 

@@ -230,13 +230,14 @@ struct Counting(AtomicUsize);
 #[async_trait::async_trait]
 impl Handler for Counting {
     type Prepared = ();
+    type Precheck = ();
     fn name(&self) -> &'static str {
         "counting"
     }
     fn wants(&self, _: EventKind) -> bool {
         true
     }
-    async fn prepare(&self, _: &Envelope, _: &PurchaseEvent) -> Result<(), HandlerError> {
+    async fn prepare(&self, _: &Envelope, _: &PurchaseEvent, _: ()) -> Result<(), HandlerError> {
         Ok(())
     }
     async fn apply(
