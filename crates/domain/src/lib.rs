@@ -19,4 +19,4 @@ pub use events::{Envelope, EventKind, PurchaseEvent, Topic};
 pub use hold::HoldPolicy;
 pub use ids::{EventId, HoldId, OrderId, SeatId, UserId};
 pub use money::Money;
-pub use status::{HoldStatus, OrderStatus, PaymentIntentStatus, PaymentUpdate};
+pub use status::{CaptureDeadline, HoldStatus, OrderStatus, PaymentIntentStatus, PaymentUpdate};

@@ -47,7 +47,7 @@ use chrono::{DateTime, Utc};
 
 use crate::events::{EventKind, PurchaseEvent};
 use crate::ids::{EventId, HoldId, OrderId, SeatId};
-use crate::status::{HoldStatus, OrderStatus, PaymentIntentStatus, PaymentUpdate};
+use crate::status::{CaptureDeadline, HoldStatus, OrderStatus, PaymentIntentStatus, PaymentUpdate};
 
 /// The facts the saga consumes (its consumer routes on these).
 pub const FACTS: [EventKind; 9] = [
@@ -194,8 +194,6 @@ pub enum Step {
         /// Stripe's decline code.
         reason: String,
     },
-    /// Record the default capture deadline when none is known (case C09).
-    DefaultCaptureBefore,
     /// Move the hold (seats are released for `expired` and `released`).
     MoveHold(HoldStatus),
     /// Compensation for a hold that must not keep its seats: expire it as the expiry worker
@@ -402,7 +400,9 @@ fn intent_created(s: &Snapshot, payment_intent_id: &str) -> Vec<Step> {
 }
 
 /// Forward, on PaymentAuthorized: confirm a live hold and request the capture. Compensation: Cancel an
-/// authorization that came too late or names another PaymentIntent.
+/// authorization that came too late or names another PaymentIntent. The provider's capture
+/// deadline, when the fact states one, is recorded in every case; when the hold is confirmed,
+/// in the same write as the payment's status.
 fn authorized(
     s: &Snapshot,
     order_id: OrderId,
@@ -422,15 +422,14 @@ fn authorized(
     if s.order.awaits_authorization() {
         let hold = s.hold.ok_or(Refusal::MissingHold(order_id))?;
         if hold.is_live() {
-            steps.extend(confirm(s, order_id, hold.id, payment_intent_id));
-        } else {
-            // Expiry won the race (or is due and has not run yet): one legal end state, the
-            // seats released and the authorization cancelled.
-            if hold.status == HoldStatus::Active {
-                steps.push(Step::ExpireHold);
-            }
-            steps.extend(cancel_late_authorization(payment_intent_id));
+            return Ok(confirm(s, order_id, hold.id, payment_intent_id, capture_before));
         }
+        // Expiry won the race (or is due and has not run yet): one legal end state, the
+        // seats released and the authorization cancelled.
+        if hold.status == HoldStatus::Active {
+            steps.push(Step::ExpireHold);
+        }
+        steps.extend(cancel_late_authorization(payment_intent_id));
     } else if matches!(s.order, OrderStatus::Expired | OrderStatus::Failed) {
         steps.extend(cancel_late_authorization(payment_intent_id));
     }
@@ -438,13 +437,23 @@ fn authorized(
     Ok(steps)
 }
 
-/// Invariant 2: confirmed only with a live hold and an authorized payment.
-fn confirm(s: &Snapshot, order_id: OrderId, hold_id: HoldId, payment_intent_id: &str) -> Vec<Step> {
+/// Invariant 2: confirmed only with a live hold and an authorized payment. The payment
+/// records `requires_capture` and the capture deadline in one write: the provider's when it
+/// stated one, else the default validity unless one is recorded already (case C09).
+fn confirm(
+    s: &Snapshot,
+    order_id: OrderId,
+    hold_id: HoldId,
+    payment_intent_id: &str,
+    capture_before: Option<DateTime<Utc>>,
+) -> Vec<Step> {
     vec![
         Step::MoveHold(HoldStatus::Confirmed),
         move_order(OrderStatus::Confirming),
-        Step::MirrorPayment(PaymentUpdate::status(PaymentIntentStatus::RequiresCapture)),
-        Step::DefaultCaptureBefore,
+        Step::MirrorPayment(PaymentUpdate {
+            capture_before: capture_before.map_or(CaptureDeadline::DefaultIfUnknown, CaptureDeadline::Known),
+            ..PaymentUpdate::status(PaymentIntentStatus::RequiresCapture)
+        }),
         Step::Emit(PurchaseEvent::OrderConfirmed { order_id, hold_id }),
         Step::Emit(PurchaseEvent::CaptureRequested {
             order_id,

@@ -304,13 +304,35 @@ pub struct PaymentUpdate {
     pub amount_refunded_minor: Option<i64>,
     /// Stripe's error code of the last failed operation (`decline_code` or `code`).
     pub last_error_code: Option<String>,
+    /// What to record of the authorization's capture deadline.
+    pub capture_before: CaptureDeadline,
 }
 
 impl PaymentUpdate {
     /// A status change alone.
     pub fn status(status: PaymentIntentStatus) -> Self {
-        Self { status, amount_captured_minor: None, amount_refunded_minor: None, last_error_code: None }
+        Self {
+            status,
+            amount_captured_minor: None,
+            amount_refunded_minor: None,
+            last_error_code: None,
+            capture_before: CaptureDeadline::Keep,
+        }
     }
+}
+
+/// What a [`PaymentUpdate`] records of an authorization's capture deadline (after which the
+/// provider no longer captures it; case C09), in the same write as the status.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CaptureDeadline {
+    /// Leave the recorded deadline as it is.
+    #[default]
+    Keep,
+    /// The provider stated it (the charge's `capture_before`): record it.
+    Known(chrono::DateTime<chrono::Utc>),
+    /// None stated: when none is recorded yet, record the provider's default validity from
+    /// now (`boxoffice_store::payments::DEFAULT_AUTHORIZATION_VALIDITY_DAYS`).
+    DefaultIfUnknown,
 }
 
 impl From<&str> for PaymentIntentStatus {

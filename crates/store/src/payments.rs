@@ -10,7 +10,9 @@
 //! status (`canceled`, `succeeded`) for another, as Stripe never does.
 
 use crate::{IllegalTransition, StoreError};
-use boxoffice_domain::{HoldStatus, OrderId, OrderStatus, PaymentIntentStatus, PaymentUpdate};
+use boxoffice_domain::{
+    CaptureDeadline, HoldStatus, OrderId, OrderStatus, PaymentIntentStatus, PaymentUpdate,
+};
 use chrono::{DateTime, Utc};
 use sqlx::{Executor, PgPool, Postgres};
 use uuid::Uuid;
@@ -395,6 +397,8 @@ async fn write_status<'e, E: Executor<'e, Database = Postgres>>(
                 amount_refunded_minor = COALESCE($4, amount_refunded_minor),
                 last_error_code = COALESCE($5, last_error_code),
                 client_secret = CASE WHEN $2 = ANY($6) THEN client_secret ELSE NULL END,
+                capture_before = COALESCE($9, capture_before,
+                    CASE WHEN $10 THEN clock_timestamp() + make_interval(days => $11) END),
                 updated_at = clock_timestamp()
           WHERE payment_intent_id = $1 AND (status = ANY($7) OR NOT (status = ANY($8)))",
     )
@@ -406,6 +410,12 @@ async fn write_status<'e, E: Executor<'e, Database = Postgres>>(
     .bind(&keep_secret)
     .bind(&from)
     .bind(&known)
+    .bind(match update.capture_before {
+        CaptureDeadline::Known(t) => Some(t),
+        CaptureDeadline::Keep | CaptureDeadline::DefaultIfUnknown => None,
+    })
+    .bind(update.capture_before == CaptureDeadline::DefaultIfUnknown)
+    .bind(DEFAULT_AUTHORIZATION_VALIDITY_DAYS)
     .execute(ex)
     .await?;
     Ok(r.rows_affected() > 0)
@@ -536,19 +546,3 @@ pub async fn request_cancel_many<'e, E: Executor<'e, Database = Postgres>>(
 /// How long Stripe keeps an online card authorization capturable when it does not say
 /// (<https://docs.stripe.com/payments/place-a-hold-on-a-payment-method>: 7 days).
 pub const DEFAULT_AUTHORIZATION_VALIDITY_DAYS: i32 = 7;
-
-/// Records a capture deadline for `pi` if none is known yet: now + the default validity.
-pub async fn default_capture_before<'e, E: Executor<'e, Database = Postgres>>(
-    ex: E,
-    pi: &str,
-) -> Result<(), sqlx::Error> {
-    sqlx::query(
-        "UPDATE payments SET capture_before = COALESCE(capture_before, clock_timestamp() + make_interval(days => $2))
-          WHERE payment_intent_id = $1",
-    )
-    .bind(pi)
-    .bind(DEFAULT_AUTHORIZATION_VALIDITY_DAYS)
-    .execute(ex)
-    .await?;
-    Ok(())
-}

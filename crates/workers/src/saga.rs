@@ -155,7 +155,6 @@ async fn execute(
             Step::RecordDecline { reason } => {
                 payments::record_decline(&mut **tx, pi, reason).await?;
             }
-            Step::DefaultCaptureBefore => payments::default_capture_before(&mut **tx, pi).await?,
             Step::MoveHold(to) => {
                 let hold = locked.hold.as_mut().ok_or_else(|| missing_hold(order_id))?;
                 holds::transition(tx, hold, *to).await?;

@@ -91,10 +91,7 @@ impl World {
                     self.emitted.push(EventKind::TicketsVoided);
                 }
                 Step::MirrorDispute { .. } | Step::FlagTicketsDisputed | Step::RestoreDisputedTickets => {}
-                Step::SetCaptureBefore(_)
-                | Step::DefaultCaptureBefore
-                | Step::Incident { .. }
-                | Step::Count(_) => {}
+                Step::SetCaptureBefore(_) | Step::Incident { .. } | Step::Count(_) => {}
             }
         }
     }
@@ -274,6 +271,50 @@ fn an_authorization_confirms_only_a_live_hold_of_its_own_intent() {
         w.payment = None;
         w.apply(&fact(EventKind::PaymentAuthorized, PI));
         assert_eq!(w.order, OrderStatus::Confirming);
+    }
+}
+
+/// Case C09's deadline is recorded in the write that confirms: a confirmed authorization's
+/// payment update carries the provider's capture deadline when the fact states one, else the
+/// default (kept when one is recorded), and no second write does it; an authorization that is
+/// not confirmed (late, or another intent's) still records a stated deadline on its own.
+#[test]
+fn a_confirmed_authorization_records_its_capture_deadline_with_the_payment_status() {
+    let at = Utc::now() + chrono::Duration::days(6);
+    let authorized = |pi: &str, capture_before| PurchaseEvent::PaymentAuthorized {
+        order_id: OrderId(Uuid::nil()),
+        payment_intent_id: pi.into(),
+        amount_capturable_minor: 18_500,
+        capture_before,
+    };
+    let mirrors = |steps: &[Step]| -> Vec<CaptureDeadline> {
+        steps
+            .iter()
+            .filter_map(|s| match s {
+                Step::MirrorPayment(u) => Some(u.capture_before),
+                _ => None,
+            })
+            .collect()
+    };
+    let separate = |steps: &[Step]| steps.iter().filter(|s| matches!(s, Step::SetCaptureBefore(_))).count();
+    for (stated, want) in [(Some(at), CaptureDeadline::Known(at)), (None, CaptureDeadline::DefaultIfUnknown)]
+    {
+        let w = World::new(OrderStatus::PaymentRequired, HoldStatus::Active, false);
+        let steps = decide(&w.snapshot(PI), &authorized(PI, stated)).unwrap();
+        assert!(steps.contains(&Step::MoveHold(HoldStatus::Confirmed)), "{steps:?}");
+        assert_eq!(mirrors(&steps), vec![want], "{steps:?}");
+        assert_eq!(separate(&steps), 0, "one write: {steps:?}");
+    }
+    // Not confirmed: the stated deadline alone, in its own step; no default invented.
+    for (lapsed, pi) in [(true, PI), (false, OTHER_PI)] {
+        let w = World::new(OrderStatus::PaymentRequired, HoldStatus::Active, lapsed);
+        let steps = decide(&w.snapshot(pi), &authorized(pi, Some(at))).unwrap();
+        assert!(!steps.contains(&Step::MoveHold(HoldStatus::Confirmed)), "{steps:?}");
+        assert_eq!(separate(&steps), 1, "{steps:?}");
+        assert!(mirrors(&steps).iter().all(|d| *d == CaptureDeadline::Keep), "{steps:?}");
+        let steps = decide(&w.snapshot(pi), &authorized(pi, None)).unwrap();
+        assert_eq!(separate(&steps), 0, "{steps:?}");
+        assert!(mirrors(&steps).iter().all(|d| *d == CaptureDeadline::Keep), "{steps:?}");
     }
 }
 

@@ -347,7 +347,7 @@ async fn c03_expiry_racing_authorization_picks_one_legal_state(_: PgPoolOptions,
 /// C09: a confirmed order whose authorization is near Stripe's capture deadline and still not
 /// captured is released on purpose (seats free, order failed, authorization cancelled,
 /// incident recorded) instead of lapsing silently; an authorization that Stripe cancels
-/// before capture releases the seats too.
+/// before capture releases the seats too; a deadline the provider states is the one recorded.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn c09_capture_deadline_releases_or_cancels_deliberately(_: PgPoolOptions, opts: PgConnectOptions) {
     let l = ledger(opts).await;
@@ -401,6 +401,31 @@ async fn c09_capture_deadline_releases_or_cancels_deliberately(_: PgPoolOptions,
     handle_once(&l.pool, &Saga, &canceled).await.unwrap();
     assert_eq!(l.status(lapsed.order_id).await, "failed");
     assert_eq!(l.active_rows(s2).await, 0);
+
+    // A deadline the provider stated is the one recorded, not the default (to the µs).
+    let stated = l.hold(&[l.seats[7]], Duration::from_secs(60)).await;
+    let stated_pi = l.payment(stated.order_id).await;
+    let at = chrono::DateTime::from_timestamp(chrono::Utc::now().timestamp() + 2 * 86_400, 0).unwrap();
+    let fact = Envelope::new(
+        stated.order_id,
+        &PurchaseEvent::PaymentAuthorized {
+            order_id: stated.order_id,
+            payment_intent_id: stated_pi,
+            amount_capturable_minor: 100,
+            capture_before: Some(at),
+        },
+        Uuid::new_v4(),
+        None,
+    );
+    handle_once(&l.pool, &Saga, &fact).await.unwrap();
+    assert_eq!(l.status(stated.order_id).await, "confirming");
+    let (status, recorded): (String, Option<chrono::DateTime<chrono::Utc>>) =
+        sqlx::query_as("SELECT status, capture_before FROM payments WHERE order_id = $1")
+            .bind(stated.order_id.0)
+            .fetch_one(&l.pool)
+            .await
+            .unwrap();
+    assert_eq!((status.as_str(), recorded), ("requires_capture", Some(at)));
     let v = boxoffice_store::audit::violations(&l.pool, 600_000, None).await.unwrap();
     assert_eq!(v.total(), v.unpublished_outbox, "{v:?}");
 }
