@@ -278,7 +278,8 @@ pub struct Config {
     /// Concurrent lanes per member: messages are spread over lanes by order id, so one
     /// order's events stay ordered while different orders are applied in parallel. Each
     /// busy lane holds one database connection for its transaction; a payment lane's batch
-    /// also runs its pre-check reads at once, each borrowing a connection for one read.
+    /// first reads its commands' pre-checks in one statement, and a re-fetch whose intent the
+    /// ledger does not record for its order borrows one more for a read.
     pub consumer_lanes: usize,
     /// Most messages a lane of any consumer applies in one transaction (what has queued up
     /// for it, never waiting for more; `boxoffice_bus::consumer`, "Batches"); for the payment

@@ -50,7 +50,7 @@
 //! them into nothing; the payment worker's pre-check skips their provider call). It never
 //! contains a retry-topic copy, an undecodable envelope or a fact of another region epoch:
 //! those are processed alone, after the messages before them. A message whose `prepare`
-//! fails (a provider error) is left out of the transaction whole — no
+//! fails (a provider error, or a read of its own) is left out of the transaction whole — no
 //! inbox row, no effect — and processed alone after its commit, with its own attempts, retry
 //! topics and dead letter; the others' answers are recorded, so their calls are not made
 //! twice. If the batch's pre-check read or anything in the shared transaction fails (or every

@@ -116,6 +116,16 @@ pub enum DecodeError {
         #[source]
         source: serde_json::Error,
     },
+    /// The payload names another order than the envelope's `aggregate_id`: consumers batch,
+    /// order and lock by the envelope's order and act on the payload's, so such a fact (a
+    /// forged or corrupt one; every writer wraps a fact for its own order) is not applied.
+    #[error("payload of order {payload} in an envelope of order {envelope}")]
+    OtherOrder {
+        /// The envelope's `aggregate_id`.
+        envelope: Uuid,
+        /// The payload's order id.
+        payload: Uuid,
+    },
 }
 
 impl Envelope {
@@ -166,13 +176,18 @@ impl Envelope {
         Ok(env)
     }
 
-    /// The typed payload. Unknown event types decode as [`DecodeError::Payload`].
+    /// The typed payload. Unknown event types decode as [`DecodeError::Payload`]; a payload
+    /// of another order than `aggregate_id` as [`DecodeError::OtherOrder`].
     pub fn decode(&self) -> Result<PurchaseEvent, DecodeError> {
-        serde_json::from_value(serde_json::json!({
+        let event: PurchaseEvent = serde_json::from_value(serde_json::json!({
             "event_type": self.event_type,
             "payload": self.payload,
         }))
-        .map_err(|source| DecodeError::Payload { event_type: self.event_type.clone(), source })
+        .map_err(|source| DecodeError::Payload { event_type: self.event_type.clone(), source })?;
+        if event.order_id().0 != self.aggregate_id {
+            return Err(DecodeError::OtherOrder { envelope: self.aggregate_id, payload: event.order_id().0 });
+        }
+        Ok(event)
     }
 
     /// Whether `consumer` applied this fact in the transaction that committed it (it is in
@@ -402,6 +417,14 @@ mod tests {
         assert!(env.decode().is_ok());
         env.payload = serde_json::json!({"nope": 1});
         assert!(matches!(env.decode(), Err(DecodeError::Payload { .. })));
+        // Another order's payload in this order's envelope.
+        let other = OrderId::new();
+        let mut forged = env.follow(&PurchaseEvent::HoldExpired { order_id: order, hold_id: HoldId::new() });
+        forged.payload["order_id"] = serde_json::json!(other.0);
+        assert!(matches!(
+            forged.decode(),
+            Err(DecodeError::OtherOrder { envelope, payload }) if envelope == order.0 && payload == other.0
+        ));
         let mut v = serde_json::to_value(&env).unwrap();
         v["schema_version"] = 2.into();
         assert!(matches!(

@@ -231,8 +231,10 @@ pub struct Precheck {
 
 /// The [`Precheck`] of each `(order, event id)` of `commands` for `consumer`, in one
 /// statement whatever their number (a lane's batch of payment commands, or one alone),
-/// outside any transaction, in the order given. Errors: the read's, or a status column
-/// this build cannot parse ([`StoreError::Corrupt`]).
+/// outside any transaction, in the order given. An order or hold status this build does not
+/// know (a newer writer's, during a rolling deploy) reads as `None`, as a missing row does:
+/// no PaymentIntent is created and no capture sent for it, and a cancel or refund, which
+/// does not look at them, is not held up. Errors: the read's.
 pub async fn prechecks(
     pool: &PgPool,
     consumer: &str,
@@ -262,22 +264,16 @@ pub async fn prechecks(
             commands.len()
         )));
     }
-    let corrupt = |e: String| StoreError::Corrupt(e);
-    rows.into_iter()
+    Ok(rows
+        .into_iter()
         .zip(&orders)
-        .map(|(r, order)| {
-            Ok(Precheck {
-                applied: r.1,
-                order_status: r
-                    .2
-                    .map(OrderStatus::try_from)
-                    .transpose()
-                    .map_err(|e| corrupt(e.to_string()))?,
-                hold_status: r.3.map(HoldStatus::try_from).transpose().map_err(|e| corrupt(e.to_string()))?,
-                payment: payment_of(OrderId(*order), (r.4, r.5, r.6, r.7, r.8, r.9, r.10, r.11, r.12, r.13)),
-            })
+        .map(|(r, order)| Precheck {
+            applied: r.1,
+            order_status: r.2.and_then(|s| OrderStatus::try_from(s).ok()),
+            hold_status: r.3.and_then(|s| HoldStatus::try_from(s).ok()),
+            payment: payment_of(OrderId(*order), (r.4, r.5, r.6, r.7, r.8, r.9, r.10, r.11, r.12, r.13)),
         })
-        .collect()
+        .collect())
 }
 
 /// Position, whether the command is in the inbox, the order's and hold's statuses, then a
@@ -375,7 +371,8 @@ pub async fn insert_created<'e, E: Executor<'e, Database = Postgres>>(
 
 /// Writes `update` to the payment of PaymentIntent `pi` when its stored status is one of
 /// `from` (known statuses; a stored status this build does not know is always accepted):
-/// status, amounts and error code where given, and the client secret cleared once the buyer
+/// status, amounts and error code where given, the capture deadline as
+/// [`PaymentUpdate::capture_before`] says, and the client secret cleared once the buyer
 /// no longer has anything to confirm. Returns whether a row was written (`false`: no such
 /// row, or a status outside `from`).
 async fn write_status<'e, E: Executor<'e, Database = Postgres>>(
