@@ -421,6 +421,34 @@ async fn a_consumer_that_calls_out_makes_its_calls_before_the_shared_transaction
     }
 }
 
+/// One order per seat of `seats`, each held by a buyer of its own (Idempotency-Key
+/// `{key}-{i}`), and the `PaymentAuthorizationRequested` command each hold wrote, as the
+/// relay sends them (outbox order).
+async fn held_with_commands(app: &TestApp, seats: &[Uuid], key: &str) -> (Vec<Uuid>, Vec<Envelope>) {
+    let mut orders = Vec::new();
+    for (i, seat) in seats.iter().enumerate() {
+        let b = app.buyer();
+        let r = app.hold(&b, &app.admission_token(&b), &format!("{key}-{i}"), &[*seat]).await;
+        assert_eq!(r.status().as_u16(), 202, "{:?}", r.text().await);
+        let v: serde_json::Value = r.json().await.unwrap();
+        orders.push(v["order_id"].as_str().unwrap().parse::<Uuid>().unwrap());
+    }
+    let keys: Vec<String> = orders.iter().map(Uuid::to_string).collect();
+    let cmds: Vec<Envelope> = sqlx::query_scalar::<_, serde_json::Value>(
+        "SELECT payload FROM outbox WHERE event_type = 'PaymentAuthorizationRequested'
+           AND message_key = ANY($1) ORDER BY created_at, id",
+    )
+    .bind(&keys)
+    .fetch_all(&app.pool)
+    .await
+    .unwrap()
+    .into_iter()
+    .map(|p| serde_json::from_value(p).unwrap())
+    .collect();
+    assert_eq!(cmds.len(), seats.len());
+    (orders, cmds)
+}
+
 /// The payment worker's commands in one batch ([`handle_batch`], what a lane does with the
 /// commands that queued up for it), for every consumer boundary: the batch fails there once,
 /// then the runner's next attempt follows. A command whose `prepare` failed (around its
@@ -443,29 +471,9 @@ async fn a_batch_of_payment_commands_that_fails_at_any_boundary_repeats_only_its
     let mut next_seat = 0;
     for boundary in boxoffice_faults::CONSUMER_BOUNDARIES {
         // Four orders awaiting their PaymentIntent, and their commands as the relay sends them.
-        let mut orders = Vec::new();
-        for i in 0..4 {
-            let b = app.buyer();
-            let r =
-                app.hold(&b, &app.admission_token(&b), &format!("{boundary}-{i}"), &[seats[next_seat]]).await;
-            next_seat += 1;
-            assert_eq!(r.status().as_u16(), 202, "{:?}", r.text().await);
-            let v: serde_json::Value = r.json().await.unwrap();
-            orders.push(v["order_id"].as_str().unwrap().parse::<Uuid>().unwrap());
-        }
+        let (orders, cmds) = held_with_commands(&app, &seats[next_seat..next_seat + 4], boundary).await;
+        next_seat += 4;
         let keys: Vec<String> = orders.iter().map(Uuid::to_string).collect();
-        let cmds: Vec<Envelope> = sqlx::query_scalar::<_, serde_json::Value>(
-            "SELECT payload FROM outbox WHERE event_type = 'PaymentAuthorizationRequested'
-               AND message_key = ANY($1) ORDER BY created_at, id",
-        )
-        .bind(&keys)
-        .fetch_all(&app.pool)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|p| serde_json::from_value(p).unwrap())
-        .collect();
-        assert_eq!(cmds.len(), 4);
         let before = app.sim.stats();
 
         let point = format!("payments.{boundary}");
@@ -676,27 +684,7 @@ async fn a_batch_of_payment_commands_reads_its_prechecks_once(_: PgPoolOptions, 
     use boxoffice_store::payments::prechecks;
     let app = TestApp::spawn(opts, &[Role::Api], VenueSpec::small(1, 2, 4)).await;
     let seats = app.seats().await;
-    let mut orders = Vec::new();
-    for (i, seat) in seats.iter().take(5).enumerate() {
-        let b = app.buyer();
-        let r = app.hold(&b, &app.admission_token(&b), &format!("pre-{i}"), &[*seat]).await;
-        assert_eq!(r.status().as_u16(), 202, "{:?}", r.text().await);
-        let v: serde_json::Value = r.json().await.unwrap();
-        orders.push(v["order_id"].as_str().unwrap().parse::<Uuid>().unwrap());
-    }
-    let keys: Vec<String> = orders.iter().map(Uuid::to_string).collect();
-    let cmds: Vec<Envelope> = sqlx::query_scalar::<_, serde_json::Value>(
-        "SELECT payload FROM outbox WHERE event_type = 'PaymentAuthorizationRequested'
-           AND message_key = ANY($1) ORDER BY created_at, id",
-    )
-    .bind(&keys)
-    .fetch_all(&app.pool)
-    .await
-    .unwrap()
-    .into_iter()
-    .map(|p| serde_json::from_value(p).unwrap())
-    .collect();
-    assert_eq!(cmds.len(), 5);
+    let (orders, cmds) = held_with_commands(&app, &seats[..5], "pre").await;
     let name = boxoffice_workers::payment::NAME;
     let asked: Vec<(OrderId, Uuid)> = cmds.iter().map(|c| (OrderId(c.aggregate_id), c.event_id)).collect();
 
