@@ -198,17 +198,19 @@ pub trait Handler: Send + Sync + 'static {
         false
     }
 
-    /// Whether [`Handler::precheck`] reads the inbox itself, in its statement, and `prepare`
-    /// makes no remote call for a message already there (so the runner does not read the
-    /// inbox first for a handler that [`Handler::calls_out`]). A duplicate that gets past it
-    /// is still caught by the inbox insert in the effect's transaction.
-    fn prechecks_inbox(&self) -> bool {
-        false
+    /// What `precheck` found of this message in the consumer's inbox: `Some(applied)` from a
+    /// pre-check that reads the inbox itself, in its own statement (the runner then reads it
+    /// no more, and prepares no message applied already); `None`, the default, from one that
+    /// does not: for a handler that [`Handler::calls_out`] the runner then reads the inbox
+    /// before `prepare`, so a known duplicate costs no remote call. A duplicate that gets
+    /// past either is still caught by the inbox insert in the effect's transaction.
+    fn applied(&self, _precheck: &Self::Precheck) -> Option<bool> {
+        None
     }
 
     /// What [`Handler::precheck`] reads for one message and hands to its `prepare` (`()`
     /// for a handler that reads nothing first).
-    type Precheck: Send + Default;
+    type Precheck: Send + Sync + Default;
 
     /// Reads, outside any transaction, what the `prepare` of each message of `run` checks in
     /// the ledger before it calls out — for a shared batch, in one statement for all of them
@@ -372,12 +374,6 @@ async fn apply_once<H: Handler>(
         return Ok(Disposition::Ignored);
     }
     let event = env.decode().map_err(|e| HandlerError::permanent("bad_payload", e))?;
-    if handler.calls_out()
-        && !handler.prechecks_inbox()
-        && inbox::seen(pool, handler.name(), env.event_id).await?
-    {
-        return Ok(Disposition::Duplicate);
-    }
     let name = handler.name();
     if let Some(mine) = writer_epoch {
         // Facts of this epoch are this ledger's. Any other one is checked against the ledger:
@@ -434,6 +430,9 @@ async fn apply_once<H: Handler>(
     let none = Followers::none();
     loop {
         let precheck = prechecks_of(handler, &[(env, &event)]).await?.pop().unwrap_or_default();
+        if known_duplicate(pool, handler, env, &precheck).await? {
+            return Ok(Disposition::Duplicate);
+        }
         boxoffice_faults::check_consumer(name, "before_remote")?;
         let prepared = handler.prepare(env, &event, precheck).await?;
         boxoffice_faults::check_consumer(name, "after_remote")?;
@@ -520,9 +519,9 @@ pub async fn handle_batch<H: Handler>(
 /// `run`'s remote work, then one transaction for it. First, outside any transaction, the
 /// handler's [`Handler::precheck`] of the whole run (one read), then every message's `prepare` (for a handler that [`Handler::calls_out`], its provider calls, each
 /// with its stable idempotency key), all at once — they are of different orders — each in
-/// its message's consumer span; a message the inbox already holds is not prepared when the
-/// handler asks the runner to check (a handler that [`Handler::prechecks_inbox`] checks
-/// itself). Then the transaction: the inbox rows of all its messages in one statement;
+/// its message's consumer span; a message known to be applied already is not prepared (from
+/// its pre-check, [`Handler::applied`], or else, for a handler that calls out, the inbox).
+/// Then the transaction: the inbox rows of all its messages in one statement;
 /// then, per message, in the order of their order ids (one fact per order: no order's facts
 /// are reordered) and inside its consumer span, the effect of each message whose row was
 /// new (a duplicate — of an applied fact, or a second copy of an id in the run — does
@@ -542,14 +541,13 @@ async fn apply_shared<H: Handler>(
     spans: Vec<tracing::Span>,
 ) -> Result<Vec<Option<Disposition>>, HandlerError> {
     let name = handler.name();
-    let runner_checks_inbox = handler.calls_out() && !handler.prechecks_inbox();
     // What the `prepare`s check first, read for all of them at once.
     let prechecks = prechecks_of(handler, run).await?;
     // Every call is let finish (none is abandoned half-way).
     let outcomes: Vec<Result<Option<H::Prepared>, HandlerError>> = futures::future::join_all(
         run.iter().zip(&spans).zip(prechecks).map(|(((env, event), span), precheck)| {
             async move {
-                if runner_checks_inbox && inbox::seen(pool, name, env.event_id).await? {
+                if known_duplicate(pool, handler, env, &precheck).await? {
                     return Ok::<_, HandlerError>(None);
                 }
                 boxoffice_faults::check_consumer(name, "before_remote")?;
@@ -621,6 +619,21 @@ async fn apply_shared<H: Handler>(
     boxoffice_faults::check_consumer(name, "before_ack")?;
     Followers::after_commit(&followed)?;
     Ok(out)
+}
+
+/// Whether `env` is known to be applied before its `prepare`: as its pre-check found
+/// ([`Handler::applied`]), or, when the pre-check did not read the inbox, as the inbox says
+/// for a handler that [`Handler::calls_out`] (others leave it to the effect's inbox insert).
+async fn known_duplicate<H: Handler>(
+    pool: &PgPool,
+    handler: &H,
+    env: &Envelope,
+    precheck: &H::Precheck,
+) -> Result<bool, HandlerError> {
+    Ok(match handler.applied(precheck) {
+        Some(applied) => applied,
+        None => handler.calls_out() && inbox::seen(pool, handler.name(), env.event_id).await?,
+    })
 }
 
 /// [`Handler::precheck`] of `run`, one per message or an error.

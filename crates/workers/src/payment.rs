@@ -250,8 +250,8 @@ impl Handler for PaymentWorker {
         true
     }
 
-    fn prechecks_inbox(&self) -> bool {
-        true
+    fn applied(&self, pre: &payments::Precheck) -> Option<bool> {
+        Some(pre.applied)
     }
 
     fn wants(&self, kind: EventKind) -> bool {
@@ -280,7 +280,8 @@ impl Handler for PaymentWorker {
     ) -> Result<Prepared, HandlerError> {
         let g = &*self.gateway;
         // Every command's pre-check read the inbox before any remote call
-        // (`Handler::prechecks_inbox`): a known duplicate costs no provider call.
+        // (`Handler::applied`): the runner prepares no known duplicate; this guards a direct
+        // call.
         if pre.applied {
             return Ok(Prepared::Skipped(ALREADY_APPLIED));
         }

@@ -640,8 +640,8 @@ impl Handler for CountingPrechecks {
         self.inner.calls_out()
     }
 
-    fn prechecks_inbox(&self) -> bool {
-        self.inner.prechecks_inbox()
+    fn applied(&self, pre: &Self::Precheck) -> Option<bool> {
+        self.inner.applied(pre)
     }
 
     async fn precheck(
