@@ -17,7 +17,7 @@
 //! (`x-retry-not-before-ms`), and tries once more; a failure there moves the copy to
 //! `ticketing.purchase.retry-1m.v1`, which retries every minute until
 //! `RetryPolicy::max_attempts` attempts in all have failed. Then, as for a permanent error
-//! (undecodable envelope, unknown type, impossible transition), the message goes to the
+//! (undecodable envelope or payload, impossible transition), the message goes to the
 //! dead-letter topic with its original topic/partition/offset, the consumer, the error code
 //! and the attempt count, and the runner moves on. A copy is durable in the next topic
 //! before the offset of the original is committed, so a crash in between only duplicates it

@@ -227,14 +227,18 @@ pub struct Precheck {
     pub hold_status: Option<HoldStatus>,
     /// Its payment row; `None` before a PaymentIntent is recorded.
     pub payment: Option<PaymentRow>,
+    /// An order or hold status this build does not know (a newer writer's, during a rolling
+    /// deploy), as stored; `order_status` / `hold_status` are then `None`.
+    pub unknown_status: Option<String>,
 }
 
 /// The [`Precheck`] of each `(order, event id)` of `commands` for `consumer`, in one
 /// statement whatever their number (a lane's batch of payment commands, or one alone),
 /// outside any transaction, in the order given. An order or hold status this build does not
-/// know (a newer writer's, during a rolling deploy) reads as `None`, as a missing row does:
-/// no PaymentIntent is created and no capture sent for it, and a cancel or refund, which
-/// does not look at them, is not held up. Errors: the read's.
+/// know (a newer writer's, during a rolling deploy) is reported in
+/// [`Precheck::unknown_status`], not as an error: a command that decides on it fails alone
+/// (and stays replayable), while the batch's others, and a cancel or refund, which does not
+/// look at it, go on. Errors: the read's.
 pub async fn prechecks(
     pool: &PgPool,
     consumer: &str,
@@ -269,6 +273,9 @@ pub async fn prechecks(
         .zip(&orders)
         .map(|(r, order)| Precheck {
             applied: r.1,
+            unknown_status: (r.2.as_ref().filter(|s| OrderStatus::try_from((*s).clone()).is_err()))
+                .or(r.3.as_ref().filter(|s| HoldStatus::try_from((*s).clone()).is_err()))
+                .cloned(),
             order_status: r.2.and_then(|s| OrderStatus::try_from(s).ok()),
             hold_status: r.3.and_then(|s| HoldStatus::try_from(s).ok()),
             payment: payment_of(OrderId(*order), (r.4, r.5, r.6, r.7, r.8, r.9, r.10, r.11, r.12, r.13)),

@@ -285,6 +285,21 @@ impl Handler for PaymentWorker {
         if pre.applied {
             return Ok(Prepared::Skipped(ALREADY_APPLIED));
         }
+        // A command that decides on the order's or hold's status fails alone on a status this
+        // build does not know (a newer writer's): retried, then dead-lettered without an inbox
+        // row, so the upgraded worker can be given it again; never skipped as done.
+        if let (Some(status), true) = (
+            &pre.unknown_status,
+            matches!(
+                event,
+                PurchaseEvent::PaymentAuthorizationRequested { .. } | PurchaseEvent::CaptureRequested { .. }
+            ),
+        ) {
+            return Err(HandlerError::permanent(
+                "corrupt_row",
+                anyhow::anyhow!("order {} has a status this build does not know: {status}", event.order_id()),
+            ));
+        }
         match event {
             PurchaseEvent::PaymentAuthorizationRequested { order_id, hold_id, amount_minor, currency } => {
                 // Only an order still waiting for its PaymentIntent (`held`, no payment row)

@@ -732,3 +732,49 @@ async fn a_batch_of_payment_commands_reads_its_prechecks_once(_: PgPoolOptions, 
     assert_eq!(app.sim.stats().payment_intents_created - created, 5, "a copy calls no one");
     app.stop().await;
 }
+
+/// During a rolling deploy a newer writer may store an order status this build does not
+/// know. A payment command that decides on it fails alone (no inbox row, no provider call),
+/// so it stays replayable, instead of being skipped as done; its batch's other commands go
+/// on; once the status is one this build knows again, the same command is applied.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn a_command_on_an_unknown_status_fails_alone_and_is_not_used_up(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    let app = TestApp::spawn(opts, &[Role::Api], VenueSpec::small(1, 1, 4)).await;
+    let seats = app.seats().await;
+    let (orders, cmds) = held_with_commands(&app, &seats[..2], "unknown").await;
+    sqlx::query("ALTER TABLE orders DROP CONSTRAINT orders_status_check").execute(&app.pool).await.unwrap();
+    sqlx::query("UPDATE orders SET status = 'on_hold_from_a_newer_build' WHERE id = $1")
+        .bind(orders[0])
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    let gateway: Arc<dyn boxoffice_payments::PaymentGateway> = Arc::new(app.stripe());
+    let worker =
+        boxoffice_workers::payment::PaymentWorker::new(gateway, app.pool.clone(), app.cfg.hold_policy());
+    let none = boxoffice_bus::Followers::none();
+    let created = app.sim.stats().payment_intents_created;
+    let k = |o: Uuid| cmds.iter().position(|c| c.aggregate_id == o).unwrap();
+    let done = handle_batch(&app.pool, &worker, &none, &cmds).await.unwrap();
+    assert_eq!(done[k(orders[0])], None, "left out of the batch: {done:?}");
+    assert_eq!(done[k(orders[1])], Some(Disposition::Applied), "{done:?}");
+    assert_eq!(app.sim.stats().payment_intents_created - created, 1, "only the known order's intent");
+    let unknown = &cmds[k(orders[0])];
+    let alone = boxoffice_bus::consumer::handle_once(&app.pool, &worker, unknown).await;
+    assert!(matches!(alone, Err(HandlerError::Permanent { code: "corrupt_row", .. })), "{alone:?}");
+    let in_inbox =
+        app.count(&format!("SELECT count(*) FROM inbox WHERE event_id = '{}'", unknown.event_id)).await;
+    assert_eq!(in_inbox, 0, "not used up: a replay after the upgrade can apply it");
+
+    sqlx::query("UPDATE orders SET status = 'held' WHERE id = $1")
+        .bind(orders[0])
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    let again = boxoffice_bus::consumer::handle_once(&app.pool, &worker, unknown).await.unwrap();
+    assert_eq!(again, Disposition::Applied);
+    assert_eq!(app.sim.stats().payment_intents_created - created, 2);
+    app.stop().await;
+}
