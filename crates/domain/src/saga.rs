@@ -402,8 +402,8 @@ fn intent_created(s: &Snapshot, payment_intent_id: &str) -> Vec<Step> {
 /// Forward, on PaymentAuthorized: confirm a live hold and request the capture. Compensation: Cancel an
 /// authorization that came too late or names another PaymentIntent. A capture deadline the
 /// fact states is written to the intent's payment row whatever the decision (a no-op when
-/// the ledger has no row for that intent; a fact refused as impossible writes nothing); when the hold is confirmed, in the same write as
-/// the payment's status.
+/// the ledger has no row for that intent; a fact refused as impossible writes nothing);
+/// when the hold is confirmed, in the same write as the payment's status.
 fn authorized(
     s: &Snapshot,
     order_id: OrderId,

@@ -205,8 +205,6 @@ pub async fn run_cells(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32>
         share_one_server(&mut cfg, crowd);
     }
     cfg.hold_ttl_ms = args.hold_ttl_ms;
-    // The simulator sends every webhook from one address, where Stripe uses several.
-    cfg.webhook_max_in_flight_per_ip = boxoffice_stripe_sim::MAX_CONCURRENT_DELIVERIES;
     cfg.validate()?;
     if let Some(b) = &args.kafka_brokers {
         cfg.kafka_brokers = Some(b.clone());

@@ -271,14 +271,20 @@ pub async fn prechecks(
     Ok(rows
         .into_iter()
         .zip(&orders)
-        .map(|(r, order)| Precheck {
-            applied: r.1,
-            unknown_status: (r.2.as_ref().filter(|s| OrderStatus::try_from((*s).clone()).is_err()))
-                .or(r.3.as_ref().filter(|s| HoldStatus::try_from((*s).clone()).is_err()))
-                .cloned(),
-            order_status: r.2.and_then(|s| OrderStatus::try_from(s).ok()),
-            hold_status: r.3.and_then(|s| HoldStatus::try_from(s).ok()),
-            payment: payment_of(OrderId(*order), (r.4, r.5, r.6, r.7, r.8, r.9, r.10, r.11, r.12, r.13)),
+        .map(|(r, order)| {
+            let order_status = r.2.map(OrderStatus::try_from).transpose();
+            let hold_status = r.3.map(HoldStatus::try_from).transpose();
+            Precheck {
+                applied: r.1,
+                unknown_status: order_status
+                    .as_ref()
+                    .err()
+                    .or(hold_status.as_ref().err())
+                    .map(|e| e.0.clone()),
+                order_status: order_status.ok().flatten(),
+                hold_status: hold_status.ok().flatten(),
+                payment: payment_of(OrderId(*order), (r.4, r.5, r.6, r.7, r.8, r.9, r.10, r.11, r.12, r.13)),
+            }
         })
         .collect())
 }

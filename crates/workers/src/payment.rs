@@ -288,13 +288,11 @@ impl Handler for PaymentWorker {
         // A command that decides on the order's or hold's status fails alone on a status this
         // build does not know (a newer writer's): retried, then dead-lettered without an inbox
         // row, so the upgraded worker can be given it again; never skipped as done.
-        if let (Some(status), true) = (
-            &pre.unknown_status,
-            matches!(
-                event,
-                PurchaseEvent::PaymentAuthorizationRequested { .. } | PurchaseEvent::CaptureRequested { .. }
-            ),
-        ) {
+        let decides_on_status = matches!(
+            event,
+            PurchaseEvent::PaymentAuthorizationRequested { .. } | PurchaseEvent::CaptureRequested { .. }
+        );
+        if let Some(status) = pre.unknown_status.as_ref().filter(|_| decides_on_status) {
             return Err(HandlerError::permanent(
                 "corrupt_row",
                 anyhow::anyhow!("order {} has a status this build does not know: {status}", event.order_id()),
