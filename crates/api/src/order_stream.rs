@@ -8,10 +8,18 @@
 //! published fact means the ledger has changed for that order. One notifying transaction per
 //! relay batch, not per order: PostgreSQL serializes the commits of notifying transactions,
 //! and a trigger per change would put every purchase transaction in that queue. Each API
-//! process keeps ONE `LISTEN` connection ([`listen`]) and wakes only the streams of the
-//! orders named; a woken stream reads the order once with the same query and the same rules
-//! as `GET /orders/{id}` ([`boxoffice_store::orders::view`]: owner only, the client secret
-//! only while payment is pending) and sends it when it differs from what it sent last.
+//! process keeps ONE `LISTEN` connection ([`listen`]), which marks the watched orders named.
+//!
+//! **One read for every woken stream.** Each API process has one view reader ([`read_views`]):
+//! it reads every order marked since its last read in one statement
+//! ([`boxoffice_store::orders::views`], the query and rules of `GET /orders/{id}`: the client
+//! secret only while payment is pending) and hands each view to the streams watching that
+//! order, which send it to the owner only (anyone else gets 404, as from `GET /orders/{id}`)
+//! and only when it differs from what they sent last. A new stream's first view, and every
+//! re-read, go through the same reader. Its reads run one after another, each statement
+//! starting after the one before it ended, so a stream never sends an older view after a newer
+//! one. A read that fails is retried after a pause (a stream waiting for its first view is
+//! answered 503 `unavailable`); open streams stay open.
 //!
 //! **Bounds.** Every stream:
 //! - belongs to the order's owner (else 404, like `GET /orders/{id}`), and passes the purchase
@@ -38,7 +46,8 @@
 //! `payment_required` at the next change or re-read.
 //!
 //! Metrics: `boxoffice_order_streams` (open), `boxoffice_order_stream_reads_total` (ledger
-//! reads made for streams), `boxoffice_order_stream_events_total`,
+//! reads made for streams, one statement each), `boxoffice_order_stream_views_total` (orders
+//! read by them), `boxoffice_order_stream_events_total`,
 //! `boxoffice_order_stream_refused_total{reason}`, `boxoffice_order_notifications_total`.
 
 use crate::auth::{IdPath, User};
@@ -48,10 +57,10 @@ use axum::extract::State;
 use axum::http::{header, HeaderValue};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use boxoffice_domain::{OrderId, UserId};
+use boxoffice_domain::UserId;
 use boxoffice_store::orders::{self, OrderView};
 use futures::Stream;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::watch;
@@ -92,11 +101,31 @@ impl Default for StreamSettings {
     }
 }
 
-/// The streams of one process: who is open, and the wake-up channel per watched order.
+/// Orders one view read takes at most; more marked orders wait for the next read.
+pub const MAX_VIEWS_PER_READ: usize = 512;
+
+/// How long a new stream waits for its first view before it is answered 503.
+pub const FIRST_VIEW_WAIT: Duration = Duration::from_secs(15);
+
+/// What the view reader last handed to the streams of one order.
+#[derive(Debug, Clone)]
+pub enum ViewRead {
+    /// Nothing yet since this stream subscribed.
+    Pending,
+    /// The order with its owner, or `None`: there is no such order.
+    Order(Option<Arc<(UserId, OrderView)>>),
+    /// The read failed; the reader tries again after a pause.
+    Failed,
+}
+
+/// The streams of one process: who is open, the views handed to each watched order, and the
+/// orders marked for the view reader's next read.
 #[derive(Debug, Default)]
 pub struct OrderStreams {
     settings: StreamSettings,
     inner: Mutex<Inner>,
+    wake: tokio::sync::Notify,
+    reads: std::sync::atomic::AtomicU64,
 }
 
 #[derive(Debug, Default)]
@@ -104,7 +133,9 @@ struct Inner {
     per_user: HashMap<Uuid, usize>,
     per_ip: HashMap<String, usize>,
     open: usize,
-    watched: HashMap<Uuid, (watch::Sender<u64>, usize)>,
+    watched: HashMap<Uuid, (watch::Sender<ViewRead>, usize)>,
+    /// Watched orders to read at the reader's next read.
+    marked: HashSet<Uuid>,
 }
 
 /// One admitted stream: released (and its order unwatched) when dropped.
@@ -114,8 +145,24 @@ pub struct Admitted {
     user: Uuid,
     ip: String,
     order: Uuid,
-    /// Bumped on every notification naming the order.
-    pub changes: watch::Receiver<u64>,
+    /// The views the reader hands to this order's streams.
+    views: watch::Receiver<ViewRead>,
+}
+
+impl Admitted {
+    /// The next view the reader hands over for this stream's order.
+    ///
+    /// # Errors
+    /// The reader is gone (the process is stopping).
+    pub async fn next_view(&mut self) -> Result<ViewRead, watch::error::RecvError> {
+        self.views.changed().await?;
+        Ok(self.views.borrow_and_update().clone())
+    }
+
+    /// Whether the reader has handed over a view this stream has not taken yet.
+    pub fn has_new_view(&self) -> bool {
+        self.views.has_changed().unwrap_or(false)
+    }
 }
 
 impl Drop for Admitted {
@@ -138,6 +185,7 @@ impl Drop for Admitted {
             *n -= 1;
             if *n == 0 {
                 g.watched.remove(&self.order);
+                g.marked.remove(&self.order);
             }
         }
         metrics::gauge!("boxoffice_order_streams").set(g.open as f64);
@@ -158,7 +206,7 @@ pub enum Refused {
 impl OrderStreams {
     /// A hub with `settings`.
     pub fn new(settings: StreamSettings) -> Arc<Self> {
-        Arc::new(Self { settings, inner: Mutex::default() })
+        Arc::new(Self { settings, ..Self::default() })
     }
 
     /// The bounds.
@@ -167,7 +215,8 @@ impl OrderStreams {
     }
 
     /// Admits a stream of `user` from client address `ip` (a bucket key) watching `order`,
-    /// or says which bound refuses it.
+    /// and marks the order for the reader's next read (the stream's first view), or says which
+    /// bound refuses it.
     pub fn admit(self: &Arc<Self>, user: Uuid, ip: String, order: Uuid) -> Result<Admitted, Refused> {
         let mut g = self.inner.lock().expect("order streams");
         if g.open >= self.settings.max_streams {
@@ -182,37 +231,135 @@ impl OrderStreams {
         g.open += 1;
         *g.per_user.entry(user).or_default() += 1;
         *g.per_ip.entry(ip.clone()).or_default() += 1;
-        let entry = g.watched.entry(order).or_insert_with(|| (watch::channel(0).0, 0));
+        let entry = g.watched.entry(order).or_insert_with(|| (watch::channel(ViewRead::Pending).0, 0));
         entry.1 += 1;
-        let changes = entry.0.subscribe();
+        let views = entry.0.subscribe();
+        g.marked.insert(order);
         metrics::gauge!("boxoffice_order_streams").set(g.open as f64);
-        Ok(Admitted { hub: self.clone(), user, ip, order, changes })
+        drop(g);
+        self.wake.notify_one();
+        Ok(Admitted { hub: self.clone(), user, ip, order, views })
     }
 
-    /// Wakes the streams watching any of `orders`; returns how many orders had one.
+    /// Marks the watched orders among `orders` for the reader's next read; returns how many
+    /// were watched.
     pub fn notify<'a>(&self, orders: impl IntoIterator<Item = &'a str>) -> usize {
-        let g = self.inner.lock().expect("order streams");
+        let mut g = self.inner.lock().expect("order streams");
         let mut woken = 0;
         for id in orders {
-            if let Some((tx, _)) = id.trim().parse::<Uuid>().ok().and_then(|id| g.watched.get(&id)) {
-                tx.send_modify(|n| *n = n.wrapping_add(1));
+            if let Some(id) = id.trim().parse::<Uuid>().ok().filter(|id| g.watched.contains_key(id)) {
+                g.marked.insert(id);
                 woken += 1;
             }
+        }
+        drop(g);
+        if woken > 0 {
+            self.wake.notify_one();
         }
         woken
     }
 
-    /// Wakes every stream (after the `LISTEN` connection was lost and came back).
+    /// Marks every watched order (after the `LISTEN` connection was lost and came back).
     pub fn notify_all(&self) {
-        let g = self.inner.lock().expect("order streams");
-        for (tx, _) in g.watched.values() {
-            tx.send_modify(|n| *n = n.wrapping_add(1));
+        let mut g = self.inner.lock().expect("order streams");
+        let all: Vec<Uuid> = g.watched.keys().copied().collect();
+        g.marked.extend(all);
+        drop(g);
+        self.wake.notify_one();
+    }
+
+    /// Marks `order` for a re-read, if it is watched (a stream's net under a lost
+    /// notification).
+    pub fn reread(&self, order: Uuid) {
+        let mut g = self.inner.lock().expect("order streams");
+        if g.watched.contains_key(&order) {
+            g.marked.insert(order);
+            drop(g);
+            self.wake.notify_one();
         }
     }
 
     /// Open streams.
     pub fn open(&self) -> usize {
         self.inner.lock().expect("order streams").open
+    }
+
+    /// View reads made since the process started (statements; each reads every order marked
+    /// before it, up to [`MAX_VIEWS_PER_READ`]).
+    pub fn reads(&self) -> u64 {
+        self.reads.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Takes up to [`MAX_VIEWS_PER_READ`] marked orders.
+    fn take_marked(&self) -> Vec<Uuid> {
+        let mut g = self.inner.lock().expect("order streams");
+        let ids: Vec<Uuid> = g.marked.iter().take(MAX_VIEWS_PER_READ).copied().collect();
+        for id in &ids {
+            g.marked.remove(id);
+        }
+        ids
+    }
+
+    /// Hands `read` to the streams of `order`, if it is still watched.
+    fn hand_over(g: &Inner, order: &Uuid, read: ViewRead) {
+        if let Some((tx, _)) = g.watched.get(order) {
+            tx.send_replace(read);
+        }
+    }
+}
+
+/// The view reader of one process, until `shutdown`: reads the orders marked since its last
+/// read in one statement ([`orders::views`]) and hands each view to the streams watching that
+/// order. One read at a time, so the views of an order only move forward. A failed read marks
+/// its orders again and waits (200 ms, doubling to 5 s) before the next.
+pub async fn read_views(pool: sqlx::PgPool, hub: Arc<OrderStreams>, shutdown: CancellationToken) {
+    let mut backoff = Duration::from_millis(200);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = hub.wake.notified() => {}
+        }
+        loop {
+            let ids = hub.take_marked();
+            if ids.is_empty() {
+                break;
+            }
+            hub.reads.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            metrics::counter!("boxoffice_order_stream_reads_total").increment(1);
+            metrics::counter!("boxoffice_order_stream_views_total").increment(ids.len() as u64);
+            let read = tokio::select! {
+                _ = shutdown.cancelled() => return,
+                r = orders::views(&pool, &ids) => r,
+            };
+            match read {
+                Ok(rows) => {
+                    backoff = Duration::from_millis(200);
+                    let mut found: HashMap<Uuid, Arc<(UserId, OrderView)>> =
+                        rows.into_iter().map(|(owner, v)| (v.order_id, Arc::new((owner, v)))).collect();
+                    let g = hub.inner.lock().expect("order streams");
+                    for id in &ids {
+                        OrderStreams::hand_over(&g, id, ViewRead::Order(found.remove(id)));
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, orders = ids.len(), "order streams: reading the orders failed; trying again");
+                    {
+                        let mut g = hub.inner.lock().expect("order streams");
+                        for id in &ids {
+                            OrderStreams::hand_over(&g, id, ViewRead::Failed);
+                            if g.watched.contains_key(id) {
+                                g.marked.insert(*id);
+                            }
+                        }
+                    }
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return,
+                        _ = tokio::time::sleep(backoff) => {}
+                    }
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                }
+            }
+        }
     }
 }
 
@@ -284,7 +431,7 @@ pub async fn order_events(
     let ip = crate::edge::client_ip(peer.map(|p| (p.0).0.ip()), &headers, st.settings.trusted_proxy_hops)
         .map(crate::edge::bucket_key)
         .unwrap_or_default();
-    let admitted = st.order_streams.admit(user.0 .0, ip, order).map_err(|r| {
+    let mut admitted = st.order_streams.admit(user.0 .0, ip, order).map_err(|r| {
         let settings = st.order_streams.settings();
         let (scope, max) = match r {
             Refused::User => ("user", settings.max_per_user),
@@ -294,12 +441,22 @@ pub async fn order_events(
         metrics::counter!("boxoffice_order_stream_refused_total", "reason" => scope).increment(1);
         Problem::too_many_streams(scope, max)
     })?;
-    metrics::counter!("boxoffice_order_stream_reads_total").increment(1);
-    let Some(first) = orders::view(&st.pool, OrderId(order), user.0).await? else {
-        return Err(Problem::not_found("order"));
+    let wait_until = tokio::time::Instant::now() + FIRST_VIEW_WAIT;
+    let first = loop {
+        let read = tokio::time::timeout_at(wait_until, admitted.next_view()).await;
+        match read {
+            Ok(Ok(ViewRead::Order(Some(v)))) if v.0 == user.0 => break v.1.clone(),
+            Ok(Ok(ViewRead::Order(_))) => return Err(Problem::not_found("order")),
+            Ok(Ok(ViewRead::Pending)) => continue,
+            Ok(Ok(ViewRead::Failed)) | Ok(Err(_)) | Err(_) => {
+                return Err(Problem::unavailable(&std::io::Error::other(
+                    "order stream: the first view was not read",
+                )))
+            }
+        }
     };
     let settings = st.order_streams.settings().clone();
-    let stream = events(st.pool.clone(), user.0, admitted, first, settings.clone());
+    let stream = events(user.0, admitted, first, settings.clone());
     let mut resp = Sse::new(stream).keep_alive(KeepAlive::new().interval(settings.heartbeat)).into_response();
     resp.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     // Proxies (nginx) must not buffer the stream.
@@ -319,7 +476,6 @@ enum Phase {
 }
 
 struct Streaming {
-    pool: sqlx::PgPool,
     user: UserId,
     admitted: Admitted,
     last: Option<String>,
@@ -330,7 +486,6 @@ struct Streaming {
 }
 
 fn events(
-    pool: sqlx::PgPool,
     user: UserId,
     admitted: Admitted,
     first: OrderView,
@@ -338,7 +493,6 @@ fn events(
 ) -> impl Stream<Item = Result<Event, std::convert::Infallible>> {
     let deadline = tokio::time::Instant::now() + settings.max_lifetime;
     let state = Streaming {
-        pool,
         user,
         admitted,
         last: None,
@@ -373,23 +527,16 @@ fn events(
                 continue;
             }
             tokio::select! {
-                changed = s.admitted.changes.changed() => {
-                    if changed.is_err() {
-                        return None;
-                    }
-                }
-                _ = tokio::time::sleep(s.settings.reread) => {}
+                read = s.admitted.next_view() => match read {
+                    Ok(ViewRead::Order(Some(v))) if v.0 == s.user => s.pending = Some(v.1.clone()),
+                    // Gone, or not this user's: the stream ends as `GET /orders/{id}` would answer 404.
+                    Ok(ViewRead::Order(_)) => return None,
+                    // The reader tries again; the stream waits for its next view.
+                    Ok(ViewRead::Pending | ViewRead::Failed) => {}
+                    Err(_) => return None,
+                },
+                _ = tokio::time::sleep(s.settings.reread) => s.admitted.hub.reread(s.admitted.order),
                 _ = tokio::time::sleep_until(s.deadline) => return None,
-            }
-            metrics::counter!("boxoffice_order_stream_reads_total").increment(1);
-            match orders::view(&s.pool, OrderId(s.admitted.order), s.user).await {
-                Ok(Some(v)) => s.pending = Some(v),
-                Ok(None) => return None,
-                Err(e) => {
-                    // The client reconnects (`retry`) and reads again; nothing is lost.
-                    tracing::debug!(error = %e, "order stream: reading the order failed; closing");
-                    return None;
-                }
             }
         }
     })

@@ -269,6 +269,14 @@ pub async fn start(
                 .with_order_streams(cfg.order_streams())
                 .with_payment_gateway(provider.clone());
                 tasks.push((
+                    "order-views",
+                    tokio::spawn(boxoffice_api::order_stream::read_views(
+                        pool.clone(),
+                        state.order_streams.clone(),
+                        shutdown.clone(),
+                    )),
+                ));
+                tasks.push((
                     "order-notifications",
                     tokio::spawn(boxoffice_api::order_stream::listen(
                         pool.clone(),

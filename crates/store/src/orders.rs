@@ -252,10 +252,10 @@ struct TicketRow {
     voided_at: Option<DateTime<Utc>>,
 }
 
-/// Reads the order for its owner in one statement; `None` when it does not exist *or*
-/// belongs to someone else (the API answers 404 for both, so order ids cannot be probed).
-pub async fn view(pool: &PgPool, id: OrderId, owner: UserId) -> Result<Option<OrderView>, StoreError> {
-    let row: Option<ViewRow> = sqlx::query_as(
+/// The order view's columns, from `orders o` joined to its hold `h` and payment `p`, with
+/// the seats and tickets aggregated; one place for `GET /orders/{id}` and the status streams.
+macro_rules! view_select {
+    () => {
         "SELECT o.id, o.user_id, o.event_id, o.status, o.failure_reason, o.amount_minor, o.currency,
                 o.created_at, o.updated_at, h.id AS hold_id, h.status AS hold_status,
                 h.expires_at AS hold_expires_at, p.payment_intent_id, p.client_secret,
@@ -269,57 +269,84 @@ pub async fn view(pool: &PgPool, id: OrderId, owner: UserId) -> Result<Option<Or
                             FROM tickets t JOIN seats s ON s.id = t.seat_id WHERE t.order_id = o.id), '[]') AS tickets
            FROM orders o
            LEFT JOIN holds h ON h.order_id = o.id
-           LEFT JOIN payments p ON p.order_id = o.id
-          WHERE o.id = $1 AND o.user_id = $2",
-    )
-    .bind(id.0)
-    .bind(owner.0)
-    .fetch_optional(pool)
-    .await?;
+           LEFT JOIN payments p ON p.order_id = o.id"
+    };
+}
+
+/// Reads the order for its owner in one statement; `None` when it does not exist *or*
+/// belongs to someone else (the API answers 404 for both, so order ids cannot be probed).
+pub async fn view(pool: &PgPool, id: OrderId, owner: UserId) -> Result<Option<OrderView>, StoreError> {
+    let row: Option<ViewRow> = sqlx::query_as(concat!(view_select!(), " WHERE o.id = $1 AND o.user_id = $2"))
+        .bind(id.0)
+        .bind(owner.0)
+        .fetch_optional(pool)
+        .await?;
     let Some(r) = row else { return Ok(None) };
     debug_assert_eq!(r.user_id, owner.0);
-    let corrupt = |e: boxoffice_domain::status::UnknownStatus| StoreError::Corrupt(e.to_string());
-    let mut status = OrderStatus::try_from(r.status).map_err(corrupt)?;
-    let hold_status = r.hold_status.map(HoldStatus::try_from).transpose().map_err(corrupt)?;
-    let payment_status = r.payment_status.map(PaymentIntentStatus::from);
-    if status.awaits_authorization() && payment_status == Some(PaymentIntentStatus::RequiresCapture) {
-        status = OrderStatus::Authorized;
+    r.into_view().map(Some)
+}
+
+/// Reads the orders `ids` in one statement, each with its owner: what the status streams of
+/// one process send after a notification (`boxoffice_api::order_stream`). Orders that do not
+/// exist are absent. The caller must show a view to its owner only: the client secret is in
+/// it while payment is pending.
+///
+/// # Errors
+/// The database's, or [`StoreError::Corrupt`] for a status this build does not know.
+pub async fn views(pool: &PgPool, ids: &[Uuid]) -> Result<Vec<(UserId, OrderView)>, StoreError> {
+    let rows: Vec<ViewRow> =
+        sqlx::query_as(concat!(view_select!(), " WHERE o.id = ANY($1)")).bind(ids).fetch_all(pool).await?;
+    rows.into_iter().map(|r| Ok((UserId(r.user_id), r.into_view()?))).collect()
+}
+
+impl ViewRow {
+    /// The view of this row: the status the buyer sees, the client secret only while payment
+    /// is pending.
+    fn into_view(self) -> Result<OrderView, StoreError> {
+        let r = self;
+        let corrupt = |e: boxoffice_domain::status::UnknownStatus| StoreError::Corrupt(e.to_string());
+        let mut status = OrderStatus::try_from(r.status).map_err(corrupt)?;
+        let hold_status = r.hold_status.map(HoldStatus::try_from).transpose().map_err(corrupt)?;
+        let payment_status = r.payment_status.map(PaymentIntentStatus::from);
+        if status.awaits_authorization() && payment_status == Some(PaymentIntentStatus::RequiresCapture) {
+            status = OrderStatus::Authorized;
+        }
+        let payment_pending = matches!(status, OrderStatus::PaymentRequired | OrderStatus::Held)
+            && payment_status.as_ref().is_some_and(PaymentIntentStatus::awaits_buyer);
+        Ok(OrderView {
+            order_id: r.id,
+            event_id: r.event_id,
+            status,
+            failure_reason: r.failure_reason,
+            amount_minor: r.amount_minor,
+            currency: r.currency,
+            hold_id: r.hold_id,
+            hold_status,
+            hold_expires_at: r.hold_expires_at,
+            seats: r
+                .seats
+                .0
+                .into_iter()
+                .map(|s| SeatRef { seat_id: s.seat_id, label: s.label, price_minor: s.price_minor })
+                .collect(),
+            payment_intent_id: r.payment_intent_id,
+            client_secret: if payment_pending { r.client_secret } else { None },
+            tickets: r
+                .tickets
+                .0
+                .into_iter()
+                .map(|t| TicketView {
+                    ticket_id: t.ticket_id,
+                    seat_id: t.seat_id,
+                    seat_label: t.seat_label,
+                    issued_at: t.issued_at,
+                    voided_at: t.voided_at,
+                })
+                .collect(),
+            created_at: r.created_at,
+            updated_at: r.updated_at,
+        })
     }
-    let payment_pending = matches!(status, OrderStatus::PaymentRequired | OrderStatus::Held)
-        && payment_status.as_ref().is_some_and(PaymentIntentStatus::awaits_buyer);
-    Ok(Some(OrderView {
-        order_id: r.id,
-        event_id: r.event_id,
-        status,
-        failure_reason: r.failure_reason,
-        amount_minor: r.amount_minor,
-        currency: r.currency,
-        hold_id: r.hold_id,
-        hold_status,
-        hold_expires_at: r.hold_expires_at,
-        seats: r
-            .seats
-            .0
-            .into_iter()
-            .map(|s| SeatRef { seat_id: s.seat_id, label: s.label, price_minor: s.price_minor })
-            .collect(),
-        payment_intent_id: r.payment_intent_id,
-        client_secret: if payment_pending { r.client_secret } else { None },
-        tickets: r
-            .tickets
-            .0
-            .into_iter()
-            .map(|t| TicketView {
-                ticket_id: t.ticket_id,
-                seat_id: t.seat_id,
-                seat_label: t.seat_label,
-                issued_at: t.issued_at,
-                voided_at: t.voided_at,
-            })
-            .collect(),
-        created_at: r.created_at,
-        updated_at: r.updated_at,
-    }))
 }
 
 /// Orders of `event` not yet in a final state (`ticketed`, `expired`, `failed`, `canceled`,

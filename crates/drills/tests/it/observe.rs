@@ -125,6 +125,73 @@ async fn an_order_stream_pushes_each_change_and_ends_at_the_final_state(
 }
 
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn woken_streams_are_answered_from_one_read(_: PgPoolOptions, opts: PgConnectOptions) {
+    use boxoffice_api::order_stream::{read_views, OrderStreams, StreamSettings, ViewRead};
+    // The orders come from the purchase path; a hub and its view reader are driven here
+    // directly, the reader started after the streams so that its reads can be counted.
+    let app = TestApp::spawn(opts, &Role::ALL, VenueSpec::small(1, 1, 4)).await;
+    let s = app.seats().await;
+    let buyers: Vec<_> = (0..3).map(|_| app.buyer()).collect();
+    let mut orders = Vec::new();
+    for (i, b) in buyers.iter().enumerate() {
+        orders.push(hold_one(&app, b, s[i], &format!("one-read-{i}")).await);
+    }
+    let hub = OrderStreams::new(StreamSettings::default());
+    let admit = |user: Uuid, order: Uuid| hub.admit(user, "192.0.2.1".into(), order).expect("admitted");
+    // Four streams of three orders (the first buyer has two), and one of an order that does
+    // not exist.
+    let mut streams: Vec<_> =
+        buyers.iter().zip(&orders).map(|(b, o)| (admit(b.user, *o), b.user, *o)).collect();
+    streams.push((admit(buyers[0].user, orders[0]), buyers[0].user, orders[0]));
+    let mut ghost = admit(buyers[0].user, Uuid::new_v4());
+    let stop = tokio_util::sync::CancellationToken::new();
+    let reader = tokio::spawn(read_views(app.pool.clone(), hub.clone(), stop.clone()));
+
+    async fn owned_view(st: &mut boxoffice_api::order_stream::Admitted, owner: Uuid, order: Uuid) {
+        match tokio::time::timeout(WAIT, st.next_view()).await.expect("a view").expect("reader running") {
+            ViewRead::Order(Some(v)) => {
+                assert_eq!((v.0 .0, v.1.order_id), (owner, order), "each view carries its order's owner");
+            }
+            other => panic!("expected the order, got {other:?}"),
+        }
+    }
+    for (st, owner, order) in &mut streams {
+        owned_view(st, *owner, *order).await;
+    }
+    assert!(matches!(ghost.next_view().await.unwrap(), ViewRead::Order(None)), "no such order reads as none");
+    assert_eq!(hub.reads(), 1, "the first views of five streams come from one read");
+
+    // A notification naming the three orders, one nobody here watches and junk: one more read,
+    // and every stream of the three gets a view.
+    let stranger = Uuid::new_v4().to_string();
+    let named: Vec<String> = orders.iter().map(Uuid::to_string).collect();
+    let woken = hub.notify(named.iter().map(String::as_str).chain([stranger.as_str(), "junk"]));
+    assert_eq!(woken, 3);
+    for (st, owner, order) in &mut streams {
+        owned_view(st, *owner, *order).await;
+    }
+    assert_eq!(hub.reads(), 2, "one read for every woken stream");
+
+    // A stream's re-read marks only its own order: one read, one view, the other streams wait.
+    hub.reread(orders[1]);
+    let (st, owner, order) = &mut streams[1];
+    owned_view(st, *owner, *order).await;
+    assert_eq!(hub.reads(), 3);
+    assert!(
+        !streams[0].0.has_new_view() && !streams[2].0.has_new_view(),
+        "only the re-read order was handed a view"
+    );
+
+    // Closed streams' orders are no longer watched.
+    drop(streams);
+    assert_eq!(hub.notify(named.iter().map(String::as_str)), 0, "nobody watches them now");
+    assert_eq!(hub.open(), 1);
+    stop.cancel();
+    reader.await.unwrap();
+    app.stop().await;
+}
+
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn order_streams_belong_to_the_owner_are_capped_per_user_and_beat(
     _: PgPoolOptions,
     opts: PgConnectOptions,
