@@ -11,15 +11,19 @@
 //! process keeps ONE `LISTEN` connection ([`listen`]), which marks the watched orders named.
 //!
 //! **One read for every woken stream.** Each API process has one view reader ([`read_views`]):
-//! it reads every order marked since its last read in one statement
-//! ([`boxoffice_store::orders::views`], the query and rules of `GET /orders/{id}`: the client
-//! secret only while payment is pending) and hands each view to the streams watching that
-//! order, which send it to the owner only (anyone else gets 404, as from `GET /orders/{id}`)
-//! and only when it differs from what they sent last. A new stream's first view, and every
-//! re-read, go through the same reader. Its reads run one after another, each statement
-//! starting after the one before it ended, so a stream never sends an older view after a newer
-//! one. A read that fails is retried after a pause (a stream waiting for its first view is
-//! answered 503 `unavailable`); open streams stay open.
+//! it reads every order marked since its last read (first marked first, at most
+//! [`MAX_VIEWS_PER_READ`] a read), for every user with a stream of it, in one statement
+//! ([`boxoffice_store::orders::views`], the query and rules of `GET /orders/{id}`: a user gets
+//! only an order that is theirs, the client secret only while payment is pending), and hands
+//! each view to that user's streams of that order, which send it when it differs from what
+//! they sent last; a stream of someone else's order is handed nothing and answered 404, as by
+//! `GET /orders/{id}`. A new stream's first view, and every re-read, go through the same
+//! reader. Its reads run one after another, each statement starting after the one before it
+//! ended, so a stream never sends an older view after a newer one. A row this build cannot
+//! read fails alone; a statement that fails is retried after a pause, with its orders. A
+//! stream waiting for its first view is answered 503 `unavailable` on a failure, or after
+//! [`FIRST_VIEW_WAIT`]; open streams stay open. If the reader ends (shutdown, or a fault), the
+//! process's streams end (the client reconnects, `retry:`) and new ones are answered 503.
 //!
 //! **Bounds.** Every stream:
 //! - belongs to the order's owner (else 404, like `GET /orders/{id}`), and passes the purchase
@@ -57,10 +61,11 @@ use axum::extract::State;
 use axum::http::{header, HeaderValue};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use boxoffice_domain::UserId;
+use boxoffice_domain::{OrderId, UserId};
 use boxoffice_store::orders::{self, OrderView};
 use futures::Stream;
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::watch;
@@ -107,25 +112,27 @@ pub const MAX_VIEWS_PER_READ: usize = 512;
 /// How long a new stream waits for its first view before it is answered 503.
 pub const FIRST_VIEW_WAIT: Duration = Duration::from_secs(15);
 
-/// What the view reader last handed to the streams of one order.
+/// What the view reader last handed to the streams of one user watching one order.
 #[derive(Debug, Clone)]
 pub enum ViewRead {
     /// Nothing yet since this stream subscribed.
     Pending,
-    /// The order with its owner, or `None`: there is no such order.
-    Order(Option<Arc<(UserId, OrderView)>>),
-    /// The read failed; the reader tries again after a pause.
+    /// The order as its owner sees it, or `None`: no such order for this user.
+    Order(Option<Arc<OrderView>>),
+    /// The read failed (the database, or a row this build cannot read); the stream waits
+    /// for the next view, a new stream is answered 503.
     Failed,
 }
 
-/// The streams of one process: who is open, the views handed to each watched order, and the
-/// orders marked for the view reader's next read.
+/// The streams of one process: who is open, the views handed to each (order, user) watched,
+/// and the orders marked for the view reader's next read.
 #[derive(Debug, Default)]
 pub struct OrderStreams {
     settings: StreamSettings,
     inner: Mutex<Inner>,
     wake: tokio::sync::Notify,
-    reads: std::sync::atomic::AtomicU64,
+    reads: AtomicU64,
+    reader_started: AtomicBool,
 }
 
 #[derive(Debug, Default)]
@@ -133,9 +140,28 @@ struct Inner {
     per_user: HashMap<Uuid, usize>,
     per_ip: HashMap<String, usize>,
     open: usize,
-    watched: HashMap<Uuid, (watch::Sender<ViewRead>, usize)>,
-    /// Watched orders to read at the reader's next read.
-    marked: HashSet<Uuid>,
+    /// Per watched order, per user watching it: the channel of that user's streams and how
+    /// many there are. A view goes only to the channel of the user it belongs to.
+    watched: HashMap<Uuid, HashMap<Uuid, (watch::Sender<ViewRead>, usize)>>,
+    /// Watched orders to read, first marked first; `queued` holds the same ids.
+    queue: VecDeque<Uuid>,
+    queued: HashSet<Uuid>,
+    /// The view reader has stopped: every channel was dropped (its streams end) and new
+    /// streams are refused.
+    reader_stopped: bool,
+}
+
+impl Inner {
+    /// Marks `order` for the next read, if it is watched and not marked yet.
+    fn mark(&mut self, order: Uuid) -> bool {
+        if !self.watched.contains_key(&order) {
+            return false;
+        }
+        if self.queued.insert(order) {
+            self.queue.push_back(order);
+        }
+        true
+    }
 }
 
 /// One admitted stream: released (and its order unwatched) when dropped.
@@ -145,15 +171,16 @@ pub struct Admitted {
     user: Uuid,
     ip: String,
     order: Uuid,
-    /// The views the reader hands to this order's streams.
+    /// The views the reader hands to this user's streams of this order.
     views: watch::Receiver<ViewRead>,
 }
 
 impl Admitted {
-    /// The next view the reader hands over for this stream's order.
+    /// The next view the reader hands over for this stream.
     ///
     /// # Errors
-    /// The reader is gone (the process is stopping).
+    /// The view reader has stopped (the process is stopping, or the reader failed): the
+    /// stream must end.
     pub async fn next_view(&mut self) -> Result<ViewRead, watch::error::RecvError> {
         self.views.changed().await?;
         Ok(self.views.borrow_and_update().clone())
@@ -167,7 +194,7 @@ impl Admitted {
 
 impl Drop for Admitted {
     fn drop(&mut self) {
-        let mut g = self.hub.inner.lock().expect("order streams");
+        let mut g = self.hub.lock();
         g.open -= 1;
         if let Some(n) = g.per_user.get_mut(&self.user) {
             *n -= 1;
@@ -181,11 +208,16 @@ impl Drop for Admitted {
                 g.per_ip.remove(&self.ip);
             }
         }
-        if let Some((_, n)) = g.watched.get_mut(&self.order) {
-            *n -= 1;
-            if *n == 0 {
+        if let Some(users) = g.watched.get_mut(&self.order) {
+            if let Some((_, n)) = users.get_mut(&self.user) {
+                *n -= 1;
+                if *n == 0 {
+                    users.remove(&self.user);
+                }
+            }
+            if users.is_empty() {
                 g.watched.remove(&self.order);
-                g.marked.remove(&self.order);
+                g.queued.remove(&self.order);
             }
         }
         metrics::gauge!("boxoffice_order_streams").set(g.open as f64);
@@ -201,10 +233,13 @@ pub enum Refused {
     Ip,
     /// The process has `max_streams` open.
     Process,
+    /// The view reader has stopped (503).
+    Stopped,
 }
 
 impl OrderStreams {
-    /// A hub with `settings`.
+    /// A hub with `settings`. Its streams are answered by [`read_views`], which the process
+    /// must run beside it.
     pub fn new(settings: StreamSettings) -> Arc<Self> {
         Arc::new(Self { settings, ..Self::default() })
     }
@@ -214,11 +249,19 @@ impl OrderStreams {
         &self.settings
     }
 
+    /// The state; a panic elsewhere while it was held leaves counts that are still usable.
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     /// Admits a stream of `user` from client address `ip` (a bucket key) watching `order`,
     /// and marks the order for the reader's next read (the stream's first view), or says which
     /// bound refuses it.
     pub fn admit(self: &Arc<Self>, user: Uuid, ip: String, order: Uuid) -> Result<Admitted, Refused> {
-        let mut g = self.inner.lock().expect("order streams");
+        let mut g = self.lock();
+        if g.reader_stopped {
+            return Err(Refused::Stopped);
+        }
         if g.open >= self.settings.max_streams {
             return Err(Refused::Process);
         }
@@ -231,10 +274,15 @@ impl OrderStreams {
         g.open += 1;
         *g.per_user.entry(user).or_default() += 1;
         *g.per_ip.entry(ip.clone()).or_default() += 1;
-        let entry = g.watched.entry(order).or_insert_with(|| (watch::channel(ViewRead::Pending).0, 0));
+        let entry = g
+            .watched
+            .entry(order)
+            .or_default()
+            .entry(user)
+            .or_insert_with(|| (watch::channel(ViewRead::Pending).0, 0));
         entry.1 += 1;
         let views = entry.0.subscribe();
-        g.marked.insert(order);
+        g.mark(order);
         metrics::gauge!("boxoffice_order_streams").set(g.open as f64);
         drop(g);
         self.wake.notify_one();
@@ -244,14 +292,12 @@ impl OrderStreams {
     /// Marks the watched orders among `orders` for the reader's next read; returns how many
     /// were watched.
     pub fn notify<'a>(&self, orders: impl IntoIterator<Item = &'a str>) -> usize {
-        let mut g = self.inner.lock().expect("order streams");
-        let mut woken = 0;
-        for id in orders {
-            if let Some(id) = id.trim().parse::<Uuid>().ok().filter(|id| g.watched.contains_key(id)) {
-                g.marked.insert(id);
-                woken += 1;
-            }
-        }
+        let mut g = self.lock();
+        let woken = orders
+            .into_iter()
+            .filter_map(|id| id.trim().parse::<Uuid>().ok())
+            .filter(|id| g.mark(*id))
+            .count();
         drop(g);
         if woken > 0 {
             self.wake.notify_one();
@@ -261,9 +307,11 @@ impl OrderStreams {
 
     /// Marks every watched order (after the `LISTEN` connection was lost and came back).
     pub fn notify_all(&self) {
-        let mut g = self.inner.lock().expect("order streams");
+        let mut g = self.lock();
         let all: Vec<Uuid> = g.watched.keys().copied().collect();
-        g.marked.extend(all);
+        for id in all {
+            g.mark(id);
+        }
         drop(g);
         self.wake.notify_one();
     }
@@ -271,48 +319,78 @@ impl OrderStreams {
     /// Marks `order` for a re-read, if it is watched (a stream's net under a lost
     /// notification).
     pub fn reread(&self, order: Uuid) {
-        let mut g = self.inner.lock().expect("order streams");
-        if g.watched.contains_key(&order) {
-            g.marked.insert(order);
-            drop(g);
+        if self.lock().mark(order) {
             self.wake.notify_one();
         }
     }
 
     /// Open streams.
     pub fn open(&self) -> usize {
-        self.inner.lock().expect("order streams").open
+        self.lock().open
     }
 
-    /// View reads made since the process started (statements; each reads every order marked
-    /// before it, up to [`MAX_VIEWS_PER_READ`]).
+    /// View reads made since the process started (statements; each reads the orders marked
+    /// before it, first marked first, up to [`MAX_VIEWS_PER_READ`]).
     pub fn reads(&self) -> u64 {
-        self.reads.load(std::sync::atomic::Ordering::Relaxed)
+        self.reads.load(Ordering::Relaxed)
     }
 
-    /// Takes up to [`MAX_VIEWS_PER_READ`] marked orders.
-    fn take_marked(&self) -> Vec<Uuid> {
-        let mut g = self.inner.lock().expect("order streams");
-        let ids: Vec<Uuid> = g.marked.iter().take(MAX_VIEWS_PER_READ).copied().collect();
-        for id in &ids {
-            g.marked.remove(id);
+    /// Takes up to [`MAX_VIEWS_PER_READ`] marked orders, first marked first, with every user
+    /// watching each.
+    fn take_marked(&self) -> Vec<(OrderId, UserId)> {
+        let mut g = self.lock();
+        let mut pairs = Vec::new();
+        let mut taken = 0;
+        while taken < MAX_VIEWS_PER_READ {
+            let Some(order) = g.queue.pop_front() else { break };
+            // Unwatched since it was marked.
+            if !g.queued.remove(&order) {
+                continue;
+            }
+            taken += 1;
+            if let Some(users) = g.watched.get(&order) {
+                pairs.extend(users.keys().map(|u| (OrderId(order), UserId(*u))));
+            }
         }
-        ids
+        pairs
     }
 
-    /// Hands `read` to the streams of `order`, if it is still watched.
-    fn hand_over(g: &Inner, order: &Uuid, read: ViewRead) {
-        if let Some((tx, _)) = g.watched.get(order) {
+    /// Hands `read` to the streams of `user` watching `order`, if there are any.
+    fn hand_over(g: &Inner, order: OrderId, user: UserId, read: ViewRead) {
+        if let Some((tx, _)) = g.watched.get(&order.0).and_then(|users| users.get(&user.0)) {
             tx.send_replace(read);
         }
     }
 }
 
+/// Marks the hub's reader stopped when [`read_views`] ends, however it ends: every channel is
+/// dropped, so open streams end (their clients reconnect, `retry:`) and waiting ones are
+/// answered 503, instead of waiting for views that will not come.
+struct ReaderStopped(Arc<OrderStreams>);
+
+impl Drop for ReaderStopped {
+    fn drop(&mut self) {
+        let mut g = self.0.lock();
+        g.reader_stopped = true;
+        g.watched.clear();
+        g.queue.clear();
+        g.queued.clear();
+    }
+}
+
 /// The view reader of one process, until `shutdown`: reads the orders marked since its last
-/// read in one statement ([`orders::views`]) and hands each view to the streams watching that
-/// order. One read at a time, so the views of an order only move forward. A failed read marks
-/// its orders again and waits (200 ms, doubling to 5 s) before the next.
+/// read, with every user watching each, in one statement ([`orders::views`]: a user gets the
+/// view only of an order that is theirs) and hands each view to that user's streams of that
+/// order. One read at a time, so the views of an order only move forward; a hub has one reader
+/// (a second call returns at once). A row this build cannot read fails alone; a failed
+/// statement marks its orders again and waits (200 ms, doubling to 5 s) before the next read.
+/// When it ends, the hub's streams end and new ones are refused.
 pub async fn read_views(pool: sqlx::PgPool, hub: Arc<OrderStreams>, shutdown: CancellationToken) {
+    if hub.reader_started.swap(true, Ordering::SeqCst) {
+        tracing::error!("order streams: a view reader already runs for this hub; not starting another");
+        return;
+    }
+    let _stopped = ReaderStopped(hub.clone());
     let mut backoff = Duration::from_millis(200);
     loop {
         tokio::select! {
@@ -320,36 +398,42 @@ pub async fn read_views(pool: sqlx::PgPool, hub: Arc<OrderStreams>, shutdown: Ca
             _ = hub.wake.notified() => {}
         }
         loop {
-            let ids = hub.take_marked();
-            if ids.is_empty() {
+            let pairs = hub.take_marked();
+            if pairs.is_empty() {
                 break;
             }
-            hub.reads.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            hub.reads.fetch_add(1, Ordering::Relaxed);
             metrics::counter!("boxoffice_order_stream_reads_total").increment(1);
-            metrics::counter!("boxoffice_order_stream_views_total").increment(ids.len() as u64);
+            metrics::counter!("boxoffice_order_stream_views_total").increment(pairs.len() as u64);
             let read = tokio::select! {
                 _ = shutdown.cancelled() => return,
-                r = orders::views(&pool, &ids) => r,
+                r = orders::views(&pool, &pairs) => r,
             };
             match read {
                 Ok(rows) => {
                     backoff = Duration::from_millis(200);
-                    let mut found: HashMap<Uuid, Arc<(UserId, OrderView)>> =
-                        rows.into_iter().map(|(owner, v)| (v.order_id, Arc::new((owner, v)))).collect();
-                    let g = hub.inner.lock().expect("order streams");
-                    for id in &ids {
-                        OrderStreams::hand_over(&g, id, ViewRead::Order(found.remove(id)));
+                    let mut found: HashMap<(Uuid, Uuid), Result<OrderView, boxoffice_store::StoreError>> =
+                        rows.into_iter().map(|(o, u, v)| ((o.0, u.0), v)).collect();
+                    let g = hub.lock();
+                    for (order, user) in &pairs {
+                        let read = match found.remove(&(order.0, user.0)) {
+                            None => ViewRead::Order(None),
+                            Some(Ok(v)) => ViewRead::Order(Some(Arc::new(v))),
+                            Some(Err(e)) => {
+                                tracing::warn!(order.id = %order.0, error = %e, "order streams: this order cannot be read");
+                                ViewRead::Failed
+                            }
+                        };
+                        OrderStreams::hand_over(&g, *order, *user, read);
                     }
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, orders = ids.len(), "order streams: reading the orders failed; trying again");
+                    tracing::warn!(error = %e, orders = pairs.len(), "order streams: reading the orders failed; trying again");
                     {
-                        let mut g = hub.inner.lock().expect("order streams");
-                        for id in &ids {
-                            OrderStreams::hand_over(&g, id, ViewRead::Failed);
-                            if g.watched.contains_key(id) {
-                                g.marked.insert(*id);
-                            }
+                        let mut g = hub.lock();
+                        for (order, user) in &pairs {
+                            OrderStreams::hand_over(&g, *order, *user, ViewRead::Failed);
+                            g.mark(order.0);
                         }
                     }
                     tokio::select! {
@@ -363,8 +447,8 @@ pub async fn read_views(pool: sqlx::PgPool, hub: Arc<OrderStreams>, shutdown: Ca
     }
 }
 
-/// Listens on [`CHANNEL`] with one dedicated connection until `shutdown` and wakes the
-/// streams of the orders named. Reconnects on its own (sqlx's `PgListener`); after a lost
+/// Listens on [`CHANNEL`] with one dedicated connection until `shutdown` and marks the watched
+/// orders named for the view reader. Reconnects on its own (sqlx's `PgListener`); after a lost
 /// connection every stream is woken once, since notifications sent meanwhile are gone.
 pub async fn listen(pool: sqlx::PgPool, hub: Arc<OrderStreams>, shutdown: CancellationToken) {
     let mut backoff = Duration::from_millis(200);
@@ -419,7 +503,7 @@ pub async fn listen(pool: sqlx::PgPool, hub: Arc<OrderStreams>, shutdown: Cancel
         (status = 401, description = "`unauthenticated`: no or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 404, description = "`not_found`: no such order for this user", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 429, description = "`too_many_streams` (this user or this client address has as many streams open as allowed, or the process is full), `rate_limited` or `too_many_in_flight`; `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 503, description = "`unavailable`: the database is unavailable; `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 503, description = "`unavailable`: the order could not be read within 15 s (the database is unavailable or slow), or the process is stopping; `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
     ))]
 pub async fn order_events(
     State(st): State<AppState>,
@@ -437,26 +521,31 @@ pub async fn order_events(
             Refused::User => ("user", settings.max_per_user),
             Refused::Ip => ("ip", settings.max_per_ip),
             Refused::Process => ("process", settings.max_streams),
+            Refused::Stopped => {
+                metrics::counter!("boxoffice_order_stream_refused_total", "reason" => "stopped").increment(1);
+                return Problem::unavailable(&std::io::Error::other(
+                    "order streams: the view reader has stopped",
+                ));
+            }
         };
         metrics::counter!("boxoffice_order_stream_refused_total", "reason" => scope).increment(1);
         Problem::too_many_streams(scope, max)
     })?;
     let wait_until = tokio::time::Instant::now() + FIRST_VIEW_WAIT;
     let first = loop {
-        let read = tokio::time::timeout_at(wait_until, admitted.next_view()).await;
-        match read {
-            Ok(Ok(ViewRead::Order(Some(v)))) if v.0 == user.0 => break v.1.clone(),
-            Ok(Ok(ViewRead::Order(_))) => return Err(Problem::not_found("order")),
+        match tokio::time::timeout_at(wait_until, admitted.next_view()).await {
+            Ok(Ok(ViewRead::Order(Some(v)))) => break v,
+            Ok(Ok(ViewRead::Order(None))) => return Err(Problem::not_found("order")),
             Ok(Ok(ViewRead::Pending)) => continue,
             Ok(Ok(ViewRead::Failed)) | Ok(Err(_)) | Err(_) => {
                 return Err(Problem::unavailable(&std::io::Error::other(
-                    "order stream: the first view was not read",
+                    "order stream: the order was not read",
                 )))
             }
         }
     };
     let settings = st.order_streams.settings().clone();
-    let stream = events(user.0, admitted, first, settings.clone());
+    let stream = events(admitted, first, settings.clone());
     let mut resp = Sse::new(stream).keep_alive(KeepAlive::new().interval(settings.heartbeat)).into_response();
     resp.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     // Proxies (nginx) must not buffer the stream.
@@ -476,31 +565,22 @@ enum Phase {
 }
 
 struct Streaming {
-    user: UserId,
     admitted: Admitted,
     last: Option<String>,
-    pending: Option<OrderView>,
+    pending: Option<Arc<OrderView>>,
     deadline: tokio::time::Instant,
     settings: StreamSettings,
     phase: Phase,
 }
 
 fn events(
-    user: UserId,
     admitted: Admitted,
-    first: OrderView,
+    first: Arc<OrderView>,
     settings: StreamSettings,
 ) -> impl Stream<Item = Result<Event, std::convert::Infallible>> {
     let deadline = tokio::time::Instant::now() + settings.max_lifetime;
-    let state = Streaming {
-        user,
-        admitted,
-        last: None,
-        pending: Some(first),
-        deadline,
-        settings,
-        phase: Phase::Live,
-    };
+    let state =
+        Streaming { admitted, last: None, pending: Some(first), deadline, settings, phase: Phase::Live };
     futures::stream::unfold(state, |mut s| async move {
         loop {
             match s.phase {
@@ -512,7 +592,7 @@ fn events(
                 Phase::Live => {}
             }
             if let Some(view) = s.pending.take() {
-                let json = serde_json::to_string(&view).expect("order views serialize");
+                let json = serde_json::to_string(&*view).expect("order views serialize");
                 if view.status.is_final() {
                     s.phase = Phase::End;
                 }
@@ -528,11 +608,12 @@ fn events(
             }
             tokio::select! {
                 read = s.admitted.next_view() => match read {
-                    Ok(ViewRead::Order(Some(v))) if v.0 == s.user => s.pending = Some(v.1.clone()),
-                    // Gone, or not this user's: the stream ends as `GET /orders/{id}` would answer 404.
-                    Ok(ViewRead::Order(_)) => return None,
+                    Ok(ViewRead::Order(Some(v))) => s.pending = Some(v),
+                    // Gone: the stream ends as `GET /orders/{id}` would answer 404.
+                    Ok(ViewRead::Order(None)) => return None,
                     // The reader tries again; the stream waits for its next view.
                     Ok(ViewRead::Pending | ViewRead::Failed) => {}
+                    // The reader stopped: the client reconnects (`retry:`).
                     Err(_) => return None,
                 },
                 _ = tokio::time::sleep(s.settings.reread) => s.admitted.hub.reread(s.admitted.order),

@@ -164,8 +164,8 @@ pub struct TicketView {
     pub voided_at: Option<DateTime<Utc>>,
 }
 
-/// The owner's view of an order (`GET /orders/{id}`).
-#[derive(Debug, Clone, Serialize)]
+/// The owner's view of an order (`GET /orders/{id}`). Its `Debug` leaves the client secret out.
+#[derive(Clone, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct OrderView {
     /// Order id.
@@ -201,6 +201,22 @@ pub struct OrderView {
     pub created_at: DateTime<Utc>,
     /// Last status change.
     pub updated_at: DateTime<Utc>,
+}
+
+impl std::fmt::Debug for OrderView {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OrderView")
+            .field("order_id", &self.order_id)
+            .field("event_id", &self.event_id)
+            .field("status", &self.status)
+            .field("failure_reason", &self.failure_reason)
+            .field("hold_status", &self.hold_status)
+            .field("payment_intent_id", &self.payment_intent_id)
+            .field("client_secret", &self.client_secret.as_ref().map(|_| "<redacted>"))
+            .field("seats", &self.seats.len())
+            .field("tickets", &self.tickets.len())
+            .finish_non_exhaustive()
+    }
 }
 
 /// A seat reference in an order view.
@@ -286,17 +302,28 @@ pub async fn view(pool: &PgPool, id: OrderId, owner: UserId) -> Result<Option<Or
     r.into_view().map(Some)
 }
 
-/// Reads the orders `ids` in one statement, each with its owner: what the status streams of
-/// one process send after a notification (`boxoffice_api::order_stream`). Orders that do not
-/// exist are absent. The caller must show a view to its owner only: the client secret is in
-/// it while payment is pending.
+/// Reads, in one statement, the view of each `(order, user)` pair whose order belongs to that
+/// user: what the status streams of one process send after a notification
+/// (`boxoffice_api::order_stream`). A pair whose order does not exist or is someone else's is
+/// absent, as [`view`] answers `None`. Each row is decoded on its own, so one row this build
+/// cannot read ([`StoreError::Corrupt`], a status it does not know) fails alone.
 ///
 /// # Errors
-/// The database's, or [`StoreError::Corrupt`] for a status this build does not know.
-pub async fn views(pool: &PgPool, ids: &[Uuid]) -> Result<Vec<(UserId, OrderView)>, StoreError> {
-    let rows: Vec<ViewRow> =
-        sqlx::query_as(concat!(view_select!(), " WHERE o.id = ANY($1)")).bind(ids).fetch_all(pool).await?;
-    rows.into_iter().map(|r| Ok((UserId(r.user_id), r.into_view()?))).collect()
+/// The database's, for the whole statement.
+pub async fn views(
+    pool: &PgPool,
+    pairs: &[(OrderId, UserId)],
+) -> Result<Vec<(OrderId, UserId, Result<OrderView, StoreError>)>, sqlx::Error> {
+    let (orders, users): (Vec<Uuid>, Vec<Uuid>) = pairs.iter().map(|(o, u)| (o.0, u.0)).unzip();
+    let rows: Vec<ViewRow> = sqlx::query_as(concat!(
+        view_select!(),
+        " JOIN unnest($1::uuid[], $2::uuid[]) AS w(order_id, user_id) ON o.id = w.order_id AND o.user_id = w.user_id"
+    ))
+    .bind(&orders)
+    .bind(&users)
+    .fetch_all(pool)
+    .await?;
+    Ok(rows.into_iter().map(|r| (OrderId(r.id), UserId(r.user_id), r.into_view())).collect())
 }
 
 impl ViewRow {

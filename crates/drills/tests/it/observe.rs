@@ -126,7 +126,9 @@ async fn an_order_stream_pushes_each_change_and_ends_at_the_final_state(
 
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn woken_streams_are_answered_from_one_read(_: PgPoolOptions, opts: PgConnectOptions) {
-    use boxoffice_api::order_stream::{read_views, OrderStreams, StreamSettings, ViewRead};
+    use boxoffice_api::order_stream::{
+        read_views, Admitted, OrderStreams, Refused, StreamSettings, ViewRead,
+    };
     // The orders come from the purchase path; a hub and its view reader are driven here
     // directly, the reader started after the streams so that its reads can be counted.
     let app = TestApp::spawn(opts, &Role::ALL, VenueSpec::small(1, 1, 4)).await;
@@ -138,56 +140,99 @@ async fn woken_streams_are_answered_from_one_read(_: PgPoolOptions, opts: PgConn
     }
     let hub = OrderStreams::new(StreamSettings::default());
     let admit = |user: Uuid, order: Uuid| hub.admit(user, "192.0.2.1".into(), order).expect("admitted");
-    // Four streams of three orders (the first buyer has two), and one of an order that does
-    // not exist.
-    let mut streams: Vec<_> =
-        buyers.iter().zip(&orders).map(|(b, o)| (admit(b.user, *o), b.user, *o)).collect();
-    streams.push((admit(buyers[0].user, orders[0]), buyers[0].user, orders[0]));
+    // Four streams of three orders (the first buyer has two), a stranger's stream of the first
+    // order, and one of an order that does not exist.
+    let mut streams: Vec<_> = buyers.iter().zip(&orders).map(|(b, o)| (admit(b.user, *o), *o)).collect();
+    streams.push((admit(buyers[0].user, orders[0]), orders[0]));
+    let mut stranger = admit(buyers[1].user, orders[0]);
     let mut ghost = admit(buyers[0].user, Uuid::new_v4());
     let stop = tokio_util::sync::CancellationToken::new();
     let reader = tokio::spawn(read_views(app.pool.clone(), hub.clone(), stop.clone()));
 
-    async fn owned_view(st: &mut boxoffice_api::order_stream::Admitted, owner: Uuid, order: Uuid) {
-        match tokio::time::timeout(WAIT, st.next_view()).await.expect("a view").expect("reader running") {
-            ViewRead::Order(Some(v)) => {
-                assert_eq!((v.0 .0, v.1.order_id), (owner, order), "each view carries its order's owner");
-            }
+    async fn next(st: &mut Admitted) -> ViewRead {
+        tokio::time::timeout(WAIT, st.next_view()).await.expect("a view").expect("reader running")
+    }
+    async fn owned_view(st: &mut Admitted, order: Uuid) {
+        match next(st).await {
+            ViewRead::Order(Some(v)) => assert_eq!(v.order_id, order),
             other => panic!("expected the order, got {other:?}"),
         }
     }
-    for (st, owner, order) in &mut streams {
-        owned_view(st, *owner, *order).await;
+    for (st, order) in &mut streams {
+        owned_view(st, *order).await;
     }
-    assert!(matches!(ghost.next_view().await.unwrap(), ViewRead::Order(None)), "no such order reads as none");
-    assert_eq!(hub.reads(), 1, "the first views of five streams come from one read");
+    assert!(matches!(next(&mut stranger).await, ViewRead::Order(None)), "someone else's order reads as none");
+    assert!(matches!(next(&mut ghost).await, ViewRead::Order(None)), "no such order reads as none");
+    assert_eq!(hub.reads(), 1, "the first views of six streams come from one read");
 
     // A notification naming the three orders, one nobody here watches and junk: one more read,
-    // and every stream of the three gets a view.
-    let stranger = Uuid::new_v4().to_string();
+    // and every stream of the three gets a view (the stranger's: none).
+    let unwatched = Uuid::new_v4().to_string();
     let named: Vec<String> = orders.iter().map(Uuid::to_string).collect();
-    let woken = hub.notify(named.iter().map(String::as_str).chain([stranger.as_str(), "junk"]));
+    let woken = hub.notify(named.iter().map(String::as_str).chain([unwatched.as_str(), "junk"]));
     assert_eq!(woken, 3);
-    for (st, owner, order) in &mut streams {
-        owned_view(st, *owner, *order).await;
+    for (st, order) in &mut streams {
+        owned_view(st, *order).await;
     }
+    assert!(matches!(next(&mut stranger).await, ViewRead::Order(None)));
     assert_eq!(hub.reads(), 2, "one read for every woken stream");
 
     // A stream's re-read marks only its own order: one read, one view, the other streams wait.
     hub.reread(orders[1]);
-    let (st, owner, order) = &mut streams[1];
-    owned_view(st, *owner, *order).await;
+    let (st, order) = &mut streams[1];
+    owned_view(st, *order).await;
     assert_eq!(hub.reads(), 3);
     assert!(
         !streams[0].0.has_new_view() && !streams[2].0.has_new_view(),
         "only the re-read order was handed a view"
     );
 
-    // Closed streams' orders are no longer watched.
-    drop(streams);
-    assert_eq!(hub.notify(named.iter().map(String::as_str)), 0, "nobody watches them now");
-    assert_eq!(hub.open(), 1);
+    // A row this build cannot read (a status a newer build wrote) fails alone: its streams are
+    // handed a failure, the other orders of the same read their views, and it is not read
+    // again until it is marked again.
+    let status: String = sqlx::query_scalar("SELECT status FROM orders WHERE id = $1")
+        .bind(orders[2])
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    sqlx::query("ALTER TABLE orders DROP CONSTRAINT orders_status_check").execute(&app.pool).await.unwrap();
+    sqlx::query("UPDATE orders SET status = 'from_a_newer_build' WHERE id = $1")
+        .bind(orders[2])
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    hub.notify(named.iter().map(String::as_str));
+    for (st, order) in &mut streams {
+        if *order == orders[2] {
+            assert!(matches!(next(st).await, ViewRead::Failed));
+        } else {
+            owned_view(st, *order).await;
+        }
+    }
+    assert_eq!(hub.reads(), 4, "one read, not retried for one bad row");
+
+    // One reader per hub: a second one returns at once and reads nothing.
+    tokio::time::timeout(WAIT, read_views(app.pool.clone(), hub.clone(), stop.clone()))
+        .await
+        .expect("a second reader returns at once");
+    hub.reread(orders[0]);
+    owned_view(&mut streams[0].0, orders[0]).await;
+    assert_eq!(hub.reads(), 5);
+
+    // When the reader ends, its streams end and new ones are refused, instead of waiting.
     stop.cancel();
     reader.await.unwrap();
+    assert!(streams[0].0.next_view().await.is_err(), "an open stream ends with its reader");
+    assert_eq!(hub.admit(buyers[0].user, "192.0.2.1".into(), orders[0]).unwrap_err(), Refused::Stopped);
+    // Closed streams give their places back.
+    drop((streams, stranger, ghost));
+    assert_eq!(hub.open(), 0);
+    sqlx::query("UPDATE orders SET status = $2 WHERE id = $1")
+        .bind(orders[2])
+        .bind(status)
+        .execute(&app.pool)
+        .await
+        .unwrap();
     app.stop().await;
 }
 
