@@ -16,14 +16,17 @@
 //! ([`boxoffice_store::orders::views`], the query and rules of `GET /orders/{id}`: a user gets
 //! only an order that is theirs, the client secret only while payment is pending), and hands
 //! each view to that user's streams of that order, which send it when it differs from what
-//! they sent last; a stream of someone else's order is handed nothing and answered 404, as by
+//! they sent last; a stream of someone else's order is handed "no such order" and answered
+//! 404, as by
 //! `GET /orders/{id}`. A new stream's first view, and every re-read, go through the same
 //! reader. Its reads run one after another, each statement starting after the one before it
-//! ended, so a stream never sends an older view after a newer one. A row this build cannot
-//! read fails alone; a statement that fails is retried after a pause, with its orders. A
+//! ended, so a stream never sends an older view after a newer one. A row with an order or
+//! hold status this build does not know fails alone (its streams are handed a failure); a
+//! statement that fails is retried after a pause (200 ms doubling to 5 s), with its orders. A
 //! stream waiting for its first view is answered 503 `unavailable` on a failure, or after
 //! [`FIRST_VIEW_WAIT`]; open streams stay open. If the reader ends (shutdown, or a fault), the
-//! process's streams end (the client reconnects, `retry:`) and new ones are answered 503.
+//! process's streams end (the client reconnects, `retry:`), new ones are answered 503, and an
+//! end before shutdown is logged as an error.
 //!
 //! **Bounds.** Every stream:
 //! - belongs to the order's owner (else 404, like `GET /orders/{id}`), and passes the purchase
@@ -50,8 +53,8 @@
 //! `payment_required` at the next change or re-read.
 //!
 //! Metrics: `boxoffice_order_streams` (open), `boxoffice_order_stream_reads_total` (ledger
-//! reads made for streams, one statement each), `boxoffice_order_stream_views_total` (orders
-//! read by them), `boxoffice_order_stream_events_total`,
+//! reads made for streams, one statement each), `boxoffice_order_stream_views_total` ((order,
+//! user) pairs read by them), `boxoffice_order_stream_events_total`,
 //! `boxoffice_order_stream_refused_total{reason}`, `boxoffice_order_notifications_total`.
 
 use crate::auth::{IdPath, User};
@@ -126,7 +129,7 @@ pub enum ViewRead {
 
 /// The streams of one process: who is open, the views handed to each (order, user) watched,
 /// and the orders marked for the view reader's next read.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct OrderStreams {
     settings: StreamSettings,
     inner: Mutex<Inner>,
@@ -135,7 +138,7 @@ pub struct OrderStreams {
     reader_started: AtomicBool,
 }
 
-#[derive(Debug, Default)]
+#[derive(Default)]
 struct Inner {
     per_user: HashMap<Uuid, usize>,
     per_ip: HashMap<String, usize>,
@@ -151,6 +154,22 @@ struct Inner {
     reader_stopped: bool,
 }
 
+/// Counts only: the views it holds belong to buyers.
+impl std::fmt::Debug for OrderStreams {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut d = f.debug_struct("OrderStreams");
+        d.field("settings", &self.settings).field("reads", &self.reads());
+        // Never waits for the lock: a caller may hold it.
+        if let Ok(g) = self.inner.try_lock() {
+            d.field("open", &g.open)
+                .field("watched_orders", &g.watched.len())
+                .field("marked", &g.queued.len())
+                .field("reader_stopped", &g.reader_stopped);
+        }
+        d.finish_non_exhaustive()
+    }
+}
+
 impl Inner {
     /// Marks `order` for the next read, if it is watched and not marked yet.
     fn mark(&mut self, order: Uuid) -> bool {
@@ -160,12 +179,17 @@ impl Inner {
         if self.queued.insert(order) {
             self.queue.push_back(order);
         }
+        // Ids of streams that closed while marked stay in `queue` until taken; while the
+        // reader is held up they are dropped here, so the queue stays as long as the marks.
+        if self.queue.len() > 2 * self.queued.len() + 1_024 {
+            let queued = &self.queued;
+            self.queue.retain(|id| queued.contains(id));
+        }
         true
     }
 }
 
 /// One admitted stream: released (and its order unwatched) when dropped.
-#[derive(Debug)]
 pub struct Admitted {
     hub: Arc<OrderStreams>,
     user: Uuid,
@@ -173,6 +197,15 @@ pub struct Admitted {
     order: Uuid,
     /// The views the reader hands to this user's streams of this order.
     views: watch::Receiver<ViewRead>,
+}
+
+impl std::fmt::Debug for Admitted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Admitted")
+            .field("user", &self.user)
+            .field("order", &self.order)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Admitted {
@@ -366,10 +399,13 @@ impl OrderStreams {
 /// Marks the hub's reader stopped when [`read_views`] ends, however it ends: every channel is
 /// dropped, so open streams end (their clients reconnect, `retry:`) and waiting ones are
 /// answered 503, instead of waiting for views that will not come.
-struct ReaderStopped(Arc<OrderStreams>);
+struct ReaderStopped(Arc<OrderStreams>, CancellationToken);
 
 impl Drop for ReaderStopped {
     fn drop(&mut self) {
+        if !self.1.is_cancelled() {
+            tracing::error!("order streams: the view reader ended before shutdown; streams are refused until the process restarts");
+        }
         let mut g = self.0.lock();
         g.reader_stopped = true;
         g.watched.clear();
@@ -382,15 +418,16 @@ impl Drop for ReaderStopped {
 /// read, with every user watching each, in one statement ([`orders::views`]: a user gets the
 /// view only of an order that is theirs) and hands each view to that user's streams of that
 /// order. One read at a time, so the views of an order only move forward; a hub has one reader
-/// (a second call returns at once). A row this build cannot read fails alone; a failed
-/// statement marks its orders again and waits (200 ms, doubling to 5 s) before the next read.
-/// When it ends, the hub's streams end and new ones are refused.
+/// (a second call returns at once). A row with a status this build does not know fails alone;
+/// a failed statement marks its orders again and waits (200 ms, doubling to 5 s) before the
+/// next read. When it ends, the hub's streams end and new ones are refused; an end before
+/// `shutdown` is logged as an error.
 pub async fn read_views(pool: sqlx::PgPool, hub: Arc<OrderStreams>, shutdown: CancellationToken) {
     if hub.reader_started.swap(true, Ordering::SeqCst) {
         tracing::error!("order streams: a view reader already runs for this hub; not starting another");
         return;
     }
-    let _stopped = ReaderStopped(hub.clone());
+    let _stopped = ReaderStopped(hub.clone(), shutdown.clone());
     let mut backoff = Duration::from_millis(200);
     loop {
         tokio::select! {
@@ -503,7 +540,7 @@ pub async fn listen(pool: sqlx::PgPool, hub: Arc<OrderStreams>, shutdown: Cancel
         (status = 401, description = "`unauthenticated`: no or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 404, description = "`not_found`: no such order for this user", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 429, description = "`too_many_streams` (this user or this client address has as many streams open as allowed, or the process is full), `rate_limited` or `too_many_in_flight`; `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 503, description = "`unavailable`: the order could not be read within 15 s (the database is unavailable or slow), or the process is stopping; `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 503, description = "`unavailable`: the order could not be read (the database failed or did not answer within 15 s, or this build cannot read the order), or this process's streams have stopped; `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
     ))]
 pub async fn order_events(
     State(st): State<AppState>,

@@ -620,7 +620,7 @@ pub struct Config {
     pub order_stream_max: usize,
     /// Heartbeat (an SSE comment) of an idle order stream, seconds.
     pub order_stream_heartbeat_s: u64,
-    /// An order stream ends after this many seconds (the client reconnects).
+    /// An order stream ends after this many seconds (the client reconnects); 60–86,400.
     pub order_stream_max_lifetime_s: u64,
     /// Each order's facts and status changes are kept this many days for its timeline
     /// (`boxoffice timeline`): 400 covers the card networks' 120-day dispute window and a
@@ -890,11 +890,11 @@ impl Config {
             || self.order_stream_max_per_ip < 1
             || self.order_stream_max < self.order_stream_max_per_user
             || !(1..=120).contains(&self.order_stream_heartbeat_s)
-            || self.order_stream_max_lifetime_s < 60
+            || !(60..=86_400).contains(&self.order_stream_max_lifetime_s)
         {
             bail!(
                 "order_stream_max_per_user must be at least 1 and at most order_stream_max, \
-                 order_stream_heartbeat_s 1..=120 and order_stream_max_lifetime_s at least 60"
+                 order_stream_heartbeat_s 1..=120 and order_stream_max_lifetime_s 60..=86400"
             );
         }
         if !(50..=10_000).contains(&self.redis_timeout_ms) {

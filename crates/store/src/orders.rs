@@ -164,7 +164,8 @@ pub struct TicketView {
     pub voided_at: Option<DateTime<Utc>>,
 }
 
-/// The owner's view of an order (`GET /orders/{id}`). Its `Debug` leaves the client secret out.
+/// The owner's view of an order (`GET /orders/{id}`).
+// Its `Debug` (below) leaves the client secret out.
 #[derive(Clone, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct OrderView {
@@ -305,8 +306,9 @@ pub async fn view(pool: &PgPool, id: OrderId, owner: UserId) -> Result<Option<Or
 /// Reads, in one statement, the view of each `(order, user)` pair whose order belongs to that
 /// user: what the status streams of one process send after a notification
 /// (`boxoffice_api::order_stream`). A pair whose order does not exist or is someone else's is
-/// absent, as [`view`] answers `None`. Each row is decoded on its own, so one row this build
-/// cannot read ([`StoreError::Corrupt`], a status it does not know) fails alone.
+/// absent, as [`view`] answers `None`. Each row's statuses are parsed on their own, so a row
+/// with an order or hold status this build does not know ([`StoreError::Corrupt`]) fails
+/// alone.
 ///
 /// # Errors
 /// The database's, for the whole statement.
