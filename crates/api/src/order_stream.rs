@@ -25,8 +25,8 @@
 //! statement that fails is retried after a pause (200 ms doubling to 5 s), with its orders. A
 //! stream waiting for its first view is answered 503 `unavailable` on a failure, or after
 //! [`FIRST_VIEW_WAIT`]; open streams stay open. If the reader ends (shutdown, or a fault), the
-//! process's streams end (the client reconnects, `retry:`), new ones are answered 503, and an
-//! end before shutdown is logged as an error.
+//! process's streams end (the client reconnects, `retry:`), new ones are answered 503, an
+//! end before shutdown is logged as an error, and `/readyz` answers 503.
 //!
 //! **Bounds.** Every stream:
 //! - belongs to the order's owner (else 404, like `GET /orders/{id}`), and passes the purchase
@@ -55,7 +55,8 @@
 //! Metrics: `boxoffice_order_streams` (open), `boxoffice_order_stream_reads_total` (ledger
 //! reads made for streams, one statement each), `boxoffice_order_stream_views_total` ((order,
 //! user) pairs read by them), `boxoffice_order_stream_events_total`,
-//! `boxoffice_order_stream_refused_total{reason}`, `boxoffice_order_notifications_total`.
+//! `boxoffice_order_stream_refused_total{reason}` (`user`, `ip`, `process`, and for 503:
+//! `stopped`, `read_failed`, `read_timeout`), `boxoffice_order_notifications_total`.
 
 use crate::auth::{IdPath, User};
 use crate::problem::Problem;
@@ -357,6 +358,12 @@ impl OrderStreams {
         }
     }
 
+    /// Whether the view reader has stopped: the process's streams are refused (`/readyz`
+    /// answers 503 while it is so).
+    pub fn reader_stopped(&self) -> bool {
+        self.lock().reader_stopped
+    }
+
     /// Open streams.
     pub fn open(&self) -> usize {
         self.lock().open
@@ -558,12 +565,7 @@ pub async fn order_events(
             Refused::User => ("user", settings.max_per_user),
             Refused::Ip => ("ip", settings.max_per_ip),
             Refused::Process => ("process", settings.max_streams),
-            Refused::Stopped => {
-                metrics::counter!("boxoffice_order_stream_refused_total", "reason" => "stopped").increment(1);
-                return Problem::unavailable(&std::io::Error::other(
-                    "order streams: the view reader has stopped",
-                ));
-            }
+            Refused::Stopped => return Problem::stream_unavailable("stopped"),
         };
         metrics::counter!("boxoffice_order_stream_refused_total", "reason" => scope).increment(1);
         Problem::too_many_streams(scope, max)
@@ -574,11 +576,9 @@ pub async fn order_events(
             Ok(Ok(ViewRead::Order(Some(v)))) => break v,
             Ok(Ok(ViewRead::Order(None))) => return Err(Problem::not_found("order")),
             Ok(Ok(ViewRead::Pending)) => continue,
-            Ok(Ok(ViewRead::Failed)) | Ok(Err(_)) | Err(_) => {
-                return Err(Problem::unavailable(&std::io::Error::other(
-                    "order stream: the order was not read",
-                )))
-            }
+            Ok(Ok(ViewRead::Failed)) => return Err(Problem::stream_unavailable("read_failed")),
+            Ok(Err(_)) => return Err(Problem::stream_unavailable("stopped")),
+            Err(_) => return Err(Problem::stream_unavailable("read_timeout")),
         }
     };
     let settings = st.order_streams.settings().clone();

@@ -123,6 +123,23 @@ impl Problem {
         p
     }
 
+    /// 503 `unavailable` for an order stream that cannot start (`why`: the view reader has
+    /// stopped, the order's read failed or was not answered in time): the client reconnects
+    /// after `Retry-After`. Counted in `boxoffice_order_stream_refused_total{reason}`, logged
+    /// at debug only, since clients choose how often it happens.
+    pub fn stream_unavailable(why: &'static str) -> Self {
+        metrics::counter!("boxoffice_order_stream_refused_total", "reason" => why).increment(1);
+        tracing::debug!(reason = why, "order stream refused");
+        let mut p = Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "unavailable",
+            "Service unavailable",
+            format!("the order could not be read now ({}); reconnect later", why.replace('_', " ")),
+        );
+        p.retry_after = Some(1);
+        p
+    }
+
     /// 503 `region_fenced`: this region's ledger refused the write because another region
     /// writes now (or this region's lease lapsed); the client retries, and the traffic switch
     /// sends it to the region that writes. Nothing was written.

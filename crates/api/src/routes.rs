@@ -429,8 +429,8 @@ async fn webhook_source(
 }
 
 /// `GET /readyz`: 200 when the database answers (and the producer reaches a broker, when
-/// this process runs one, and its region lease holds, when a witness is configured); 503
-/// otherwise.
+/// this process runs one, its region lease holds, when a witness is configured, and its order
+/// streams' view reader has not stopped); 503 otherwise.
 async fn readyz(State(st): State<AppState>) -> Response {
     let db = boxoffice_store::ping(&st.pool).await;
     let broker = match &st.producer {
@@ -441,8 +441,11 @@ async fn readyz(State(st): State<AppState>) -> Response {
         None => true,
     };
     let lease = st.may_write();
-    let status = if db && broker && lease { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
-    (status, Json(json!({"database": db, "broker": broker, "region_lease": lease}))).into_response()
+    let streams = !st.order_streams.reader_stopped();
+    let status =
+        if db && broker && lease && streams { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    (status, Json(json!({"database": db, "broker": broker, "region_lease": lease, "order_streams": streams})))
+        .into_response()
 }
 
 /// `GET /metrics`: Prometheus text exposition.

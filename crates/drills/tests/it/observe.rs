@@ -236,6 +236,7 @@ async fn woken_streams_are_answered_from_one_read(_: PgPoolOptions, opts: PgConn
     reader.await.unwrap();
     assert!(streams[0].0.next_view().await.is_err(), "an open stream ends with its reader");
     assert_eq!(hub.admit(buyers[0].user, "192.0.2.1".into(), orders[0]).unwrap_err(), Refused::Stopped);
+    assert!(hub.reader_stopped());
     // Closed streams give their places back.
     drop((streams, stranger, ghost));
     assert_eq!(hub.open(), 0);
