@@ -213,7 +213,7 @@ impl std::fmt::Debug for OrderView {
             .field("failure_reason", &self.failure_reason)
             .field("hold_status", &self.hold_status)
             .field("payment_intent_id", &self.payment_intent_id)
-            .field("client_secret", &self.client_secret.as_ref().map(|_| "<redacted>"))
+            .field("client_secret", &self.client_secret.as_ref().map(|_| "[redacted]"))
             .field("seats", &self.seats.len())
             .field("tickets", &self.tickets.len())
             .finish_non_exhaustive()
