@@ -22,7 +22,10 @@
 //! reader. Its reads run one after another, each statement starting after the one before it
 //! ended, so a stream never sends an older view after a newer one. A row with an order or
 //! hold status this build does not know fails alone (its streams are handed a failure); a
-//! statement that fails is retried after a pause (200 ms doubling to 5 s), with its orders. A
+//! statement that fails is retried after a pause (200 ms doubling to 5 s), with its orders,
+//! and halves the reads that follow (down to one order a read, doubling back to
+//! [`MAX_VIEWS_PER_READ`] with each read that succeeds): an order whose read fails every time
+//! ends up read alone, and the other orders are read past it. A
 //! stream waiting for its first view is answered 503 `unavailable` on a failure, or after
 //! [`FIRST_VIEW_WAIT`]; open streams stay open. If the reader ends (shutdown, or a fault), the
 //! process's streams end (the client reconnects, `retry:`), new ones are answered 503, an
@@ -375,13 +378,13 @@ impl OrderStreams {
         self.reads.load(Ordering::Relaxed)
     }
 
-    /// Takes up to [`MAX_VIEWS_PER_READ`] marked orders, first marked first, with every user
-    /// watching each.
-    fn take_marked(&self) -> Vec<(OrderId, UserId)> {
+    /// Takes up to `limit` marked orders, first marked first, with every user watching each;
+    /// returns the pairs and how many orders they are of.
+    fn take_marked(&self, limit: usize) -> (Vec<(OrderId, UserId)>, usize) {
         let mut g = self.lock();
         let mut pairs = Vec::new();
         let mut taken = 0;
-        while taken < MAX_VIEWS_PER_READ {
+        while taken < limit {
             let Some(order) = g.queue.pop_front() else { break };
             // Unwatched since it was marked.
             if !g.queued.remove(&order) {
@@ -392,7 +395,7 @@ impl OrderStreams {
                 pairs.extend(users.keys().map(|u| (OrderId(order), UserId(*u))));
             }
         }
-        pairs
+        (pairs, taken)
     }
 
     /// Hands `read` to the streams of `user` watching `order`, if there are any.
@@ -426,9 +429,10 @@ impl Drop for ReaderStopped {
 /// view only of an order that is theirs) and hands each view to that user's streams of that
 /// order. One read at a time, so the views of an order only move forward; a hub has one reader
 /// (a second call returns at once). A row with a status this build does not know fails alone;
-/// a failed statement marks its orders again and waits (200 ms, doubling to 5 s) before the
-/// next read. When it ends, the hub's streams end and new ones are refused; an end before
-/// `shutdown` is logged as an error.
+/// a failed statement marks its orders again (behind those already marked), waits (200 ms,
+/// doubling to 5 s) and halves the size of the reads that follow, down to one order; each read
+/// that succeeds doubles it back, up to [`MAX_VIEWS_PER_READ`]. When it ends, the hub's
+/// streams end and new ones are refused; an end before `shutdown` is logged as an error.
 pub async fn read_views(pool: sqlx::PgPool, hub: Arc<OrderStreams>, shutdown: CancellationToken) {
     if hub.reader_started.swap(true, Ordering::SeqCst) {
         tracing::error!("order streams: a view reader already runs for this hub; not starting another");
@@ -436,26 +440,37 @@ pub async fn read_views(pool: sqlx::PgPool, hub: Arc<OrderStreams>, shutdown: Ca
     }
     let _stopped = ReaderStopped(hub.clone(), shutdown.clone());
     let mut backoff = Duration::from_millis(200);
+    // Orders a read takes at most: halved by a failed statement, doubled by a good one.
+    let mut limit = MAX_VIEWS_PER_READ;
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return,
             _ = hub.wake.notified() => {}
         }
         loop {
-            let pairs = hub.take_marked();
-            if pairs.is_empty() {
+            let (pairs, orders) = hub.take_marked(limit);
+            if orders == 0 {
                 break;
+            }
+            // Every stream of these orders closed since they were marked: take the next ones.
+            if pairs.is_empty() {
+                continue;
             }
             hub.reads.fetch_add(1, Ordering::Relaxed);
             metrics::counter!("boxoffice_order_stream_reads_total").increment(1);
             metrics::counter!("boxoffice_order_stream_views_total").increment(pairs.len() as u64);
+            let read = async {
+                boxoffice_faults::check("order_stream.read")?;
+                Ok::<_, ReadError>(orders::views(&pool, &pairs).await?)
+            };
             let read = tokio::select! {
                 _ = shutdown.cancelled() => return,
-                r = orders::views(&pool, &pairs) => r,
+                r = read => r,
             };
             match read {
                 Ok(rows) => {
                     backoff = Duration::from_millis(200);
+                    limit = (limit * 2).min(MAX_VIEWS_PER_READ);
                     let mut found: HashMap<(Uuid, Uuid), Result<OrderView, boxoffice_store::StoreError>> =
                         rows.into_iter().map(|(o, u, v)| ((o.0, u.0), v)).collect();
                     let g = hub.lock();
@@ -472,7 +487,9 @@ pub async fn read_views(pool: sqlx::PgPool, hub: Arc<OrderStreams>, shutdown: Ca
                     }
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, orders = pairs.len(), "order streams: reading the orders failed; trying again");
+                    limit = (orders / 2).max(1);
+                    tracing::warn!(error = %e, orders, next_read_at_most = limit,
+                        "order streams: reading the orders failed; trying again");
                     {
                         let mut g = hub.lock();
                         for (order, user) in &pairs {
@@ -489,6 +506,15 @@ pub async fn read_views(pool: sqlx::PgPool, hub: Arc<OrderStreams>, shutdown: Ca
             }
         }
     }
+}
+
+/// Why a view read failed as a whole.
+#[derive(Debug, thiserror::Error)]
+enum ReadError {
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+    #[error(transparent)]
+    Injected(#[from] boxoffice_faults::Injected),
 }
 
 /// Listens on [`CHANNEL`] with one dedicated connection until `shutdown` and marks the watched

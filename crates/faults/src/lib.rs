@@ -17,14 +17,15 @@
 //! - `sleep(ms)`: the step stalls for `ms` milliseconds (blocking the thread).
 //!
 //! Example: `BOXOFFICE_FAULTS='payments.after_remote=5%return(abort);relay.after_publish=1*return'`.
-//! [`POINTS`] lists every point.
+//! [`POINTS`] lists every point of the purchase path, [`OBSERVER_POINTS`] the others.
 
 /// Boundaries of every consumer; the point name is `{consumer}.{boundary}`, e.g.
 /// `payments.after_remote`.
 pub const CONSUMER_BOUNDARIES: [&str; 5] =
     ["before_remote", "after_remote", "before_commit", "after_commit", "before_ack"];
 
-/// Every fault point, for documentation and for rejecting misspelt configuration.
+/// Every fault point of the purchase path (a purchase passes each of them), for documentation
+/// and for rejecting misspelt configuration; [`OBSERVER_POINTS`] lists the others.
 pub const POINTS: &[&str] = &[
     // The outbox relay: publish, then mark published.
     "relay.before_publish",
@@ -54,6 +55,16 @@ pub const POINTS: &[&str] = &[
     "hold.before_commit",
     "hold.after_commit",
 ];
+
+/// Fault points outside the purchase path, which no purchase passes through: the view reader
+/// of the buyers' order streams (`order_stream.read`: one read of the marked orders fails as
+/// a whole, as a failed statement would).
+pub const OBSERVER_POINTS: &[&str] = &["order_stream.read"];
+
+/// Whether `point` is a fault point ([`POINTS`] or [`OBSERVER_POINTS`]).
+pub fn is_point(point: &str) -> bool {
+    POINTS.contains(&point) || OBSERVER_POINTS.contains(&point)
+}
 
 /// A fault injected at `point` (mode `error`).
 #[derive(Debug, Clone, thiserror::Error)]
@@ -135,7 +146,7 @@ fn fire(point: &str, arg: Option<String>) -> Result<(), Injected> {
 /// # Errors
 /// The point is not in [`POINTS`] or the actions do not parse.
 pub fn set(point: &str, actions: &str) -> Result<(), String> {
-    if !POINTS.contains(&point) {
+    if !is_point(point) {
         return Err(format!("unknown fault point {point:?} (see boxoffice_faults::POINTS)"));
     }
     fail::cfg(point, actions)?;
@@ -169,7 +180,7 @@ fn parse(spec: &str) -> Result<Vec<(&str, &str)>, String> {
     for entry in spec.split(';').map(str::trim).filter(|e| !e.is_empty()) {
         let (point, actions) =
             entry.split_once('=').ok_or_else(|| format!("fault entry {entry:?} is not point=actions"))?;
-        if !POINTS.contains(&point.trim()) {
+        if !is_point(point.trim()) {
             return Err(format!("unknown fault point {:?}", point.trim()));
         }
         entries.push((point.trim(), actions.trim()));

@@ -261,6 +261,64 @@ async fn woken_streams_are_answered_from_one_read(_: PgPoolOptions, opts: PgConn
     app.stop().await;
 }
 
+/// A view read that fails as a whole is tried again with its orders in smaller reads (halved
+/// down to one order, doubled back with each read that succeeds), so an order whose read keeps
+/// failing cannot hold back the others: with the first two reads of four orders failing, every
+/// stream still gets its own order, in reads of four and two (failed), then one, two and one;
+/// the next read of all four is one read again.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn a_failed_view_read_is_split_and_every_stream_still_gets_its_view(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    use boxoffice_api::order_stream::{read_views, Admitted, OrderStreams, StreamSettings, ViewRead};
+    let app = TestApp::spawn(opts, &[Role::Api], VenueSpec::small(1, 1, 4)).await;
+    let s = app.seats().await;
+    let buyers: Vec<_> = (0..4).map(|_| app.buyer()).collect();
+    let mut orders = Vec::new();
+    for (i, b) in buyers.iter().enumerate() {
+        orders.push(hold_one(&app, b, s[i], &format!("split-{i}")).await);
+    }
+    let hub = OrderStreams::new(StreamSettings::default());
+    let mut streams: Vec<_> = buyers
+        .iter()
+        .zip(&orders)
+        .map(|(b, o)| (hub.admit(b.user, "192.0.2.1".into(), *o).expect("admitted"), *o))
+        .collect();
+    boxoffice_faults::set("order_stream.read", "2*return").unwrap();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let reader = tokio::spawn(read_views(app.pool.clone(), hub.clone(), stop.clone()));
+
+    /// The stream's next view that is not a failure (a failed read hands its streams a
+    /// failure; they stay open and wait for the next view).
+    async fn own_view(st: &mut Admitted, order: Uuid) {
+        loop {
+            match tokio::time::timeout(WAIT, st.next_view()).await.expect("a view").expect("reader running") {
+                ViewRead::Failed => continue,
+                ViewRead::Order(Some(v)) => return assert_eq!(v.order_id, order),
+                other => panic!("expected the order, got {other:?}"),
+            }
+        }
+    }
+    for (st, order) in &mut streams {
+        own_view(st, *order).await;
+    }
+    assert_eq!(boxoffice_faults::fired("order_stream.read"), 2);
+    assert_eq!(hub.reads(), 5, "4 and 2 orders failed, then reads of 1, 2 and 1");
+    boxoffice_faults::clear("order_stream.read");
+
+    // Good reads doubled the size back: the four orders are one read again.
+    let named: Vec<String> = orders.iter().map(Uuid::to_string).collect();
+    assert_eq!(hub.notify(named.iter().map(String::as_str)), 4);
+    for (st, order) in &mut streams {
+        own_view(st, *order).await;
+    }
+    assert_eq!(hub.reads(), 6);
+    stop.cancel();
+    reader.await.unwrap();
+    app.stop().await;
+}
+
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn order_streams_belong_to_the_owner_are_capped_per_user_and_beat(
     _: PgPoolOptions,
