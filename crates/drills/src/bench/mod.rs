@@ -449,9 +449,10 @@ pub struct CpuUse {
     pub seconds: f64,
     /// Share of all cores busy (not idle or waiting for IO), percent.
     pub machine_busy_pct: f64,
-    /// Cores used by this process (the bench's generator and every in-process role).
+    /// Cores used by this process (the bench's generator and every in-process role) and by
+    /// the children it waited for in the window (pgbench in P1).
     pub boxoffice_cores: f64,
-    /// Cores used by PostgreSQL processes.
+    /// Cores used by PostgreSQL processes, backends that exited in the window included.
     pub postgres_cores: f64,
     /// Cores used by everything else (Redis, a broker, other work on the machine).
     pub other_cores: f64,
@@ -478,9 +479,11 @@ impl CpuSnap {
                 let Some(pid) = name.to_str().filter(|n| n.bytes().all(|b| b.is_ascii_digit())) else {
                     continue;
                 };
-                if let Some((comm, ticks)) = proc_ticks(&format!("/proc/{pid}/stat")) {
+                // A backend that exits (a closed connection, pgbench's) leaves its ticks to the
+                // postmaster's children's count once it is waited for.
+                if let Some((comm, own, children)) = proc_stat(&format!("/proc/{pid}/stat")) {
                     if comm == "postgres" {
-                        postgres += ticks;
+                        postgres += own + children;
                     }
                 }
             }
@@ -497,7 +500,8 @@ impl CpuSnap {
             .unwrap_or(0);
         Self {
             at: std::time::Instant::now(),
-            own: proc_ticks("/proc/self/stat").map(|p| p.1).unwrap_or(0),
+            // With the children this process waited for (pgbench in P1).
+            own: proc_stat("/proc/self/stat").map(|p| p.1 + p.2).unwrap_or(0),
             postgres,
             busy,
         }
@@ -523,11 +527,17 @@ impl CpuSnap {
 
 /// `(comm, utime + stime)` of a `/proc/<pid>/stat` file.
 fn proc_ticks(path: &str) -> Option<(String, u64)> {
+    proc_stat(path).map(|(comm, own, _)| (comm, own))
+}
+
+/// `(comm, utime + stime, cutime + cstime)` of a `/proc/<pid>/stat` file: the process's own
+/// ticks and those of its children that exited and were waited for.
+fn proc_stat(path: &str) -> Option<(String, u64, u64)> {
     let s = std::fs::read_to_string(path).ok()?;
     let (open, close) = (s.find('(')?, s.rfind(')')?);
     let comm = s[open + 1..close].to_owned();
     let rest: Vec<&str> = s[close + 1..].split_whitespace().collect();
-    // rest[0] is field 3 (state); utime and stime are fields 14 and 15.
-    let ticks = rest.get(11)?.parse::<u64>().ok()? + rest.get(12)?.parse::<u64>().ok()?;
-    Some((comm, ticks))
+    // rest[0] is field 3 (state); utime, stime, cutime and cstime are fields 14 to 17.
+    let field = |i: usize| rest.get(i).and_then(|f| f.parse::<u64>().ok());
+    Some((comm, field(11)? + field(12)?, field(13)? + field(14)?))
 }

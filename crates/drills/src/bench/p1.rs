@@ -8,6 +8,12 @@
 //! out earlier, and must be refused (409 `seat_unavailable`). Afterwards the ledger is
 //! checked for invariant 1: no seat with more than one unreleased hold or more than one
 //! ticket, and exactly one hold row per successful call.
+//!
+//! What bounds P1 is read off each level's [`TxCost`], for the holds and for pgbench beside
+//! them: PostgreSQL's CPU, the client's CPU (the bench process, or pgbench) and the WAL
+//! written, per transaction; and off where the hold's connections were while it ran
+//! ([`BackendShare`], `pg_stat_activity` sampled every [`SAMPLE_EVERY`]): running, waiting
+//! for a lock or for the disk, or waiting for the client between statements.
 
 use super::{BenchArgs, BenchDb, Deck};
 use anyhow::Context;
@@ -58,6 +64,117 @@ pub struct P1Level {
     pub ratio: Option<f64>,
     /// Where the CPU went during the hold run.
     pub cpu: super::CpuUse,
+    /// What one hold transaction cost (holds and 409 refusals; errors are not counted).
+    pub hold_cost: Option<TxCost>,
+    /// What one pgbench TPC-B transaction cost at the same client count.
+    pub pgbench_cost: Option<TxCost>,
+    /// Where the hold's connections were during the run, most frequent first (shares of
+    /// every sample of every connection; empty when `pg_stat_activity` could not be read).
+    pub backends: Vec<BackendShare>,
+}
+
+/// How often the hold's connections are sampled in `pg_stat_activity`.
+pub const SAMPLE_EVERY: Duration = Duration::from_millis(50);
+
+/// A share of the samples of the hold's connections in one state.
+#[derive(Debug, Clone, Serialize)]
+pub struct BackendShare {
+    /// `running` (in a statement, not waiting), `waiting for the client` (inside a
+    /// transaction, between statements: the round trip and the client's own work),
+    /// `between transactions` (idle in the pool), or `wait_event_type:wait_event` of a
+    /// statement that waits (`Lock:transactionid`, `LWLock:WALWrite`, `IO:WALSync`, …).
+    pub state: String,
+    /// Share of the samples, 0–1.
+    pub share: f64,
+}
+
+/// Samples the hold's connections (`application_name` [`HOLD_APPLICATION`]) in
+/// `pg_stat_activity` every [`SAMPLE_EVERY`] until `stop`, one statement on `pool` a sample;
+/// returns each state's share, most frequent first.
+async fn sample_backends(pool: PgPool, stop: tokio_util::sync::CancellationToken) -> Vec<BackendShare> {
+    let mut counts: std::collections::HashMap<String, u64> = std::collections::HashMap::new();
+    let mut tick = tokio::time::interval(SAMPLE_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => break,
+            _ = tick.tick() => {}
+        }
+        let rows: Result<Vec<(String, i64)>, _> = sqlx::query_as(
+            "SELECT CASE WHEN state = 'idle in transaction' THEN 'waiting for the client'
+                         WHEN state = 'idle' THEN 'between transactions'
+                         WHEN wait_event_type IS NULL THEN 'running'
+                         ELSE wait_event_type || ':' || wait_event END, count(*)
+               FROM pg_stat_activity
+              WHERE datname = current_database() AND backend_type = 'client backend'
+                AND pid <> pg_backend_pid() AND application_name = $1
+              GROUP BY 1",
+        )
+        .bind(HOLD_APPLICATION)
+        .fetch_all(&pool)
+        .await;
+        match rows {
+            Ok(rows) => rows.into_iter().for_each(|(state, n)| *counts.entry(state).or_default() += n as u64),
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot sample pg_stat_activity");
+                return Vec::new();
+            }
+        }
+    }
+    let total = counts.values().sum::<u64>().max(1) as f64;
+    let mut shares: Vec<BackendShare> =
+        counts.into_iter().map(|(state, n)| BackendShare { state, share: n as f64 / total }).collect();
+    shares.sort_by(|a, b| b.share.total_cmp(&a.share).then_with(|| a.state.cmp(&b.state)));
+    shares
+}
+
+/// The `application_name` of the hold's connections, by which they are sampled.
+const HOLD_APPLICATION: &str = "boxoffice-bench-p1";
+
+/// What one transaction cost in a measured window: its share of PostgreSQL's CPU, of the
+/// client's CPU and of the WAL written.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct TxCost {
+    /// Transactions in the window: hold transactions (created or refused 409), or pgbench's
+    /// processed transactions.
+    pub transactions: u64,
+    /// PostgreSQL's CPU per transaction, ms: every process of the server (backends, WAL
+    /// writer, checkpointer), backends that exited in the window included.
+    pub postgres_cpu_ms: f64,
+    /// The client's CPU per transaction, ms: the bench process (the hold code, sqlx, its
+    /// tasks) for holds, pgbench for TPC-B.
+    pub client_cpu_ms: f64,
+    /// WAL written per transaction, bytes (`pg_current_wal_lsn()` before and after: the whole
+    /// server, full-page images included).
+    pub wal_bytes: f64,
+}
+
+impl TxCost {
+    /// `cpu` and `wal_bytes` of a window spread over `transactions`; None without any.
+    fn of(cpu: &super::CpuUse, client_cores: f64, wal_bytes: Option<i64>, transactions: u64) -> Option<Self> {
+        let n = transactions as f64;
+        let wal_bytes = wal_bytes? as f64;
+        (transactions > 0).then(|| Self {
+            transactions,
+            postgres_cpu_ms: cpu.postgres_cores * cpu.seconds * 1_000.0 / n,
+            client_cpu_ms: client_cores * cpu.seconds * 1_000.0 / n,
+            wal_bytes: wal_bytes / n,
+        })
+    }
+}
+
+/// The server's WAL insert position, bytes from its start; None if it cannot be read.
+async fn wal_position(pool: &PgPool) -> Option<i64> {
+    sqlx::query_scalar("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::bigint")
+        .fetch_one(pool)
+        .await
+        .map_err(|e| tracing::debug!(error = %e, "cannot read the WAL position"))
+        .ok()
+}
+
+/// Bytes of WAL between two positions.
+fn wal_between(before: Option<i64>, after: Option<i64>) -> Option<i64> {
+    Some(after? - before?)
 }
 
 /// P1's result.
@@ -73,7 +190,7 @@ pub struct P1Result {
     pub best_holds_per_s: f64,
     /// The best pgbench tps over all levels.
     pub best_pgbench_tps: Option<f64>,
-    /// `best_holds_per_s / best_pgbench_tps` (the target is ≥ 0.5).
+    /// `best_holds_per_s / best_pgbench_tps` (the target is `report::targets::P1_RATIO`).
     pub best_ratio: Option<f64>,
     /// Seats with more than one unreleased hold or more than one ticket (must be 0).
     pub oversold_seats: i64,
@@ -120,15 +237,39 @@ async fn run_on(cfg: &Config, args: &BenchArgs, db: &BenchDb, pool: &PgPool) -> 
         // (the tables grow by thousands of holds per level; it may be off).
         sqlx::query(&format!("ANALYZE {}", super::PURCHASE_TABLES)).execute(pool).await?;
         let autovacuum = super::Autovacuum::start(pool).await;
-        let level = hold_level(db.opts.clone(), event, deck.clone(), n, args).await;
+        let wal_before = wal_position(pool).await;
+        let sampling = tokio_util::sync::CancellationToken::new();
+        let sampler = tokio::spawn(sample_backends(pool.clone(), sampling.clone()));
+        let level =
+            hold_level(db.opts.clone().application_name(HOLD_APPLICATION), event, deck.clone(), n, args)
+                .await;
+        let wal_after = wal_position(pool).await;
+        sampling.cancel();
+        let backends = sampler.await.unwrap_or_default();
         autovacuum.stop().await;
         let mut level = level?;
+        level.backends = backends;
+        level.hold_cost = TxCost::of(
+            &level.cpu,
+            level.cpu.boxoffice_cores,
+            wal_between(wal_before, wal_after),
+            level.holds + level.conflicts_409,
+        );
         total_holds += level.holds;
         if let Ok(pg) = &pgbench {
-            match pg.run(n, args.p1_seconds).await {
-                Ok(tps) => {
-                    level.pgbench_tps = Some(tps);
-                    level.ratio = Some(level.holds_per_s / tps);
+            let wal_before = wal_position(pool).await;
+            let cpu_before = super::CpuSnap::now();
+            let run = pg.run(n, args.p1_seconds).await;
+            let cpu = cpu_before.until(&super::CpuSnap::now());
+            let wal_after = wal_position(pool).await;
+            match run {
+                Ok(out) => {
+                    level.pgbench_tps = Some(out.tps);
+                    level.ratio = Some(level.holds_per_s / out.tps);
+                    // pgbench is this process's child: its CPU is counted once it was waited for.
+                    level.pgbench_cost = out.transactions.and_then(|t| {
+                        TxCost::of(&cpu, cpu.boxoffice_cores, wal_between(wal_before, wal_after), t)
+                    });
                 }
                 Err(e) => pgbench_error = Some(format!("{e:#}")),
             }
@@ -270,6 +411,9 @@ async fn hold_level(
         pgbench_tps: None,
         ratio: None,
         cpu,
+        hold_cost: None,
+        pgbench_cost: None,
+        backends: Vec::new(),
     })
 }
 
@@ -303,8 +447,8 @@ impl PgBench {
         Ok(me)
     }
 
-    /// TPC-B (pgbench's default script) with `clients` clients for `secs`; returns tps.
-    async fn run(&self, clients: usize, secs: u64) -> anyhow::Result<f64> {
+    /// TPC-B (pgbench's default script) with `clients` clients for `secs`.
+    async fn run(&self, clients: usize, secs: u64) -> anyhow::Result<PgBenchRun> {
         let mut a = self.conn_args.clone();
         let threads = clients.min(std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2));
         a.extend([
@@ -317,7 +461,8 @@ impl PgBench {
             self.db.name.clone(),
         ]);
         let out = self.exec(a).await?;
-        parse_tps(&out).with_context(|| format!("no tps in pgbench output: {out}"))
+        let tps = parse_tps(&out).with_context(|| format!("no tps in pgbench output: {out}"))?;
+        Ok(PgBenchRun { tps, transactions: parse_transactions(&out) })
     }
 
     async fn exec(&self, args: Vec<String>) -> anyhow::Result<String> {
@@ -355,6 +500,22 @@ fn find_pgbench() -> Option<String> {
     found.pop().map(|p| p.display().to_string())
 }
 
+/// What one pgbench run reported.
+struct PgBenchRun {
+    tps: f64,
+    /// `number of transactions actually processed`, when printed.
+    transactions: Option<u64>,
+}
+
+/// The transactions of a pgbench report: `number of transactions actually processed: 38123`
+/// (a run with `-t` prints `38123/38123`; the first number counts).
+pub fn parse_transactions(out: &str) -> Option<u64> {
+    out.lines()
+        .filter_map(|l| l.trim().strip_prefix("number of transactions actually processed: "))
+        .filter_map(|rest| rest.split(['/', ' ']).next()?.parse::<u64>().ok())
+        .next_back()
+}
+
 /// The tps of a pgbench report: `tps = 1234.5 (without initial connection time)`.
 pub fn parse_tps(out: &str) -> Option<f64> {
     out.lines()
@@ -370,5 +531,14 @@ mod tests {
         let out = "latency average = 3.1 ms\ntps = 2570.412345 (without initial connection time)\n";
         assert_eq!(super::parse_tps(out), Some(2570.412345));
         assert_eq!(super::parse_tps("nothing"), None);
+    }
+
+    #[test]
+    fn parses_pgbench_transactions() {
+        let out = "number of clients: 8\nnumber of transactions actually processed: 38123\ntps = 1.0\n";
+        assert_eq!(super::parse_transactions(out), Some(38123));
+        let fixed = "number of transactions actually processed: 800/800\n";
+        assert_eq!(super::parse_transactions(fixed), Some(800));
+        assert_eq!(super::parse_transactions("tps = 1.0"), None);
     }
 }

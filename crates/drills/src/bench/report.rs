@@ -363,6 +363,27 @@ pub fn markdown(r: &Report) -> String {
                 l.cpu.postgres_cores
             );
         }
+        let _ = writeln!(
+            s,
+            "\nWhat one transaction cost (PostgreSQL's CPU and the client's, CPU-ms; WAL, bytes): the hold transaction (holds and 409s) beside pgbench's TPC-B at the same client count.\n\n| Concurrency | Hold: PostgreSQL | Hold: client | Hold: WAL | TPC-B: PostgreSQL | TPC-B: client (pgbench) | TPC-B: WAL |\n|---|---|---|---|---|---|---|"
+        );
+        for l in &p1.levels {
+            let cost = |c: Option<super::p1::TxCost>| match c {
+                Some(c) => format!("{:.3} | {:.3} | {:.0}", c.postgres_cpu_ms, c.client_cpu_ms, c.wal_bytes),
+                None => "n/a | n/a | n/a".into(),
+            };
+            let _ = writeln!(s, "| {} | {} | {} |", l.concurrency, cost(l.hold_cost), cost(l.pgbench_cost));
+        }
+        let _ = writeln!(
+            s,
+            "\nWhere the hold's connections were (`pg_stat_activity`, sampled every {} ms; the five most frequent states):\n",
+            super::p1::SAMPLE_EVERY.as_millis()
+        );
+        for l in p1.levels.iter().filter(|l| !l.backends.is_empty()) {
+            let states: Vec<String> =
+                l.backends.iter().take(5).map(|b| format!("{} {:.0} %", b.state, b.share * 100.0)).collect();
+            let _ = writeln!(s, "- c={}: {}", l.concurrency, states.join(", "));
+        }
         if let Some(b) = p1.levels.iter().find(|l| l.concurrency == p1.best_concurrency) {
             let _ = writeln!(
                 s,
