@@ -20,12 +20,13 @@
 //! 404, as by
 //! `GET /orders/{id}`. A new stream's first view, and every re-read, go through the same
 //! reader. Its reads run one after another, each statement starting after the one before it
-//! ended, so a stream never sends an older view after a newer one. A row with an order or
-//! hold status this build does not know fails alone (its streams are handed a failure); a
-//! statement that fails is retried after a pause (200 ms doubling to 5 s), with its orders,
-//! and halves the reads that follow (down to one order a read, doubling back to
-//! [`MAX_VIEWS_PER_READ`] with each read that succeeds): an order whose read fails every time
-//! ends up read alone, and the other orders are read past it. A
+//! ended, so a stream never sends an older view after a newer one. Each row is decoded on its
+//! own: a row this build cannot read (a status it does not know, a missing value) fails alone
+//! (its streams are handed a failure) and the others of the read get their views. A statement
+//! that fails as a whole (a timeout, a lost connection) marks its orders again, behind those
+//! already marked, and the reader pauses (200 ms doubling to 5 s); the reads after it are
+//! halved, down to one order, and doubled back with each read that succeeds, up to
+//! [`MAX_VIEWS_PER_READ`], so a read too large for the statement timeout gets smaller. A
 //! stream waiting for its first view is answered 503 `unavailable` on a failure, or after
 //! [`FIRST_VIEW_WAIT`]; open streams stay open. If the reader ends (shutdown, or a fault), the
 //! process's streams end (the client reconnects, `retry:`), new ones are answered 503, an
@@ -428,11 +429,11 @@ impl Drop for ReaderStopped {
 /// read, with every user watching each, in one statement ([`orders::views`]: a user gets the
 /// view only of an order that is theirs) and hands each view to that user's streams of that
 /// order. One read at a time, so the views of an order only move forward; a hub has one reader
-/// (a second call returns at once). A row with a status this build does not know fails alone;
-/// a failed statement marks its orders again (behind those already marked), waits (200 ms,
-/// doubling to 5 s) and halves the size of the reads that follow, down to one order; each read
-/// that succeeds doubles it back, up to [`MAX_VIEWS_PER_READ`]. When it ends, the hub's
-/// streams end and new ones are refused; an end before `shutdown` is logged as an error.
+/// (a second call returns at once). A row this build cannot read fails alone; a failed
+/// statement marks its orders again (behind those already marked), waits (200 ms, doubling to
+/// 5 s) and halves the size of the reads that follow, down to one order; each read that
+/// succeeds doubles it back, up to [`MAX_VIEWS_PER_READ`]. When it ends, the hub's streams end
+/// and new ones are refused; an end before `shutdown` is logged as an error.
 pub async fn read_views(pool: sqlx::PgPool, hub: Arc<OrderStreams>, shutdown: CancellationToken) {
     if hub.reader_started.swap(true, Ordering::SeqCst) {
         tracing::error!("order streams: a view reader already runs for this hub; not starting another");
@@ -452,15 +453,17 @@ pub async fn read_views(pool: sqlx::PgPool, hub: Arc<OrderStreams>, shutdown: Ca
             if orders == 0 {
                 break;
             }
-            // Every stream of these orders closed since they were marked: take the next ones.
+            // Orders whose streams all closed since they were marked (closing a stream unmarks
+            // its order, so this is not expected): nothing to read, take the next ones.
             if pairs.is_empty() {
                 continue;
             }
-            hub.reads.fetch_add(1, Ordering::Relaxed);
-            metrics::counter!("boxoffice_order_stream_reads_total").increment(1);
-            metrics::counter!("boxoffice_order_stream_views_total").increment(pairs.len() as u64);
             let read = async {
+                // An injected failure stands for a failed statement, before any is sent.
                 boxoffice_faults::check("order_stream.read")?;
+                hub.reads.fetch_add(1, Ordering::Relaxed);
+                metrics::counter!("boxoffice_order_stream_reads_total").increment(1);
+                metrics::counter!("boxoffice_order_stream_views_total").increment(pairs.len() as u64);
                 Ok::<_, ReadError>(orders::views(&pool, &pairs).await?)
             };
             let read = tokio::select! {

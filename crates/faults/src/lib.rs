@@ -144,10 +144,12 @@ fn fire(point: &str, arg: Option<String>) -> Result<(), Injected> {
 /// rejected.
 ///
 /// # Errors
-/// The point is not in [`POINTS`] or the actions do not parse.
+/// The point is in neither [`POINTS`] nor [`OBSERVER_POINTS`], or the actions do not parse.
 pub fn set(point: &str, actions: &str) -> Result<(), String> {
     if !is_point(point) {
-        return Err(format!("unknown fault point {point:?} (see boxoffice_faults::POINTS)"));
+        return Err(format!(
+            "unknown fault point {point:?} (see boxoffice_faults::POINTS and OBSERVER_POINTS)"
+        ));
     }
     fail::cfg(point, actions)?;
     ARMED.store(true, std::sync::atomic::Ordering::Relaxed);

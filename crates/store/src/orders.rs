@@ -306,18 +306,20 @@ pub async fn view(pool: &PgPool, id: OrderId, owner: UserId) -> Result<Option<Or
 /// Reads, in one statement, the view of each `(order, user)` pair whose order belongs to that
 /// user: what the status streams of one process send after a notification
 /// (`boxoffice_api::order_stream`). A pair whose order does not exist or is someone else's is
-/// absent, as [`view`] answers `None`. Each row's statuses are parsed on their own, so a row
-/// with an order or hold status this build does not know ([`StoreError::Corrupt`]) fails
-/// alone.
+/// absent, as [`view`] answers `None`. Each row is decoded and its statuses parsed on its own,
+/// so a row this build cannot read — a status it does not know, a value missing or of another
+/// type ([`StoreError::Corrupt`]) — fails alone.
 ///
 /// # Errors
-/// The database's, for the whole statement.
+/// The database's, for the whole statement (and a row whose order or user id cannot be read,
+/// which the primary key and `NOT NULL` rule out).
 pub async fn views(
     pool: &PgPool,
     pairs: &[(OrderId, UserId)],
 ) -> Result<Vec<(OrderId, UserId, Result<OrderView, StoreError>)>, sqlx::Error> {
+    use sqlx::{FromRow, Row};
     let (orders, users): (Vec<Uuid>, Vec<Uuid>) = pairs.iter().map(|(o, u)| (o.0, u.0)).unzip();
-    let rows: Vec<ViewRow> = sqlx::query_as(concat!(
+    let rows = sqlx::query(concat!(
         view_select!(),
         " JOIN unnest($1::uuid[], $2::uuid[]) AS w(order_id, user_id) ON o.id = w.order_id AND o.user_id = w.user_id"
     ))
@@ -325,7 +327,15 @@ pub async fn views(
     .bind(&users)
     .fetch_all(pool)
     .await?;
-    Ok(rows.into_iter().map(|r| (OrderId(r.id), UserId(r.user_id), r.into_view())).collect())
+    rows.iter()
+        .map(|row| {
+            let (order, user) = (OrderId(row.try_get("id")?), UserId(row.try_get("user_id")?));
+            let view = ViewRow::from_row(row)
+                .map_err(|e| StoreError::Corrupt(format!("order {order}: {e}")))
+                .and_then(ViewRow::into_view);
+            Ok((order, user, view))
+        })
+        .collect()
 }
 
 impl ViewRow {

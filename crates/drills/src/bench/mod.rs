@@ -370,6 +370,7 @@ pub async fn run_phases(mut cfg: Config, args: &BenchArgs) -> anyhow::Result<rep
         eprintln!("{} busy process(es) stealing CPU for the whole bench", stealers.len());
     }
     let mut report = report::Report::new(&cfg, args, broker_kind).await;
+    find_postmaster(&cfg).await;
     let step = |name: &str| eprintln!("== {name}");
     if args.phases.contains(&Phase::P1) {
         step("P1: hold transactions vs pgbench TPC-B");
@@ -452,7 +453,9 @@ pub struct CpuUse {
     /// Cores used by this process (the bench's generator and every in-process role) and by
     /// the children it waited for in the window (pgbench in P1).
     pub boxoffice_cores: f64,
-    /// Cores used by PostgreSQL processes, backends that exited in the window included.
+    /// Cores used by the bench's PostgreSQL server (its postmaster and every process of it,
+    /// backends that exited in the window included; every process named `postgres` when the
+    /// server's postmaster is not on this machine).
     pub postgres_cores: f64,
     /// Cores used by everything else (Redis, a broker, other work on the machine).
     pub other_cores: f64,
@@ -473,17 +476,22 @@ impl CpuSnap {
     /// Reads the counters now.
     pub(crate) fn now() -> Self {
         let mut postgres = 0;
+        let postmaster = POSTMASTER.get().copied();
         if let Ok(dir) = std::fs::read_dir("/proc") {
             for e in dir.flatten() {
                 let name = e.file_name();
-                let Some(pid) = name.to_str().filter(|n| n.bytes().all(|b| b.is_ascii_digit())) else {
+                let Some(pid) = name.to_str().and_then(|n| n.parse::<u32>().ok()) else {
                     continue;
                 };
                 // A backend that exits (a closed connection, pgbench's) leaves its ticks to the
                 // postmaster's children's count once it is waited for.
-                if let Some((comm, own, children)) = proc_stat(&format!("/proc/{pid}/stat")) {
-                    if comm == "postgres" {
-                        postgres += own + children;
+                if let Some(p) = proc_stat(&format!("/proc/{pid}/stat")) {
+                    let counts = match postmaster {
+                        Some(pm) => pid == pm || p.ppid == pm,
+                        None => p.comm == "postgres",
+                    };
+                    if counts {
+                        postgres += p.own + p.children;
                     }
                 }
             }
@@ -501,7 +509,7 @@ impl CpuSnap {
         Self {
             at: std::time::Instant::now(),
             // With the children this process waited for (pgbench in P1).
-            own: proc_stat("/proc/self/stat").map(|p| p.1 + p.2).unwrap_or(0),
+            own: proc_stat("/proc/self/stat").map(|p| p.own + p.children).unwrap_or(0),
             postgres,
             busy,
         }
@@ -527,17 +535,59 @@ impl CpuSnap {
 
 /// `(comm, utime + stime)` of a `/proc/<pid>/stat` file.
 fn proc_ticks(path: &str) -> Option<(String, u64)> {
-    proc_stat(path).map(|(comm, own, _)| (comm, own))
+    proc_stat(path).map(|p| (p.comm, p.own))
 }
 
-/// `(comm, utime + stime, cutime + cstime)` of a `/proc/<pid>/stat` file: the process's own
-/// ticks and those of its children that exited and were waited for.
-fn proc_stat(path: &str) -> Option<(String, u64, u64)> {
+/// What `/proc/<pid>/stat` says of a process.
+struct ProcStat {
+    comm: String,
+    /// Parent process id.
+    ppid: u32,
+    /// Its own ticks: utime + stime.
+    own: u64,
+    /// Its children's that exited and were waited for: cutime + cstime.
+    children: u64,
+}
+
+fn proc_stat(path: &str) -> Option<ProcStat> {
     let s = std::fs::read_to_string(path).ok()?;
     let (open, close) = (s.find('(')?, s.rfind(')')?);
     let comm = s[open + 1..close].to_owned();
     let rest: Vec<&str> = s[close + 1..].split_whitespace().collect();
-    // rest[0] is field 3 (state); utime, stime, cutime and cstime are fields 14 to 17.
+    // rest[0] is field 3 (state), rest[1] field 4 (ppid); utime, stime, cutime and cstime are
+    // fields 14 to 17.
     let field = |i: usize| rest.get(i).and_then(|f| f.parse::<u64>().ok());
-    Some((comm, field(11)? + field(12)?, field(13)? + field(14)?))
+    Some(ProcStat {
+        comm,
+        ppid: u32::try_from(field(1)?).ok()?,
+        own: field(11)? + field(12)?,
+        children: field(13)? + field(14)?,
+    })
+}
+
+/// The postmaster of the bench's PostgreSQL server, when it runs on this machine
+/// ([`find_postmaster`]): PostgreSQL's CPU is then that server's alone. Unset, every process
+/// named `postgres` counts (every server on the machine).
+static POSTMASTER: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+
+/// Finds the postmaster of `cfg`'s server: the parent of a backend of ours, if both are
+/// processes named `postgres` on this machine.
+async fn find_postmaster(cfg: &Config) {
+    let found = async {
+        let mut c = sqlx::ConnectOptions::connect(&cfg.pg_options().ok()?.database("postgres")).await.ok()?;
+        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut c).await.ok()?;
+        let backend = proc_stat(&format!("/proc/{pid}/stat")).filter(|p| p.comm == "postgres")?;
+        proc_stat(&format!("/proc/{}/stat", backend.ppid)).filter(|p| p.comm == "postgres")?;
+        Some(backend.ppid)
+    }
+    .await;
+    match found {
+        Some(pid) => {
+            let _ = POSTMASTER.set(pid);
+            eprintln!("   PostgreSQL's CPU: the server of postmaster {pid}");
+        }
+        None => eprintln!(
+            "   PostgreSQL's CPU: every process named postgres (the server's postmaster not found here)"
+        ),
+    }
 }

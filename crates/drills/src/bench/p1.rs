@@ -64,7 +64,8 @@ pub struct P1Level {
     pub ratio: Option<f64>,
     /// Where the CPU went during the hold run.
     pub cpu: super::CpuUse,
-    /// What one hold transaction cost (holds and 409 refusals; errors are not counted).
+    /// What one hold transaction cost: the window's cost over holds and 409 refusals (errors
+    /// and `reserve`'s own retries cost too, but are not counted as transactions).
     pub hold_cost: Option<TxCost>,
     /// What one pgbench TPC-B transaction cost at the same client count.
     pub pgbench_cost: Option<TxCost>,
@@ -80,7 +81,8 @@ pub const SAMPLE_EVERY: Duration = Duration::from_millis(50);
 #[derive(Debug, Clone, Serialize)]
 pub struct BackendShare {
     /// `running` (in a statement, not waiting), `waiting for the client` (inside a
-    /// transaction, between statements: the round trip and the client's own work),
+    /// transaction, between statements — or after a failed one, until the rollback: the round
+    /// trip and the client's own work),
     /// `between transactions` (idle in the pool), or `wait_event_type:wait_event` of a
     /// statement that waits (`Lock:transactionid`, `LWLock:WALWrite`, `IO:WALSync`, …).
     pub state: String,
@@ -101,7 +103,7 @@ async fn sample_backends(pool: PgPool, stop: tokio_util::sync::CancellationToken
             _ = tick.tick() => {}
         }
         let rows: Result<Vec<(String, i64)>, _> = sqlx::query_as(
-            "SELECT CASE WHEN state = 'idle in transaction' THEN 'waiting for the client'
+            "SELECT CASE WHEN state LIKE 'idle in transaction%' THEN 'waiting for the client'
                          WHEN state = 'idle' THEN 'between transactions'
                          WHEN wait_event_type IS NULL THEN 'running'
                          ELSE wait_event_type || ':' || wait_event END, count(*)
@@ -113,12 +115,10 @@ async fn sample_backends(pool: PgPool, stop: tokio_util::sync::CancellationToken
         .bind(HOLD_APPLICATION)
         .fetch_all(&pool)
         .await;
+        // A sample that fails is left out.
         match rows {
             Ok(rows) => rows.into_iter().for_each(|(state, n)| *counts.entry(state).or_default() += n as u64),
-            Err(e) => {
-                tracing::debug!(error = %e, "cannot sample pg_stat_activity");
-                return Vec::new();
-            }
+            Err(e) => tracing::debug!(error = %e, "cannot sample pg_stat_activity"),
         }
     }
     let total = counts.values().sum::<u64>().max(1) as f64;
@@ -139,22 +139,28 @@ pub struct TxCost {
     /// processed transactions.
     pub transactions: u64,
     /// PostgreSQL's CPU per transaction, ms: every process of the server (backends, WAL
-    /// writer, checkpointer), backends that exited in the window included.
+    /// writer, checkpointer), backends that exited in the window included (see
+    /// `CpuUse::postgres_cores`). The hold's window includes the `VACUUM (ANALYZE)` the bench
+    /// runs every 5 s when autovacuum is off; pgbench's, its own start-up `VACUUM` of its
+    /// small tables.
     pub postgres_cpu_ms: f64,
     /// The client's CPU per transaction, ms: the bench process (the hold code, sqlx, its
     /// tasks) for holds, pgbench for TPC-B.
     pub client_cpu_ms: f64,
     /// WAL written per transaction, bytes (`pg_current_wal_lsn()` before and after: the whole
-    /// server, full-page images included).
+    /// server, so whatever else writes to it counts too; full-page images included, so the
+    /// window after a checkpoint pays for the first change of each page).
     pub wal_bytes: f64,
 }
 
 impl TxCost {
-    /// `cpu` and `wal_bytes` of a window spread over `transactions`; None without any.
+    /// `cpu` and `wal_bytes` of a window spread over `transactions`; None without any, or
+    /// when no CPU could be read (no `/proc`).
     fn of(cpu: &super::CpuUse, client_cores: f64, wal_bytes: Option<i64>, transactions: u64) -> Option<Self> {
         let n = transactions as f64;
         let wal_bytes = wal_bytes? as f64;
-        (transactions > 0).then(|| Self {
+        let measured = cpu.postgres_cores > 0.0 || client_cores > 0.0;
+        (transactions > 0 && measured).then(|| Self {
             transactions,
             postgres_cpu_ms: cpu.postgres_cores * cpu.seconds * 1_000.0 / n,
             client_cpu_ms: client_cores * cpu.seconds * 1_000.0 / n,
@@ -238,17 +244,10 @@ async fn run_on(cfg: &Config, args: &BenchArgs, db: &BenchDb, pool: &PgPool) -> 
         sqlx::query(&format!("ANALYZE {}", super::PURCHASE_TABLES)).execute(pool).await?;
         let autovacuum = super::Autovacuum::start(pool).await;
         let wal_before = wal_position(pool).await;
-        let sampling = tokio_util::sync::CancellationToken::new();
-        let sampler = tokio::spawn(sample_backends(pool.clone(), sampling.clone()));
-        let level =
-            hold_level(db.opts.clone().application_name(HOLD_APPLICATION), event, deck.clone(), n, args)
-                .await;
+        let level = hold_level(pool, db.opts.clone(), event, deck.clone(), n, args).await;
         let wal_after = wal_position(pool).await;
-        sampling.cancel();
-        let backends = sampler.await.unwrap_or_default();
         autovacuum.stop().await;
         let mut level = level?;
-        level.backends = backends;
         level.hold_cost = TxCost::of(
             &level.cpu,
             level.cpu.boxoffice_cores,
@@ -326,17 +325,23 @@ struct Counts {
     errors: AtomicU64,
 }
 
+/// One level: `n` tasks calling `reserve` for `args.p1_seconds` on a pool of `n` connections
+/// of `opts`, sampled in `pg_stat_activity` through `sampling` (another pool) once every
+/// connection is open.
 async fn hold_level(
+    sampling: &PgPool,
     opts: PgConnectOptions,
     event: EventId,
     deck: Arc<Deck>,
     n: usize,
     args: &BenchArgs,
 ) -> anyhow::Result<P1Level> {
-    let pool = boxoffice_store::connect(opts, n as u32, 30_000).await?;
+    let pool = boxoffice_store::connect(opts.application_name(HOLD_APPLICATION), n as u32, 30_000).await?;
     // Open every connection before the clock starts.
     let warm: Vec<_> = futures::future::join_all((0..n).map(|_| pool.acquire())).await;
     drop(warm);
+    let stop_sampling = tokio_util::sync::CancellationToken::new();
+    let sampler = tokio::spawn(sample_backends(sampling.clone(), stop_sampling.clone()));
     let counts = Arc::new(Counts::default());
     let hist = Arc::new(Mutex::new(histogram()));
     let cpu_before = super::CpuSnap::now();
@@ -392,6 +397,8 @@ async fn hold_level(
     }
     let secs = started.elapsed().as_secs_f64();
     let cpu = cpu_before.until(&super::CpuSnap::now());
+    stop_sampling.cancel();
+    let backends = sampler.await.unwrap_or_default();
     pool.close().await;
     let h = hist.lock().expect("histogram lock");
     let (p50_ms, p99_ms, max_ms) = quantiles_ms(&h);
@@ -413,7 +420,7 @@ async fn hold_level(
         cpu,
         hold_cost: None,
         pgbench_cost: None,
-        backends: Vec::new(),
+        backends,
     })
 }
 
