@@ -145,7 +145,7 @@ pub struct TxCost {
     /// small tables.
     pub postgres_cpu_ms: f64,
     /// The client's CPU per transaction, ms: the bench process (the hold code, sqlx, its
-    /// tasks) for holds, pgbench for TPC-B.
+    /// tasks) for holds; pgbench for TPC-B, with the bench process waiting for it.
     pub client_cpu_ms: f64,
     /// WAL written per transaction, bytes (`pg_current_wal_lsn()` before and after: the whole
     /// server, so whatever else writes to it counts too; full-page images included, so the
@@ -154,8 +154,8 @@ pub struct TxCost {
 }
 
 impl TxCost {
-    /// `cpu` and `wal_bytes` of a window spread over `transactions`; None without any, or
-    /// when no CPU could be read (no `/proc`).
+    /// `cpu` and `wal_bytes` of a window spread over `transactions`; None without any, when
+    /// the WAL position could not be read, or when no CPU could be read (no `/proc`).
     fn of(cpu: &super::CpuUse, client_cores: f64, wal_bytes: Option<i64>, transactions: u64) -> Option<Self> {
         let n = transactions as f64;
         let wal_bytes = wal_bytes? as f64;
