@@ -1,0 +1,15 @@
+-- no-transaction
+-- An index no query reads, dropped (design §12): hold_seat_lookup_idx (hold_seats.seat_id,
+-- every row). Every read of a seat's hold asks for the unreleased one (`released_at IS
+-- NULL`), which hold_seat_active_uq answers: the hold transaction's owner query, the seat
+-- map, the audit, a cell move. It cost two entries per hold of two seats, and two more when
+-- the hold was released (that update changes the partial index's predicate column, so it is
+-- never HOT).
+--
+-- Dropped CONCURRENTLY, outside a transaction (one statement in this file, as CONCURRENTLY
+-- requires): holds and seat reads go on while it waits for the transactions using the table.
+--
+-- Without it, the foreign key's check of a DELETE of a seat (or a change of its id) scans
+-- hold_seats. No code deletes seats; before deleting any by hand on a large ledger, create it
+-- again with CREATE INDEX CONCURRENTLY hold_seat_lookup_idx ON hold_seats (seat_id).
+DROP INDEX CONCURRENTLY IF EXISTS hold_seat_lookup_idx;
