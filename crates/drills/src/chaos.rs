@@ -74,7 +74,8 @@ pub struct ChaosArgs {
     /// Hold time to live in the role processes (abandoned holds must expire within the run).
     #[arg(long, default_value = "20s", value_parser = humantime::parse_duration)]
     pub hold_ttl: Duration,
-    /// Bound on the wait for every order to be final and the outbox empty after the faults.
+    /// Bound on the wait for every order to be final, every compensation landed and the
+    /// outbox empty after the faults.
     #[arg(long, default_value = "120s", value_parser = humantime::parse_duration)]
     pub drain_timeout: Duration,
     /// Keep the run database and the run directory (logs, broker storage) afterwards.
@@ -1116,7 +1117,7 @@ async fn drive_buyers(run: &Run<'_>, p: &Prepared, d: &Deployed) -> anyhow::Resu
     Ok(stats)
 }
 
-/// Phase 4: every order final and the outbox empty (riding out a database that still refuses
+/// Phase 4: every order final, every compensation landed and the outbox empty (riding out a database that still refuses
 /// connections), then every invariant checked against the ledger, the simulator and the
 /// dead-letter topic.
 async fn drain_and_audit(run: &Run<'_>, p: &Prepared) -> anyhow::Result<Audited> {
@@ -1130,8 +1131,8 @@ async fn drain_and_audit(run: &Run<'_>, p: &Prepared) -> anyhow::Result<Audited>
     if let (false, Some(e)) = (drained.done, &drained.last_error) {
         sup.note(format!("last drain check failed: {e}"));
     }
+    sup.note(drained.to_string());
     let drained = drained.done;
-    sup.note(if drained { "drained: every order final, outbox empty" } else { "drain timed out" });
     let provider = boxoffice_payments::StripeClient::new(boxoffice_payments::StripeConfig {
         api_base: p.sim_base.clone(),
         secret_key: cfg.stripe_secret_key.clone(),

@@ -8,7 +8,8 @@
 //! - [`buyers`]: the simulated buyers of an onsale (purchase journey, retries, report
 //!   counts), with [`queue`] for their waiting-room phase and [`seatpick`] for picking
 //!   adjacent seats off the seat map.
-//! - [`drain`]: waiting until every order is final and the outbox empty.
+//! - [`drain`]: waiting until every order is final, every compensation landed and the
+//!   outbox empty.
 //! - [`killswitch`]: a TCP forwarder that cuts every connection it carries and refuses new
 //!   ones until restored (a network path failing), for the outage drills.
 //! - [`noise`]: a reproducible noisy neighbour (busy processes for `--steal-cpu`).

@@ -553,6 +553,31 @@ pub async fn request_cancel_many<'e, E: Executor<'e, Database = Postgres>>(
     .await
 }
 
+/// Payments of `event`'s orders with a compensation under way: a cancel requested
+/// ([`request_cancel`]) and not mirrored yet (the status is not final: `canceled`, or
+/// `succeeded` when the cancel found the money captured and turned into a refund), or money
+/// captured for an order with no ticket and not yet refunded in full (the refund that
+/// compensates it is in flight). An expired or failed order is final before its compensation
+/// lands; between the provider's answer and the saga mirroring it, the provider and the
+/// ledger disagree. A drain waits for this to reach 0 before anything compares them; a
+/// compensation that never lands keeps it above 0 (and is the audit's
+/// `captured_without_ticket_or_refund` when it is a refund).
+pub async fn compensations_pending_in_event(pool: &PgPool, event: Uuid) -> Result<i64, sqlx::Error> {
+    let settled: Vec<&str> =
+        PaymentIntentStatus::KNOWN.iter().filter(|s| s.is_final()).map(PaymentIntentStatus::as_str).collect();
+    sqlx::query_scalar(
+        "SELECT count(*) FROM payments p JOIN orders o ON o.id = p.order_id
+          WHERE o.event_id = $1
+            AND ((p.cancel_requested_at IS NOT NULL AND NOT (p.status = ANY($2)))
+                 OR (p.amount_captured_minor > 0 AND p.amount_refunded_minor < p.amount_captured_minor
+                     AND NOT EXISTS (SELECT 1 FROM tickets t WHERE t.order_id = p.order_id)))",
+    )
+    .bind(event)
+    .bind(&settled)
+    .fetch_one(pool)
+    .await
+}
+
 /// How long Stripe keeps an online card authorization capturable when it does not say
 /// (<https://docs.stripe.com/payments/place-a-hold-on-a-payment-method>: 7 days).
 pub const DEFAULT_AUTHORIZATION_VALIDITY_DAYS: i32 = 7;

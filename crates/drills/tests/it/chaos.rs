@@ -25,9 +25,21 @@ fn seeded_chaos_runs_keep_every_invariant() {
     for (seed, out) in outputs {
         let stdout = String::from_utf8_lossy(&out.stdout);
         let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success(), "seed {seed}: chaos failed ({}):\n{stdout}\n{stderr}", out.status);
         let r: serde_json::Value = serde_json::from_slice(&out.stdout)
-            .unwrap_or_else(|e| panic!("seed {seed}: {e}:\n{stdout}\n{stderr}"));
+            .unwrap_or_else(|e| panic!("seed {seed}: {e} ({}):\n{stdout}\n{stderr}", out.status));
+        // What failed first: a long report is cut in the middle by test output limits.
+        let nonzero: serde_json::Map<_, _> = r["violations"]
+            .as_object()
+            .map(|v| v.iter().filter(|(_, n)| **n != 0).map(|(k, n)| (k.clone(), n.clone())).collect())
+            .unwrap_or_default();
+        assert!(
+            out.status.success(),
+            "seed {seed}: chaos failed ({}): nonzero violations {}, drained {}, last events {}\n{stdout}\n{stderr}",
+            out.status,
+            serde_json::Value::Object(nonzero),
+            r["drained"],
+            r["events"].as_array().map(|e| serde_json::json!(&e[e.len().saturating_sub(4)..])).unwrap_or_default(),
+        );
         let injected = &r["injected"];
         assert!(injected["kill"].as_u64().unwrap_or(0) >= 1, "seed {seed}: no kill in {injected}");
         assert!(

@@ -308,3 +308,64 @@ async fn c19_a_silent_authorization_is_found_before_the_hold_lapses(
     app.assert_drained_and_clean().await;
     app.stop().await;
 }
+
+/// An abandoned hold's order is final (`expired`) before its PaymentIntent is canceled: the
+/// cancel is a fact the payment worker acts on, and its result a fact the saga mirrors. With
+/// the payment worker down, the drain that every drill and the bench run before their audit
+/// must not call the pipeline idle — the provider and the ledger would disagree the moment
+/// the worker's cancel lands — and once the worker is back, it drains with the cancel
+/// mirrored and the audit clean.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn an_expired_orders_pending_cancel_holds_the_drain(_: PgPoolOptions, opts: PgConnectOptions) {
+    use boxoffice_harness::drain::Drain;
+    let mut app = TestApp::spawn_with(
+        opts,
+        &[Role::Api, Role::Relay, Role::Saga, Role::Expiry, Role::Tickets],
+        VenueSpec::small(1, 1, 4),
+        |c| {
+            c.hold_ttl_ms = 1_000;
+            c.payment_window_ms = Some(1_500);
+            c.hold_ceiling_ms = Some(3_000);
+            c.hold_provider_check_ms = 0;
+        },
+    )
+    .await;
+    app.start_roles(&[Role::Payments]).await;
+    let s = app.seats().await;
+    let walker = app.buyer();
+    let walked = held(&app, &walker, s[0], "walk").await;
+    app.await_order(&walker, walked, WAIT, |v| v.get("client_secret").is_some()).await;
+    app.stop_late_roles().await;
+
+    app.await_order(&walker, walked, WAIT, |v| v["status"] == "expired").await;
+    let cancel_published = || async {
+        sqlx::query_scalar::<_, bool>(
+            "SELECT published_at IS NOT NULL FROM outbox
+              WHERE event_type = 'AuthorizationCancelRequested' AND message_key = $1",
+        )
+        .bind(walked.to_string())
+        .fetch_optional(&app.pool)
+        .await
+        .unwrap()
+            == Some(true)
+    };
+    eventually(WAIT, "the cancel request was published", cancel_published).await;
+    let waiting = Drain::orders_of(app.event, Duration::ZERO).run(&app.pool).await.unwrap();
+    assert_eq!(
+        (waiting.done, waiting.open_orders, waiting.pending_compensations, waiting.unpublished),
+        (false, 0, 1, 0),
+        "every order final and the outbox empty, but the cancel is not done: {waiting}"
+    );
+
+    app.start_roles(&[Role::Payments]).await;
+    let drained = Drain::orders_of(app.event, WAIT).run(&app.pool).await.unwrap();
+    assert!(drained.done, "{drained}");
+    let status: String = sqlx::query_scalar("SELECT status FROM payments WHERE order_id = $1")
+        .bind(walked)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(status, "canceled", "the drain ended with the cancel mirrored");
+    app.assert_drained_and_clean().await;
+    app.stop().await;
+}
