@@ -57,7 +57,7 @@ pub struct CellsArgs {
     /// Hold time to live (abandoned holds must expire within the run).
     #[arg(long, default_value = "20s", value_parser = humantime::parse_duration)]
     pub hold_ttl: Duration,
-    /// Bound on the wait for every order to be final, every compensation landed and the
+    /// Bound on the wait for every order to be final, every cancel recorded and the
     /// outbox empty, per cell.
     #[arg(long, default_value = "120s", value_parser = humantime::parse_duration)]
     pub drain_timeout: Duration,
@@ -462,7 +462,7 @@ async fn cut(switch: &KillSwitch, origin: Instant, out: Outage, log: &Log) {
     ));
 }
 
-/// Every order of the cell's event final, its compensations landed and its outbox
+/// Every order of the cell's event final, its cancels recorded and its outbox
 /// empty (riding out refused connections), then the audit over its ledger, its simulator and its dead letters.
 async fn drain_and_audit(
     c: &Cell,

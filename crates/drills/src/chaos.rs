@@ -74,7 +74,7 @@ pub struct ChaosArgs {
     /// Hold time to live in the role processes (abandoned holds must expire within the run).
     #[arg(long, default_value = "20s", value_parser = humantime::parse_duration)]
     pub hold_ttl: Duration,
-    /// Bound on the wait for every order to be final, every compensation landed and the
+    /// Bound on the wait for every order to be final, every cancel recorded and the
     /// outbox empty after the faults.
     #[arg(long, default_value = "120s", value_parser = humantime::parse_duration)]
     pub drain_timeout: Duration,
@@ -1117,7 +1117,7 @@ async fn drive_buyers(run: &Run<'_>, p: &Prepared, d: &Deployed) -> anyhow::Resu
     Ok(stats)
 }
 
-/// Phase 4: every order final, every compensation landed and the outbox empty (riding out a database that still refuses
+/// Phase 4: every order final, every cancel recorded and the outbox empty (riding out a database that still refuses
 /// connections), then every invariant checked against the ledger, the simulator and the
 /// dead-letter topic.
 async fn drain_and_audit(run: &Run<'_>, p: &Prepared) -> anyhow::Result<Audited> {

@@ -121,7 +121,7 @@ pub struct FailoverReport {
     pub pis_reconciled: usize,
     /// Lost orders whose PaymentIntents were cancelled or refunded.
     pub lost_orders_compensated: i64,
-    /// Whether the promoted region drained (every order final, every compensation landed, outbox empty).
+    /// Whether the promoted region drained (every order final, every cancel recorded, outbox empty).
     pub drained: bool,
     /// The audit's violation total after the drain (`None`: it could not run).
     pub violations: Option<i64>,

@@ -1,9 +1,9 @@
 //! The drain loop: after the last buyer, wait until the pipeline is idle — every order of
-//! the event final (`boxoffice_store::orders::open_in_event`); every compensation landed, a
-//! requested cancel done at the provider and mirrored, captured money of an order without
-//! tickets refunded (`boxoffice_store::payments::compensations_pending_in_event`: an expired
-//! or failed order is final before its compensation lands); and every outbox row
-//! published — or a deadline passes. The onsale and the bench wait for it before reading
+//! the event final (`boxoffice_store::orders::open_in_event`), every outbox row published,
+//! and every order that ended without a sale showing its PaymentIntent canceled in the
+//! ledger (`boxoffice_store::payments::cancels_pending_in_event`: an expired or failed
+//! order is final before the payment worker records the provider's cancel) — or a deadline
+//! passes. The onsale and the bench wait for it before reading
 //! their results, the chaos drill before its audit, the bench's relay phase (outbox only)
 //! to time the relay.
 //!
@@ -20,8 +20,8 @@ use uuid::Uuid;
 /// What a drain waits for, how often it looks and how it treats a failed read.
 #[derive(Debug, Clone, Copy)]
 pub struct Drain {
-    /// The event whose orders must all be final and whose compensations must all have
-    /// landed; `None`: only the outbox must be empty.
+    /// The event whose orders must all be final and whose ended orders' PaymentIntents must
+    /// all be recorded canceled; `None`: only the outbox must be empty.
     pub event: Option<Uuid>,
     /// Give up after this long.
     pub timeout: Duration,
@@ -34,14 +34,15 @@ pub struct Drain {
 /// Where a drain ended.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Drained {
-    /// Every order was final, every compensation landed and the outbox empty before
-    /// the deadline.
+    /// Every order was final, every cancel recorded and the outbox empty before the
+    /// deadline.
     pub done: bool,
     /// Orders of the event not final at the last successful read.
     pub open_orders: i64,
-    /// Payments of the event with a compensation under way (a cancel not mirrored, a refund
-    /// owed), at the last successful read.
-    pub pending_compensations: i64,
+    /// Orders of the event that ended without a sale and whose PaymentIntent the ledger does
+    /// not show canceled yet, at the last successful read (counted only once `open_orders`
+    /// and `unpublished` are 0; 0 before).
+    pub pending_cancels: i64,
     /// Unpublished outbox rows at the last successful read.
     pub unpublished: i64,
     /// The most recent failed read, when `retry_errors` rode one out.
@@ -51,20 +52,20 @@ pub struct Drained {
 impl fmt::Display for Drained {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if self.done {
-            write!(f, "drained: every order final, every compensation landed, outbox empty")
+            write!(f, "drained: every order final, every cancel recorded, outbox empty")
         } else {
             write!(
                 f,
-                "drain timed out: {} open orders, {} compensations pending, {} unpublished outbox rows",
-                self.open_orders, self.pending_compensations, self.unpublished
+                "drain timed out: {} open orders, {} cancels pending, {} unpublished outbox rows",
+                self.open_orders, self.pending_cancels, self.unpublished
             )
         }
     }
 }
 
 impl Drain {
-    /// Waits for `event`'s orders, its compensations and the outbox, reading every
-    /// 200 ms; read errors are returned.
+    /// Waits for `event`'s orders, its cancels and the outbox, reading every 200 ms; read
+    /// errors are returned.
     pub fn orders_of(event: Uuid, timeout: Duration) -> Self {
         Self { event: Some(event), timeout, interval: Duration::from_millis(200), retry_errors: false }
     }
@@ -91,11 +92,11 @@ impl Drain {
         let mut state = Drained::default();
         loop {
             match self.read(pool).await {
-                Ok((open, pending_compensations, unpublished)) => {
+                Ok((open, pending_cancels, unpublished)) => {
                     state.open_orders = open;
-                    state.pending_compensations = pending_compensations;
+                    state.pending_cancels = pending_cancels;
                     state.unpublished = unpublished;
-                    if open == 0 && pending_compensations == 0 && unpublished == 0 {
+                    if open == 0 && pending_cancels == 0 && unpublished == 0 {
                         state.done = true;
                         return Ok(state);
                     }
@@ -110,15 +111,20 @@ impl Drain {
         }
     }
 
-    /// `(open orders of the event, its compensations pending, unpublished outbox rows)`.
+    /// `(open orders of the event, its cancels pending, unpublished outbox rows)`. The
+    /// cancels are only counted once the other two are 0 (before that they do not
+    /// decide anything, and the drain would read every payment of the onsale each time).
     async fn read(&self, pool: &PgPool) -> Result<(i64, i64, i64), sqlx::Error> {
-        let (open, pending_compensations) = match self.event {
-            Some(event) => (
-                boxoffice_store::orders::open_in_event(pool, event).await?,
-                boxoffice_store::payments::compensations_pending_in_event(pool, event).await?,
-            ),
-            None => (0, 0),
+        let Some(event) = self.event else {
+            return Ok((0, 0, boxoffice_store::outbox::backlog(pool).await?.unpublished));
         };
-        Ok((open, pending_compensations, boxoffice_store::outbox::backlog(pool).await?.unpublished))
+        let open = boxoffice_store::orders::open_in_event(pool, event).await?;
+        let unpublished = boxoffice_store::outbox::backlog(pool).await?.unpublished;
+        let pending = if open == 0 && unpublished == 0 {
+            boxoffice_store::payments::cancels_pending_in_event(pool, event).await?
+        } else {
+            0
+        };
+        Ok((open, pending, unpublished))
     }
 }

@@ -8,7 +8,7 @@
 //! - [`buyers`]: the simulated buyers of an onsale (purchase journey, retries, report
 //!   counts), with [`queue`] for their waiting-room phase and [`seatpick`] for picking
 //!   adjacent seats off the seat map.
-//! - [`drain`]: waiting until every order is final, every compensation landed and the
+//! - [`drain`]: waiting until every order is final, every cancel recorded and the
 //!   outbox empty.
 //! - [`killswitch`]: a TCP forwarder that cuts every connection it carries and refuses new
 //!   ones until restored (a network path failing), for the outage drills.

@@ -553,27 +553,31 @@ pub async fn request_cancel_many<'e, E: Executor<'e, Database = Postgres>>(
     .await
 }
 
-/// Payments of `event`'s orders with a compensation under way: a cancel requested
-/// ([`request_cancel`]) and not mirrored yet (the status is not final: `canceled`, or
-/// `succeeded` when the cancel found the money captured and turned into a refund), or money
-/// captured for an order with no ticket and not yet refunded in full (the refund that
-/// compensates it is in flight). An expired or failed order is final before its compensation
-/// lands; between the provider's answer and the saga mirroring it, the provider and the
-/// ledger disagree. A drain waits for this to reach 0 before anything compares them; a
-/// compensation that never lands keeps it above 0 (and is the audit's
-/// `captured_without_ticket_or_refund` when it is a refund).
-pub async fn compensations_pending_in_event(pool: &PgPool, event: Uuid) -> Result<i64, sqlx::Error> {
-    let settled: Vec<&str> =
-        PaymentIntentStatus::KNOWN.iter().filter(|s| s.is_final()).map(PaymentIntentStatus::as_str).collect();
+/// Payments of `event`'s orders that ended without a sale (`expired`, `failed`, `canceled`:
+/// final, neither `ticketed` nor `refunded`) whose PaymentIntent the ledger does not show
+/// `canceled` yet. Every such order's PaymentIntent is canceled (invariant 6): by the cancel
+/// requested when the order ended ([`request_cancel`]), or, for an intent the payment worker
+/// recorded after the order ended, by the cancel the saga requests when it reads
+/// `PaymentIntentCreated`; a cancel that finds the money captured turns the order into
+/// `refunding`, which is not final. The order is final before that lands: the payment
+/// worker calls the provider and records the answer in a transaction of its own, and a
+/// crash, a provider error after the cancel applied, or a retry stretches the gap. Between
+/// the provider's answer and that record, the provider and the ledger disagree; a drain
+/// waits for this to reach 0 before anything compares them. An intent that can never be
+/// canceled (Stripe refuses to cancel one in `processing`) keeps it above 0.
+pub async fn cancels_pending_in_event(pool: &PgPool, event: Uuid) -> Result<i64, sqlx::Error> {
+    let ended: Vec<&str> = OrderStatus::ALL
+        .iter()
+        .filter(|s| s.is_final() && !matches!(s, OrderStatus::Ticketed | OrderStatus::Refunded))
+        .map(|s| s.as_str())
+        .collect();
     sqlx::query_scalar(
         "SELECT count(*) FROM payments p JOIN orders o ON o.id = p.order_id
-          WHERE o.event_id = $1
-            AND ((p.cancel_requested_at IS NOT NULL AND NOT (p.status = ANY($2)))
-                 OR (p.amount_captured_minor > 0 AND p.amount_refunded_minor < p.amount_captured_minor
-                     AND NOT EXISTS (SELECT 1 FROM tickets t WHERE t.order_id = p.order_id)))",
+          WHERE o.event_id = $1 AND o.status = ANY($2) AND p.status <> $3",
     )
     .bind(event)
-    .bind(&settled)
+    .bind(&ended)
+    .bind(PaymentIntentStatus::Canceled.as_str())
     .fetch_one(pool)
     .await
 }

@@ -671,7 +671,7 @@ async fn send(ctx: &Ctx, req: reqwest::RequestBuilder) -> Option<(StatusCode, Ve
     Some((s, r.bytes().await.ok()?.to_vec()))
 }
 
-/// Waits for every order of `event` to be final, its compensations landed and the
+/// Waits for every order of `event` to be final, its cancels recorded and the
 /// outbox empty; `false` at `timeout`.
 async fn drain(pool: &sqlx::PgPool, event: uuid::Uuid, timeout: Duration) -> anyhow::Result<bool> {
     let drained = Drain::orders_of(event, timeout).run(pool).await?;

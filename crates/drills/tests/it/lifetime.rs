@@ -310,22 +310,24 @@ async fn c19_a_silent_authorization_is_found_before_the_hold_lapses(
 }
 
 /// An abandoned hold's order is final (`expired`) before its PaymentIntent is canceled: the
-/// cancel is a fact the payment worker acts on, and its result a fact the saga mirrors. With
-/// the payment worker down, the drain that every drill and the bench run before their audit
-/// must not call the pipeline idle — the provider and the ledger would disagree the moment
-/// the worker's cancel lands — and once the worker is back, it drains with the cancel
-/// mirrored and the audit clean.
+/// cancel is a fact the payment worker acts on, calling the provider and then recording the
+/// answer. With the payment worker down, the drain that every drill and the bench run before
+/// their audit must not call the pipeline idle (the provider and the ledger would disagree
+/// the moment the worker's cancel lands); once the worker is back, it drains with the cancel
+/// recorded and the ledger checks clean.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn an_expired_orders_pending_cancel_holds_the_drain(_: PgPoolOptions, opts: PgConnectOptions) {
     use boxoffice_harness::drain::Drain;
+    // The payment window (4 s) outlasts stopping the payment worker, so the cancel is asked
+    // of a worker that is down.
     let mut app = TestApp::spawn_with(
         opts,
         &[Role::Api, Role::Relay, Role::Saga, Role::Expiry, Role::Tickets],
         VenueSpec::small(1, 1, 4),
         |c| {
             c.hold_ttl_ms = 1_000;
-            c.payment_window_ms = Some(1_500);
-            c.hold_ceiling_ms = Some(3_000);
+            c.payment_window_ms = Some(4_000);
+            c.hold_ceiling_ms = Some(6_000);
             c.hold_provider_check_ms = 0;
         },
     )
@@ -336,6 +338,7 @@ async fn an_expired_orders_pending_cancel_holds_the_drain(_: PgPoolOptions, opts
     let walked = held(&app, &walker, s[0], "walk").await;
     app.await_order(&walker, walked, WAIT, |v| v.get("client_secret").is_some()).await;
     app.stop_late_roles().await;
+    assert_eq!(hold_status(&app, walked).await, "active", "the worker stopped before the hold ended");
 
     app.await_order(&walker, walked, WAIT, |v| v["status"] == "expired").await;
     let cancel_published = || async {
@@ -352,7 +355,7 @@ async fn an_expired_orders_pending_cancel_holds_the_drain(_: PgPoolOptions, opts
     eventually(WAIT, "the cancel request was published", cancel_published).await;
     let waiting = Drain::orders_of(app.event, Duration::ZERO).run(&app.pool).await.unwrap();
     assert_eq!(
-        (waiting.done, waiting.open_orders, waiting.pending_compensations, waiting.unpublished),
+        (waiting.done, waiting.open_orders, waiting.pending_cancels, waiting.unpublished),
         (false, 0, 1, 0),
         "every order final and the outbox empty, but the cancel is not done: {waiting}"
     );
@@ -367,5 +370,78 @@ async fn an_expired_orders_pending_cancel_holds_the_drain(_: PgPoolOptions, opts
         .unwrap();
     assert_eq!(status, "canceled", "the drain ended with the cancel mirrored");
     app.assert_drained_and_clean().await;
+    app.stop().await;
+}
+
+/// The moment the drain now waits out, as the audit sees it: the payment worker's cancel
+/// succeeds at the provider and its transaction fails before commit (fault point
+/// `payments.after_remote`; a crash or a lost connection there does the same), so the ledger
+/// still shows the PaymentIntent unconfirmed until the retry. Every order is final (one
+/// ticketed, one expired) and the outbox empty, and the audit counts `cancel_not_in_ledger`:
+/// a drain that stopped there would fail a healthy run. The drain counts the expired order
+/// alone (not the ticketed one), and once the retry lands it ends with the audit clean
+/// against the provider and no dead letter.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn an_audit_before_a_cancel_is_committed_sees_drift_the_drain_waits_out(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    use boxoffice::audit;
+    use boxoffice::reconcile::DriftKind;
+    use boxoffice_harness::drain::Drain;
+    // The payment window (10 s) outlasts the payer's purchase, so the fault is armed before
+    // the walker's hold ends.
+    let app = TestApp::spawn_with(opts, &Role::ALL, VenueSpec::small(1, 1, 4), |c| {
+        c.hold_ttl_ms = 1_000;
+        c.payment_window_ms = Some(10_000);
+        c.hold_ceiling_ms = Some(15_000);
+        c.hold_provider_check_ms = 0;
+    })
+    .await;
+    let s = app.seats().await;
+    let (payer, paid, walked) = payer_and_walker(&app, &s).await;
+    app.pay(&payer, paid, "pm_card_visa").await.expect("authorized");
+    app.await_order(&payer, paid, WAIT, |v| v["status"] == "ticketed").await;
+    boxoffice_faults::set("payments.after_remote", "return").unwrap();
+    assert_eq!(hold_status(&app, walked).await, "active", "the fault is armed before the hold ends");
+
+    let pool = app.pool.clone();
+    eventually(WAIT, "the walker's order expired", || {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, String>("SELECT status FROM orders WHERE id = $1")
+                .bind(walked)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+                == "expired"
+        }
+    })
+    .await;
+    eventually(WAIT, "the cancel reached the provider and failed before its commit", || async {
+        boxoffice_faults::fired("payments.after_remote") >= 1
+    })
+    .await;
+    let opts = boxoffice::commands::audit_options(&app.cfg, 600_000, None, None, false).unwrap();
+    let early = audit::run(&app.pool, &opts).await.unwrap();
+    let waiting = Drain::orders_of(app.event, Duration::ZERO).run(&app.pool).await.unwrap();
+    boxoffice_faults::clear("payments.after_remote");
+    let drift = early
+        .provider
+        .ran()
+        .expect("provider checks ran")
+        .violations
+        .drift_count(DriftKind::CancelNotInLedger);
+    assert_eq!((drift, early.total()), (1, 1), "{}", audit::render(&early));
+    assert_eq!(
+        (waiting.done, waiting.open_orders, waiting.pending_cancels, waiting.unpublished),
+        (false, 0, 1, 0),
+        "the expired order alone: {waiting}"
+    );
+
+    let drained = Drain::orders_of(app.event, WAIT).run(&app.pool).await.unwrap();
+    assert!(drained.done, "{drained}");
+    let after = audit::run(&app.pool, &opts).await.unwrap();
+    assert_eq!((after.total(), after.exit_code()), (0, 0), "{}", audit::render(&after));
     app.stop().await;
 }
