@@ -1,9 +1,8 @@
 //! The drain loop: after the last buyer, wait until the pipeline is idle — every order of
-//! the event final (`boxoffice_store::orders::open_in_event`), every outbox row published,
-//! and every order that ended without a sale showing its PaymentIntent canceled in the
-//! ledger (`boxoffice_store::payments::cancels_pending_in_event`: an expired or failed
-//! order is final before the payment worker records the provider's cancel) — or a deadline
-//! passes. The onsale and the bench wait for it before reading
+//! the event final, every outbox row published, and every expired, failed or canceled
+//! order showing its PaymentIntent canceled in the ledger (such an order is final before
+//! the payment worker records the provider's cancel), all read in one snapshot
+//! (`boxoffice_store::audit::progress`) — or a deadline passes. The onsale and the bench wait for it before reading
 //! their results, the chaos drill before its audit, the bench's relay phase (outbox only)
 //! to time the relay.
 //!
@@ -20,8 +19,9 @@ use uuid::Uuid;
 /// What a drain waits for, how often it looks and how it treats a failed read.
 #[derive(Debug, Clone, Copy)]
 pub struct Drain {
-    /// The event whose orders must all be final and whose ended orders' PaymentIntents must
-    /// all be recorded canceled; `None`: only the outbox must be empty.
+    /// The event whose orders must all be final and whose expired, failed or canceled
+    /// orders' PaymentIntents must all be recorded canceled; `None`: only the outbox must be
+    /// empty.
     pub event: Option<Uuid>,
     /// Give up after this long.
     pub timeout: Duration,
@@ -39,10 +39,10 @@ pub struct Drained {
     pub done: bool,
     /// Orders of the event not final at the last successful read.
     pub open_orders: i64,
-    /// Orders of the event that ended without a sale and whose PaymentIntent the ledger does
-    /// not show canceled yet, at the last successful read (counted only once `open_orders`
-    /// and `unpublished` are 0; 0 before).
-    pub pending_cancels: i64,
+    /// Expired, failed or canceled orders of the event whose PaymentIntent the ledger does
+    /// not show canceled yet, at the last successful read; `None` when not counted (no
+    /// event, or `open_orders` or `unpublished` not 0 at that read).
+    pub pending_cancels: Option<i64>,
     /// Unpublished outbox rows at the last successful read.
     pub unpublished: i64,
     /// The most recent failed read, when `retry_errors` rode one out.
@@ -54,10 +54,11 @@ impl fmt::Display for Drained {
         if self.done {
             write!(f, "drained: every order final, every cancel recorded, outbox empty")
         } else {
+            let cancels = self.pending_cancels.map_or_else(|| "not counted".to_string(), |n| n.to_string());
             write!(
                 f,
-                "drain timed out: {} open orders, {} cancels pending, {} unpublished outbox rows",
-                self.open_orders, self.pending_cancels, self.unpublished
+                "drain timed out: {} open orders, cancels pending {cancels}, {} unpublished outbox rows",
+                self.open_orders, self.unpublished
             )
         }
     }
@@ -91,12 +92,12 @@ impl Drain {
         let deadline = Instant::now() + self.timeout;
         let mut state = Drained::default();
         loop {
-            match self.read(pool).await {
-                Ok((open, pending_cancels, unpublished)) => {
-                    state.open_orders = open;
-                    state.pending_cancels = pending_cancels;
-                    state.unpublished = unpublished;
-                    if open == 0 && pending_cancels == 0 && unpublished == 0 {
+            match boxoffice_store::audit::progress(pool, self.event).await {
+                Ok(p) => {
+                    state.open_orders = p.open_orders;
+                    state.pending_cancels = p.pending_cancels;
+                    state.unpublished = p.unpublished;
+                    if p.idle() {
                         state.done = true;
                         return Ok(state);
                     }
@@ -109,22 +110,5 @@ impl Drain {
             }
             tokio::time::sleep(self.interval).await;
         }
-    }
-
-    /// `(open orders of the event, its cancels pending, unpublished outbox rows)`. The
-    /// cancels are only counted once the other two are 0 (before that they do not
-    /// decide anything, and the drain would read every payment of the onsale each time).
-    async fn read(&self, pool: &PgPool) -> Result<(i64, i64, i64), sqlx::Error> {
-        let Some(event) = self.event else {
-            return Ok((0, 0, boxoffice_store::outbox::backlog(pool).await?.unpublished));
-        };
-        let open = boxoffice_store::orders::open_in_event(pool, event).await?;
-        let unpublished = boxoffice_store::outbox::backlog(pool).await?.unpublished;
-        let pending = if open == 0 && unpublished == 0 {
-            boxoffice_store::payments::cancels_pending_in_event(pool, event).await?
-        } else {
-            0
-        };
-        Ok((open, pending, unpublished))
     }
 }

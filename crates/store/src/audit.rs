@@ -70,6 +70,70 @@ pub struct Totals {
     pub incidents: i64,
 }
 
+/// How far the pipeline is from idle, read in one statement (one snapshot): what a drain
+/// waits for before anything compares the ledger with the provider or counts the result.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Progress {
+    /// Orders of the event not in a final status.
+    pub open_orders: i64,
+    /// Outbox rows not yet published (all events: the outbox is shared).
+    pub unpublished: i64,
+    /// Orders of the event that ended without a sale (`expired`, `failed` or `canceled`)
+    /// whose PaymentIntent the ledger does not show `canceled` yet; `None` when not counted
+    /// (no event given, or orders still open or rows unpublished, when it decides nothing
+    /// and would read every payment of the onsale each time).
+    pub pending_cancels: Option<i64>,
+}
+
+impl Progress {
+    /// Every order final, every row published and every counted cancel recorded.
+    pub fn idle(&self) -> bool {
+        self.open_orders == 0 && self.unpublished == 0 && self.pending_cancels.unwrap_or(0) == 0
+    }
+}
+
+/// Reads [`Progress`] for `event` (or the outbox alone when `None`).
+///
+/// The pending cancels are the gap between an order's end and its PaymentIntent's cancel in
+/// the ledger. Every expired, failed or canceled order's PaymentIntent is canceled
+/// (invariant 6): by the cancel requested when the order ended
+/// ([`crate::payments::request_cancel`]), or, for an intent the payment worker recorded after
+/// the order ended, by the cancel the saga requests when it reads `PaymentIntentCreated`; a
+/// cancel that finds the money captured turns the order into `refunding`, which is not
+/// final. The order is final before the cancel lands: the payment worker calls the provider
+/// and records the answer in a transaction of its own, and a crash, a provider error after
+/// the cancel applied, or a retry stretches the gap. Until it closes, the provider and the
+/// ledger disagree. An intent that can never be canceled (Stripe refuses to cancel one in
+/// `processing`) keeps the count above 0.
+pub async fn progress(pool: &PgPool, event: Option<uuid::Uuid>) -> Result<Progress, sqlx::Error> {
+    use boxoffice_domain::{OrderStatus, PaymentIntentStatus};
+    let finals: Vec<&str> = OrderStatus::ALL.iter().filter(|s| s.is_final()).map(|s| s.as_str()).collect();
+    let unsold: Vec<&str> = OrderStatus::ALL
+        .iter()
+        .filter(|s| s.is_final() && !matches!(s, OrderStatus::Ticketed | OrderStatus::Refunded))
+        .map(|s| s.as_str())
+        .collect();
+    // The cancels' subquery is an InitPlan: PostgreSQL runs it only when the CASE reaches it.
+    let (open_orders, unpublished, pending_cancels): (i64, i64, Option<i64>) = sqlx::query_as(
+        "WITH progress AS (
+            SELECT (SELECT count(*) FROM orders WHERE event_id = $1 AND NOT (status = ANY($2))) AS open_orders,
+                   (SELECT count(*) FROM outbox WHERE published_at IS NULL) AS unpublished)
+         SELECT open_orders, unpublished,
+                CASE WHEN $1::uuid IS NOT NULL AND open_orders = 0 AND unpublished = 0 THEN
+                    (SELECT count(*) FROM payments p JOIN orders o ON o.id = p.order_id
+                      WHERE o.event_id = $1 AND o.status = ANY($3) AND p.status <> $4)
+                END
+           FROM progress",
+    )
+    .bind(event)
+    .bind(&finals)
+    .bind(&unsold)
+    .bind(PaymentIntentStatus::Canceled.as_str())
+    .fetch_one(pool)
+    .await?;
+    Ok(Progress { open_orders, unpublished, pending_cancels })
+}
+
 /// Runs every invariant check. `stuck_after_ms` bounds how long an order may sit in a
 /// non-final state; `event` restricts the checks to one event when given.
 pub async fn violations(

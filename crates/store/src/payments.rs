@@ -553,35 +553,6 @@ pub async fn request_cancel_many<'e, E: Executor<'e, Database = Postgres>>(
     .await
 }
 
-/// Payments of `event`'s orders that ended without a sale (`expired`, `failed`, `canceled`:
-/// final, neither `ticketed` nor `refunded`) whose PaymentIntent the ledger does not show
-/// `canceled` yet. Every such order's PaymentIntent is canceled (invariant 6): by the cancel
-/// requested when the order ended ([`request_cancel`]), or, for an intent the payment worker
-/// recorded after the order ended, by the cancel the saga requests when it reads
-/// `PaymentIntentCreated`; a cancel that finds the money captured turns the order into
-/// `refunding`, which is not final. The order is final before that lands: the payment
-/// worker calls the provider and records the answer in a transaction of its own, and a
-/// crash, a provider error after the cancel applied, or a retry stretches the gap. Between
-/// the provider's answer and that record, the provider and the ledger disagree; a drain
-/// waits for this to reach 0 before anything compares them. An intent that can never be
-/// canceled (Stripe refuses to cancel one in `processing`) keeps it above 0.
-pub async fn cancels_pending_in_event(pool: &PgPool, event: Uuid) -> Result<i64, sqlx::Error> {
-    let ended: Vec<&str> = OrderStatus::ALL
-        .iter()
-        .filter(|s| s.is_final() && !matches!(s, OrderStatus::Ticketed | OrderStatus::Refunded))
-        .map(|s| s.as_str())
-        .collect();
-    sqlx::query_scalar(
-        "SELECT count(*) FROM payments p JOIN orders o ON o.id = p.order_id
-          WHERE o.event_id = $1 AND o.status = ANY($2) AND p.status <> $3",
-    )
-    .bind(event)
-    .bind(&ended)
-    .bind(PaymentIntentStatus::Canceled.as_str())
-    .fetch_one(pool)
-    .await
-}
-
 /// How long Stripe keeps an online card authorization capturable when it does not say
 /// (<https://docs.stripe.com/payments/place-a-hold-on-a-payment-method>: 7 days).
 pub const DEFAULT_AUTHORIZATION_VALIDITY_DAYS: i32 = 7;
