@@ -36,10 +36,13 @@
 //! whole batch in one statement (`Handler::precheck`), holding a connection only for that
 //! read, never across a provider call. Then
 //! the transaction: the inbox
-//! rows of all of them in one statement, then per message whose row was new, in the order of
-//! their order ids (so two shared transactions lock their orders' rows in one order and never
-//! deadlock each other) and in its own consumer span, the effect with what its `prepare`
-//! returned; then the facts and commands all of them emit, in one outbox statement (each row
+//! rows of all of them in one statement; then the rows the effects of the messages whose row
+//! was new work on, locked and read for all of them at once (`Handler::lock_rows`: the saga
+//! and the ticket worker lock every order's hold and order in one statement, in ascending
+//! order id, and the saga reads the payment rows in one more); then per such message, in the
+//! order of their order ids (so two shared transactions lock their orders' rows in one order
+//! and never deadlock each other) and in its own consumer span, the effect with what its
+//! `prepare` returned and the rows locked for it; then the facts and commands all of them emit, in one outbox statement (each row
 //! with its own message's trace context); then one commit, and the offsets of all of them
 //! only after it. A batch may contain facts of different orders, at most one fact per order
 //! (a second fact of an order starts the next transaction, after the commit of the first: a
@@ -234,17 +237,56 @@ pub trait Handler: Send + Sync + 'static {
         precheck: Self::Precheck,
     ) -> Result<Self::Prepared, HandlerError>;
 
-    /// The effect, inside the transaction that also records the inbox row. Returns the facts
-    /// and commands that follow (made with [`Envelope::follow`]), which the runner writes to
-    /// the outbox in the same transaction with the consumer span's trace context — for a
-    /// batch, those of all its messages in one statement before the commit.
+    /// What [`Handler::lock_rows`] locks and reads for one message in the effect's
+    /// transaction and hands to its `apply` (`()` for a handler whose `apply` reads its rows
+    /// itself).
+    type Rows: Send + Default;
+
+    /// Locks and reads, inside the effect's transaction and before any effect of `run` runs,
+    /// the rows each message's `apply` works on — for a shared batch, or a follower's run of
+    /// facts ([`crate::follow`]), in one statement for all of them instead of one each.
+    /// `run` holds the messages whose effects are about to run, in the order they will run
+    /// (a shared batch's: ascending order id). One [`Handler::Rows`] per message, in `run`'s
+    /// order; `Rows::default()` tells `apply` to read its rows itself — what a handler must
+    /// hand to a message whose rows an earlier message of `run` may change (a second message
+    /// of one order). An error fails the transaction. Default: reads nothing.
+    async fn lock_rows(
+        &self,
+        _tx: &mut Tx<'_>,
+        run: &[(&Envelope, &PurchaseEvent)],
+    ) -> Result<Vec<Self::Rows>, HandlerError> {
+        Ok(run.iter().map(|_| Self::Rows::default()).collect())
+    }
+
+    /// The effect, inside the transaction that also records the inbox row, given the rows
+    /// [`Handler::lock_rows`] locked for it. Returns the facts and commands that follow (made
+    /// with [`Envelope::follow`]), which the runner writes to the outbox in the same
+    /// transaction with the consumer span's trace context — for a batch, those of all its
+    /// messages in one statement before the commit.
     async fn apply(
         &self,
         tx: &mut Tx<'_>,
         env: &Envelope,
         event: &PurchaseEvent,
         prepared: Self::Prepared,
+        rows: Self::Rows,
     ) -> Result<Vec<Envelope>, HandlerError>;
+}
+
+/// [`Handler::lock_rows`] of `run`, one per message or an error.
+pub(crate) async fn rows_of<H: Handler>(
+    handler: &H,
+    tx: &mut Tx<'_>,
+    run: &[(&Envelope, &PurchaseEvent)],
+) -> Result<Vec<H::Rows>, HandlerError> {
+    let rows = handler.lock_rows(tx, run).await?;
+    if rows.len() != run.len() {
+        return Err(HandlerError::permanent(
+            "lock_rows_count",
+            anyhow::anyhow!("{} row sets for {} messages", rows.len(), run.len()),
+        ));
+    }
+    Ok(rows)
 }
 
 /// What happened to one message.
@@ -440,8 +482,9 @@ async fn apply_once<H: Handler>(
         if !inbox::record(&mut tx, name, env.event_id).await? {
             return Ok(Disposition::Duplicate);
         }
+        let rows = rows_of(handler, &mut tx, &[(env, &event)]).await?.pop().unwrap_or_default();
         let emitted: Vec<outbox::Traced> = handler
-            .apply(&mut tx, env, &event, prepared)
+            .apply(&mut tx, env, &event, prepared, rows)
             .await?
             .into_iter()
             .map(outbox::Traced::here)
@@ -521,11 +564,11 @@ pub async fn handle_batch<H: Handler>(
 /// with its stable idempotency key), all at once — they are of different orders — each in
 /// its message's consumer span; a message known to be applied already is not prepared (from
 /// its pre-check, [`Handler::applied`], or else, for a handler that calls out, the inbox).
-/// Then the transaction: the inbox rows of all its messages in one statement;
-/// then, per message, in the order of their order ids (one fact per order: no order's facts
-/// are reordered) and inside its consumer span, the effect of each message whose row was
-/// new (a duplicate — of an applied fact, or a second copy of an id in the run — does
-/// nothing); then what they emitted, in one outbox statement; then one commit. The fault
+/// Then the transaction: the inbox rows of all its messages in one statement; then
+/// [`Handler::lock_rows`] of the messages whose row was new, in the order of their order ids;
+/// then, per such message, in that order (one fact per order: no order's facts
+/// are reordered) and inside its consumer span, its effect with those rows (a duplicate — of
+/// an applied fact, or a second copy of an id in the run — does nothing); then what they emitted, in one outbox statement; then one commit. The fault
 /// points are those of [`handle_once`], once per message around `prepare` and once per
 /// batch around the commit. A message whose `prepare` failed is left out of the transaction
 /// whole (no inbox row, no effect) and returned as `None`, for the caller to process alone;
@@ -593,15 +636,24 @@ async fn apply_shared<H: Handler>(
     let mut fresh = inbox::record_all(&mut tx, name, &ids).await?;
     let mut out: Vec<Option<Disposition>> =
         left_out.iter().map(|&l| (!l).then_some(Disposition::Duplicate)).collect();
-    let mut follows: Vec<outbox::Traced> = Vec::new();
+    // The messages whose effects run: found in the inbox before their `prepare`, or not new
+    // now, a message has nothing to apply.
+    let mut todo: Vec<(usize, H::Prepared)> = Vec::with_capacity(run.len());
     for k in by_order.into_iter().filter(|&k| !left_out[k]) {
+        let fresh = fresh.remove(&run[k].0.event_id);
+        if let Some(p) = prepared[k].take().filter(|_| fresh) {
+            todo.push((k, p));
+        }
+    }
+    // Their rows, locked for all of them at once, in the order their effects run.
+    let locking: Vec<(&Envelope, &PurchaseEvent)> = todo.iter().map(|(k, _)| run[*k]).collect();
+    let rows = rows_of(handler, &mut tx, &locking).await?;
+    let mut follows: Vec<outbox::Traced> = Vec::new();
+    for ((k, prepared), rows) in todo.into_iter().zip(rows) {
         let (env, event) = run[k];
-        let fresh = fresh.remove(&env.event_id);
-        // Found in the inbox before its `prepare`, or not new now: nothing to apply.
-        let Some(prepared) = prepared[k].take().filter(|_| fresh) else { continue };
         let (tx, follows) = (&mut tx, &mut follows);
         async move {
-            let emitted = handler.apply(tx, env, event, prepared).await?;
+            let emitted = handler.apply(tx, env, event, prepared, rows).await?;
             // Stored with this message's span: its trace goes on from its own fact.
             follows.extend(emitted.into_iter().map(outbox::Traced::here));
             Ok::<_, HandlerError>(())

@@ -28,16 +28,16 @@
 //! **Locks.** A follower locks the order's rows in the ledger's order (hold, then order, then
 //! payment); a writer that writes one of them before its followers run locks the hold first
 //! (the payment worker does wherever it writes the payment row), so following adds no lock
-//! cycle.
+//! cycle. A follower's run of facts of several orders locks their rows in one statement, in
+//! ascending order id, the order a shared consumer batch applies its messages in.
 //! A shared consumer batch follows its facts after every message of the batch was applied,
 //! orders in the batch's order-id order.
 
-use crate::consumer::{consumer_span, Handler, HandlerError};
+use crate::consumer::{consumer_span, rows_of, Handler, HandlerError};
 use async_trait::async_trait;
 use boxoffice_domain::{Envelope, EventKind, PurchaseEvent};
 use boxoffice_store::outbox::Traced;
 use boxoffice_store::Tx;
-use std::collections::VecDeque;
 use std::sync::Arc;
 use tracing::Instrument;
 
@@ -58,14 +58,17 @@ pub trait Follower: Send + Sync + 'static {
     /// [`Handler::acts_on`].
     fn acts_on(&self, event: &PurchaseEvent) -> bool;
 
-    /// The consumer's effect for `event` in `tx` (its inbox row is already recorded);
-    /// returns the facts that follow.
-    async fn apply(
+    /// The consumer's effects for `run` in `tx` (their inbox rows are written by the caller),
+    /// in `run`'s order, each inside its span (the consumer span of its fact) and between the
+    /// consumer's fault points `before_remote`, `after_remote` and `before_commit`: first the
+    /// rows all of them work on, locked and read at once ([`Handler::lock_rows`]), then each
+    /// effect. Returns, per fact of `run`, the facts that follow, each stored with its span's
+    /// trace context.
+    async fn apply_all(
         &self,
         tx: &mut Tx<'_>,
-        env: &Envelope,
-        event: &PurchaseEvent,
-    ) -> Result<Vec<Envelope>, HandlerError>;
+        run: &[(&Envelope, &PurchaseEvent, tracing::Span)],
+    ) -> Result<Vec<Vec<Traced>>, HandlerError>;
 }
 
 #[async_trait]
@@ -82,14 +85,32 @@ impl<H: Handler<Prepared = (), Precheck = ()>> Follower for H {
         Handler::acts_on(self, event)
     }
 
-    async fn apply(
+    async fn apply_all(
         &self,
         tx: &mut Tx<'_>,
-        env: &Envelope,
-        event: &PurchaseEvent,
-    ) -> Result<Vec<Envelope>, HandlerError> {
-        self.prepare(env, event, ()).await?;
-        Handler::apply(self, tx, env, event, ()).await
+        run: &[(&Envelope, &PurchaseEvent, tracing::Span)],
+    ) -> Result<Vec<Vec<Traced>>, HandlerError> {
+        let name = Handler::name(self);
+        let locking: Vec<(&Envelope, &PurchaseEvent)> =
+            run.iter().map(|(env, event, _)| (*env, *event)).collect();
+        let rows = rows_of(self, tx, &locking).await?;
+        let mut out = Vec::with_capacity(run.len());
+        for ((env, event, span), rows) in run.iter().zip(rows) {
+            let tx = &mut *tx;
+            let emitted = async move {
+                boxoffice_faults::check_consumer(name, "before_remote")?;
+                self.prepare(env, event, ()).await?;
+                boxoffice_faults::check_consumer(name, "after_remote")?;
+                let emitted = Handler::apply(self, tx, env, event, (), rows).await?;
+                boxoffice_faults::check_consumer(name, "before_commit")?;
+                // Stored with the follower's span: the purchase's trace goes on from it.
+                Ok::<_, HandlerError>(emitted.into_iter().map(Traced::here).collect::<Vec<_>>())
+            }
+            .instrument(span.clone())
+            .await?;
+            out.push(emitted);
+        }
+        Ok(out)
     }
 }
 
@@ -177,6 +198,12 @@ impl Followers {
     /// the steps that ran, whose inbox rows the caller writes with those facts in `tx`
     /// ([`Followed::inbox_rows`]: every fact followed here was created in this transaction, so
     /// no inbox can hold it yet). On error the caller must roll `tx` back (see the module doc).
+    ///
+    /// The steps run in that order, a generation of facts at a time; consecutive steps of one
+    /// follower on facts of different orders (a batch's captures, say) are one run of
+    /// [`Follower::apply_all`], whose rows are locked in one statement. A step on a second
+    /// fact of an order already in the run, or of another follower, starts the next run, so
+    /// every effect still sees the rows the steps before it left.
     pub async fn follow(
         &self,
         tx: &mut Tx<'_>,
@@ -187,43 +214,70 @@ impl Followers {
         if self.list.is_empty() {
             return Ok((facts, followed));
         }
-        let mut queue: VecDeque<Traced> = facts.into();
-        while let Some(mut fact) = queue.pop_front() {
-            let env = &fact.envelope;
-            let kind = EventKind::of(&env.event_type);
-            let event = match (kind, followed.len() < MAX_STEPS) {
-                (Some(kind), true) if self.list.iter().any(|f| f.wants(kind)) => env.decode().ok(),
-                _ => None,
-            };
-            let mut next = Vec::new();
-            if let Some(event) = event {
-                for f in &self.list {
-                    if followed.len() >= MAX_STEPS || !f.wants(event.kind()) || !f.acts_on(&event) {
-                        continue;
+        let mut generation = facts;
+        while !generation.is_empty() {
+            // The generation's steps, in order: (fact, follower), each fact decoded once.
+            let mut events: Vec<Option<PurchaseEvent>> = Vec::with_capacity(generation.len());
+            let mut steps: Vec<(usize, usize)> = Vec::new();
+            for (i, fact) in generation.iter().enumerate() {
+                let kind = EventKind::of(&fact.envelope.event_type);
+                let taken = followed.len() + steps.len();
+                let event = match (kind, taken < MAX_STEPS) {
+                    (Some(kind), true) if self.list.iter().any(|f| f.wants(kind)) => {
+                        fact.envelope.decode().ok()
                     }
-                    let name = f.name();
-                    let span = consumer_span(name, &fact.envelope, None, &self.labels);
-                    let env = &fact.envelope;
-                    let (tx, event) = (&mut *tx, &event);
-                    let emitted = async move {
-                        boxoffice_faults::check_consumer(name, "before_remote")?;
-                        boxoffice_faults::check_consumer(name, "after_remote")?;
-                        let emitted = f.apply(tx, env, event).await?;
-                        boxoffice_faults::check_consumer(name, "before_commit")?;
-                        // Stored with the follower's span: the purchase's trace goes on from it.
-                        Ok::<_, HandlerError>(emitted.into_iter().map(Traced::here).collect::<Vec<_>>())
+                    _ => None,
+                };
+                if let Some(event) = &event {
+                    for (j, f) in self.list.iter().enumerate() {
+                        if followed.len() + steps.len() < MAX_STEPS
+                            && f.wants(event.kind())
+                            && f.acts_on(event)
+                        {
+                            steps.push((i, j));
+                        }
                     }
-                    .instrument(span)
-                    .await?;
-                    fact.envelope.applied_by.push(name.to_owned());
-                    followed.0.push((name, fact.envelope.event_id));
+                }
+                events.push(event);
+            }
+            // Runs of consecutive steps of one follower on facts of distinct orders.
+            let mut emitted: Vec<Vec<Traced>> = Vec::with_capacity(steps.len());
+            let mut start = 0;
+            while start < steps.len() {
+                let follower = steps[start].1;
+                let mut orders = std::collections::HashSet::new();
+                let mut end = start;
+                while end < steps.len()
+                    && steps[end].1 == follower
+                    && orders.insert(generation[steps[end].0].envelope.aggregate_id)
+                {
+                    end += 1;
+                }
+                let f = &self.list[follower];
+                let name = f.name();
+                let run: Vec<(&Envelope, &PurchaseEvent, tracing::Span)> = steps[start..end]
+                    .iter()
+                    .map(|&(i, _)| {
+                        let env = &generation[i].envelope;
+                        let event = events[i].as_ref().expect("a fact with steps was decoded");
+                        (env, event, consumer_span(name, env, None, &self.labels))
+                    })
+                    .collect();
+                emitted.extend(f.apply_all(tx, &run).await?);
+                drop(run);
+                for &(i, _) in &steps[start..end] {
+                    let fact = &mut generation[i].envelope;
+                    fact.applied_by.push(name.to_owned());
+                    followed.0.push((name, fact.event_id));
                     metrics::counter!("boxoffice_consumer_messages_total", "consumer" => name, "outcome" => "Followed")
                         .increment(1);
-                    next.extend(emitted);
                 }
+                start = end;
             }
-            out.push(fact);
-            queue.extend(next);
+            // The next generation: each step's facts, in the order of the steps.
+            let next: Vec<Traced> = emitted.into_iter().flatten().collect();
+            out.append(&mut generation);
+            generation = next;
         }
         Ok((out, followed))
     }

@@ -722,40 +722,65 @@ pub async fn lock_with_order(
     tx: &mut Tx<'_>,
     order: OrderId,
 ) -> Result<Option<(Option<HoldRow>, crate::orders::OrderRow)>, StoreError> {
-    type Row = (Uuid, Uuid, String, DateTime<Utc>, bool, Uuid, Uuid, String, i64, String, Uuid);
-    // Row marks are taken in the order `FOR UPDATE OF` names them: the hold, then the order.
-    let row: Option<Row> = sqlx::query_as(&format!(
+    match lock_all_with_orders(tx, &[order]).await?.pop() {
+        Some((hold, order)) => Ok(Some((Some(hold), order))),
+        // No hold (or no order): the order alone, as the callers' two-step path read it.
+        None => Ok(crate::orders::lock(tx, order).await?.map(|o| (None, o))),
+    }
+}
+
+/// The columns [`lock_all_with_orders`] reads, in [`LockedPair`]'s order.
+type LockedPair = (Uuid, Uuid, String, DateTime<Utc>, bool, Uuid, Uuid, String, i64, String, Uuid);
+
+/// [`lock_with_order`] for several orders in one statement: locks each order's hold and then
+/// the order, in ascending order id (the order a consumer's shared batch applies its facts
+/// in, so two batches never wait for each other in a cycle), and returns the pairs found, in
+/// that order. An order without a hold, or that does not exist, is left out: its caller
+/// takes [`lock_with_order`]'s path for it. `orders` should not repeat an id (a repeated one
+/// is returned once).
+pub async fn lock_all_with_orders(
+    tx: &mut Tx<'_>,
+    orders: &[OrderId],
+) -> Result<Vec<(HoldRow, crate::orders::OrderRow)>, StoreError> {
+    if orders.is_empty() {
+        return Ok(Vec::new());
+    }
+    let ids: Vec<Uuid> = orders.iter().map(|o| o.0).collect();
+    // Row marks are taken row by row in the sorted output (the locking clause runs after
+    // ORDER BY), and within a row in the order `FOR UPDATE OF` names them: hold, then order.
+    let rows: Vec<LockedPair> = sqlx::query_as(&format!(
         "SELECT h.id, h.order_id, h.status, h.expires_at, {LAPSED_H} AS lapsed,
                 o.user_id, o.event_id, o.status, o.amount_minor, o.currency, o.correlation_id
            FROM holds h JOIN orders o ON o.id = h.order_id
-          WHERE h.order_id = $1
+          WHERE h.order_id = ANY($1)
+          ORDER BY h.order_id
             FOR UPDATE OF h, o"
     ))
-    .bind(order.0)
-    .fetch_optional(&mut **tx)
+    .bind(&ids)
+    .fetch_all(&mut **tx)
     .await?;
-    let Some(r) = row else {
-        // No hold (or no order): the order alone, as the callers' two-step path read it.
-        return Ok(crate::orders::lock(tx, order).await?.map(|o| (None, o)));
-    };
     let corrupt = |e: boxoffice_domain::status::UnknownStatus| StoreError::Corrupt(e.to_string());
-    let hold = HoldRow {
-        id: r.0,
-        order_id: r.1,
-        status: HoldStatus::try_from(r.2).map_err(corrupt)?,
-        expires_at: r.3,
-        lapsed: r.4,
-    };
-    let order = crate::orders::OrderRow {
-        id: order.0,
-        user_id: r.5,
-        event_id: r.6,
-        status: OrderStatus::try_from(r.7).map_err(corrupt)?,
-        amount_minor: r.8,
-        currency: r.9,
-        correlation_id: r.10,
-    };
-    Ok(Some((Some(hold), order)))
+    rows.into_iter()
+        .map(|r| {
+            let hold = HoldRow {
+                id: r.0,
+                order_id: r.1,
+                status: HoldStatus::try_from(r.2).map_err(corrupt)?,
+                expires_at: r.3,
+                lapsed: r.4,
+            };
+            let order = crate::orders::OrderRow {
+                id: r.1,
+                user_id: r.5,
+                event_id: r.6,
+                status: OrderStatus::try_from(r.7).map_err(corrupt)?,
+                amount_minor: r.8,
+                currency: r.9,
+                correlation_id: r.10,
+            };
+            Ok((hold, order))
+        })
+        .collect()
 }
 
 /// [`LAPSED`] on `holds h`.

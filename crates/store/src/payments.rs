@@ -117,6 +117,27 @@ pub async fn get<'e, E: Executor<'e, Database = Postgres>>(
     .await
 }
 
+/// The payment rows of `orders` that are recorded, in one statement (no locks; read after
+/// the orders are locked, as [`get`] is, so a row is the latest committed one). At most one
+/// row per order (`payments.order_id` is the key).
+pub async fn get_all<'e, E: Executor<'e, Database = Postgres>>(
+    ex: E,
+    orders: &[OrderId],
+) -> Result<Vec<PaymentRow>, sqlx::Error> {
+    if orders.is_empty() {
+        return Ok(Vec::new());
+    }
+    let ids: Vec<Uuid> = orders.iter().map(|o| o.0).collect();
+    sqlx::query_as(
+        "SELECT order_id, payment_intent_id, status, amount_minor, currency, amount_captured_minor,
+                amount_refunded_minor, capture_before, last_error_code, dispute_id, dispute_status
+           FROM payments WHERE order_id = ANY($1)",
+    )
+    .bind(&ids)
+    .fetch_all(ex)
+    .await
+}
+
 /// An order as webhook ingress judges a claim about it: its total, correlation id and status,
 /// and its payment row when one is recorded.
 #[derive(Debug, Clone)]

@@ -411,12 +411,15 @@ impl Handler for PaymentWorker {
         }
     }
 
+    type Rows = ();
+
     async fn apply(
         &self,
         tx: &mut Tx<'_>,
         env: &Envelope,
         event: &PurchaseEvent,
         prepared: Prepared,
+        _: (),
     ) -> Result<Vec<Envelope>, HandlerError> {
         let order_id = event.order_id();
         let mut emit = Vec::new();

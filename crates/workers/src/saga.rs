@@ -4,6 +4,11 @@
 //! ledger's lock order (hold, then order), executes each [`Step`] through the store's
 //! transition functions (which refuse any move the status tables do not list) and emits the
 //! next facts and commands through the outbox — all in the consumer's inbox transaction.
+//! For a run of facts (a shared consumer batch, or a run of facts followed through), the
+//! rows of all their orders are locked and read at once before any of them is decided
+//! ([`Locked::load_all`]: one statement for the holds and orders, one for the payments); a
+//! second fact of an order in a run reads its rows itself when its turn comes, after the
+//! first one's effect.
 //!
 //! The same `apply` runs on the bus (the saga's consumer) and, in a process that runs the
 //! saga beside the payment worker, inside the payment worker's transaction that commits the
@@ -53,19 +58,34 @@ impl Handler for Saga {
         Ok(())
     }
 
+    type Rows = Option<Locked>;
+
+    /// Every order's hold and order, locked in one statement, and the payment rows of the
+    /// facts that name a PaymentIntent in one more ([`Locked::load_all`]).
+    async fn lock_rows(
+        &self,
+        tx: &mut Tx<'_>,
+        run: &[(&Envelope, &PurchaseEvent)],
+    ) -> Result<Vec<Option<Locked>>, HandlerError> {
+        let facts: Vec<&PurchaseEvent> = run.iter().map(|(_, event)| *event).collect();
+        Ok(Locked::load_all(tx, &facts).await?)
+    }
+
     async fn apply(
         &self,
         tx: &mut Tx<'_>,
         env: &Envelope,
         event: &PurchaseEvent,
         _: (),
+        rows: Option<Locked>,
     ) -> Result<Vec<Envelope>, HandlerError> {
-        apply(tx, env, event).await
+        apply_locked(tx, env, event, rows).await
     }
 }
 
 /// The rows one decision works on, locked in the ledger's order (hold, then order).
-struct Locked {
+#[derive(Debug)]
+pub struct Locked {
     hold: Option<HoldRow>,
     order: OrderRow,
     /// The payment row's PaymentIntent id and status, when recorded.
@@ -87,6 +107,45 @@ impl Locked {
         };
         let payment = if with_payment { payments::get(&mut **tx, order_id).await? } else { None };
         Ok(Some(Locked { hold, order, payment, dispute_policy: DisputePolicy::Keep }))
+    }
+
+    /// [`Locked::load`] for the facts of a run, in two statements for all of them: every
+    /// order's hold and order locked at once, in ascending order id
+    /// ([`holds::lock_all_with_orders`]), then the payment rows of the orders whose fact names
+    /// a PaymentIntent ([`payments::get_all`]). One entry per fact, in `facts`' order; `None`
+    /// for an order without a hold (the fact's `apply` then takes [`Locked::load`]'s path,
+    /// which reads the order alone) and for a second fact of an order (the first one's
+    /// effect may change its rows: it loads them itself when it runs).
+    async fn load_all(tx: &mut Tx<'_>, facts: &[&PurchaseEvent]) -> Result<Vec<Option<Locked>>, StoreError> {
+        let mut seen = std::collections::HashSet::new();
+        let first: Vec<bool> = facts.iter().map(|f| seen.insert(f.order_id())).collect();
+        let orders: Vec<OrderId> =
+            facts.iter().zip(&first).filter(|(_, &first)| first).map(|(f, _)| f.order_id()).collect();
+        let mut locked: std::collections::HashMap<uuid::Uuid, (HoldRow, OrderRow)> =
+            holds::lock_all_with_orders(tx, &orders)
+                .await?
+                .into_iter()
+                .map(|(h, o)| (o.id, (h, o)))
+                .collect();
+        let paying: Vec<OrderId> = facts
+            .iter()
+            .zip(&first)
+            .filter(|(f, &first)| {
+                first && f.payment_intent_id().is_some() && locked.contains_key(&f.order_id().0)
+            })
+            .map(|(f, _)| f.order_id())
+            .collect();
+        let mut payment: std::collections::HashMap<uuid::Uuid, payments::PaymentRow> =
+            payments::get_all(&mut **tx, &paying).await?.into_iter().map(|p| (p.order_id, p)).collect();
+        Ok(facts
+            .iter()
+            .zip(first)
+            .map(|(f, first)| {
+                let (hold, order) = locked.remove(&f.order_id().0).filter(|_| first)?;
+                let payment = f.payment_intent_id().and_then(|_| payment.remove(&order.id));
+                Some(Locked { hold: Some(hold), order, payment, dispute_policy: DisputePolicy::Keep })
+            })
+            .collect())
     }
 
     fn snapshot(&self, payment_intent_id: Option<&str>) -> Snapshot {
@@ -117,8 +176,23 @@ pub async fn apply(
     env: &Envelope,
     event: &PurchaseEvent,
 ) -> Result<Vec<Envelope>, HandlerError> {
+    apply_locked(tx, env, event, None).await
+}
+
+/// [`apply`] with the rows [`Saga`]'s `lock_rows` locked for the fact in `tx` (`None`: it locks
+/// them itself).
+async fn apply_locked(
+    tx: &mut Tx<'_>,
+    env: &Envelope,
+    event: &PurchaseEvent,
+    rows: Option<Locked>,
+) -> Result<Vec<Envelope>, HandlerError> {
     let order_id = event.order_id();
-    let Some(mut locked) = Locked::load(tx, order_id, event.payment_intent_id().is_some()).await? else {
+    let rows = match rows {
+        Some(rows) => Some(rows),
+        None => Locked::load(tx, order_id, event.payment_intent_id().is_some()).await?,
+    };
+    let Some(mut locked) = rows else {
         return Err(HandlerError::permanent(
             "unknown_order",
             anyhow::anyhow!("order {order_id} does not exist"),

@@ -9,7 +9,9 @@
 
 use async_trait::async_trait;
 use boxoffice_bus::{Handler, HandlerError};
-use boxoffice_domain::{Envelope, EventKind, HoldStatus, OrderStatus, PurchaseEvent};
+use boxoffice_domain::{Envelope, EventKind, HoldStatus, OrderId, OrderStatus, PurchaseEvent};
+use boxoffice_store::holds::HoldRow;
+use boxoffice_store::orders::OrderRow;
 use boxoffice_store::{holds, orders, tickets, Tx};
 
 /// The ticket consumer.
@@ -36,17 +38,48 @@ impl Handler for TicketWorker {
         Ok(())
     }
 
+    type Rows = Option<(HoldRow, OrderRow)>;
+
+    /// Every order's hold and order, locked in one statement ([`holds::lock_all_with_orders`]);
+    /// `None` for an order without a hold and for a second request of an order.
+    async fn lock_rows(
+        &self,
+        tx: &mut Tx<'_>,
+        run: &[(&Envelope, &PurchaseEvent)],
+    ) -> Result<Vec<Self::Rows>, HandlerError> {
+        let mut seen = std::collections::HashSet::new();
+        let first: Vec<bool> = run.iter().map(|(_, e)| seen.insert(e.order_id())).collect();
+        let orders: Vec<OrderId> =
+            run.iter().zip(&first).filter(|(_, &first)| first).map(|((_, e), _)| e.order_id()).collect();
+        let mut locked: std::collections::HashMap<uuid::Uuid, (HoldRow, OrderRow)> =
+            holds::lock_all_with_orders(tx, &orders)
+                .await?
+                .into_iter()
+                .map(|(h, o)| (o.id, (h, o)))
+                .collect();
+        Ok(run
+            .iter()
+            .zip(first)
+            .map(|((_, e), first)| locked.remove(&e.order_id().0).filter(|_| first))
+            .collect())
+    }
+
     async fn apply(
         &self,
         tx: &mut Tx<'_>,
         env: &Envelope,
         event: &PurchaseEvent,
         _: (),
+        rows: Self::Rows,
     ) -> Result<Vec<Envelope>, HandlerError> {
         let PurchaseEvent::TicketIssueRequested { order_id, hold_id } = event else {
             return Err(HandlerError::permanent("unexpected_event", anyhow::anyhow!("{}", env.event_type)));
         };
-        let Some((hold, mut order)) = holds::lock_with_order(tx, *order_id).await? else {
+        let rows = match rows {
+            Some((hold, order)) => Some((Some(hold), order)),
+            None => holds::lock_with_order(tx, *order_id).await?,
+        };
+        let Some((hold, mut order)) = rows else {
             return Err(HandlerError::permanent("unknown_order", anyhow::anyhow!("order {order_id}")));
         };
         // The order's one hold is the request's, or the request names a hold it does not have.

@@ -33,6 +33,7 @@ struct Probe {
 impl Handler for Probe {
     type Prepared = ();
     type Precheck = ();
+    type Rows = ();
 
     fn name(&self) -> &'static str {
         "probe"
@@ -51,6 +52,7 @@ impl Handler for Probe {
         tx: &mut boxoffice_store::Tx<'_>,
         env: &Envelope,
         _: &PurchaseEvent,
+        _: (),
         _: (),
     ) -> Result<Vec<Envelope>, HandlerError> {
         if env.event_id == self.refuse {
@@ -268,6 +270,7 @@ struct Caller {
 impl Handler for Caller {
     type Prepared = ();
     type Precheck = ();
+    type Rows = ();
 
     fn name(&self) -> &'static str {
         "caller"
@@ -297,6 +300,7 @@ impl Handler for Caller {
         tx: &mut boxoffice_store::Tx<'_>,
         env: &Envelope,
         _: &PurchaseEvent,
+        _: (),
         _: (),
     ) -> Result<Vec<Envelope>, HandlerError> {
         sqlx::query(
@@ -627,6 +631,7 @@ struct CountingPrechecks {
 impl Handler for CountingPrechecks {
     type Prepared = boxoffice_workers::payment::Prepared;
     type Precheck = boxoffice_store::payments::Precheck;
+    type Rows = ();
 
     fn name(&self) -> &'static str {
         self.inner.name()
@@ -667,8 +672,9 @@ impl Handler for CountingPrechecks {
         env: &Envelope,
         event: &PurchaseEvent,
         prepared: Self::Prepared,
+        rows: (),
     ) -> Result<Vec<Envelope>, HandlerError> {
-        self.inner.apply(tx, env, event, prepared).await
+        self.inner.apply(tx, env, event, prepared, rows).await
     }
 }
 

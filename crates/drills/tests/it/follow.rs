@@ -146,6 +146,7 @@ struct Writer;
 impl Handler for Writer {
     type Prepared = ();
     type Precheck = ();
+    type Rows = ();
 
     fn name(&self) -> &'static str {
         "writer"
@@ -164,6 +165,7 @@ impl Handler for Writer {
         tx: &mut boxoffice_store::Tx<'_>,
         env: &Envelope,
         _: &PurchaseEvent,
+        _: (),
         _: (),
     ) -> Result<Vec<Envelope>, HandlerError> {
         sqlx::query(
@@ -188,6 +190,7 @@ struct Follower {
 impl Handler for Follower {
     type Prepared = ();
     type Precheck = ();
+    type Rows = ();
 
     fn name(&self) -> &'static str {
         "follower"
@@ -206,6 +209,7 @@ impl Handler for Follower {
         tx: &mut boxoffice_store::Tx<'_>,
         env: &Envelope,
         _: &PurchaseEvent,
+        _: (),
         _: (),
     ) -> Result<Vec<Envelope>, HandlerError> {
         sqlx::query(
@@ -399,4 +403,204 @@ async fn a_capture_whose_ticket_issuance_fails_in_its_transaction_is_recorded_on
         .unwrap();
     assert_eq!(tickets, 1);
     app.stop().await;
+}
+
+/// Records what the runner hands it: each `lock_rows` run (its event ids) and, per effect,
+/// the rows it was given. Its rows are the event id it was locked for, as the saga's are an
+/// order's rows: only the first fact of an order in a run gets them, a second gets `None`.
+struct Locking {
+    name: &'static str,
+    kind: EventKind,
+    runs: std::sync::Mutex<Vec<Vec<Uuid>>>,
+    applied: std::sync::Mutex<Vec<(Uuid, Option<Uuid>)>>,
+}
+
+impl Locking {
+    fn new(name: &'static str, kind: EventKind) -> Self {
+        Self { name, kind, runs: Default::default(), applied: Default::default() }
+    }
+    fn runs(&self) -> Vec<Vec<Uuid>> {
+        self.runs.lock().unwrap().clone()
+    }
+    fn applied(&self) -> Vec<(Uuid, Option<Uuid>)> {
+        self.applied.lock().unwrap().clone()
+    }
+}
+
+#[async_trait]
+impl Handler for Locking {
+    type Prepared = ();
+    type Precheck = ();
+    type Rows = Option<Uuid>;
+
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn wants(&self, kind: EventKind) -> bool {
+        kind == self.kind
+    }
+
+    async fn prepare(&self, _: &Envelope, _: &PurchaseEvent, _: ()) -> Result<(), HandlerError> {
+        Ok(())
+    }
+
+    async fn lock_rows(
+        &self,
+        _: &mut boxoffice_store::Tx<'_>,
+        run: &[(&Envelope, &PurchaseEvent)],
+    ) -> Result<Vec<Option<Uuid>>, HandlerError> {
+        self.runs.lock().unwrap().push(run.iter().map(|(env, _)| env.event_id).collect());
+        let mut seen = std::collections::HashSet::new();
+        Ok(run.iter().map(|(env, _)| seen.insert(env.aggregate_id).then_some(env.event_id)).collect())
+    }
+
+    async fn apply(
+        &self,
+        _: &mut boxoffice_store::Tx<'_>,
+        env: &Envelope,
+        _: &PurchaseEvent,
+        _: (),
+        rows: Option<Uuid>,
+    ) -> Result<Vec<Envelope>, HandlerError> {
+        self.applied.lock().unwrap().push((env.event_id, rows));
+        Ok(vec![])
+    }
+}
+
+/// Emits one `TicketIssueRequested` per `OrderConfirmed`, two for the order `twice`.
+struct Fanout {
+    twice: Option<Uuid>,
+}
+
+#[async_trait]
+impl Handler for Fanout {
+    type Prepared = ();
+    type Precheck = ();
+    type Rows = ();
+
+    fn name(&self) -> &'static str {
+        "fanout"
+    }
+
+    fn wants(&self, kind: EventKind) -> bool {
+        kind == EventKind::OrderConfirmed
+    }
+
+    async fn prepare(&self, _: &Envelope, _: &PurchaseEvent, _: ()) -> Result<(), HandlerError> {
+        Ok(())
+    }
+
+    async fn apply(
+        &self,
+        _: &mut boxoffice_store::Tx<'_>,
+        env: &Envelope,
+        _: &PurchaseEvent,
+        _: (),
+        _: (),
+    ) -> Result<Vec<Envelope>, HandlerError> {
+        let request = || {
+            env.follow(&PurchaseEvent::TicketIssueRequested {
+                order_id: env.order_id(),
+                hold_id: HoldId(Uuid::new_v4()),
+            })
+        };
+        let n = if self.twice == Some(env.aggregate_id) { 2 } else { 1 };
+        Ok((0..n).map(|_| request()).collect())
+    }
+}
+
+/// The ids of the facts of `event_type` in the outbox, in the order they were written.
+async fn written(pool: &PgPool, event_type: &str) -> Vec<(Uuid, Uuid)> {
+    sqlx::query_as("SELECT id, message_key::uuid FROM outbox WHERE event_type = $1 ORDER BY created_at")
+        .bind(event_type)
+        .fetch_all(pool)
+        .await
+        .unwrap()
+}
+
+/// `Handler::lock_rows`: a shared batch locks the rows of every message it applies in one
+/// run, in the order their effects run (ascending order id), and leaves out a message
+/// applied already; a follower locks the rows of consecutive facts of distinct orders in one
+/// run, and a second fact of an order starts the next run, so its effect reads rows the first
+/// one left.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn batches_and_followers_lock_their_rows_once_per_run_of_distinct_orders(
+    pool_opts: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    use boxoffice_bus::consumer::handle_batch;
+    let pool = pool_opts.max_connections(4).connect_with(opts).await.unwrap();
+    let mut orders: Vec<Uuid> = (0..4).map(|_| Uuid::new_v4()).collect();
+    orders.sort();
+    let confirmed_of = |order: Uuid| {
+        let o = OrderId(order);
+        Envelope::new(
+            o,
+            &PurchaseEvent::OrderConfirmed { order_id: o, hold_id: HoldId(Uuid::new_v4()) },
+            Uuid::new_v4(),
+            None,
+        )
+    };
+
+    // A shared batch, given in descending order id, one of its facts applied already.
+    let main = Locking::new("locking", EventKind::OrderConfirmed);
+    let envs: Vec<Envelope> = orders.iter().rev().map(|&o| confirmed_of(o)).collect();
+    let done = &envs[1]; // orders[2]
+    sqlx::query("INSERT INTO inbox (consumer, event_id) VALUES ('locking', $1)")
+        .bind(done.event_id)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let out = handle_batch(&pool, &main, &Followers::none(), &envs).await.unwrap();
+    assert_eq!(
+        out,
+        vec![
+            Some(Disposition::Applied),
+            Some(Disposition::Duplicate),
+            Some(Disposition::Applied),
+            Some(Disposition::Applied)
+        ]
+    );
+    let by_order = |o: Uuid| envs.iter().find(|e| e.aggregate_id == o).unwrap().event_id;
+    let expected: Vec<Uuid> = [orders[0], orders[1], orders[3]].into_iter().map(by_order).collect();
+    assert_eq!(main.runs(), vec![expected.clone()], "one run: the new ones, in ascending order id");
+    assert_eq!(
+        main.applied(),
+        expected.iter().map(|&id| (id, Some(id))).collect::<Vec<_>>(),
+        "each effect got the rows locked for it, in that order"
+    );
+
+    // A batch whose facts a follower follows: one fact per order, one run for all of them.
+    let follower = Arc::new(Locking::new("follower", EventKind::TicketIssueRequested));
+    let followers = Followers::none().with(follower.clone());
+    let envs: Vec<Envelope> = orders[..3].iter().map(|&o| confirmed_of(o)).collect();
+    handle_batch(&pool, &Fanout { twice: None }, &followers, &envs).await.unwrap();
+    let requests: Vec<Uuid> =
+        written(&pool, "TicketIssueRequested").await.into_iter().map(|(id, _)| id).collect();
+    assert_eq!(requests.len(), 3);
+    assert_eq!(follower.runs(), vec![requests.clone()]);
+    assert_eq!(follower.applied(), requests.iter().map(|&id| (id, Some(id))).collect::<Vec<_>>());
+
+    // Two facts of one order: the second starts the next run, which the others join.
+    sqlx::query("DELETE FROM outbox").execute(&pool).await.unwrap();
+    let follower = Arc::new(Locking::new("follower", EventKind::TicketIssueRequested));
+    let followers = Followers::none().with(follower.clone());
+    let envs: Vec<Envelope> = orders[..3].iter().map(|&o| confirmed_of(o)).collect();
+    handle_batch(&pool, &Fanout { twice: Some(orders[1]) }, &followers, &envs).await.unwrap();
+    let requests = written(&pool, "TicketIssueRequested").await;
+    let keys: Vec<Uuid> = requests.iter().map(|(_, o)| *o).collect();
+    assert_eq!(
+        keys,
+        vec![orders[0], orders[1], orders[1], orders[2]],
+        "written in the order they were emitted"
+    );
+    let ids: Vec<Uuid> = requests.iter().map(|(id, _)| *id).collect();
+    assert_eq!(follower.runs(), vec![ids[..2].to_vec(), ids[2..].to_vec()]);
+    assert_eq!(follower.applied(), ids.iter().map(|&id| (id, Some(id))).collect::<Vec<_>>());
+    let followed: i64 = sqlx::query_scalar("SELECT count(*) FROM inbox WHERE consumer = 'follower'")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(followed, 7, "every fact followed once, each with its inbox row");
 }

@@ -231,6 +231,7 @@ struct Counting(AtomicUsize);
 impl Handler for Counting {
     type Prepared = ();
     type Precheck = ();
+    type Rows = ();
     fn name(&self) -> &'static str {
         "counting"
     }
@@ -245,6 +246,7 @@ impl Handler for Counting {
         _: &mut Tx<'_>,
         _: &Envelope,
         _: &PurchaseEvent,
+        _: (),
         _: (),
     ) -> Result<Vec<Envelope>, HandlerError> {
         self.0.fetch_add(1, Ordering::SeqCst);
