@@ -248,8 +248,12 @@ pub trait Handler: Send + Sync + 'static {
     /// `run` holds the messages whose effects are about to run, in the order they will run
     /// (a shared batch's: ascending order id). One [`Handler::Rows`] per message, in `run`'s
     /// order; `Rows::default()` tells `apply` to read its rows itself — what a handler must
-    /// hand to a message whose rows an earlier message of `run` may change (a second message
-    /// of one order). An error fails the transaction. Default: reads nothing.
+    /// hand to any message whose rows an earlier effect of `run` may change. The runner and
+    /// the followers put facts of distinct orders in one run (a shared batch has one fact per
+    /// order; a follower's run ends before a second fact of an order), which is enough for a
+    /// handler whose effect changes only its own order's rows, as the saga's and the ticket
+    /// worker's do (both still give a repeated order `Rows::default()`, whoever passes one).
+    /// An error fails the transaction. Default: reads nothing.
     async fn lock_rows(
         &self,
         _tx: &mut Tx<'_>,

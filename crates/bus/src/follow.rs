@@ -25,8 +25,8 @@
 //! the facts then travel the bus as before and each follower's own consumer applies them, with
 //! its retries and dead-letter topic.
 //!
-//! **Locks.** A follower locks the order's rows in the ledger's order (hold, then order, then
-//! payment); a writer that writes one of them before its followers run locks the hold first
+//! **Locks.** A follower locks the order's rows in the ledger's order (hold, then order; the
+//! saga reads the payment row after them, unlocked: its writers lock the hold first); a writer that writes one of them before its followers run locks the hold first
 //! (the payment worker does wherever it writes the payment row), so following adds no lock
 //! cycle. A follower's run of facts of several orders locks their rows in one statement, in
 //! ascending order id, the order a shared consumer batch applies its messages in.
@@ -59,11 +59,11 @@ pub trait Follower: Send + Sync + 'static {
     fn acts_on(&self, event: &PurchaseEvent) -> bool;
 
     /// The consumer's effects for `run` in `tx` (their inbox rows are written by the caller),
-    /// in `run`'s order, each inside its span (the consumer span of its fact) and between the
-    /// consumer's fault points `before_remote`, `after_remote` and `before_commit`: first the
-    /// rows all of them work on, locked and read at once ([`Handler::lock_rows`]), then each
-    /// effect. Returns, per fact of `run`, the facts that follow, each stored with its span's
-    /// trace context.
+    /// in `run`'s order: first the rows all of them work on, locked and read at once
+    /// ([`Handler::lock_rows`], in the caller's span, before any fault point of the run), then
+    /// each effect inside its span (the consumer span of its fact) and between the consumer's
+    /// fault points `before_remote`, `after_remote` and `before_commit`. Returns, per fact of
+    /// `run`, the facts that follow, each stored with its span's trace context.
     async fn apply_all(
         &self,
         tx: &mut Tx<'_>,

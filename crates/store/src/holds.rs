@@ -708,6 +708,21 @@ pub struct HoldRow {
     pub lapsed: bool,
 }
 
+/// Locks the holds of `orders` (`FOR UPDATE`) in one statement, in ascending order id (the
+/// order a consumer's shared batch applies its messages in); returns the order ids whose hold
+/// it locked, in that order (an order without a hold is left out). For a writer that locks
+/// the holds of a batch first, as [`lock_for_order`] locks one.
+pub async fn lock_all_for_orders(tx: &mut Tx<'_>, orders: &[OrderId]) -> Result<Vec<Uuid>, sqlx::Error> {
+    if orders.is_empty() {
+        return Ok(Vec::new());
+    }
+    let ids: Vec<Uuid> = orders.iter().map(|o| o.0).collect();
+    sqlx::query_scalar("SELECT order_id FROM holds WHERE order_id = ANY($1) ORDER BY order_id FOR UPDATE")
+        .bind(&ids)
+        .fetch_all(&mut **tx)
+        .await
+}
+
 /// Locks the hold of `order` (`FOR UPDATE`); first step of every saga transition (lock order
 /// hold → order).
 pub async fn lock_for_order(tx: &mut Tx<'_>, order: OrderId) -> Result<Option<HoldRow>, sqlx::Error> {
@@ -748,13 +763,20 @@ pub async fn lock_all_with_orders(
     let ids: Vec<Uuid> = orders.iter().map(|o| o.0).collect();
     // Row marks are taken row by row in the sorted output (the locking clause runs after
     // ORDER BY), and within a row in the order `FOR UPDATE OF` names them: hold, then order.
+    // `lapsed` is computed outside the locking query, from each row as locked: a later row's
+    // test is not made before the lock waits of the rows before it.
     let rows: Vec<LockedPair> = sqlx::query_as(&format!(
-        "SELECT h.id, h.order_id, h.status, h.expires_at, {LAPSED_H} AS lapsed,
-                o.user_id, o.event_id, o.status, o.amount_minor, o.currency, o.correlation_id
-           FROM holds h JOIN orders o ON o.id = h.order_id
-          WHERE h.order_id = ANY($1)
-          ORDER BY h.order_id
-            FOR UPDATE OF h, o"
+        "WITH locked AS MATERIALIZED (
+            SELECT h.id, h.order_id, h.status, h.expires_at, h.authorized_until, h.payable_by,
+                   h.provider_check_until, o.user_id, o.event_id, o.status AS order_status,
+                   o.amount_minor, o.currency, o.correlation_id
+              FROM holds h JOIN orders o ON o.id = h.order_id
+             WHERE h.order_id = ANY($1)
+             ORDER BY h.order_id
+               FOR UPDATE OF h, o)
+         SELECT id, order_id, status, expires_at, {LAPSED} AS lapsed,
+                user_id, event_id, order_status, amount_minor, currency, correlation_id
+           FROM locked"
     ))
     .bind(&ids)
     .fetch_all(&mut **tx)
@@ -782,9 +804,6 @@ pub async fn lock_all_with_orders(
         })
         .collect()
 }
-
-/// [`LAPSED`] on `holds h`.
-const LAPSED_H: &str = concat!(hold_end!("h."), " < clock_timestamp()");
 
 /// Locks hold `hold` (`FOR UPDATE`).
 pub async fn lock(tx: &mut Tx<'_>, hold: HoldId) -> Result<Option<HoldRow>, sqlx::Error> {

@@ -25,7 +25,10 @@
 //! the consumer's inbox transaction — with those of the other commands of its lane's batch
 //! when several were queued (`boxoffice_bus::consumer`, "Batches": their calls are made
 //! concurrently, one per order, before that transaction begins). If the worker crashes after the provider succeeded but
-//! before that commit, the replay sends the same key and gets the same answer.
+//! before that commit, the replay sends the same key and gets the same answer. Where an
+//! answer writes the payment row (a new PaymentIntent, a capture, a cancel), the order's hold
+//! is locked first, the ledger's lock order; a batch locks the holds of all such commands in
+//! one statement at the start of its transaction, in ascending order id (`Handler::lock_rows`).
 //!
 //! Capture is only sent for an order whose hold is confirmed (case C06); a cancel that finds
 //! the money already captured turns into a refund (invariant 6). A refund the provider refuses
@@ -411,7 +414,36 @@ impl Handler for PaymentWorker {
         }
     }
 
-    type Rows = ();
+    /// Whether the hold of the command's order is locked in the transaction already
+    /// ([`Handler::lock_rows`]); `false`: `apply` locks it itself where it writes.
+    type Rows = bool;
+
+    /// The holds of every order whose command writes the payment row after its provider call
+    /// (an authorization request, a capture, a cancel), locked in one statement in ascending
+    /// order id ([`holds::lock_all_for_orders`]): the first lock each of them takes, as
+    /// [`holds::lock_for_order`] would one by one. A lock is kept to the commit, so a second
+    /// command of an order finds it held too.
+    async fn lock_rows(
+        &self,
+        tx: &mut Tx<'_>,
+        run: &[(&Envelope, &PurchaseEvent)],
+    ) -> Result<Vec<bool>, HandlerError> {
+        let writes = |event: &PurchaseEvent| {
+            matches!(
+                event,
+                PurchaseEvent::PaymentAuthorizationRequested { .. }
+                    | PurchaseEvent::CaptureRequested { .. }
+                    | PurchaseEvent::AuthorizationCancelRequested { .. }
+            )
+        };
+        let mut orders: Vec<OrderId> =
+            run.iter().filter(|(_, event)| writes(event)).map(|(_, event)| event.order_id()).collect();
+        orders.sort();
+        orders.dedup();
+        let locked: std::collections::HashSet<uuid::Uuid> =
+            holds::lock_all_for_orders(tx, &orders).await?.into_iter().collect();
+        Ok(run.iter().map(|(_, event)| writes(event) && locked.contains(&event.order_id().0)).collect())
+    }
 
     async fn apply(
         &self,
@@ -419,7 +451,7 @@ impl Handler for PaymentWorker {
         env: &Envelope,
         event: &PurchaseEvent,
         prepared: Prepared,
-        _: (),
+        hold_locked: bool,
     ) -> Result<Vec<Envelope>, HandlerError> {
         let order_id = event.order_id();
         let mut emit = Vec::new();
@@ -434,13 +466,16 @@ impl Handler for PaymentWorker {
                 PurchaseEvent::PaymentAuthorizationRequested { amount_minor, currency, .. },
                 Prepared::Intent(pi),
             ) => {
-                emit.extend(record_created(tx, order_id, &pi, *amount_minor, currency, &self.policy).await?);
+                emit.extend(
+                    record_created(tx, order_id, hold_locked, &pi, *amount_minor, currency, &self.policy)
+                        .await?,
+                );
             }
             (
                 PurchaseEvent::CaptureRequested { .. } | PurchaseEvent::AuthorizationCancelRequested { .. },
                 Prepared::Intent(pi),
             ) => {
-                emit.extend(facts_from_intent(tx, order_id, &pi).await?);
+                emit.extend(facts_from_intent(tx, order_id, hold_locked, &pi).await?);
             }
             (
                 PurchaseEvent::CaptureRequested { .. },
@@ -448,7 +483,7 @@ impl Handler for PaymentWorker {
             ) => {
                 // The hold first, as everywhere this worker writes the payment row: the saga
                 // may follow CaptureFailed through here and lock the hold and the order next.
-                holds::lock_for_order(tx, order_id).await?;
+                lock_hold(tx, order_id, hold_locked).await?;
                 if let Some(pi) = &intent {
                     let update = PaymentUpdate {
                         last_error_code: Some(reason.clone()),
@@ -531,6 +566,7 @@ impl Handler for PaymentWorker {
 async fn record_created(
     tx: &mut Tx<'_>,
     order_id: OrderId,
+    hold_locked: bool,
     pi: &PaymentIntent,
     amount_minor: i64,
     currency: &str,
@@ -538,7 +574,7 @@ async fn record_created(
 ) -> Result<Vec<PurchaseEvent>, HandlerError> {
     // The hold first (the saga's lock order: hold, then order; the payment row's foreign key
     // share-locks the order).
-    holds::lock_for_order(tx, order_id).await?;
+    lock_hold(tx, order_id, hold_locked).await?;
     let inserted = payments::insert_created(
         &mut **tx,
         order_id,
@@ -589,15 +625,24 @@ async fn record_refuted(
     Ok(())
 }
 
+/// Locks the hold of `order` unless `locked` says the command's `lock_rows` did.
+async fn lock_hold(tx: &mut Tx<'_>, order_id: OrderId, locked: bool) -> Result<(), sqlx::Error> {
+    if !locked {
+        holds::lock_for_order(tx, order_id).await?;
+    }
+    Ok(())
+}
+
 /// Turns the provider's view of a PaymentIntent into the fact the saga needs.
 async fn facts_from_intent(
     tx: &mut Tx<'_>,
     order_id: OrderId,
+    hold_locked: bool,
     pi: &PaymentIntent,
 ) -> Result<Vec<PurchaseEvent>, HandlerError> {
     // The hold first, the ledger's lock order (hold, order, payment): the saga may follow
     // this fact through in this transaction (boxoffice_bus::follow) and lock the hold next.
-    holds::lock_for_order(tx, order_id).await?;
+    lock_hold(tx, order_id, hold_locked).await?;
     if !payments::transition(tx, &pi.id, &PaymentUpdate::status(pi.status.clone())).await?
         && payments::get(&mut **tx, order_id).await?.is_none()
     {

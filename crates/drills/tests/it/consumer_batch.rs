@@ -631,7 +631,7 @@ struct CountingPrechecks {
 impl Handler for CountingPrechecks {
     type Prepared = boxoffice_workers::payment::Prepared;
     type Precheck = boxoffice_store::payments::Precheck;
-    type Rows = ();
+    type Rows = bool;
 
     fn name(&self) -> &'static str {
         self.inner.name()
@@ -666,13 +666,21 @@ impl Handler for CountingPrechecks {
         self.inner.prepare(env, event, pre).await
     }
 
+    async fn lock_rows(
+        &self,
+        tx: &mut boxoffice_store::Tx<'_>,
+        run: &[(&Envelope, &PurchaseEvent)],
+    ) -> Result<Vec<bool>, HandlerError> {
+        self.inner.lock_rows(tx, run).await
+    }
+
     async fn apply(
         &self,
         tx: &mut boxoffice_store::Tx<'_>,
         env: &Envelope,
         event: &PurchaseEvent,
         prepared: Self::Prepared,
-        rows: (),
+        rows: bool,
     ) -> Result<Vec<Envelope>, HandlerError> {
         self.inner.apply(tx, env, event, prepared, rows).await
     }

@@ -418,7 +418,7 @@ async fn early_webhook_is_kept_and_rederived_from_stripe(_: PgPoolOptions, opts:
     let event = cmd.decode().unwrap();
     let mut tx = app.pool.begin().await.unwrap();
     let follows = worker
-        .apply(&mut tx, &cmd, &event, boxoffice_workers::payment::Prepared::Intent(created.clone()), ())
+        .apply(&mut tx, &cmd, &event, boxoffice_workers::payment::Prepared::Intent(created.clone()), false)
         .await
         .unwrap();
     // As the consumer runner does: what the effect emits goes to the outbox in its transaction.
