@@ -456,3 +456,89 @@ async fn janitor_prunes_only_what_can_no_longer_matter(_: PgPoolOptions, opts: P
             .unwrap();
     assert_eq!(left, (1, 1));
 }
+
+/// A shared batch locks the holds and orders of all its facts in one statement
+/// (`Handler::lock_rows`), and each hold's lapse is judged when its row is locked, not when the
+/// statement began: an order whose hold ends while the batch waits for another order's row
+/// is compensated (its authorization cancelled, its seat given back), never confirmed
+/// (invariant 2), and the other order is confirmed.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn a_saga_batch_judges_each_hold_when_it_locks_it(_: PgPoolOptions, opts: PgConnectOptions) {
+    use boxoffice_bus::consumer::handle_batch;
+    use boxoffice_bus::Followers;
+    let l = ledger(opts).await;
+    let mut receipts = vec![
+        l.hold(&l.seats[..1], Duration::from_secs(60)).await,
+        l.hold(&l.seats[1..2], Duration::from_secs(60)).await,
+    ];
+    receipts.sort_by_key(|r| r.order_id);
+    let (first, second) = (receipts[0].order_id, receipts[1].order_id);
+    let second_seat: Uuid = sqlx::query_scalar(
+        "SELECT hs.seat_id FROM hold_seats hs JOIN holds h ON h.id = hs.hold_id WHERE h.order_id = $1",
+    )
+    .bind(second.0)
+    .fetch_one(&l.pool)
+    .await
+    .unwrap();
+    let (pi_first, pi_second) = (l.payment(first).await, l.payment(second).await);
+    // The second order's hold ends a second from now, with nothing to extend it.
+    sqlx::query(
+        "UPDATE holds SET expires_at = clock_timestamp() + interval '1 second', authorized_until = NULL,
+                payable_by = NULL, provider_check_until = NULL
+          WHERE order_id = $1",
+    )
+    .bind(second.0)
+    .execute(&l.pool)
+    .await
+    .unwrap();
+    // Another transaction holds the first order's hold, so the batch's lock waits there.
+    let mut blocker = l.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM holds WHERE order_id = $1 FOR UPDATE")
+        .bind(first.0)
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
+    let envs = vec![authorized(second, &pi_second), authorized(first, &pi_first)];
+    let batch = {
+        let (pool, envs) = (l.pool.clone(), envs.clone());
+        tokio::spawn(async move { handle_batch(&pool, &Saga, &Followers::none(), &envs).await })
+    };
+    let waiting = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pg_stat_activity
+              WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%FOR UPDATE OF h, o%'",
+        )
+        .fetch_one(&l.pool)
+        .await
+        .unwrap()
+            == 1
+    };
+    crate::helpers::eventually(
+        Duration::from_secs(30),
+        "the batch's lock waits for the first order",
+        waiting,
+    )
+    .await;
+    let ended = || async {
+        sqlx::query_scalar::<_, bool>("SELECT expires_at < clock_timestamp() FROM holds WHERE order_id = $1")
+            .bind(second.0)
+            .fetch_one(&l.pool)
+            .await
+            .unwrap()
+    };
+    crate::helpers::eventually(Duration::from_secs(30), "the second order's hold has ended", ended).await;
+    assert!(!batch.is_finished(), "the batch waited for the first order's hold");
+    blocker.commit().await.unwrap();
+    let out = batch.await.unwrap().unwrap();
+    assert_eq!(out, vec![Some(Disposition::Applied), Some(Disposition::Applied)]);
+
+    assert_eq!(l.status(first).await, "confirming");
+    assert_eq!(l.hold_status(first).await, "confirmed");
+    assert_eq!(l.outbox("CaptureRequested", first).await, 1);
+    // Its hold ended while the batch waited: compensated, its seat given back.
+    assert_eq!(l.status(second).await, "canceled");
+    assert_eq!(l.hold_status(second).await, "expired");
+    assert_eq!(l.outbox("CaptureRequested", second).await, 0);
+    assert_eq!(l.outbox("AuthorizationCancelRequested", second).await, 1);
+    assert_eq!(l.active_rows(second_seat).await, 0);
+}
