@@ -708,6 +708,24 @@ pub struct HoldRow {
     pub lapsed: bool,
 }
 
+/// [`lock_all_with_orders`] for a run of facts, one entry per entry of `orders`, in its order:
+/// the pair of the first entry of each order that has a hold; `None` for an order without a
+/// hold or that does not exist (its caller takes [`lock_with_order`]'s path) and for a
+/// repeated order (an earlier fact's effect may change its rows: its caller locks them again
+/// when its turn comes).
+pub async fn lock_each_with_order(
+    tx: &mut Tx<'_>,
+    orders: &[OrderId],
+) -> Result<Vec<Option<(HoldRow, crate::orders::OrderRow)>>, StoreError> {
+    let mut distinct = orders.to_vec();
+    distinct.sort();
+    distinct.dedup();
+    let mut locked: HashMap<Uuid, (HoldRow, crate::orders::OrderRow)> =
+        lock_all_with_orders(tx, &distinct).await?.into_iter().map(|(h, o)| (o.id, (h, o))).collect();
+    // The first entry of an order takes its pair; a later one finds it gone.
+    Ok(orders.iter().map(|o| locked.remove(&o.0)).collect())
+}
+
 /// Locks the holds of `orders` (`FOR UPDATE`) in one statement, in ascending order id (the
 /// order a consumer's shared batch applies its messages in); returns the order ids whose hold
 /// it locked, in that order (an order without a hold is left out). For a writer that locks

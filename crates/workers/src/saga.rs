@@ -111,37 +111,27 @@ impl Locked {
 
     /// [`Locked::load`] for the facts of a run, in two statements for all of them: every
     /// order's hold and order locked at once, in ascending order id
-    /// ([`holds::lock_all_with_orders`]), then the payment rows of the orders whose fact names
+    /// ([`holds::lock_each_with_order`]), then the payment rows of the orders whose fact names
     /// a PaymentIntent ([`payments::get_all`]). One entry per fact, in `facts`' order; `None`
     /// for an order without a hold (the fact's `apply` then takes [`Locked::load`]'s path,
     /// which reads the order alone) and for a second fact of an order (the first one's
     /// effect may change its rows: it loads them itself when it runs).
     async fn load_all(tx: &mut Tx<'_>, facts: &[&PurchaseEvent]) -> Result<Vec<Option<Locked>>, StoreError> {
-        let mut seen = std::collections::HashSet::new();
-        let first: Vec<bool> = facts.iter().map(|f| seen.insert(f.order_id())).collect();
-        let orders: Vec<OrderId> =
-            facts.iter().zip(&first).filter(|(_, &first)| first).map(|(f, _)| f.order_id()).collect();
-        let mut locked: std::collections::HashMap<uuid::Uuid, (HoldRow, OrderRow)> =
-            holds::lock_all_with_orders(tx, &orders)
-                .await?
-                .into_iter()
-                .map(|(h, o)| (o.id, (h, o)))
-                .collect();
+        let orders: Vec<OrderId> = facts.iter().map(|f| f.order_id()).collect();
+        let pairs = holds::lock_each_with_order(tx, &orders).await?;
         let paying: Vec<OrderId> = facts
             .iter()
-            .zip(&first)
-            .filter(|(f, &first)| {
-                first && f.payment_intent_id().is_some() && locked.contains_key(&f.order_id().0)
-            })
+            .zip(&pairs)
+            .filter(|(f, pair)| pair.is_some() && f.payment_intent_id().is_some())
             .map(|(f, _)| f.order_id())
             .collect();
         let mut payment: std::collections::HashMap<uuid::Uuid, payments::PaymentRow> =
             payments::get_all(&mut **tx, &paying).await?.into_iter().map(|p| (p.order_id, p)).collect();
         Ok(facts
             .iter()
-            .zip(first)
-            .map(|(f, first)| {
-                let (hold, order) = locked.remove(&f.order_id().0).filter(|_| first)?;
+            .zip(pairs)
+            .map(|(f, pair)| {
+                let (hold, order) = pair?;
                 let payment = f.payment_intent_id().and_then(|_| payment.remove(&order.id));
                 Some(Locked { hold: Some(hold), order, payment, dispute_policy: DisputePolicy::Keep })
             })

@@ -40,28 +40,15 @@ impl Handler for TicketWorker {
 
     type Rows = Option<(HoldRow, OrderRow)>;
 
-    /// Every order's hold and order, locked in one statement ([`holds::lock_all_with_orders`]);
+    /// Every order's hold and order, locked in one statement ([`holds::lock_each_with_order`]);
     /// `None` for an order without a hold and for a second request of an order.
     async fn lock_rows(
         &self,
         tx: &mut Tx<'_>,
         run: &[(&Envelope, &PurchaseEvent)],
     ) -> Result<Vec<Self::Rows>, HandlerError> {
-        let mut seen = std::collections::HashSet::new();
-        let first: Vec<bool> = run.iter().map(|(_, e)| seen.insert(e.order_id())).collect();
-        let orders: Vec<OrderId> =
-            run.iter().zip(&first).filter(|(_, &first)| first).map(|((_, e), _)| e.order_id()).collect();
-        let mut locked: std::collections::HashMap<uuid::Uuid, (HoldRow, OrderRow)> =
-            holds::lock_all_with_orders(tx, &orders)
-                .await?
-                .into_iter()
-                .map(|(h, o)| (o.id, (h, o)))
-                .collect();
-        Ok(run
-            .iter()
-            .zip(first)
-            .map(|((_, e), first)| locked.remove(&e.order_id().0).filter(|_| first))
-            .collect())
+        let orders: Vec<OrderId> = run.iter().map(|(_, e)| e.order_id()).collect();
+        Ok(holds::lock_each_with_order(tx, &orders).await?)
     }
 
     async fn apply(
