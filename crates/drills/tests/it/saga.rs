@@ -467,7 +467,7 @@ async fn a_saga_batch_judges_each_hold_when_it_locks_it(_: PgPoolOptions, opts: 
     use boxoffice_bus::consumer::handle_batch;
     use boxoffice_bus::Followers;
     let l = ledger(opts).await;
-    let mut receipts = vec![
+    let mut receipts = [
         l.hold(&l.seats[..1], Duration::from_secs(60)).await,
         l.hold(&l.seats[1..2], Duration::from_secs(60)).await,
     ];
