@@ -537,7 +537,10 @@ async fn claim_idempotency_key(
 
 /// Step 3, all or nothing: any seat sold or held by a live hold refuses the request (409);
 /// holds that are `active` but past expiry are reclaimed through the expiry's own routine
-/// ([`expire_if_due`]), under their own row lock (which re-checks status and expiry).
+/// ([`expire_if_due`]), under their own row lock (which re-checks status and expiry), one
+/// after another in ascending order id: each takes its hold's lock and then its order's, so
+/// the sequence is the ledger's lock order, the one a saga batch takes the same rows in
+/// ([`lock_all_with_orders`]); in hold-id order the two could wait for each other.
 /// Returns the database clock read after the seat locks were granted: the hold's times count
 /// from it.
 ///
@@ -552,33 +555,35 @@ async fn take_seats_from_lapsed_holds(
     seats: &[SeatId],
 ) -> Result<DateTime<Utc>, ReserveError> {
     let seat_uuids: Vec<Uuid> = seats.iter().map(|s| s.0).collect();
-    let (now, owner_seats, owner_holds, lapsed): (DateTime<Utc>, Vec<Uuid>, Vec<Option<Uuid>>, Vec<bool>) =
-        sqlx::query_as(concat!(
-            "WITH owners AS (
-                SELECT hs.seat_id, hs.hold_id,
-                       COALESCE((SELECT h.status = 'active' AND ",
-            hold_end!("h."),
-            " < clock_timestamp()
-                                   FROM holds h WHERE h.id = hs.hold_id), false) AS lapsed
-                  FROM hold_seats hs WHERE hs.seat_id = ANY($1) AND hs.released_at IS NULL
-                UNION ALL
-                SELECT t.seat_id, NULL, false FROM tickets t WHERE t.seat_id = ANY($1) AND t.seat_released_at IS NULL)
-             SELECT clock_timestamp(), ARRAY(SELECT seat_id FROM owners), ARRAY(SELECT hold_id FROM owners),
-                    ARRAY(SELECT lapsed FROM owners)",
-        ))
-        .bind(&seat_uuids)
-        .fetch_one(&mut **tx)
-        .await?;
-    let owners: Vec<(Uuid, Option<Uuid>, bool)> =
-        owner_seats.into_iter().zip(owner_holds).zip(lapsed).map(|((s, h), l)| (s, h, l)).collect();
-    let live: Vec<SeatId> = owners.iter().filter(|o| !o.2).map(|o| SeatId(o.0)).collect();
+    type Owners = (DateTime<Utc>, Vec<Uuid>, Vec<Option<Uuid>>, Vec<Option<Uuid>>, Vec<bool>);
+    let (now, owner_seats, owner_holds, owner_orders, lapsed): Owners = sqlx::query_as(concat!(
+        "WITH owners AS (
+            SELECT hs.seat_id, hs.hold_id,
+                   (SELECT h.order_id FROM holds h WHERE h.id = hs.hold_id),
+                   COALESCE((SELECT h.status = 'active' AND ",
+        hold_end!("h."),
+        " < clock_timestamp()
+                               FROM holds h WHERE h.id = hs.hold_id), false) AS lapsed
+              FROM hold_seats hs WHERE hs.seat_id = ANY($1) AND hs.released_at IS NULL
+            UNION ALL
+            SELECT t.seat_id, NULL, NULL, false FROM tickets t WHERE t.seat_id = ANY($1) AND t.seat_released_at IS NULL)
+         SELECT clock_timestamp(), ARRAY(SELECT seat_id FROM owners), ARRAY(SELECT hold_id FROM owners),
+                ARRAY(SELECT order_id FROM owners), ARRAY(SELECT lapsed FROM owners)",
+    ))
+    .bind(&seat_uuids)
+    .fetch_one(&mut **tx)
+    .await?;
+    let live: Vec<SeatId> =
+        owner_seats.iter().zip(&lapsed).filter(|(_, lapsed)| !**lapsed).map(|(s, _)| SeatId(*s)).collect();
     if !live.is_empty() {
         return Err(ReserveError::SeatUnavailable { seat_ids: live });
     }
-    let mut lapsed: Vec<Uuid> = owners.iter().filter_map(|o| o.1).collect();
+    // Every owner here is a lapsed hold (a ticket or a hold-less row is never lapsed).
+    let mut lapsed: Vec<(Uuid, Uuid)> =
+        owner_orders.into_iter().zip(owner_holds).filter_map(|(order, hold)| Some((order?, hold?))).collect();
     lapsed.sort();
     lapsed.dedup();
-    for hold in lapsed {
+    for (_, hold) in lapsed {
         if !expire_if_due(tx, HoldId(hold)).await? {
             // Confirmed or extended between our read and its lock: the seat stays taken.
             return Err(ReserveError::SeatUnavailable { seat_ids: seats.to_vec() });

@@ -542,3 +542,90 @@ async fn a_saga_batch_judges_each_hold_when_it_locks_it(_: PgPoolOptions, opts: 
     assert_eq!(l.outbox("AuthorizationCancelRequested", second).await, 1);
     assert_eq!(l.active_rows(second_seat).await, 0);
 }
+
+/// The hold transaction reclaims the lapsed holds of a seat request in ascending order id,
+/// each hold and then its order, the sequence a saga batch locks the same rows in
+/// (`holds::lock_all_with_orders`). Two lapsed holds are picked whose hold ids sort the other
+/// way round from their order ids; while the request waits for the lower order's hold, the
+/// other hold is still free: the request never holds a higher order's rows while it waits
+/// for a lower one's, so it cannot close a cycle with a saga batch. Once the wait ends, both
+/// holds are reclaimed and the request is held.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn a_hold_reclaims_lapsed_holds_in_order_id_order(_: PgPoolOptions, opts: PgConnectOptions) {
+    let l = ledger(opts).await;
+    // Holds of one seat each until two of them have order ids and hold ids in opposite
+    // orders (ids are random: each new hold is such a pair with the first one half the time).
+    let mut receipts: Vec<(HoldReceipt, Uuid)> = Vec::new();
+    let pair = 'found: {
+        for seat in &l.seats {
+            let r = l.hold(std::slice::from_ref(seat), Duration::from_secs(60)).await;
+            for (earlier, earlier_seat) in &receipts {
+                if (earlier.order_id < r.order_id) != (earlier.hold_id < r.hold_id) {
+                    break 'found [(earlier.clone(), *earlier_seat), (r, *seat)];
+                }
+            }
+            receipts.push((r, *seat));
+        }
+        panic!("no pair of holds out of {} had opposite id orders", l.seats.len());
+    };
+    let [(low, low_seat), (high, high_seat)] = {
+        let mut p = pair;
+        p.sort_by_key(|(r, _)| r.order_id);
+        p
+    };
+    assert!(low.hold_id > high.hold_id, "the lower order's hold sorts last by hold id");
+    sqlx::query(
+        "UPDATE holds SET expires_at = clock_timestamp() - interval '1 second', authorized_until = NULL,
+                payable_by = NULL, provider_check_until = NULL
+          WHERE order_id = ANY($1)",
+    )
+    .bind(vec![low.order_id.0, high.order_id.0])
+    .execute(&l.pool)
+    .await
+    .unwrap();
+    let mut blocker = l.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM holds WHERE order_id = $1 FOR UPDATE")
+        .bind(low.order_id.0)
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
+    let request = {
+        let req = ReserveRequest {
+            user_id: UserId::new(),
+            event_id: l.event,
+            seat_ids: vec![SeatId(high_seat), SeatId(low_seat)],
+            idempotency_key: Uuid::new_v4().to_string(),
+            correlation_id: Uuid::new_v4(),
+            ttl: Duration::from_secs(60),
+            payable_within: None,
+            cell: "cell-1".into(),
+            directory_epoch: 1,
+        };
+        let pool = l.pool.clone();
+        tokio::spawn(async move { holds::reserve(&pool, &req).await })
+    };
+    let waiting = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pg_stat_activity
+              WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%FROM holds%'",
+        )
+        .fetch_one(&l.pool)
+        .await
+        .unwrap()
+            == 1
+    };
+    crate::helpers::eventually(Duration::from_secs(30), "the request waits for a lapsed hold", waiting).await;
+    let mut probe = l.pool.begin().await.unwrap();
+    let free = sqlx::query("SELECT 1 FROM holds WHERE order_id = $1 FOR UPDATE NOWAIT")
+        .bind(high.order_id.0)
+        .execute(&mut *probe)
+        .await;
+    probe.rollback().await.unwrap();
+    assert!(free.is_ok(), "the higher order's hold was locked before the lower's: {free:?}");
+    assert!(!request.is_finished(), "the request waited for the lower order's hold");
+    blocker.commit().await.unwrap();
+    let outcome = request.await.unwrap().unwrap();
+    assert!(matches!(outcome, holds::ReserveOutcome::Created(_)), "{outcome:?}");
+    assert_eq!(l.hold_status(low.order_id).await, "expired");
+    assert_eq!(l.hold_status(high.order_id).await, "expired");
+}
