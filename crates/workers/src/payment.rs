@@ -27,7 +27,8 @@
 //! concurrently, one per order, before that transaction begins). If the worker crashes after the provider succeeded but
 //! before that commit, the replay sends the same key and gets the same answer. Where an
 //! answer writes the payment row (a new PaymentIntent, a capture, a cancel), the order's hold
-//! is locked first, the ledger's lock order; a batch locks the holds of all such commands in
+//! is locked first, the ledger's lock order; a batch locks the holds of all its commands (a
+//! re-fetch may write the hold, and a refund or re-fetch may emit a fact the saga follows) in
 //! one statement at the start of its transaction, in ascending order id (`Handler::lock_rows`).
 //!
 //! Capture is only sent for an order whose hold is confirmed (case C06); a cancel that finds
@@ -418,23 +419,34 @@ impl Handler for PaymentWorker {
     /// ([`Handler::lock_rows`]); `false`: `apply` locks it itself where it writes.
     type Rows = bool;
 
-    /// The holds of every order whose command writes the payment row after its provider call
-    /// (an authorization request, a capture, a cancel), locked in one statement in ascending
-    /// order id ([`holds::lock_all_for_orders`]): the first lock each of them takes, as
-    /// [`holds::lock_for_order`] would one by one. A lock is kept to the commit, so a second
-    /// command of an order finds it held too.
+    /// The holds locked in one statement in ascending order id
+    /// ([`holds::lock_all_for_orders`]), before any effect of `run`: the first lock each
+    /// effect takes, as [`holds::lock_for_order`] would one by one. A lock is kept to the
+    /// commit, so a second command of an order finds it held too.
+    ///
+    /// Which holds: those of the commands that write the payment row after their provider
+    /// call (an authorization request, a capture, a cancel), and, when `run` holds more than
+    /// one command (a batch, one command per order), those of every command. A PaymentIntent
+    /// re-fetch may write its order's hold (case C19), and a refund or a re-fetch of either
+    /// kind may emit a fact the saga follows (`PaymentRefunded`, `PaymentDisputed`, …), which
+    /// locks the hold and the order: locked up front, those locks keep the batch's ascending
+    /// order id, where taken by the effect they would come after the locks of higher order
+    /// ids. A refund or re-fetch processed alone has no other order's lock to keep in order:
+    /// its effect locks what it writes.
     async fn lock_rows(
         &self,
         tx: &mut Tx<'_>,
         run: &[(&Envelope, &PurchaseEvent)],
     ) -> Result<Vec<bool>, HandlerError> {
+        let batch = run.len() > 1;
         let writes = |event: &PurchaseEvent| {
-            matches!(
-                event,
-                PurchaseEvent::PaymentAuthorizationRequested { .. }
-                    | PurchaseEvent::CaptureRequested { .. }
-                    | PurchaseEvent::AuthorizationCancelRequested { .. }
-            )
+            batch
+                || matches!(
+                    event,
+                    PurchaseEvent::PaymentAuthorizationRequested { .. }
+                        | PurchaseEvent::CaptureRequested { .. }
+                        | PurchaseEvent::AuthorizationCancelRequested { .. }
+                )
         };
         let mut orders: Vec<OrderId> =
             run.iter().filter(|(_, event)| writes(event)).map(|(_, event)| event.order_id()).collect();

@@ -585,6 +585,105 @@ async fn a_batch_of_payment_commands_that_fails_at_any_boundary_repeats_only_its
     app.stop().await;
 }
 
+/// A payment batch locks the holds of all its commands before any effect, in ascending order
+/// id (`PaymentWorker::lock_rows`), not only of those that write the payment row: here a
+/// re-fetch of the lower order, whose effect writes its hold (the provider does not confirm
+/// the authorization a webhook claimed, so the hold's protection is cleared), and a cancel
+/// of the higher order. While the batch waits for the lower order's hold, the higher's is
+/// still free: the batch never holds a higher order's row while it waits for a lower one's,
+/// so it cannot close a cycle with a saga batch locking the same orders. Once the wait ends
+/// both commands are applied.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn a_payment_batch_locks_the_holds_of_all_its_commands_first(_: PgPoolOptions, opts: PgConnectOptions) {
+    let app = TestApp::spawn(opts, &[Role::Api], VenueSpec::small(1, 1, 4)).await;
+    let seats = app.seats().await;
+    let (mut orders, cmds) = held_with_commands(&app, &seats[..2], "locks").await;
+    let gateway: Arc<dyn boxoffice_payments::PaymentGateway> = Arc::new(app.stripe());
+    let worker =
+        boxoffice_workers::payment::PaymentWorker::new(gateway, app.pool.clone(), app.cfg.hold_policy());
+    let saga = boxoffice_bus::Followers::none().with(Arc::new(boxoffice_workers::saga::Saga));
+    let done = handle_batch(&app.pool, &worker, &saga, &cmds).await.unwrap();
+    assert_eq!(done, vec![Some(Disposition::Applied); 2]);
+    orders.sort();
+    let (low, high) = (OrderId(orders[0]), OrderId(orders[1]));
+    let intent = |o: OrderId| {
+        let pool = app.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, String>("SELECT payment_intent_id FROM payments WHERE order_id = $1")
+                .bind(o.0)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    let (pi_low, pi_high) = (intent(low).await, intent(high).await);
+    // A webhook claimed the lower order's authorization; the provider says otherwise.
+    sqlx::query(
+        "UPDATE holds SET authorized_until = clock_timestamp() + interval '1 hour',
+                authorization_reported_at = clock_timestamp()
+          WHERE order_id = $1",
+    )
+    .bind(low.0)
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let refresh = PurchaseEvent::PaymentIntentRefreshRequested {
+        order_id: low,
+        payment_intent_id: pi_low,
+        reason: "webhook_claim".into(),
+    };
+    let cancel = PurchaseEvent::AuthorizationCancelRequested {
+        order_id: high,
+        payment_intent_id: pi_high,
+        reason: "test".into(),
+    };
+    let batch_cmds = vec![
+        Envelope::new(high, &cancel, Uuid::new_v4(), None),
+        Envelope::new(low, &refresh, Uuid::new_v4(), None),
+    ];
+    let mut blocker = app.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM holds WHERE order_id = $1 FOR UPDATE")
+        .bind(low.0)
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
+    let batch = {
+        let (pool, worker, saga) = (app.pool.clone(), worker.clone(), saga.clone());
+        tokio::spawn(async move { handle_batch(&pool, &worker, &saga, &batch_cmds).await })
+    };
+    let waiting = || async {
+        app.count(
+            "SELECT count(*) FROM pg_stat_activity
+              WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%holds%'",
+        )
+        .await
+            == 1
+    };
+    eventually(Duration::from_secs(30), "the batch waits for the lower order's hold", waiting).await;
+    let mut probe = app.pool.begin().await.unwrap();
+    let free = sqlx::query("SELECT 1 FROM holds WHERE order_id = $1 FOR UPDATE NOWAIT")
+        .bind(high.0)
+        .execute(&mut *probe)
+        .await;
+    probe.rollback().await.unwrap();
+    assert!(free.is_ok(), "the higher order's hold was locked before the lower's: {free:?}");
+    assert!(!batch.is_finished(), "the batch waited for the lower order's hold");
+    blocker.commit().await.unwrap();
+    let out = batch.await.unwrap().unwrap();
+    assert_eq!(out, vec![Some(Disposition::Applied); 2]);
+    let protected = app
+        .count(&format!(
+            "SELECT count(*) FROM holds WHERE order_id = '{low}' AND authorized_until IS NOT NULL"
+        ))
+        .await;
+    assert_eq!(protected, 0, "the unconfirmed authorization no longer protects the hold");
+    let canceled = app
+        .count(&format!("SELECT count(*) FROM payments WHERE order_id = '{high}' AND status = 'canceled'"))
+        .await;
+    assert_eq!(canceled, 1, "the cancel was recorded");
+    app.stop().await;
+}
+
 /// The provider concurrency a payment lane's batch may ask for is bounded per process: the
 /// Stripe client `runtime::gateway` builds (one per process, shared by its roles) lets
 /// `stripe_max_in_flight` calls be in flight at once and queues the others; the same calls
