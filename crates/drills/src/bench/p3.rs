@@ -20,8 +20,9 @@
 //! The cost of an order is measured over the sustained step, from its first arrival until
 //! every order is final and the outbox is empty, and divided by the orders ticketed in that
 //! window: CPU-ms of the product, of PostgreSQL and of the harness
-//! ([`super::procs::CpuMsPerOrder`]), and PostgreSQL's transactions, statements and round
-//! trips per order ([`super::procs::PgPerOrder`]; statements need `pg_stat_statements`).
+//! ([`super::procs::CpuMsPerOrder`]), and PostgreSQL's transactions, statements, round
+//! trips, statement execution time and WAL bytes per order ([`super::procs::PgPerOrder`];
+//! statements need `pg_stat_statements`).
 
 use super::{BenchArgs, BenchDb, Deck};
 use anyhow::Context;

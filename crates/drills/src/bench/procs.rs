@@ -462,6 +462,16 @@ pub struct PgPerOrder {
     /// Every call of a client `pg_stat_statements` saw, transaction control included: each is
     /// one round trip (none are pipelined); None without it.
     pub round_trips: Option<f64>,
+    /// Execution time of every statement `pg_stat_statements` saw in the bench's database,
+    /// ms per ticketed order: the product's, the bench's own (its `VACUUM (ANALYZE)`, its
+    /// polls) and the region lease's check at commit. Server time inside the executor, not
+    /// CPU: parsing, the protocol and the server's own processes are outside it. None without
+    /// `pg_stat_statements`.
+    pub exec_ms: Option<f64>,
+    /// WAL the whole server wrote over the window (`pg_current_wal_lsn`), bytes per ticketed
+    /// order: the purchase path's, the bench's `VACUUM (ANALYZE)`'s or autovacuum's, the
+    /// full-page images after a checkpoint, and any other database's on the same server.
+    pub wal_bytes: f64,
     /// Statements PostgreSQL ran itself at commit, outside any client statement (the region
     /// lease's deferred check, migrations 0013 and 0018), which `pg_stat_statements` lists as top
     /// level: neither statements nor round trips above.
@@ -476,6 +486,7 @@ pub struct PgPerOrder {
 #[derive(Debug, Clone)]
 pub struct PgCounters {
     xacts: i64,
+    wal_lsn: i64,
     statements: Result<std::collections::HashMap<i64, (String, i64, f64)>, String>,
 }
 
@@ -499,8 +510,9 @@ impl PgCounters {
 
     /// Reads the counters now (`statements` only when `enabled`).
     pub async fn read(pool: &sqlx::PgPool, enabled: bool) -> anyhow::Result<Self> {
-        let xacts: i64 = sqlx::query_scalar(
-            "SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = current_database()",
+        let (xacts, wal_lsn): (i64, i64) = sqlx::query_as(
+            "SELECT xact_commit + xact_rollback, (pg_current_wal_lsn() - '0/0'::pg_lsn)::bigint
+               FROM pg_stat_database WHERE datname = current_database()",
         )
         .fetch_one(pool)
         .await?;
@@ -516,7 +528,7 @@ impl PgCounters {
         } else {
             Err("pg_stat_statements is not enabled".into())
         };
-        Ok(Self { xacts, statements })
+        Ok(Self { xacts, wal_lsn, statements })
     }
 
     /// What happened between `self` and `later`, per ticketed order.
@@ -526,6 +538,7 @@ impl PgCounters {
         }
         let n = orders as f64;
         let transactions = (later.xacts - self.xacts) as f64 / n;
+        let wal_bytes = (later.wal_lsn - self.wal_lsn) as f64 / n;
         let (before, after) = match (&self.statements, &later.statements) {
             (Ok(b), Ok(a)) => (b, a),
             (Err(e), _) | (_, Err(e)) => {
@@ -533,6 +546,8 @@ impl PgCounters {
                     transactions,
                     statements: None,
                     round_trips: None,
+                    exec_ms: None,
+                    wal_bytes,
                     commit_trigger_statements: None,
                     statements_unavailable: Some(e.clone()),
                     top: Vec::new(),
@@ -564,6 +579,8 @@ impl PgCounters {
             transactions,
             statements: Some((calls - control) as f64 / n),
             round_trips: Some(calls as f64 / n),
+            exec_ms: Some(rows.iter().map(|r| r.2).sum::<f64>() / n),
+            wal_bytes,
             commit_trigger_statements: Some(server as f64 / n),
             statements_unavailable: None,
             top,

@@ -473,17 +473,19 @@ pub fn markdown(r: &Report) -> String {
         if let Some(pg) = &p3.postgres_per_order {
             let _ = writeln!(
                 s,
-                "\nPostgreSQL per ticketed order: {:.1} transactions{}.",
+                "\nPostgreSQL per ticketed order: {:.1} transactions{}; {:.0} bytes of WAL (the whole server's).",
                 pg.transactions,
                 match (pg.statements, pg.round_trips, &pg.statements_unavailable) {
                     (Some(st), Some(rt), _) => format!(
                         ", {st:.1} statements, {rt:.1} round trips (pg_stat_statements; besides them PostgreSQL ran {:.1} \
-                         statements of the region lease's check at commit)",
-                        pg.commit_trigger_statements.unwrap_or(0.0)
+                         statements of the region lease's check at commit), {:.2} ms of statement execution",
+                        pg.commit_trigger_statements.unwrap_or(0.0),
+                        pg.exec_ms.unwrap_or(0.0)
                     ),
                     (_, _, Some(why)) => format!("; statements not counted: {why}"),
                     _ => String::new(),
-                }
+                },
+                pg.wal_bytes
             );
             if !pg.top.is_empty() {
                 let _ = writeln!(s, "\n| Calls/order | Exec ms/order | Statement |\n|---|---|---|");

@@ -81,6 +81,7 @@ async fn quick_bench_reports_every_phase_without_oversell(_: PgPoolOptions, opts
     assert!(json["p3"]["sustained_ticketed_per_s"].is_number());
     let pg = p3.postgres_per_order.as_ref().expect("PostgreSQL per order");
     assert!(pg.transactions >= 5.0, "a ticketed order takes several transactions: {pg:?}");
+    assert!(pg.wal_bytes > 1_000.0, "a ticketed order writes its rows to the WAL: {pg:?}");
     let preloaded: String = {
         let mut c = opts.connect().await.unwrap();
         sqlx::query_scalar("SELECT current_setting('shared_preload_libraries')")
@@ -91,6 +92,7 @@ async fn quick_bench_reports_every_phase_without_oversell(_: PgPoolOptions, opts
     if preloaded.contains("pg_stat_statements") {
         let (st, rt) = (pg.statements.unwrap(), pg.round_trips.unwrap());
         assert!(st >= 10.0 && rt > st, "statements {st}, round trips {rt}");
+        assert!(pg.exec_ms.is_some_and(|ms| ms > 0.0), "{pg:?}");
         assert!(!pg.top.is_empty());
     } else {
         assert!(pg.statements.is_none() && pg.statements_unavailable.is_some());
