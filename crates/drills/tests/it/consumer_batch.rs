@@ -651,21 +651,8 @@ async fn a_payment_batch_locks_the_holds_of_all_its_commands_first(_: PgPoolOpti
         let (pool, worker, saga) = (app.pool.clone(), worker.clone(), saga.clone());
         tokio::spawn(async move { handle_batch(&pool, &worker, &saga, &batch_cmds).await })
     };
-    let waiting = || async {
-        app.count(
-            "SELECT count(*) FROM pg_stat_activity
-              WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%holds%'",
-        )
-        .await
-            == 1
-    };
-    eventually(Duration::from_secs(30), "the batch waits for the lower order's hold", waiting).await;
-    let mut probe = app.pool.begin().await.unwrap();
-    let free = sqlx::query("SELECT 1 FROM holds WHERE order_id = $1 FOR UPDATE NOWAIT")
-        .bind(high.0)
-        .execute(&mut *probe)
-        .await;
-    probe.rollback().await.unwrap();
+    crate::helpers::await_lock_wait(&app.pool, "%holds%", "the batch waits for the lower order's hold").await;
+    let free = crate::helpers::try_lock_hold(&app.pool, high.0).await;
     assert!(free.is_ok(), "the higher order's hold was locked before the lower's: {free:?}");
     assert!(!batch.is_finished(), "the batch waited for the lower order's hold");
     blocker.commit().await.unwrap();

@@ -338,6 +338,35 @@ where
     }
 }
 
+/// Awaits (at most 30 s) one backend of this test's database waiting for a lock while it
+/// runs a statement whose text is `LIKE pattern`.
+pub async fn await_lock_wait(pool: &PgPool, pattern: &str, what: &str) {
+    let waiting = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pg_stat_activity
+              WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE $1",
+        )
+        .bind(pattern)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+            == 1
+    };
+    eventually(Duration::from_secs(30), what, waiting).await;
+}
+
+/// Locks `order`'s hold without waiting (`FOR UPDATE NOWAIT`) and lets it go: the error when
+/// another transaction holds it.
+pub async fn try_lock_hold(pool: &PgPool, order: Uuid) -> Result<(), sqlx::Error> {
+    let mut probe = pool.begin().await?;
+    let locked = sqlx::query("SELECT 1 FROM holds WHERE order_id = $1 FOR UPDATE NOWAIT")
+        .bind(order)
+        .execute(&mut *probe)
+        .await;
+    probe.rollback().await?;
+    locked.map(|_| ())
+}
+
 /// `n` racers released together.
 pub fn barrier(n: usize) -> std::sync::Arc<tokio::sync::Barrier> {
     std::sync::Arc::new(tokio::sync::Barrier::new(n))

@@ -503,20 +503,10 @@ async fn a_saga_batch_judges_each_hold_when_it_locks_it(_: PgPoolOptions, opts: 
         let (pool, envs) = (l.pool.clone(), envs.clone());
         tokio::spawn(async move { handle_batch(&pool, &Saga, &Followers::none(), &envs).await })
     };
-    let waiting = || async {
-        sqlx::query_scalar::<_, i64>(
-            "SELECT count(*) FROM pg_stat_activity
-              WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%FOR UPDATE OF h, o%'",
-        )
-        .fetch_one(&l.pool)
-        .await
-        .unwrap()
-            == 1
-    };
-    crate::helpers::eventually(
-        Duration::from_secs(30),
+    crate::helpers::await_lock_wait(
+        &l.pool,
+        "%FOR UPDATE OF h, o%",
         "the batch's lock waits for the first order",
-        waiting,
     )
     .await;
     let ended = || async {
@@ -604,23 +594,8 @@ async fn a_hold_reclaims_lapsed_holds_in_order_id_order(_: PgPoolOptions, opts: 
         let pool = l.pool.clone();
         tokio::spawn(async move { holds::reserve(&pool, &req).await })
     };
-    let waiting = || async {
-        sqlx::query_scalar::<_, i64>(
-            "SELECT count(*) FROM pg_stat_activity
-              WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%FROM holds%'",
-        )
-        .fetch_one(&l.pool)
-        .await
-        .unwrap()
-            == 1
-    };
-    crate::helpers::eventually(Duration::from_secs(30), "the request waits for a lapsed hold", waiting).await;
-    let mut probe = l.pool.begin().await.unwrap();
-    let free = sqlx::query("SELECT 1 FROM holds WHERE order_id = $1 FOR UPDATE NOWAIT")
-        .bind(high.order_id.0)
-        .execute(&mut *probe)
-        .await;
-    probe.rollback().await.unwrap();
+    crate::helpers::await_lock_wait(&l.pool, "%FROM holds%", "the request waits for a lapsed hold").await;
+    let free = crate::helpers::try_lock_hold(&l.pool, high.order_id.0).await;
     assert!(free.is_ok(), "the higher order's hold was locked before the lower's: {free:?}");
     assert!(!request.is_finished(), "the request waited for the lower order's hold");
     blocker.commit().await.unwrap();
