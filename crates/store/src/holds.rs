@@ -792,28 +792,35 @@ pub async fn lock_all_with_orders(
     // `lapsed` is computed outside the locking query, from each row as locked: a later row's
     // test is not made before the lock waits of the rows before it, and no row's before its
     // own lock wait.
-    let locking = |selection: &str| {
-        format!(
-            "WITH locked AS MATERIALIZED (
-                SELECT h.id, h.order_id, h.status, h.expires_at, h.authorized_until, h.payable_by,
-                       h.provider_check_until, o.user_id, o.event_id, o.status AS order_status,
-                       o.amount_minor, o.currency, o.correlation_id
-                  FROM holds h JOIN orders o ON o.id = h.order_id
-                 WHERE {selection}
-                   FOR UPDATE OF h, o)
-             SELECT id, order_id, status, expires_at, {LAPSED} AS lapsed,
-                    user_id, event_id, order_status, amount_minor, currency, correlation_id
-               FROM locked"
-        )
-    };
+    // The statement for a given selection, built at compile time (no formatting per call).
+    macro_rules! locking {
+        ($selection:literal) => {
+            concat!(
+                "WITH locked AS MATERIALIZED (
+                    SELECT h.id, h.order_id, h.status, h.expires_at, h.authorized_until, h.payable_by,
+                           h.provider_check_until, o.user_id, o.event_id, o.status AS order_status,
+                           o.amount_minor, o.currency, o.correlation_id
+                      FROM holds h JOIN orders o ON o.id = h.order_id
+                     WHERE ",
+                $selection,
+                "
+                       FOR UPDATE OF h, o)
+                 SELECT id, order_id, status, expires_at, ",
+                hold_end!(""),
+                " < clock_timestamp() AS lapsed,
+                        user_id, event_id, order_status, amount_minor, currency, correlation_id
+                   FROM locked"
+            )
+        };
+    }
     let rows: Vec<LockedPair> = match orders {
         [] => return Ok(Vec::new()),
         // One order (a fact processed alone, a run of one): a plain key lookup, cheaper than
         // the array form (its bitmap scan and sort).
-        [order] => sqlx::query_as(&locking("h.order_id = $1")).bind(order.0).fetch_all(&mut **tx).await?,
+        [order] => sqlx::query_as(locking!("h.order_id = $1")).bind(order.0).fetch_all(&mut **tx).await?,
         _ => {
             let ids: Vec<Uuid> = orders.iter().map(|o| o.0).collect();
-            sqlx::query_as(&locking("h.order_id = ANY($1) ORDER BY h.order_id"))
+            sqlx::query_as(locking!("h.order_id = ANY($1) ORDER BY h.order_id"))
                 .bind(&ids)
                 .fetch_all(&mut **tx)
                 .await?

@@ -439,7 +439,7 @@ impl Handler for PaymentWorker {
         run: &[(&Envelope, &PurchaseEvent)],
     ) -> Result<Vec<bool>, HandlerError> {
         let batch = run.len() > 1;
-        let writes = |event: &PurchaseEvent| {
+        let locks = |event: &PurchaseEvent| {
             batch
                 || matches!(
                     event,
@@ -449,12 +449,12 @@ impl Handler for PaymentWorker {
                 )
         };
         let mut orders: Vec<OrderId> =
-            run.iter().filter(|(_, event)| writes(event)).map(|(_, event)| event.order_id()).collect();
+            run.iter().filter(|(_, event)| locks(event)).map(|(_, event)| event.order_id()).collect();
         orders.sort();
         orders.dedup();
         let locked: std::collections::HashSet<uuid::Uuid> =
             holds::lock_all_for_orders(tx, &orders).await?.into_iter().collect();
-        Ok(run.iter().map(|(_, event)| writes(event) && locked.contains(&event.order_id().0)).collect())
+        Ok(run.iter().map(|(_, event)| locks(event) && locked.contains(&event.order_id().0)).collect())
     }
 
     async fn apply(
