@@ -641,12 +641,7 @@ async fn a_payment_batch_locks_the_holds_of_all_its_commands_first(_: PgPoolOpti
         Envelope::new(high, &cancel, Uuid::new_v4(), None),
         Envelope::new(low, &refresh, Uuid::new_v4(), None),
     ];
-    let mut blocker = app.pool.begin().await.unwrap();
-    sqlx::query("SELECT 1 FROM holds WHERE order_id = $1 FOR UPDATE")
-        .bind(low.0)
-        .execute(&mut *blocker)
-        .await
-        .unwrap();
+    let blocker = crate::helpers::hold_lock_elsewhere(&app.pool, low.0).await;
     let batch = {
         let (pool, worker, saga) = (app.pool.clone(), worker.clone(), saga.clone());
         tokio::spawn(async move { handle_batch(&pool, &worker, &saga, &batch_cmds).await })

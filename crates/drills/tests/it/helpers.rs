@@ -355,6 +355,18 @@ pub async fn await_lock_wait(pool: &PgPool, pattern: &str, what: &str) {
     eventually(Duration::from_secs(30), what, waiting).await;
 }
 
+/// A transaction of its own that holds `order`'s hold (`FOR UPDATE`) until it ends: what a
+/// concurrent writer would hold.
+pub async fn hold_lock_elsewhere(pool: &PgPool, order: Uuid) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let mut blocker = pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM holds WHERE order_id = $1 FOR UPDATE")
+        .bind(order)
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
+    blocker
+}
+
 /// Locks `order`'s hold without waiting (`FOR UPDATE NOWAIT`) and lets it go: the error when
 /// another transaction holds it.
 pub async fn try_lock_hold(pool: &PgPool, order: Uuid) -> Result<(), sqlx::Error> {

@@ -492,12 +492,7 @@ async fn a_saga_batch_judges_each_hold_when_it_locks_it(_: PgPoolOptions, opts: 
     .await
     .unwrap();
     // Another transaction holds the first order's hold, so the batch's lock waits there.
-    let mut blocker = l.pool.begin().await.unwrap();
-    sqlx::query("SELECT 1 FROM holds WHERE order_id = $1 FOR UPDATE")
-        .bind(first.0)
-        .execute(&mut *blocker)
-        .await
-        .unwrap();
+    let blocker = crate::helpers::hold_lock_elsewhere(&l.pool, first.0).await;
     let envs = vec![authorized(second, &pi_second), authorized(first, &pi_first)];
     let batch = {
         let (pool, envs) = (l.pool.clone(), envs.clone());
@@ -573,12 +568,7 @@ async fn a_hold_reclaims_lapsed_holds_in_order_id_order(_: PgPoolOptions, opts: 
     .execute(&l.pool)
     .await
     .unwrap();
-    let mut blocker = l.pool.begin().await.unwrap();
-    sqlx::query("SELECT 1 FROM holds WHERE order_id = $1 FOR UPDATE")
-        .bind(low.order_id.0)
-        .execute(&mut *blocker)
-        .await
-        .unwrap();
+    let blocker = crate::helpers::hold_lock_elsewhere(&l.pool, low.order_id.0).await;
     let request = {
         let req = ReserveRequest {
             user_id: UserId::new(),
