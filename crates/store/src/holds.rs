@@ -544,6 +544,14 @@ async fn claim_idempotency_key(
 /// Returns the database clock read after the seat locks were granted: the hold's times count
 /// from it.
 ///
+/// The one writer that holds a hold's lock and then waits for a seat row is ticket issuance
+/// (the ticket's foreign key share-locks its seat). It acts only on a `confirmed` hold of a
+/// `paid` order, and a confirmed hold is never reclaimed here (it is not lapsed, so we
+/// refuse without locking it). A cycle would need the hold seen lapsed by the owner query,
+/// then confirmed, captured, paid and its ticket issue started before our next statement
+/// locks it: if that ever happened, PostgreSQL aborts one side (`40P01`) and both retry
+/// ([`reserve`] and the consumer); no seat or payment depends on which.
+///
 /// A statement of its own after the seat locks: its snapshot is taken after they were
 /// granted, so it sees the hold of any transaction that held them before us.
 ///
