@@ -354,7 +354,17 @@ struct LockedSeat {
 }
 
 /// Step 2, one statement: the event's rules and the requested seats of the event locked in id
-/// order.
+/// order, `FOR NO KEY UPDATE`.
+///
+/// The seat lock's strength: it excludes every other hold transaction of these seats (and a
+/// cell import's update of them), which is what makes step 3's read of their owners final. It
+/// does not exclude the `FOR KEY SHARE` lock a foreign key takes on a seat when a ticket or a
+/// hold's seat row is inserted for it: a ticket issue for several orders in one transaction
+/// (a shared consumer batch) takes its seats in order-id order, not seat-id order, so with
+/// `FOR UPDATE` a request naming seats of two of its orders could lock one and wait for the
+/// other while the batch waits for the first, a deadlock PostgreSQL breaks only after
+/// `deadlock_timeout`. No ticket issue needs to wait for a hold request: it acts on a
+/// confirmed hold's seats, which step 3 finds taken.
 ///
 /// The rules: the event exists (404), this ledger sells it for the token's cell at the token's
 /// directory epoch (409 `event_in_another_cell` / `admission_token_stale_epoch`, 503
@@ -400,7 +410,7 @@ async fn check_rules_and_lock_seats(
     let row: Option<Row> = sqlx::query_as(
         "WITH locked AS MATERIALIZED (
             SELECT id, price_minor, currency, sold_in_cell IS NOT NULL AS elsewhere FROM seats
-             WHERE event_id = $1 AND id = ANY($3) ORDER BY id FOR UPDATE)
+             WHERE event_id = $1 AND id = ANY($3) ORDER BY id FOR NO KEY UPDATE)
          SELECT e.max_seats_per_buyer, e.max_active_holds_per_buyer, e.sales_open_at, e.sales_close_at,
                 clock_timestamp(),
                 (SELECT count(*) FROM orders o JOIN holds h ON h.order_id = o.id
@@ -536,24 +546,20 @@ async fn claim_idempotency_key(
 }
 
 /// Step 3, all or nothing: any seat sold or held by a live hold refuses the request (409);
-/// holds that are `active` but past expiry are reclaimed through the expiry's own routine
-/// ([`expire_if_due`]), under their own row lock (which re-checks status and expiry), one
-/// after another in ascending order id: each takes its hold's lock and then its order's, so
-/// the sequence is the ledger's lock order, the one a saga batch takes the same rows in
-/// ([`lock_all_with_orders`]); in hold-id order the two could wait for each other.
+/// holds that are `active` but past expiry are reclaimed ([`reclaim_if_lapsed`]: the
+/// expiry's own routine under the hold's row lock, which re-checks status and expiry; a hold
+/// that expired meanwhile counts as reclaimed), one after another in ascending order id: each
+/// takes its hold's lock and then its order's, so the sequence is the ledger's lock order,
+/// the one a saga batch takes the same rows in ([`lock_all_with_orders`]); in hold-id order
+/// the two could wait for each other.
 /// Returns the database clock read after the seat locks were granted: the hold's times count
 /// from it.
 ///
-/// The one writer that holds a hold's lock and then waits for a seat row is ticket issuance
-/// (the ticket's foreign key share-locks its seat). It acts only on a `confirmed` hold of a
-/// `paid` order, and a confirmed hold is never reclaimed here (it is not lapsed, so we
-/// refuse without locking it). A cycle would need the hold seen lapsed by the owner query,
-/// then confirmed, captured, paid and its ticket issue started before our next statement
-/// locks it: if that ever happened, PostgreSQL aborts one side (`40P01`) and both retry
-/// ([`reserve`] and the consumer); no seat or payment depends on which.
-///
 /// A statement of its own after the seat locks: its snapshot is taken after they were
-/// granted, so it sees the hold of any transaction that held them before us.
+/// granted, so it sees the hold of any hold transaction that held them before us. A ticket
+/// issue may run beside us (our `FOR NO KEY UPDATE` does not exclude its foreign key's share
+/// lock, [`check_rules_and_lock_seats`]); whether or not it has committed when the snapshot
+/// is taken, its seats show as taken (the confirmed hold's unreleased seats, or the tickets).
 ///
 /// The owner query reads each hold by primary key alone and computes the lapse from the row:
 /// a `status = 'active'` filter would invite the partial expiry index, which holds every
@@ -592,8 +598,9 @@ async fn take_seats_from_lapsed_holds(
     lapsed.sort();
     lapsed.dedup();
     for (_, hold) in lapsed {
-        if !expire_if_due(tx, HoldId(hold)).await? {
-            // Confirmed or extended between our read and its lock: the seat stays taken.
+        if !reclaim_if_lapsed(tx, HoldId(hold)).await? {
+            // Confirmed, extended or ticketed between our read and its lock: the seat stays
+            // taken.
             return Err(ReserveError::SeatUnavailable { seat_ids: seats.to_vec() });
         }
     }
@@ -923,17 +930,28 @@ async fn release_seats(tx: &mut Tx<'_>, holds: &[Uuid]) -> Result<(), sqlx::Erro
     Ok(())
 }
 
-/// Expires `hold` if it is still `active` and past its expiry (checked under its row lock),
-/// with the lapsed-hold compensation of [`expire_batch`]. Returns whether it expired.
-pub async fn expire_if_due(tx: &mut Tx<'_>, hold: HoldId) -> Result<bool, StoreError> {
+/// The hold transaction's reclaim of a hold it saw lapsed: locks `hold` and, if it is still
+/// `active` and lapsed (checked under the lock), expires it with the lapsed-hold compensation
+/// of [`expire_batch`]. Returns whether the hold's seats are free now: `true` when it expired
+/// here or had expired meanwhile (the expiry sweep, the saga, or another hold request
+/// reclaiming the same multi-seat hold got there first; its seats were released with it);
+/// `false` when it was confirmed, extended (a reported authorization's protection) or
+/// released to its tickets meanwhile, or is gone.
+///
+/// Sound only under the caller's seat locks: while they are held no other hold can take the
+/// seats an expired hold gave back.
+pub async fn reclaim_if_lapsed(tx: &mut Tx<'_>, hold: HoldId) -> Result<bool, StoreError> {
     let Some(row) = lock(tx, hold).await? else {
         return Ok(false);
     };
-    if row.status != HoldStatus::Active || !row.lapsed {
-        return Ok(false);
+    match row.status {
+        HoldStatus::Active if row.lapsed => {
+            expire_locked(tx, &row).await?;
+            Ok(true)
+        }
+        HoldStatus::Expired => Ok(true),
+        HoldStatus::Active | HoldStatus::Confirmed | HoldStatus::Released => Ok(false),
     }
-    expire_locked(tx, &row).await?;
-    Ok(true)
 }
 
 /// Expires a hold the caller has locked (the hold transaction's reclaim and the saga's

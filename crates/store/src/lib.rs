@@ -6,9 +6,13 @@
 //! for consumer dedupe (invariant 4, `inbox` / `stripe_events`) and for the transactional
 //! outbox (invariant 5). No function here makes a network call inside a transaction.
 //!
-//! Lock order, everywhere: seat rows (ascending id) before hold rows before order rows. The
-//! hold transaction takes all three; the saga, expiry and ticket workers take hold → order.
-//! Keeping one order means two of them can wait on each other but never deadlock.
+//! Lock order, everywhere: seat rows (ascending id) before hold rows before order rows, and
+//! holds and orders of several orders in ascending order id. The hold transaction takes all
+//! three (its seats `FOR NO KEY UPDATE`); the saga, expiry, payment and ticket workers take
+//! hold → order. Keeping one order means two of them can wait on each other but never
+//! deadlock. The one lock on a seat taken after holds and orders is the `FOR KEY SHARE` lock a
+//! foreign key takes when a ticket is inserted for it, which conflicts with no seat lock any
+//! transaction here takes (`holds::check_rules_and_lock_seats`), so it never waits.
 
 pub mod audit;
 pub mod cells;

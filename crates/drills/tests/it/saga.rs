@@ -36,8 +36,9 @@ async fn ledger(opts: PgConnectOptions) -> Ledger {
 }
 
 impl Ledger {
-    async fn hold(&self, seats: &[Uuid], ttl: Duration) -> HoldReceipt {
-        let req = ReserveRequest {
+    /// A new buyer's hold request for `seats`.
+    fn request(&self, seats: &[Uuid], ttl: Duration) -> ReserveRequest {
+        ReserveRequest {
             user_id: UserId::new(),
             event_id: self.event,
             seat_ids: seats.iter().map(|s| SeatId(*s)).collect(),
@@ -47,8 +48,33 @@ impl Ledger {
             payable_within: None,
             cell: "cell-1".into(),
             directory_epoch: 1,
-        };
-        holds::reserve(&self.pool, &req).await.unwrap().receipt().clone()
+        }
+    }
+
+    async fn hold(&self, seats: &[Uuid], ttl: Duration) -> HoldReceipt {
+        holds::reserve(&self.pool, &self.request(seats, ttl)).await.unwrap().receipt().clone()
+    }
+
+    /// Runs a hold request for `seats` in a task of its own.
+    fn spawn_request(
+        &self,
+        seats: &[Uuid],
+    ) -> tokio::task::JoinHandle<Result<holds::ReserveOutcome, holds::ReserveError>> {
+        let (pool, req) = (self.pool.clone(), self.request(seats, Duration::from_secs(60)));
+        tokio::spawn(async move { holds::reserve(&pool, &req).await })
+    }
+
+    /// Puts the holds of `orders` past their expiry, with no protection left.
+    async fn lapse_unprotected(&self, orders: &[OrderId]) {
+        sqlx::query(
+            "UPDATE holds SET expires_at = clock_timestamp() - interval '1 second', authorized_until = NULL,
+                    payable_by = NULL, provider_check_until = NULL
+              WHERE order_id = ANY($1)",
+        )
+        .bind(orders.iter().map(|o| o.0).collect::<Vec<_>>())
+        .execute(&self.pool)
+        .await
+        .unwrap();
     }
 
     /// Records a PaymentIntent for the order as the payment worker would.
@@ -559,31 +585,9 @@ async fn a_hold_reclaims_lapsed_holds_in_order_id_order(_: PgPoolOptions, opts: 
         p
     };
     assert!(low.hold_id > high.hold_id, "the lower order's hold sorts last by hold id");
-    sqlx::query(
-        "UPDATE holds SET expires_at = clock_timestamp() - interval '1 second', authorized_until = NULL,
-                payable_by = NULL, provider_check_until = NULL
-          WHERE order_id = ANY($1)",
-    )
-    .bind(vec![low.order_id.0, high.order_id.0])
-    .execute(&l.pool)
-    .await
-    .unwrap();
+    l.lapse_unprotected(&[low.order_id, high.order_id]).await;
     let blocker = crate::helpers::hold_lock_elsewhere(&l.pool, low.order_id.0).await;
-    let request = {
-        let req = ReserveRequest {
-            user_id: UserId::new(),
-            event_id: l.event,
-            seat_ids: vec![SeatId(high_seat), SeatId(low_seat)],
-            idempotency_key: Uuid::new_v4().to_string(),
-            correlation_id: Uuid::new_v4(),
-            ttl: Duration::from_secs(60),
-            payable_within: None,
-            cell: "cell-1".into(),
-            directory_epoch: 1,
-        };
-        let pool = l.pool.clone();
-        tokio::spawn(async move { holds::reserve(&pool, &req).await })
-    };
+    let request = l.spawn_request(&[high_seat, low_seat]);
     crate::helpers::await_lock_wait(&l.pool, "%FROM holds%", "the request waits for a lapsed hold").await;
     let free = crate::helpers::try_lock_hold(&l.pool, high.order_id.0).await;
     assert!(free.is_ok(), "the higher order's hold was locked before the lower's: {free:?}");
@@ -593,4 +597,72 @@ async fn a_hold_reclaims_lapsed_holds_in_order_id_order(_: PgPoolOptions, opts: 
     assert!(matches!(outcome, holds::ReserveOutcome::Created(_)), "{outcome:?}");
     assert_eq!(l.hold_status(low.order_id).await, "expired");
     assert_eq!(l.hold_status(high.order_id).await, "expired");
+}
+
+/// A ticket issue for two orders in one transaction (a shared consumer batch) takes its seats'
+/// foreign-key share locks order by order, not in seat order. A hold request naming a seat of
+/// each, the lower seat of the order issued second, neither waits for the batch nor makes it
+/// wait: it is refused at once (both seats are taken), and the batch then issues the second
+/// order's ticket and commits. With the request's seat locks `FOR UPDATE`, the request locked
+/// the lower seat and waited for the batch's share lock on the higher, and the batch's next
+/// ticket waited for the request: a deadlock.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn a_hold_request_and_a_ticket_batch_never_wait_for_each_other(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    let l = ledger(opts).await;
+    let (lower_seat, higher_seat) = (l.seats[0].min(l.seats[1]), l.seats[0].max(l.seats[1]));
+    let first = l.hold(&[higher_seat], Duration::from_secs(60)).await;
+    let second = l.hold(&[lower_seat], Duration::from_secs(60)).await;
+    let mut batch = l.pool.begin().await.unwrap();
+    boxoffice_store::tickets::issue(&mut batch, first.order_id, first.hold_id, l.event.0).await.unwrap();
+
+    let request = l.spawn_request(&[lower_seat, higher_seat]);
+    let outcome = tokio::time::timeout(Duration::from_secs(30), request)
+        .await
+        .expect("the hold request waited for the ticket batch")
+        .unwrap();
+    assert!(
+        matches!(outcome, Err(holds::ReserveError::SeatUnavailable { .. })),
+        "both seats are taken: {outcome:?}"
+    );
+    boxoffice_store::tickets::issue(&mut batch, second.order_id, second.hold_id, l.event.0).await.unwrap();
+    batch.commit().await.unwrap();
+    let tickets: i64 = sqlx::query_scalar("SELECT count(*) FROM tickets WHERE seat_id = ANY($1)")
+        .bind(vec![lower_seat, higher_seat])
+        .fetch_one(&l.pool)
+        .await
+        .unwrap();
+    assert_eq!(tickets, 2, "the batch issued both orders' tickets");
+}
+
+/// A request that finds its seat's hold lapsed, and waits for that hold's lock while another
+/// transaction (the expiry sweep, another request reclaiming the same multi-seat hold)
+/// expires it, gets the seat: the expired hold gave it back. Before, the reclaim counted
+/// "no longer active" as "taken" and refused with 409 a seat that was free.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn a_hold_expired_meanwhile_by_another_gives_its_seat_to_the_waiting_request(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    let l = ledger(opts).await;
+    let lapsed = l.hold(&l.seats[..2], Duration::from_secs(60)).await;
+    l.lapse_unprotected(&[lapsed.order_id]).await;
+    let mut sweep = crate::helpers::hold_lock_elsewhere(&l.pool, lapsed.order_id.0).await;
+
+    let request = l.spawn_request(&l.seats[..1]);
+    crate::helpers::await_lock_wait(&l.pool, "%FROM holds%", "the request waits for the lapsed hold").await;
+    let row = holds::lock(&mut sweep, lapsed.hold_id).await.unwrap().unwrap();
+    assert!(
+        holds::expire_locked(&mut sweep, &row).await.unwrap(),
+        "the sweep expires the lapsed hold's order"
+    );
+    sweep.commit().await.unwrap();
+
+    let outcome = request.await.unwrap().unwrap();
+    assert!(matches!(outcome, holds::ReserveOutcome::Created(_)), "the seat was free: {outcome:?}");
+    assert_eq!(l.hold_status(lapsed.order_id).await, "expired");
+    // The other seat of the expired hold is free too.
+    l.hold(&l.seats[1..2], Duration::from_secs(60)).await;
 }
