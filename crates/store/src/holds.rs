@@ -599,8 +599,8 @@ async fn take_seats_from_lapsed_holds(
     lapsed.dedup();
     for (_, hold) in lapsed {
         if !reclaim_if_lapsed(tx, HoldId(hold)).await? {
-            // Confirmed, extended or ticketed between our read and its lock: the seat stays
-            // taken.
+            // Confirmed, extended or released between our read and its lock: the seat is
+            // taken (or, rarely, freed by a payment failure: see `reclaim_if_lapsed`).
             return Err(ReserveError::SeatUnavailable { seat_ids: seats.to_vec() });
         }
     }
@@ -936,7 +936,10 @@ async fn release_seats(tx: &mut Tx<'_>, holds: &[Uuid]) -> Result<(), sqlx::Erro
 /// here or had expired meanwhile (the expiry sweep, the saga, or another hold request
 /// reclaiming the same multi-seat hold got there first; its seats were released with it);
 /// `false` when it was confirmed, extended (a reported authorization's protection) or
-/// released to its tickets meanwhile, or is gone.
+/// released meanwhile, or is gone. A released hold is one that was confirmed: its seats went
+/// to its tickets, or, when its payment failed after the confirmation, back on sale; the
+/// second case refuses seats that are free (409) and the buyer's retry gets them. It needs
+/// a confirmation decided just before the lapse and a failed payment within one request.
 ///
 /// Sound only under the caller's seat locks: while they are held no other hold can take the
 /// seats an expired hold gave back.

@@ -10,8 +10,9 @@
 //! holds and orders of several orders in ascending order id. The hold transaction takes all
 //! three (its seats `FOR NO KEY UPDATE`); the saga, expiry, payment and ticket workers take
 //! hold → order. Keeping one order means two of them can wait on each other but never
-//! deadlock. The one lock on a seat taken after holds and orders is the `FOR KEY SHARE` lock a
-//! foreign key takes when a ticket is inserted for it, which conflicts with no seat lock any
+//! deadlock. A seat is locked after holds and orders in two places, each by a foreign key's
+//! `FOR KEY SHARE`: the hold transaction's insert of its hold's seat rows (on seats it has
+//! locked already), and a ticket's insert, whose lock conflicts with no seat lock any
 //! transaction here takes (`holds::check_rules_and_lock_seats`), so it never waits.
 
 pub mod audit;

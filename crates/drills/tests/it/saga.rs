@@ -600,25 +600,31 @@ async fn a_hold_reclaims_lapsed_holds_in_order_id_order(_: PgPoolOptions, opts: 
 }
 
 /// A ticket issue for two orders in one transaction (a shared consumer batch) takes its seats'
-/// foreign-key share locks order by order, not in seat order. A hold request naming a seat of
-/// each, the lower seat of the order issued second, neither waits for the batch nor makes it
-/// wait: it is refused at once (both seats are taken), and the batch then issues the second
-/// order's ticket and commits. With the request's seat locks `FOR UPDATE`, the request locked
-/// the lower seat and waited for the batch's share lock on the higher, and the batch's next
-/// ticket waited for the request: a deadlock.
+/// foreign-key share locks order by order, not in seat order, while hold requests lock seats
+/// in seat order. Neither waits for the other:
+/// - a request naming a seat the batch has ticketed and a lower one it has not yet is refused
+///   at once (both seats are taken); with its seat locks `FOR UPDATE` it locked the lower seat
+///   and waited for the batch, whose next ticket then waited for it: a deadlock;
+/// - the batch tickets a seat that a request has locked while that request waits for another
+///   seat (locked by a third hold request), and commits before the request moves on.
+///
+/// The holds stay `active` here: the ticket worker issues only for confirmed holds, but the
+/// locks are the same and `tickets::issue` does not look at statuses.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn a_hold_request_and_a_ticket_batch_never_wait_for_each_other(
     _: PgPoolOptions,
     opts: PgConnectOptions,
 ) {
     let l = ledger(opts).await;
-    let (lower_seat, higher_seat) = (l.seats[0].min(l.seats[1]), l.seats[0].max(l.seats[1]));
-    let first = l.hold(&[higher_seat], Duration::from_secs(60)).await;
-    let second = l.hold(&[lower_seat], Duration::from_secs(60)).await;
+    let mut s = l.seats[..3].to_vec();
+    s.sort();
+    let (lowest, middle, highest) = (s[0], s[1], s[2]);
+    let first = l.hold(&[highest], Duration::from_secs(60)).await;
+    let second = l.hold(&[lowest], Duration::from_secs(60)).await;
     let mut batch = l.pool.begin().await.unwrap();
     boxoffice_store::tickets::issue(&mut batch, first.order_id, first.hold_id, l.event.0).await.unwrap();
 
-    let request = l.spawn_request(&[lower_seat, higher_seat]);
+    let request = l.spawn_request(&[lowest, highest]);
     let outcome = tokio::time::timeout(Duration::from_secs(30), request)
         .await
         .expect("the hold request waited for the ticket batch")
@@ -627,10 +633,34 @@ async fn a_hold_request_and_a_ticket_batch_never_wait_for_each_other(
         matches!(outcome, Err(holds::ReserveError::SeatUnavailable { .. })),
         "both seats are taken: {outcome:?}"
     );
-    boxoffice_store::tickets::issue(&mut batch, second.order_id, second.hold_id, l.event.0).await.unwrap();
+
+    // Another hold request holds the middle seat; a request for the lowest and the middle
+    // locks the lowest and waits.
+    let mut other = l.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM seats WHERE id = $1 FOR NO KEY UPDATE")
+        .bind(middle)
+        .execute(&mut *other)
+        .await
+        .unwrap();
+    let waiting = l.spawn_request(&[lowest, middle]);
+    crate::helpers::await_lock_wait(&l.pool, "%FROM seats%", "the request waits for the middle seat").await;
+    tokio::time::timeout(
+        Duration::from_secs(30),
+        boxoffice_store::tickets::issue(&mut batch, second.order_id, second.hold_id, l.event.0),
+    )
+    .await
+    .expect("the ticket batch waited for the hold request's seat lock")
+    .unwrap();
     batch.commit().await.unwrap();
+    assert!(!waiting.is_finished(), "the request was still waiting when the batch committed");
+    other.rollback().await.unwrap();
+    let outcome = waiting.await.unwrap();
+    assert!(
+        matches!(outcome, Err(holds::ReserveError::SeatUnavailable { .. })),
+        "the lowest seat is ticketed: {outcome:?}"
+    );
     let tickets: i64 = sqlx::query_scalar("SELECT count(*) FROM tickets WHERE seat_id = ANY($1)")
-        .bind(vec![lower_seat, higher_seat])
+        .bind(vec![lowest, highest])
         .fetch_one(&l.pool)
         .await
         .unwrap();
