@@ -159,6 +159,7 @@ async fn edge_half_open_connections_are_closed_while_healthz_answers(
         "healthz p99 {:?}",
         percentile(&lat_sorted, 0.99)
     );
+    app.stop().await;
 }
 
 /// Two requests whose bodies stall hold the two request slots: the next request is shed at
@@ -199,6 +200,7 @@ async fn edge_sheds_beyond_the_concurrency_limit_and_times_out_stalled_bodies(
         app.http.get(format!("{}/healthz", app.api)).send().await.is_ok_and(|r| r.status() == 200)
     })
     .await;
+    app.stop().await;
 }
 
 /// Webhook bodies are read before their signature can be checked, so slow unauthenticated
@@ -226,6 +228,7 @@ async fn stalled_webhook_bodies_cannot_take_every_request_slot(_: PgPoolOptions,
         assert_eq!(r.status(), 200, "the webhook flood took the health check's slot");
     }
     drop(stalled);
+    app.stop().await;
 }
 
 /// One client address keeps requests open (bodies that never finish): past
@@ -307,6 +310,7 @@ async fn slow_clients_are_bounded_per_address_and_per_webhook_sender(
         assert!(text.starts_with("HTTP/1.1 503") && text.contains("request_timeout"), "{text}");
     }
     assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
+    app.stop().await;
 }
 
 /// With `webhook_allowed_networks`, a webhook from elsewhere is 403 `webhook_source_refused`
@@ -328,6 +332,7 @@ async fn webhooks_from_outside_the_allowed_networks_are_refused_unread(
     }
     .validate()
     .is_err());
+    app.stop().await;
 }
 
 /// A request still running at the request timeout (its body trickles in, each chunk within
@@ -361,6 +366,7 @@ async fn edge_request_timeout_answers_503_problem(_: PgPoolOptions, opts: PgConn
     assert!(text.starts_with("http/1.1 503"), "{text}");
     assert!(text.contains("retry-after") && text.contains("request_timeout"), "{text}");
     assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
+    app.stop().await;
 }
 
 /// Connections beyond `http_max_connections` are answered 503 `overloaded` (problem+json,
@@ -393,6 +399,7 @@ async fn edge_connections_beyond_the_limit_get_503(_: PgPoolOptions, opts: PgCon
         app.http.get(format!("{}/healthz", app.api)).send().await.is_ok_and(|r| r.status() == 200)
     })
     .await;
+    app.stop().await;
 }
 
 async fn seats_from(app: &TestApp, xff: &str) -> reqwest::Response {
