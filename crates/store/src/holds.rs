@@ -943,7 +943,7 @@ async fn release_seats(tx: &mut Tx<'_>, holds: &[Uuid]) -> Result<(), sqlx::Erro
 ///
 /// Sound only under the caller's seat locks: while they are held no other hold can take the
 /// seats an expired hold gave back.
-pub async fn reclaim_if_lapsed(tx: &mut Tx<'_>, hold: HoldId) -> Result<bool, StoreError> {
+async fn reclaim_if_lapsed(tx: &mut Tx<'_>, hold: HoldId) -> Result<bool, StoreError> {
     let Some(row) = lock(tx, hold).await? else {
         return Ok(false);
     };
