@@ -181,8 +181,10 @@ fn reason(r: &Option<String>) -> String {
     r.as_deref().map(|r| format!(" ({r})")).unwrap_or_default()
 }
 
+/// The last 8 characters of an id, how the text timeline names facts: the random end of a
+/// UUIDv7 (its first 8 are the creation time, the same for every fact within about a minute).
 fn short(id: &str) -> &str {
-    id.get(..8).unwrap_or(id)
+    id.get(id.len().saturating_sub(8)..).unwrap_or(id)
 }
 
 fn offset(start: DateTime<Utc>, at: DateTime<Utc>) -> String {
@@ -191,5 +193,16 @@ fn offset(start: DateTime<Utc>, at: DateTime<Utc>) -> String {
         format!("+{ms} ms")
     } else {
         format!("+{:.1} s", ms as f64 / 1000.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn facts_minted_together_have_distinct_short_names() {
+        let ids: Vec<String> = (0..100).map(|_| boxoffice_domain::ids::time_ordered().to_string()).collect();
+        let short: std::collections::HashSet<&str> = ids.iter().map(|id| super::short(id)).collect();
+        assert_eq!(short.len(), ids.len(), "{ids:?}");
+        assert_eq!(super::short("0193a1b2-0000-7000-8000-00000000abcd"), "0000abcd");
     }
 }

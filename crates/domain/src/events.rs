@@ -146,7 +146,7 @@ impl Envelope {
             _ => unreachable!("adjacently tagged enums serialize to objects"),
         };
         Self {
-            event_id: Uuid::new_v4(),
+            event_id: crate::ids::time_ordered(),
             event_type,
             schema_version: SCHEMA_VERSION,
             aggregate_type: "order".into(),

@@ -556,34 +556,36 @@ async fn a_saga_batch_judges_each_hold_when_it_locks_it(_: PgPoolOptions, opts: 
 
 /// The hold transaction reclaims the lapsed holds of a seat request in ascending order id,
 /// each hold and then its order, the sequence a saga batch locks the same rows in
-/// (`holds::lock_all_with_orders`). Two lapsed holds are picked whose hold ids sort the other
-/// way round from their order ids; while the request waits for the lower order's hold, the
-/// other hold is still free: the request never holds a higher order's rows while it waits
-/// for a lower one's, so it cannot close a cycle with a saga batch. Once the wait ends, both
-/// holds are reclaimed and the request is held.
+/// (`holds::lock_all_with_orders`). Two lapsed holds whose hold ids sort the other way round
+/// from their order ids: while the request waits for the lower order's hold, the other hold is
+/// still free: the request never holds a higher order's rows while it waits for a lower one's,
+/// so it cannot close a cycle with a saga batch. Once the wait ends, both holds are reclaimed
+/// and the request is held.
+///
+/// One process mints an order's id and its hold's one after the other, both time-ordered, so
+/// its pairs sort alike; two processes minting within one millisecond, or holds written while
+/// ids were random, make pairs that do not. The test makes one: the first hold is given a new
+/// id, later than the second's.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn a_hold_reclaims_lapsed_holds_in_order_id_order(_: PgPoolOptions, opts: PgConnectOptions) {
     let l = ledger(opts).await;
-    // Holds of one seat each until two of them have order ids and hold ids in opposite
-    // orders (ids are random: each new hold is such a pair with the first one half the time).
-    let mut receipts: Vec<(HoldReceipt, Uuid)> = Vec::new();
-    let pair = 'found: {
-        for seat in &l.seats {
-            let r = l.hold(std::slice::from_ref(seat), Duration::from_secs(60)).await;
-            for (earlier, earlier_seat) in &receipts {
-                if (earlier.order_id < r.order_id) != (earlier.hold_id < r.hold_id) {
-                    break 'found [(earlier.clone(), *earlier_seat), (r, *seat)];
-                }
-            }
-            receipts.push((r, *seat));
-        }
-        panic!("no pair of holds out of {} had opposite id orders", l.seats.len());
-    };
-    let [(low, low_seat), (high, high_seat)] = {
-        let mut p = pair;
-        p.sort_by_key(|(r, _)| r.order_id);
-        p
-    };
+    let (low_seat, high_seat) = (l.seats[0], l.seats[1]);
+    let mut low = l.hold(&[low_seat], Duration::from_secs(60)).await;
+    let high = l.hold(&[high_seat], Duration::from_secs(60)).await;
+    assert!(low.order_id < high.order_id && low.hold_id < high.hold_id, "minted in this order");
+    let renamed = boxoffice_domain::ids::time_ordered();
+    let mut tx = l.pool.begin().await.unwrap();
+    // The hold's seat rows name it by id (a foreign key without ON UPDATE): both move at once,
+    // with the foreign keys' triggers off for this transaction.
+    sqlx::query("SET LOCAL session_replication_role = replica").execute(&mut *tx).await.unwrap();
+    for sql in
+        ["UPDATE hold_seats SET hold_id = $2 WHERE hold_id = $1", "UPDATE holds SET id = $2 WHERE id = $1"]
+    {
+        let r = sqlx::query(sql).bind(low.hold_id.0).bind(renamed).execute(&mut *tx).await.unwrap();
+        assert_eq!(r.rows_affected(), 1, "{sql}");
+    }
+    tx.commit().await.unwrap();
+    low.hold_id = boxoffice_domain::HoldId(renamed);
     assert!(low.hold_id > high.hold_id, "the lower order's hold sorts last by hold id");
     l.lapse_unprotected(&[low.order_id, high.order_id]).await;
     let blocker = crate::helpers::hold_lock_elsewhere(&l.pool, low.order_id.0).await;
