@@ -6,8 +6,9 @@
 //! to drain, runs the audit (ledger, the run's PaymentIntents at the provider, dead letters)
 //! and prints the report. The exit code is non-zero when any invariant check is non-zero or
 //! could not run, or when a buyer lost seats to the system's lag (`expired_never_payable`,
-//! `lost_after_authorization`, case C19). The database is the configuration's
-//! (`BOXOFFICE_DATABASE_URL`).
+//! `lost_after_authorization`, case C19); the report's `result` (`ok`, `lost_to_lag`,
+//! `violations`, `incomplete`) and `exit_code` (0, 1, 1, 2) say which. The database is the
+//! configuration's (`BOXOFFICE_DATABASE_URL`).
 
 use anyhow::Context;
 use boxoffice::commands::{self, VenueSize};
@@ -128,12 +129,12 @@ pub async fn run(cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32> {
         return run_cells(cfg, args).await;
     }
     let one = run_one(cfg, &args, None).await?;
-    print_report(&one.report, &one.audited);
+    print_report(&one.report, &one.audited, one.verdict);
     if let Some(path) = &args.report_json {
         std::fs::write(path, serde_json::to_vec_pretty(&one.report)?)
             .with_context(|| format!("writing {}", path.display()))?;
     }
-    Ok(one.code)
+    Ok(one.verdict.exit_code())
 }
 
 fn check_args(args: &OnsaleArgs) -> anyhow::Result<()> {
@@ -160,11 +161,77 @@ fn check_args(args: &OnsaleArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// One cell's onsale: its report, its audit and its exit code.
+/// One cell's onsale: its report, its audit and its outcome.
 struct CellOutcome {
     report: serde_json::Value,
     audited: boxoffice::audit::AuditReport,
-    code: i32,
+    verdict: Verdict,
+}
+
+/// An onsale's outcome, worst last: the report's `result` key (with `exit_code`) and its
+/// closing line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Verdict {
+    /// Every invariant check ran and is 0, and no buyer lost seats to the system's lag: exit 0.
+    Ok,
+    /// Every invariant holds, but buyers lost seats to the system's lag
+    /// (`expired_never_payable` or `lost_after_authorization` > 0): exit 1.
+    LostToLag,
+    /// An invariant check is non-zero: exit 1.
+    Violations,
+    /// A check could not run (the provider's or the dead letters'): exit 2.
+    Incomplete,
+}
+
+impl Verdict {
+    /// From the audit's exit code (0, 1 or 2) and the orders lost to the system's lag.
+    fn of(audit_code: i32, lost_to_lag: i64) -> Self {
+        match (audit_code, lost_to_lag) {
+            (0, 0) => Verdict::Ok,
+            (0, _) => Verdict::LostToLag,
+            (1, _) => Verdict::Violations,
+            _ => Verdict::Incomplete,
+        }
+    }
+
+    /// The process's exit code.
+    fn exit_code(self) -> i32 {
+        match self {
+            Verdict::Ok => 0,
+            Verdict::LostToLag | Verdict::Violations => 1,
+            Verdict::Incomplete => 2,
+        }
+    }
+
+    /// The report's `result` value.
+    fn key(self) -> &'static str {
+        match self {
+            Verdict::Ok => "ok",
+            Verdict::LostToLag => "lost_to_lag",
+            Verdict::Violations => "violations",
+            Verdict::Incomplete => "incomplete",
+        }
+    }
+
+    /// The text report's closing line.
+    fn line(self) -> &'static str {
+        match self {
+            Verdict::Ok => "OK — every invariant holds, and no buyer lost seats to the system's lag",
+            Verdict::LostToLag => {
+                "FAILED — buyers lost seats to the system's lag (never payable / lost after authorization)"
+            }
+            Verdict::Violations => "FAILED — invariant violations above",
+            Verdict::Incomplete => "INCOMPLETE — a check could not run (see above)",
+        }
+    }
+
+    /// Sets `result` and `exit_code` in `report`.
+    fn record(self, report: &mut serde_json::Value) {
+        if let Some(r) = report.as_object_mut() {
+            r.insert("result".into(), json!(self.key()));
+            r.insert("exit_code".into(), json!(self.exit_code()));
+        }
+    }
 }
 
 /// `--cells N`: the cells `cell-1` … `cell-N`, on the databases given by
@@ -234,13 +301,13 @@ pub async fn run_cells(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32>
     });
     let results = futures::future::join_all(runs).await;
     let mut reports = serde_json::Map::new();
-    let mut code = 0;
+    let mut worst = Verdict::Ok;
     let mut totals = serde_json::Map::new();
     for (name, outcome) in results {
         let one = outcome.with_context(|| format!("cell {name}"))?;
         println!("\n== {name}");
-        print_report(&one.report, &one.audited);
-        code = code.max(one.code);
+        print_report(&one.report, &one.audited, one.verdict);
+        worst = worst.max(one.verdict);
         let violations = json!(one.audited.total());
         let e = totals.entry("violations".to_owned()).or_insert(json!(0));
         *e = json!(e.as_i64().unwrap_or(0) + violations.as_i64().unwrap_or(0));
@@ -259,7 +326,10 @@ pub async fn run_cells(mut cfg: Config, args: OnsaleArgs) -> anyhow::Result<i32>
     for (k, v) in &totals {
         println!("  {k:<26} {v}");
     }
-    let report = json!({ "cells": reports, "totals": totals });
+    println!("result: {}", worst.line());
+    let mut report = json!({ "cells": reports, "totals": totals });
+    worst.record(&mut report);
+    let code = worst.exit_code();
     if let Some(path) = &args.report_json {
         std::fs::write(path, serde_json::to_vec_pretty(&report)?)
             .with_context(|| format!("writing {}", path.display()))?;
@@ -601,12 +671,13 @@ async fn run_one(
         r.insert("purchase_cell".into(), json!(cfg.purchase_cell));
     }
     // Buyers who lost seats to our lag fail the run like an invariant.
-    let ours = outcomes.expired_never_payable + outcomes.lost_after_authorization;
-    let code = if ours > 0 { audited.exit_code().max(1) } else { audited.exit_code() };
-    Ok(CellOutcome { report, audited, code })
+    let verdict =
+        Verdict::of(audited.exit_code(), outcomes.expired_never_payable + outcomes.lost_after_authorization);
+    verdict.record(&mut report);
+    Ok(CellOutcome { report, audited, verdict })
 }
 
-fn print_report(r: &serde_json::Value, audited: &boxoffice::audit::AuditReport) {
+fn print_report(r: &serde_json::Value, audited: &boxoffice::audit::AuditReport, verdict: Verdict) {
     let g = |k: &str| r.get(k).cloned().unwrap_or_default();
     println!();
     println!("boxoffice onsale report");
@@ -755,18 +826,7 @@ fn print_report(r: &serde_json::Value, audited: &boxoffice::audit::AuditReport) 
         );
     }
     print!("{}", boxoffice::audit::render(audited));
-    let ours = g("expired_never_payable").as_i64().unwrap_or(0)
-        + g("lost_after_authorization").as_i64().unwrap_or(0);
-    println!(
-        "result: {}",
-        match (audited.exit_code(), ours) {
-            (0, 0) => "OK — every invariant holds, and no buyer lost seats to the system's lag",
-            (0, _) =>
-                "FAILED — buyers lost seats to the system's lag (never payable / lost after authorization)",
-            (1, _) => "FAILED — invariant violations above",
-            _ => "INCOMPLETE — a check could not run (see above)",
-        }
-    );
+    println!("result: {}", verdict.line());
 }
 
 /// Reads the release controller's current R (`boxoffice_release_rate_per_s`, summed over
@@ -816,6 +876,30 @@ fn parse_release_metrics(text: &str) -> Option<ReleaseMetrics> {
 
 #[cfg(test)]
 mod tests {
+    use super::Verdict;
+
+    #[test]
+    fn the_verdict_follows_the_audit_and_the_orders_lost_to_lag() {
+        let cases = [
+            ((0, 0), Verdict::Ok, "ok", 0),
+            ((0, 2), Verdict::LostToLag, "lost_to_lag", 1),
+            ((1, 0), Verdict::Violations, "violations", 1),
+            ((1, 2), Verdict::Violations, "violations", 1),
+            ((2, 0), Verdict::Incomplete, "incomplete", 2),
+            ((2, 2), Verdict::Incomplete, "incomplete", 2),
+        ];
+        for ((audit, lost), verdict, key, code) in cases {
+            let v = Verdict::of(audit, lost);
+            assert_eq!((v, v.key(), v.exit_code()), (verdict, key, code), "audit {audit}, lost {lost}");
+            let mut report = serde_json::json!({});
+            v.record(&mut report);
+            assert_eq!(report, serde_json::json!({"result": key, "exit_code": code}));
+        }
+        // The cells' verdict is the worst cell's.
+        assert_eq!(Verdict::Ok.max(Verdict::LostToLag).max(Verdict::Ok), Verdict::LostToLag);
+        assert_eq!(Verdict::Violations.max(Verdict::Incomplete), Verdict::Incomplete);
+    }
+
     #[test]
     fn release_metrics_are_read_from_the_prometheus_page() {
         let page = "# TYPE boxoffice_release_rate_per_s gauge\n\

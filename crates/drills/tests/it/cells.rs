@@ -561,6 +561,7 @@ async fn the_onsale_sells_two_cells_at_once_with_every_invariant_per_cell(
     assert_eq!(events.len(), 2, "one event per cell");
     let t = &r["totals"];
     assert_eq!(t["violations"], 0, "{t}");
+    assert_eq!((&r["result"], &r["exit_code"]), (&serde_json::json!("ok"), &serde_json::json!(0)), "{r}");
     assert_eq!(t["buyers"], 200, "{t}");
     assert_eq!(
         t["tickets"].as_i64(),

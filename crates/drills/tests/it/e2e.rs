@@ -75,6 +75,7 @@ async fn small_onsale_through_the_binary_has_no_violations(_: PgPoolOptions, opt
     assert_eq!(r["seats_sold"], r["tickets"]);
     assert!(r["expired"].as_i64().unwrap() > 0, "abandoned holds expired within the run: {r}");
     assert!(stdout.contains("every invariant holds"));
+    assert_eq!((&r["result"], &r["exit_code"]), (&serde_json::json!("ok"), &serde_json::json!(0)), "{r}");
     // Every buyer came through the waiting room: joined, and was admitted by the release loop.
     let q = &r["waiting_room"];
     assert_eq!(q["admitted"], 400, "{q}");
