@@ -23,6 +23,11 @@
 //! admission, never a seat sold twice. The router appends the peer to `X-Forwarded-For`
 //! (cells behind it count buyers with `http_trusted_proxy_hops` = 1) and forwards with a
 //! bounded timeout; its own socket is bounded by the same edge as the API's.
+//!
+//! An answer is read whole before it is relayed, within that timeout, except a buyer's order
+//! stream (`GET /orders/{order_id}/events`, `text/event-stream`): its events are passed on as
+//! the cell sends them, for as long as the stream lasts, and the stream is dropped when the
+//! cell sends nothing (not even its heartbeat) for the stream's idle bound.
 
 use crate::problem::Problem;
 use axum::body::Body;
@@ -61,17 +66,31 @@ pub struct CellRouter {
     cells: Arc<HashMap<String, String>>,
     located: moka::future::Cache<Uuid, String>,
     http: reqwest::Client,
+    /// For order streams: no bound on the whole answer, `stream_idle` between two reads.
+    streams: reqwest::Client,
+    timeout: Duration,
 }
 
 impl CellRouter {
     /// A router forwarding to `cells` (cell name → API base URL), with `timeout` per
-    /// forwarded request.
+    /// forwarded request: for the whole answer, or, for an order stream, until its head, then
+    /// `stream_idle` at most between two of its chunks (give it a few of the cells'
+    /// `order_stream_heartbeat_s`).
     ///
     /// # Errors
-    /// When the HTTP client cannot be built.
-    pub fn new(cells: HashMap<String, String>, timeout: Duration) -> Result<Self, reqwest::Error> {
+    /// When an HTTP client cannot be built.
+    pub fn new(
+        cells: HashMap<String, String>,
+        timeout: Duration,
+        stream_idle: Duration,
+    ) -> Result<Self, reqwest::Error> {
         let http = reqwest::Client::builder()
             .timeout(timeout)
+            .connect_timeout(Duration::from_secs(2))
+            .redirect(reqwest::redirect::Policy::none())
+            .build()?;
+        let streams = reqwest::Client::builder()
+            .read_timeout(stream_idle)
             .connect_timeout(Duration::from_secs(2))
             .redirect(reqwest::redirect::Policy::none())
             .build()?;
@@ -82,6 +101,8 @@ impl CellRouter {
             ),
             located: moka::future::Cache::builder().max_capacity(1_000_000).build(),
             http,
+            streams,
+            timeout,
         })
     }
 
@@ -263,7 +284,8 @@ async fn route(
             "the request body is too large",
         )
     })?;
-    let fwd = Forward { method: parts.method, path_and_query, headers: parts.headers, body, peer };
+    let stream = order_stream(&parts.method, parts.uri.path());
+    let fwd = Forward { method: parts.method, path_and_query, headers: parts.headers, body, peer, stream };
     match target {
         Target::Status => {
             let map = router.map();
@@ -322,6 +344,18 @@ struct Forward {
     headers: HeaderMap,
     body: Bytes,
     peer: SocketAddr,
+    /// A buyer's order stream ([`order_stream`]).
+    stream: bool,
+}
+
+/// Whether a request asks for a buyer's order stream, `GET /orders/{order_id}/events`: its
+/// answer is relayed as it comes ([`relay`]).
+fn order_stream(method: &Method, path: &str) -> bool {
+    *method == Method::GET
+        && matches!(
+            path.trim_start_matches('/').split('/').collect::<Vec<_>>().as_slice(),
+            ["orders", _, "events"]
+        )
 }
 
 /// Headers that belong to one hop (RFC 9110 §7.6.1) or that the client must not set.
@@ -361,21 +395,26 @@ impl CellRouter {
         if let Ok(v) = xff.join(", ").parse() {
             headers.insert("x-forwarded-for", v);
         }
-        self.http.request(f.method.clone(), url).headers(headers).body(f.body.clone()).send().await.map_err(
-            |e| {
-                tracing::warn!(cell, error = %e, "cell unreachable");
-                metrics::counter!("boxoffice_router_upstream_errors_total", "cell" => cell.to_owned())
-                    .increment(1);
-                let mut p = Problem::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "cell_unavailable",
-                    "Purchase cell unavailable",
-                    "the event's purchase cell did not answer; retry with the same Idempotency-Key",
-                );
-                p.retry_after = Some(1);
-                p
-            },
-        )
+        let client = if f.stream { &self.streams } else { &self.http };
+        let sent = client.request(f.method.clone(), url).headers(headers).body(f.body.clone()).send();
+        // An order stream's client has no bound on the whole answer: its head has this one.
+        let sent = match tokio::time::timeout(self.timeout, sent).await {
+            Ok(sent) => sent.map_err(|e| e.to_string()),
+            Err(_) => Err(format!("no answer within {} ms", self.timeout.as_millis())),
+        };
+        sent.map_err(|e| {
+            tracing::warn!(cell, error = %e, "cell unreachable");
+            metrics::counter!("boxoffice_router_upstream_errors_total", "cell" => cell.to_owned())
+                .increment(1);
+            let mut p = Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "cell_unavailable",
+                "Purchase cell unavailable",
+                "the event's purchase cell did not answer; retry with the same Idempotency-Key",
+            );
+            p.retry_after = Some(1);
+            p
+        })
     }
 
     async fn forward(&self, cell: &str, f: &Forward) -> Result<Response, Problem> {
@@ -409,6 +448,9 @@ impl CellRouter {
     }
 }
 
+/// The cell's answer, for the client: read whole first, or, for an event stream
+/// (`text/event-stream`), passed on chunk by chunk until the cell ends it, it stays silent for
+/// the stream's idle bound, or the client leaves (the cell's connection is then closed too).
 async fn relay(r: reqwest::Response) -> Result<Response, Problem> {
     let status = r.status();
     let mut headers = HeaderMap::new();
@@ -416,6 +458,25 @@ async fn relay(r: reqwest::Response) -> Result<Response, Problem> {
         if !hop_by_hop(k) {
             headers.append(k.clone(), v.clone());
         }
+    }
+    let streamed = headers
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"));
+    if streamed {
+        let chunks = futures::stream::unfold(Some(r), |r| async move {
+            let mut r = r?;
+            match r.chunk().await {
+                Ok(Some(chunk)) => Some((Ok(chunk), Some(r))),
+                Ok(None) => None,
+                // Passed on as a broken body (the client's connection is cut), then the end.
+                Err(e) => Some((Err(e), None)),
+            }
+        });
+        let mut resp = Response::new(Body::from_stream(chunks));
+        *resp.status_mut() = status;
+        *resp.headers_mut() = headers;
+        return Ok(resp);
     }
     let body = r.bytes().await.map_err(|_| {
         let mut p = Problem::new(

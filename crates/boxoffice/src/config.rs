@@ -357,7 +357,9 @@ pub struct Config {
     /// How often the router re-reads the directory, ms; it keeps serving the last map it read
     /// while the control database is down.
     pub router_refresh_ms: u64,
-    /// Bound of one forwarded request, ms (the cell's own edge bounds it too).
+    /// Bound of one forwarded request, ms (the cell's own edge bounds it too): of the whole
+    /// answer, or of a buyer's order stream's head (its events then flow until it ends, or
+    /// until the cell sends nothing for three `order_stream_heartbeat_s`).
     pub router_upstream_timeout_ms: u64,
     /// This deployment's region (design §15), declared on every database session and stamped
     /// on every fact (`region` in envelopes and headers). Default `primary`.

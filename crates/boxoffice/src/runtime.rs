@@ -489,9 +489,12 @@ async fn start_router(
     if cells.is_empty() {
         anyhow::bail!("the router needs cells with an api_url each");
     }
+    // An order stream through the router ends when the cell has sent nothing for three of its
+    // heartbeats (every process of a deployment reads the same `order_stream_heartbeat_s`).
     let router = boxoffice_api::cell_router::CellRouter::new(
         cells,
         Duration::from_millis(cfg.router_upstream_timeout_ms),
+        Duration::from_secs(3 * cfg.order_stream_heartbeat_s),
     )?;
     router.refresh(&control).await;
     let listener = tokio::net::TcpListener::bind(&cfg.router_bind)

@@ -376,6 +376,28 @@ async fn the_router_serves_its_last_map_while_the_control_database_is_down(
         .await
         .unwrap();
     assert_eq!(r.status(), 200);
+    // The order's live status streams through the router as the cell sends it: the order is
+    // `held` for good here (no worker runs), so its stream never ends by itself.
+    let mut stream = http
+        .get(format!("{router}/orders/{order}/events"))
+        .header("authorization", b.bearer())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(stream.status(), 200);
+    assert_eq!(stream.headers()["content-type"], "text/event-stream");
+    let first = tokio::time::timeout(Duration::from_secs(10), async {
+        let mut seen = String::new();
+        while !seen.split_once("event: order").is_some_and(|(_, event)| event.contains("\n\n")) {
+            let chunk = stream.chunk().await.expect("the stream goes on").expect("and has not ended");
+            seen.push_str(&String::from_utf8_lossy(&chunk));
+        }
+        seen
+    })
+    .await
+    .expect("the first event arrives while the stream is open, not when it ends");
+    assert!(first.contains(&order) && first.contains("\"held\""), "{first}");
+    drop(stream);
     let r = http
         .get(format!("{router}/orders/{}", Uuid::new_v4()))
         .header("authorization", b.bearer())
