@@ -16,18 +16,26 @@
 //!
 //! Paths with dot segments or percent-encoded separators are refused (400 `invalid_path`), so
 //! what is forwarded is exactly what was routed, and only reads (and a queue leave) are asked
-//! of every cell. Each client address may have `http_max_in_flight_per_ip` requests in flight.
+//! of every cell. Each client address may have `http_max_in_flight_per_ip` requests in flight
+//! until their answers' heads; order streams, which last, have bounds of their own below.
 //!
 //! It decides nothing: the cell's hold transaction checks that it sells the event at the
 //! admission token's directory epoch, so a stale map costs a buyer a 409 and a new
 //! admission, never a seat sold twice. The router appends the peer to `X-Forwarded-For`
-//! (cells behind it count buyers with `http_trusted_proxy_hops` = 1) and forwards with a
-//! bounded timeout; its own socket is bounded by the same edge as the API's.
+//! (cells behind it count buyers with `http_trusted_proxy_hops` one more than the router's
+//! own) and reads each answer whole within a bounded timeout; its own socket is bounded by the
+//! same edge as the API's.
 //!
-//! An answer is read whole before it is relayed, within that timeout, except a buyer's order
-//! stream (`GET /orders/{order_id}/events`, `text/event-stream`): its events are passed on as
-//! the cell sends them, for as long as the stream lasts, and the stream is dropped when the
-//! cell sends nothing (not even its heartbeat) for the stream's idle bound.
+//! A buyer's order stream (`GET /orders/{order_id}/events`, `text/event-stream`) is the
+//! exception: its head comes within that timeout, then its events are passed on as the cell
+//! sends them, and the stream is cut when the cell sends nothing (not even its heartbeat) for
+//! the stream's idle bound. A stream holds a client connection and a cell connection for its
+//! whole life, so the router admits at most [`StreamBounds::max`] at once and
+//! [`StreamBounds::max_per_ip`] per client address (429 `too_many_streams`), which keeps the
+//! router's connections for holds and webhooks as the cells' own bounds keep theirs. A stream
+//! of an order the router has not located yet first finds its cell with the order's plain
+//! read (`GET /orders/{order_id}`, asked of every cell), so a cell that does not own the order
+//! and refuses the stream (it is full) never answers for the one that does.
 
 use crate::problem::Problem;
 use axum::body::Body;
@@ -66,31 +74,66 @@ pub struct CellRouter {
     cells: Arc<HashMap<String, String>>,
     located: moka::future::Cache<Uuid, String>,
     http: reqwest::Client,
-    /// For order streams: no bound on the whole answer, `stream_idle` between two reads.
+    /// For order streams: no bound on the whole answer, [`StreamBounds::idle`] between two
+    /// reads.
     streams: reqwest::Client,
     timeout: Duration,
+    stream_slots: Arc<tokio::sync::Semaphore>,
+    stream_max: usize,
+    streams_per_ip: Arc<crate::edge::PerClientInFlight>,
+    trusted_proxy_hops: u32,
+}
+
+/// The router's bounds on the order streams it relays.
+#[derive(Debug, Clone, Copy)]
+pub struct StreamBounds {
+    /// Longest silence of the cell within a stream (give it a few of the cells'
+    /// `order_stream_heartbeat_s`); past it the stream is cut and the client reconnects.
+    pub idle: Duration,
+    /// Streams relayed at once (≥ 1); more get 429 `too_many_streams` (`scope` `process`).
+    /// At most half of the router's `http_max_connections`, as on a cell.
+    pub max: usize,
+    /// Streams one client address may have open (0: no bound); more get 429
+    /// `too_many_streams` (`scope` `ip`).
+    pub max_per_ip: usize,
+    /// Proxies of the deployment in front of the router, for the client's address
+    /// ([`crate::edge::client_ip`]).
+    pub trusted_proxy_hops: u32,
+}
+
+/// A relayed stream's places in the router's bounds, freed when the stream ends.
+struct StreamPlaces {
+    _process: tokio::sync::OwnedSemaphorePermit,
+    _ip: Option<crate::edge::InFlightPlace>,
+}
+
+/// What asking every cell about an id found.
+enum Found {
+    /// The cell that answered with a success, and its answer.
+    Owner(String, reqwest::Response),
+    /// No owner: a cell's other answer (not 404), or a 404 when every cell said so.
+    Answer(reqwest::Response),
 }
 
 impl CellRouter {
     /// A router forwarding to `cells` (cell name → API base URL), with `timeout` per
-    /// forwarded request: for the whole answer, or, for an order stream, until its head, then
-    /// `stream_idle` at most between two of its chunks (give it a few of the cells'
-    /// `order_stream_heartbeat_s`).
+    /// forwarded request: for the whole answer, or, for an order stream, until its head; then
+    /// `streams` bounds it.
     ///
     /// # Errors
     /// When an HTTP client cannot be built.
     pub fn new(
         cells: HashMap<String, String>,
         timeout: Duration,
-        stream_idle: Duration,
+        streams: StreamBounds,
     ) -> Result<Self, reqwest::Error> {
         let http = reqwest::Client::builder()
             .timeout(timeout)
             .connect_timeout(Duration::from_secs(2))
             .redirect(reqwest::redirect::Policy::none())
             .build()?;
-        let streams = reqwest::Client::builder()
-            .read_timeout(stream_idle)
+        let stream_client = reqwest::Client::builder()
+            .read_timeout(streams.idle)
             .connect_timeout(Duration::from_secs(2))
             .redirect(reqwest::redirect::Policy::none())
             .build()?;
@@ -101,8 +144,16 @@ impl CellRouter {
             ),
             located: moka::future::Cache::builder().max_capacity(1_000_000).build(),
             http,
-            streams,
+            streams: stream_client,
             timeout,
+            stream_slots: Arc::new(tokio::sync::Semaphore::new(streams.max.max(1))),
+            stream_max: streams.max.max(1),
+            streams_per_ip: crate::edge::PerClientInFlight::new(
+                "router_streams",
+                streams.max_per_ip,
+                streams.trusted_proxy_hops,
+            ),
+            trusted_proxy_hops: streams.trusted_proxy_hops,
         })
     }
 
@@ -330,9 +381,22 @@ async fn route(
                 }
             }
         }
+        Target::Locate(id) if fwd.stream => {
+            let places = router.admit_stream(peer, &fwd.headers)?;
+            let cell = match router.located.get(&id).await {
+                Some(cell) => cell,
+                None => match router.find(id, &fwd.order_read(id)).await? {
+                    Found::Owner(cell, _) => cell,
+                    Found::Answer(r) => return relay(r, None).await,
+                },
+            };
+            relay(router.send(&cell, &fwd).await?, Some(places)).await
+        }
         Target::Locate(id) => match router.located.get(&id).await {
             Some(cell) => router.forward(&cell, &fwd).await,
-            None => router.locate(id, &fwd).await,
+            None => match router.find(id, &fwd).await? {
+                Found::Owner(_, r) | Found::Answer(r) => relay(r, None).await,
+            },
         },
     }
 }
@@ -346,6 +410,21 @@ struct Forward {
     peer: SocketAddr,
     /// A buyer's order stream ([`order_stream`]).
     stream: bool,
+}
+
+impl Forward {
+    /// The plain read of order `id` (`GET /orders/{id}`) with this request's headers: how a
+    /// stream's order is located.
+    fn order_read(&self, id: Uuid) -> Forward {
+        Forward {
+            method: Method::GET,
+            path_and_query: format!("/orders/{id}"),
+            headers: self.headers.clone(),
+            body: Bytes::new(),
+            peer: self.peer,
+            stream: false,
+        }
+    }
 }
 
 /// Whether a request asks for a buyer's order stream, `GET /orders/{order_id}/events`: its
@@ -418,11 +497,30 @@ impl CellRouter {
     }
 
     async fn forward(&self, cell: &str, f: &Forward) -> Result<Response, Problem> {
-        relay(self.send(cell, f).await?).await
+        relay(self.send(cell, f).await?, None).await
     }
 
-    /// Asks every cell at once; the first answer that is not 404 names the id's cell.
-    async fn locate(&self, id: Uuid, f: &Forward) -> Result<Response, Problem> {
+    /// A stream's places in the router's bounds ([`StreamBounds`]), or 429 `too_many_streams`.
+    fn admit_stream(&self, peer: SocketAddr, headers: &HeaderMap) -> Result<StreamPlaces, Problem> {
+        let ip =
+            crate::edge::client_ip(Some(peer.ip()), headers, self.trusted_proxy_hops).unwrap_or(peer.ip());
+        let ip = match self.streams_per_ip.max() {
+            0 => None,
+            max => Some(self.streams_per_ip.enter(crate::edge::bucket_key(ip)).ok_or_else(|| {
+                metrics::counter!("boxoffice_router_streams_refused_total", "scope" => "ip").increment(1);
+                Problem::too_many_streams("ip", max)
+            })?),
+        };
+        let process = self.stream_slots.clone().try_acquire_owned().map_err(|_| {
+            metrics::counter!("boxoffice_router_streams_refused_total", "scope" => "process").increment(1);
+            Problem::too_many_streams("process", self.stream_max)
+        })?;
+        Ok(StreamPlaces { _process: process, _ip: ip })
+    }
+
+    /// Asks every cell at once; the first answer that is not 404 names the id's cell when it
+    /// is a success (the pair is then cached).
+    async fn find(&self, id: Uuid, f: &Forward) -> Result<Found, Problem> {
         let mut asks: futures::stream::FuturesUnordered<_> =
             self.cells.keys().map(|cell| async move { (cell.clone(), self.send(cell, f).await) }).collect();
         let mut not_found = None;
@@ -430,28 +528,28 @@ impl CellRouter {
         while let Some((cell, answer)) = futures::StreamExt::next(&mut asks).await {
             match answer {
                 Ok(r) if r.status() == StatusCode::NOT_FOUND => not_found = Some(r),
-                Ok(r) => {
-                    if r.status().is_success() {
-                        self.located.insert(id, cell).await;
-                    }
-                    return relay(r).await;
+                Ok(r) if r.status().is_success() => {
+                    self.located.insert(id, cell.clone()).await;
+                    return Ok(Found::Owner(cell, r));
                 }
+                Ok(r) => return Ok(Found::Answer(r)),
                 Err(p) => failed = Some(p),
             }
         }
         match (failed, not_found) {
             // A cell that did not answer may be the one: not a 404.
             (Some(p), _) => Err(p),
-            (None, Some(r)) => relay(r).await,
+            (None, Some(r)) => Ok(Found::Answer(r)),
             (None, None) => Err(Problem::not_found("route")),
         }
     }
 }
 
 /// The cell's answer, for the client: read whole first, or, for an event stream
-/// (`text/event-stream`), passed on chunk by chunk until the cell ends it, it stays silent for
-/// the stream's idle bound, or the client leaves (the cell's connection is then closed too).
-async fn relay(r: reqwest::Response) -> Result<Response, Problem> {
+/// (`text/event-stream`) admitted with `places`, passed on chunk by chunk until the cell ends
+/// it, it stays silent for the stream's idle bound, or the client leaves (the cell's
+/// connection is then closed too); the places are freed then.
+async fn relay(r: reqwest::Response, places: Option<StreamPlaces>) -> Result<Response, Problem> {
     let status = r.status();
     let mut headers = HeaderMap::new();
     for (k, v) in r.headers() {
@@ -463,11 +561,11 @@ async fn relay(r: reqwest::Response) -> Result<Response, Problem> {
         .get(axum::http::header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.starts_with("text/event-stream"));
-    if streamed {
-        let chunks = futures::stream::unfold(Some(r), |r| async move {
-            let mut r = r?;
+    if let (true, Some(places)) = (streamed, places) {
+        let chunks = futures::stream::unfold(Some((r, places)), |state| async move {
+            let (mut r, places) = state?;
             match r.chunk().await {
-                Ok(Some(chunk)) => Some((Ok(chunk), Some(r))),
+                Ok(Some(chunk)) => Some((Ok(chunk), Some((r, places)))),
                 Ok(None) => None,
                 // Passed on as a broken body (the client's connection is cut), then the end.
                 Err(e) => Some((Err(e), None)),

@@ -232,6 +232,11 @@ impl PerClientInFlight {
         Some(InFlightPlace { owner: self.clone(), key })
     }
 
+    /// The limit per client (0: none).
+    pub fn max(&self) -> usize {
+        self.max
+    }
+
     /// Requests `key` has in flight now.
     pub fn in_flight(&self, key: &str) -> usize {
         self.counts.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get(key).copied().unwrap_or(0)

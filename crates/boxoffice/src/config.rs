@@ -615,10 +615,12 @@ pub struct Config {
     pub metrics_bind: Option<String>,
     /// Live order streams (`GET /orders/{id}/events`) one user may have open per API process.
     pub order_stream_max_per_user: usize,
-    /// Live order streams one client address may have open per API process.
+    /// Live order streams one client address may have open per API process, and through
+    /// each router process.
     pub order_stream_max_per_ip: usize,
-    /// Live order streams per API process; more get 429 `too_many_streams`. At most half of
-    /// `http_max_connections`: a stream holds its connection for its whole life.
+    /// Live order streams per API process, and relayed by each router process; more get 429
+    /// `too_many_streams`. At most half of `http_max_connections`: a stream holds its
+    /// connection for its whole life.
     pub order_stream_max: usize,
     /// Heartbeat (an SSE comment) of an idle order stream, seconds.
     pub order_stream_heartbeat_s: u64,

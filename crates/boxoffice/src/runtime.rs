@@ -489,12 +489,18 @@ async fn start_router(
     if cells.is_empty() {
         anyhow::bail!("the router needs cells with an api_url each");
     }
-    // An order stream through the router ends when the cell has sent nothing for three of its
-    // heartbeats (every process of a deployment reads the same `order_stream_heartbeat_s`).
+    // Order streams through the router: cut when the cell has sent nothing for three of its
+    // heartbeats (every process of a deployment reads the same `order_stream_heartbeat_s`),
+    // and bounded as a cell bounds its own.
     let router = boxoffice_api::cell_router::CellRouter::new(
         cells,
         Duration::from_millis(cfg.router_upstream_timeout_ms),
-        Duration::from_secs(3 * cfg.order_stream_heartbeat_s),
+        boxoffice_api::cell_router::StreamBounds {
+            idle: Duration::from_secs(3 * cfg.order_stream_heartbeat_s),
+            max: cfg.order_stream_max,
+            max_per_ip: cfg.order_stream_max_per_ip,
+            trusted_proxy_hops: cfg.http_trusted_proxy_hops,
+        },
     )?;
     router.refresh(&control).await;
     let listener = tokio::net::TcpListener::bind(&cfg.router_bind)

@@ -314,7 +314,9 @@ async fn the_router_serves_its_last_map_while_the_control_database_is_down(
     let c2 = Extra::create(&opts, "c2").await;
     let control = Extra::create(&opts, "ctl").await;
     let spec = VenueSpec::small(1, 1, 4);
-    let app1 = TestApp::spawn(opts.clone(), &[Role::Api], spec.clone()).await;
+    // Cell 1 serves one order stream at a time: a full cell, for the streams below.
+    let app1 =
+        TestApp::spawn_with(opts.clone(), &[Role::Api], spec.clone(), |c| c.order_stream_max = 1).await;
     let app2 = cell_two(&app1, &c2, spec, |_| {}).await;
     let mut ops = across(
         &app1.cfg,
@@ -327,6 +329,9 @@ async fn the_router_serves_its_last_map_while_the_control_database_is_down(
     boxoffice::cells::assign(&ops, app2.event, "cell-2").await.unwrap();
     ops.router_bind = "127.0.0.1:0".into();
     ops.router_refresh_ms = 100;
+    // The router's own stream bounds (its configuration is cell 1's with the cells added).
+    ops.order_stream_max = 16;
+    ops.order_stream_max_per_ip = 2;
     let sd = CancellationToken::new();
     let running = runtime::start(&ops, &[Role::Router], opts.clone(), sd.clone()).await.unwrap();
     let router = format!("http://{}", running.router_addr.unwrap());
@@ -378,26 +383,76 @@ async fn the_router_serves_its_last_map_while_the_control_database_is_down(
     assert_eq!(r.status(), 200);
     // The order's live status streams through the router as the cell sends it: the order is
     // `held` for good here (no worker runs), so its stream never ends by itself.
-    let mut stream = http
-        .get(format!("{router}/orders/{order}/events"))
-        .header("authorization", b.bearer())
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(stream.status(), 200);
-    assert_eq!(stream.headers()["content-type"], "text/event-stream");
-    let first = tokio::time::timeout(Duration::from_secs(10), async {
-        let mut seen = String::new();
-        while !seen.split_once("event: order").is_some_and(|(_, event)| event.contains("\n\n")) {
-            let chunk = stream.chunk().await.expect("the stream goes on").expect("and has not ended");
-            seen.push_str(&String::from_utf8_lossy(&chunk));
+    let open_stream = |order: String, bearer: String| {
+        let (http, router) = (http.clone(), router.clone());
+        async move {
+            http.get(format!("{router}/orders/{order}/events"))
+                .header("authorization", bearer)
+                .send()
+                .await
+                .unwrap()
         }
-        seen
-    })
-    .await
-    .expect("the first event arrives while the stream is open, not when it ends");
-    assert!(first.contains(&order) && first.contains("\"held\""), "{first}");
-    drop(stream);
+    };
+    let first_event = |mut stream: reqwest::Response| async move {
+        if stream.status() != 200 {
+            panic!("{}: {}", stream.status(), stream.text().await.unwrap_or_default());
+        }
+        assert_eq!(stream.headers()["content-type"], "text/event-stream");
+        let seen = tokio::time::timeout(Duration::from_secs(10), async {
+            let mut seen = String::new();
+            while !seen.split_once("event: order").is_some_and(|(_, event)| event.contains("\n\n")) {
+                let chunk = stream.chunk().await.expect("the stream goes on").expect("and has not ended");
+                seen.push_str(&String::from_utf8_lossy(&chunk));
+            }
+            seen
+        })
+        .await
+        .expect("the first event arrives while the stream is open, not when it ends");
+        (stream, seen)
+    };
+    let (first, seen) = first_event(open_stream(order.clone(), b.bearer()).await).await;
+    assert!(seen.contains(&order) && seen.contains("\"held\""), "{seen}");
+    // Cell 1's one stream, of an order of its own, makes it full.
+    let b1 = app1.buyer();
+    let (_, t1) = admit(&app1, &b1, app1.event).await;
+    let (s, _, h1) =
+        hold_at(&app1, &b1, app1.event, t1["admission_token"].as_str().unwrap(), app1.seats().await[0]).await;
+    assert_eq!(s, 202, "{h1}");
+    let order1 = h1["order_id"].as_str().unwrap().to_owned();
+    let (second, _) = first_event(open_stream(order1.clone(), b1.bearer()).await).await;
+    // A new cell-2 order the router has never seen: its stream is located by the order's plain
+    // read, so full cell 1's refusal never answers for it.
+    let b2 = app2.buyer();
+    let (_, t2) = admit(&app2, &b2, app2.event).await;
+    let (s, _, h2) =
+        hold_at(&app2, &b2, app2.event, t2["admission_token"].as_str().unwrap(), app2.seats().await[1]).await;
+    assert_eq!(s, 202, "{h2}");
+    let order2 = h2["order_id"].as_str().unwrap().to_owned();
+    // The router's own bound: two streams per client address here, and this is the third.
+    let (status, code, body) = problem(open_stream(order2.clone(), b2.bearer()).await).await;
+    assert_eq!(
+        (status, code.as_str(), &body["scope"]),
+        (429, "too_many_streams", &serde_json::json!("ip")),
+        "{body}"
+    );
+    drop(first);
+    let deadline = std::time::Instant::now() + Duration::from_secs(40);
+    let stream = loop {
+        let r = open_stream(order2.clone(), b2.bearer()).await;
+        if r.status() == 200 {
+            break r;
+        }
+        let refused = r.text().await.unwrap_or_default();
+        assert!(
+            std::time::Instant::now() < deadline,
+            "still refused after 40 s (the router's place never freed, or a cell that does not own \
+             the order answered): {refused}"
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    };
+    let (_, seen) = first_event(stream).await;
+    assert!(seen.contains(&order2), "{seen}");
+    drop(second);
     let r = http
         .get(format!("{router}/orders/{}", Uuid::new_v4()))
         .header("authorization", b.bearer())
