@@ -219,12 +219,14 @@ impl CellRouter {
 /// The router's HTTP application: every path goes through [`route`].
 ///
 /// Every request is behind a limit of `max_in_flight_per_ip` requests in flight per client
-/// address (as the cells' buyer routes; `trusted_proxy_hops` says which `X-Forwarded-For`
-/// entry is the client; 0 turns it off), so one client's slow bodies cannot take the slots
-/// every cell's buyers share.
+/// address until its answer's head (as the cells' buyer routes; `trusted_proxy_hops` says
+/// which `X-Forwarded-For` entry is the client; 0 turns it off), so one client's slow bodies
+/// cannot take the slots every cell's buyers share; order streams, which outlast their head,
+/// are bounded by [`StreamBounds`].
 ///
 /// The router's own routes: `GET /healthz` (liveness), `GET /metrics` (its Prometheus page:
-/// `boxoffice_router_directory_age_seconds`, `boxoffice_router_upstream_errors_total{cell}`)
+/// `boxoffice_router_directory_age_seconds`, `boxoffice_router_upstream_errors_total{cell}`,
+/// `boxoffice_router_streams_refused_total{scope}`)
 /// and `GET /routerz` (the map's size and staleness).
 pub fn app(
     router: CellRouter,
