@@ -8,8 +8,10 @@
 //!   An event missing from the map is 404 while the map is fresh, and 503
 //!   `directory_unavailable` while the last read failed (the event may be newer than the map).
 //! - `/queue/{ticket}`, `/orders/{order_id}[/…]`: an order or a queue ticket lives in one cell
-//!   for good ("an order never leaves its cell"), so the first lookup asks every cell at once
-//!   and the first answer other than 404 wins; the id → cell pair is then cached.
+//!   for good ("an order never leaves its cell"), so the first lookup asks every cell at once:
+//!   the first success names the cell (the id → cell pair is then cached); without one, a
+//!   cell's other answer (a 429 or a 503 of a cell that may not own it) is relayed, and a 404
+//!   only when every cell said so.
 //! - `POST /webhooks/stripe`: the cell named in the object's `metadata.purchase_cell` (the
 //!   payment worker writes it on every PaymentIntent). Without one the answer is 503, which
 //!   Stripe retries, and it is logged: an event no cell can claim is never dropped here.
@@ -388,7 +390,11 @@ async fn route(
             let cell = match router.located.get(&id).await {
                 Some(cell) => cell,
                 None => match router.find(id, &fwd.order_read(id)).await? {
-                    Found::Owner(cell, _) => cell,
+                    Found::Owner(cell, read) => {
+                        // Read to its end, so the connection is reused.
+                        let _ = read.bytes().await;
+                        cell
+                    }
                     Found::Answer(r) => return relay(r, None).await,
                 },
             };
@@ -429,10 +435,10 @@ impl Forward {
     }
 }
 
-/// Whether a request asks for a buyer's order stream, `GET /orders/{order_id}/events`: its
-/// answer is relayed as it comes ([`relay`]).
+/// Whether a request asks for a buyer's order stream, `GET` (or `HEAD`)
+/// `/orders/{order_id}/events`: its answer is relayed as it comes ([`relay`]).
 fn order_stream(method: &Method, path: &str) -> bool {
-    *method == Method::GET
+    matches!(*method, Method::GET | Method::HEAD)
         && matches!(
             path.trim_start_matches('/').split('/').collect::<Vec<_>>().as_slice(),
             ["orders", _, "events"]
@@ -520,29 +526,32 @@ impl CellRouter {
         Ok(StreamPlaces { _process: process, _ip: ip })
     }
 
-    /// Asks every cell at once; the first answer that is not 404 names the id's cell when it
-    /// is a success (the pair is then cached).
+    /// Asks every cell at once; the first success names the id's cell (the pair is then
+    /// cached). A cell that refuses (429, 503) may not own the id, so its answer is relayed
+    /// only when no cell answers with a success; a 404 only when every cell said so.
     async fn find(&self, id: Uuid, f: &Forward) -> Result<Found, Problem> {
         let mut asks: futures::stream::FuturesUnordered<_> =
             self.cells.keys().map(|cell| async move { (cell.clone(), self.send(cell, f).await) }).collect();
         let mut not_found = None;
+        let mut refused = None;
         let mut failed = None;
         while let Some((cell, answer)) = futures::StreamExt::next(&mut asks).await {
             match answer {
-                Ok(r) if r.status() == StatusCode::NOT_FOUND => not_found = Some(r),
                 Ok(r) if r.status().is_success() => {
                     self.located.insert(id, cell.clone()).await;
                     return Ok(Found::Owner(cell, r));
                 }
-                Ok(r) => return Ok(Found::Answer(r)),
+                Ok(r) if r.status() == StatusCode::NOT_FOUND => not_found = Some(r),
+                Ok(r) => refused = refused.or(Some(r)),
                 Err(p) => failed = Some(p),
             }
         }
-        match (failed, not_found) {
+        match (refused, failed, not_found) {
+            (Some(r), _, _) => Ok(Found::Answer(r)),
             // A cell that did not answer may be the one: not a 404.
-            (Some(p), _) => Err(p),
-            (None, Some(r)) => Ok(Found::Answer(r)),
-            (None, None) => Err(Problem::not_found("route")),
+            (None, Some(p), _) => Err(p),
+            (None, None, Some(r)) => Ok(Found::Answer(r)),
+            (None, None, None) => Err(Problem::not_found("route")),
         }
     }
 }
