@@ -806,11 +806,12 @@ fn print_report(r: &serde_json::Value, audited: &boxoffice::audit::AuditReport, 
     println!("  orders by status           {}", g("orders_by_status"));
     let (sold, seats) = (g("seats_sold").as_i64().unwrap_or(0), g("venue_seats").as_i64().unwrap_or(0));
     if sold < seats {
-        // Why not sold out, from what the run counted.
+        // Why seats stayed unsold, from what the run counted (a run that leaves only 1–4
+        // single seats no multi-seat buyer fits has sold out all the same).
         let q = r.get("waiting_room").cloned().unwrap_or_default();
         let n = |k: &str| q.get(k).and_then(|v| v.as_u64()).unwrap_or(0);
         println!(
-            "  not sold out               {} of {seats} seats unsold: {} queued buyers gave up after {} failed attempts in a row ({} waiting-room 503s {}, {} lapsed \
+            "  unsold seats               {} of {seats}: {} queued buyers gave up after {} failed attempts in a row ({} waiting-room 503s {}, {} lapsed \
              positions), {} gave up picking seats, {} holds expired (abandoned {}, declined {}, never payable {})",
             seats - sold,
             n("gave_up"),
