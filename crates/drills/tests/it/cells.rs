@@ -93,6 +93,18 @@ async fn hold_at(
     problem(r).await
 }
 
+/// A new buyer of `app`'s event, admitted and holding its seat number `seat` at the cell
+/// itself (not through a router), and the order id.
+async fn held_at_the_cell(app: &TestApp, seat: usize) -> (crate::helpers::Buyer, String) {
+    let b = app.buyer();
+    let (_, token) = admit(app, &b, app.event).await;
+    let seat = app.seats().await[seat];
+    let (s, _, held) = hold_at(app, &b, app.event, token["admission_token"].as_str().unwrap(), seat).await;
+    assert_eq!(s, 202, "{held}");
+    let order = held["order_id"].as_str().unwrap().to_owned();
+    (b, order)
+}
+
 /// Cell 1 sells an event, which then moves to cell 2 while a hold is open: the move freezes
 /// it (new holds 503 `event_moving`), waits for the hold to settle, and copies it at epoch 2.
 /// Afterwards a token minted before the move is refused by both cells (409 in the old one,
@@ -413,21 +425,11 @@ async fn the_router_serves_its_last_map_while_the_control_database_is_down(
     let (first, seen) = first_event(open_stream(order.clone(), b.bearer()).await).await;
     assert!(seen.contains(&order) && seen.contains("\"held\""), "{seen}");
     // Cell 1's one stream, of an order of its own, makes it full.
-    let b1 = app1.buyer();
-    let (_, t1) = admit(&app1, &b1, app1.event).await;
-    let (s, _, h1) =
-        hold_at(&app1, &b1, app1.event, t1["admission_token"].as_str().unwrap(), app1.seats().await[0]).await;
-    assert_eq!(s, 202, "{h1}");
-    let order1 = h1["order_id"].as_str().unwrap().to_owned();
+    let (b1, order1) = held_at_the_cell(&app1, 0).await;
     let (second, _) = first_event(open_stream(order1.clone(), b1.bearer()).await).await;
     // A new cell-2 order the router has never seen: its stream is located by the order's plain
     // read, so full cell 1's refusal never answers for it.
-    let b2 = app2.buyer();
-    let (_, t2) = admit(&app2, &b2, app2.event).await;
-    let (s, _, h2) =
-        hold_at(&app2, &b2, app2.event, t2["admission_token"].as_str().unwrap(), app2.seats().await[1]).await;
-    assert_eq!(s, 202, "{h2}");
-    let order2 = h2["order_id"].as_str().unwrap().to_owned();
+    let (b2, order2) = held_at_the_cell(&app2, 1).await;
     // The router's own bound: two streams per client address here, and this is the third.
     let (status, code, body) = problem(open_stream(order2.clone(), b2.bearer()).await).await;
     assert_eq!(
