@@ -376,10 +376,11 @@ async fn an_expired_orders_pending_cancel_holds_the_drain(_: PgPoolOptions, opts
 /// The moment the drain now waits out, as the audit sees it: the payment worker's cancel
 /// succeeds at the provider and the worker fails before its transaction begins (fault point
 /// `payments.after_remote`; a crash or a lost connection there does the same), so the ledger
-/// still shows the PaymentIntent uncanceled until a retry records it. Every order is final
-/// (one ticketed, one expired) and the outbox empty, and the audit counts
-/// `cancel_not_in_ledger`: a drain that stopped there would fail a healthy run. The drain
-/// counts the expired order alone (not the ticketed one), and once the retry lands it ends
+/// still shows the PaymentIntent uncanceled until a retry records it. Once the provider's
+/// webhook of the cancel is in and its re-fetch command published (the re-fetch fails at the
+/// same fault), every order is final (one ticketed, one expired) and the outbox empty, and
+/// the audit counts `cancel_not_in_ledger`: a drain that stopped there would fail a healthy
+/// run. The drain counts the expired order alone (not the ticketed one), and once the retry lands it ends
 /// with the audit clean against the provider and no dead letter.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn an_audit_before_a_cancel_is_committed_sees_drift_the_drain_waits_out(
@@ -441,6 +442,22 @@ async fn an_audit_before_a_cancel_is_committed_sees_drift_the_drain_waits_out(
         .unwrap();
     assert_ne!(recorded, "canceled", "the fault holds the cancel's record back");
     assert!(boxoffice_faults::fired("payments.after_remote") >= 1);
+    // The provider's `payment_intent.canceled` webhook arrives on its own schedule and
+    // commits a re-fetch command to the outbox. Both reads below are single snapshots, so
+    // the webhook must be in and its command published first (the re-fetch itself fails at
+    // the armed fault, like the cancel's retries).
+    eventually(WAIT, "the cancel's webhook was recorded", || async {
+        sqlx::query_scalar::<_, bool>(
+            "SELECT EXISTS (SELECT 1 FROM stripe_events WHERE payment_intent_id = $1 AND type = 'payment_intent.canceled')",
+        )
+        .bind(&pi)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap()
+    })
+    .await;
+    let published = Drain::outbox(WAIT, Duration::from_millis(50)).run(&app.pool).await.unwrap();
+    assert!(published.done, "{published}");
     let opts = boxoffice::commands::audit_options(&app.cfg, 600_000, None, None, false).unwrap();
     let early = audit::run(&app.pool, &opts).await.unwrap();
     let waiting = Drain::orders_of(app.event, Duration::ZERO).run(&app.pool).await.unwrap();
