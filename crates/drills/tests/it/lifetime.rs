@@ -456,6 +456,7 @@ async fn an_audit_before_a_cancel_is_committed_sees_drift_the_drain_waits_out(
         .unwrap()
     })
     .await;
+    assert!(app.sim.wait_webhooks_idle(WAIT).await, "the simulator's webhooks were delivered");
     let published = Drain::outbox(WAIT, Duration::from_millis(50)).run(&app.pool).await.unwrap();
     assert!(published.done, "{published}");
     let opts = boxoffice::commands::audit_options(&app.cfg, 600_000, None, None, false).unwrap();

@@ -460,6 +460,15 @@ async fn the_timeline_tells_who_moved_a_ticketed_and_a_compensated_order(
         }
     })
     .await;
+    // The provider's webhook of the cancel arrives on its own schedule and may commit a
+    // re-fetch command after the wait above; the timeline below is read twice and compared,
+    // so every webhook must be in and its command published first.
+    assert!(app.sim.wait_webhooks_idle(WAIT).await, "the simulator's webhooks were delivered");
+    eventually(WAIT, "the outbox is published", || {
+        let pool = pool.clone();
+        async move { boxoffice_store::outbox::backlog(&pool).await.unwrap().unpublished == 0 }
+    })
+    .await;
     let gw = boxoffice_payments::StripeClient::new(boxoffice_payments::StripeConfig {
         api_base: app.cfg.stripe_api_base.clone(),
         secret_key: app.cfg.stripe_secret_key.clone(),
