@@ -380,8 +380,8 @@ async fn an_expired_orders_pending_cancel_holds_the_drain(_: PgPoolOptions, opts
 /// webhook of the cancel is in and its re-fetch command published (the re-fetch fails at the
 /// same fault), every order is final (one ticketed, one expired) and the outbox empty, and
 /// the audit counts `cancel_not_in_ledger`: a drain that stopped there would fail a healthy
-/// run. The drain counts the expired order alone (not the ticketed one), and once the retry lands it ends
-/// with the audit clean against the provider and no dead letter.
+/// run. The drain counts the expired order alone (not the ticketed one), and once the retry
+/// lands it ends with the audit clean against the provider and no dead letter.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn an_audit_before_a_cancel_is_committed_sees_drift_the_drain_waits_out(
     _: PgPoolOptions,
