@@ -83,7 +83,6 @@ pub struct CellRouter {
     stream_slots: Arc<tokio::sync::Semaphore>,
     stream_max: usize,
     streams_per_ip: Arc<crate::edge::PerClientInFlight>,
-    trusted_proxy_hops: u32,
 }
 
 /// The router's bounds on the order streams it relays.
@@ -155,7 +154,6 @@ impl CellRouter {
                 streams.max_per_ip,
                 streams.trusted_proxy_hops,
             ),
-            trusted_proxy_hops: streams.trusted_proxy_hops,
         })
     }
 
@@ -510,11 +508,13 @@ impl CellRouter {
 
     /// A stream's places in the router's bounds ([`StreamBounds`]), or 429 `too_many_streams`.
     fn admit_stream(&self, peer: SocketAddr, headers: &HeaderMap) -> Result<StreamPlaces, Problem> {
-        let ip =
-            crate::edge::client_ip(Some(peer.ip()), headers, self.trusted_proxy_hops).unwrap_or(peer.ip());
+        let key = self
+            .streams_per_ip
+            .client_key(Some(peer.ip()), headers)
+            .unwrap_or_else(|| crate::edge::bucket_key(peer.ip()));
         let ip = match self.streams_per_ip.max() {
             0 => None,
-            max => Some(self.streams_per_ip.enter(crate::edge::bucket_key(ip)).ok_or_else(|| {
+            max => Some(self.streams_per_ip.enter(key).ok_or_else(|| {
                 metrics::counter!("boxoffice_router_streams_refused_total", "scope" => "ip").increment(1);
                 Problem::too_many_streams("ip", max)
             })?),

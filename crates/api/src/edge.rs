@@ -237,6 +237,13 @@ impl PerClientInFlight {
         self.max
     }
 
+    /// The key a request from `peer` with `headers` is counted under: its client address
+    /// ([`client_ip`] with this limit's trusted proxy hops), grouped by [`bucket_key`];
+    /// `None` when the address is unknown.
+    pub fn client_key(&self, peer: Option<IpAddr>, headers: &HeaderMap) -> Option<String> {
+        client_ip(peer, headers, self.trusted_proxy_hops).map(bucket_key)
+    }
+
     /// Requests `key` has in flight now.
     pub fn in_flight(&self, key: &str) -> usize {
         self.counts.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get(key).copied().unwrap_or(0)
@@ -267,10 +274,10 @@ pub async fn limit_in_flight(
         return next.run(req).await;
     }
     let peer = req.extensions().get::<ConnectInfo<SocketAddr>>().map(|c| c.0.ip());
-    let Some(ip) = client_ip(peer, req.headers(), limit.trusted_proxy_hops) else {
+    let Some(key) = limit.client_key(peer, req.headers()) else {
         return next.run(req).await;
     };
-    match limit.enter(bucket_key(ip)) {
+    match limit.enter(key) {
         Some(place) => {
             let resp = next.run(req).await;
             drop(place);
