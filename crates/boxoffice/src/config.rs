@@ -361,6 +361,14 @@ pub struct Config {
     /// answer, or of a buyer's order stream's head (its events then flow until it ends, or
     /// until the cell sends nothing for three `order_stream_heartbeat_s`).
     pub router_upstream_timeout_ms: u64,
+    /// Proxies of the deployment in front of the router (`http_trusted_proxy_hops` of the
+    /// router role, which counts clients for its per-address bounds). Unset: the router reads
+    /// `http_trusted_proxy_hops`. The cells behind the router must trust one hop more (the
+    /// router appends the address it saw), so one configuration file cannot give both the same
+    /// value: in production, with `cells` listed, this must be set and `http_trusted_proxy_hops`
+    /// must be exactly one more. Too few hops at a cell counts every buyer as the router; too
+    /// many lets a buyer's own `X-Forwarded-For` entry pick the address it is counted as.
+    pub router_trusted_proxy_hops: Option<u32>,
     /// This deployment's region (design §15), declared on every database session and stamped
     /// on every fact (`region` in envelopes and headers). Default `primary`.
     pub region: String,
@@ -702,6 +710,7 @@ impl Default for Config {
             router_bind: "127.0.0.1:8090".into(),
             router_refresh_ms: 1_000,
             router_upstream_timeout_ms: 15_000,
+            router_trusted_proxy_hops: None,
             region: "primary".into(),
             region_epoch: 1,
             witness_database_url: None,
@@ -982,6 +991,12 @@ impl Config {
 
     /// Cells are distinct in name, database, topic prefix and Redis prefix, and the control
     /// database is none of theirs (it belongs to no cell).
+    /// The router role's trusted proxy hops: `router_trusted_proxy_hops`, or
+    /// `http_trusted_proxy_hops` when unset.
+    pub fn router_proxy_hops(&self) -> u32 {
+        self.router_trusted_proxy_hops.unwrap_or(self.http_trusted_proxy_hops)
+    }
+
     fn validate_cells(&self) -> anyhow::Result<()> {
         let mut names = std::collections::HashSet::new();
         let mut dbs = std::collections::HashSet::new();
@@ -1013,6 +1028,20 @@ impl Config {
         }
         if self.router_refresh_ms < 100 || self.router_upstream_timeout_ms < 100 {
             bail!("router_refresh_ms and router_upstream_timeout_ms must be at least 100");
+        }
+        if self.env == Environment::Production && !self.cells.is_empty() {
+            match self.router_trusted_proxy_hops {
+                Some(router) if self.http_trusted_proxy_hops == router + 1 => {}
+                Some(router) => bail!(
+                    "http_trusted_proxy_hops ({}) must be router_trusted_proxy_hops ({router}) + 1: the cells \
+                     behind the router trust its hop too",
+                    self.http_trusted_proxy_hops
+                ),
+                None => bail!(
+                    "router_trusted_proxy_hops must be set when cells are listed (the proxies in front of \
+                     the router; the cells' http_trusted_proxy_hops is one more)"
+                ),
+            }
         }
         self.validate_region()
     }
@@ -1132,8 +1161,8 @@ impl Config {
         if self.http_trust_forwarded_for.is_some() {
             bail!("http_trust_forwarded_for was replaced by http_trusted_proxy_hops (true = 1 hop)");
         }
-        if self.http_trusted_proxy_hops > 16 {
-            bail!("http_trusted_proxy_hops must be 0..=16");
+        if self.http_trusted_proxy_hops > 16 || self.router_trusted_proxy_hops.is_some_and(|h| h > 16) {
+            bail!("http_trusted_proxy_hops and router_trusted_proxy_hops must be 0..=16");
         }
         Ok(())
     }
@@ -2024,6 +2053,26 @@ mod tests {
             let c = Config { cells, ..ok.clone() };
             assert!(c.validate().is_err(), "{:?}", c.cell_names());
         }
+        // In production, the router's hops are set and the cells trust one more.
+        let prod = Config {
+            cells: ok.cells.clone(),
+            control_database_url: ok.control_database_url.clone(),
+            ..production()
+        };
+        for (router, cells, valid) in [
+            (None, 1, false),
+            (Some(1), 1, false),
+            (Some(0), 2, false),
+            (Some(0), 1, true),
+            (Some(1), 2, true),
+        ] {
+            let c =
+                Config { router_trusted_proxy_hops: router, http_trusted_proxy_hops: cells, ..prod.clone() };
+            assert_eq!(c.validate().is_ok(), valid, "router {router:?}, cells {cells}");
+        }
+        let dev = Config { http_trusted_proxy_hops: 1, ..ok.clone() };
+        assert_eq!(dev.router_proxy_hops(), 1, "unset: the router reads http_trusted_proxy_hops");
+        assert_eq!(Config { router_trusted_proxy_hops: Some(0), ..dev }.router_proxy_hops(), 0);
     }
 
     #[test]

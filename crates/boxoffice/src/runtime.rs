@@ -499,7 +499,7 @@ async fn start_router(
             idle: Duration::from_secs(3 * cfg.order_stream_heartbeat_s),
             max: cfg.order_stream_max,
             max_per_ip: cfg.order_stream_max_per_ip,
-            trusted_proxy_hops: cfg.http_trusted_proxy_hops,
+            trusted_proxy_hops: cfg.router_proxy_hops(),
         },
     )?;
     router.refresh(&control).await;
@@ -515,7 +515,7 @@ async fn start_router(
     let app = boxoffice_api::cell_router::app(
         router.clone(),
         cfg.http_max_in_flight_per_ip,
-        cfg.http_trusted_proxy_hops,
+        cfg.router_proxy_hops(),
         metrics_handle(),
     );
     tracing::info!(%addr, "router listening");
