@@ -156,6 +156,9 @@ pub struct P3Result {
     /// until drained): the product's role process, PostgreSQL, and the harness (generator,
     /// simulator, broker).
     pub cpu_ms_per_order: Option<super::procs::CpuMsPerOrder>,
+    /// `cpu_ms_per_order.harness` by part: the load generator, the Stripe simulator and the
+    /// broker (report.json `p3.harness_cpu_ms_per_order`).
+    pub harness_cpu_ms_per_order: Option<super::procs::HarnessMsPerOrder>,
 }
 
 /// The most buyers the run can start: the ramp, then the sustained step at its explicit rate
@@ -463,6 +466,7 @@ async fn drive(
         analyzed_every_5s: analyze,
         sustained_ticketed_per_s: steps.iter().find(|s| s.sustained).map_or(0.0, |s| s.ticketed_per_s),
         cpu_ms_per_order: super::procs::CpuMsPerOrder::of(&sustained_cpu, sustained_ticketed),
+        harness_cpu_ms_per_order: super::procs::HarnessMsPerOrder::of(&sustained_cpu, sustained_ticketed),
         postgres_per_order: pg_before.per_order(&pg_after, sustained_ticketed),
         sustained_ticketed,
         sustained_cpu,

@@ -2,7 +2,8 @@
 //! (every role), the Stripe simulator as a `boxoffice-drills stripe-sim` process and the
 //! broker as a `nisshi` process, apart from the bench's process (the load generator), so
 //! the CPU of each can be read from `/proc` and charged to the product, to PostgreSQL or to
-//! the harness ([`ProcessCpu`]). [`PgCounters`] reads what PostgreSQL did for the bench's
+//! the harness, and within the harness to the generator, the simulator or the broker
+//! ([`ProcessCpu`]). [`PgCounters`] reads what PostgreSQL did for the bench's
 //! database: transactions (`pg_stat_database`) and, when the server loads
 //! `pg_stat_statements`, statements and round trips.
 //!
@@ -58,8 +59,10 @@ pub struct P3Processes {
 pub struct Pids {
     /// The product (`boxoffice serve`).
     pub product: Vec<u32>,
-    /// The simulator and the broker (the bench's own process is added by [`ProcessCpu`]).
-    pub harness: Vec<u32>,
+    /// The Stripe simulator (`boxoffice-drills stripe-sim`).
+    pub simulator: Vec<u32>,
+    /// The broker, when the bench started one (`nisshi`).
+    pub broker: Vec<u32>,
 }
 
 /// Starts `program` with `args`, its output in `<dir>/<name>.log`, an environment of
@@ -274,10 +277,10 @@ impl P3Processes {
         let mut pids = Pids::default();
         for p in &self.procs {
             let Some(id) = p.child.id() else { continue };
-            if p.name == "product" {
-                pids.product.push(id);
-            } else {
-                pids.harness.push(id);
+            match p.name {
+                "product" => pids.product.push(id),
+                "broker" => pids.broker.push(id),
+                _ => pids.simulator.push(id),
             }
         }
         pids
@@ -363,8 +366,16 @@ pub struct ProcessCpu {
     pub product_cores: f64,
     /// Cores used by PostgreSQL processes (every database of the server).
     pub postgres_cores: f64,
-    /// Cores used by the load generator (this process), the simulator and the broker.
+    /// Cores used by the load generator (this process), the simulator and the broker: the sum
+    /// of the three below.
     pub harness_cores: f64,
+    /// Cores used by the load generator: this process (and a broker it runs in-process).
+    pub generator_cores: f64,
+    /// Cores used by the Stripe simulator's process.
+    pub simulator_cores: f64,
+    /// Cores used by the broker's process when the bench started one (0 otherwise: an
+    /// external broker's CPU counts as other).
+    pub broker_cores: f64,
     /// Cores used by everything else (Redis, other work on the machine, an external broker).
     pub other_cores: f64,
 }
@@ -374,7 +385,8 @@ pub struct ProcessCpu {
 pub struct CpuMark {
     at: Instant,
     product: u64,
-    harness: u64,
+    simulator: u64,
+    broker: u64,
     base: super::CpuSnap,
 }
 
@@ -387,7 +399,8 @@ impl CpuMark {
         Self {
             at: Instant::now(),
             product: sum(&pids.product),
-            harness: sum(&pids.harness),
+            simulator: sum(&pids.simulator),
+            broker: sum(&pids.broker),
             base: super::CpuSnap::now(),
         }
     }
@@ -398,7 +411,9 @@ impl CpuMark {
         let cores = |a: u64, b: u64| b.saturating_sub(a) as f64 / super::TICKS_PER_S / seconds;
         let base = self.base.until(&later.base);
         let product = cores(self.product, later.product);
-        let harness = cores(self.harness, later.harness) + base.boxoffice_cores;
+        let simulator = cores(self.simulator, later.simulator);
+        let broker = cores(self.broker, later.broker);
+        let harness = base.boxoffice_cores + simulator + broker;
         let busy = base.machine_busy_pct / 100.0 * cores_of_machine();
         ProcessCpu {
             seconds,
@@ -406,6 +421,9 @@ impl CpuMark {
             product_cores: product,
             postgres_cores: base.postgres_cores,
             harness_cores: harness,
+            generator_cores: base.boxoffice_cores,
+            simulator_cores: simulator,
+            broker_cores: broker,
             other_cores: (busy - product - harness - base.postgres_cores).max(0.0),
         }
     }
@@ -424,6 +442,33 @@ pub struct CpuMsPerOrder {
     pub postgres: f64,
     /// The load generator, the Stripe simulator and the broker.
     pub harness: f64,
+}
+
+/// The harness's CPU-ms per ticketed order, by part (their sum is [`CpuMsPerOrder::harness`]).
+/// What the bench's own processes cost beside the product: the broker's part is work a
+/// production deployment also pays, on the broker's hosts.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct HarnessMsPerOrder {
+    /// The load generator (the bench's process; a broker it runs in-process included).
+    pub generator: f64,
+    /// The Stripe simulator.
+    pub simulator: f64,
+    /// The broker the bench started (0 when it uses an external one).
+    pub broker: f64,
+}
+
+impl HarnessMsPerOrder {
+    /// `cpu`'s harness parts spread over `orders`; None without orders.
+    pub fn of(cpu: &ProcessCpu, orders: i64) -> Option<Self> {
+        (orders > 0).then(|| {
+            let per = |cores: f64| cores * cpu.seconds * 1_000.0 / orders as f64;
+            Self {
+                generator: per(cpu.generator_cores),
+                simulator: per(cpu.simulator_cores),
+                broker: per(cpu.broker_cores),
+            }
+        })
+    }
 }
 
 impl CpuMsPerOrder {

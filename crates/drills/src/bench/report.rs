@@ -465,8 +465,16 @@ pub fn markdown(r: &Report) -> String {
             c.other_cores,
             p3.cpu_ms_per_order
                 .map(|m| format!(
-                    " Per ticketed order: {:.2} CPU-ms in the product, {:.2} in PostgreSQL, {:.2} in the harness.",
-                    m.product, m.postgres, m.harness
+                    " Per ticketed order: {:.2} CPU-ms in the product, {:.2} in PostgreSQL, {:.2} in the harness{}.",
+                    m.product,
+                    m.postgres,
+                    m.harness,
+                    p3.harness_cpu_ms_per_order
+                        .map(|h| format!(
+                            " (generator {:.2}, simulator {:.2}, broker {:.2})",
+                            h.generator, h.simulator, h.broker
+                        ))
+                        .unwrap_or_default()
                 ))
                 .unwrap_or_default()
         );
