@@ -280,7 +280,8 @@ impl P3Processes {
             match p.name {
                 "product" => pids.product.push(id),
                 "broker" => pids.broker.push(id),
-                _ => pids.simulator.push(id),
+                "stripe-sim" => pids.simulator.push(id),
+                other => unreachable!("P3 starts no process named {other}"),
             }
         }
         pids
@@ -369,12 +370,15 @@ pub struct ProcessCpu {
     /// Cores used by the load generator (this process), the simulator and the broker: the sum
     /// of the three below.
     pub harness_cores: f64,
-    /// Cores used by the load generator: this process (and a broker it runs in-process).
+    /// Cores used by the load generator: this process, which also samples the run (outbox
+    /// age, consumer lag, PostgreSQL's counters), runs the `VACUUM (ANALYZE)` of a server
+    /// without autovacuum, and runs the broker when it is the in-process one.
     pub generator_cores: f64,
     /// Cores used by the Stripe simulator's process.
     pub simulator_cores: f64,
-    /// Cores used by the broker's process when the bench started one (0 otherwise: an
-    /// external broker's CPU counts as other).
+    /// Cores used by the broker's process when the bench started one (`nisshi`); 0 with the
+    /// in-process broker (its CPU is the generator's) or an external one (its CPU counts as
+    /// other).
     pub broker_cores: f64,
     /// Cores used by everything else (Redis, other work on the machine, an external broker).
     pub other_cores: f64,
@@ -445,15 +449,18 @@ pub struct CpuMsPerOrder {
 }
 
 /// The harness's CPU-ms per ticketed order, by part (their sum is [`CpuMsPerOrder::harness`]).
-/// What the bench's own processes cost beside the product: the broker's part is work a
-/// production deployment also pays, on the broker's hosts.
+/// What the bench's own processes cost beside the product. Part of it is paid per second,
+/// not per order (the generator's sampling, an idle consumer's polls at the broker), and the
+/// broker's part follows the product's traffic (facts per order, the consumer groups that
+/// read them); a deployment pays that part on its brokers' hosts.
 #[derive(Debug, Clone, Copy, Serialize)]
 pub struct HarnessMsPerOrder {
     /// The load generator (the bench's process; a broker it runs in-process included).
     pub generator: f64,
     /// The Stripe simulator.
     pub simulator: f64,
-    /// The broker the bench started (0 when it uses an external one).
+    /// The broker the bench started; 0 with the in-process broker (counted in `generator`)
+    /// or an external one.
     pub broker: f64,
 }
 

@@ -78,13 +78,14 @@ async fn quick_bench_reports_every_phase_without_oversell(_: PgPoolOptions, opts
         json["p3"]["cpu_ms_per_order"]["product"].is_number(),
         "report.json key p3.cpu_ms_per_order.product"
     );
-    // The harness by part: its three parts add up to it, and the simulator and the generator
-    // always run (the broker's part is 0 when the bench uses an external one).
+    // The harness by part. This bench uses an external broker (the test's), so no process
+    // of the harness is the broker's: its part is 0 and its CPU counts as other; the
+    // generator samples and drives the run, so it is never idle.
     let parts = p3.harness_cpu_ms_per_order.expect("the harness's CPU-ms per ticketed order by part");
-    assert!(parts.generator > 0.0 && parts.simulator > 0.0 && parts.broker >= 0.0, "{parts:?}");
-    let sum = parts.generator + parts.simulator + parts.broker;
-    assert!((sum - cpu.harness).abs() <= 1e-6 * cpu.harness.max(1.0), "{parts:?} against {cpu:?}");
-    assert!(json["p3"]["harness_cpu_ms_per_order"]["broker"].is_number());
+    assert_eq!(parts.broker, 0.0, "an external broker is no part of the harness: {parts:?}");
+    assert!(parts.generator > 0.0, "{parts:?}");
+    assert!(p3.broker.starts_with("external"), "{}", p3.broker);
+    assert_eq!(json["p3"]["harness_cpu_ms_per_order"]["broker"].as_f64(), Some(0.0));
     assert!(json["p3"]["sustained_ticketed_per_s"].is_number());
     let pg = p3.postgres_per_order.as_ref().expect("PostgreSQL per order");
     assert!(pg.transactions >= 5.0, "a ticketed order takes several transactions: {pg:?}");
