@@ -433,6 +433,13 @@ impl CpuMark {
     }
 }
 
+impl ProcessCpu {
+    /// `cores` of this window spread over `orders` (> 0): CPU milliseconds per order.
+    fn ms_per_order(&self, cores: f64, orders: i64) -> f64 {
+        cores * self.seconds * 1_000.0 / orders as f64
+    }
+}
+
 fn cores_of_machine() -> f64 {
     std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) as f64
 }
@@ -467,13 +474,10 @@ pub struct HarnessMsPerOrder {
 impl HarnessMsPerOrder {
     /// `cpu`'s harness parts spread over `orders`; None without orders.
     pub fn of(cpu: &ProcessCpu, orders: i64) -> Option<Self> {
-        (orders > 0).then(|| {
-            let per = |cores: f64| cores * cpu.seconds * 1_000.0 / orders as f64;
-            Self {
-                generator: per(cpu.generator_cores),
-                simulator: per(cpu.simulator_cores),
-                broker: per(cpu.broker_cores),
-            }
+        (orders > 0).then(|| Self {
+            generator: cpu.ms_per_order(cpu.generator_cores, orders),
+            simulator: cpu.ms_per_order(cpu.simulator_cores, orders),
+            broker: cpu.ms_per_order(cpu.broker_cores, orders),
         })
     }
 }
@@ -481,13 +485,10 @@ impl HarnessMsPerOrder {
 impl CpuMsPerOrder {
     /// `cpu` spread over `orders`; None without orders.
     pub fn of(cpu: &ProcessCpu, orders: i64) -> Option<Self> {
-        (orders > 0).then(|| {
-            let per = |cores: f64| cores * cpu.seconds * 1_000.0 / orders as f64;
-            Self {
-                product: per(cpu.product_cores),
-                postgres: per(cpu.postgres_cores),
-                harness: per(cpu.harness_cores),
-            }
+        (orders > 0).then(|| Self {
+            product: cpu.ms_per_order(cpu.product_cores, orders),
+            postgres: cpu.ms_per_order(cpu.postgres_cores, orders),
+            harness: cpu.ms_per_order(cpu.harness_cores, orders),
         })
     }
 }
