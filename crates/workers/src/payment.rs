@@ -472,7 +472,10 @@ impl Handler for PaymentWorker {
                 record_refuted(tx, order_id, &payment_intent_id, why).await?;
             }
             (_, Prepared::Skipped(why)) => {
-                tracing::info!(order.id = %order_id, event.type = %env.event_type, reason = why, "payment command skipped");
+                // Routine on the purchase path (a capture's own webhook arrives before the
+                // worker's record of it: `capture_recorded`), so counted, and logged at debug.
+                metrics::counter!("boxoffice_payment_commands_skipped_total", "reason" => why).increment(1);
+                tracing::debug!(order.id = %order_id, event.type = %env.event_type, reason = why, "payment command skipped");
             }
             (
                 PurchaseEvent::PaymentAuthorizationRequested { amount_minor, currency, .. },
