@@ -323,6 +323,8 @@ async fn metrics_export_the_business_signals(_: PgPoolOptions, opts: PgConnectOp
 /// key) creates no second PaymentIntent: the order already has its payment row.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn a_second_authorization_request_creates_no_second_intent(_: PgPoolOptions, opts: PgConnectOptions) {
+    // This process's metrics (each test runs in a process of its own), from before any role runs.
+    let metrics = boxoffice::runtime::metrics_handle().expect("the process's metrics recorder");
     let app = TestApp::spawn(opts, &[Role::Relay, Role::Payments], VenueSpec::small(1, 1, 4)).await;
     let seat = app.seats().await[0];
     let receipt = hold_directly(&app, seat).await;
@@ -371,5 +373,8 @@ async fn a_second_authorization_request_creates_no_second_intent(_: PgPoolOption
     .await;
     assert_eq!(app.sim.stats().payment_intents_created, 1, "no second intent");
     assert_eq!(app.outbox_count("PaymentIntentCreated", order).await, 1);
+    // The skip is counted by its reason.
+    let skipped = "boxoffice_payment_commands_skipped_total{reason=\"order_not_awaiting_payment_intent\"} 1";
+    assert!(metrics.render().lines().any(|l| l == skipped), "{skipped} in:\n{}", metrics.render());
     app.stop().await;
 }
