@@ -989,14 +989,15 @@ impl Config {
         Ok(())
     }
 
-    /// Cells are distinct in name, database, topic prefix and Redis prefix, and the control
-    /// database is none of theirs (it belongs to no cell).
     /// The router role's trusted proxy hops: `router_trusted_proxy_hops`, or
     /// `http_trusted_proxy_hops` when unset.
     pub fn router_proxy_hops(&self) -> u32 {
         self.router_trusted_proxy_hops.unwrap_or(self.http_trusted_proxy_hops)
     }
 
+    /// Cells are distinct in name, database, topic prefix and Redis prefix, and the control
+    /// database is none of theirs (it belongs to no cell); in production, a configuration
+    /// listing cells sets `router_trusted_proxy_hops` and the cells trust one hop more.
     fn validate_cells(&self) -> anyhow::Result<()> {
         let mut names = std::collections::HashSet::new();
         let mut dbs = std::collections::HashSet::new();

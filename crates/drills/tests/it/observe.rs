@@ -4,6 +4,7 @@
 use crate::helpers::{eventually, problem, Buyer, TestApp};
 use boxoffice::runtime::Role;
 use boxoffice_harness::client::{take_sse_events, SseEvent};
+use boxoffice_harness::drain::Drain;
 use boxoffice_store::timeline::{Actor, Slo};
 use boxoffice_store::venue::VenueSpec;
 use serde_json::Value;
@@ -464,11 +465,8 @@ async fn the_timeline_tells_who_moved_a_ticketed_and_a_compensated_order(
     // re-fetch command after the wait above; the timeline below is read twice and compared,
     // so every webhook must be in and its command published first.
     assert!(app.sim.wait_webhooks_idle(WAIT).await, "the simulator's webhooks were delivered");
-    eventually(WAIT, "the outbox is published", || {
-        let pool = pool.clone();
-        async move { boxoffice_store::outbox::backlog(&pool).await.unwrap().unpublished == 0 }
-    })
-    .await;
+    let published = Drain::outbox(WAIT, Duration::from_millis(50)).run(&pool).await.unwrap();
+    assert!(published.done, "{published}");
     let gw = boxoffice_payments::StripeClient::new(boxoffice_payments::StripeConfig {
         api_base: app.cfg.stripe_api_base.clone(),
         secret_key: app.cfg.stripe_secret_key.clone(),
