@@ -469,13 +469,7 @@ impl CellRouter {
                 headers.append(k.clone(), v.clone());
             }
         }
-        let mut xff: Vec<String> = f
-            .headers
-            .get_all("x-forwarded-for")
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .map(str::to_owned)
-            .collect();
+        let mut xff = crate::edge::forwarded_for_lines(&f.headers);
         xff.push(f.peer.ip().to_string());
         if let Ok(v) = xff.join(", ").parse() {
             headers.insert("x-forwarded-for", v);

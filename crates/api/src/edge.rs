@@ -301,19 +301,31 @@ pub fn client_ip(peer: Option<IpAddr>, headers: &HeaderMap, trusted_proxy_hops: 
     if trusted_proxy_hops == 0 {
         return peer;
     }
-    let entries: Vec<&str> = headers
-        .get_all("x-forwarded-for")
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-        .collect();
+    let lines = forwarded_for_lines(headers);
+    let entries: Vec<&str> =
+        lines.iter().flat_map(|v| v.split(',')).map(str::trim).filter(|s| !s.is_empty()).collect();
     let hops = trusted_proxy_hops as usize;
     let Some(entry) = entries.get(entries.len().saturating_sub(hops)) else {
         return peer;
     };
     parse_forwarded(entry).or(peer)
+}
+
+/// The `X-Forwarded-For` header lines of `headers`, in order, each byte that is not visible
+/// ASCII (or a space or tab) replaced by `?`. A client's unreadable entry stays an entry that
+/// is no address, so it cannot drop the line it shares with a trusted proxy's entry and shift
+/// which entry is counted from the right.
+pub fn forwarded_for_lines(headers: &HeaderMap) -> Vec<String> {
+    headers
+        .get_all("x-forwarded-for")
+        .iter()
+        .map(|v| {
+            v.as_bytes()
+                .iter()
+                .map(|&b| if b == b'\t' || (0x20..0x7f).contains(&b) { b as char } else { '?' })
+                .collect()
+        })
+        .collect()
 }
 
 /// `203.0.113.7`, `203.0.113.7:4711`, `2001:db8::1` or `[2001:db8::1]:443`.
@@ -378,6 +390,16 @@ mod tests {
         assert_eq!(client_ip(PEER, &h, 3), ip("6.6.6.6"));
         // Fewer entries than hops: the leftmost (all of them came from trusted proxies).
         assert_eq!(client_ip(PEER, &xff(&["203.0.113.7"]), 3), ip("203.0.113.7"));
+    }
+
+    #[test]
+    fn an_unreadable_client_entry_keeps_the_proxys_entry_in_place() {
+        // nginx appends to the client's own line: a byte above 0x7f in the client's part must
+        // not drop the proxy's entry with it.
+        let mut h = HeaderMap::new();
+        h.append("x-forwarded-for", HeaderValue::from_bytes(b"1.2.3.4\xff, 203.0.113.7").unwrap());
+        assert_eq!(client_ip(PEER, &h, 1), ip("203.0.113.7"));
+        assert_eq!(forwarded_for_lines(&h), vec!["1.2.3.4?, 203.0.113.7".to_owned()]);
     }
 
     #[test]
