@@ -472,10 +472,16 @@ impl Handler for PaymentWorker {
                 record_refuted(tx, order_id, &payment_intent_id, why).await?;
             }
             (_, Prepared::Skipped(why)) => {
-                // Routine on the purchase path (a capture's own webhook arrives before the
-                // worker's record of it: `capture_recorded`), so counted, and logged at debug.
                 metrics::counter!("boxoffice_payment_commands_skipped_total", "reason" => why).increment(1);
-                tracing::debug!(order.id = %order_id, event.type = %env.event_type, reason = why, "payment command skipped");
+                // `capture_recorded` is routine on the purchase path (a capture's own webhook
+                // arrives before the worker's record of it) and `already_applied` a
+                // redelivery; any other skip is a command the ledger no longer wants (a stale,
+                // replayed or forged one, or a bug), which an operator should see.
+                if matches!(why, CAPTURE_RECORDED | ALREADY_APPLIED) {
+                    tracing::debug!(order.id = %order_id, event.type = %env.event_type, reason = why, "payment command skipped");
+                } else {
+                    tracing::warn!(order.id = %order_id, event.type = %env.event_type, reason = why, "payment command skipped");
+                }
             }
             (
                 PurchaseEvent::PaymentAuthorizationRequested { amount_minor, currency, .. },
