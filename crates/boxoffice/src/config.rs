@@ -613,7 +613,10 @@ pub struct Config {
     pub stripe_max_in_flight: usize,
     /// Outbox rows per relay batch.
     pub relay_batch: i64,
-    /// Relay lease on claimed rows, ms (must exceed the producer's 30 s delivery timeout).
+    /// The relay's lease, ms: how long the leading relay's PostgreSQL session may sit idle
+    /// before the server ends it (`idle_session_timeout`) and with it the outbox's lock, so a
+    /// standing-by relay takes over from a frozen or unreachable one. Must exceed the
+    /// producer's 30 s delivery timeout (a slow broker must not cost the lock).
     pub relay_lease_ms: i64,
     /// Published outbox rows move to the order history after this many seconds.
     pub outbox_retention_s: i64,

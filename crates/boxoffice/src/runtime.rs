@@ -311,7 +311,8 @@ pub async fn start(
                     history_retention_s: cfg.order_history_retention_days.saturating_mul(86_400),
                     ..Default::default()
                 };
-                tasks.push(("relay", tokio::spawn(relay::run(pool, producer, k, id, settings, sd))));
+                let c = connect.clone();
+                tasks.push(("relay", tokio::spawn(relay::run(pool, c, producer, k, id, settings, sd))));
             }
             Role::Saga | Role::Payments | Role::Tickets => {
                 let (k, p) = (kafka.as_ref().expect("kafka"), producer.clone().expect("kafka"));

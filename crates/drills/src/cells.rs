@@ -271,8 +271,8 @@ async fn drill(
     cfg.http_trusted_proxy_hops = 1;
     cfg.kafka_partitions = 4;
     cfg.consumer_lanes = 2;
-    // Messages that failed during the outage come back within the run; rows a relay claimed
-    // just before the cut wait out the shortest valid lease.
+    // Messages that failed during the outage come back within the run; a leading relay cut
+    // off from PostgreSQL keeps the outbox's lock for the shortest valid lease.
     cfg.consumer_retry_1m_delay_ms = 15_000;
     cfg.relay_lease_ms = 31_000;
     // Two all-roles deployments on one server: 20 connections each at most.

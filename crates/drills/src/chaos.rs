@@ -1044,7 +1044,8 @@ fn role_procs(
         // HTTP balancer would append, so the per-IP buckets see buyers, not the balancer.
         ("BOXOFFICE_HTTP_TRUSTED_PROXY_HOPS", "1".to_owned()),
         ("BOXOFFICE_REDIS_KEY_PREFIX", format!("{}chaos:{tag}:", cfg.redis_key_prefix, tag = db_name)),
-        // Small pools: twelve processes share one PostgreSQL server (24 connections at most).
+        // Small pools: twelve processes share one PostgreSQL server (24 connections at most,
+        // plus each API process's release controller and each relay's own session).
         ("BOXOFFICE_DB_POOL_API", "3".to_owned()),
         ("BOXOFFICE_DB_POOL_WEBHOOKS", "1".to_owned()),
         ("BOXOFFICE_DB_POOL_RELAY", "1".to_owned()),
@@ -1055,8 +1056,9 @@ fn role_procs(
         ("BOXOFFICE_CONSUMER_LANES", "2".to_owned()),
         // Messages that exhaust the inline attempts during an outage come back within the run.
         ("BOXOFFICE_CONSUMER_RETRY_1M_DELAY_MS", "15000".to_owned()),
-        // Rows claimed by a relay that is then killed wait out its lease: the shortest valid
-        // one (just above the producer's 30 s delivery timeout) keeps the drain short.
+        // A leading relay whose PostgreSQL session goes silent (cut off, not killed) keeps the
+        // outbox's lock for its lease: the shortest valid one (just above the producer's 30 s
+        // delivery timeout) keeps the drain short.
         ("BOXOFFICE_RELAY_LEASE_MS", "31000".to_owned()),
     ]
     .map(|(k, v)| (k.to_owned(), v))

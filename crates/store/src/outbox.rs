@@ -1,8 +1,10 @@
 //! The transactional outbox (design §7, invariant 5): business writes insert their events here
-//! in the same transaction; the relay claims rows with a lease (`FOR UPDATE SKIP LOCKED`),
-//! commits the claim, publishes outside any transaction, and marks only rows still leased to
-//! it as published. A relay that dies mid-batch leaves rows whose lease expires and another
-//! relay publishes them again: at-least-once, made harmless by the consumers' inbox.
+//! in the same transaction; one relay at a time publishes them, the one whose session holds
+//! [`RELAY_LOCK`]: it reads the oldest unpublished rows ([`pending_batch`], checked by the
+//! region fence), publishes outside any transaction and marks what the broker acknowledged
+//! ([`mark_published`]). A relay that dies mid-batch leaves its rows unpublished; the relay
+//! that takes the lock next publishes them again: at-least-once, made harmless by the
+//! consumers' inbox.
 //!
 //! Every row also stores the W3C `traceparent` of the span that wrote it (design §16; NULL
 //! when tracing is off or there is no span), in the same INSERT: the relay sends the stored
@@ -152,7 +154,7 @@ pub async fn insert_traced_with_inbox(
     Ok(())
 }
 
-/// A claimed outbox row: the logical topic, key and serialized envelope.
+/// An unpublished outbox row: the logical topic, key and serialized envelope.
 #[derive(Debug, sqlx::FromRow)]
 pub struct OutboxRow {
     /// The envelope's event id.
@@ -198,41 +200,45 @@ impl OutboxRow {
     }
 }
 
-/// Claims up to `limit` unpublished rows whose lease is free or expired, oldest first, for
-/// `relay` for `lease_ms` milliseconds, and commits the claim before returning.
-pub async fn claim_batch(
-    pool: &PgPool,
-    relay: &str,
-    limit: i64,
-    lease_ms: i64,
-) -> Result<Vec<OutboxRow>, sqlx::Error> {
+/// The session-level advisory lock that makes one relay at a time publish this ledger's
+/// outbox: the key pair (`'BXR1'`, 1), beside the region fence's ([`crate::region::FENCE_LOCK`]).
+/// Held by the leading relay's own connection for as long as that session lives; a relay that
+/// crashes, loses its network or stays silent past its session's `idle_session_timeout`
+/// gives it up with the session, and a standing-by relay takes it on its next try.
+pub const RELAY_LOCK: (i32, i32) = (1_113_084_465, 1);
+
+/// Tries [`RELAY_LOCK`] on `c`'s session; `true` when this session holds it (again: the lock
+/// is re-entrant, so the holder may ask twice).
+pub async fn try_relay_lock(c: &mut sqlx::PgConnection) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar("SELECT pg_try_advisory_lock($1, $2)")
+        .bind(RELAY_LOCK.0)
+        .bind(RELAY_LOCK.1)
+        .fetch_one(&mut *c)
+        .await
+}
+
+/// Reads up to `limit` unpublished rows, oldest first, for the relay that holds
+/// [`RELAY_LOCK`] (the lock, not a per-row claim, keeps two relays from publishing the same
+/// rows; the caller must hold it). Nothing is written: the rows stay unpublished until
+/// [`mark_published`].
+///
+/// The statement runs the region fence's check (migration 0013) as a write would, through an
+/// `UPDATE` of no row (statement-level triggers fire all the same): a relay whose session
+/// declares an epoch the ledger has moved past, or whose region's lease has lapsed, gets the
+/// fence's refusal ([`crate::region::refusal`]) and publishes nothing.
+pub async fn pending_batch(c: &mut sqlx::PgConnection, limit: i64) -> Result<Vec<OutboxRow>, sqlx::Error> {
     sqlx::query_as(
-        "WITH picked AS (
-            SELECT id FROM outbox
-            WHERE published_at IS NULL
-              AND (claim_expires_at IS NULL OR claim_expires_at < clock_timestamp())
-            ORDER BY created_at
-            LIMIT $2
-            FOR UPDATE SKIP LOCKED
-         )
-         UPDATE outbox o
-            SET claimed_by = $1,
-                claim_expires_at = clock_timestamp() + make_interval(secs => $3::double precision / 1000.0),
-                publish_attempts = o.publish_attempts + 1
-           FROM picked
-          WHERE o.id = picked.id
-         RETURNING o.id, o.topic, o.message_key, o.event_type, o.payload, o.created_at, o.region, o.region_epoch,
-                   o.traceparent",
+        "WITH fence AS (UPDATE outbox SET published_at = NULL WHERE false RETURNING id)
+         SELECT o.id, o.topic, o.message_key, o.event_type, o.payload, o.created_at, o.region, o.region_epoch,
+                o.traceparent
+           FROM outbox o
+          WHERE o.published_at IS NULL AND NOT EXISTS (SELECT 1 FROM fence)
+          ORDER BY o.created_at
+          LIMIT $1",
     )
-    .bind(relay)
     .bind(limit)
-    .bind(lease_ms as f64)
-    .fetch_all(pool)
+    .fetch_all(&mut *c)
     .await
-    .map(|mut rows: Vec<OutboxRow>| {
-        rows.sort_by_key(|r| r.created_at);
-        rows
-    })
 }
 
 /// The channel [`mark_published`] notifies: the payload is a comma-separated list of the
@@ -243,46 +249,33 @@ pub const ORDER_CHANNEL: &str = "boxoffice_orders";
 /// PostgreSQL's 8,000-byte payload limit.
 pub const NOTIFY_IDS: i64 = 200;
 
-/// Marks `ids` published, but only those still leased to `relay` (a relay whose lease ran
-/// out must not overwrite another relay's claim). Returns how many rows were marked.
+/// Marks those of `ids` that are still unpublished as published and counts the publication
+/// in `publish_attempts`. Returns how many rows were marked (a row marked already, by a relay
+/// that led before this one, is not marked again).
 ///
 /// The same statement notifies [`ORDER_CHANNEL`] with the distinct order ids of the rows it
 /// marked (the buyers' live order status, `GET /orders/{id}/events`): one notifying
 /// transaction per relay batch, since PostgreSQL serializes the commits of notifying
 /// transactions.
-pub async fn mark_published(pool: &PgPool, relay: &str, ids: &[Uuid]) -> Result<u64, sqlx::Error> {
+pub async fn mark_published(c: &mut sqlx::PgConnection, ids: &[Uuid]) -> Result<u64, sqlx::Error> {
     let marked: i64 = sqlx::query_scalar(
         "WITH marked AS (
-            UPDATE outbox SET published_at = clock_timestamp(), claimed_by = NULL, claim_expires_at = NULL
-             WHERE id = ANY($1) AND claimed_by = $2 AND published_at IS NULL
+            UPDATE outbox SET published_at = clock_timestamp(), publish_attempts = publish_attempts + 1
+             WHERE id = ANY($1) AND published_at IS NULL
             RETURNING message_key),
          keys AS (
-            SELECT k, (row_number() OVER (ORDER BY k) - 1) / $4 AS chunk
+            SELECT k, (row_number() OVER (ORDER BY k) - 1) / $3 AS chunk
               FROM (SELECT DISTINCT message_key AS k FROM marked) d),
          sent AS (
-            SELECT pg_notify($3, string_agg(k, ',')) FROM keys GROUP BY chunk)
+            SELECT pg_notify($2, string_agg(k, ',')) FROM keys GROUP BY chunk)
          SELECT (SELECT count(*) FROM marked) + 0 * (SELECT count(*) FROM sent)",
     )
     .bind(ids)
-    .bind(relay)
     .bind(ORDER_CHANNEL)
     .bind(NOTIFY_IDS)
-    .fetch_one(pool)
+    .fetch_one(&mut *c)
     .await?;
     Ok(marked as u64)
-}
-
-/// Gives back the lease on `ids` (publish failed) so another attempt can start at once.
-pub async fn release_claim(pool: &PgPool, relay: &str, ids: &[Uuid]) -> Result<(), sqlx::Error> {
-    sqlx::query(
-        "UPDATE outbox SET claimed_by = NULL, claim_expires_at = NULL
-          WHERE id = ANY($1) AND claimed_by = $2 AND published_at IS NULL",
-    )
-    .bind(ids)
-    .bind(relay)
-    .execute(pool)
-    .await?;
-    Ok(())
 }
 
 /// Backlog figures: unpublished rows and the age of the oldest one in milliseconds (0 when

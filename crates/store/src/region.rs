@@ -376,13 +376,10 @@ pub async fn promote(pool: &PgPool, wait_s: i32) -> Result<bool, sqlx::Error> {
 /// `relay_outbox_retention_s`, which must exceed the worst replication lag plus the
 /// republish margin (`Config::validate`).
 pub async fn republish(pool: &PgPool, since: DateTime<Utc>) -> Result<u64, sqlx::Error> {
-    let r = sqlx::query(
-        "UPDATE outbox SET published_at = NULL, claimed_by = NULL, claim_expires_at = NULL
-          WHERE created_at >= $1",
-    )
-    .bind(since)
-    .execute(pool)
-    .await?;
+    let r = sqlx::query("UPDATE outbox SET published_at = NULL WHERE created_at >= $1")
+        .bind(since)
+        .execute(pool)
+        .await?;
     Ok(r.rows_affected())
 }
 

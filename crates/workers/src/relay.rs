@@ -1,14 +1,22 @@
-//! The outbox relay (design §7, invariant 5): claim a batch of unpublished rows with a lease
-//! (`FOR UPDATE SKIP LOCKED`, claim committed before publishing), publish them with the
-//! idempotent producer, await every delivery report, then mark published only the rows
-//! still leased to this relay. Several relays may run at once; a relay that dies after the
-//! broker acknowledged but before marking leaves rows whose lease expires and that another
-//! relay publishes again — a duplicate the consumers' inbox absorbs, never a loss.
+//! The outbox relay (design §7, invariant 5): one relay at a time publishes, the one whose
+//! own PostgreSQL session holds the outbox's advisory lock ([`outbox::RELAY_LOCK`]). The
+//! leader reads the oldest unpublished rows (through the region fence: a fenced relay
+//! publishes nothing), publishes them with the idempotent producer, awaits every delivery
+//! report, then marks the delivered rows published. Every process running the relay role
+//! runs one; the others stand by and try the lock every [`STANDBY_TRY`].
 //!
-//! Fault points: `relay.before_publish` (claimed, nothing sent), `relay.after_publish` (the
-//! broker acknowledged, the rows are not marked: an injected error releases the claim so
-//! the rows are published again at once — the duplicate §17 asks to prove harmless) and
-//! `relay.after_commit` (marked).
+//! The lock lives as long as the leader's session: a relay that crashes or loses its network
+//! gives it up at once, and one that goes silent (a frozen process, a host PostgreSQL can
+//! no longer reach) once its session has sat idle for the relay's lease
+//! (`relay_lease_ms`, the session's `idle_session_timeout`, longer than the producer's
+//! delivery timeout so that a slow broker does not cost the lock). Rows the old leader
+//! published but had not marked are published again by the next: a duplicate the
+//! consumers' inbox absorbs, never a loss. A leader whose connection fails gives the lock
+//! up and tries again from a new connection.
+//!
+//! Fault points: `relay.before_publish` (read, nothing sent), `relay.after_publish` (the
+//! broker acknowledged, the rows are not marked: they are published again by the next
+//! batch — the duplicate §17 asks to prove harmless) and `relay.after_commit` (marked).
 //!
 //! **Trace context** (design §16). Each message carries the row's stored `traceparent` as its
 //! `traceparent` header — the context of the span that committed the fact, never the
@@ -23,16 +31,18 @@ use rdkafka::error::KafkaError;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::types::RDKafkaErrorCode;
-use sqlx::PgPool;
+use sqlx::postgres::PgConnectOptions;
+use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 /// Relay tuning.
 #[derive(Debug, Clone)]
 pub struct RelaySettings {
-    /// Rows claimed per batch.
+    /// Rows read and published per batch.
     pub batch: i64,
-    /// Lease on claimed rows, ms; must exceed the producer's delivery timeout.
+    /// How long the leader's session may sit idle before PostgreSQL ends it and with it the
+    /// lead (`idle_session_timeout`), ms; must exceed the producer's delivery timeout.
     pub lease_ms: i64,
     /// Pause when the outbox is empty, ms.
     pub idle_ms: u64,
@@ -54,9 +64,15 @@ impl Default for RelaySettings {
     }
 }
 
-/// Runs the relay until `shutdown`; the in-flight batch is finished first.
+/// How often a relay that does not lead tries the lock.
+pub const STANDBY_TRY: Duration = Duration::from_millis(500);
+
+/// Runs the relay until `shutdown`; the in-flight batch is finished first. `connect` opens
+/// the relay's own session (the lock's holder, its reads and marks); `pool` serves the
+/// backlog gauge and the pruning.
 pub async fn run(
     pool: PgPool,
+    connect: PgConnectOptions,
     producer: FutureProducer,
     kafka: KafkaConfig,
     relay_id: String,
@@ -66,6 +82,8 @@ pub async fn run(
     let mut failures = 0u32;
     let mut last_gauge = std::time::Instant::now() - Duration::from_secs(5);
     let mut last_prune = std::time::Instant::now();
+    let mut session: Option<PgConnection> = None;
+    let mut leading = false;
     while !shutdown.is_cancelled() {
         if last_gauge.elapsed() >= Duration::from_secs(1) {
             last_gauge = std::time::Instant::now();
@@ -74,7 +92,7 @@ pub async fn run(
                 metrics::gauge!("boxoffice_outbox_oldest_unpublished_age_ms").set(b.oldest_age_ms as f64);
             }
         }
-        if last_prune.elapsed() >= Duration::from_secs(30) {
+        if leading && last_prune.elapsed() >= Duration::from_secs(30) {
             last_prune = std::time::Instant::now();
             if let Err(e) = outbox::prune_published(&pool, settings.retention_s, 10_000).await {
                 tracing::warn!(relay = %relay_id, error = %e, "pruning published outbox rows failed");
@@ -85,28 +103,106 @@ pub async fn run(
                 tracing::warn!(relay = %relay_id, error = %e, "pruning the order history failed");
             }
         }
-        match publish_batch(&pool, &producer, &kafka, &relay_id, &settings).await {
-            Ok(n) => {
-                failures = 0;
-                if n < settings.batch as usize {
-                    tokio::select! {
-                        _ = shutdown.cancelled() => {}
-                        _ = tokio::time::sleep(Duration::from_millis(settings.idle_ms)) => {}
+        let pause = match lead(&mut session, &mut leading, &connect, &relay_id, &settings).await {
+            Ok(false) => STANDBY_TRY,
+            Ok(true) => {
+                let c = session.as_mut().expect("leading on a session");
+                match publish_batch(c, &producer, &kafka, &relay_id, &settings).await {
+                    Ok(n) => {
+                        failures = 0;
+                        if n < settings.batch as usize {
+                            Duration::from_millis(settings.idle_ms)
+                        } else {
+                            Duration::ZERO
+                        }
+                    }
+                    Err(e) => {
+                        failures += 1;
+                        metrics::counter!("boxoffice_relay_errors_total").increment(1);
+                        tracing::warn!(relay = %relay_id, error = %format!("{e:#}"), failures, "relay batch failed");
+                        if e.downcast_ref::<sqlx::Error>().is_some_and(session_lost) {
+                            give_up(&mut session, &mut leading, &relay_id, "its session failed");
+                        }
+                        crate::backoff(failures, 50, 2_000)
                     }
                 }
             }
             Err(e) => {
                 failures += 1;
                 metrics::counter!("boxoffice_relay_errors_total").increment(1);
-                tracing::warn!(relay = %relay_id, error = %format!("{e:#}"), failures, "relay batch failed");
-                tokio::select! {
-                    _ = shutdown.cancelled() => {}
-                    _ = tokio::time::sleep(crate::backoff(failures, 50, 2_000)) => {}
-                }
+                tracing::warn!(relay = %relay_id, error = %e, failures, "relay cannot reach PostgreSQL");
+                give_up(&mut session, &mut leading, &relay_id, "its session failed");
+                crate::backoff(failures, 50, 2_000)
+            }
+        };
+        if !pause.is_zero() {
+            tokio::select! {
+                _ = shutdown.cancelled() => {}
+                _ = tokio::time::sleep(pause) => {}
             }
         }
     }
+    if leading {
+        metrics::gauge!("boxoffice_relay_leader").set(0.0);
+    }
+    // Closing the session gives the lock up at once (a standing-by relay takes it next try).
+    if let Some(c) = session {
+        let _ = tokio::time::timeout(Duration::from_secs(1), c.close()).await;
+    }
     tracing::info!(relay = %relay_id, "relay stopped");
+}
+
+/// Whether this relay leads after this call: opens its session when it has none and tries
+/// the lock when it does not hold it. An error means the session is unusable.
+async fn lead(
+    session: &mut Option<PgConnection>,
+    leading: &mut bool,
+    connect: &PgConnectOptions,
+    relay_id: &str,
+    settings: &RelaySettings,
+) -> Result<bool, sqlx::Error> {
+    if *leading {
+        return Ok(true);
+    }
+    let bound = Duration::from_millis(settings.lease_ms.max(1) as u64);
+    if session.is_none() {
+        let opts = connect
+            .clone()
+            .application_name("boxoffice-relay")
+            .options([("idle_session_timeout", settings.lease_ms.to_string())]);
+        *session = Some(tokio::time::timeout(bound, opts.connect()).await.map_err(|_| timed_out())??);
+    }
+    let c = session.as_mut().expect("connected");
+    if tokio::time::timeout(bound, outbox::try_relay_lock(c)).await.map_err(|_| timed_out())?? {
+        *leading = true;
+        metrics::gauge!("boxoffice_relay_leader").set(1.0);
+        tracing::info!(relay = %relay_id, "relay: holding the outbox's lock, publishing");
+    }
+    Ok(*leading)
+}
+
+/// Drops the session, and with it the lock and the lead.
+fn give_up(session: &mut Option<PgConnection>, leading: &mut bool, relay_id: &str, why: &str) {
+    if std::mem::take(leading) {
+        metrics::gauge!("boxoffice_relay_leader").set(0.0);
+        tracing::warn!(relay = %relay_id, why, "relay: gave up the outbox's lock");
+    }
+    *session = None;
+}
+
+fn timed_out() -> sqlx::Error {
+    sqlx::Error::Io(std::io::Error::new(std::io::ErrorKind::TimedOut, "relay: PostgreSQL call timed out"))
+}
+
+/// Whether `e` means the session is gone (and with it the lock): the connection failed, or
+/// the server ended the session (SQLSTATE classes 08, connection exception, and 57P, e.g.
+/// `57P05` after `idle_session_timeout`).
+fn session_lost(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::Protocol(_) => true,
+        sqlx::Error::Database(db) => db.code().is_some_and(|c| c.starts_with("08") || c.starts_with("57P")),
+        _ => false,
+    }
 }
 
 /// The producer span of one row, a child of the row's stored context (a span of its own trace
@@ -138,24 +234,26 @@ fn publish_span(kafka: &KafkaConfig, topic: &str, row: &outbox::OutboxRow) -> tr
     span
 }
 
-/// Claims, publishes and marks one batch; returns how many rows were claimed.
+/// Reads, publishes and marks one batch on the leader's session `c` (which must hold
+/// [`outbox::RELAY_LOCK`]); returns how many rows were read. A database error from `c`, and a
+/// call to it that outlasts the lease (an unreachable server), is returned as an
+/// `sqlx::Error`, so the caller can tell a lost session.
 pub async fn publish_batch(
-    pool: &PgPool,
+    c: &mut PgConnection,
     producer: &FutureProducer,
     kafka: &KafkaConfig,
     relay_id: &str,
     settings: &RelaySettings,
 ) -> anyhow::Result<usize> {
-    let rows = outbox::claim_batch(pool, relay_id, settings.batch, settings.lease_ms).await?;
+    let bound = Duration::from_millis(settings.lease_ms.max(1) as u64);
+    let rows = tokio::time::timeout(bound, outbox::pending_batch(c, settings.batch))
+        .await
+        .map_err(|_| timed_out())??;
     if rows.is_empty() {
         return Ok(0);
     }
-    let claimed = rows.len();
-    if let Err(e) = boxoffice_faults::check("relay.before_publish") {
-        let ids: Vec<_> = rows.iter().map(|r| r.id).collect();
-        outbox::release_claim(pool, relay_id, &ids).await?;
-        return Err(e.into());
-    }
+    let read = rows.len();
+    boxoffice_faults::check("relay.before_publish")?;
     let encoded: Vec<(String, Vec<u8>)> = rows
         .iter()
         .map(|row| Ok((kafka.topic(&row.topic), row.message()?)))
@@ -213,26 +311,18 @@ pub async fn publish_batch(
             Err(_canceled) => failed.push(id),
         }
     }
-    if let Err(e) = boxoffice_faults::check("relay.after_publish") {
-        // As if the relay died here: delivered but unmarked, so they go out again.
-        let mut all = delivered;
-        all.extend(failed);
-        outbox::release_claim(pool, relay_id, &all).await?;
-        return Err(e.into());
-    }
+    // As if the relay died here: delivered but unmarked, so the next batch sends them again.
+    boxoffice_faults::check("relay.after_publish")?;
     if !delivered.is_empty() {
-        let marked = outbox::mark_published(pool, relay_id, &delivered).await?;
+        let marked = tokio::time::timeout(bound, outbox::mark_published(c, &delivered))
+            .await
+            .map_err(|_| timed_out())??;
         metrics::counter!("boxoffice_outbox_published_total").increment(marked);
-        if marked < delivered.len() as u64 {
-            // Our lease ran out and another relay owns these rows now: it will publish them
-            // again, and the consumers' inbox makes the duplicate harmless.
-            metrics::counter!("boxoffice_outbox_lease_lost_total").increment(delivered.len() as u64 - marked);
-        }
     }
     if !failed.is_empty() {
-        outbox::release_claim(pool, relay_id, &failed).await?;
-        anyhow::bail!("{} of {} messages were not delivered", failed.len(), claimed);
+        // Unmarked: the next batch reads them again, oldest first.
+        anyhow::bail!("{} of {} messages were not delivered", failed.len(), read);
     }
     boxoffice_faults::check("relay.after_commit")?;
-    Ok(claimed)
+    Ok(read)
 }

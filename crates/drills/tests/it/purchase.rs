@@ -5,7 +5,7 @@
 
 use crate::helpers::{eventually, TestApp};
 use boxoffice::runtime::Role;
-use boxoffice_domain::{Envelope, PurchaseEvent, SeatId, UserId};
+use boxoffice_domain::{Envelope, OrderId, PurchaseEvent, SeatId, UserId};
 use boxoffice_store::holds::{self, ReserveRequest};
 use boxoffice_store::venue::VenueSpec;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -78,7 +78,8 @@ async fn declined_card_then_hold_expiry_releases_seats_and_cancels(_: PgPoolOpti
 }
 
 /// Design §17 / C11: the relay crashes after the broker acknowledged but before it marked
-/// the row; the lease expires, the message is published again, and the saga applies it once.
+/// the row; the relay that leads next publishes the message again, and the saga applies it
+/// once.
 /// The fact is a `HoldCreated` as a writer from before `saga::hold_created` wrote it (without
 /// its authorization request), on which the saga emits `PaymentAuthorizationRequested` while
 /// the order is `held`: applied twice, it would emit two.
@@ -117,15 +118,12 @@ async fn republished_message_is_applied_once(_: PgPoolOptions, opts: PgConnectOp
     })
     .await;
 
-    // The crash: the row looks claimed by a dead relay whose lease has run out.
-    sqlx::query(
-        "UPDATE outbox SET published_at = NULL, claimed_by = 'dead-relay', claim_expires_at = now() - interval '1 second'
-          WHERE id = $1",
-    )
-    .bind(older.event_id)
-    .execute(&app.pool)
-    .await
-    .unwrap();
+    // The crash: the row is unpublished, as a relay that died before marking it leaves it.
+    sqlx::query("UPDATE outbox SET published_at = NULL WHERE id = $1")
+        .bind(older.event_id)
+        .execute(&app.pool)
+        .await
+        .unwrap();
     // A later fact for the same order (same partition, so consumed after the duplicate).
     let marker = Envelope::new(
         receipt.order_id,
@@ -160,6 +158,68 @@ async fn republished_message_is_applied_once(_: PgPoolOptions, opts: PgConnectOp
         .unwrap();
     assert_eq!(republished, 2, "the row was published a second time");
     assert_eq!(requested(app.pool.clone()).await, 2, "the duplicate had no second effect");
+    app.stop().await;
+}
+
+/// Design §7: one relay at a time publishes. While another session holds the outbox's lock
+/// (a leader in another process), the process's relay stands by and publishes nothing; when
+/// that session ends (the leader crashed), the relay takes the lock and publishes what the
+/// leader left.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn a_standing_by_relay_publishes_once_the_leaders_session_ends(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    use sqlx::{ConnectOptions, Connection};
+    let mut leader = opts.connect().await.unwrap();
+    assert!(boxoffice_store::outbox::try_relay_lock(&mut leader).await.unwrap());
+    let app = TestApp::spawn(opts, &[Role::Relay], VenueSpec::small(1, 1, 4)).await;
+    let order = OrderId(Uuid::new_v4());
+    let fact = Envelope::new(
+        order,
+        &PurchaseEvent::PaymentIntentCreated {
+            order_id: order,
+            payment_intent_id: "pi_standby".into(),
+            status: "requires_payment_method".into(),
+        },
+        Uuid::new_v4(),
+        None,
+    );
+    let mut tx = app.pool.begin().await.unwrap();
+    boxoffice_store::outbox::insert(&mut tx, boxoffice_domain::Topic::Purchase, &fact).await.unwrap();
+    tx.commit().await.unwrap();
+    let committed: chrono::DateTime<chrono::Utc> =
+        sqlx::query_scalar("SELECT clock_timestamp()").fetch_one(&app.pool).await.unwrap();
+    let published = |pool: sqlx::PgPool| async move {
+        sqlx::query_scalar::<_, bool>("SELECT published_at IS NOT NULL FROM outbox WHERE id = $1")
+            .bind(fact.event_id)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    // The relay's session has tried the lock since the row committed (a standby's only
+    // statement), so it has had its chance to publish it.
+    let pool = app.pool.clone();
+    eventually(WAIT, "the relay tried the lock after the commit", || {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM pg_stat_activity
+                  WHERE datname = current_database() AND application_name = 'boxoffice-relay'
+                    AND state = 'idle' AND query LIKE 'SELECT pg_try_advisory_lock%' AND query_start > $1",
+            )
+            .bind(committed)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+                == 1
+        }
+    })
+    .await;
+    assert!(!published(app.pool.clone()).await, "a relay without the lock published");
+    leader.close().await.unwrap();
+    let pool = app.pool.clone();
+    eventually(WAIT, "published once the leader's session ended", || published(pool.clone())).await;
     app.stop().await;
 }
 

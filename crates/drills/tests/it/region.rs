@@ -303,6 +303,22 @@ async fn facts_of_a_fenced_writer_outside_the_cut_are_parked(pool: PgPoolOptions
     assert_eq!(parked, 1);
 }
 
+/// A relay whose session declares a fenced epoch has nothing to publish: its batch read runs
+/// the fence's check as a write would (BXF01), while a relay of the current epoch reads the
+/// same unpublished row.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn a_fenced_relay_reads_nothing_to_publish(pool: PgPoolOptions, opts: PgConnectOptions) {
+    use sqlx::ConnectOptions;
+    let admin = pool.connect_with(opts.clone()).await.unwrap();
+    raw_outbox_write(&admin).await.unwrap();
+    region::fence(&admin, &writer("dr", 2), "test").await.unwrap();
+    let mut old = region::writer_options(opts.clone(), &writer("primary", 1)).connect().await.unwrap();
+    let e = boxoffice_store::outbox::pending_batch(&mut old, 10).await.expect_err("fenced");
+    assert_eq!(region::refusal(&e), Some(Refusal::Fenced));
+    let mut current = region::writer_options(opts, &writer("dr", 2)).connect().await.unwrap();
+    assert_eq!(boxoffice_store::outbox::pending_batch(&mut current, 10).await.unwrap().len(), 1);
+}
+
 /// `region republish` marks the outbox rows of the recovery window unpublished again (and no
 /// older ones), as a writer of the current epoch; a writer of the fenced epoch cannot.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]

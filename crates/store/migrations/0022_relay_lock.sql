@@ -1,0 +1,11 @@
+-- One relay at a time publishes the outbox, the one whose session holds the advisory lock
+-- (1113084465, 1) ('BXR1', 1; `boxoffice_store::outbox::RELAY_LOCK`), instead of every relay
+-- claiming rows with a lease (design §7, §12). The claim was an UPDATE of every row before it
+-- was published (a new row version, the fence's and the lease's triggers, WAL), and the mark
+-- a second one after; the rows now get only the mark.
+--
+-- The claim's columns go. A relay of an older build fails its claim from now on and publishes
+-- nothing (its rows stay unpublished, none is lost) until it is replaced; a relay of this
+-- build publishes meanwhile. publish_attempts now counts how many times a row was marked
+-- published (more than once when a failover republishes it).
+ALTER TABLE outbox DROP COLUMN claimed_by, DROP COLUMN claim_expires_at;
