@@ -38,9 +38,31 @@ pub struct Programs {
     pub nisshi: Option<PathBuf>,
 }
 
-/// A started child: its name (`product`, `stripe-sim`, `broker`), process and log file.
+/// The processes P3 starts, each of which its CPU is counted for ([`Pids`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Part {
+    /// `boxoffice serve`, every role.
+    Product,
+    /// `boxoffice-drills stripe-sim`.
+    Simulator,
+    /// A `nisshi` broker.
+    Broker,
+}
+
+impl Part {
+    /// The name in messages and of the log file (`<name>.log`).
+    fn name(self) -> &'static str {
+        match self {
+            Part::Product => "product",
+            Part::Simulator => "stripe-sim",
+            Part::Broker => "broker",
+        }
+    }
+}
+
+/// A started child: what it is, its process and its log file.
 struct Proc {
-    name: &'static str,
+    part: Part,
     child: Child,
     log: PathBuf,
 }
@@ -70,7 +92,7 @@ pub struct Pids {
 /// `env`, in `cwd` when given (else the bench's own directory, so that relative paths in the
 /// configuration name the same files for the child as for the bench).
 fn spawn(
-    name: &'static str,
+    part: Part,
     program: &Path,
     args: &[std::ffi::OsString],
     env: &[(String, String)],
@@ -78,6 +100,7 @@ fn spawn(
     cwd: Option<&Path>,
     configured: bool,
 ) -> anyhow::Result<Proc> {
+    let name = part.name();
     let log = dir.join(format!("{name}.log"));
     let out = std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
     let mut cmd = Command::new(program);
@@ -94,7 +117,7 @@ fn spawn(
     }
     crate::chaos::only_stdio(cmd.as_std_mut(), true);
     let child = cmd.spawn().with_context(|| format!("starting {name} ({})", program.display()))?;
-    Ok(Proc { name, child, log })
+    Ok(Proc { part, child, log })
 }
 
 /// What a child takes from the bench's environment: what a process needs to run, log, trust
@@ -176,7 +199,7 @@ impl P3Processes {
             ]
             .map(std::ffi::OsString::from);
             // In P3's directory: the broker keeps its state files where it runs.
-            procs.push(spawn("broker", nisshi, &args, &[], dir, Some(dir), false)?);
+            procs.push(spawn(Part::Broker, nisshi, &args, &[], dir, Some(dir), false)?);
             let sock: SocketAddr = addr.parse()?;
             anyhow::ensure!(
                 crate::chaos::wait_until(Duration::from_secs(30), || crate::chaos::port_open(sock)).await,
@@ -216,18 +239,18 @@ impl P3Processes {
             ]
             .map(std::ffi::OsString::from),
         );
-        procs.push(spawn("stripe-sim", &programs.drills, &sim_args, &secrets, dir, None, true)?);
+        procs.push(spawn(Part::Simulator, &programs.drills, &sim_args, &secrets, dir, None, true)?);
         cfg.stripe_api_base = sim_base.clone();
         cfg.http_bind = api_addr.to_string();
         let mut env = product_env(cfg, db_url);
         env.extend(secrets);
         let mut args = config;
         args.push("serve".into());
-        procs.push(spawn("product", &programs.boxoffice, &args, &env, dir, None, true)?);
+        procs.push(spawn(Part::Product, &programs.boxoffice, &args, &env, dir, None, true)?);
         let mut me = Self { procs, api_addr, sim_base };
         if let Err(e) = me.ready(cfg).await {
             let logs: Vec<String> =
-                me.procs.iter().map(|p| format!("--- {} ---\n{}", p.name, tail(&p.log))).collect();
+                me.procs.iter().map(|p| format!("--- {} ---\n{}", p.part.name(), tail(&p.log))).collect();
             me.stop().await;
             return Err(e.context(logs.join("\n")));
         }
@@ -241,7 +264,7 @@ impl P3Processes {
         loop {
             for p in &mut self.procs {
                 if let Ok(Some(status)) = p.child.try_wait() {
-                    anyhow::bail!("{} exited during start-up ({status})", p.name);
+                    anyhow::bail!("{} exited during start-up ({status})", p.part.name());
                 }
             }
             let sim = http
@@ -277,11 +300,10 @@ impl P3Processes {
         let mut pids = Pids::default();
         for p in &self.procs {
             let Some(id) = p.child.id() else { continue };
-            match p.name {
-                "product" => pids.product.push(id),
-                "broker" => pids.broker.push(id),
-                "stripe-sim" => pids.simulator.push(id),
-                other => unreachable!("P3 starts no process named {other}"),
+            match p.part {
+                Part::Product => pids.product.push(id),
+                Part::Broker => pids.broker.push(id),
+                Part::Simulator => pids.simulator.push(id),
             }
         }
         pids
@@ -290,7 +312,7 @@ impl P3Processes {
     /// SIGTERM to the product first (it finishes in-flight work), then the others; waits up
     /// to 30 s for each before SIGKILL.
     pub async fn stop(mut self) {
-        self.procs.sort_by_key(|p| if p.name == "product" { 0 } else { 1 });
+        self.procs.sort_by_key(|p| if p.part == Part::Product { 0 } else { 1 });
         for p in &mut self.procs {
             if let Some(pid) = p.child.id() {
                 // SAFETY: plain kill(2) on our own child's pid.
@@ -672,12 +694,14 @@ fn is_transaction_control(q: &str) -> bool {
 mod tests {
     use super::*;
 
-    /// The environment a real child got: `env` run through [`spawn`], read from its log.
+    /// The environment a real child got: `env` run through [`spawn`] (in the simulator's
+    /// place: the part names only the log file), read from its log.
     async fn child_env(configured: bool) -> Vec<String> {
         let dir = std::env::temp_dir().join(format!("boxoffice-spawn-{}", uuid::Uuid::new_v4()));
         std::fs::create_dir_all(&dir).unwrap();
         let extra = [("BOXOFFICE_SET_BY_P3".to_owned(), "1".to_owned())];
-        let mut p = spawn("env", Path::new("/usr/bin/env"), &[], &extra, &dir, None, configured).unwrap();
+        let mut p =
+            spawn(Part::Simulator, Path::new("/usr/bin/env"), &[], &extra, &dir, None, configured).unwrap();
         assert!(p.child.wait().await.unwrap().success());
         let out = std::fs::read_to_string(&p.log).unwrap();
         std::fs::remove_dir_all(&dir).ok();
