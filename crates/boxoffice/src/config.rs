@@ -223,7 +223,8 @@ pub struct Config {
     pub db_pool_api: u32,
     /// Pool of the API role's Stripe webhook ingress (its own bulkhead).
     pub db_pool_webhooks: u32,
-    /// Pool of the relay role.
+    /// Pool of the relay role: its backlog gauge and pruning, one statement at a time (its
+    /// reads and marks go through its own session, the holder of the outbox's lock).
     pub db_pool_relay: u32,
     /// Pool of the saga role (≥ consumer_lanes × consumers_per_role + 1).
     pub db_pool_saga: u32,
@@ -671,7 +672,7 @@ impl Default for Config {
             db_max_connections: 8,
             db_pool_api: 20,
             db_pool_webhooks: 4,
-            db_pool_relay: 3,
+            db_pool_relay: 1,
             db_pool_saga: 9,
             db_pool_payments: 9,
             db_pool_tickets: 9,

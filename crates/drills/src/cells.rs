@@ -275,7 +275,8 @@ async fn drill(
     // off from PostgreSQL keeps the outbox's lock for the shortest valid lease.
     cfg.consumer_retry_1m_delay_ms = 15_000;
     cfg.relay_lease_ms = 31_000;
-    // Two all-roles deployments on one server: 20 connections each at most.
+    // Two all-roles deployments on one server: 20 connections each at most in the pools, plus
+    // the release controller's and the relay's own sessions.
     (cfg.db_pool_api, cfg.db_pool_webhooks, cfg.db_pool_relay) = (6, 2, 2);
     (cfg.db_pool_saga, cfg.db_pool_payments, cfg.db_pool_tickets, cfg.db_pool_expiry) = (3, 3, 3, 1);
     let embedded = deploy::embedded_broker_unless_configured(&mut cfg)?;

@@ -6,6 +6,12 @@
 //! that takes the lock next publishes them again: at-least-once, made harmless by the
 //! consumers' inbox.
 //!
+//! The columns of the per-row lease that came before the lock (`claimed_by`,
+//! `claim_expires_at`, migration 0001) are no longer written or read. They stay while a relay
+//! of an older build may run beside this one (a rolling deploy, a rollback): that relay claims
+//! and publishes as before, and what both publish is a duplicate the inbox absorbs. A later
+//! migration drops them.
+//!
 //! Every row also stores the W3C `traceparent` of the span that wrote it (design §16; NULL
 //! when tracing is off or there is no span), in the same INSERT: the relay sends the stored
 //! value, not its own context, so the consumer continues the trace of the request or message

@@ -482,8 +482,9 @@ pub async fn transition(
 /// PaymentIntent `pi`, but only while the payment is unsettled
 /// (`requires_payment_method`, `requires_confirmation`, `requires_action`, `processing`):
 /// Stripe lets a buyer retry another card after a decline, so a decline never follows
-/// authorization, capture or cancellation. A decline fact that arrives late (its outbox row
-/// waited out a crashed relay's lease) must not move a settled payment back to pending.
+/// authorization, capture or cancellation. A decline fact that arrives late (published again
+/// after a relay crashed before marking it, or retried after a failed delivery) must not move
+/// a settled payment back to pending.
 /// Returns whether the row changed.
 pub async fn record_decline<'e, E: Executor<'e, Database = Postgres>>(
     ex: E,

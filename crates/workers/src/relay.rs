@@ -5,14 +5,17 @@
 //! report, then marks the delivered rows published. Every process running the relay role
 //! runs one; the others stand by and try the lock every [`STANDBY_TRY`].
 //!
-//! The lock lives as long as the leader's session: a relay that crashes or loses its network
-//! gives it up at once, and one that goes silent (a frozen process, a host PostgreSQL can
-//! no longer reach) once its session has sat idle for the relay's lease
-//! (`relay_lease_ms`, the session's `idle_session_timeout`, longer than the producer's
-//! delivery timeout so that a slow broker does not cost the lock). Rows the old leader
-//! published but had not marked are published again by the next: a duplicate the
-//! consumers' inbox absorbs, never a loss. A leader whose connection fails gives the lock
-//! up and tries again from a new connection.
+//! The lock lives as long as the leader's session. A relay that crashes or closes its
+//! connection gives it up at once. While a batch waits on the broker, the leader keeps its
+//! session busy (a `SELECT 1` every third of the lease), so one that goes silent — a frozen
+//! process, a host PostgreSQL can no longer reach — loses the session, and the lock, once it
+//! has sat idle for the relay's lease (`relay_lease_ms`, the session's `idle_session_timeout`)
+//! or once the server has waited that long to get a reply through to it
+//! (`tcp_user_timeout`). A leader that can reach PostgreSQL but publishes nothing for
+//! [`GIVE_UP_AFTER`] batches in a row (its broker, its producer or its configuration failing)
+//! gives the lock up and sits out [`SIT_OUT`], so that a relay of another process may carry
+//! on. Rows an old leader published but had not marked are published again by the next: a
+//! duplicate the consumers' inbox absorbs, never a loss.
 //!
 //! Fault points: `relay.before_publish` (read, nothing sent), `relay.after_publish` (the
 //! broker acknowledged, the rows are not marked: they are published again by the next
@@ -33,6 +36,7 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::types::RDKafkaErrorCode;
 use sqlx::postgres::PgConnectOptions;
 use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
+use std::collections::HashSet;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
@@ -67,6 +71,15 @@ impl Default for RelaySettings {
 /// How often a relay that does not lead tries the lock.
 pub const STANDBY_TRY: Duration = Duration::from_millis(500);
 
+/// Batches in a row that publish nothing (each failed, or none of its rows delivered) after
+/// which the leader gives the lock up: whatever keeps it from publishing (its broker
+/// connection, its producer, its configuration) may not stop another process's relay.
+pub const GIVE_UP_AFTER: u32 = 5;
+
+/// How long a relay that gave the lock up waits before it tries again, so that a relay
+/// standing by elsewhere takes it first.
+pub const SIT_OUT: Duration = Duration::from_secs(2);
+
 /// Runs the relay until `shutdown`; the in-flight batch is finished first. `connect` opens
 /// the relay's own session (the lock's holder, its reads and marks); `pool` serves the
 /// backlog gauge and the pruning.
@@ -80,10 +93,12 @@ pub async fn run(
     shutdown: CancellationToken,
 ) {
     let mut failures = 0u32;
+    let mut stalled = 0u32;
     let mut last_gauge = std::time::Instant::now() - Duration::from_secs(5);
     let mut last_prune = std::time::Instant::now();
     let mut session: Option<PgConnection> = None;
     let mut leading = false;
+    metrics::gauge!("boxoffice_relay_leader").set(0.0);
     while !shutdown.is_cancelled() {
         if last_gauge.elapsed() >= Duration::from_secs(1) {
             last_gauge = std::time::Instant::now();
@@ -103,25 +118,34 @@ pub async fn run(
                 tracing::warn!(relay = %relay_id, error = %e, "pruning the order history failed");
             }
         }
-        let pause = match lead(&mut session, &mut leading, &connect, &relay_id, &settings).await {
+        let mut pause = match lead(&mut session, &mut leading, &connect, &relay_id, &settings).await {
             Ok(false) => STANDBY_TRY,
             Ok(true) => {
                 let c = session.as_mut().expect("leading on a session");
                 match publish_batch(c, &producer, &kafka, &relay_id, &settings).await {
-                    Ok(n) => {
-                        failures = 0;
-                        if n < settings.batch as usize {
+                    Ok(b) if b.failed == 0 => {
+                        (failures, stalled) = (0, 0);
+                        if b.read < settings.batch as usize {
                             Duration::from_millis(settings.idle_ms)
                         } else {
                             Duration::ZERO
                         }
                     }
+                    Ok(b) => {
+                        failures += 1;
+                        stalled = if b.marked > 0 { 0 } else { stalled + 1 };
+                        metrics::counter!("boxoffice_relay_errors_total").increment(1);
+                        tracing::warn!(relay = %relay_id, failed = b.failed, read = b.read, marked = b.marked, failures,
+                            "relay batch: some messages were not delivered; they stay unpublished for the next batch");
+                        crate::backoff(failures, 50, 2_000)
+                    }
                     Err(e) => {
                         failures += 1;
+                        stalled += 1;
                         metrics::counter!("boxoffice_relay_errors_total").increment(1);
                         tracing::warn!(relay = %relay_id, error = %format!("{e:#}"), failures, "relay batch failed");
                         if e.downcast_ref::<sqlx::Error>().is_some_and(session_lost) {
-                            give_up(&mut session, &mut leading, &relay_id, "its session failed");
+                            give_up(&mut session, &mut leading, &relay_id, "session_lost");
                         }
                         crate::backoff(failures, 50, 2_000)
                     }
@@ -131,10 +155,15 @@ pub async fn run(
                 failures += 1;
                 metrics::counter!("boxoffice_relay_errors_total").increment(1);
                 tracing::warn!(relay = %relay_id, error = %e, failures, "relay cannot reach PostgreSQL");
-                give_up(&mut session, &mut leading, &relay_id, "its session failed");
+                give_up(&mut session, &mut leading, &relay_id, "session_lost");
                 crate::backoff(failures, 50, 2_000)
             }
         };
+        if leading && stalled >= GIVE_UP_AFTER {
+            give_up(&mut session, &mut leading, &relay_id, "stalled");
+            stalled = 0;
+            pause = pause.max(SIT_OUT);
+        }
         if !pause.is_zero() {
             tokio::select! {
                 _ = shutdown.cancelled() => {}
@@ -166,10 +195,12 @@ async fn lead(
     }
     let bound = Duration::from_millis(settings.lease_ms.max(1) as u64);
     if session.is_none() {
-        let opts = connect
-            .clone()
-            .application_name("boxoffice-relay")
-            .options([("idle_session_timeout", settings.lease_ms.to_string())]);
+        let opts = connect.clone().application_name("boxoffice-relay").options([
+            ("idle_session_timeout", settings.lease_ms.to_string()),
+            // A server blocked sending to a relay it can no longer reach gives the session
+            // (and the lock) up after the lease too, not when TCP's retries run out.
+            ("tcp_user_timeout", settings.lease_ms.to_string()),
+        ]);
         *session = Some(tokio::time::timeout(bound, opts.connect()).await.map_err(|_| timed_out())??);
     }
     let c = session.as_mut().expect("connected");
@@ -181,10 +212,13 @@ async fn lead(
     Ok(*leading)
 }
 
-/// Drops the session, and with it the lock and the lead.
-fn give_up(session: &mut Option<PgConnection>, leading: &mut bool, relay_id: &str, why: &str) {
+/// Drops the session, and with it the lock and the lead. `why` is `session_lost` (the
+/// session failed or the server ended it) or `stalled` ([`GIVE_UP_AFTER`] batches published
+/// nothing), the `reason` of `boxoffice_relay_gave_up_total`.
+fn give_up(session: &mut Option<PgConnection>, leading: &mut bool, relay_id: &str, why: &'static str) {
     if std::mem::take(leading) {
         metrics::gauge!("boxoffice_relay_leader").set(0.0);
+        metrics::counter!("boxoffice_relay_gave_up_total", "reason" => why).increment(1);
         tracing::warn!(relay = %relay_id, why, "relay: gave up the outbox's lock");
     }
     *session = None;
@@ -234,23 +268,38 @@ fn publish_span(kafka: &KafkaConfig, topic: &str, row: &outbox::OutboxRow) -> tr
     span
 }
 
+/// What one batch did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Batch {
+    /// Unpublished rows read.
+    pub read: usize,
+    /// Rows the broker acknowledged and this relay marked published.
+    pub marked: u64,
+    /// Rows not delivered: refused when enqueued, failed at the broker, or held back behind an
+    /// earlier row of their order that was refused. They stay unpublished for the next batch.
+    pub failed: usize,
+}
+
 /// Reads, publishes and marks one batch on the leader's session `c` (which must hold
-/// [`outbox::RELAY_LOCK`]); returns how many rows were read. A database error from `c`, and a
-/// call to it that outlasts the lease (an unreachable server), is returned as an
-/// `sqlx::Error`, so the caller can tell a lost session.
+/// [`outbox::RELAY_LOCK`]). While the batch waits on the broker, the session is kept busy
+/// ([`with_heartbeat`]), so a slow broker does not cost the lock. A row the producer refuses
+/// at once (e.g. too large) is left unpublished, with the later rows of its order in this
+/// batch, and the rest go on. A database error from `c`, and a call to it that outlasts the
+/// lease (an unreachable server), is returned as an `sqlx::Error`, so the caller can tell a
+/// lost session.
 pub async fn publish_batch(
     c: &mut PgConnection,
     producer: &FutureProducer,
     kafka: &KafkaConfig,
     relay_id: &str,
     settings: &RelaySettings,
-) -> anyhow::Result<usize> {
+) -> anyhow::Result<Batch> {
     let bound = Duration::from_millis(settings.lease_ms.max(1) as u64);
     let rows = tokio::time::timeout(bound, outbox::pending_batch(c, settings.batch))
         .await
         .map_err(|_| timed_out())??;
     if rows.is_empty() {
-        return Ok(0);
+        return Ok(Batch::default());
     }
     let read = rows.len();
     boxoffice_faults::check("relay.before_publish")?;
@@ -258,8 +307,40 @@ pub async fn publish_batch(
         .iter()
         .map(|row| Ok((kafka.topic(&row.topic), row.message()?)))
         .collect::<Result<_, serde_json::Error>>()?;
+    let (delivered, failed) =
+        with_heartbeat(c, bound, send_all(producer, kafka, relay_id, &rows, &encoded)).await?;
+    // As if the relay died here: delivered but unmarked, so the next batch sends them again.
+    boxoffice_faults::check("relay.after_publish")?;
+    let mut marked = 0;
+    if !delivered.is_empty() {
+        marked = tokio::time::timeout(bound, outbox::mark_published(c, &delivered))
+            .await
+            .map_err(|_| timed_out())??;
+        metrics::counter!("boxoffice_outbox_published_total").increment(marked);
+    }
+    boxoffice_faults::check("relay.after_commit")?;
+    Ok(Batch { read, marked, failed })
+}
+
+/// Enqueues `rows` in order and awaits every delivery report; returns the ids delivered and
+/// how many rows were not.
+async fn send_all(
+    producer: &FutureProducer,
+    kafka: &KafkaConfig,
+    relay_id: &str,
+    rows: &[outbox::OutboxRow],
+    encoded: &[(String, Vec<u8>)],
+) -> (Vec<uuid::Uuid>, usize) {
     let mut pending = Vec::with_capacity(rows.len());
-    for (row, (topic, payload)) in rows.iter().zip(&encoded) {
+    // Orders with a row refused at enqueue: their later rows wait for the next batch, so an
+    // order's facts are never sent out of order around the refused one.
+    let mut held_back: HashSet<&str> = HashSet::new();
+    let mut failed = 0;
+    for (row, (topic, payload)) in rows.iter().zip(encoded) {
+        if held_back.contains(row.message_key.as_str()) {
+            failed += 1;
+            continue;
+        }
         let id = row.id.to_string();
         let epoch = row.region_epoch.map(|e| e.to_string());
         let mut headers = OwnedHeaders::new()
@@ -281,18 +362,28 @@ pub async fn publish_batch(
         // Enqueue in order; all delivery futures are awaited before anything is marked.
         let fut = loop {
             match producer.send_result(record) {
-                Ok(f) => break f,
+                Ok(f) => break Some(f),
                 Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), r)) => {
                     record = r;
                     tokio::time::sleep(Duration::from_millis(5)).await;
                 }
-                Err((e, _)) => return Err(e.into()),
+                Err((e, _)) => {
+                    span.record("otel.status_code", "ERROR");
+                    tracing::warn!(parent: &span, relay = relay_id, outbox.id = %row.id, error = %e,
+                        "the producer refused the message: left unpublished, with its order's later facts");
+                    break None;
+                }
             }
         };
-        pending.push((row.id, row.created_at, fut, span));
+        match fut {
+            Some(fut) => pending.push((row.id, row.created_at, fut, span)),
+            None => {
+                held_back.insert(row.message_key.as_str());
+                failed += 1;
+            }
+        }
     }
     let mut delivered = Vec::with_capacity(pending.len());
-    let mut failed = Vec::new();
     let now = chrono::Utc::now();
     for (id, created_at, fut, span) in pending {
         match fut.await {
@@ -306,23 +397,34 @@ pub async fn publish_batch(
             Ok(Err((e, _))) => {
                 span.record("otel.status_code", "ERROR");
                 tracing::warn!(parent: &span, relay = relay_id, outbox.id = %id, error = %e, "publish failed");
-                failed.push(id);
+                failed += 1;
             }
-            Err(_canceled) => failed.push(id),
+            Err(_canceled) => failed += 1,
         }
     }
-    // As if the relay died here: delivered but unmarked, so the next batch sends them again.
-    boxoffice_faults::check("relay.after_publish")?;
-    if !delivered.is_empty() {
-        let marked = tokio::time::timeout(bound, outbox::mark_published(c, &delivered))
-            .await
-            .map_err(|_| timed_out())??;
-        metrics::counter!("boxoffice_outbox_published_total").increment(marked);
+    (delivered, failed)
+}
+
+/// Runs `work` while keeping the leader's session `c` busy: a `SELECT 1` every third of
+/// `lease`, so PostgreSQL ends the session (`idle_session_timeout`) when this process goes
+/// silent, not while it waits on the broker; a lost session shows at the next beat. The
+/// beat's error is returned as is.
+async fn with_heartbeat<T>(
+    c: &mut PgConnection,
+    lease: Duration,
+    work: impl std::future::Future<Output = T>,
+) -> Result<T, sqlx::Error> {
+    tokio::pin!(work);
+    let every = (lease / 3).max(Duration::from_millis(10));
+    let mut beat = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    loop {
+        tokio::select! {
+            out = &mut work => return Ok(out),
+            _ = beat.tick() => {
+                tokio::time::timeout(lease, sqlx::query("SELECT 1").execute(&mut *c))
+                    .await
+                    .map_err(|_| timed_out())??;
+            }
+        }
     }
-    if !failed.is_empty() {
-        // Unmarked: the next batch reads them again, oldest first.
-        anyhow::bail!("{} of {} messages were not delivered", failed.len(), read);
-    }
-    boxoffice_faults::check("relay.after_commit")?;
-    Ok(read)
 }

@@ -118,6 +118,20 @@ async fn republished_message_is_applied_once(_: PgPoolOptions, opts: PgConnectOp
     })
     .await;
 
+    // The relay's first publication is marked (else the reset below could come before the
+    // mark, which would then count the only publication).
+    let p1 = app.pool.clone();
+    eventually(WAIT, "the older HoldCreated marked published", || {
+        let p1 = p1.clone();
+        async move {
+            sqlx::query_scalar::<_, bool>("SELECT published_at IS NOT NULL FROM outbox WHERE id = $1")
+                .bind(older.event_id)
+                .fetch_one(&p1)
+                .await
+                .unwrap()
+        }
+    })
+    .await;
     // The crash: the row is unpublished, as a relay that died before marking it leaves it.
     sqlx::query("UPDATE outbox SET published_at = NULL WHERE id = $1")
         .bind(older.event_id)
@@ -220,6 +234,60 @@ async fn a_standing_by_relay_publishes_once_the_leaders_session_ends(
     leader.close().await.unwrap();
     let pool = app.pool.clone();
     eventually(WAIT, "published once the leader's session ended", || published(pool.clone())).await;
+    app.stop().await;
+}
+
+/// A leader that reaches PostgreSQL but publishes nothing (every batch fails: its broker,
+/// its producer or its configuration) gives the lock up after `relay::GIVE_UP_AFTER` batches,
+/// so that another relay can take it; once the fault is gone, it leads and publishes again.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn a_leader_that_publishes_nothing_gives_the_lock_up(_: PgPoolOptions, opts: PgConnectOptions) {
+    use boxoffice_store::outbox;
+    use sqlx::{ConnectOptions, Connection};
+    boxoffice_faults::set("relay.before_publish", "return").unwrap();
+    let app = TestApp::spawn(opts.clone(), &[Role::Relay], VenueSpec::small(1, 1, 4)).await;
+    let order = OrderId(Uuid::new_v4());
+    let fact = Envelope::new(
+        order,
+        &PurchaseEvent::PaymentIntentCreated {
+            order_id: order,
+            payment_intent_id: "pi_stalled".into(),
+            status: "requires_payment_method".into(),
+        },
+        Uuid::new_v4(),
+        None,
+    );
+    let mut tx = app.pool.begin().await.unwrap();
+    outbox::insert(&mut tx, boxoffice_domain::Topic::Purchase, &fact).await.unwrap();
+    tx.commit().await.unwrap();
+    eventually(WAIT, "the relay leads and fails", || async {
+        boxoffice_faults::fired("relay.before_publish") >= 1
+    })
+    .await;
+    // Another relay (this session) gets the lock once the leader has given it up.
+    let mut other = opts.connect().await.unwrap();
+    let deadline = std::time::Instant::now() + WAIT;
+    while !outbox::try_relay_lock(&mut other).await.unwrap() {
+        assert!(std::time::Instant::now() < deadline, "the failing leader kept the lock");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let failed = boxoffice_faults::fired("relay.before_publish");
+    assert!(
+        failed >= u64::from(boxoffice_workers::relay::GIVE_UP_AFTER),
+        "gave up after {failed} failed batches"
+    );
+    let published = |pool: sqlx::PgPool| async move {
+        sqlx::query_scalar::<_, bool>("SELECT published_at IS NOT NULL FROM outbox WHERE id = $1")
+            .bind(fact.event_id)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    assert!(!published(app.pool.clone()).await);
+    boxoffice_faults::clear("relay.before_publish");
+    other.close().await.unwrap();
+    let pool = app.pool.clone();
+    eventually(WAIT, "published once the fault is gone", || published(pool.clone())).await;
     app.stop().await;
 }
 

@@ -202,8 +202,8 @@ async fn authorization_after_expiry_is_compensated(_: PgPoolOptions, opts: PgCon
     assert_eq!(l.active_rows(seat).await, 0);
 }
 
-/// A decline whose message arrives after the cancellation (its outbox row waited out a
-/// crashed relay's lease; found by `boxoffice-drills chaos --seed 2`) must not move the cancelled
+/// A decline whose message arrives after the cancellation (published late, as after a relay
+/// crashed; found by `boxoffice-drills chaos --seed 2`) must not move the cancelled
 /// payment back to `requires_payment_method`: the ledger would disagree with the provider.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn late_decline_does_not_reopen_a_cancelled_payment(_: PgPoolOptions, opts: PgConnectOptions) {
