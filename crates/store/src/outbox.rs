@@ -208,9 +208,10 @@ impl OutboxRow {
 
 /// The session-level advisory lock that makes one relay at a time publish this ledger's
 /// outbox: the key pair (`'BXR1'`, 1), beside the region fence's ([`crate::region::FENCE_LOCK`]).
-/// Held by the leading relay's own connection for as long as that session lives; a relay that
-/// crashes, loses its network or stays silent past its session's `idle_session_timeout`
-/// gives it up with the session, and a standing-by relay takes it on its next try.
+/// Held by the leading relay's own connection for as long as that session lives: when the
+/// session ends (the relay crashed, went silent past its lease, or gave the lock up), a
+/// standing-by relay takes it on its next try (`boxoffice_workers::relay` says how the lead
+/// changes hands).
 pub const RELAY_LOCK: (i32, i32) = (1_113_084_465, 1);
 
 /// Tries [`RELAY_LOCK`] on `c`'s session; `true` when this session holds it (again: the lock
