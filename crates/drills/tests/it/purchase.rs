@@ -121,17 +121,8 @@ async fn republished_message_is_applied_once(_: PgPoolOptions, opts: PgConnectOp
     // The relay's first publication is marked (else the reset below could come before the
     // mark, which would then count the only publication).
     let p1 = app.pool.clone();
-    eventually(WAIT, "the older HoldCreated marked published", || {
-        let p1 = p1.clone();
-        async move {
-            sqlx::query_scalar::<_, bool>("SELECT published_at IS NOT NULL FROM outbox WHERE id = $1")
-                .bind(older.event_id)
-                .fetch_one(&p1)
-                .await
-                .unwrap()
-        }
-    })
-    .await;
+    eventually(WAIT, "the older HoldCreated marked published", || published(p1.clone(), older.event_id))
+        .await;
     // The crash: the row is unpublished, as a relay that died before marking it leaves it.
     sqlx::query("UPDATE outbox SET published_at = NULL WHERE id = $1")
         .bind(older.event_id)
@@ -139,19 +130,7 @@ async fn republished_message_is_applied_once(_: PgPoolOptions, opts: PgConnectOp
         .await
         .unwrap();
     // A later fact for the same order (same partition, so consumed after the duplicate).
-    let marker = Envelope::new(
-        receipt.order_id,
-        &PurchaseEvent::PaymentIntentCreated {
-            order_id: receipt.order_id,
-            payment_intent_id: "pi_marker".into(),
-            status: "requires_payment_method".into(),
-        },
-        Uuid::new_v4(),
-        None,
-    );
-    let mut tx = app.pool.begin().await.unwrap();
-    boxoffice_store::outbox::insert(&mut tx, boxoffice_domain::Topic::Purchase, &marker).await.unwrap();
-    tx.commit().await.unwrap();
+    write_intent_created(&app.pool, receipt.order_id, "pi_marker").await;
     let p2 = app.pool.clone();
     eventually(WAIT, "marker applied", || {
         let p2 = p2.clone();
@@ -188,29 +167,9 @@ async fn a_standing_by_relay_publishes_once_the_leaders_session_ends(
     let mut leader = opts.connect().await.unwrap();
     assert!(boxoffice_store::outbox::try_relay_lock(&mut leader).await.unwrap());
     let app = TestApp::spawn(opts, &[Role::Relay], VenueSpec::small(1, 1, 4)).await;
-    let order = OrderId(Uuid::new_v4());
-    let fact = Envelope::new(
-        order,
-        &PurchaseEvent::PaymentIntentCreated {
-            order_id: order,
-            payment_intent_id: "pi_standby".into(),
-            status: "requires_payment_method".into(),
-        },
-        Uuid::new_v4(),
-        None,
-    );
-    let mut tx = app.pool.begin().await.unwrap();
-    boxoffice_store::outbox::insert(&mut tx, boxoffice_domain::Topic::Purchase, &fact).await.unwrap();
-    tx.commit().await.unwrap();
+    let fact = write_intent_created(&app.pool, OrderId(Uuid::new_v4()), "pi_standby").await;
     let committed: chrono::DateTime<chrono::Utc> =
         sqlx::query_scalar("SELECT clock_timestamp()").fetch_one(&app.pool).await.unwrap();
-    let published = |pool: sqlx::PgPool| async move {
-        sqlx::query_scalar::<_, bool>("SELECT published_at IS NOT NULL FROM outbox WHERE id = $1")
-            .bind(fact.event_id)
-            .fetch_one(&pool)
-            .await
-            .unwrap()
-    };
     // The relay's session has tried the lock since the row committed (a standby's only
     // statement), so it has had its chance to publish it.
     let pool = app.pool.clone();
@@ -230,10 +189,11 @@ async fn a_standing_by_relay_publishes_once_the_leaders_session_ends(
         }
     })
     .await;
-    assert!(!published(app.pool.clone()).await, "a relay without the lock published");
+    assert!(!published(app.pool.clone(), fact.event_id).await, "a relay without the lock published");
     leader.close().await.unwrap();
     let pool = app.pool.clone();
-    eventually(WAIT, "published once the leader's session ended", || published(pool.clone())).await;
+    eventually(WAIT, "published once the leader's session ended", || published(pool.clone(), fact.event_id))
+        .await;
     app.stop().await;
 }
 
@@ -246,20 +206,7 @@ async fn a_leader_that_publishes_nothing_gives_the_lock_up(_: PgPoolOptions, opt
     use sqlx::{ConnectOptions, Connection};
     boxoffice_faults::set("relay.before_publish", "return").unwrap();
     let app = TestApp::spawn(opts.clone(), &[Role::Relay], VenueSpec::small(1, 1, 4)).await;
-    let order = OrderId(Uuid::new_v4());
-    let fact = Envelope::new(
-        order,
-        &PurchaseEvent::PaymentIntentCreated {
-            order_id: order,
-            payment_intent_id: "pi_stalled".into(),
-            status: "requires_payment_method".into(),
-        },
-        Uuid::new_v4(),
-        None,
-    );
-    let mut tx = app.pool.begin().await.unwrap();
-    outbox::insert(&mut tx, boxoffice_domain::Topic::Purchase, &fact).await.unwrap();
-    tx.commit().await.unwrap();
+    let fact = write_intent_created(&app.pool, OrderId(Uuid::new_v4()), "pi_stalled").await;
     eventually(WAIT, "the relay leads and fails", || async {
         boxoffice_faults::fired("relay.before_publish") >= 1
     })
@@ -276,18 +223,11 @@ async fn a_leader_that_publishes_nothing_gives_the_lock_up(_: PgPoolOptions, opt
         failed >= u64::from(boxoffice_workers::relay::GIVE_UP_AFTER),
         "gave up after {failed} failed batches"
     );
-    let published = |pool: sqlx::PgPool| async move {
-        sqlx::query_scalar::<_, bool>("SELECT published_at IS NOT NULL FROM outbox WHERE id = $1")
-            .bind(fact.event_id)
-            .fetch_one(&pool)
-            .await
-            .unwrap()
-    };
-    assert!(!published(app.pool.clone()).await);
+    assert!(!published(app.pool.clone(), fact.event_id).await);
     boxoffice_faults::clear("relay.before_publish");
     other.close().await.unwrap();
     let pool = app.pool.clone();
-    eventually(WAIT, "published once the fault is gone", || published(pool.clone())).await;
+    eventually(WAIT, "published once the fault is gone", || published(pool.clone(), fact.event_id)).await;
     app.stop().await;
 }
 
@@ -505,4 +445,31 @@ async fn a_second_authorization_request_creates_no_second_intent(_: PgPoolOption
     let skipped = "boxoffice_payment_commands_skipped_total{reason=\"order_not_awaiting_payment_intent\"} 1";
     assert!(metrics.render().lines().any(|l| l == skipped), "{skipped} in:\n{}", metrics.render());
     app.stop().await;
+}
+
+/// Commits a `PaymentIntentCreated` for `order` to the outbox, as its writer would.
+async fn write_intent_created(pool: &sqlx::PgPool, order: OrderId, payment_intent_id: &str) -> Envelope {
+    let fact = Envelope::new(
+        order,
+        &PurchaseEvent::PaymentIntentCreated {
+            order_id: order,
+            payment_intent_id: payment_intent_id.into(),
+            status: "requires_payment_method".into(),
+        },
+        Uuid::new_v4(),
+        None,
+    );
+    let mut tx = pool.begin().await.unwrap();
+    boxoffice_store::outbox::insert(&mut tx, boxoffice_domain::Topic::Purchase, &fact).await.unwrap();
+    tx.commit().await.unwrap();
+    fact
+}
+
+/// Whether the outbox row of fact `event_id` is marked published.
+async fn published(pool: sqlx::PgPool, event_id: Uuid) -> bool {
+    sqlx::query_scalar("SELECT published_at IS NOT NULL FROM outbox WHERE id = $1")
+        .bind(event_id)
+        .fetch_one(&pool)
+        .await
+        .unwrap()
 }
