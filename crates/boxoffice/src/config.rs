@@ -615,9 +615,11 @@ pub struct Config {
     /// Outbox rows per relay batch.
     pub relay_batch: i64,
     /// The relay's lease, ms: how long the leading relay's PostgreSQL session may sit idle
-    /// before the server ends it (`idle_session_timeout`) and with it the outbox's lock, so a
-    /// standing-by relay takes over from a frozen or unreachable one. Must exceed the
-    /// producer's 30 s delivery timeout (a slow broker must not cost the lock).
+    /// (`idle_session_timeout`) or wait to get a reply through (`tcp_user_timeout`) before
+    /// the server ends it, and with it the outbox's lock, so a standing-by relay takes over
+    /// from a frozen or unreachable one. Must exceed the producer's 30 s delivery timeout, so
+    /// that what a silent leader had queued at the broker has timed out before another
+    /// relay sends the same rows.
     pub relay_lease_ms: i64,
     /// Published outbox rows move to the order history after this many seconds.
     pub outbox_retention_s: i64,

@@ -11,10 +11,11 @@
 //! process, a host PostgreSQL can no longer reach — loses the session, and the lock, once it
 //! has sat idle for the relay's lease (`relay_lease_ms`, the session's `idle_session_timeout`)
 //! or once the server has waited that long to get a reply through to it
-//! (`tcp_user_timeout`). A leader that can reach PostgreSQL but publishes nothing for
-//! [`GIVE_UP_AFTER`] batches in a row (its broker, its producer or its configuration failing)
-//! gives the lock up and sits out [`SIT_OUT`], so that a relay of another process may carry
-//! on. Rows an old leader published but had not marked are published again by the next: a
+//! (`tcp_user_timeout`). A leader that can reach PostgreSQL but whose batches fail
+//! [`GIVE_UP_AFTER`] times in a row (its broker, its producer or its configuration failing),
+//! or that the region fence refuses, gives the lock up and sits out [`SIT_OUT`], so that a
+//! relay of another process may carry on. A message the producer refuses outright is left
+//! unpublished, with its order's later facts behind it, and the rest flow past it. Rows an old leader published but had not marked are published again by the next: a
 //! duplicate the consumers' inbox absorbs, never a loss.
 //!
 //! Fault points: `relay.before_publish` (read, nothing sent), `relay.after_publish` (the
@@ -71,9 +72,10 @@ impl Default for RelaySettings {
 /// How often a relay that does not lead tries the lock.
 pub const STANDBY_TRY: Duration = Duration::from_millis(500);
 
-/// Batches in a row that publish nothing (each failed, or none of its rows delivered) after
-/// which the leader gives the lock up: whatever keeps it from publishing (its broker
-/// connection, its producer, its configuration) may not stop another process's relay.
+/// Batches in a row that failed, or had a message the broker did not take, after which the
+/// leader gives the lock up: whatever keeps it from publishing (its broker connection, its
+/// producer, its configuration) may not stop another process's relay. With the broker gone,
+/// each such batch lasts the producer's 30 s delivery timeout.
 pub const GIVE_UP_AFTER: u32 = 5;
 
 /// How long a relay that gave the lock up waits before it tries again, so that a relay
@@ -98,6 +100,8 @@ pub async fn run(
     let mut last_prune = std::time::Instant::now();
     let mut session: Option<PgConnection> = None;
     let mut leading = false;
+    // Rows the producer refused, reported once each (they are read again by every batch).
+    let mut refused: HashSet<uuid::Uuid> = HashSet::new();
     metrics::gauge!("boxoffice_relay_leader").set(0.0);
     while !shutdown.is_cancelled() {
         if last_gauge.elapsed() >= Duration::from_secs(1) {
@@ -122,7 +126,9 @@ pub async fn run(
             Ok(false) => STANDBY_TRY,
             Ok(true) => {
                 let c = session.as_mut().expect("leading on a session");
-                match publish_batch(c, &producer, &kafka, &relay_id, &settings).await {
+                match publish_batch(c, &producer, &kafka, &relay_id, &settings, &mut refused).await {
+                    // Refused rows are no broker failure: they neither back off nor count
+                    // towards the give-up (the rest of the outbox flows past them).
                     Ok(b) if b.failed == 0 => {
                         (failures, stalled) = (0, 0);
                         if b.read < settings.batch as usize {
@@ -132,8 +138,11 @@ pub async fn run(
                         }
                     }
                     Ok(b) => {
+                        // Any delivery failure counts towards the give-up, even with other
+                        // rows delivered: a leader that reaches only part of the broker should
+                        // let another relay try.
                         failures += 1;
-                        stalled = if b.marked > 0 { 0 } else { stalled + 1 };
+                        stalled += 1;
                         metrics::counter!("boxoffice_relay_errors_total").increment(1);
                         tracing::warn!(relay = %relay_id, failed = b.failed, read = b.read, marked = b.marked, failures,
                             "relay batch: some messages were not delivered; they stay unpublished for the next batch");
@@ -144,8 +153,13 @@ pub async fn run(
                         stalled += 1;
                         metrics::counter!("boxoffice_relay_errors_total").increment(1);
                         tracing::warn!(relay = %relay_id, error = %format!("{e:#}"), failures, "relay batch failed");
-                        if e.downcast_ref::<sqlx::Error>().is_some_and(session_lost) {
+                        let db = e.downcast_ref::<sqlx::Error>();
+                        if db.is_some_and(session_lost) {
                             give_up(&mut session, &mut leading, &relay_id, "session_lost");
+                        } else if db.and_then(boxoffice_store::region::refusal).is_some() {
+                            // A fenced (or lease-lapsed) relay reads nothing: it stands aside at
+                            // once, for a relay of the current epoch.
+                            give_up(&mut session, &mut leading, &relay_id, "fenced");
                         }
                         crate::backoff(failures, 50, 2_000)
                     }
@@ -161,7 +175,11 @@ pub async fn run(
         };
         if leading && stalled >= GIVE_UP_AFTER {
             give_up(&mut session, &mut leading, &relay_id, "stalled");
-            stalled = 0;
+        }
+        if !leading && stalled > 0 {
+            // Gave the lock up (or lost it): the next spell as leader counts afresh, after a
+            // pause that lets a relay standing by elsewhere take the lock first.
+            (failures, stalled) = (0, 0);
             pause = pause.max(SIT_OUT);
         }
         if !pause.is_zero() {
@@ -195,11 +213,16 @@ async fn lead(
     }
     let bound = Duration::from_millis(settings.lease_ms.max(1) as u64);
     if session.is_none() {
+        let keepalive_s = (settings.lease_ms / 4_000).max(1);
         let opts = connect.clone().application_name("boxoffice-relay").options([
             ("idle_session_timeout", settings.lease_ms.to_string()),
             // A server blocked sending to a relay it can no longer reach gives the session
             // (and the lock) up after the lease too, not when TCP's retries run out.
             ("tcp_user_timeout", settings.lease_ms.to_string()),
+            // And one that stops answering between the messages of a statement.
+            ("tcp_keepalives_idle", keepalive_s.to_string()),
+            ("tcp_keepalives_interval", keepalive_s.to_string()),
+            ("tcp_keepalives_count", "3".to_owned()),
         ]);
         *session = Some(tokio::time::timeout(bound, opts.connect()).await.map_err(|_| timed_out())??);
     }
@@ -213,8 +236,9 @@ async fn lead(
 }
 
 /// Drops the session, and with it the lock and the lead. `why` is `session_lost` (the
-/// session failed or the server ended it) or `stalled` ([`GIVE_UP_AFTER`] batches published
-/// nothing), the `reason` of `boxoffice_relay_gave_up_total`.
+/// session failed or the server ended it), `fenced` (the region fence refused the read) or
+/// `stalled` ([`GIVE_UP_AFTER`] failing batches in a row), the `reason` of
+/// `boxoffice_relay_gave_up_total`.
 fn give_up(session: &mut Option<PgConnection>, leading: &mut bool, relay_id: &str, why: &'static str) {
     if std::mem::take(leading) {
         metrics::gauge!("boxoffice_relay_leader").set(0.0);
@@ -275,9 +299,14 @@ pub struct Batch {
     pub read: usize,
     /// Rows the broker acknowledged and this relay marked published.
     pub marked: u64,
-    /// Rows not delivered: refused when enqueued, failed at the broker, or held back behind an
-    /// earlier row of their order that was refused. They stay unpublished for the next batch.
+    /// Rows the broker did not take (the delivery failed or timed out). They stay
+    /// unpublished for the next batch; a later row of the same order delivered meanwhile
+    /// arrives before them (consumers decide by state, not by arrival order).
     pub failed: usize,
+    /// Rows the producer refused when enqueued (e.g. too large), with the later rows of their
+    /// orders held back behind them. They stay unpublished, are read again by every batch,
+    /// and count in `boxoffice_outbox_refused_total`; the outbox's age alert tells of them.
+    pub refused: usize,
 }
 
 /// Reads, publishes and marks one batch on the leader's session `c` (which must hold
@@ -293,6 +322,7 @@ pub async fn publish_batch(
     kafka: &KafkaConfig,
     relay_id: &str,
     settings: &RelaySettings,
+    reported: &mut HashSet<uuid::Uuid>,
 ) -> anyhow::Result<Batch> {
     let bound = Duration::from_millis(settings.lease_ms.max(1) as u64);
     let rows = tokio::time::timeout(bound, outbox::pending_batch(c, settings.batch))
@@ -307,8 +337,8 @@ pub async fn publish_batch(
         .iter()
         .map(|row| Ok((kafka.topic(&row.topic), row.message()?)))
         .collect::<Result<_, serde_json::Error>>()?;
-    let (delivered, failed) =
-        with_heartbeat(c, bound, send_all(producer, kafka, relay_id, &rows, &encoded)).await?;
+    let sent = send_all(producer, kafka, relay_id, &rows, &encoded, reported);
+    let Sent { delivered, failed, refused } = with_heartbeat(c, bound, sent).await?;
     // As if the relay died here: delivered but unmarked, so the next batch sends them again.
     boxoffice_faults::check("relay.after_publish")?;
     let mut marked = 0;
@@ -319,26 +349,34 @@ pub async fn publish_batch(
         metrics::counter!("boxoffice_outbox_published_total").increment(marked);
     }
     boxoffice_faults::check("relay.after_commit")?;
-    Ok(Batch { read, marked, failed })
+    Ok(Batch { read, marked, failed, refused })
 }
 
-/// Enqueues `rows` in order and awaits every delivery report; returns the ids delivered and
-/// how many rows were not.
+/// What [`send_all`] did with a batch's rows.
+struct Sent {
+    delivered: Vec<uuid::Uuid>,
+    failed: usize,
+    refused: usize,
+}
+
+/// Enqueues `rows` in order and awaits every delivery report. A refused row is reported at
+/// warn the first time (`reported` remembers it), at debug after.
 async fn send_all(
     producer: &FutureProducer,
     kafka: &KafkaConfig,
     relay_id: &str,
     rows: &[outbox::OutboxRow],
     encoded: &[(String, Vec<u8>)],
-) -> (Vec<uuid::Uuid>, usize) {
+    reported: &mut HashSet<uuid::Uuid>,
+) -> Sent {
     let mut pending = Vec::with_capacity(rows.len());
-    // Orders with a row refused at enqueue: their later rows wait for the next batch, so an
-    // order's facts are never sent out of order around the refused one.
+    // Orders with a row refused at enqueue: their later rows wait behind it, so none of them
+    // is sent ahead of the refused one.
     let mut held_back: HashSet<&str> = HashSet::new();
-    let mut failed = 0;
+    let (mut failed, mut refused) = (0, 0);
     for (row, (topic, payload)) in rows.iter().zip(encoded) {
         if held_back.contains(row.message_key.as_str()) {
-            failed += 1;
+            refused += 1;
             continue;
         }
         let id = row.id.to_string();
@@ -369,8 +407,14 @@ async fn send_all(
                 }
                 Err((e, _)) => {
                     span.record("otel.status_code", "ERROR");
-                    tracing::warn!(parent: &span, relay = relay_id, outbox.id = %row.id, error = %e,
-                        "the producer refused the message: left unpublished, with its order's later facts");
+                    metrics::counter!("boxoffice_outbox_refused_total").increment(1);
+                    if reported.insert(row.id) {
+                        tracing::warn!(parent: &span, relay = relay_id, outbox.id = %row.id, error = %e,
+                            "the producer refused the message: left unpublished, with its order's later facts");
+                    } else {
+                        tracing::debug!(parent: &span, relay = relay_id, outbox.id = %row.id, error = %e,
+                            "the producer refused the message again");
+                    }
                     break None;
                 }
             }
@@ -379,7 +423,7 @@ async fn send_all(
             Some(fut) => pending.push((row.id, row.created_at, fut, span)),
             None => {
                 held_back.insert(row.message_key.as_str());
-                failed += 1;
+                refused += 1;
             }
         }
     }
@@ -402,7 +446,7 @@ async fn send_all(
             Err(_canceled) => failed += 1,
         }
     }
-    (delivered, failed)
+    Sent { delivered, failed, refused }
 }
 
 /// Runs `work` while keeping the leader's session `c` busy: a `SELECT 1` every third of

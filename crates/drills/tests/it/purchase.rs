@@ -231,6 +231,58 @@ async fn a_leader_that_publishes_nothing_gives_the_lock_up(_: PgPoolOptions, opt
     app.stop().await;
 }
 
+/// A fact the producer refuses outright (larger than a message may be) holds back only its
+/// own order: the order's later fact stays unpublished behind it, another order's fact is
+/// published, and the leader keeps the lock however many batches read the refused row again
+/// (a refusal is no broker failure: it counts towards no give-up).
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn a_refused_fact_holds_back_only_its_own_order(_: PgPoolOptions, opts: PgConnectOptions) {
+    use sqlx::ConnectOptions;
+    let metrics = boxoffice::runtime::metrics_handle().expect("the process's metrics recorder");
+    let app = TestApp::spawn(opts.clone(), &[Role::Relay], VenueSpec::small(1, 1, 4)).await;
+    let (stuck, other) = (OrderId(Uuid::new_v4()), OrderId(Uuid::new_v4()));
+    let oversized = Uuid::new_v4();
+    sqlx::query(
+        "INSERT INTO outbox (id, topic, message_key, event_type, payload)
+         VALUES ($1, $2, $3, 'PaymentIntentCreated', jsonb_build_object('pad', repeat('x', 1100000)))",
+    )
+    .bind(oversized)
+    .bind(boxoffice_domain::Topic::Purchase.name())
+    .bind(stuck.0.to_string())
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let behind = write_intent_created(&app.pool, stuck, "pi_behind").await;
+    let fine = write_intent_created(&app.pool, other, "pi_fine").await;
+    let pool = app.pool.clone();
+    eventually(WAIT, "the other order's fact published", || published(pool.clone(), fine.event_id)).await;
+    // Batches enough to have given the lock up, had refusals counted.
+    let threshold = u64::from(boxoffice_workers::relay::GIVE_UP_AFTER) + 1;
+    eventually(WAIT, "the refused row read again and again", || {
+        let text = metrics.render();
+        async move {
+            text.lines()
+                .find_map(|l| l.strip_prefix("boxoffice_outbox_refused_total "))
+                .and_then(|v| v.trim().parse::<f64>().ok())
+                .is_some_and(|n| n >= threshold as f64)
+        }
+    })
+    .await;
+    let text = metrics.render();
+    assert!(!text.contains("boxoffice_relay_gave_up_total"), "the leader gave the lock up:\n{text}");
+    let mut standby = opts.connect().await.unwrap();
+    assert!(
+        !boxoffice_store::outbox::try_relay_lock(&mut standby).await.unwrap(),
+        "the leader lost the lock"
+    );
+    assert!(!published(app.pool.clone(), oversized).await);
+    assert!(
+        !published(app.pool.clone(), behind.event_id).await,
+        "a later fact of the order went ahead of it"
+    );
+    app.stop().await;
+}
+
 /// A message no consumer can apply (undecodable, or naming an order that does not exist)
 /// goes to the dead-letter topic with its source coordinates, and the partition moves on.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
