@@ -214,7 +214,7 @@ impl OutboxRow {
 /// changes hands).
 pub const RELAY_LOCK: (i32, i32) = (1_113_084_465, 1);
 
-/// Tries [`RELAY_LOCK`] on `c`'s session; `true` when this session holds it (again: the lock
+/// Tries [`RELAY_LOCK`] on `c`'s connection; `true` when that connection holds it (again: the lock
 /// is re-entrant, so the holder may ask twice).
 pub async fn try_relay_lock(c: &mut sqlx::PgConnection) -> Result<bool, sqlx::Error> {
     sqlx::query_scalar("SELECT pg_try_advisory_lock($1, $2)")

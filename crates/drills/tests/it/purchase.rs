@@ -211,7 +211,7 @@ async fn a_leader_that_publishes_nothing_gives_the_lock_up(_: PgPoolOptions, opt
         boxoffice_faults::fired("relay.before_publish") >= 1
     })
     .await;
-    // Another relay (this session) gets the lock once the leader has given it up.
+    // Another relay (the connection `other`) gets the lock once the leader has given it up.
     let mut other = opts.connect().await.unwrap();
     let deadline = std::time::Instant::now() + WAIT;
     while !outbox::try_relay_lock(&mut other).await.unwrap() {
