@@ -248,6 +248,7 @@ async fn create_hold(
         payable_within: Some(st.settings.hold_policy.ceiling),
         cell: st.admission.cell().to_owned(),
         directory_epoch: claims.directory_epoch,
+        authorization_request: st.settings.authorization_request,
     };
     let outcome = holds::reserve(&st.pool, &req).await;
     let label = match &outcome {

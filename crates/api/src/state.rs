@@ -26,6 +26,9 @@ pub struct ApiSettings {
     /// The hold's lifetime rules: its TTL, and how long an authorization reported by a webhook
     /// protects it ([`boxoffice_domain::hold`]).
     pub hold_policy: boxoffice_domain::HoldPolicy,
+    /// How a hold asks for its order's authorization (configuration
+    /// `hold_fact_requests_authorization`; [`boxoffice_domain::saga::AuthorizationRequest`]).
+    pub authorization_request: boxoffice_domain::saga::AuthorizationRequest,
     /// Admission token lifetime (the admission slot), seconds.
     pub admission_ttl_s: i64,
     /// How long a rendered seat map may be served, ms.
@@ -78,6 +81,7 @@ impl Default for ApiSettings {
     fn default() -> Self {
         Self {
             hold_policy: boxoffice_domain::HoldPolicy::for_ttl(Duration::from_secs(300)),
+            authorization_request: Default::default(),
             admission_ttl_s: 900,
             seat_map_max_age_ms: 1_000,
             webhook_secret: SecretString::default(),

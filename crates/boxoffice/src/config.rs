@@ -590,6 +590,15 @@ pub struct Config {
     /// seats). An answer that is not an authorization ends the wait at once. One provider
     /// read per such hold; 0 turns the check off; at most 600000. Default 30000.
     pub hold_provider_check_ms: u64,
+    /// Whether a hold's `HoldCreated` is itself its order's authorization request, which the
+    /// payment worker acts on (default `true`: one fact per new order). `false` writes a
+    /// `PaymentAuthorizationRequested` command beside it, as builds before the request in
+    /// the fact did: set it while a payment worker of such a build may still read the purchase
+    /// topic (a rolling upgrade from one), and before rolling back to one until the topic has
+    /// been read past the last hold written with `true` (an older payment worker does not act
+    /// on a `HoldCreated`, so its order would get no PaymentIntent). A payment worker of this
+    /// build acts on either form.
+    pub hold_fact_requests_authorization: bool,
     /// Stripe API base URL: `https://api.stripe.com` in production, the simulator otherwise.
     /// Empty means "no provider configured": `audit` then skips its provider checks and
     /// `reconcile` refuses to run.
@@ -787,6 +796,7 @@ impl Default for Config {
             hold_ceiling_ms: None,
             authorization_settle_ms: 1_800_000,
             hold_provider_check_ms: 30_000,
+            hold_fact_requests_authorization: true,
             stripe_api_base: "https://api.stripe.com".into(),
             stripe_secret_key: DEV_STRIPE_SECRET_KEY.into(),
             stripe_publishable_key: "pk_test_boxoffice_dev".into(),
@@ -1520,6 +1530,16 @@ impl Config {
                     .map_err(|_| anyhow::anyhow!("webhook_allowed_networks: {n:?} is not a CIDR network"))
             })
             .collect()
+    }
+
+    /// How a hold asks for its order's authorization, from `hold_fact_requests_authorization`.
+    pub fn authorization_request(&self) -> boxoffice_domain::saga::AuthorizationRequest {
+        use boxoffice_domain::saga::AuthorizationRequest;
+        if self.hold_fact_requests_authorization {
+            AuthorizationRequest::InHoldFact
+        } else {
+            AuthorizationRequest::Command
+        }
     }
 
     /// The hold's lifetime rules ([`boxoffice_domain::HoldPolicy`]): `hold_ttl_ms`, with the

@@ -243,6 +243,7 @@ pub async fn start(
                     room.clone(),
                     ApiSettings {
                         hold_policy: cfg.hold_policy(),
+                        authorization_request: cfg.authorization_request(),
                         admission_ttl_s: cfg.admission_ttl_s,
                         webhook_secret: cfg.stripe_webhook_secret.clone(),
                         admission_direct: cfg.admission_direct,

@@ -229,6 +229,15 @@ pub enum PurchaseEvent {
         /// written before it did, for which the saga still requests the authorization.
         #[serde(default)]
         authorization_requested: bool,
+        /// Whether this fact is itself the order's authorization request: the payment worker
+        /// creates the PaymentIntent from it (idempotency key `authorize:{event_id}`, this
+        /// fact's envelope id) and no `PaymentAuthorizationRequested` is written for the
+        /// order ([`crate::saga::AuthorizationRequest::InHoldFact`]). `false` (the default)
+        /// on facts written beside that command, by an older writer or with
+        /// [`crate::saga::AuthorizationRequest::Command`]. Set only with
+        /// `authorization_requested`.
+        #[serde(default)]
+        is_authorization_request: bool,
     },
     /// Command to the payment worker: create the manual-capture PaymentIntent.
     PaymentAuthorizationRequested { order_id: OrderId, hold_id: HoldId, amount_minor: i64, currency: String },
@@ -311,10 +320,47 @@ impl EventKind {
     }
 }
 
+/// What an authorization request asks the payment worker for: a manual-capture
+/// PaymentIntent of `amount_minor` (minor units of `currency`) for the order and its hold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AuthorizationAsk<'a> {
+    /// The order.
+    pub order_id: OrderId,
+    /// Its hold.
+    pub hold_id: HoldId,
+    /// The amount to authorize, minor units.
+    pub amount_minor: i64,
+    /// Lower-case ISO 4217 currency.
+    pub currency: &'a str,
+}
+
 impl PurchaseEvent {
     /// The event's kind.
     pub fn kind(&self) -> EventKind {
         self.into()
+    }
+
+    /// The order's authorization request this message is, if it is one: a
+    /// `PaymentAuthorizationRequested`, or a `HoldCreated` written as the request
+    /// (`is_authorization_request`, [`crate::saga::hold_created`]).
+    pub fn authorization_request(&self) -> Option<AuthorizationAsk<'_>> {
+        match self {
+            PurchaseEvent::PaymentAuthorizationRequested { order_id, hold_id, amount_minor, currency }
+            | PurchaseEvent::HoldCreated {
+                order_id,
+                hold_id,
+                amount_minor,
+                currency,
+                is_authorization_request: true,
+                ..
+            } => Some(AuthorizationAsk {
+                order_id: *order_id,
+                hold_id: *hold_id,
+                amount_minor: *amount_minor,
+                currency,
+            }),
+            _ => None,
+        }
     }
 
     /// The PaymentIntent the event is about, for the facts and commands that name one.

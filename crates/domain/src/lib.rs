@@ -15,7 +15,7 @@ pub mod money;
 pub mod saga;
 pub mod status;
 
-pub use events::{Envelope, EventKind, PurchaseEvent, Topic};
+pub use events::{AuthorizationAsk, Envelope, EventKind, PurchaseEvent, Topic};
 pub use hold::HoldPolicy;
 pub use ids::{EventId, HoldId, OrderId, SeatId, UserId};
 pub use money::Money;

@@ -33,10 +33,12 @@
 //! |                      | lost, order `ticketed`                 | → `refunded`, tickets void, TicketsVoided (case C15)    |
 //! |                      | won                                    | tickets valid again                                     |
 //!
-//! The first forward step is not a row: the hold transaction writes `HoldCreated` and the
-//! order's `PaymentAuthorizationRequested` together ([`hold_created`]), since the order is
-//! `held` when it commits and the step has no other condition. The saga acts on a
-//! `HoldCreated` only when it was written without the request ([`acts_on`]).
+//! The first forward step is not a row: the hold transaction requests the order's
+//! authorization itself ([`hold_created`]), since the order is `held` when it commits and the
+//! step has no other condition. Its `HoldCreated` is the request, which the payment worker
+//! acts on, or, for builds that do not, a `PaymentAuthorizationRequested` beside it
+//! ([`AuthorizationRequest`]). The saga acts on a `HoldCreated` only when it was written
+//! without either ([`acts_on`]).
 //!
 //! Invariant 2: only `PaymentAuthorized` for the order's PaymentIntent with an active,
 //! unlapsed hold confirms. Invariant 6: a late authorization is cancelled and a capture for an
@@ -268,11 +270,25 @@ impl Refusal {
     }
 }
 
-/// The facts the hold transaction writes for a new order, in order: `HoldCreated`, then the
-/// command that starts the saga's first forward step, `PaymentAuthorizationRequested` (the
-/// order is `held` when they commit, the step's only condition; its compensation is the hold's
-/// expiry, which cancels whatever authorization follows). `seat_ids` are the hold's seats,
-/// `amount_minor` their total in `currency`'s minor units.
+/// How the hold transaction asks for a new order's authorization, the saga's first forward
+/// step (its only condition: the order is `held`, which it is when the hold commits; its
+/// compensation is the hold's expiry, which cancels whatever authorization follows).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AuthorizationRequest {
+    /// `HoldCreated` is the request (`is_authorization_request`): one fact per new order,
+    /// which the payment worker acts on. The default.
+    #[default]
+    InHoldFact,
+    /// A `PaymentAuthorizationRequested` command beside `HoldCreated`, as builds that do not
+    /// act on a `HoldCreated` need it: for a rolling upgrade from such a build, or before a
+    /// rollback to one (configuration `hold_fact_requests_authorization = false`).
+    Command,
+}
+
+/// The facts the hold transaction writes for a new order, in order: `HoldCreated`, and with
+/// [`AuthorizationRequest::Command`] the `PaymentAuthorizationRequested` after it. `seat_ids`
+/// are the hold's seats, `amount_minor` their total in `currency`'s minor units.
+#[allow(clippy::too_many_arguments)]
 pub fn hold_created(
     order_id: OrderId,
     hold_id: HoldId,
@@ -281,34 +297,47 @@ pub fn hold_created(
     expires_at: DateTime<Utc>,
     amount_minor: i64,
     currency: String,
-) -> [PurchaseEvent; 2] {
-    [
-        PurchaseEvent::HoldCreated {
-            order_id,
-            hold_id,
-            event_id,
-            seat_ids,
-            expires_at,
-            amount_minor,
-            currency: currency.clone(),
-            authorization_requested: true,
-        },
-        PurchaseEvent::PaymentAuthorizationRequested { order_id, hold_id, amount_minor, currency },
-    ]
+    request: AuthorizationRequest,
+) -> Vec<PurchaseEvent> {
+    let in_fact = request == AuthorizationRequest::InHoldFact;
+    let created = PurchaseEvent::HoldCreated {
+        order_id,
+        hold_id,
+        event_id,
+        seat_ids,
+        expires_at,
+        amount_minor,
+        currency: currency.clone(),
+        authorization_requested: true,
+        is_authorization_request: in_fact,
+    };
+    if in_fact {
+        vec![created]
+    } else {
+        vec![
+            created,
+            PurchaseEvent::PaymentAuthorizationRequested { order_id, hold_id, amount_minor, currency },
+        ]
+    }
 }
 
 /// Whether the saga acts on `fact` at all (the consumer acknowledges the rest unapplied,
 /// without a transaction): every fact of [`FACTS`] but a `HoldCreated` whose authorization
-/// request the hold transaction wrote beside it ([`hold_created`]).
+/// the hold transaction requested itself ([`hold_created`]: `authorization_requested`, or
+/// the fact is the request).
 pub fn acts_on(fact: &PurchaseEvent) -> bool {
     !matches!(fact, PurchaseEvent::HoldCreated { authorization_requested: true, .. })
+        && fact.authorization_request().is_none()
 }
 
 /// The saga's decision for `fact` given `s`: the steps to execute, in order.
 pub fn decide(s: &Snapshot, fact: &PurchaseEvent) -> Result<Vec<Step>, Refusal> {
     use PurchaseEvent as E;
     Ok(match fact {
-        E::HoldCreated { authorization_requested: true, .. } => vec![],
+        E::HoldCreated { authorization_requested: true, .. }
+        | E::HoldCreated { is_authorization_request: true, .. } => {
+            vec![]
+        }
         E::HoldCreated { order_id, hold_id, amount_minor, currency, .. } => {
             request_authorization(s, *order_id, *hold_id, *amount_minor, currency)
         }

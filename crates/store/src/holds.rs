@@ -88,6 +88,10 @@ pub struct ReserveRequest {
     /// The directory epoch the admission token was minted at: the event must be `active` for
     /// `cell` at exactly this epoch in this ledger ([`crate::cells::Placement::admits`]).
     pub directory_epoch: i64,
+    /// How the hold asks for the order's authorization: in its `HoldCreated` (the default)
+    /// or by a `PaymentAuthorizationRequested` beside it, for builds that need the command
+    /// ([`saga::AuthorizationRequest`]).
+    pub authorization_request: saga::AuthorizationRequest,
 }
 
 impl ReserveRequest {
@@ -311,8 +315,8 @@ pub async fn reserve(pool: &PgPool, req: &ReserveRequest) -> Result<ReserveOutco
 /// One attempt of the hold transaction, as named steps in the ledger's lock order, four
 /// statements between `BEGIN` and `COMMIT`: the buyer's lock and the idempotency key
 /// (remembered answer or claim); the event's rules and the seat rows locked; the seats'
-/// current owners (lapsed holds reclaimed); then the order, hold, seats, `HoldCreated` +
-/// `PaymentAuthorizationRequested` and the stored answer in one statement.
+/// current owners (lapsed holds reclaimed); then the order, hold, seats, `HoldCreated` (with
+/// the authorization request in it or beside it) and the stored answer in one statement.
 async fn reserve_once(
     pool: &PgPool,
     req: &ReserveRequest,
@@ -608,12 +612,13 @@ async fn take_seats_from_lapsed_holds(
 }
 
 /// Step 4, one statement: the order (`held`), its `active` hold expiring `req.ttl` after `now`
-/// (the database clock once the seats were locked), the hold's seat rows, `HoldCreated` with
-/// the order's `PaymentAuthorizationRequested` in the outbox, and the answer stored with the
-/// claimed key, so a retry returns it (invariant 3). The foreign keys are checked at the
-/// statement's end.
+/// (the database clock once the seats were locked), the hold's seat rows, the facts of
+/// [`saga::hold_created`] in the outbox (`HoldCreated` as the order's authorization request,
+/// or with `PaymentAuthorizationRequested` after it, per `req.authorization_request`), and the
+/// answer stored with the claimed key, so a retry returns it (invariant 3). The foreign keys
+/// are checked at the statement's end.
 ///
-/// The two outbox rows are written here as [`outbox::insert_all`] writes facts (same columns,
+/// The outbox rows are written here as [`outbox::insert_all`] writes facts (same columns,
 /// `created_at` one microsecond apart in order, the current span's trace context), so the hold
 /// costs one round trip for all its writes.
 async fn insert_hold(
@@ -640,9 +645,9 @@ async fn insert_hold(
         amount_minor,
         currency: currency.clone(),
     };
-    // `HoldCreated` and the saga's first command (the saga decides what they are:
-    // `saga::hold_created`).
-    let [created, request] = saga::hold_created(
+    // `HoldCreated` and, in the older form, the saga's first command (the saga decides what
+    // they are: `saga::hold_created`); each later fact is caused by the first.
+    let mut events = saga::hold_created(
         order_id,
         hold_id,
         req.event_id,
@@ -650,10 +655,13 @@ async fn insert_hold(
         expires_at,
         amount_minor,
         currency.clone(),
-    );
-    let created = Envelope::new(order_id, &created, req.correlation_id, None);
-    let request = created.follow(&request);
-    let facts = [&created, &request];
+        req.authorization_request,
+    )
+    .into_iter();
+    let created =
+        Envelope::new(order_id, &events.next().expect("HoldCreated first"), req.correlation_id, None);
+    let followers: Vec<Envelope> = events.map(|e| created.follow(&e)).collect();
+    let facts: Vec<&Envelope> = std::iter::once(&created).chain(&followers).collect();
     let fact_ids: Vec<Uuid> = facts.iter().map(|e| e.event_id).collect();
     let fact_types: Vec<&str> = facts.iter().map(|e| e.event_type.as_str()).collect();
     let fact_payloads: Vec<serde_json::Value> =

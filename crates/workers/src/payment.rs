@@ -4,7 +4,7 @@
 //!
 //! | command                        | Stripe call                         | idempotency key          |
 //! |--------------------------------|-------------------------------------|--------------------------|
-//! | PaymentAuthorizationRequested  | create PaymentIntent (manual capture)| `authorize:{event_id}`  |
+//! | PaymentAuthorizationRequested, or HoldCreated written as the request | create PaymentIntent (manual capture)| `authorize:{event_id}`  |
 //! | CaptureRequested               | capture                              | `capture:{order_id}`    |
 //! | AuthorizationCancelRequested   | cancel                               | `cancel:{payment_intent_id}` |
 //! | RefundRequested                | refund                               | `refund:{payment_intent_id}` |
@@ -92,7 +92,8 @@ const ALREADY_APPLIED: &str = "already_applied";
 /// the capture's answer is in the ledger by now.
 const CAPTURE_RECORDED: &str = "capture_recorded";
 
-/// The commands this worker carries out (its consumer routes on these).
+/// The commands this worker carries out (its consumer routes on these, and on a `HoldCreated`
+/// that is its order's authorization request: [`PurchaseEvent::authorization_request`]).
 pub const COMMANDS: [EventKind; 6] = [
     EventKind::PaymentAuthorizationRequested,
     EventKind::CaptureRequested,
@@ -133,6 +134,49 @@ pub enum Prepared {
 }
 
 impl PaymentWorker {
+    /// The order's PaymentIntent for authorization request `ask` (a command, or a
+    /// `HoldCreated` that is the request), under `authorize:{event_id}` of `env`.
+    async fn create_intent(
+        &self,
+        env: &Envelope,
+        ask: boxoffice_domain::AuthorizationAsk<'_>,
+        pre: &payments::Precheck,
+    ) -> Result<Prepared, HandlerError> {
+        let boxoffice_domain::AuthorizationAsk { order_id, hold_id, amount_minor, currency } = ask;
+        // Only an order still waiting for its PaymentIntent (`held`, no payment row)
+        // gets one: an order has at most one payment row, so an intent created for an
+        // order that has one could never be recorded (a second authorization request
+        // for one order — an older writer's, a replayed or forged one — creates
+        // nothing).
+        if pre.order_status != Some(OrderStatus::Held) || pre.payment.is_some() {
+            return Ok(Prepared::Skipped("order_not_awaiting_payment_intent"));
+        }
+        let req = CreatePaymentIntent {
+            amount_minor,
+            currency: currency.to_owned(),
+            metadata: [("order_id".into(), order_id.to_string()), ("hold_id".into(), hold_id.to_string())]
+                .into_iter()
+                .chain(self.cell.clone().map(|c| ("purchase_cell".into(), c)))
+                // The fact's region and epoch, not this worker's: a request replayed by
+                // the promoted region after a failover must send the same parameters
+                // under the same idempotency key, and reconciliation finds intents
+                // requested by a fenced writer by them (design §15).
+                .chain(env.region.clone().map(|r| ("region".into(), r)))
+                .chain(env.region_epoch.map(|e| ("region_epoch".into(), e.to_string())))
+                // The fact's stored trace context, byte for byte (never this worker's
+                // span, which differs on every retry under this same idempotency key):
+                // the intent's webhooks join the purchase's trace from it (design §16).
+                .chain(env.traceparent.clone().map(|t| (boxoffice_trace::TRACEPARENT.into(), t)))
+                .collect(),
+        };
+        let pi = self
+            .gateway
+            .create_payment_intent(&req, &format!("authorize:{}", env.event_id))
+            .await
+            .map_err(stripe_err)?;
+        Ok(Prepared::Intent(pi))
+    }
+
     /// A re-fetch of PaymentIntent `payment_intent_id`, claimed to be `order`'s, with what its
     /// charge adds; refuted when the provider does not know it or it is someone else's.
     async fn refresh_intent(
@@ -259,7 +303,13 @@ impl Handler for PaymentWorker {
     }
 
     fn wants(&self, kind: EventKind) -> bool {
-        COMMANDS.contains(&kind)
+        COMMANDS.contains(&kind) || kind == EventKind::HoldCreated
+    }
+
+    /// Every command; a `HoldCreated` only when it is its order's authorization request (one
+    /// written beside a `PaymentAuthorizationRequested` is acted on through the command).
+    fn acts_on(&self, event: &PurchaseEvent) -> bool {
+        !matches!(event, PurchaseEvent::HoldCreated { .. }) || event.authorization_request().is_some()
     }
 
     type Precheck = payments::Precheck;
@@ -292,53 +342,18 @@ impl Handler for PaymentWorker {
         // A command that decides on the order's or hold's status fails alone on a status this
         // build does not know (a newer writer's): retried, then dead-lettered without an inbox
         // row, so the upgraded worker can be given it again; never skipped as done.
-        let decides_on_status = matches!(
-            event,
-            PurchaseEvent::PaymentAuthorizationRequested { .. } | PurchaseEvent::CaptureRequested { .. }
-        );
+        let decides_on_status = event.authorization_request().is_some()
+            || matches!(event, PurchaseEvent::CaptureRequested { .. });
         if let Some(status) = pre.unknown_status.as_ref().filter(|_| decides_on_status) {
             return Err(HandlerError::permanent(
                 "corrupt_row",
                 anyhow::anyhow!("order {} has a status this build does not know: {status}", event.order_id()),
             ));
         }
+        if let Some(ask) = event.authorization_request() {
+            return self.create_intent(env, ask, &pre).await;
+        }
         match event {
-            PurchaseEvent::PaymentAuthorizationRequested { order_id, hold_id, amount_minor, currency } => {
-                // Only an order still waiting for its PaymentIntent (`held`, no payment row)
-                // gets one: an order has at most one payment row, so an intent created for an
-                // order that has one could never be recorded (a second authorization request
-                // for one order — an older writer's, a replayed or forged one — creates
-                // nothing).
-                if pre.order_status != Some(OrderStatus::Held) || pre.payment.is_some() {
-                    return Ok(Prepared::Skipped("order_not_awaiting_payment_intent"));
-                }
-                let req = CreatePaymentIntent {
-                    amount_minor: *amount_minor,
-                    currency: currency.clone(),
-                    metadata: [
-                        ("order_id".into(), order_id.to_string()),
-                        ("hold_id".into(), hold_id.to_string()),
-                    ]
-                    .into_iter()
-                    .chain(self.cell.clone().map(|c| ("purchase_cell".into(), c)))
-                    // The fact's region and epoch, not this worker's: a request replayed by
-                    // the promoted region after a failover must send the same parameters
-                    // under the same idempotency key, and reconciliation finds intents
-                    // requested by a fenced writer by them (design §15).
-                    .chain(env.region.clone().map(|r| ("region".into(), r)))
-                    .chain(env.region_epoch.map(|e| ("region_epoch".into(), e.to_string())))
-                    // The fact's stored trace context, byte for byte (never this worker's
-                    // span, which differs on every retry under this same idempotency key):
-                    // the intent's webhooks join the purchase's trace from it (design §16).
-                    .chain(env.traceparent.clone().map(|t| (boxoffice_trace::TRACEPARENT.into(), t)))
-                    .collect(),
-                };
-                let pi = g
-                    .create_payment_intent(&req, &format!("authorize:{}", env.event_id))
-                    .await
-                    .map_err(stripe_err)?;
-                Ok(Prepared::Intent(pi))
-            }
             PurchaseEvent::CaptureRequested { order_id, payment_intent_id, .. } => {
                 // Case C06: never capture without a confirmed hold.
                 if (pre.order_status, pre.hold_status)
@@ -441,10 +456,10 @@ impl Handler for PaymentWorker {
         let batch = run.len() > 1;
         let locks = |event: &PurchaseEvent| {
             batch
+                || event.authorization_request().is_some()
                 || matches!(
                     event,
-                    PurchaseEvent::PaymentAuthorizationRequested { .. }
-                        | PurchaseEvent::CaptureRequested { .. }
+                    PurchaseEvent::CaptureRequested { .. }
                         | PurchaseEvent::AuthorizationCancelRequested { .. }
                 )
         };
@@ -467,6 +482,14 @@ impl Handler for PaymentWorker {
     ) -> Result<Vec<Envelope>, HandlerError> {
         let order_id = event.order_id();
         let mut emit = Vec::new();
+        // An authorization request's new PaymentIntent (a command, or a `HoldCreated` that is
+        // the request).
+        if let (Some(ask), Prepared::Intent(pi)) = (event.authorization_request(), &prepared) {
+            let facts =
+                record_created(tx, order_id, hold_locked, pi, ask.amount_minor, ask.currency, &self.policy)
+                    .await?;
+            return Ok(facts.iter().map(|e| env.follow(e)).collect());
+        }
         match (event, prepared) {
             (_, Prepared::Refuted { payment_intent_id, why }) => {
                 record_refuted(tx, order_id, &payment_intent_id, why).await?;
@@ -482,15 +505,6 @@ impl Handler for PaymentWorker {
                 } else {
                     tracing::warn!(order.id = %order_id, event.type = %env.event_type, reason = why, "payment command skipped");
                 }
-            }
-            (
-                PurchaseEvent::PaymentAuthorizationRequested { amount_minor, currency, .. },
-                Prepared::Intent(pi),
-            ) => {
-                emit.extend(
-                    record_created(tx, order_id, hold_locked, &pi, *amount_minor, currency, &self.policy)
-                        .await?,
-                );
             }
             (
                 PurchaseEvent::CaptureRequested { .. } | PurchaseEvent::AuthorizationCancelRequested { .. },

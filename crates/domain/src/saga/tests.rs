@@ -142,6 +142,7 @@ fn fact(kind: EventKind, pi: &str) -> PurchaseEvent {
             currency: "usd".into(),
             // A fact of a writer from before `hold_created`: the saga requests the authorization.
             authorization_requested: false,
+            is_authorization_request: false,
         },
         EventKind::PaymentIntentCreated => PurchaseEvent::PaymentIntentCreated {
             order_id,
@@ -474,21 +475,31 @@ proptest! {
     }
 }
 
-/// The hold transaction's facts start the saga by themselves: the request follows the
-/// `HoldCreated`, which the saga then leaves alone; one written without the request (an
-/// older writer's) still gets it from the saga, once per `held` order.
+/// The hold transaction's facts start the saga by themselves: its `HoldCreated` is the
+/// authorization request (or, in the command form, the request follows it), and the saga
+/// leaves it alone; one written without the request (an older writer's) still gets it from
+/// the saga, once per `held` order.
 #[test]
 fn the_hold_transaction_requests_the_authorization_itself() {
+    use crate::saga::AuthorizationRequest;
     let (order_id, hold_id) = (OrderId(Uuid::new_v4()), HoldId(Uuid::new_v4()));
-    let [created, request] = crate::saga::hold_created(
-        order_id,
-        hold_id,
-        crate::EventId(Uuid::new_v4()),
-        vec![],
-        Utc::now(),
-        18_500,
-        "usd".into(),
-    );
+    let facts = |form| {
+        crate::saga::hold_created(
+            order_id,
+            hold_id,
+            crate::EventId(Uuid::new_v4()),
+            vec![],
+            Utc::now(),
+            18_500,
+            "usd".into(),
+            form,
+        )
+    };
+    let ask = crate::AuthorizationAsk { order_id, hold_id, amount_minor: 18_500, currency: "usd" };
+    let [created] = facts(AuthorizationRequest::InHoldFact).try_into().expect("one fact");
+    assert_eq!(created.authorization_request(), Some(ask), "the fact is the request");
+    assert!(!crate::saga::acts_on(&created), "the saga skips a HoldCreated that is the request");
+    let [beside, request] = facts(AuthorizationRequest::Command).try_into().expect("two facts");
     assert_eq!(
         request,
         PurchaseEvent::PaymentAuthorizationRequested {
@@ -498,11 +509,15 @@ fn the_hold_transaction_requests_the_authorization_itself() {
             currency: "usd".into()
         }
     );
-    assert!(!crate::saga::acts_on(&created), "the saga skips a HoldCreated that came with its request");
+    assert_eq!(request.authorization_request(), Some(ask));
+    assert_eq!(beside.authorization_request(), None, "the command is the request, not the fact beside it");
+    assert!(!crate::saga::acts_on(&beside), "the saga skips a HoldCreated that came with its request");
     let held = World::new(OrderStatus::Held, HoldStatus::Active, false);
+    assert_eq!(decide(&held.snapshot(PI), &beside).unwrap(), vec![]);
     assert_eq!(decide(&held.snapshot(PI), &created).unwrap(), vec![]);
     let older = fact(EventKind::HoldCreated, PI);
     assert!(crate::saga::acts_on(&older));
+    assert_eq!(older.authorization_request(), None);
     let steps = decide(&held.snapshot(PI), &older).unwrap();
     assert!(
         matches!(steps.as_slice(), [Step::Emit(PurchaseEvent::PaymentAuthorizationRequested { .. })]),

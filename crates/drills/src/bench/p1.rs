@@ -373,6 +373,7 @@ async fn hold_level(
                         payable_within: None,
                         cell: "cell-1".into(),
                         directory_epoch: 1,
+                        authorization_request: boxoffice_domain::saga::AuthorizationRequest::default(),
                     };
                     let t = Instant::now();
                     let r = holds::reserve(&pool, &req).await;

@@ -108,6 +108,7 @@ async fn fill(pool: &sqlx::PgPool, n: usize) -> anyhow::Result<()> {
                             amount_minor: 24_000,
                             currency: "usd".into(),
                             authorization_requested: true,
+                            is_authorization_request: false,
                         },
                         uuid::Uuid::new_v4(),
                         None,

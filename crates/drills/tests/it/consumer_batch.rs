@@ -426,7 +426,7 @@ async fn a_consumer_that_calls_out_makes_its_calls_before_the_shared_transaction
 }
 
 /// One order per seat of `seats`, each held by a buyer of its own (Idempotency-Key
-/// `{key}-{i}`), and the `PaymentAuthorizationRequested` command each hold wrote, as the
+/// `{key}-{i}`), and the authorization request each hold wrote (its `HoldCreated`), as the
 /// relay sends them (outbox order).
 async fn held_with_commands(app: &TestApp, seats: &[Uuid], key: &str) -> (Vec<Uuid>, Vec<Envelope>) {
     let mut orders = Vec::new();
@@ -439,7 +439,7 @@ async fn held_with_commands(app: &TestApp, seats: &[Uuid], key: &str) -> (Vec<Uu
     }
     let keys: Vec<String> = orders.iter().map(Uuid::to_string).collect();
     let cmds: Vec<Envelope> = sqlx::query_scalar::<_, serde_json::Value>(
-        "SELECT payload FROM outbox WHERE event_type = 'PaymentAuthorizationRequested'
+        "SELECT payload FROM outbox WHERE event_type = 'HoldCreated'
            AND message_key = ANY($1) ORDER BY created_at, id",
     )
     .bind(&keys)

@@ -120,7 +120,7 @@ async fn small_onsale_through_the_binary_has_no_violations(_: PgPoolOptions, opt
         "ticketed",
         "buyer's hold request (api)",
         "→ HoldCreated",
-        "payments, applying PaymentAuthorizationRequested",
+        "payments, applying HoldCreated",
         "webhook payment_intent.amount_capturable_updated",
         "order payment_required → confirming",
         "order paid → ticketed",

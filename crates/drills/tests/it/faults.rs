@@ -357,8 +357,7 @@ async fn early_webhook_is_kept_and_rederived_from_stripe(_: PgPoolOptions, opts:
             .await
             .unwrap();
     let hold_created: Envelope = serde_json::from_value(hold_created).unwrap();
-    let PurchaseEvent::HoldCreated { hold_id, amount_minor, currency, .. } = hold_created.decode().unwrap()
-    else {
+    let PurchaseEvent::HoldCreated { amount_minor, currency, .. } = hold_created.decode().unwrap() else {
         panic!("not a HoldCreated")
     };
 
@@ -409,16 +408,17 @@ async fn early_webhook_is_kept_and_rederived_from_stripe(_: PgPoolOptions, opts:
         app.pool.clone(),
         app.cfg.hold_policy(),
     );
-    let cmd = hold_created.follow(&PurchaseEvent::PaymentAuthorizationRequested {
-        order_id: boxoffice_domain::OrderId(order),
-        hold_id,
-        amount_minor,
-        currency,
-    });
-    let event = cmd.decode().unwrap();
+    // The hold's `HoldCreated` is its authorization request.
+    let event = hold_created.decode().unwrap();
     let mut tx = app.pool.begin().await.unwrap();
     let follows = worker
-        .apply(&mut tx, &cmd, &event, boxoffice_workers::payment::Prepared::Intent(created.clone()), false)
+        .apply(
+            &mut tx,
+            &hold_created,
+            &event,
+            boxoffice_workers::payment::Prepared::Intent(created.clone()),
+            false,
+        )
         .await
         .unwrap();
     // As the consumer runner does: what the effect emits goes to the outbox in its transaction.

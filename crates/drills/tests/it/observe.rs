@@ -509,7 +509,7 @@ async fn the_timeline_tells_who_moved_a_ticketed_and_a_compensated_order(
         (
             "held".into(),
             "payment_required".into(),
-            "payments:PaymentAuthorizationRequested".into(),
+            "payments:HoldCreated".into(),
             vec!["saga:PaymentIntentCreated".to_owned()],
         ),
         (

@@ -5,6 +5,7 @@
 
 use crate::helpers::{eventually, TestApp};
 use boxoffice::runtime::Role;
+use boxoffice_domain::saga::AuthorizationRequest;
 use boxoffice_domain::{Envelope, OrderId, PurchaseEvent, SeatId, UserId};
 use boxoffice_store::holds::{self, ReserveRequest};
 use boxoffice_store::venue::VenueSpec;
@@ -93,7 +94,7 @@ async fn republished_message_is_applied_once(_: PgPoolOptions, opts: PgConnectOp
     let requested = move |pool: sqlx::PgPool| async move {
         crate::helpers::outbox_count(&pool, "PaymentAuthorizationRequested", order).await
     };
-    assert_eq!(requested(pool.clone()).await, 1, "the hold transaction wrote the request");
+    assert_eq!(requested(pool.clone()).await, 0, "the hold's own HoldCreated is its request");
     let older = Envelope::new(
         receipt.order_id,
         &PurchaseEvent::HoldCreated {
@@ -105,6 +106,7 @@ async fn republished_message_is_applied_once(_: PgPoolOptions, opts: PgConnectOp
             amount_minor: receipt.amount_minor,
             currency: receipt.currency.clone(),
             authorization_requested: false,
+            is_authorization_request: false,
         },
         Uuid::new_v4(),
         None,
@@ -114,7 +116,7 @@ async fn republished_message_is_applied_once(_: PgPoolOptions, opts: PgConnectOp
     tx.commit().await.unwrap();
     eventually(WAIT, "saga applied the older HoldCreated", || {
         let f = requested(pool.clone());
-        async move { f.await == 2 }
+        async move { f.await == 1 }
     })
     .await;
 
@@ -150,7 +152,7 @@ async fn republished_message_is_applied_once(_: PgPoolOptions, opts: PgConnectOp
         .await
         .unwrap();
     assert_eq!(republished, 2, "the row was published a second time");
-    assert_eq!(requested(app.pool.clone()).await, 2, "the duplicate had no second effect");
+    assert_eq!(requested(app.pool.clone()).await, 1, "the duplicate had no second effect");
     app.stop().await;
 }
 
@@ -328,6 +330,7 @@ async fn poison_messages_are_dead_lettered_and_the_partition_moves_on(
     let mut copy = hold_created.clone();
     copy["event_id"] = serde_json::json!(Uuid::new_v4());
     copy["payload"]["authorization_requested"] = serde_json::json!(false);
+    copy["payload"]["is_authorization_request"] = serde_json::json!(false);
     boxoffice_bus::producer::send(&producer, &topic, key, &serde_json::to_vec(&copy).unwrap(), &[])
         .await
         .unwrap();
@@ -335,8 +338,8 @@ async fn poison_messages_are_dead_lettered_and_the_partition_moves_on(
     let order = receipt.order_id.0;
     eventually(WAIT, "the healthy message behind the poison was applied", || {
         let pool = pool.clone();
-        // One from the hold transaction, one from the saga.
-        async move { crate::helpers::outbox_count(&pool, "PaymentAuthorizationRequested", order).await >= 2 }
+        // The saga's (the hold's own HoldCreated is its request).
+        async move { crate::helpers::outbox_count(&pool, "PaymentAuthorizationRequested", order).await >= 1 }
     })
     .await;
 
@@ -396,8 +399,14 @@ async fn poison_messages_are_dead_lettered_and_the_partition_moves_on(
     app.stop().await;
 }
 
-/// A hold made straight through the ledger (no API role running).
+/// A hold made straight through the ledger (no API role running), its `HoldCreated` the
+/// authorization request.
 async fn hold_directly(app: &TestApp, seat: Uuid) -> holds::HoldReceipt {
+    hold_directly_as(app, seat, AuthorizationRequest::InHoldFact).await
+}
+
+/// [`hold_directly`], asking for the authorization in `form`.
+async fn hold_directly_as(app: &TestApp, seat: Uuid, form: AuthorizationRequest) -> holds::HoldReceipt {
     let req = ReserveRequest {
         user_id: UserId::new(),
         event_id: boxoffice_domain::EventId(app.event),
@@ -408,6 +417,7 @@ async fn hold_directly(app: &TestApp, seat: Uuid) -> holds::HoldReceipt {
         payable_within: None,
         cell: "cell-1".into(),
         directory_epoch: 1,
+        authorization_request: form,
     };
     holds::reserve(&app.pool, &req).await.unwrap().receipt().clone()
 }
@@ -435,6 +445,61 @@ async fn metrics_export_the_business_signals(_: PgPoolOptions, opts: PgConnectOp
         }
     })
     .await;
+    app.stop().await;
+}
+
+/// A hold asks for its order's authorization once, in either form. With
+/// `hold_fact_requests_authorization = false` (a rolling upgrade from a build whose payment
+/// worker does not act on a `HoldCreated`) the API's hold writes the command beside its
+/// `HoldCreated`, and the payment worker acts on the command alone; in the default form the
+/// hold writes no command and the payment worker acts on the `HoldCreated`. Each order gets
+/// one PaymentIntent.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn a_hold_asks_for_its_authorization_once_in_either_form(_: PgPoolOptions, opts: PgConnectOptions) {
+    let roles = [Role::Api, Role::Relay, Role::Payments];
+    let app = TestApp::spawn_with(opts, &roles, VenueSpec::small(1, 1, 4), |c| {
+        c.hold_fact_requests_authorization = false;
+    })
+    .await;
+    let seats = app.seats().await;
+    let b = app.buyer();
+    let r = app.hold(&b, &app.admission_token(&b), "upgrade", &[seats[0]]).await;
+    assert_eq!(r.status(), 202);
+    let command_form: Uuid =
+        r.json::<serde_json::Value>().await.unwrap()["order_id"].as_str().unwrap().parse().unwrap();
+    let in_fact = hold_directly_as(&app, seats[1], AuthorizationRequest::InHoldFact).await.order_id.0;
+    let pool = app.pool.clone();
+    eventually(WAIT, "both orders' PaymentIntents recorded", || {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>("SELECT count(*) FROM payments WHERE order_id = ANY($1)")
+                .bind([command_form, in_fact])
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+                == 2
+        }
+    })
+    .await;
+    assert_eq!(app.sim.stats().payment_intents_created, 2, "one intent per order");
+    assert_eq!(app.outbox_count("PaymentAuthorizationRequested", command_form).await, 1);
+    assert_eq!(app.outbox_count("PaymentAuthorizationRequested", in_fact).await, 0, "no command");
+    // What the payment worker applied: the command for the first order, the fact for the second.
+    let applied = |order: Uuid| {
+        let pool = app.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, String>(
+                "SELECT o.event_type FROM inbox i JOIN outbox o ON o.id = i.event_id
+                  WHERE i.consumer = 'payments' AND o.message_key = $1::text",
+            )
+            .bind(order)
+            .fetch_all(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    assert_eq!(applied(command_form).await, ["PaymentAuthorizationRequested"]);
+    assert_eq!(applied(in_fact).await, ["HoldCreated"]);
     app.stop().await;
 }
 

@@ -48,6 +48,7 @@ impl Ledger {
             payable_within: None,
             cell: "cell-1".into(),
             directory_epoch: 1,
+            authorization_request: boxoffice_domain::saga::AuthorizationRequest::InHoldFact,
         }
     }
 

@@ -221,7 +221,7 @@ async fn one_purchase_is_one_trace_across_every_role_process(_: PgPoolOptions, o
     // The intent carries the context of the fact that asked for it, which the webhooks join.
     let intent = sim.payment_intent(&pi.id).expect("the intent");
     let requested: String = sqlx::query_scalar(
-        "SELECT traceparent FROM outbox WHERE message_key = $1 AND event_type = 'PaymentAuthorizationRequested'",
+        "SELECT traceparent FROM outbox WHERE message_key = $1 AND event_type = 'HoldCreated'",
     )
     .bind(order.to_string())
     .fetch_one(&pool)
