@@ -251,6 +251,9 @@ pub struct Precheck {
     /// An order or hold status this build does not know (a newer writer's, during a rolling
     /// deploy), as stored; `order_status` / `hold_status` are then `None`.
     pub unknown_status: Option<String>,
+    /// The order's total (minor units) and lower-case currency, what its PaymentIntent must
+    /// ask for; `None` without the order.
+    pub order_amount: Option<(i64, String)>,
 }
 
 /// The [`Precheck`] of each `(order, event id)` of `commands` for `consumer`, in one
@@ -270,7 +273,8 @@ pub async fn prechecks(
         "SELECT c.k, EXISTS (SELECT 1 FROM inbox i WHERE i.consumer = $1 AND i.event_id = c.event_id),
                 o.status, h.status,
                 p.payment_intent_id, p.status, p.amount_minor, p.currency, p.amount_captured_minor,
-                p.amount_refunded_minor, p.capture_before, p.last_error_code, p.dispute_id, p.dispute_status
+                p.amount_refunded_minor, p.capture_before, p.last_error_code, p.dispute_id, p.dispute_status,
+                o.amount_minor, o.currency
            FROM unnest($2::uuid[], $3::uuid[]) WITH ORDINALITY AS c (order_id, event_id, k)
            LEFT JOIN orders o ON o.id = c.order_id
            LEFT JOIN holds h ON h.order_id = c.order_id
@@ -305,13 +309,14 @@ pub async fn prechecks(
                 order_status: order_status.ok().flatten(),
                 hold_status: hold_status.ok().flatten(),
                 payment: payment_of(OrderId(*order), (r.4, r.5, r.6, r.7, r.8, r.9, r.10, r.11, r.12, r.13)),
+                order_amount: r.14.zip(r.15),
             }
         })
         .collect())
 }
 
-/// Position, whether the command is in the inbox, the order's and hold's statuses, then a
-/// [`MaybePayment`].
+/// Position, whether the command is in the inbox, the order's and hold's statuses, a
+/// [`MaybePayment`], then the order's amount and currency.
 type PrecheckRow = (
     i64,
     bool,
@@ -326,6 +331,8 @@ type PrecheckRow = (
     Option<DateTime<Utc>>,
     Option<String>,
     Option<String>,
+    Option<String>,
+    Option<i64>,
     Option<String>,
 );
 

@@ -18,7 +18,8 @@
 //! Before any call, each command's pre-check reads the ledger outside any transaction:
 //! whether the command is in this consumer's inbox (then no call), and the order, its hold
 //! and its payment row — for a lane's batch, one statement for all its commands
-//! ([`payments::prechecks`]). The inbox row the effect's transaction inserts stays the guard
+//! ([`payments::prechecks`]). An authorization request creates a PaymentIntent only for an
+//! order still `held` without one, and only for the order's own amount and currency. The inbox row the effect's transaction inserts stays the guard
 //! against a duplicate that got past it.
 //!
 //! The provider's answer is then recorded (payment row + the resulting fact in the outbox) in
@@ -150,6 +151,11 @@ impl PaymentWorker {
         // nothing).
         if pre.order_status != Some(OrderStatus::Held) || pre.payment.is_some() {
             return Ok(Prepared::Skipped("order_not_awaiting_payment_intent"));
+        }
+        // A message is a claim: the amount asked for is the order's, as the hold transaction
+        // wrote it (a forged or corrupt request for another amount creates nothing).
+        if pre.order_amount.as_ref().is_none_or(|(amount, cur)| *amount != amount_minor || cur != currency) {
+            return Ok(Prepared::Skipped("amount_differs_from_order"));
         }
         let req = CreatePaymentIntent {
             amount_minor,

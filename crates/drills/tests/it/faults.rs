@@ -336,6 +336,74 @@ async fn disagreeing_webhooks_are_resolved_by_asking_stripe(_: PgPoolOptions, op
     app.stop().await;
 }
 
+/// An authorization request is a claim checked against the ledger: one for another amount
+/// or currency than its order's (forged, or corrupt) creates no PaymentIntent, whatever its
+/// form; the hold's own `HoldCreated` then gets the order its intent.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn an_authorization_request_for_another_amount_creates_no_intent(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    // Only the API runs: the test plays the payment worker by hand.
+    let app = TestApp::spawn(opts, &[Role::Api], VenueSpec::small(1, 1, 4)).await;
+    let seat = app.seats().await[0];
+    let b = app.buyer();
+    assert_eq!(app.hold(&b, &app.admission_token(&b), "claim", &[seat]).await.status(), 202);
+    let hold_created: Envelope = serde_json::from_value(
+        sqlx::query_scalar("SELECT payload FROM outbox WHERE event_type = 'HoldCreated'")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap(),
+    )
+    .unwrap();
+    let real = hold_created.decode().unwrap();
+    let ask = real.authorization_request().expect("the hold's fact is its request");
+    let worker = boxoffice_workers::payment::PaymentWorker::new(
+        Arc::new(app.stripe()),
+        app.pool.clone(),
+        app.cfg.hold_policy(),
+    );
+    let prepare = |env: Envelope, event: PurchaseEvent| {
+        let worker = worker.clone();
+        let pool = app.pool.clone();
+        async move {
+            let pre =
+                boxoffice_store::payments::prechecks(&pool, "payments", &[(event.order_id(), env.event_id)])
+                    .await
+                    .unwrap()
+                    .remove(0);
+            worker.prepare(&env, &event, pre).await.unwrap()
+        }
+    };
+    let mut forged = Vec::new();
+    for (amount_minor, currency) in [(ask.amount_minor - 1, "usd"), (ask.amount_minor, "eur")] {
+        forged.push(PurchaseEvent::PaymentAuthorizationRequested {
+            order_id: ask.order_id,
+            hold_id: ask.hold_id,
+            amount_minor,
+            currency: currency.into(),
+        });
+        let mut copy = real.clone();
+        if let PurchaseEvent::HoldCreated { amount_minor: a, currency: c, .. } = &mut copy {
+            (*a, *c) = (amount_minor, currency.into());
+        }
+        forged.push(copy);
+    }
+    for event in forged {
+        let env = hold_created.follow(&event);
+        let prepared = prepare(env, event.clone()).await;
+        assert!(
+            matches!(prepared, boxoffice_workers::payment::Prepared::Skipped("amount_differs_from_order")),
+            "{event:?}: {prepared:?}"
+        );
+    }
+    assert_eq!(app.sim.stats().payment_intents_created, 0, "no intent for a claim the ledger contradicts");
+    let prepared = prepare(hold_created.clone(), real).await;
+    assert!(matches!(prepared, boxoffice_workers::payment::Prepared::Intent(_)), "{prepared:?}");
+    assert_eq!(app.sim.stats().payment_intents_created, 1);
+    app.stop().await;
+}
+
 /// A webhook for a PaymentIntent the ledger does not know yet, naming no order, is kept as
 /// pending; when the payment worker commits the payment row, the fact is re-derived from
 /// Stripe (a refresh), so the early webhook is not lost.
