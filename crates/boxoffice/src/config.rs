@@ -592,12 +592,12 @@ pub struct Config {
     pub hold_provider_check_ms: u64,
     /// Whether a hold's `HoldCreated` is itself its order's authorization request, which the
     /// payment worker acts on (default `true`: one fact per new order). `false` writes a
-    /// `PaymentAuthorizationRequested` command beside it, as builds before the request in
-    /// the fact did: set it while a payment worker of such a build may still read the purchase
-    /// topic (a rolling upgrade from one), and before rolling back to one until the topic has
-    /// been read past the last hold written with `true` (an older payment worker does not act
-    /// on a `HoldCreated`, so its order would get no PaymentIntent). A payment worker of this
-    /// build acts on either form.
+    /// `PaymentAuthorizationRequested` command beside it, as older builds did. Set `false`
+    /// while processes of an older build run beside this one (a rolling upgrade or
+    /// rollback): an older payment worker does not act on a `HoldCreated`, and this build's
+    /// saga leaves it to the payment worker, so such an order would get no PaymentIntent. A
+    /// payment worker of this build acts on either form (README, "Rolling upgrades and
+    /// rollbacks across the one-fact hold").
     pub hold_fact_requests_authorization: bool,
     /// Stripe API base URL: `https://api.stripe.com` in production, the simulator otherwise.
     /// Empty means "no provider configured": `audit` then skips its provider checks and

@@ -187,9 +187,9 @@ pub trait Handler: Send + Sync + 'static {
 
     /// Whether this consumer acts on this decoded fact of a kind it [`Handler::wants`]; a
     /// fact it does not act on is acknowledged like an unwanted kind: no inbox row, no
-    /// transaction. For what the payload alone rules out (the saga and a `HoldCreated` that
-    /// came with its authorization request); anything that depends on the ledger is decided
-    /// in `apply`.
+    /// transaction. For what the payload alone rules out (the saga and a `HoldCreated` whose
+    /// authorization the hold requested itself; the payment worker and a `HoldCreated` that
+    /// is not the request); anything that depends on the ledger is decided in `apply`.
     fn acts_on(&self, _event: &PurchaseEvent) -> bool {
         true
     }

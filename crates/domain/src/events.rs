@@ -8,7 +8,10 @@
 //! and the payload. Payloads never carry card data or Stripe client secrets.
 //!
 //! Compatibility: fields are only ever added within `schema_version` 1 and consumers ignore
-//! unknown fields; a breaking change publishes version 2 beside version 1.
+//! unknown fields; a breaking change publishes version 2 beside version 1. A field that hands
+//! a step from one consumer to another (`HoldCreated`'s `is_authorization_request`, which an
+//! older payment worker ignores) comes with a way to write the older form for as long as
+//! older consumers run (`hold_fact_requests_authorization`).
 
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
@@ -225,17 +228,21 @@ pub enum PurchaseEvent {
         amount_minor: i64,
         currency: String,
         /// Whether the hold transaction wrote the order's `PaymentAuthorizationRequested`
-        /// beside this fact ([`crate::saga::hold_created`]); `false` (the default) on facts
-        /// written before it did, for which the saga still requests the authorization.
+        /// beside this fact ([`crate::saga::hold_created`] with
+        /// [`crate::saga::AuthorizationRequest::Command`]); `false` (the default) on facts
+        /// written before it did and on facts that are the request themselves. The saga
+        /// requests the authorization only when this is `false` and the fact is not the
+        /// request ([`crate::saga::acts_on`]); an older build's saga, which knows only this
+        /// field, requests it for every `false`.
         #[serde(default)]
         authorization_requested: bool,
         /// Whether this fact is itself the order's authorization request: the payment worker
         /// creates the PaymentIntent from it (idempotency key `authorize:{event_id}`, this
         /// fact's envelope id) and no `PaymentAuthorizationRequested` is written for the
         /// order ([`crate::saga::AuthorizationRequest::InHoldFact`]). `false` (the default)
-        /// on facts written beside that command, by an older writer or with
-        /// [`crate::saga::AuthorizationRequest::Command`]. Set only with
-        /// `authorization_requested`.
+        /// on facts written beside that command (with
+        /// [`crate::saga::AuthorizationRequest::Command`]) and on older writers' facts.
+        /// Never written together with `authorization_requested`.
         #[serde(default)]
         is_authorization_request: bool,
     },

@@ -308,7 +308,11 @@ pub fn hold_created(
         expires_at,
         amount_minor,
         currency: currency.clone(),
-        authorization_requested: true,
+        // `false` in the one-fact form, so that an older build's saga, which does not know
+        // `is_authorization_request`, requests the authorization itself: a rollback, a
+        // dead letter replayed to or a region republished by such a build still gets the
+        // order its PaymentIntent (this build's payment worker skips the second request).
+        authorization_requested: !in_fact,
         is_authorization_request: in_fact,
     };
     if in_fact {
@@ -323,8 +327,8 @@ pub fn hold_created(
 
 /// Whether the saga acts on `fact` at all (the consumer acknowledges the rest unapplied,
 /// without a transaction): every fact of [`FACTS`] but a `HoldCreated` whose authorization
-/// the hold transaction requested itself ([`hold_created`]: `authorization_requested`, or
-/// the fact is the request).
+/// the hold transaction requested itself ([`hold_created`]: the command beside it,
+/// `authorization_requested`, or the fact is the request).
 pub fn acts_on(fact: &PurchaseEvent) -> bool {
     !matches!(fact, PurchaseEvent::HoldCreated { authorization_requested: true, .. })
         && fact.authorization_request().is_none()
