@@ -207,6 +207,9 @@ locals {
     USER_JWT_ISSUER         = var.user_jwt_issuer
     USER_JWT_AUDIENCE       = var.user_jwt_audience
     ADMISSION_KID           = var.admission_kid
+
+    # The older, two-fact hold until every service runs a build that reads the one-fact form.
+    HOLD_FACT_REQUESTS_AUTHORIZATION = tostring(var.hold_fact_requests_authorization)
   }
 
   # The copy of the witness secret each Region's tasks read: the given ARN with that Region

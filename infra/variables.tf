@@ -218,3 +218,9 @@ variable "log_retention_days" {
   type        = number
   default     = 365
 }
+
+variable "hold_fact_requests_authorization" {
+  description = "Whether a hold's HoldCreated is its order's authorization request (one fact per order; BOXOFFICE_HOLD_FACT_REQUESTS_AUTHORIZATION). false writes the older form, which every build's payment worker acts on: keep it while any service may run a build whose payment worker ignores HoldCreated (ECS replaces every role at once and may roll one back alone), then apply true."
+  type        = bool
+  default     = false
+}

@@ -593,11 +593,11 @@ pub struct Config {
     /// Whether a hold's `HoldCreated` is itself its order's authorization request, which the
     /// payment worker acts on (default `true`: one fact per new order). `false` writes a
     /// `PaymentAuthorizationRequested` command beside it, as older builds did. Set `false`
-    /// while processes of an older build run beside this one (a rolling upgrade or
-    /// rollback): an older payment worker does not act on a `HoldCreated`, and this build's
-    /// saga leaves it to the payment worker, so such an order would get no PaymentIntent. A
-    /// payment worker of this build acts on either form (README, "Rolling upgrades and
-    /// rollbacks across the one-fact hold").
+    /// while processes of an older build run beside this one (a rolling upgrade), and before
+    /// the first older process starts in a rollback: an older payment worker does not act on
+    /// a `HoldCreated`, and this build's saga leaves it to the payment worker, so such an
+    /// order would get no PaymentIntent. A payment worker of this build acts on either form
+    /// (README, "Rolling upgrades and rollbacks across the one-fact hold").
     pub hold_fact_requests_authorization: bool,
     /// Stripe API base URL: `https://api.stripe.com` in production, the simulator otherwise.
     /// Empty means "no provider configured": `audit` then skips its provider checks and

@@ -328,7 +328,8 @@ async fn poison_messages_are_dead_lettered_and_the_partition_moves_on(
     .unwrap();
     // As an older writer's (without its request), so the saga emits one.
     let mut copy = hold_created.clone();
-    copy["event_id"] = serde_json::json!(Uuid::new_v4());
+    let copy_id = Uuid::new_v4();
+    copy["event_id"] = serde_json::json!(copy_id);
     copy["payload"]["authorization_requested"] = serde_json::json!(false);
     copy["payload"]["is_authorization_request"] = serde_json::json!(false);
     boxoffice_bus::producer::send(&producer, &topic, key, &serde_json::to_vec(&copy).unwrap(), &[])
@@ -338,10 +339,19 @@ async fn poison_messages_are_dead_lettered_and_the_partition_moves_on(
     let order = receipt.order_id.0;
     eventually(WAIT, "the healthy message behind the poison was applied", || {
         let pool = pool.clone();
-        // The saga's (the hold's own HoldCreated is its request).
-        async move { crate::helpers::outbox_count(&pool, "PaymentAuthorizationRequested", order).await >= 1 }
+        async move {
+            sqlx::query_scalar::<_, bool>(
+                "SELECT EXISTS (SELECT 1 FROM inbox WHERE consumer = 'saga' AND event_id = $1)",
+            )
+            .bind(copy_id)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
     })
     .await;
+    // Its request is the saga's only one (the hold's own HoldCreated is the request).
+    assert_eq!(crate::helpers::outbox_count(&app.pool, "PaymentAuthorizationRequested", order).await, 1);
 
     let dlq: StreamConsumer = rdkafka::ClientConfig::new()
         .set("bootstrap.servers", &kafka.brokers)
@@ -452,11 +462,11 @@ async fn metrics_export_the_business_signals(_: PgPoolOptions, opts: PgConnectOp
 /// `hold_fact_requests_authorization = false` (a rolling upgrade from a build whose payment
 /// worker does not act on a `HoldCreated`) the API's hold writes the command beside its
 /// `HoldCreated`, and the payment worker acts on the command alone; in the default form the
-/// hold writes no command and the payment worker acts on the `HoldCreated`. Each order gets
-/// one PaymentIntent.
+/// hold writes no command and the payment worker acts on the `HoldCreated`. The saga runs
+/// too and requests nothing for either. Each order gets one PaymentIntent.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn a_hold_asks_for_its_authorization_once_in_either_form(_: PgPoolOptions, opts: PgConnectOptions) {
-    let roles = [Role::Api, Role::Relay, Role::Payments];
+    let roles = [Role::Api, Role::Relay, Role::Saga, Role::Payments];
     let app = TestApp::spawn_with(opts, &roles, VenueSpec::small(1, 1, 4), |c| {
         c.hold_fact_requests_authorization = false;
     })
