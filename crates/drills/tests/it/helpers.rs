@@ -325,6 +325,16 @@ pub async fn outbox_count(pool: &PgPool, event_type: &str, order: Uuid) -> i64 {
         .unwrap()
 }
 
+/// Whether consumer `consumer` has applied fact `event_id` (its inbox row).
+pub async fn in_inbox(pool: &PgPool, consumer: &str, event_id: Uuid) -> bool {
+    sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM inbox WHERE consumer = $1 AND event_id = $2)")
+        .bind(consumer)
+        .bind(event_id)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
 /// Awaits `cond` (re-evaluated every 25 ms) for at most `timeout`.
 pub async fn eventually<F, Fut>(timeout: Duration, what: &str, mut cond: F)
 where

@@ -339,15 +339,7 @@ async fn poison_messages_are_dead_lettered_and_the_partition_moves_on(
     let order = receipt.order_id.0;
     eventually(WAIT, "the healthy message behind the poison was applied", || {
         let pool = pool.clone();
-        async move {
-            sqlx::query_scalar::<_, bool>(
-                "SELECT EXISTS (SELECT 1 FROM inbox WHERE consumer = 'saga' AND event_id = $1)",
-            )
-            .bind(copy_id)
-            .fetch_one(&pool)
-            .await
-            .unwrap()
-        }
+        async move { crate::helpers::in_inbox(&pool, "saga", copy_id).await }
     })
     .await;
     // Its request is the saga's only one (the hold's own HoldCreated is the request).
@@ -555,15 +547,7 @@ async fn a_second_authorization_request_creates_no_second_intent(_: PgPoolOption
     let (pool, id) = (app.pool.clone(), again.event_id);
     eventually(WAIT, "the payment worker took the second request", || {
         let pool = pool.clone();
-        async move {
-            sqlx::query_scalar::<_, bool>(
-                "SELECT EXISTS (SELECT 1 FROM inbox WHERE consumer = 'payments' AND event_id = $1)",
-            )
-            .bind(id)
-            .fetch_one(&pool)
-            .await
-            .unwrap()
-        }
+        async move { crate::helpers::in_inbox(&pool, "payments", id).await }
     })
     .await;
     assert_eq!(app.sim.stats().payment_intents_created, 1, "no second intent");
