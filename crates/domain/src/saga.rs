@@ -338,10 +338,7 @@ pub fn acts_on(fact: &PurchaseEvent) -> bool {
 pub fn decide(s: &Snapshot, fact: &PurchaseEvent) -> Result<Vec<Step>, Refusal> {
     use PurchaseEvent as E;
     Ok(match fact {
-        E::HoldCreated { authorization_requested: true, .. }
-        | E::HoldCreated { is_authorization_request: true, .. } => {
-            vec![]
-        }
+        E::HoldCreated { .. } if !acts_on(fact) => vec![],
         E::HoldCreated { order_id, hold_id, amount_minor, currency, .. } => {
             request_authorization(s, *order_id, *hold_id, *amount_minor, currency)
         }

@@ -19,8 +19,9 @@
 //! whether the command is in this consumer's inbox (then no call), and the order, its hold
 //! and its payment row — for a lane's batch, one statement for all its commands
 //! ([`payments::prechecks`]). An authorization request creates a PaymentIntent only for an
-//! order still `held` without one, and only for the order's own amount and currency. The inbox row the effect's transaction inserts stays the guard
-//! against a duplicate that got past it.
+//! order still `held` without one, and only for the order's own amount and currency. The
+//! inbox row the effect's transaction inserts stays the guard against a duplicate that got
+//! past it.
 //!
 //! The provider's answer is then recorded (payment row + the resulting fact in the outbox) in
 //! the consumer's inbox transaction — with those of the other commands of its lane's batch
@@ -348,15 +349,16 @@ impl Handler for PaymentWorker {
         // A command that decides on the order's or hold's status fails alone on a status this
         // build does not know (a newer writer's): retried, then dead-lettered without an inbox
         // row, so the upgraded worker can be given it again; never skipped as done.
-        let decides_on_status = event.authorization_request().is_some()
-            || matches!(event, PurchaseEvent::CaptureRequested { .. });
+        let authorization = event.authorization_request();
+        let decides_on_status =
+            authorization.is_some() || matches!(event, PurchaseEvent::CaptureRequested { .. });
         if let Some(status) = pre.unknown_status.as_ref().filter(|_| decides_on_status) {
             return Err(HandlerError::permanent(
                 "corrupt_row",
                 anyhow::anyhow!("order {} has a status this build does not know: {status}", event.order_id()),
             ));
         }
-        if let Some(ask) = event.authorization_request() {
+        if let Some(ask) = authorization {
             return self.create_intent(env, ask, &pre).await;
         }
         match event {
