@@ -5,8 +5,10 @@
 //! expiry are reclaimed (under their own row lock, so a hold the saga is confirming is never
 //! reclaimed), and the partial unique index `hold_seat_active_uq` rejects any second
 //! unreleased row whatever path wrote it. Invariant 3 (HTTP idempotency) is the
-//! `idempotency_keys` row claimed at the start of the same transaction; a failed hold rolls
-//! the claim back, so only successful holds are remembered.
+//! `idempotency_keys` row: read under the buyer's lock, after which no request of the same
+//! buyer and event can commit, and written with its answer by the hold's last statement, its
+//! primary key guarding a request with the same key for another event; a failed hold writes
+//! no key, so only successful holds are remembered.
 //!
 //! A hold's lifetime follows [`boxoffice_domain::hold`] (case C19): [`open_payment_window`]
 //! pushes `expires_at` when the order becomes payable, [`protect_authorized`] keeps a hold
@@ -168,7 +170,10 @@ pub enum ReserveError {
     /// The key was used before by this user with a different body. → 409
     #[error("idempotency key reused with a different request")]
     IdempotencyConflict,
-    /// A request with the same key is still being processed. → 409, retryable
+    /// Another request with the same key committed while this one ran (one for another
+    /// event: its key's primary key refused ours), or the key's row holds no answer. The
+    /// transaction is retried, and its next attempt answers from the key; → 409, retryable,
+    /// when the attempts run out.
     #[error("a request with this idempotency key is in progress")]
     InProgress,
     /// Some seat ids do not belong to the event. → 422
@@ -283,7 +288,8 @@ impl std::fmt::Display for BuyerLimit {
 }
 
 /// Runs the hold transaction, retrying the whole transaction with jittered backoff on
-/// serialization failure, deadlock or a concurrent claim of the same key.
+/// serialization failure, deadlock or a concurrent request with the same key
+/// ([`ReserveError::InProgress`]).
 pub async fn reserve(pool: &PgPool, req: &ReserveRequest) -> Result<ReserveOutcome, ReserveError> {
     let seats = req.normalized_seats();
     if !SEATS_PER_HOLD.contains(&seats.len()) {
@@ -312,11 +318,13 @@ pub async fn reserve(pool: &PgPool, req: &ReserveRequest) -> Result<ReserveOutco
     }
 }
 
-/// One attempt of the hold transaction, as named steps in the ledger's lock order, four
-/// statements between `BEGIN` and `COMMIT`: the buyer's lock and the idempotency key
-/// (remembered answer or claim); the event's rules and the seat rows locked; the seats'
-/// current owners (lapsed holds reclaimed); then the order, hold, seats, `HoldCreated` (with
-/// the authorization request in it or beside it) and the stored answer in one statement.
+/// One attempt of the hold transaction, as named steps in the ledger's lock order, three
+/// statements between `BEGIN` and `COMMIT`: the buyer's lock, the event's rules and the seat
+/// rows locked ([`lock_buyer_and_seats`]); the idempotency key, the buyer's holdings and the
+/// seats' current owners, read after those locks ([`read_after_locks`]): a key seen before
+/// answers from memory, the event's rules are judged, lapsed holds are reclaimed; then the
+/// order, hold, seats, `HoldCreated` (with the authorization request in it or beside it) and
+/// the key with its stored answer in one statement ([`insert_hold`]).
 async fn reserve_once(
     pool: &PgPool,
     req: &ReserveRequest,
@@ -324,12 +332,16 @@ async fn reserve_once(
     hash: &str,
 ) -> Result<ReserveOutcome, ReserveError> {
     let mut tx = pool.begin().await?;
-    if let Some(replayed) = claim_idempotency_key(&mut tx, req, hash).await? {
+    let event = lock_buyer_and_seats(&mut tx, req, seats).await?;
+    let seen = read_after_locks(&mut tx, req, seats).await?;
+    // The key first: a retry is answered whatever the rules say now (invariant 3).
+    if let Some(replayed) = remembered_answer(seen.key, hash)? {
         return Ok(ReserveOutcome::Replayed(replayed));
     }
-    let locked = check_rules_and_lock_seats(&mut tx, req, seats).await?;
-    let now = take_seats_from_lapsed_holds(&mut tx, seats).await?;
-    let receipt = insert_hold(&mut tx, req, seats, &locked, now).await?;
+    check_rules(&event.rules, &seen.holdings, req, seats.len())?;
+    let locked = event.seats(seats)?;
+    take_seats_from_lapsed_holds(&mut tx, seats, seen.owners).await?;
+    let receipt = insert_hold(&mut tx, req, hash, seats, &locked, seen.now).await?;
     boxoffice_faults::check("hold.before_commit")?;
     tx.commit().await?;
     // Committed but unanswered: the client's retry with the same key gets this receipt.
@@ -337,8 +349,8 @@ async fn reserve_once(
     Ok(ReserveOutcome::Created(receipt))
 }
 
-/// The event's rules, read from the event row after taking the buyer's lock for this event
-/// (step 1, [`claim_idempotency_key`]).
+/// The event's rules as step 1 read them ([`lock_buyer_and_seats`]); the buyer's holdings
+/// are step 2's ([`Holdings`]).
 struct EventRules {
     placement: crate::cells::Placement,
     max_seats_per_buyer: i32,
@@ -346,6 +358,10 @@ struct EventRules {
     sales_open_at: Option<DateTime<Utc>>,
     sales_close_at: Option<DateTime<Utc>>,
     now: DateTime<Utc>,
+}
+
+/// What the buyer has in the event, read after their lock ([`read_after_locks`]).
+struct Holdings {
     seats_held: i64,
     active_holds: i64,
     tickets: i64,
@@ -357,51 +373,77 @@ struct LockedSeat {
     currency: String,
 }
 
-/// Step 2, one statement: the event's rules and the requested seats of the event locked in id
-/// order, `FOR NO KEY UPDATE`.
+/// Step 1's answer: the event's rules and the requested seats it found and locked, in id
+/// order.
+struct LockedEvent {
+    rules: EventRules,
+    ids: Vec<Uuid>,
+    prices: Vec<i64>,
+    currencies: Vec<String>,
+    elsewhere: Vec<bool>,
+}
+
+impl LockedEvent {
+    /// The requested seats as locked: unknown seats refuse (422), and so do seats another
+    /// cell's ledger sold before the event moved here (`seats.sold_in_cell`, 409 like any
+    /// taken seat).
+    fn seats(self, seats: &[SeatId]) -> Result<Vec<LockedSeat>, ReserveError> {
+        if self.ids.len() != seats.len() {
+            let found: std::collections::HashSet<Uuid> = self.ids.into_iter().collect();
+            return Err(ReserveError::UnknownSeats {
+                seat_ids: seats.iter().filter(|s| !found.contains(&s.0)).copied().collect(),
+            });
+        }
+        let sold_elsewhere: Vec<SeatId> =
+            self.ids.iter().zip(&self.elsewhere).filter(|(_, e)| **e).map(|(id, _)| SeatId(*id)).collect();
+        if !sold_elsewhere.is_empty() {
+            return Err(ReserveError::SeatUnavailable { seat_ids: sold_elsewhere });
+        }
+        Ok(self
+            .prices
+            .into_iter()
+            .zip(self.currencies)
+            .map(|(price_minor, currency)| LockedSeat { price_minor, currency })
+            .collect())
+    }
+}
+
+/// Step 1, one statement: the buyer's lock for this event, then the requested seats of the
+/// event locked in id order, `FOR NO KEY UPDATE`, with the event's rules.
+///
+/// The buyer's lock is a transaction-scoped advisory lock on (event, user), taken in the
+/// statement's `FROM` before the seat locks (the `locked` CTE is read while the event's row
+/// is projected, after the join that takes the lock): one buyer's concurrent holds of an
+/// event run one after the other, so N requests with N keys can never pass the buyer's
+/// limits together, and a retry with the same key waits for the first request and reads its
+/// answer in step 2. The lock is taken before any row lock in every hold, so two holds never
+/// wait on each other in opposite orders.
 ///
 /// The seat lock's strength: it excludes every other hold transaction of these seats (and a
-/// cell import's update of them), which is what makes step 3's read of their owners final. It
+/// cell import's update of them), which is what makes step 2's read of their owners final. It
 /// does not exclude the `FOR KEY SHARE` lock a foreign key takes on a seat when a ticket or a
 /// hold's seat row is inserted for it: a ticket issue for several orders in one transaction
 /// (a shared consumer batch) takes its seats in order-id order, not seat-id order, so with
 /// `FOR UPDATE` a request naming seats of two of its orders could lock one and wait for the
 /// other while the batch waits for the first, a deadlock PostgreSQL breaks only after
 /// `deadlock_timeout`. No ticket issue needs to wait for a hold request: it acts on a
-/// confirmed hold's seats, which step 3 finds taken.
+/// confirmed hold's seats, which step 2 finds taken.
 ///
-/// The rules: the event exists (404), this ledger sells it for the token's cell at the token's
-/// directory epoch (409 `event_in_another_cell` / `admission_token_stale_epoch`, 503
-/// `event_moving`; read without a row lock: a move waits for every transaction older than its
-/// freeze, `cells::wait_for_transactions_before`), its sales window is open by the database clock (403
-/// `sales_not_open` / `sales_closed`), and the buyer stays within the event's limits (409
-/// `buyer_limit_reached`): seats across the buyer's unreleased `active` or `confirmed` holds,
-/// plus valid tickets, plus `requested` must not exceed `max_seats_per_buyer`; `active` holds
-/// must stay below `max_active_holds_per_buyer`. A hold past its expiry still counts until the
-/// expiry releases it: the saga may be confirming it right now (it decided under its own row
-/// lock, before the lapse, and has not committed), so only a released hold gives its seats
-/// back to the buyer's allowance. The statement's snapshot is taken after the buyer's lock
-/// (step 1), so it sees every hold of theirs that committed before; while it waits for a seat
-/// lock, no hold of this buyer for this event can commit (they wait for the buyer's lock), so
-/// the counts cannot grow under it.
-///
-/// The seats: unknown seats refuse (422), and so do seats another cell's ledger sold before
-/// the event moved here (`seats.sold_in_cell`, 409 like any taken seat). The rules are judged
-/// first, as if they had been read first.
-async fn check_rules_and_lock_seats(
+/// The rules ([`check_rules`]): the event exists (404, at once), this ledger sells it for
+/// the token's cell at the token's directory epoch (read without a row lock: a move waits for
+/// every transaction older than its freeze, `cells::wait_for_transactions_before`), and its
+/// sales window by the database clock.
+async fn lock_buyer_and_seats(
     tx: &mut Tx<'_>,
     req: &ReserveRequest,
     seats: &[SeatId],
-) -> Result<Vec<LockedSeat>, ReserveError> {
+) -> Result<LockedEvent, ReserveError> {
     type Row = (
         i32,
         i32,
         Option<DateTime<Utc>>,
         Option<DateTime<Utc>>,
         DateTime<Utc>,
-        i64,
-        i64,
-        i64,
         String,
         i64,
         String,
@@ -416,20 +458,14 @@ async fn check_rules_and_lock_seats(
             SELECT id, price_minor, currency, sold_in_cell IS NOT NULL AS elsewhere FROM seats
              WHERE event_id = $1 AND id = ANY($3) ORDER BY id FOR NO KEY UPDATE)
          SELECT e.max_seats_per_buyer, e.max_active_holds_per_buyer, e.sales_open_at, e.sales_close_at,
-                clock_timestamp(),
-                (SELECT count(*) FROM orders o JOIN holds h ON h.order_id = o.id
-                   JOIN hold_seats hs ON hs.hold_id = h.id AND hs.released_at IS NULL
-                  WHERE o.event_id = e.id AND o.user_id = $2 AND h.status IN ('active', 'confirmed')),
-                (SELECT count(*) FROM orders o JOIN holds h ON h.order_id = o.id
-                  WHERE o.event_id = e.id AND o.user_id = $2 AND h.status = 'active'),
-                (SELECT count(*) FROM orders o JOIN tickets t ON t.order_id = o.id
-                  WHERE o.event_id = e.id AND o.user_id = $2 AND t.voided_at IS NULL),
-                e.purchase_cell, e.directory_epoch, e.cell_state,
+                clock_timestamp(), e.purchase_cell, e.directory_epoch, e.cell_state,
                 ARRAY(SELECT id FROM locked ORDER BY id),
                 ARRAY(SELECT price_minor FROM locked ORDER BY id),
                 ARRAY(SELECT currency FROM locked ORDER BY id),
                 ARRAY(SELECT elsewhere FROM locked ORDER BY id)
-           FROM events e WHERE e.id = $1",
+           FROM (SELECT pg_advisory_xact_lock(hashtextextended($1::text || '/' || $2::text, 0))) buyer_lock,
+                events e
+          WHERE e.id = $1",
     )
     .bind(req.event_id.0)
     .bind(req.user_id.0)
@@ -440,141 +476,81 @@ async fn check_rules_and_lock_seats(
         return Err(ReserveError::EventNotFound);
     };
     let state =
-        crate::cells::CellState::try_from(r.10).map_err(|e| ReserveError::Ledger(StoreError::Corrupt(e)))?;
-    check_rules(
-        &EventRules {
-            placement: crate::cells::Placement { cell: r.8, directory_epoch: r.9, state },
+        crate::cells::CellState::try_from(r.7).map_err(|e| ReserveError::Ledger(StoreError::Corrupt(e)))?;
+    Ok(LockedEvent {
+        rules: EventRules {
+            placement: crate::cells::Placement { cell: r.5, directory_epoch: r.6, state },
             max_seats_per_buyer: r.0,
             max_active_holds_per_buyer: r.1,
             sales_open_at: r.2,
             sales_close_at: r.3,
             now: r.4,
-            seats_held: r.5,
-            active_holds: r.6,
-            tickets: r.7,
         },
-        req,
-        seats.len(),
-    )?;
-    let (ids, prices, currencies, elsewhere) = (r.11, r.12, r.13, r.14);
-    if ids.len() != seats.len() {
-        let found: std::collections::HashSet<Uuid> = ids.into_iter().collect();
-        return Err(ReserveError::UnknownSeats {
-            seat_ids: seats.iter().filter(|s| !found.contains(&s.0)).copied().collect(),
-        });
-    }
-    let sold_elsewhere: Vec<SeatId> =
-        ids.iter().zip(&elsewhere).filter(|(_, e)| **e).map(|(id, _)| SeatId(*id)).collect();
-    if !sold_elsewhere.is_empty() {
-        return Err(ReserveError::SeatUnavailable { seat_ids: sold_elsewhere });
-    }
-    Ok(prices
-        .into_iter()
-        .zip(currencies)
-        .map(|(price_minor, currency)| LockedSeat { price_minor, currency })
-        .collect())
+        ids: r.8,
+        prices: r.9,
+        currencies: r.10,
+        elsewhere: r.11,
+    })
 }
 
-/// The event's rules against the request (see [`check_rules_and_lock_seats`]).
-fn check_rules(rules: &EventRules, req: &ReserveRequest, requested: usize) -> Result<(), ReserveError> {
-    rules.placement.admits(&req.cell, req.directory_epoch)?;
-    match rules.sales_open_at {
-        Some(open) if open <= rules.now => {}
-        opens_at => return Err(ReserveError::SalesNotOpen { opens_at }),
-    }
-    if rules.sales_close_at.is_some_and(|close| close <= rules.now) {
-        return Err(ReserveError::SalesClosed);
-    }
-    let has = rules.seats_held + rules.tickets;
-    if has + requested as i64 > i64::from(rules.max_seats_per_buyer) {
-        return Err(ReserveError::BuyerLimit {
-            limit: BuyerLimit::MaxSeatsPerBuyer,
-            max: rules.max_seats_per_buyer.into(),
-            has,
-        });
-    }
-    if rules.active_holds >= i64::from(rules.max_active_holds_per_buyer) {
-        return Err(ReserveError::BuyerLimit {
-            limit: BuyerLimit::MaxActiveHoldsPerBuyer,
-            max: rules.max_active_holds_per_buyer.into(),
-            has: rules.active_holds,
-        });
-    }
-    Ok(())
+/// The idempotency key's row, if the user sent the key before: its request hash and stored
+/// answer.
+type KeyRow = (String, Option<sqlx::types::Json<HoldReceipt>>);
+
+/// A seat's current owner as step 2 read it.
+struct Owner {
+    seat: SeatId,
+    /// The hold and its order (`None` for a ticket).
+    hold: Option<(OrderId, HoldId)>,
+    /// An `active` hold past every end ([`LAPSED`]); never true for a ticket.
+    lapsed: bool,
 }
 
-/// Step 1: the buyer's lock for this event (a transaction-scoped advisory lock on (event,
-/// user), so one buyer's concurrent holds are counted one after the other and N requests with
-/// N keys can never pass the cap together), then the key, in one statement: a fresh key is
-/// claimed in this transaction (`None`); a key seen before answers from memory
-/// (`Some(receipt)`), or refuses a different body / a request still in flight. A concurrent
-/// claim of the same key blocks on the insert until its transaction ends; if it committed,
-/// the read that follows answers from memory, if it rolled back, we own the key. The lock
-/// is taken before the key in every hold, so two holds never wait on each other in opposite
-/// orders.
-async fn claim_idempotency_key(
+/// Step 2's answer.
+struct AfterLocks {
+    /// The database clock once the locks were granted: the hold's times count from it.
+    now: DateTime<Utc>,
+    key: Option<KeyRow>,
+    holdings: Holdings,
+    owners: Vec<Owner>,
+}
+
+/// Step 2, one statement whose snapshot is taken after step 1's locks were granted: the
+/// idempotency key, the buyer's holdings in the event and the seats' current owners, with
+/// the clock.
+///
+/// - The key: it sees the answer of every request with this key that committed before, and
+///   so every one of this event (they took the buyer's lock before us). A request with this
+///   key for another event may be running beside us; the key's primary key settles it in
+///   step 3 ([`insert_hold`]).
+/// - The holdings ([`check_rules`]): no hold of this buyer for this event can commit while
+///   we hold their lock, so the counts cannot grow under us.
+/// - The owners: a seat's unreleased hold (with its order, and whether it lapsed) or its
+///   valid ticket. A ticket issue may run beside us (our `FOR NO KEY UPDATE` does not exclude
+///   its foreign key's share lock, [`lock_buyer_and_seats`]); whether or not it has committed
+///   when the snapshot is taken, its seats show as taken (the confirmed hold's unreleased
+///   seats, or the tickets). Each hold is read by primary key alone and its lapse computed
+///   from the row: a `status = 'active'` filter would invite the partial expiry index, which
+///   holds every active hold during an onsale.
+async fn read_after_locks(
     tx: &mut Tx<'_>,
     req: &ReserveRequest,
-    hash: &str,
-) -> Result<Option<HoldReceipt>, ReserveError> {
-    let user = req.user_id.0;
-    let claimed = sqlx::query(
-        "INSERT INTO idempotency_keys (user_id, idempotency_key, request_hash, expires_at)
-         SELECT $1, $2, $3, now() + make_interval(hours => $4)
-           FROM (SELECT pg_advisory_xact_lock(hashtextextended($5::text || '/' || $1::text, 0))) buyer_lock
-         ON CONFLICT DO NOTHING",
-    )
-    .bind(user)
-    .bind(&req.idempotency_key)
-    .bind(hash)
-    .bind(IDEMPOTENCY_RETENTION_HOURS as i32)
-    .bind(req.event_id.0)
-    .execute(&mut **tx)
-    .await?;
-    if claimed.rows_affected() == 1 {
-        return Ok(None);
-    }
-    let existing: Option<(String, Option<sqlx::types::Json<HoldReceipt>>)> = sqlx::query_as(
-        "SELECT request_hash, response FROM idempotency_keys WHERE user_id = $1 AND idempotency_key = $2",
-    )
-    .bind(user)
-    .bind(&req.idempotency_key)
-    .fetch_optional(&mut **tx)
-    .await?;
-    match existing {
-        Some((stored_hash, _)) if stored_hash != hash => Err(ReserveError::IdempotencyConflict),
-        Some((_, Some(r))) => Ok(Some(r.0)),
-        // Claimed by a transaction still running (or gone between the two statements).
-        _ => Err(ReserveError::InProgress),
-    }
-}
-
-/// Step 3, all or nothing: any seat sold or held by a live hold refuses the request (409);
-/// holds that are `active` but past expiry are reclaimed ([`reclaim_if_lapsed`]: the
-/// expiry's own routine under the hold's row lock, which re-checks status and expiry; a hold
-/// that expired meanwhile counts as reclaimed), one after another in ascending order id: each
-/// takes its hold's lock and then its order's, so the sequence is the ledger's lock order,
-/// the one a saga batch takes the same rows in ([`lock_all_with_orders`]); in hold-id order
-/// the two could wait for each other.
-/// Returns the database clock read after the seat locks were granted: the hold's times count
-/// from it.
-///
-/// A statement of its own after the seat locks: its snapshot is taken after they were
-/// granted, so it sees the hold of any hold transaction that held them before us. A ticket
-/// issue may run beside us (our `FOR NO KEY UPDATE` does not exclude its foreign key's share
-/// lock, [`check_rules_and_lock_seats`]); whether or not it has committed when the snapshot
-/// is taken, its seats show as taken (the confirmed hold's unreleased seats, or the tickets).
-///
-/// The owner query reads each hold by primary key alone and computes the lapse from the row:
-/// a `status = 'active'` filter would invite the partial expiry index, which holds every
-/// active hold during an onsale.
-async fn take_seats_from_lapsed_holds(
-    tx: &mut Tx<'_>,
     seats: &[SeatId],
-) -> Result<DateTime<Utc>, ReserveError> {
+) -> Result<AfterLocks, ReserveError> {
+    type Row = (
+        DateTime<Utc>,
+        Option<String>,
+        Option<sqlx::types::Json<HoldReceipt>>,
+        i64,
+        i64,
+        i64,
+        Vec<Uuid>,
+        Vec<Option<Uuid>>,
+        Vec<Option<Uuid>>,
+        Vec<bool>,
+    );
     let seat_uuids: Vec<Uuid> = seats.iter().map(|s| s.0).collect();
-    type Owners = (DateTime<Utc>, Vec<Uuid>, Vec<Option<Uuid>>, Vec<Option<Uuid>>, Vec<bool>);
-    let (now, owner_seats, owner_holds, owner_orders, lapsed): Owners = sqlx::query_as(concat!(
+    let r: Row = sqlx::query_as(concat!(
         "WITH owners AS (
             SELECT hs.seat_id, hs.hold_id,
                    (SELECT h.order_id FROM holds h WHERE h.id = hs.hold_id),
@@ -585,38 +561,142 @@ async fn take_seats_from_lapsed_holds(
               FROM hold_seats hs WHERE hs.seat_id = ANY($1) AND hs.released_at IS NULL
             UNION ALL
             SELECT t.seat_id, NULL, NULL, false FROM tickets t WHERE t.seat_id = ANY($1) AND t.seat_released_at IS NULL)
-         SELECT clock_timestamp(), ARRAY(SELECT seat_id FROM owners), ARRAY(SELECT hold_id FROM owners),
-                ARRAY(SELECT order_id FROM owners), ARRAY(SELECT lapsed FROM owners)",
+         SELECT clock_timestamp(), k.request_hash, k.response,
+                (SELECT count(*) FROM orders o JOIN holds h ON h.order_id = o.id
+                   JOIN hold_seats hs ON hs.hold_id = h.id AND hs.released_at IS NULL
+                  WHERE o.event_id = $2 AND o.user_id = $3 AND h.status IN ('active', 'confirmed')),
+                (SELECT count(*) FROM orders o JOIN holds h ON h.order_id = o.id
+                  WHERE o.event_id = $2 AND o.user_id = $3 AND h.status = 'active'),
+                (SELECT count(*) FROM orders o JOIN tickets t ON t.order_id = o.id
+                  WHERE o.event_id = $2 AND o.user_id = $3 AND t.voided_at IS NULL),
+                ARRAY(SELECT seat_id FROM owners), ARRAY(SELECT hold_id FROM owners),
+                ARRAY(SELECT order_id FROM owners), ARRAY(SELECT lapsed FROM owners)
+           FROM (SELECT 1) one
+           LEFT JOIN idempotency_keys k ON k.user_id = $3 AND k.idempotency_key = $4",
     ))
     .bind(&seat_uuids)
+    .bind(req.event_id.0)
+    .bind(req.user_id.0)
+    .bind(&req.idempotency_key)
     .fetch_one(&mut **tx)
     .await?;
-    let live: Vec<SeatId> =
-        owner_seats.iter().zip(&lapsed).filter(|(_, lapsed)| !**lapsed).map(|(s, _)| SeatId(*s)).collect();
+    let owners =
+        r.6.into_iter()
+            .zip(r.7)
+            .zip(r.8)
+            .zip(r.9)
+            .map(|(((seat, hold), order), lapsed)| Owner {
+                seat: SeatId(seat),
+                hold: order.zip(hold).map(|(o, h)| (OrderId(o), HoldId(h))),
+                lapsed,
+            })
+            .collect();
+    Ok(AfterLocks {
+        now: r.0,
+        key: r.1.map(|hash| (hash, r.2)),
+        holdings: Holdings { seats_held: r.3, active_holds: r.4, tickets: r.5 },
+        owners,
+    })
+}
+
+/// The idempotency key as step 2 read it, against this request's `hash`: a fresh key
+/// (`None`) goes on to the hold; a key seen before answers from memory (`Some(receipt)`), or
+/// refuses a different body (409 `idempotency_key_conflict`). A key without an answer, which
+/// this build never commits, is refused as in progress (409, retryable).
+fn remembered_answer(key: Option<KeyRow>, hash: &str) -> Result<Option<HoldReceipt>, ReserveError> {
+    match key {
+        None => Ok(None),
+        Some((stored_hash, _)) if stored_hash != hash => Err(ReserveError::IdempotencyConflict),
+        Some((_, Some(r))) => Ok(Some(r.0)),
+        Some((_, None)) => Err(ReserveError::InProgress),
+    }
+}
+
+/// The event's rules against the request, judged in this order: this ledger sells the
+/// event for the token's cell at the token's directory epoch (409 `event_in_another_cell` /
+/// `admission_token_stale_epoch`, 503 `event_moving`), its sales window is open (403
+/// `sales_not_open` / `sales_closed`), and the buyer stays within the event's limits (409
+/// `buyer_limit_reached`): seats across the buyer's unreleased `active` or `confirmed` holds,
+/// plus valid tickets, plus `requested` must not exceed `max_seats_per_buyer`; `active` holds
+/// must stay below `max_active_holds_per_buyer`. A hold past its expiry still counts until the
+/// expiry releases it: the saga may be confirming it right now (it decided under its own row
+/// lock, before the lapse, and has not committed), so only a released hold gives its seats
+/// back to the buyer's allowance. The rules are judged before the seats, as if they had been
+/// read first.
+fn check_rules(
+    rules: &EventRules,
+    holdings: &Holdings,
+    req: &ReserveRequest,
+    requested: usize,
+) -> Result<(), ReserveError> {
+    rules.placement.admits(&req.cell, req.directory_epoch)?;
+    match rules.sales_open_at {
+        Some(open) if open <= rules.now => {}
+        opens_at => return Err(ReserveError::SalesNotOpen { opens_at }),
+    }
+    if rules.sales_close_at.is_some_and(|close| close <= rules.now) {
+        return Err(ReserveError::SalesClosed);
+    }
+    let has = holdings.seats_held + holdings.tickets;
+    if has + requested as i64 > i64::from(rules.max_seats_per_buyer) {
+        return Err(ReserveError::BuyerLimit {
+            limit: BuyerLimit::MaxSeatsPerBuyer,
+            max: rules.max_seats_per_buyer.into(),
+            has,
+        });
+    }
+    if holdings.active_holds >= i64::from(rules.max_active_holds_per_buyer) {
+        return Err(ReserveError::BuyerLimit {
+            limit: BuyerLimit::MaxActiveHoldsPerBuyer,
+            max: rules.max_active_holds_per_buyer.into(),
+            has: holdings.active_holds,
+        });
+    }
+    Ok(())
+}
+
+/// All or nothing, from step 2's owners: any seat sold or held by a live hold refuses the
+/// request (409); holds that are `active` but past expiry are reclaimed
+/// ([`reclaim_if_lapsed`]: the expiry's own routine under the hold's row lock, which
+/// re-checks status and expiry; a hold that expired meanwhile counts as reclaimed), one after
+/// another in ascending order id: each takes its hold's lock and then its order's, so the
+/// sequence is the ledger's lock order, the one a saga batch takes the same rows in
+/// ([`lock_all_with_orders`]); in hold-id order the two could wait for each other.
+async fn take_seats_from_lapsed_holds(
+    tx: &mut Tx<'_>,
+    seats: &[SeatId],
+    owners: Vec<Owner>,
+) -> Result<(), ReserveError> {
+    let live: Vec<SeatId> = owners.iter().filter(|o| !o.lapsed).map(|o| o.seat).collect();
     if !live.is_empty() {
         return Err(ReserveError::SeatUnavailable { seat_ids: live });
     }
     // Every owner here is a lapsed hold (a ticket or a hold-less row is never lapsed).
-    let mut lapsed: Vec<(Uuid, Uuid)> =
-        owner_orders.into_iter().zip(owner_holds).filter_map(|(order, hold)| Some((order?, hold?))).collect();
+    let mut lapsed: Vec<(OrderId, HoldId)> = owners.into_iter().filter_map(|o| o.hold).collect();
     lapsed.sort();
     lapsed.dedup();
     for (_, hold) in lapsed {
-        if !reclaim_if_lapsed(tx, HoldId(hold)).await? {
+        if !reclaim_if_lapsed(tx, hold).await? {
             // Confirmed, extended or released between our read and its lock: the seat is
             // taken (or, rarely, freed by a payment failure: see `reclaim_if_lapsed`).
             return Err(ReserveError::SeatUnavailable { seat_ids: seats.to_vec() });
         }
     }
-    Ok(now)
+    Ok(())
 }
 
-/// Step 4, one statement: the order (`held`), its `active` hold expiring `req.ttl` after `now`
+/// Step 3, one statement: the order (`held`), its `active` hold expiring `req.ttl` after `now`
 /// (the database clock once the seats were locked), the hold's seat rows, the facts of
 /// [`saga::hold_created`] in the outbox (`HoldCreated` as the order's authorization request,
 /// or with `PaymentAuthorizationRequested` after it, per `req.authorization_request`), and the
-/// answer stored with the claimed key, so a retry returns it (invariant 3). The foreign keys
-/// are checked at the statement's end.
+/// idempotency key with the answer a retry returns (invariant 3), remembered for
+/// [`IDEMPOTENCY_RETENTION_HOURS`]. The foreign keys are checked at the statement's end.
+///
+/// The key is written once, with its answer, by this plain insert: a failed hold writes no
+/// key, so only successful holds are remembered. Its primary key (user, key) is the last
+/// guard of invariant 3: a request with this key for another event, running beside us under
+/// its own buyer's lock, makes the insert wait for it; if it committed, the insert fails
+/// and the attempt is retried ([`ReserveError::InProgress`]), whose step 2 reads its answer.
 ///
 /// The outbox rows are written here as [`outbox::insert_all`] writes facts (same columns,
 /// `created_at` one microsecond apart in order, the current span's trace context), so the hold
@@ -624,6 +704,7 @@ async fn take_seats_from_lapsed_holds(
 async fn insert_hold(
     tx: &mut Tx<'_>,
     req: &ReserveRequest,
+    hash: &str,
     seats: &[SeatId],
     locked: &[LockedSeat],
     now: DateTime<Utc>,
@@ -680,8 +761,9 @@ async fn insert_hold(
             SELECT f.id, $13, $1::text, f.t, f.p, clock_timestamp() + f.n * interval '1 microsecond', $17
               FROM unnest($14::uuid[], $15::text[], $16::jsonb[]) WITH ORDINALITY AS f(id, t, p, n)
          )
-         UPDATE idempotency_keys SET order_id = $1, response_status = 202, response = $19
-          WHERE user_id = $2 AND idempotency_key = $18",
+         INSERT INTO idempotency_keys (user_id, idempotency_key, request_hash, order_id, response_status,
+                                       response, expires_at)
+         VALUES ($2, $18, $20, $1, 202, $19, now() + make_interval(hours => $21))",
     )
     .bind(order_id.0)
     .bind(req.user_id.0)
@@ -702,13 +784,15 @@ async fn insert_hold(
     .bind(boxoffice_trace::current_traceparent())
     .bind(&req.idempotency_key)
     .bind(sqlx::types::Json(&receipt))
+    .bind(hash)
+    .bind(IDEMPOTENCY_RETENTION_HOURS as i32)
     .execute(&mut **tx)
     .await;
     match inserted {
-        Ok(r) if r.rows_affected() == 1 => Ok(receipt),
-        Ok(_) => Err(ReserveError::Ledger(StoreError::Corrupt(format!(
-            "idempotency key of order {order_id} was not claimed by its own transaction"
-        )))),
+        Ok(_) => Ok(receipt),
+        // A request with this key for another event committed under us: the next attempt
+        // reads its answer (a different body: 409 `idempotency_key_conflict`).
+        Err(e) if constraint(&e) == Some("idempotency_keys_pkey") => Err(ReserveError::InProgress),
         // Only reachable if some path took a seat without its row lock: the index is the
         // last guard, and we report it as the conflict it is.
         Err(e) if constraint(&e) == Some("hold_seat_active_uq") => {
