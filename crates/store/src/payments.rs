@@ -11,7 +11,7 @@
 
 use crate::{IllegalTransition, StoreError};
 use boxoffice_domain::{
-    CaptureDeadline, HoldStatus, OrderId, OrderStatus, PaymentIntentStatus, PaymentUpdate,
+    CaptureDeadline, HoldId, HoldStatus, OrderId, OrderStatus, PaymentIntentStatus, PaymentUpdate,
 };
 use chrono::{DateTime, Utc};
 use sqlx::{Executor, PgPool, Postgres};
@@ -254,6 +254,8 @@ pub struct Precheck {
     /// The order's total (minor units) and lower-case currency, what its PaymentIntent must
     /// ask for; `None` without the order.
     pub order_amount: Option<(i64, String)>,
+    /// The order's hold, the one its PaymentIntent names; `None` without a hold.
+    pub hold_id: Option<HoldId>,
 }
 
 /// The [`Precheck`] of each `(order, event id)` of `commands` for `consumer`, in one
@@ -270,11 +272,11 @@ pub async fn prechecks(
 ) -> Result<Vec<Precheck>, StoreError> {
     let (orders, events): (Vec<Uuid>, Vec<Uuid>) = commands.iter().map(|(o, e)| (o.0, *e)).unzip();
     let rows: Vec<PrecheckRow> = sqlx::query_as(
-        "SELECT c.k, EXISTS (SELECT 1 FROM inbox i WHERE i.consumer = $1 AND i.event_id = c.event_id),
+        "SELECT EXISTS (SELECT 1 FROM inbox i WHERE i.consumer = $1 AND i.event_id = c.event_id),
                 o.status, h.status,
                 p.payment_intent_id, p.status, p.amount_minor, p.currency, p.amount_captured_minor,
                 p.amount_refunded_minor, p.capture_before, p.last_error_code, p.dispute_id, p.dispute_status,
-                o.amount_minor, o.currency
+                o.amount_minor, o.currency, h.id
            FROM unnest($2::uuid[], $3::uuid[]) WITH ORDINALITY AS c (order_id, event_id, k)
            LEFT JOIN orders o ON o.id = c.order_id
            LEFT JOIN holds h ON h.order_id = c.order_id
@@ -297,10 +299,10 @@ pub async fn prechecks(
         .into_iter()
         .zip(&orders)
         .map(|(r, order)| {
-            let order_status = r.2.map(OrderStatus::try_from).transpose();
-            let hold_status = r.3.map(HoldStatus::try_from).transpose();
+            let order_status = r.1.map(OrderStatus::try_from).transpose();
+            let hold_status = r.2.map(HoldStatus::try_from).transpose();
             Precheck {
-                applied: r.1,
+                applied: r.0,
                 unknown_status: order_status
                     .as_ref()
                     .err()
@@ -308,17 +310,18 @@ pub async fn prechecks(
                     .map(|e| e.0.clone()),
                 order_status: order_status.ok().flatten(),
                 hold_status: hold_status.ok().flatten(),
-                payment: payment_of(OrderId(*order), (r.4, r.5, r.6, r.7, r.8, r.9, r.10, r.11, r.12, r.13)),
-                order_amount: r.14.zip(r.15),
+                payment: payment_of(OrderId(*order), (r.3, r.4, r.5, r.6, r.7, r.8, r.9, r.10, r.11, r.12)),
+                order_amount: r.13.zip(r.14),
+                hold_id: r.15.map(HoldId),
             }
         })
         .collect())
 }
 
-/// Position, whether the command is in the inbox, the order's and hold's statuses, a
-/// [`MaybePayment`], then the order's amount and currency.
+/// Whether the command is in the inbox, the order's and hold's statuses, a
+/// [`MaybePayment`], then the order's amount and currency, and its hold's id (in the
+/// commands' order).
 type PrecheckRow = (
-    i64,
     bool,
     Option<String>,
     Option<String>,
@@ -334,6 +337,7 @@ type PrecheckRow = (
     Option<String>,
     Option<i64>,
     Option<String>,
+    Option<Uuid>,
 );
 
 /// A payment row's columns read through an outer join (all `None` without a row):

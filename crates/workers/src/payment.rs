@@ -19,7 +19,7 @@
 //! whether the command is in this consumer's inbox (then no call), and the order, its hold
 //! and its payment row — for a lane's batch, one statement for all its commands
 //! ([`payments::prechecks`]). An authorization request creates a PaymentIntent only for an
-//! order still `held` without one, and only for the order's own amount and currency. The
+//! order still `held` without one, and only for the order's own amount, currency and hold. The
 //! inbox row the effect's transaction inserts stays the guard against a duplicate that got
 //! past it.
 //!
@@ -94,6 +94,13 @@ const ALREADY_APPLIED: &str = "already_applied";
 /// the capture's answer is in the ledger by now.
 const CAPTURE_RECORDED: &str = "capture_recorded";
 
+/// The reasons of `boxoffice_payment_commands_skipped_total` that are routine: a capture's
+/// own webhook ahead of the worker's record of it ([`CAPTURE_RECORDED`], about one ticketed
+/// order in five under load) and a redelivery ([`ALREADY_APPLIED`]). Any other skip is a
+/// command the ledger no longer wants (a stale, replayed or forged one, or a bug): logged at
+/// warn, and alerted on (`BoxofficePaymentCommandsRefused` in deploy/observability).
+pub const ROUTINE_SKIPS: [&str; 2] = [CAPTURE_RECORDED, ALREADY_APPLIED];
+
 /// The commands this worker carries out (its consumer routes on these, and on a `HoldCreated`
 /// that is its order's authorization request: [`PurchaseEvent::authorization_request`]).
 pub const COMMANDS: [EventKind; 6] = [
@@ -154,9 +161,14 @@ impl PaymentWorker {
             return Ok(Prepared::Skipped("order_not_awaiting_payment_intent"));
         }
         // A message is a claim: the amount asked for is the order's, as the hold transaction
-        // wrote it (a forged or corrupt request for another amount creates nothing).
+        // wrote it (a forged or corrupt request for another amount creates nothing) ...
         if pre.order_amount.as_ref().is_none_or(|(amount, cur)| *amount != amount_minor || cur != currency) {
             return Ok(Prepared::Skipped("amount_differs_from_order"));
+        }
+        // ... and the hold it names is the order's (the intent's metadata carries it to the
+        // provider's dashboard and to reconciliation).
+        if pre.hold_id != Some(hold_id) {
+            return Ok(Prepared::Skipped("hold_differs_from_order"));
         }
         let req = CreatePaymentIntent {
             amount_minor,
@@ -504,11 +516,7 @@ impl Handler for PaymentWorker {
             }
             (_, Prepared::Skipped(why)) => {
                 metrics::counter!("boxoffice_payment_commands_skipped_total", "reason" => why).increment(1);
-                // `capture_recorded` is routine on the purchase path (a capture's own webhook
-                // arrives before the worker's record of it) and `already_applied` a
-                // redelivery; any other skip is a command the ledger no longer wants (a stale,
-                // replayed or forged one, or a bug), which an operator should see.
-                if matches!(why, CAPTURE_RECORDED | ALREADY_APPLIED) {
+                if ROUTINE_SKIPS.contains(&why) {
                     tracing::debug!(order.id = %order_id, event.type = %env.event_type, reason = why, "payment command skipped");
                 } else {
                     tracing::warn!(order.id = %order_id, event.type = %env.event_type, reason = why, "payment command skipped");

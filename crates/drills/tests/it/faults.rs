@@ -337,8 +337,9 @@ async fn disagreeing_webhooks_are_resolved_by_asking_stripe(_: PgPoolOptions, op
 }
 
 /// An authorization request is a claim checked against the ledger: one for another amount
-/// or currency than its order's (forged, or corrupt) creates no PaymentIntent, whatever its
-/// form; the hold's own `HoldCreated` then gets the order its intent.
+/// or currency than its order's, or naming another hold (forged, or corrupt), creates no
+/// PaymentIntent, whatever its form; the hold's own `HoldCreated` then gets the order its
+/// intent.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn an_authorization_request_for_another_amount_creates_no_intent(
     _: PgPoolOptions,
@@ -376,24 +377,32 @@ async fn an_authorization_request_for_another_amount_creates_no_intent(
         }
     };
     let mut forged = Vec::new();
-    for (amount_minor, currency) in [(ask.amount_minor - 1, "usd"), (ask.amount_minor, "eur")] {
-        forged.push(PurchaseEvent::PaymentAuthorizationRequested {
-            order_id: ask.order_id,
-            hold_id: ask.hold_id,
-            amount_minor,
-            currency: currency.into(),
-        });
+    let other_hold = boxoffice_domain::HoldId::new();
+    for (amount_minor, currency, hold_id, why) in [
+        (ask.amount_minor - 1, "usd", ask.hold_id, "amount_differs_from_order"),
+        (ask.amount_minor, "eur", ask.hold_id, "amount_differs_from_order"),
+        (ask.amount_minor, "usd", other_hold, "hold_differs_from_order"),
+    ] {
+        forged.push((
+            PurchaseEvent::PaymentAuthorizationRequested {
+                order_id: ask.order_id,
+                hold_id,
+                amount_minor,
+                currency: currency.into(),
+            },
+            why,
+        ));
         let mut copy = real.clone();
-        if let PurchaseEvent::HoldCreated { amount_minor: a, currency: c, .. } = &mut copy {
-            (*a, *c) = (amount_minor, currency.into());
+        if let PurchaseEvent::HoldCreated { hold_id: h, amount_minor: a, currency: c, .. } = &mut copy {
+            (*h, *a, *c) = (hold_id, amount_minor, currency.into());
         }
-        forged.push(copy);
+        forged.push((copy, why));
     }
-    for event in forged {
+    for (event, why) in forged {
         let env = hold_created.follow(&event);
         let prepared = prepare(env, event.clone()).await;
         assert!(
-            matches!(prepared, boxoffice_workers::payment::Prepared::Skipped("amount_differs_from_order")),
+            matches!(prepared, boxoffice_workers::payment::Prepared::Skipped(w) if w == why),
             "{event:?}: {prepared:?}"
         );
     }
