@@ -65,6 +65,7 @@ const SIGNALS: &[(&str, &[&str])] = &[
             "BoxofficeReconcileDrift",
             "BoxofficeReconcileNotRun",
             "BoxofficePaymentIncidents",
+            "BoxofficePaymentCommandsRefused",
             "BoxofficeStripeWebhooksRejected",
         ],
     ),
@@ -374,6 +375,12 @@ fn label_values_the_rules_match_are_ones_the_code_emits() {
             for v in label_values(&expr, label) {
                 assert!(allowed.contains(&v), "{name}: {label}=\"{v}\" is not one of {allowed:?}");
             }
+        }
+        if expr.contains("boxoffice_payment_commands_skipped_total") && expr.contains("reason!~") {
+            // The routine skips, the payment worker's one list of them, and no other.
+            let routine: BTreeSet<String> =
+                boxoffice_workers::payment::ROUTINE_SKIPS.iter().map(|r| r.to_string()).collect();
+            assert_eq!(label_values(&expr, "reason"), routine, "{name}");
         }
         if expr.contains("boxoffice_release_decreases_total") {
             for v in label_values(&expr, "reason") {
