@@ -287,9 +287,10 @@ impl std::fmt::Display for BuyerLimit {
     }
 }
 
-/// Runs the hold transaction, retrying the whole transaction with jittered backoff on
-/// serialization failure, deadlock or a concurrent request with the same key
-/// ([`ReserveError::InProgress`]).
+/// Runs the hold transaction, retrying the whole transaction with jittered backoff on a
+/// transient database error (serialization failure, deadlock, a lost connection; not the
+/// region fence's refusal, [`crate::region::refusal`]) or a concurrent request with the same
+/// key ([`ReserveError::InProgress`]).
 pub async fn reserve(pool: &PgPool, req: &ReserveRequest) -> Result<ReserveOutcome, ReserveError> {
     let seats = req.normalized_seats();
     if !SEATS_PER_HOLD.contains(&seats.len()) {
@@ -301,7 +302,9 @@ pub async fn reserve(pool: &PgPool, req: &ReserveRequest) -> Result<ReserveOutco
         attempt += 1;
         let result = reserve_once(pool, req, &seats, &hash).await;
         let retry = match &result {
-            Err(ReserveError::Db(e)) => crate::is_retryable(e),
+            // A fenced region's refusal is final for the hold: the buyer gets 503
+            // `region_fenced` at once, not after attempts that each lock the seats again.
+            Err(ReserveError::Db(e)) => crate::is_retryable(e) && crate::region::refusal(e).is_none(),
             Err(ReserveError::InProgress) => true,
             _ => false,
         };
@@ -319,8 +322,8 @@ pub async fn reserve(pool: &PgPool, req: &ReserveRequest) -> Result<ReserveOutco
 }
 
 /// One attempt of the hold transaction, as named steps in the ledger's lock order, three
-/// statements between `BEGIN` and `COMMIT`: the buyer's lock, the event's rules and the seat
-/// rows locked ([`lock_buyer_and_seats`]); the idempotency key, the buyer's holdings and the
+/// statements between `BEGIN` and `COMMIT`: the region fence's lock and the buyer's, the
+/// event's rules and the seat rows locked ([`lock_buyer_and_seats`]); the idempotency key, the buyer's holdings and the
 /// seats' current owners, read after those locks ([`read_after_locks`]): a key seen before
 /// answers from memory, the event's rules are judged, lapsed holds are reclaimed; then the
 /// order, hold, seats, `HoldCreated` (with the authorization request in it or beside it) and
@@ -334,6 +337,11 @@ async fn reserve_once(
     let mut tx = pool.begin().await?;
     let event = lock_buyer_and_seats(&mut tx, req, seats).await?;
     let seen = read_after_locks(&mut tx, req, seats).await?;
+    if event.key_seen && seen.key.is_none() {
+        // Step 1 saw the key and locked no seats; an expired key was pruned since. The next
+        // attempt locks them.
+        return Err(ReserveError::InProgress);
+    }
     // The key first: a retry is answered whatever the rules say now (invariant 3).
     if let Some(replayed) = remembered_answer(seen.key, hash)? {
         return Ok(ReserveOutcome::Replayed(replayed));
@@ -352,7 +360,11 @@ async fn reserve_once(
 /// The event's rules as step 1 read them ([`lock_buyer_and_seats`]); the buyer's holdings
 /// are step 2's ([`Holdings`]).
 struct EventRules {
-    placement: crate::cells::Placement,
+    purchase_cell: String,
+    directory_epoch: i64,
+    /// As stored; parsed when the rules are judged, after the key (a replay is answered
+    /// whatever it says).
+    cell_state: String,
     max_seats_per_buyer: i32,
     max_active_holds_per_buyer: i32,
     sales_open_at: Option<DateTime<Utc>>,
@@ -374,8 +386,9 @@ struct LockedSeat {
 }
 
 /// Step 1's answer: the event's rules and the requested seats it found and locked, in id
-/// order.
+/// order; none when it saw the request's key (`key_seen`).
 struct LockedEvent {
+    key_seen: bool,
     rules: EventRules,
     ids: Vec<Uuid>,
     prices: Vec<i64>,
@@ -408,16 +421,29 @@ impl LockedEvent {
     }
 }
 
-/// Step 1, one statement: the buyer's lock for this event, then the requested seats of the
-/// event locked in id order, `FOR NO KEY UPDATE`, with the event's rules.
+/// Step 1, one statement: the region fence's lock and the buyer's lock for this event, then
+/// the requested seats of the event locked in id order, `FOR NO KEY UPDATE`, with the event's
+/// rules.
 ///
-/// The buyer's lock is a transaction-scoped advisory lock on (event, user), taken in the
-/// statement's `FROM` before the seat locks (the `locked` CTE is read while the event's row
-/// is projected, after the join that takes the lock): one buyer's concurrent holds of an
-/// event run one after the other, so N requests with N keys can never pass the buyer's
-/// limits together, and a retry with the same key waits for the first request and reads its
-/// answer in step 2. The lock is taken before any row lock in every hold, so two holds never
-/// wait on each other in opposite orders.
+/// The locks, in this order, in the statement's `FROM` (nested subqueries, so the inner one
+/// runs first), before any row lock: the `locked` CTE is read while the event's row is
+/// projected, after the join that takes them.
+/// - The fence's lock ([`crate::region::FENCE_LOCK`]), shared, as the fence check of the
+///   first write takes it: a hold queues behind a pending fence before it locks anything, so
+///   a writer already past the fence that needs one of its seats never waits for it while
+///   it waits for the fence.
+/// - The buyer's: a transaction-scoped advisory lock on (event, user). One buyer's
+///   concurrent holds of an event run one after the other, so N requests with N keys can
+///   never pass the buyer's limits together, and a retry with the same key waits for the
+///   first request and reads its answer in step 2.
+///
+/// Every hold takes them before any row lock, so two holds never wait on each other in
+/// opposite orders.
+///
+/// A request whose key this statement's snapshot shows (a retry) locks no seats: it is
+/// answered from the key in step 2 and waits for no other buyer's hold. The snapshot
+/// predates the buyer's lock, so it can miss a key (step 2 reads it), never show one step 2
+/// does not, unless an expired key was pruned in between ([`reserve_once`] retries).
 ///
 /// The seat lock's strength: it excludes every other hold transaction of these seats (and a
 /// cell import's update of them), which is what makes step 2's read of their owners final. It
@@ -451,35 +477,45 @@ async fn lock_buyer_and_seats(
         Vec<i64>,
         Vec<String>,
         Vec<bool>,
+        bool,
     );
     let seat_uuids: Vec<Uuid> = seats.iter().map(|s| s.0).collect();
     let row: Option<Row> = sqlx::query_as(
-        "WITH locked AS MATERIALIZED (
+        "WITH key_seen AS MATERIALIZED (
+            SELECT EXISTS (SELECT 1 FROM idempotency_keys WHERE user_id = $2 AND idempotency_key = $4) AS seen
+         ), locked AS MATERIALIZED (
             SELECT id, price_minor, currency, sold_in_cell IS NOT NULL AS elsewhere FROM seats
-             WHERE event_id = $1 AND id = ANY($3) ORDER BY id FOR NO KEY UPDATE)
+             WHERE event_id = $1 AND id = ANY($3) AND NOT (SELECT seen FROM key_seen)
+             ORDER BY id FOR NO KEY UPDATE)
          SELECT e.max_seats_per_buyer, e.max_active_holds_per_buyer, e.sales_open_at, e.sales_close_at,
                 clock_timestamp(), e.purchase_cell, e.directory_epoch, e.cell_state,
                 ARRAY(SELECT id FROM locked ORDER BY id),
                 ARRAY(SELECT price_minor FROM locked ORDER BY id),
                 ARRAY(SELECT currency FROM locked ORDER BY id),
-                ARRAY(SELECT elsewhere FROM locked ORDER BY id)
-           FROM (SELECT pg_advisory_xact_lock(hashtextextended($1::text || '/' || $2::text, 0))) buyer_lock,
+                ARRAY(SELECT elsewhere FROM locked ORDER BY id),
+                (SELECT seen FROM key_seen)
+           FROM (SELECT pg_advisory_xact_lock(hashtextextended($1::text || '/' || $2::text, 0))
+                   FROM (SELECT pg_advisory_xact_lock_shared($5, $6)) fence) buyer_lock,
                 events e
           WHERE e.id = $1",
     )
     .bind(req.event_id.0)
     .bind(req.user_id.0)
     .bind(&seat_uuids)
+    .bind(&req.idempotency_key)
+    .bind(crate::region::FENCE_LOCK.0)
+    .bind(crate::region::FENCE_LOCK.1)
     .fetch_optional(&mut **tx)
     .await?;
     let Some(r) = row else {
         return Err(ReserveError::EventNotFound);
     };
-    let state =
-        crate::cells::CellState::try_from(r.7).map_err(|e| ReserveError::Ledger(StoreError::Corrupt(e)))?;
     Ok(LockedEvent {
+        key_seen: r.12,
         rules: EventRules {
-            placement: crate::cells::Placement { cell: r.5, directory_epoch: r.6, state },
+            purchase_cell: r.5,
+            directory_epoch: r.6,
+            cell_state: r.7,
             max_seats_per_buyer: r.0,
             max_active_holds_per_buyer: r.1,
             sales_open_at: r.2,
@@ -629,7 +665,14 @@ fn check_rules(
     req: &ReserveRequest,
     requested: usize,
 ) -> Result<(), ReserveError> {
-    rules.placement.admits(&req.cell, req.directory_epoch)?;
+    let state = crate::cells::CellState::try_from(rules.cell_state.clone())
+        .map_err(|e| ReserveError::Ledger(StoreError::Corrupt(e)))?;
+    crate::cells::Placement {
+        cell: rules.purchase_cell.clone(),
+        directory_epoch: rules.directory_epoch,
+        state,
+    }
+    .admits(&req.cell, req.directory_epoch)?;
     match rules.sales_open_at {
         Some(open) if open <= rules.now => {}
         opens_at => return Err(ReserveError::SalesNotOpen { opens_at }),

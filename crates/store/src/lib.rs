@@ -8,12 +8,13 @@
 //!
 //! Lock order, everywhere: seat rows (ascending id) before hold rows before order rows, and
 //! holds and orders of several orders in ascending order id. The hold transaction takes all
-//! three (its seats `FOR NO KEY UPDATE`); the saga, expiry, payment and ticket workers take
-//! hold → order. Keeping one order means two of them can wait on each other but never
-//! deadlock. A seat is locked after holds and orders in two places, each by a foreign key's
-//! `FOR KEY SHARE`: the hold transaction's insert of its hold's seat rows (on seats it has
-//! locked already), and a ticket's insert, whose lock conflicts with no seat lock any
-//! transaction here takes (`holds::check_rules_and_lock_seats`), so it never waits.
+//! three (its seats `FOR NO KEY UPDATE`), after the region fence's lock (shared) and the
+//! buyer's advisory lock, and its idempotency key's index entry last; the saga, expiry,
+//! payment and ticket workers take hold → order. Keeping one order means two of them can wait
+//! on each other but never deadlock. A seat is locked after holds and orders in two places,
+//! each by a foreign key's `FOR KEY SHARE`: the hold transaction's insert of its hold's seat
+//! rows (on seats it has locked already), and a ticket's insert, whose lock conflicts with no
+//! seat lock any transaction here takes (`holds::lock_buyer_and_seats`), so it never waits.
 
 pub mod audit;
 pub mod cells;

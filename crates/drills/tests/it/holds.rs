@@ -307,6 +307,73 @@ async fn c10_a_key_taken_for_another_event_meanwhile_refuses_the_hold(
     app.stop().await;
 }
 
+/// C10: a retry whose key is known is answered from the key without locking its seats: it
+/// does not wait for another transaction holding them (another buyer's hold request in
+/// flight), and it is answered although the seats are now someone else's.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn c10_a_retry_is_answered_without_waiting_for_its_seats(_: PgPoolOptions, opts: PgConnectOptions) {
+    let app = api(opts).await;
+    let s = app.seats().await;
+    let a = app.buyer();
+    let adm = app.admission_token(&a);
+    let r = app.hold(&a, &adm, "once", &[s[0]]).await;
+    assert_eq!(r.status(), 202);
+    let first: serde_json::Value = r.json().await.unwrap();
+    // Another transaction holds the seat's row lock, as a hold request of it in flight does.
+    let mut blocker = app.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM seats WHERE id = $1 FOR NO KEY UPDATE")
+        .bind(s[0])
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
+    let r = app.hold(&a, &adm, "once", &[s[0]]).await;
+    assert_eq!((r.status().as_u16(), r.headers()["idempotent-replayed"].to_str().unwrap()), (202, "true"));
+    let replayed: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(replayed, first);
+    blocker.rollback().await.unwrap();
+    app.stop().await;
+}
+
+/// Region fence (design §15): a hold takes the fence's lock, shared, before it locks a seat,
+/// so while a fence is pending a new hold waits holding no seat, and a writer already past
+/// the fence never waits for it on a seat.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn a_hold_waits_for_a_pending_fence_before_it_locks_a_seat(_: PgPoolOptions, opts: PgConnectOptions) {
+    let app = api(opts).await;
+    let s = app.seats().await;
+    let a = app.buyer();
+    let adm = app.admission_token(&a);
+    // The fence's lock taken exclusive, as `region::fence` takes it.
+    let mut fence = app.pool.begin().await.unwrap();
+    sqlx::query("SELECT pg_advisory_xact_lock($1, $2)")
+        .bind(boxoffice_store::region::FENCE_LOCK.0)
+        .bind(boxoffice_store::region::FENCE_LOCK.1)
+        .execute(&mut *fence)
+        .await
+        .unwrap();
+    let seats = [s[0]];
+    let (r, ()) = tokio::join!(app.hold(&a, &adm, "behind-the-fence", &seats), async {
+        crate::helpers::await_lock_wait(
+            &app.pool,
+            "WITH key_seen AS MATERIALIZED%",
+            "the hold waits for the fence",
+        )
+        .await;
+        // The seat is free to lock while the hold waits: it has not locked it.
+        let mut writer = app.pool.begin().await.unwrap();
+        sqlx::query("SELECT 1 FROM seats WHERE id = $1 FOR NO KEY UPDATE NOWAIT")
+            .bind(s[0])
+            .execute(&mut *writer)
+            .await
+            .expect("a waiting hold holds no seat lock");
+        writer.rollback().await.unwrap();
+        fence.rollback().await.unwrap();
+    });
+    assert_eq!(r.status(), 202);
+    assert_eq!(unreleased_rows(&app, s[0]).await, 1);
+    app.stop().await;
+}
+
 /// C12: every bad admission token is a 403 with its own reason; a retry with the same token
 /// and key after the order exists returns the original order.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
