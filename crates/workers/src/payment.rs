@@ -73,8 +73,13 @@ pub struct PaymentWorker {
 impl PaymentWorker {
     /// A worker calling `gateway`; `pool` is used for read-only pre-checks outside the
     /// transaction; `policy` is the hold's lifetime rules it applies when an order becomes
-    /// payable and when the provider reports an authorization (case C19).
+    /// payable and when the provider reports an authorization (case C19). Exports
+    /// `boxoffice_payment_commands_skipped_total` of every [`SKIP_REASONS`] at 0 (a count
+    /// already there is left as it is).
     pub fn new(gateway: Arc<dyn PaymentGateway>, pool: PgPool, policy: HoldPolicy) -> Self {
+        for reason in SKIP_REASONS {
+            metrics::counter!("boxoffice_payment_commands_skipped_total", "reason" => reason).increment(0);
+        }
         Self { gateway, pool, policy, cell: None }
     }
 
@@ -93,6 +98,32 @@ const ALREADY_APPLIED: &str = "already_applied";
 /// Why the re-fetch of a capture claimed while the capture was outstanding called no one:
 /// the capture's answer is in the ledger by now.
 const CAPTURE_RECORDED: &str = "capture_recorded";
+
+/// Why an authorization request created nothing: its order is not `held` without a payment
+/// row (a second request for one order: an older writer's, a replayed or forged one).
+const NOT_AWAITING_PAYMENT_INTENT: &str = "order_not_awaiting_payment_intent";
+/// Why an authorization request created nothing: it asks for another amount or currency
+/// than its order's.
+const AMOUNT_DIFFERS_FROM_ORDER: &str = "amount_differs_from_order";
+/// Why an authorization request created nothing: it names another hold than its order's.
+const HOLD_DIFFERS_FROM_ORDER: &str = "hold_differs_from_order";
+/// Why a capture request called no one: the order's hold is not confirmed.
+const HOLD_NOT_CONFIRMED: &str = "hold_not_confirmed";
+/// Why a message reached `prepare` without being a payment command.
+const NOT_A_PAYMENT_COMMAND: &str = "not_a_payment_command";
+
+/// Every reason `boxoffice_payment_commands_skipped_total` is counted by. [`PaymentWorker::new`]
+/// exports each at 0, so the first skip of a reason is an increase a rate or `increase()`
+/// sees (a series that appears at 1 shows none).
+pub const SKIP_REASONS: [&str; 7] = [
+    CAPTURE_RECORDED,
+    ALREADY_APPLIED,
+    NOT_AWAITING_PAYMENT_INTENT,
+    AMOUNT_DIFFERS_FROM_ORDER,
+    HOLD_DIFFERS_FROM_ORDER,
+    HOLD_NOT_CONFIRMED,
+    NOT_A_PAYMENT_COMMAND,
+];
 
 /// The reasons of `boxoffice_payment_commands_skipped_total` that are routine: a capture's
 /// own webhook ahead of the worker's record of it ([`CAPTURE_RECORDED`], about one ticketed
@@ -158,17 +189,17 @@ impl PaymentWorker {
         // for one order — an older writer's, a replayed or forged one — creates
         // nothing).
         if pre.order_status != Some(OrderStatus::Held) || pre.payment.is_some() {
-            return Ok(Prepared::Skipped("order_not_awaiting_payment_intent"));
+            return Ok(Prepared::Skipped(NOT_AWAITING_PAYMENT_INTENT));
         }
         // A message is a claim: the amount asked for is the order's, as the hold transaction
         // wrote it (a forged or corrupt request for another amount creates nothing) ...
         if pre.order_amount.as_ref().is_none_or(|(amount, cur)| *amount != amount_minor || cur != currency) {
-            return Ok(Prepared::Skipped("amount_differs_from_order"));
+            return Ok(Prepared::Skipped(AMOUNT_DIFFERS_FROM_ORDER));
         }
         // ... and the hold it names is the order's (the intent's metadata carries it to the
         // provider's dashboard and to reconciliation).
         if pre.hold_id != Some(hold_id) {
-            return Ok(Prepared::Skipped("hold_differs_from_order"));
+            return Ok(Prepared::Skipped(HOLD_DIFFERS_FROM_ORDER));
         }
         let req = CreatePaymentIntent {
             amount_minor,
@@ -379,7 +410,7 @@ impl Handler for PaymentWorker {
                 if (pre.order_status, pre.hold_status)
                     != (Some(OrderStatus::Confirming), Some(HoldStatus::Confirmed))
                 {
-                    return Ok(Prepared::Skipped("hold_not_confirmed"));
+                    return Ok(Prepared::Skipped(HOLD_NOT_CONFIRMED));
                 }
                 match g.capture_payment_intent(payment_intent_id, &format!("capture:{order_id}")).await {
                     Ok(pi) => Ok(Prepared::Intent(pi)),
@@ -446,7 +477,7 @@ impl Handler for PaymentWorker {
             PurchaseEvent::DisputeRefreshRequested { payment_intent_id, dispute_id, .. } => {
                 self.refresh_dispute(payment_intent_id, dispute_id, pre.payment).await
             }
-            _ => Ok(Prepared::Skipped("not_a_payment_command")),
+            _ => Ok(Prepared::Skipped(NOT_A_PAYMENT_COMMAND)),
         }
     }
 

@@ -555,6 +555,14 @@ async fn a_second_authorization_request_creates_no_second_intent(_: PgPoolOption
     // The skip is counted by its reason.
     let skipped = "boxoffice_payment_commands_skipped_total{reason=\"order_not_awaiting_payment_intent\"} 1";
     assert!(metrics.render().lines().any(|l| l == skipped), "{skipped} in:\n{}", metrics.render());
+    // Every other reason is exported at 0 from the worker's start, so an alert's
+    // `increase()` sees the first skip of any of them.
+    for reason in
+        boxoffice_workers::payment::SKIP_REASONS.iter().filter(|r| **r != "order_not_awaiting_payment_intent")
+    {
+        let zero = format!("boxoffice_payment_commands_skipped_total{{reason=\"{reason}\"}} 0");
+        assert!(metrics.render().lines().any(|l| l == zero), "{zero} in:\n{}", metrics.render());
+    }
     app.stop().await;
 }
 
