@@ -171,9 +171,10 @@ pub enum ReserveError {
     #[error("idempotency key reused with a different request")]
     IdempotencyConflict,
     /// Another request with the same key committed while this one ran (one for another
-    /// event: its key's primary key refused ours), or the key's row holds no answer. The
-    /// transaction is retried, and its next attempt answers from the key; → 409, retryable,
-    /// when the attempts run out.
+    /// event: its key's primary key refused ours; the next attempt answers from the key), an
+    /// expired key was pruned between the transaction's reads, or the key's row holds no
+    /// answer (which no build commits). The transaction is retried; → 409, retryable, when
+    /// the attempts run out.
     #[error("a request with this idempotency key is in progress")]
     InProgress,
     /// Some seat ids do not belong to the event. → 422
