@@ -187,6 +187,9 @@ pub async fn start(
 ) -> anyhow::Result<Running> {
     // Inert unless configured; a test may also arm points directly.
     boxoffice_faults::configure(&cfg.faults).map_err(|e| anyhow::anyhow!("faults: {e}"))?;
+    // The process's metrics recorder before any role starts, so a series a role registers as
+    // it starts (the payment worker's skip reasons at 0) is exported, not dropped.
+    let _ = metrics_handle();
     let kafka = cfg.kafka();
     if kafka.is_none() && roles.iter().any(|r| r.needs_kafka()) {
         anyhow::bail!("roles {roles:?} need a Kafka broker: set BOXOFFICE_KAFKA_BROKERS");

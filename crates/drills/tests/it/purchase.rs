@@ -510,9 +510,10 @@ async fn a_hold_asks_for_its_authorization_once_in_either_form(_: PgPoolOptions,
 /// key) creates no second PaymentIntent: the order already has its payment row.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn a_second_authorization_request_creates_no_second_intent(_: PgPoolOptions, opts: PgConnectOptions) {
-    // This process's metrics (each test runs in a process of its own), from before any role runs.
-    let metrics = boxoffice::runtime::metrics_handle().expect("the process's metrics recorder");
     let app = TestApp::spawn(opts, &[Role::Relay, Role::Payments], VenueSpec::small(1, 1, 4)).await;
+    // This process's metrics (each test runs in a process of its own): the recorder its start
+    // installed before any role ran.
+    let metrics = boxoffice::runtime::metrics_handle().expect("the process's metrics recorder");
     let seat = app.seats().await[0];
     let receipt = hold_directly(&app, seat).await;
     let order = receipt.order_id.0;
