@@ -6,16 +6,22 @@
 //! processes can commit purchase writes. The check itself lives in the database
 //! (migration 0013): the first write statement of each transaction to a purchase table runs
 //! `region_fence_check()` in full (later ones find the transaction-local mark it leaves),
-//! which takes the fence's advisory lock ([`FENCE_LOCK`]) shared (migration 0018) and compares the session's declared epoch
+//! which takes the fence's advisory lock ([`FENCE_LOCK`]) shared (migration 0018; the hold
+//! transaction takes it in its first statement, before its seat locks, whatever the session
+//! declares) and compares the session's declared epoch
 //! (`boxoffice.region_epoch`, set in the connection's startup options by
 //! [`writer_options`]) with the record, and refuses with SQLSTATE [`FENCED`]; when the
 //! region's lease has lapsed by this database's clock it refuses with [`LEASE_LAPSED`]. A
 //! transaction is thereby checked on its first write, under a lock held to its commit, with
 //! no extra round trip and whatever code path it came from. [`fence`] takes the same lock
 //! exclusive before bumping the record: it waits only for transactions already past their first
-//! write, new writers queue behind it, and every commit under the old epoch lies before the
-//! WAL position it records. (A bare `UPDATE` would wait for a row lock that a stream of new
-//! share-lockers can keep it from ever getting.)
+//! write (and holds past their first statement), new writers queue behind it, and every
+//! commit under the old epoch lies before the WAL position it records. (A bare `UPDATE` would
+//! wait for a row lock that a stream of new share-lockers can keep it from ever getting.) A
+//! writer that locked rows before its first write and queued behind the fence can be what a
+//! writer past it waits for (a hold reclaiming a lapsed hold the expiry or the saga has
+//! locked): PostgreSQL sees the cycle through the fence's queue and lets the queued writer go
+//! first after `deadlock_timeout`, a stall of the fence, not an error.
 
 use chrono::{DateTime, Utc};
 use sqlx::postgres::PgConnectOptions;
@@ -24,7 +30,8 @@ use uuid::Uuid;
 
 /// The fence's lock: a transaction-scoped advisory lock on this key pair (`'BXF1'`, 1), taken
 /// shared by every purchase writer on its first write (the `region_fence_check` trigger,
-/// migration 0018) and held to its commit, and exclusive by [`fence`]. Readers of
+/// migration 0018), and by the hold transaction in its first statement, and held to its
+/// commit, and exclusive by [`fence`]. Readers of
 /// `region_epoch` take no part in it, so a long read (a report, a backup) never holds a fence
 /// up.
 pub const FENCE_LOCK: (i32, i32) = (1_113_081_393, 1);

@@ -60,7 +60,8 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 0.05)]
     pub p1_conflict_share: f64,
     /// `off` drops the region fence's triggers in P1's throwaway database, to measure what the
-    /// epoch check costs the hold transaction (compare with a run at `on`, the default).
+    /// epoch check costs the hold transaction (compare with a run at `on`, the default). The
+    /// hold's own shared take of the fence's lock, in its first statement, stays.
     #[arg(long, default_value = "on", value_parser = ["on", "off"])]
     pub p1_region_fence: String,
     /// pgbench scale factor (`pgbench -i -s`).

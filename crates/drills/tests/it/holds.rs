@@ -309,7 +309,7 @@ async fn c10_a_key_taken_for_another_event_meanwhile_refuses_the_hold(
 
 /// C10: a retry whose key is known is answered from the key without locking its seats: it
 /// does not wait for another transaction holding them (another buyer's hold request in
-/// flight), and it is answered although the seats are now someone else's.
+/// flight).
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn c10_a_retry_is_answered_without_waiting_for_its_seats(_: PgPoolOptions, opts: PgConnectOptions) {
     let app = api(opts).await;
