@@ -324,11 +324,12 @@ pub async fn reserve(pool: &PgPool, req: &ReserveRequest) -> Result<ReserveOutco
 
 /// One attempt of the hold transaction, as named steps in the ledger's lock order, three
 /// statements between `BEGIN` and `COMMIT`: the region fence's lock and the buyer's, the
-/// event's rules and the seat rows locked ([`lock_buyer_and_seats`]); the idempotency key, the buyer's holdings and the
-/// seats' current owners, read after those locks ([`read_after_locks`]): a key seen before
-/// answers from memory, the event's rules are judged, lapsed holds are reclaimed; then the
-/// order, hold, seats, `HoldCreated` (with the authorization request in it or beside it) and
-/// the key with its stored answer in one statement ([`insert_hold`]).
+/// event's rules and the seat rows locked ([`lock_buyer_and_seats`]); the idempotency key,
+/// the buyer's holdings and the seats' current owners, read after those locks
+/// ([`read_after_locks`]): a key seen before answers from memory, the event's rules are
+/// judged, lapsed holds are reclaimed; then the order, hold, seats, `HoldCreated` (with the
+/// authorization request in it or beside it) and the key with its stored answer in one
+/// statement ([`insert_hold`]).
 async fn reserve_once(
     pool: &PgPool,
     req: &ReserveRequest,
