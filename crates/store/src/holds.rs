@@ -337,9 +337,9 @@ async fn reserve_once(
     hash: &str,
 ) -> Result<ReserveOutcome, ReserveError> {
     let mut tx = pool.begin().await?;
-    let event = lock_buyer_and_seats(&mut tx, req, seats).await?;
+    let LockedEvent { key_seen, rules, rows } = lock_buyer_and_seats(&mut tx, req, seats).await?;
     let seen = read_after_locks(&mut tx, req, seats).await?;
-    if event.key_seen && seen.key.is_none() {
+    if key_seen && seen.key.is_none() {
         // Step 1 saw the key and locked no seats; an expired key was pruned since. The next
         // attempt locks them.
         return Err(ReserveError::InProgress);
@@ -348,8 +348,8 @@ async fn reserve_once(
     if let Some(replayed) = remembered_answer(seen.key, hash)? {
         return Ok(ReserveOutcome::Replayed(replayed));
     }
-    check_rules(&event.rules, &seen.holdings, req, seats.len())?;
-    let locked = event.seats(seats)?;
+    check_rules(rules, &seen.holdings, req, seats.len())?;
+    let locked = rows.seats(seats)?;
     take_seats_from_lapsed_holds(&mut tx, seats, seen.owners).await?;
     let receipt = insert_hold(&mut tx, req, hash, seats, &locked, seen.now).await?;
     boxoffice_faults::check("hold.before_commit")?;
@@ -387,18 +387,23 @@ struct LockedSeat {
     currency: String,
 }
 
-/// Step 1's answer: the event's rules and the requested seats it found and locked, in id
-/// order; none when it saw the request's key (`key_seen`).
+/// Step 1's answer: the event's rules and the requested seats it found and locked; none
+/// when it saw the request's key (`key_seen`).
 struct LockedEvent {
     key_seen: bool,
     rules: EventRules,
+    rows: LockedRows,
+}
+
+/// The requested seats step 1 found and locked, in id order, column by column.
+struct LockedRows {
     ids: Vec<Uuid>,
     prices: Vec<i64>,
     currencies: Vec<String>,
     elsewhere: Vec<bool>,
 }
 
-impl LockedEvent {
+impl LockedRows {
     /// The requested seats as locked: unknown seats refuse (422), and so do seats another
     /// cell's ledger sold before the event moved here (`seats.sold_in_cell`, 409 like any
     /// taken seat).
@@ -524,10 +529,7 @@ async fn lock_buyer_and_seats(
             sales_close_at: r.3,
             now: r.4,
         },
-        ids: r.8,
-        prices: r.9,
-        currencies: r.10,
-        elsewhere: r.11,
+        rows: LockedRows { ids: r.8, prices: r.9, currencies: r.10, elsewhere: r.11 },
     })
 }
 
@@ -662,19 +664,15 @@ fn remembered_answer(key: Option<KeyRow>, hash: &str) -> Result<Option<HoldRecei
 /// back to the buyer's allowance. The rules are judged before the seats, as if they had been
 /// read first.
 fn check_rules(
-    rules: &EventRules,
+    rules: EventRules,
     holdings: &Holdings,
     req: &ReserveRequest,
     requested: usize,
 ) -> Result<(), ReserveError> {
-    let state = crate::cells::CellState::try_from(rules.cell_state.clone())
+    let state = crate::cells::CellState::try_from(rules.cell_state)
         .map_err(|e| ReserveError::Ledger(StoreError::Corrupt(e)))?;
-    crate::cells::Placement {
-        cell: rules.purchase_cell.clone(),
-        directory_epoch: rules.directory_epoch,
-        state,
-    }
-    .admits(&req.cell, req.directory_epoch)?;
+    crate::cells::Placement { cell: rules.purchase_cell, directory_epoch: rules.directory_epoch, state }
+        .admits(&req.cell, req.directory_epoch)?;
     match rules.sales_open_at {
         Some(open) if open <= rules.now => {}
         opens_at => return Err(ReserveError::SalesNotOpen { opens_at }),
