@@ -247,8 +247,11 @@ pub struct OnsaleTotals {
 pub struct OnsaleCell {
     /// Age of the oldest unpublished outbox row, ms (0 when none): facts not reaching Kafka.
     pub outbox_oldest_age_ms: i64,
-    /// Unpublished outbox rows.
+    /// Unpublished outbox rows the relay will publish.
     pub outbox_unpublished: i64,
+    /// Outbox rows the producer refused (parked: `boxoffice outbox parked`) and the later
+    /// rows of their orders: facts that will not reach Kafka until the cause is fixed.
+    pub outbox_parked: i64,
     /// How far the oldest lapsed, still active hold is past its end, ms: seats unavailable
     /// past their TTL.
     pub expiry_delay_ms: f64,
@@ -427,6 +430,7 @@ pub async fn view(st: &AppState) -> Result<OnsaleView, sqlx::Error> {
         cell_signals: OnsaleCell {
             outbox_oldest_age_ms: figures.outbox_oldest_age_ms,
             outbox_unpublished: figures.outbox_unpublished,
+            outbox_parked: figures.outbox_parked,
             expiry_delay_ms: figures.expiry_delay_ms,
             active_holds: figures.active_holds,
             consumer_lag,

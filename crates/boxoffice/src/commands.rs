@@ -1,5 +1,5 @@
 //! The binary's commands: migrate, serve, seed-venue, audit, reconcile, tickets resell, dlq,
-//! topics create and admission-keygen. Each returns the process exit code or an error with context.
+//! outbox parked / retry, topics create and admission-keygen. Each returns the process exit code or an error with context.
 
 use crate::audit;
 use crate::config::Config;
@@ -329,6 +329,44 @@ pub async fn tickets_resell(cfg: &Config, order: boxoffice_domain::OrderId) -> a
             1
         }
     })
+}
+
+/// `boxoffice outbox parked`: every parked outbox row ([`boxoffice_store::outbox::parked`]),
+/// as text or JSON. Exit code 1 when there is one (a fact that is not reaching Kafka), else 0.
+pub async fn outbox_parked(cfg: &Config, json: bool) -> anyhow::Result<i32> {
+    let pool = boxoffice_store::connect(cfg.pg_options()?, 1, cfg.db_acquire_timeout_ms).await?;
+    let rows = boxoffice_store::outbox::parked(&pool).await?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+    } else {
+        println!("{} parked outbox row(s)", rows.len());
+        for r in &rows {
+            println!(
+                "  {} order={} type={} bytes={} created={} refused={} held_back={} refusal={}",
+                r.id,
+                r.message_key,
+                r.event_type,
+                r.payload_bytes,
+                r.created_at.to_rfc3339(),
+                r.refused_at.to_rfc3339(),
+                r.held_back,
+                r.refusal.as_deref().unwrap_or("-"),
+            );
+        }
+    }
+    Ok(i32::from(!rows.is_empty()))
+}
+
+/// `boxoffice outbox retry [--id EVENT_ID ...]`: [`boxoffice_store::outbox::retry_parked`];
+/// exit code 1 when an id named is not a parked row (the others are released all the same).
+pub async fn outbox_retry(cfg: &Config, ids: &[uuid::Uuid]) -> anyhow::Result<i32> {
+    let pool = boxoffice_store::connect(cfg.pg_options()?, 1, cfg.db_acquire_timeout_ms).await?;
+    let mut ids = ids.to_vec();
+    ids.sort_unstable();
+    ids.dedup();
+    let n = boxoffice_store::outbox::retry_parked(&pool, &ids).await?;
+    println!("{n} parked row(s) released to the relay's next batch");
+    Ok(i32::from(!ids.is_empty() && n < ids.len() as u64))
 }
 
 /// `boxoffice dlq list`.

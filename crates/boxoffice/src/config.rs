@@ -630,6 +630,10 @@ pub struct Config {
     /// that what a silent leader had queued at the broker has timed out before another
     /// relay sends the same rows.
     pub relay_lease_ms: i64,
+    /// How long an outbox row the producer refused (e.g. larger than a message may be) stays
+    /// parked, with the later facts of its order, before the relay tries it again, s
+    /// (default 300; 0: every batch). `boxoffice outbox retry` tries it at once.
+    pub relay_refused_retry_s: i64,
     /// Published outbox rows move to the order history after this many seconds.
     pub outbox_retention_s: i64,
     /// Where a process serves `/metrics` and `/healthz` apart from the API (e.g.
@@ -805,6 +809,7 @@ impl Default for Config {
             stripe_max_in_flight: 32,
             relay_batch: 500,
             relay_lease_ms: 45_000,
+            relay_refused_retry_s: 300,
             outbox_retention_s: 3_600,
             order_history_retention_days: 400,
             metrics_bind: None,
@@ -982,6 +987,9 @@ impl Config {
         self.validate_kafka_security()?;
         if self.relay_lease_ms <= 30_000 {
             bail!("relay_lease_ms must exceed the producer's 30 s delivery timeout");
+        }
+        if self.relay_refused_retry_s < 0 {
+            bail!("relay_refused_retry_s must be 0 or more");
         }
         if !matches!(self.log_format.as_str(), "text" | "json") {
             bail!("log_format must be text or json");

@@ -151,6 +151,12 @@ enum Command {
         #[command(subcommand)]
         action: DlqAction,
     },
+    /// Outbox rows the producer refused (parked): list them, or have the relay try them again
+    /// after a fix.
+    Outbox {
+        #[command(subcommand)]
+        action: OutboxAction,
+    },
     /// Topic management.
     Topics {
         #[command(subcommand)]
@@ -267,6 +273,24 @@ enum DlqAction {
         /// `partition:offset` ids from `dlq list`.
         #[arg(long = "id")]
         ids: Vec<String>,
+    },
+}
+
+#[derive(Subcommand)]
+enum OutboxAction {
+    /// Print every parked row (event id, order, type, size, when and why it was refused, the
+    /// later facts of its order held back behind it).
+    Parked {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Have the relay's next batch try parked rows again (all, or the given event ids), once
+    /// their cause is fixed; a row refused again is parked again.
+    Retry {
+        /// Event ids from `outbox parked`.
+        #[arg(long = "id")]
+        ids: Vec<uuid::Uuid>,
     },
 }
 
@@ -511,6 +535,8 @@ async fn main() {
         Command::Dlq { action: DlqAction::Replay { ids } } => {
             commands::dlq_replay(&cfg, &ids).await.map(|_| 0)
         }
+        Command::Outbox { action: OutboxAction::Parked { json } } => commands::outbox_parked(&cfg, json).await,
+        Command::Outbox { action: OutboxAction::Retry { ids } } => commands::outbox_retry(&cfg, &ids).await,
         Command::Waitroom { action } => waitroom(&cfg, action).await.map(|_| 0),
         Command::Cells { action: CellsAction::List { json } } => boxoffice::cells::list(&cfg, json).await,
         Command::Cells { action: CellsAction::Assign { event } } => match &cli.cell {

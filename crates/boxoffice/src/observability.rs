@@ -43,7 +43,12 @@ const SIGNALS: &[(&str, &[&str])] = &[
     ),
     (
         "3 oldest unpublished outbox row",
-        &["BoxofficeOutboxLagging", "BoxofficeOutboxStalled", "BoxofficeRelayErrors"],
+        &[
+            "BoxofficeOutboxLagging",
+            "BoxofficeOutboxStalled",
+            "BoxofficeOutboxParked",
+            "BoxofficeRelayErrors",
+        ],
     ),
     (
         "4 consumer lag by partition",

@@ -311,6 +311,7 @@ pub async fn start(
                 let settings = relay::RelaySettings {
                     batch: cfg.relay_batch,
                     lease_ms: cfg.relay_lease_ms,
+                    refused_retry_s: cfg.relay_refused_retry_s,
                     retention_s: cfg.outbox_retention_s,
                     history_retention_s: cfg.order_history_retention_days.saturating_mul(86_400),
                     ..Default::default()

@@ -125,7 +125,14 @@ fn step(out: &mut String, s: &Step, start: DateTime<Utc>) {
     for f in &s.facts {
         let published = match f.published_at {
             Some(p) => format!("published +{} ms", (p - f.committed_at).num_milliseconds()),
-            None => "NOT PUBLISHED".to_owned(),
+            None => match (f.refused_at, &f.refusal) {
+                (Some(at), why) => format!(
+                    "NOT PUBLISHED: parked, refused at {} ({}); boxoffice outbox parked",
+                    at.format("%H:%M:%S%.3f"),
+                    why.as_deref().unwrap_or("-")
+                ),
+                (None, _) => "NOT PUBLISHED".to_owned(),
+            },
         };
         let cause =
             f.causation_id.map(|c| format!(", caused by {}", short(&c.to_string()))).unwrap_or_default();

@@ -308,10 +308,13 @@ pub async fn event_activity(
 /// Cell-wide figures the ledger answers directly.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
 pub struct CellFigures {
-    /// Unpublished outbox rows.
+    /// Unpublished outbox rows the relay will publish (parked ones and the rows behind
+    /// them excepted).
     pub outbox_unpublished: i64,
     /// Age of the oldest one, ms (0 when none).
     pub outbox_oldest_age_ms: i64,
+    /// Parked outbox rows and the later rows of their orders ([`crate::outbox::park_refused`]).
+    pub outbox_parked: i64,
     /// How far the oldest lapsed, still active hold is past its end, ms (0 when none).
     pub expiry_delay_ms: f64,
     /// Holds in status `active`.
@@ -325,6 +328,7 @@ pub async fn cell_figures(pool: &PgPool) -> Result<CellFigures, sqlx::Error> {
     Ok(CellFigures {
         outbox_unpublished: backlog.unpublished,
         outbox_oldest_age_ms: backlog.oldest_age_ms,
+        outbox_parked: backlog.parked,
         expiry_delay_ms: crate::signals::expiry_delay_ms(&mut c).await?,
         active_holds: crate::signals::active_holds(&mut c).await?,
     })

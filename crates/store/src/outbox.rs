@@ -6,6 +6,11 @@
 //! that takes the lock next publishes them again: at-least-once, made harmless by the
 //! consumers' inbox.
 //!
+//! A row the producer refuses outright is parked ([`park_refused`]): [`pending_batch`] reads
+//! neither it nor the later rows of its order until the relay's retry interval has passed or
+//! [`retry_parked`] releases it, so an order's facts still leave in order and refused rows
+//! never fill a batch. [`backlog`] counts parked rows apart.
+//!
 //! The columns of the per-row lease that came before the lock (`claimed_by`,
 //! `claim_expires_at`, migration 0001) are no longer written or read. They stay while a relay
 //! of an older build may run beside this one (a rolling deploy, a rollback): that relay claims
@@ -229,23 +234,123 @@ pub async fn try_relay_lock(c: &mut sqlx::PgConnection) -> Result<bool, sqlx::Er
 /// rows; the caller must hold it). Nothing is written: the rows stay unpublished until
 /// [`mark_published`].
 ///
+/// A row parked by [`park_refused`] less than `refused_retry_s` seconds ago is not read, nor
+/// is any later row of its order (same message key, `created_at` not before it): an order's
+/// facts still leave in the order they were written, and a parked row, however many there
+/// are, takes no room in the batch. Once `refused_retry_s` has passed the row and the rows
+/// behind it are read again (0: every batch). The parked rows are found through their own
+/// partial index (migration 0024), once per statement; with none, the per-row test is not
+/// run at all (an `OR` on a one-time result), so the read stays the pending index's scan in
+/// `created_at` order, stopped at `limit`.
+///
 /// The statement runs the region fence's check (migration 0013) as a write would, through an
 /// `UPDATE` of no row (statement-level triggers fire all the same): a relay whose session
 /// declares an epoch the ledger has moved past, or whose region's lease has lapsed, gets the
 /// fence's refusal ([`crate::region::refusal`]) and publishes nothing.
-pub async fn pending_batch(c: &mut sqlx::PgConnection, limit: i64) -> Result<Vec<OutboxRow>, sqlx::Error> {
+pub async fn pending_batch(
+    c: &mut sqlx::PgConnection,
+    limit: i64,
+    refused_retry_s: i64,
+) -> Result<Vec<OutboxRow>, sqlx::Error> {
     sqlx::query_as(
-        "WITH fence AS (UPDATE outbox SET published_at = NULL WHERE false RETURNING id)
+        "WITH fence AS (UPDATE outbox SET published_at = NULL WHERE false RETURNING id),
+         parked AS MATERIALIZED (
+            SELECT message_key, min(created_at) AS since FROM outbox
+             WHERE refused_at > clock_timestamp() - make_interval(secs => $2::double precision)
+               AND published_at IS NULL
+             GROUP BY message_key)
          SELECT o.id, o.topic, o.message_key, o.event_type, o.payload, o.created_at, o.region, o.region_epoch,
                 o.traceparent
            FROM outbox o
           WHERE o.published_at IS NULL AND NOT EXISTS (SELECT 1 FROM fence)
+            AND (NOT EXISTS (SELECT 1 FROM parked)
+                 OR NOT EXISTS (SELECT 1 FROM parked p
+                                 WHERE p.message_key = o.message_key AND p.since <= o.created_at))
           ORDER BY o.created_at
           LIMIT $1",
     )
     .bind(limit)
+    .bind(refused_retry_s)
     .fetch_all(&mut *c)
     .await
+}
+
+/// Parks rows the producer refused outright (`(id, why)`: the row and the producer's error),
+/// so that [`pending_batch`] reads neither them nor the later rows of their orders until the
+/// relay's retry interval has passed or [`retry_parked`] clears them: `refused_at` is set to
+/// now and `refusal` to `why`. Rows published meanwhile are left alone. Returns how many rows
+/// were parked.
+pub async fn park_refused(
+    c: &mut sqlx::PgConnection,
+    refused: &[(Uuid, String)],
+) -> Result<u64, sqlx::Error> {
+    if refused.is_empty() {
+        return Ok(0);
+    }
+    let (ids, why): (Vec<Uuid>, Vec<&str>) = refused.iter().map(|(id, w)| (*id, w.as_str())).unzip();
+    let done = sqlx::query(
+        "UPDATE outbox o SET refused_at = clock_timestamp(), refusal = r.why
+           FROM unnest($1::uuid[], $2::text[]) AS r(id, why)
+          WHERE o.id = r.id AND o.published_at IS NULL",
+    )
+    .bind(&ids)
+    .bind(&why)
+    .execute(&mut *c)
+    .await?;
+    Ok(done.rows_affected())
+}
+
+/// A parked outbox row ([`park_refused`]), as `boxoffice outbox parked` lists it.
+#[derive(Debug, Clone, sqlx::FromRow, serde::Serialize)]
+pub struct ParkedRow {
+    /// The envelope's event id (`boxoffice outbox retry --id`).
+    pub id: Uuid,
+    /// The message key (the order id).
+    pub message_key: String,
+    /// The envelope's type.
+    pub event_type: String,
+    /// When the business write committed.
+    pub created_at: DateTime<Utc>,
+    /// When the producer last refused it.
+    pub refused_at: DateTime<Utc>,
+    /// The producer's error then.
+    pub refusal: Option<String>,
+    /// The stored envelope's size, bytes (the usual refusal is a message larger than the
+    /// producer's `message.max.bytes`).
+    pub payload_bytes: i64,
+    /// Unpublished later rows of the same order, held back behind it.
+    pub held_back: i64,
+}
+
+/// Every parked row that is still unpublished, oldest first.
+pub async fn parked<'e>(ex: impl sqlx::PgExecutor<'e>) -> Result<Vec<ParkedRow>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT r.id, r.message_key, r.event_type, r.created_at, r.refused_at, r.refusal,
+                octet_length(r.payload::text)::int8 AS payload_bytes,
+                (SELECT count(*) FROM outbox l
+                  WHERE l.message_key = r.message_key AND l.published_at IS NULL
+                    AND l.created_at >= r.created_at AND l.id <> r.id) AS held_back
+           FROM outbox r
+          WHERE r.refused_at IS NOT NULL AND r.published_at IS NULL
+          ORDER BY r.created_at",
+    )
+    .fetch_all(ex)
+    .await
+}
+
+/// Makes parked rows readable by the next relay batch at once (`ids`; every parked row when
+/// empty), after their cause is fixed (`boxoffice outbox retry`). A row the producer refuses
+/// again is parked again. Returns how many rows were released.
+pub async fn retry_parked<'e>(ex: impl sqlx::PgExecutor<'e>, ids: &[Uuid]) -> Result<u64, sqlx::Error> {
+    let done = sqlx::query(
+        "UPDATE outbox SET refused_at = NULL
+          WHERE refused_at IS NOT NULL AND published_at IS NULL
+            AND (cardinality($1::uuid[]) = 0 OR id = ANY($1))",
+    )
+    .bind(ids)
+    .execute(ex)
+    .await?;
+    Ok(done.rows_affected())
 }
 
 /// The channel [`mark_published`] notifies: the payload is a comma-separated list of the
@@ -285,25 +390,44 @@ pub async fn mark_published(c: &mut sqlx::PgConnection, ids: &[Uuid]) -> Result<
     Ok(marked as u64)
 }
 
-/// Backlog figures: unpublished rows and the age of the oldest one in milliseconds (0 when
-/// empty). The age is the business's event-delivery latency (design §7, §16).
+/// Backlog figures. The age of the oldest row the relay will publish is the business's
+/// event-delivery latency (design §7, §16); parked rows and the rows held behind them are
+/// counted apart, so a parked row does not read as a stalled relay.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Backlog {
-    /// Rows not yet published.
+    /// Rows not yet published, parked ones and the rows behind them excepted.
     pub unpublished: i64,
-    /// Age of the oldest unpublished row, ms.
+    /// Age of the oldest of those, ms (0 when there is none).
     pub oldest_age_ms: i64,
+    /// Parked rows ([`park_refused`]) and the unpublished later rows of their orders.
+    pub parked: i64,
 }
 
-/// Reads the current [`Backlog`].
+/// Reads the current [`Backlog`]: one count of the unpublished rows, as before parking
+/// existed; the parked rows through their partial index and the rows behind them through the
+/// message key's; the oldest publishable row by the pending index, in order.
 pub async fn backlog<'e>(ex: impl sqlx::PgExecutor<'e>) -> Result<Backlog, sqlx::Error> {
-    let (unpublished, oldest_age_ms): (i64, Option<f64>) = sqlx::query_as(
-        "SELECT count(*), (EXTRACT(EPOCH FROM clock_timestamp() - min(created_at)) * 1000)::float8
-           FROM outbox WHERE published_at IS NULL",
+    let (unpublished, oldest_age_ms, parked): (i64, Option<f64>, i64) = sqlx::query_as(
+        "WITH parked AS MATERIALIZED (
+            SELECT message_key, min(created_at) AS since FROM outbox
+             WHERE refused_at IS NOT NULL AND published_at IS NULL
+             GROUP BY message_key),
+         held AS MATERIALIZED (
+            SELECT count(*) AS n FROM parked p
+              JOIN outbox o ON o.message_key = p.message_key AND o.created_at >= p.since
+             WHERE o.published_at IS NULL)
+         SELECT (SELECT count(*) FROM outbox WHERE published_at IS NULL) - (SELECT n FROM held),
+                (SELECT EXTRACT(EPOCH FROM clock_timestamp() - o.created_at) * 1000 FROM outbox o
+                  WHERE o.published_at IS NULL
+                    AND (NOT EXISTS (SELECT 1 FROM parked)
+                         OR NOT EXISTS (SELECT 1 FROM parked p
+                                         WHERE p.message_key = o.message_key AND p.since <= o.created_at))
+                  ORDER BY o.created_at LIMIT 1)::float8,
+                (SELECT n FROM held)",
     )
     .fetch_one(ex)
     .await?;
-    Ok(Backlog { unpublished, oldest_age_ms: oldest_age_ms.unwrap_or(0.0).max(0.0) as i64 })
+    Ok(Backlog { unpublished, oldest_age_ms: oldest_age_ms.unwrap_or(0.0).max(0.0) as i64, parked })
 }
 
 /// Moves up to `limit` rows published more than `retention_s` seconds ago out of the outbox

@@ -102,6 +102,11 @@ pub struct Fact {
     pub committed_at: DateTime<Utc>,
     /// When the relay published it (`None`: not yet).
     pub published_at: Option<DateTime<Utc>>,
+    /// When the producer last refused it, if it did: unpublished, it is parked, and the
+    /// order's later facts wait behind it (`boxoffice outbox parked`).
+    pub refused_at: Option<DateTime<Utc>>,
+    /// The producer's error then.
+    pub refusal: Option<String>,
     /// The fact that caused it (`None`: a request, a webhook or a sweep).
     pub causation_id: Option<Uuid>,
     /// The region and epoch whose ledger committed it.
@@ -269,6 +274,8 @@ struct FactRow {
     payload: sqlx::types::Json<serde_json::Value>,
     created_at: DateTime<Utc>,
     published_at: Option<DateTime<Utc>>,
+    refused_at: Option<DateTime<Utc>>,
+    refusal: Option<String>,
     region: Option<String>,
     region_epoch: Option<i64>,
     traceparent: Option<String>,
@@ -306,12 +313,12 @@ pub async fn read(
     .await?;
     let Some(now) = now else { return Ok(None) };
     let facts: Vec<FactRow> = sqlx::query_as(
-        "SELECT id, event_type, payload, created_at, published_at, region, region_epoch, traceparent,
-                xact::text AS xact, 'outbox' AS source
+        "SELECT id, event_type, payload, created_at, published_at, refused_at, refusal, region,
+                region_epoch, traceparent, xact::text AS xact, 'outbox' AS source
            FROM outbox WHERE message_key = $1::text
          UNION ALL
-         SELECT event_id, event_type, payload, created_at, published_at, region, region_epoch, traceparent,
-                xact::text, 'order_history'
+         SELECT event_id, event_type, payload, created_at, published_at, NULL, NULL, region, region_epoch,
+                traceparent, xact::text, 'order_history'
            FROM order_history WHERE order_id = $1
           ORDER BY created_at",
     )
@@ -390,6 +397,8 @@ pub async fn read(
             event_type: f.event_type,
             committed_at: f.created_at,
             published_at: f.published_at,
+            refused_at: f.refused_at,
+            refusal: f.refusal,
             causation_id,
             region: f.region,
             region_epoch: f.region_epoch,
@@ -613,6 +622,8 @@ mod tests {
             event_type: t.into(),
             committed_at: base + chrono::Duration::milliseconds(at_ms),
             published_at: published_ms.map(|p| base + chrono::Duration::milliseconds(p)),
+            refused_at: None,
+            refusal: None,
             causation_id: None,
             region: None,
             region_epoch: None,

@@ -14,9 +14,18 @@
 //! (`tcp_user_timeout`). A leader that can reach PostgreSQL but whose batches fail
 //! [`GIVE_UP_AFTER`] times in a row (its broker, its producer or its configuration failing),
 //! or that the region fence refuses, gives the lock up and sits out [`SIT_OUT`], so that a
-//! relay of another process may carry on. A message the producer refuses outright is left
-//! unpublished, with its order's later facts behind it, and the rest flow past it. Rows an old leader published but had not marked are published again by the next: a
-//! duplicate the consumers' inbox absorbs, never a loss.
+//! relay of another process may carry on. Rows an old leader published but had not marked are
+//! published again by the next: a duplicate the consumers' inbox absorbs, never a loss.
+//!
+//! **Refused messages are parked.** A message the producer refuses outright (larger than a
+//! message may be, a topic it cannot send to) is left unpublished and parked in the ledger
+//! ([`outbox::park_refused`]: `refused_at` and the producer's error): no batch reads it, nor
+//! the later facts of its order, until `refused_retry_s` has passed or an operator's
+//! `boxoffice outbox retry` clears it, and the rest of the outbox flows past. So an order's
+//! facts still leave in order, and no number of refused rows stops the relay for the other
+//! orders. A refusal is no broker failure: it counts towards no give-up. The parked rows are
+//! the `boxoffice_outbox_parked` gauge, counted apart from the backlog
+//! ([`outbox::Backlog`]), and `boxoffice outbox parked` lists them with their refusals.
 //!
 //! Fault points: `relay.before_publish` (read, nothing sent), `relay.after_publish` (the
 //! broker acknowledged, the rows are not marked: they are published again by the next
@@ -55,6 +64,9 @@ pub struct RelaySettings {
     pub retention_s: i64,
     /// The order history (and its status changes) is deleted after this many seconds.
     pub history_retention_s: i64,
+    /// A row the producer refused is parked this long before a batch tries it again, s
+    /// (0: every batch).
+    pub refused_retry_s: i64,
 }
 
 impl Default for RelaySettings {
@@ -65,6 +77,7 @@ impl Default for RelaySettings {
             idle_ms: 20,
             retention_s: 3_600,
             history_retention_s: 400 * 86_400,
+            refused_retry_s: 300,
         }
     }
 }
@@ -100,8 +113,6 @@ pub async fn run(
     let mut last_prune = std::time::Instant::now();
     let mut session: Option<PgConnection> = None;
     let mut leading = false;
-    // Rows the producer refused, reported once each (they are read again by every batch).
-    let mut refused: HashSet<uuid::Uuid> = HashSet::new();
     metrics::gauge!("boxoffice_relay_leader").set(0.0);
     while !shutdown.is_cancelled() {
         if last_gauge.elapsed() >= Duration::from_secs(1) {
@@ -109,6 +120,7 @@ pub async fn run(
             if let Ok(b) = outbox::backlog(&pool).await {
                 metrics::gauge!("boxoffice_outbox_unpublished").set(b.unpublished as f64);
                 metrics::gauge!("boxoffice_outbox_oldest_unpublished_age_ms").set(b.oldest_age_ms as f64);
+                metrics::gauge!("boxoffice_outbox_parked").set(b.parked as f64);
             }
         }
         if leading && last_prune.elapsed() >= Duration::from_secs(30) {
@@ -126,9 +138,9 @@ pub async fn run(
             Ok(false) => STANDBY_TRY,
             Ok(true) => {
                 let c = session.as_mut().expect("leading on a session");
-                match publish_batch(c, &producer, &kafka, &relay_id, &settings, &mut refused).await {
-                    // Refused rows are no broker failure: they neither back off nor count
-                    // towards the give-up (the rest of the outbox flows past them).
+                match publish_batch(c, &producer, &kafka, &relay_id, &settings).await {
+                    // Refused rows are no broker failure: they are parked, neither back off
+                    // nor count towards the give-up (the rest of the outbox flows past them).
                     Ok(b) if b.failed == 0 => {
                         (failures, stalled) = (0, 0);
                         if b.read < settings.batch as usize {
@@ -304,30 +316,32 @@ pub struct Batch {
     /// arrives before them (consumers decide by state, not by arrival order).
     pub failed: usize,
     /// Rows the producer refused when enqueued (e.g. too large), with the later rows of their
-    /// orders held back behind them. They stay unpublished, are read again by every batch,
-    /// and count in `boxoffice_outbox_refused_total`; the outbox's age alert tells of them.
+    /// orders in this batch held back behind them. They stay unpublished; the refused ones
+    /// count in `boxoffice_outbox_refused_total` and are parked.
     pub refused: usize,
+    /// Refused rows this batch parked ([`outbox::park_refused`]).
+    pub parked: u64,
 }
 
 /// Reads, publishes and marks one batch on the leader's session `c` (which must hold
 /// [`outbox::RELAY_LOCK`]). While the batch waits on the broker, the session is kept busy
 /// ([`with_heartbeat`]), so a slow broker does not cost the lock. A row the producer refuses
 /// at once (e.g. too large) is left unpublished, with the later rows of its order in this
-/// batch, and the rest go on. A database error from `c`, and a call to it that outlasts the
-/// lease (an unreachable server), is returned as an `sqlx::Error`, so the caller can tell a
-/// lost session.
+/// batch, and parked (after the delivered rows are marked); the rest go on. A database error
+/// from `c`, and a call to it that outlasts the lease (an unreachable server), is returned as
+/// an `sqlx::Error`, so the caller can tell a lost session.
 pub async fn publish_batch(
     c: &mut PgConnection,
     producer: &FutureProducer,
     kafka: &KafkaConfig,
     relay_id: &str,
     settings: &RelaySettings,
-    reported: &mut HashSet<uuid::Uuid>,
 ) -> anyhow::Result<Batch> {
     let bound = Duration::from_millis(settings.lease_ms.max(1) as u64);
-    let rows = tokio::time::timeout(bound, outbox::pending_batch(c, settings.batch))
-        .await
-        .map_err(|_| timed_out())??;
+    let rows =
+        tokio::time::timeout(bound, outbox::pending_batch(c, settings.batch, settings.refused_retry_s))
+            .await
+            .map_err(|_| timed_out())??;
     if rows.is_empty() {
         return Ok(Batch::default());
     }
@@ -337,8 +351,8 @@ pub async fn publish_batch(
         .iter()
         .map(|row| Ok((kafka.topic(&row.topic), row.message()?)))
         .collect::<Result<_, serde_json::Error>>()?;
-    let sent = send_all(producer, kafka, relay_id, &rows, &encoded, reported);
-    let Sent { delivered, failed, refused } = with_heartbeat(c, bound, sent).await?;
+    let sent = send_all(producer, kafka, relay_id, &rows, &encoded);
+    let Sent { delivered, failed, refused, held_back } = with_heartbeat(c, bound, sent).await?;
     // As if the relay died here: delivered but unmarked, so the next batch sends them again.
     boxoffice_faults::check("relay.after_publish")?;
     let mut marked = 0;
@@ -349,34 +363,38 @@ pub async fn publish_batch(
         metrics::counter!("boxoffice_outbox_published_total").increment(marked);
     }
     boxoffice_faults::check("relay.after_commit")?;
-    Ok(Batch { read, marked, failed, refused })
+    let parked =
+        tokio::time::timeout(bound, outbox::park_refused(c, &refused)).await.map_err(|_| timed_out())??;
+    Ok(Batch { read, marked, failed, refused: refused.len() + held_back, parked })
 }
 
 /// What [`send_all`] did with a batch's rows.
 struct Sent {
     delivered: Vec<uuid::Uuid>,
     failed: usize,
-    refused: usize,
+    /// The rows the producer refused, with its error.
+    refused: Vec<(uuid::Uuid, String)>,
+    /// Later rows of their orders, not sent.
+    held_back: usize,
 }
 
 /// Enqueues `rows` in order and awaits every delivery report. A refused row is reported at
-/// warn the first time (`reported` remembers it), at debug after.
+/// warn (once per parking: a parked row is not read again until its retry is due).
 async fn send_all(
     producer: &FutureProducer,
     kafka: &KafkaConfig,
     relay_id: &str,
     rows: &[outbox::OutboxRow],
     encoded: &[(String, Vec<u8>)],
-    reported: &mut HashSet<uuid::Uuid>,
 ) -> Sent {
     let mut pending = Vec::with_capacity(rows.len());
     // Orders with a row refused at enqueue: their later rows wait behind it, so none of them
     // is sent ahead of the refused one.
-    let mut held_back: HashSet<&str> = HashSet::new();
-    let (mut failed, mut refused) = (0, 0);
+    let mut held: HashSet<&str> = HashSet::new();
+    let (mut failed, mut refused, mut held_back) = (0, Vec::new(), 0);
     for (row, (topic, payload)) in rows.iter().zip(encoded) {
-        if held_back.contains(row.message_key.as_str()) {
-            refused += 1;
+        if held.contains(row.message_key.as_str()) {
+            held_back += 1;
             continue;
         }
         let id = row.id.to_string();
@@ -408,13 +426,9 @@ async fn send_all(
                 Err((e, _)) => {
                     span.record("otel.status_code", "ERROR");
                     metrics::counter!("boxoffice_outbox_refused_total").increment(1);
-                    if reported.insert(row.id) {
-                        tracing::warn!(parent: &span, relay = relay_id, outbox.id = %row.id, error = %e,
-                            "the producer refused the message: left unpublished, with its order's later facts");
-                    } else {
-                        tracing::debug!(parent: &span, relay = relay_id, outbox.id = %row.id, error = %e,
-                            "the producer refused the message again");
-                    }
+                    tracing::warn!(parent: &span, relay = relay_id, outbox.id = %row.id, error = %e,
+                        "the producer refused the message: parked, with its order's later facts");
+                    refused.push((row.id, e.to_string()));
                     break None;
                 }
             }
@@ -422,8 +436,7 @@ async fn send_all(
         match fut {
             Some(fut) => pending.push((row.id, row.created_at, fut, span)),
             None => {
-                held_back.insert(row.message_key.as_str());
-                refused += 1;
+                held.insert(row.message_key.as_str());
             }
         }
     }
@@ -446,7 +459,7 @@ async fn send_all(
             Err(_canceled) => failed += 1,
         }
     }
-    Sent { delivered, failed, refused }
+    Sent { delivered, failed, refused, held_back }
 }
 
 /// Runs `work` while keeping the leader's session `c` busy: a `SELECT 1` every third of

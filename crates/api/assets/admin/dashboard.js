@@ -195,6 +195,7 @@
     dl.replaceChildren();
     const row = (k, val, bad) => { dl.append(el('dt', k), el('dd', val, bad ? 'bad' : '')); };
     row('oldest unpublished outbox row', fmt.ms(cs.outbox_oldest_age_ms) + ' (' + fmt.n(cs.outbox_unpublished) + ' rows)', cs.outbox_oldest_age_ms > 5000);
+    row('parked outbox rows (boxoffice outbox parked)', fmt.n(cs.outbox_parked), cs.outbox_parked > 0);
     row('consumer lag (max)', cs.consumer_lag ? fmt.n(cs.consumer_lag.max) : 'not measured', cs.consumer_lag && cs.consumer_lag.max > 1000);
     row('expired-hold processing delay', fmt.ms(cs.expiry_delay_ms), cs.expiry_delay_ms > 10000);
     row('active holds', fmt.n(cs.active_holds));

@@ -99,6 +99,7 @@ fn assert_shape(v: &Value) {
     for k in [
         "outbox_oldest_age_ms",
         "outbox_unpublished",
+        "outbox_parked",
         "expiry_delay_ms",
         "active_holds",
         "consumer_lag",

@@ -199,6 +199,52 @@ async fn a_standing_by_relay_publishes_once_the_leaders_session_ends(
     app.stop().await;
 }
 
+/// A leader whose session the server ends (an administrator's `pg_terminate_backend`, a
+/// restart, a failover of the database) knows it lost the lock with it: it gives the lead up
+/// as `session_lost`, opens a new session, takes the lock again and publishes what was
+/// written meanwhile.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn a_leader_whose_session_is_ended_takes_the_lock_again_and_publishes(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    let metrics = boxoffice::runtime::metrics_handle().expect("the process's metrics recorder");
+    let app = TestApp::spawn(opts, &[Role::Relay], VenueSpec::small(1, 1, 4)).await;
+    let holder = |pool: sqlx::PgPool| async move {
+        sqlx::query_scalar::<_, i32>(
+            "SELECT a.pid FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+              WHERE l.locktype = 'advisory' AND l.granted AND l.classid = $1::oid AND l.objid = $2::oid
+                AND a.datname = current_database() AND a.application_name = 'boxoffice-relay'",
+        )
+        .bind(boxoffice_store::outbox::RELAY_LOCK.0 as i64)
+        .bind(boxoffice_store::outbox::RELAY_LOCK.1 as i64)
+        .fetch_optional(&pool)
+        .await
+        .unwrap()
+    };
+    let pool = app.pool.clone();
+    eventually(WAIT, "the relay leads", || {
+        let pool = pool.clone();
+        async move { holder(pool).await.is_some() }
+    })
+    .await;
+    let first = holder(app.pool.clone()).await.unwrap();
+    let ended: bool =
+        sqlx::query_scalar("SELECT pg_terminate_backend($1)").bind(first).fetch_one(&app.pool).await.unwrap();
+    assert!(ended);
+    let fact = write_intent_created(&app.pool, OrderId(Uuid::new_v4()), "pi_after_kill").await;
+    let pool = app.pool.clone();
+    eventually(WAIT, "published by the relay's new session", || published(pool.clone(), fact.event_id)).await;
+    let second = holder(app.pool.clone()).await.expect("the relay holds the lock again");
+    assert_ne!(second, first, "the lock is held by a new session");
+    let text = metrics.render();
+    assert!(
+        text.lines().any(|l| l.starts_with("boxoffice_relay_gave_up_total{reason=\"session_lost\"}")),
+        "the lost lead was counted:\n{text}"
+    );
+    app.stop().await;
+}
+
 /// A leader that reaches PostgreSQL but publishes nothing (every batch fails: its broker,
 /// its producer or its configuration) gives the lock up after `relay::GIVE_UP_AFTER` batches,
 /// so that another relay can take it; once the fault is gone, it leads and publishes again.
@@ -236,24 +282,18 @@ async fn a_leader_that_publishes_nothing_gives_the_lock_up(_: PgPoolOptions, opt
 /// A fact the producer refuses outright (larger than a message may be) holds back only its
 /// own order: the order's later fact stays unpublished behind it, another order's fact is
 /// published, and the leader keeps the lock however many batches read the refused row again
-/// (a refusal is no broker failure: it counts towards no give-up).
+/// (a refusal is no broker failure: it counts towards no give-up). The refused row is tried
+/// by every batch here (`relay_refused_retry_s = 0`), so the refusal repeats.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn a_refused_fact_holds_back_only_its_own_order(_: PgPoolOptions, opts: PgConnectOptions) {
     use sqlx::ConnectOptions;
     let metrics = boxoffice::runtime::metrics_handle().expect("the process's metrics recorder");
-    let app = TestApp::spawn(opts.clone(), &[Role::Relay], VenueSpec::small(1, 1, 4)).await;
+    let app = TestApp::spawn_with(opts.clone(), &[Role::Relay], VenueSpec::small(1, 1, 4), |c| {
+        c.relay_refused_retry_s = 0
+    })
+    .await;
     let (stuck, other) = (OrderId(Uuid::new_v4()), OrderId(Uuid::new_v4()));
-    let oversized = Uuid::new_v4();
-    sqlx::query(
-        "INSERT INTO outbox (id, topic, message_key, event_type, payload)
-         VALUES ($1, $2, $3, 'PaymentIntentCreated', jsonb_build_object('pad', repeat('x', 1100000)))",
-    )
-    .bind(oversized)
-    .bind(boxoffice_domain::Topic::Purchase.name())
-    .bind(stuck.0.to_string())
-    .execute(&app.pool)
-    .await
-    .unwrap();
+    let oversized = write_oversized(&app.pool, stuck).await;
     let behind = write_intent_created(&app.pool, stuck, "pi_behind").await;
     let fine = write_intent_created(&app.pool, other, "pi_fine").await;
     let pool = app.pool.clone();
@@ -282,6 +322,70 @@ async fn a_refused_fact_holds_back_only_its_own_order(_: PgPoolOptions, opts: Pg
         !published(app.pool.clone(), behind.event_id).await,
         "a later fact of the order went ahead of it"
     );
+    app.stop().await;
+}
+
+/// Refused facts are parked, and no number of them stops the outbox (a relay batch holds
+/// two here; three of three orders are refused, older than anything else): each is parked on
+/// its first refusal, with the producer's error, and read no more; the facts of other orders
+/// are published past them, the later fact of a refused order waits behind it, and the
+/// backlog counts the parked rows apart. `outbox::retry_parked` has the next batch try one
+/// again, and it is parked again.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn refused_facts_are_parked_and_the_rest_of_the_outbox_flows(_: PgPoolOptions, opts: PgConnectOptions) {
+    use boxoffice_store::outbox;
+    let app =
+        TestApp::spawn_with(opts, &[Role::Relay], VenueSpec::small(1, 1, 4), |c| c.relay_batch = 2).await;
+    let orders: Vec<OrderId> = (0..3).map(|_| OrderId(Uuid::new_v4())).collect();
+    let mut refused = Vec::new();
+    for o in &orders {
+        refused.push(write_oversized(&app.pool, *o).await);
+    }
+    let behind = write_intent_created(&app.pool, orders[0], "pi_behind").await;
+    let fine = write_intent_created(&app.pool, OrderId(Uuid::new_v4()), "pi_fine").await;
+    let pool = app.pool.clone();
+    eventually(WAIT, "another order's fact published past three refused rows", || {
+        published(pool.clone(), fine.event_id)
+    })
+    .await;
+    let parked = outbox::parked(&app.pool).await.unwrap();
+    assert_eq!(
+        parked.iter().map(|p| p.id).collect::<Vec<_>>(),
+        refused,
+        "each refused row parked, oldest first"
+    );
+    for p in &parked {
+        let why = p.refusal.as_deref().unwrap_or_default();
+        assert!(why.contains("MessageSizeTooLarge"), "the producer's error recorded: {why}");
+        assert!(p.payload_bytes > 1_100_000, "{p:?}");
+        let expect_behind = i64::from(p.message_key == orders[0].0.to_string());
+        assert_eq!(p.held_back, expect_behind, "{p:?}");
+    }
+    assert!(!published(app.pool.clone(), behind.event_id).await, "a later fact went ahead of a parked one");
+    let b = outbox::backlog(&app.pool).await.unwrap();
+    assert_eq!((b.unpublished, b.parked), (0, 4), "the parked rows and the one behind, apart: {b:?}");
+    // A parked row is not read again: a fact written now is published, and no refusal is
+    // recorded anew.
+    let later = write_intent_created(&app.pool, OrderId(Uuid::new_v4()), "pi_later").await;
+    let pool = app.pool.clone();
+    eventually(WAIT, "a later fact published", || published(pool.clone(), later.event_id)).await;
+    let again = outbox::parked(&app.pool).await.unwrap();
+    assert_eq!(
+        again.iter().map(|p| p.refused_at).collect::<Vec<_>>(),
+        parked.iter().map(|p| p.refused_at).collect::<Vec<_>>(),
+        "a parked row was tried again before its retry was due"
+    );
+    // Released, it is tried by the next batch, refused and parked again.
+    assert_eq!(outbox::retry_parked(&app.pool, &[refused[1]]).await.unwrap(), 1);
+    let (pool, was, released) = (app.pool.clone(), parked[1].refused_at, refused[1]);
+    eventually(WAIT, "the released row tried and parked again", || {
+        let pool = pool.clone();
+        async move {
+            outbox::parked(&pool).await.unwrap().iter().any(|p| p.id == released && p.refused_at > was)
+        }
+    })
+    .await;
+    assert_eq!(outbox::parked(&app.pool).await.unwrap().len(), 3);
     app.stop().await;
 }
 
@@ -583,6 +687,23 @@ async fn write_intent_created(pool: &sqlx::PgPool, order: OrderId, payment_inten
     boxoffice_store::outbox::insert(&mut tx, boxoffice_domain::Topic::Purchase, &fact).await.unwrap();
     tx.commit().await.unwrap();
     fact
+}
+
+/// Commits an outbox row for `order` larger than the producer lets a message be (its
+/// `message.max.bytes`, 1,000,000 by default); returns its id.
+async fn write_oversized(pool: &sqlx::PgPool, order: OrderId) -> Uuid {
+    let id = Uuid::new_v4();
+    sqlx::query(
+        "INSERT INTO outbox (id, topic, message_key, event_type, payload)
+         VALUES ($1, $2, $3, 'PaymentIntentCreated', jsonb_build_object('pad', repeat('x', 1100000)))",
+    )
+    .bind(id)
+    .bind(boxoffice_domain::Topic::Purchase.name())
+    .bind(order.0.to_string())
+    .execute(pool)
+    .await
+    .unwrap();
+    id
 }
 
 /// Whether the outbox row of fact `event_id` is marked published.

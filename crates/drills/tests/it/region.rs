@@ -313,10 +313,10 @@ async fn a_fenced_relay_reads_nothing_to_publish(pool: PgPoolOptions, opts: PgCo
     raw_outbox_write(&admin).await.unwrap();
     region::fence(&admin, &writer("dr", 2), "test").await.unwrap();
     let mut old = region::writer_options(opts.clone(), &writer("primary", 1)).connect().await.unwrap();
-    let e = boxoffice_store::outbox::pending_batch(&mut old, 10).await.expect_err("fenced");
+    let e = boxoffice_store::outbox::pending_batch(&mut old, 10, 300).await.expect_err("fenced");
     assert_eq!(region::refusal(&e), Some(Refusal::Fenced));
     let mut current = region::writer_options(opts, &writer("dr", 2)).connect().await.unwrap();
-    assert_eq!(boxoffice_store::outbox::pending_batch(&mut current, 10).await.unwrap().len(), 1);
+    assert_eq!(boxoffice_store::outbox::pending_batch(&mut current, 10, 300).await.unwrap().len(), 1);
 }
 
 /// `region republish` marks the outbox rows of the recovery window unpublished again (and no
