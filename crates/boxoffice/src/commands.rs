@@ -19,9 +19,12 @@ pub async fn migrate_db(cfg: &Config) -> anyhow::Result<PgPool> {
     if !sqlx::Postgres::database_exists(url).await.context("connecting to PostgreSQL")? {
         sqlx::Postgres::create_database(url).await.context("creating the database")?;
     }
+    let dropped = boxoffice_store::migrate(cfg.pg_options()?).await.context("applying migrations")?;
+    for index in dropped {
+        tracing::warn!(index, "an index a failed migration left invalid was dropped and built again");
+    }
     let pool = boxoffice_store::connect(cfg.pg_options()?, cfg.db_max_connections, cfg.db_acquire_timeout_ms)
         .await?;
-    boxoffice_store::MIGRATOR.run(&pool).await.context("applying migrations")?;
     Ok(pool)
 }
 
@@ -342,13 +345,13 @@ pub async fn outbox_parked(cfg: &Config, json: bool) -> anyhow::Result<i32> {
         println!("{} parked outbox row(s)", rows.len());
         for r in &rows {
             println!(
-                "  {} order={} type={} bytes={} created={} refused={} held_back={} refusal={}",
+                "  {} order={} type={} created={} refused={} retry_at={} held_back={} refusal={}",
                 r.id,
                 r.message_key,
                 r.event_type,
-                r.payload_bytes,
                 r.created_at.to_rfc3339(),
                 r.refused_at.to_rfc3339(),
+                r.retry_at.map(|t| t.to_rfc3339()).unwrap_or_else(|| "-".into()),
                 r.held_back,
                 r.refusal.as_deref().unwrap_or("-"),
             );
@@ -357,16 +360,22 @@ pub async fn outbox_parked(cfg: &Config, json: bool) -> anyhow::Result<i32> {
     Ok(i32::from(!rows.is_empty()))
 }
 
-/// `boxoffice outbox retry [--id EVENT_ID ...]`: [`boxoffice_store::outbox::retry_parked`];
-/// exit code 1 when an id named is not a parked row (the others are released all the same).
-pub async fn outbox_retry(cfg: &Config, ids: &[uuid::Uuid]) -> anyhow::Result<i32> {
+/// `boxoffice outbox retry --id EVENT_ID ... | --all`: [`boxoffice_store::outbox::retry_parked`];
+/// exit code 1 when an id named is not a parked row (the others are made due all the same).
+pub async fn outbox_retry(cfg: &Config, ids: &[uuid::Uuid], all: bool) -> anyhow::Result<i32> {
+    use boxoffice_store::outbox::Release;
+    anyhow::ensure!(all == ids.is_empty(), "name the rows with --id, or --all for every parked row");
     let pool = boxoffice_store::connect(cfg.pg_options()?, 1, cfg.db_acquire_timeout_ms).await?;
     let mut ids = ids.to_vec();
     ids.sort_unstable();
     ids.dedup();
-    let n = boxoffice_store::outbox::retry_parked(&pool, &ids).await?;
-    println!("{n} parked row(s) released to the relay's next batch");
-    Ok(i32::from(!ids.is_empty() && n < ids.len() as u64))
+    let which = if all { Release::All } else { Release::Rows(&ids) };
+    let n = boxoffice_store::outbox::retry_parked(&pool, which).await?;
+    println!(
+        "{n} parked row(s) due now: the relay tries up to {} of them per batch",
+        boxoffice_store::outbox::DUE_PARKED_PER_BATCH
+    );
+    Ok(i32::from(!all && n < ids.len() as u64))
 }
 
 /// `boxoffice dlq list`.

@@ -630,9 +630,10 @@ pub struct Config {
     /// that what a silent leader had queued at the broker has timed out before another
     /// relay sends the same rows.
     pub relay_lease_ms: i64,
-    /// How long an outbox row the producer refused (e.g. larger than a message may be) stays
+    /// How long an outbox row the producer refused (a message larger than it may send) stays
     /// parked, with the later facts of its order, before the relay tries it again, s
-    /// (default 300; 0: every batch). `boxoffice outbox retry` tries it at once.
+    /// (default 300; 0 to 86,400; 0: the next batch). `boxoffice outbox retry` makes it due at
+    /// once.
     pub relay_refused_retry_s: i64,
     /// Published outbox rows move to the order history after this many seconds.
     pub outbox_retention_s: i64,
@@ -988,8 +989,8 @@ impl Config {
         if self.relay_lease_ms <= 30_000 {
             bail!("relay_lease_ms must exceed the producer's 30 s delivery timeout");
         }
-        if self.relay_refused_retry_s < 0 {
-            bail!("relay_refused_retry_s must be 0 or more");
+        if !(0..=86_400).contains(&self.relay_refused_retry_s) {
+            bail!("relay_refused_retry_s must be 0 to 86400 (a day)");
         }
         if !matches!(self.log_format.as_str(), "text" | "json") {
             bail!("log_format must be text or json");

@@ -285,12 +285,15 @@ enum OutboxAction {
         #[arg(long)]
         json: bool,
     },
-    /// Have the relay's next batch try parked rows again (all, or the given event ids), once
-    /// their cause is fixed; a row refused again is parked again.
+    /// Have the relay try parked rows again now (the given event ids, or --all), once their
+    /// cause is fixed; a row refused again is parked again.
     Retry {
         /// Event ids from `outbox parked`.
-        #[arg(long = "id")]
+        #[arg(long = "id", required_unless_present = "all", conflicts_with = "all")]
         ids: Vec<uuid::Uuid>,
+        /// Every parked row.
+        #[arg(long)]
+        all: bool,
     },
 }
 
@@ -536,7 +539,9 @@ async fn main() {
             commands::dlq_replay(&cfg, &ids).await.map(|_| 0)
         }
         Command::Outbox { action: OutboxAction::Parked { json } } => commands::outbox_parked(&cfg, json).await,
-        Command::Outbox { action: OutboxAction::Retry { ids } } => commands::outbox_retry(&cfg, &ids).await,
+        Command::Outbox { action: OutboxAction::Retry { ids, all } } => {
+            commands::outbox_retry(&cfg, &ids, all).await
+        }
         Command::Waitroom { action } => waitroom(&cfg, action).await.map(|_| 0),
         Command::Cells { action: CellsAction::List { json } } => boxoffice::cells::list(&cfg, json).await,
         Command::Cells { action: CellsAction::Assign { event } } => match &cli.cell {

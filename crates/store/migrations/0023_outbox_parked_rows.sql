@@ -1,10 +1,12 @@
--- A row the producer refuses outright (larger than a message may be, a topic it cannot
--- send to) is parked (design §7): `refused_at` and `refusal` record the last refusal, and the
--- relay reads neither that row nor the later rows of its order until `relay_refused_retry_s`
--- has passed, or an operator's `boxoffice outbox retry` clears `refused_at`
--- (`boxoffice_store::outbox::pending_batch`). Before, a refused row was read again by every
--- batch, and as many refused rows as a batch holds stopped the relay for every order.
+-- A row the producer refuses outright (a message larger than it may send) is parked (design
+-- §7): `refused_at` and `refusal` record the last refusal, `retry_at` when the relay tries it
+-- again. Until then the relay reads neither that row nor the later rows of its order
+-- (`boxoffice_store::outbox::pending_batch`); `boxoffice outbox retry` makes it due at once.
+-- Before, a refused row was read again by every batch, and as many refused rows as a batch
+-- holds stopped the relay for every order.
 --
--- Nullable columns without a default: a change of the catalog only, no rewrite. A relay of
--- an older build ignores them (it reads a parked row again every batch, as it did).
-ALTER TABLE outbox ADD COLUMN refused_at timestamptz, ADD COLUMN refusal text;
+-- Nullable columns without a default: a change of the catalog only, no rewrite. The brief
+-- ACCESS EXCLUSIVE lock waits at most `lock_timeout` (`boxoffice migrate` sets it) behind
+-- queries of the outbox, so holds are not queued behind it for long. A relay of an older
+-- build ignores the columns (it reads a parked row again every batch, as it did).
+ALTER TABLE outbox ADD COLUMN refused_at timestamptz, ADD COLUMN refusal text, ADD COLUMN retry_at timestamptz;

@@ -43,8 +43,71 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::PgPool;
 use std::time::Duration;
 
-/// Every migration, embedded in the binary (`boxoffice migrate` applies them).
+/// Every migration, embedded in the binary (`boxoffice migrate` applies them, through
+/// [`migrate`]).
 pub static MIGRATOR: Migrator = sqlx::migrate!("./migrations");
+
+/// The indexes the migrations build `CONCURRENTLY` (outside a transaction, so that writers
+/// go on meanwhile). A build that fails (cancelled, a lock wait timed out, a crash) leaves
+/// its index behind, invalid, and its migration unrecorded; [`migrate`] drops such an index
+/// before it runs the migration again.
+pub const CONCURRENT_INDEXES: &[&str] = &["outbox_parked_idx"];
+
+/// A migration's lock waits at most this long, ms: an `ALTER TABLE` queued behind a long
+/// query of a live table would hold up every writer queued behind it. The migration fails
+/// instead, and `boxoffice migrate` can be run again.
+pub const MIGRATION_LOCK_TIMEOUT_MS: u32 = 5_000;
+
+/// The session advisory lock that makes one [`migrate`] at a time run on a database (the key
+/// pair `'BXM1'`, 1).
+pub const MIGRATE_LOCK: (i32, i32) = (1_113_083_185, 1);
+
+/// Applies [`MIGRATOR`] on connections of its own, made from `options` with no
+/// `statement_timeout` (an index built `CONCURRENTLY` on a large table takes what it takes)
+/// and a `lock_timeout` of [`MIGRATION_LOCK_TIMEOUT_MS`], one migrator at a time
+/// ([`MIGRATE_LOCK`]). First drops each index of [`CONCURRENT_INDEXES`] that a failed build
+/// left invalid, so that its migration builds it again. Returns the indexes dropped.
+///
+/// # Errors
+/// The connection's, the drop's or the migrator's.
+pub async fn migrate(options: PgConnectOptions) -> Result<Vec<String>, sqlx::migrate::MigrateError> {
+    use sqlx::{ConnectOptions, Connection};
+    let options = options.options([
+        ("statement_timeout", "0".to_owned()),
+        ("idle_in_transaction_session_timeout", "0".to_owned()),
+        ("lock_timeout", MIGRATION_LOCK_TIMEOUT_MS.to_string()),
+    ]);
+    let mut c = options.connect().await?;
+    let outcome = async {
+        // Waits for another migrator, without the lock timeout (an advisory lock of its own).
+        sqlx::query("SET lock_timeout = 0").execute(&mut c).await?;
+        sqlx::query("SELECT pg_advisory_lock($1, $2)")
+            .bind(MIGRATE_LOCK.0)
+            .bind(MIGRATE_LOCK.1)
+            .execute(&mut c)
+            .await?;
+        sqlx::query("RESET lock_timeout").execute(&mut c).await?;
+        let invalid: Vec<String> = sqlx::query_scalar(
+            "SELECT c.relname::text FROM pg_index i
+               JOIN pg_class c ON c.oid = i.indexrelid
+              WHERE NOT i.indisvalid AND c.relnamespace = current_schema()::regnamespace
+                AND c.relname = ANY($1)",
+        )
+        .bind(CONCURRENT_INDEXES)
+        .fetch_all(&mut c)
+        .await?;
+        for name in &invalid {
+            // A name of CONCURRENT_INDEXES, quoted.
+            sqlx::query(&format!("DROP INDEX CONCURRENTLY IF EXISTS \"{name}\"")).execute(&mut c).await?;
+        }
+        MIGRATOR.run_direct(&mut c).await?;
+        Ok(invalid)
+    }
+    .await;
+    // Closing the session gives the advisory lock up.
+    let _ = c.close().await;
+    outcome
+}
 
 /// A transaction on the ledger.
 pub type Tx<'a> = sqlx::Transaction<'a, sqlx::Postgres>;

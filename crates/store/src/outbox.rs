@@ -7,9 +7,10 @@
 //! consumers' inbox.
 //!
 //! A row the producer refuses outright is parked ([`park_refused`]): [`pending_batch`] reads
-//! neither it nor the later rows of its order until the relay's retry interval has passed or
-//! [`retry_parked`] releases it, so an order's facts still leave in order and refused rows
-//! never fill a batch. [`backlog`] counts parked rows apart.
+//! neither it nor the later rows of its order until its retry is due (the relay's retry
+//! interval, or [`retry_parked`]), and then a few due rows per batch, so an order's facts
+//! still leave in order and refused rows never fill a batch. [`backlog`] counts parked rows
+//! apart.
 //!
 //! The columns of the per-row lease that came before the lock (`claimed_by`,
 //! `claim_expires_at`, migration 0001) are no longer written or read. They stay while a relay
@@ -187,6 +188,8 @@ pub struct OutboxRow {
     pub region_epoch: Option<i64>,
     /// The W3C trace context of the span that wrote the row (`None`: it did not trace).
     pub traceparent: Option<String>,
+    /// When the producer last refused it (`None`: never), for a parked row read again.
+    pub refused_at: Option<DateTime<Utc>>,
 }
 
 impl OutboxRow {
@@ -229,72 +232,82 @@ pub async fn try_relay_lock(c: &mut sqlx::PgConnection) -> Result<bool, sqlx::Er
         .await
 }
 
+/// Parked rows whose retry is due that one batch reads at most ([`pending_batch`]): a wave of
+/// rows parked together, or released together by `boxoffice outbox retry --all`, is tried a
+/// few at a time, so refused rows (often large ones) never fill a batch.
+pub const DUE_PARKED_PER_BATCH: i64 = 10;
+
 /// Reads up to `limit` unpublished rows, oldest first, for the relay that holds
 /// [`RELAY_LOCK`] (the lock, not a per-row claim, keeps two relays from publishing the same
 /// rows; the caller must hold it). Nothing is written: the rows stay unpublished until
 /// [`mark_published`].
 ///
-/// A row parked by [`park_refused`] less than `refused_retry_s` seconds ago is not read, nor
-/// is any later row of its order (same message key, `created_at` not before it): an order's
-/// facts still leave in the order they were written, and a parked row, however many there
-/// are, takes no room in the batch. Once `refused_retry_s` has passed the row and the rows
-/// behind it are read again (0: every batch). The parked rows are found through their own
-/// partial index (migration 0024), once per statement; with none, the per-row test is not
-/// run at all (an `OR` on a one-time result), so the read stays the pending index's scan in
-/// `created_at` order, stopped at `limit`.
+/// A row parked by [`park_refused`] is not read, nor is any later row of its order (same
+/// message key, `created_at` not before it), so an order's facts still leave in the order
+/// they were written and parked rows, however many, take no room in the batch. Once its
+/// `retry_at` has passed, a parked row is due: the [`DUE_PARKED_PER_BATCH`] due rows with the
+/// earliest `retry_at` are read again, with the rows behind them; the other due rows wait for
+/// a later batch.
+///
+/// Cost: when nothing is parked, the per-row test is not run at all (an `OR` on a one-time
+/// result from the parked rows' partial index, migration 0024), so the read is the pending
+/// index's scan in `created_at` order, stopped at `limit`. Otherwise each row scanned costs
+/// one probe of the message key's index (the order's own rows), whatever the number parked.
 ///
 /// The statement runs the region fence's check (migration 0013) as a write would, through an
 /// `UPDATE` of no row (statement-level triggers fire all the same): a relay whose session
 /// declares an epoch the ledger has moved past, or whose region's lease has lapsed, gets the
 /// fence's refusal ([`crate::region::refusal`]) and publishes nothing.
-pub async fn pending_batch(
-    c: &mut sqlx::PgConnection,
-    limit: i64,
-    refused_retry_s: i64,
-) -> Result<Vec<OutboxRow>, sqlx::Error> {
+pub async fn pending_batch(c: &mut sqlx::PgConnection, limit: i64) -> Result<Vec<OutboxRow>, sqlx::Error> {
     sqlx::query_as(
         "WITH fence AS (UPDATE outbox SET published_at = NULL WHERE false RETURNING id),
-         parked AS MATERIALIZED (
-            SELECT message_key, min(created_at) AS since FROM outbox
-             WHERE refused_at > clock_timestamp() - make_interval(secs => $2::double precision)
-               AND published_at IS NULL
-             GROUP BY message_key)
+         due AS MATERIALIZED (
+            SELECT coalesce(array_agg(id), '{}') AS ids FROM (
+              SELECT id FROM outbox
+               WHERE retry_at <= statement_timestamp() AND refused_at IS NOT NULL AND published_at IS NULL
+               ORDER BY retry_at
+               LIMIT $2) d)
          SELECT o.id, o.topic, o.message_key, o.event_type, o.payload, o.created_at, o.region, o.region_epoch,
-                o.traceparent
+                o.traceparent, o.refused_at
            FROM outbox o
           WHERE o.published_at IS NULL AND NOT EXISTS (SELECT 1 FROM fence)
-            AND (NOT EXISTS (SELECT 1 FROM parked)
-                 OR NOT EXISTS (SELECT 1 FROM parked p
-                                 WHERE p.message_key = o.message_key AND p.since <= o.created_at))
+            AND (NOT EXISTS (SELECT 1 FROM outbox r WHERE r.refused_at IS NOT NULL AND r.published_at IS NULL)
+                 OR NOT EXISTS (SELECT 1 FROM outbox p
+                                 WHERE p.message_key = o.message_key AND p.created_at <= o.created_at
+                                   AND p.refused_at IS NOT NULL AND p.published_at IS NULL
+                                   AND p.id <> ALL ((SELECT ids FROM due)::uuid[])))
           ORDER BY o.created_at
           LIMIT $1",
     )
     .bind(limit)
-    .bind(refused_retry_s)
+    .bind(DUE_PARKED_PER_BATCH)
     .fetch_all(&mut *c)
     .await
 }
 
 /// Parks rows the producer refused outright (`(id, why)`: the row and the producer's error),
-/// so that [`pending_batch`] reads neither them nor the later rows of their orders until the
-/// relay's retry interval has passed or [`retry_parked`] clears them: `refused_at` is set to
-/// now and `refusal` to `why`. Rows published meanwhile are left alone. Returns how many rows
-/// were parked.
+/// so that [`pending_batch`] reads neither them nor the later rows of their orders until
+/// `retry_s` seconds from now (`retry_at`) or until [`retry_parked`] makes them due:
+/// `refused_at` is set to now and `refusal` to `why`. Rows published meanwhile are left alone.
+/// Returns how many rows were parked.
 pub async fn park_refused(
     c: &mut sqlx::PgConnection,
     refused: &[(Uuid, String)],
+    retry_s: i64,
 ) -> Result<u64, sqlx::Error> {
     if refused.is_empty() {
         return Ok(0);
     }
     let (ids, why): (Vec<Uuid>, Vec<&str>) = refused.iter().map(|(id, w)| (*id, w.as_str())).unzip();
     let done = sqlx::query(
-        "UPDATE outbox o SET refused_at = clock_timestamp(), refusal = r.why
+        "UPDATE outbox o SET refused_at = clock_timestamp(), refusal = r.why,
+                retry_at = clock_timestamp() + make_interval(secs => $3::double precision)
            FROM unnest($1::uuid[], $2::text[]) AS r(id, why)
           WHERE o.id = r.id AND o.published_at IS NULL",
     )
     .bind(&ids)
     .bind(&why)
+    .bind(retry_s)
     .execute(&mut *c)
     .await?;
     Ok(done.rows_affected())
@@ -313,11 +326,10 @@ pub struct ParkedRow {
     pub created_at: DateTime<Utc>,
     /// When the producer last refused it.
     pub refused_at: DateTime<Utc>,
-    /// The producer's error then.
+    /// When the relay tries it again (a batch reads at most [`DUE_PARKED_PER_BATCH`] due rows).
+    pub retry_at: Option<DateTime<Utc>>,
+    /// The producer's error then, with the message's size.
     pub refusal: Option<String>,
-    /// The stored envelope's size, bytes (the usual refusal is a message larger than the
-    /// producer's `message.max.bytes`).
-    pub payload_bytes: i64,
     /// Unpublished later rows of the same order, held back behind it.
     pub held_back: i64,
 }
@@ -325,8 +337,7 @@ pub struct ParkedRow {
 /// Every parked row that is still unpublished, oldest first.
 pub async fn parked<'e>(ex: impl sqlx::PgExecutor<'e>) -> Result<Vec<ParkedRow>, sqlx::Error> {
     sqlx::query_as(
-        "SELECT r.id, r.message_key, r.event_type, r.created_at, r.refused_at, r.refusal,
-                octet_length(r.payload::text)::int8 AS payload_bytes,
+        "SELECT r.id, r.message_key, r.event_type, r.created_at, r.refused_at, r.retry_at, r.refusal,
                 (SELECT count(*) FROM outbox l
                   WHERE l.message_key = r.message_key AND l.published_at IS NULL
                     AND l.created_at >= r.created_at AND l.id <> r.id) AS held_back
@@ -338,15 +349,29 @@ pub async fn parked<'e>(ex: impl sqlx::PgExecutor<'e>) -> Result<Vec<ParkedRow>,
     .await
 }
 
-/// Makes parked rows readable by the next relay batch at once (`ids`; every parked row when
-/// empty), after their cause is fixed (`boxoffice outbox retry`). A row the producer refuses
-/// again is parked again. Returns how many rows were released.
-pub async fn retry_parked<'e>(ex: impl sqlx::PgExecutor<'e>, ids: &[Uuid]) -> Result<u64, sqlx::Error> {
+/// Which parked rows [`retry_parked`] releases.
+#[derive(Debug, Clone, Copy)]
+pub enum Release<'a> {
+    /// These rows (event ids); ids of rows that are not parked are ignored.
+    Rows(&'a [Uuid]),
+    /// Every parked row (the relay still tries [`DUE_PARKED_PER_BATCH`] of them per batch).
+    All,
+}
+
+/// Makes parked rows due at once (`boxoffice outbox retry`), after their cause is fixed: the
+/// relay's next batches try them again, and a row the producer refuses again is parked
+/// again. Returns how many rows were released.
+pub async fn retry_parked<'e>(ex: impl sqlx::PgExecutor<'e>, which: Release<'_>) -> Result<u64, sqlx::Error> {
+    let (all, ids): (bool, &[Uuid]) = match which {
+        Release::Rows(ids) => (false, ids),
+        Release::All => (true, &[]),
+    };
+    // Still parked until published (the relay's read and the backlog count it so), due now.
     let done = sqlx::query(
-        "UPDATE outbox SET refused_at = NULL
-          WHERE refused_at IS NOT NULL AND published_at IS NULL
-            AND (cardinality($1::uuid[]) = 0 OR id = ANY($1))",
+        "UPDATE outbox SET retry_at = clock_timestamp()
+          WHERE refused_at IS NOT NULL AND published_at IS NULL AND ($1 OR id = ANY($2))",
     )
+    .bind(all)
     .bind(ids)
     .execute(ex)
     .await?;
@@ -361,8 +386,9 @@ pub const ORDER_CHANNEL: &str = "boxoffice_orders";
 /// PostgreSQL's 8,000-byte payload limit.
 pub const NOTIFY_IDS: i64 = 200;
 
-/// Marks those of `ids` that are still unpublished as published and counts the publication
-/// in `publish_attempts`. Returns how many rows were marked (a row marked already, by a relay
+/// Marks those of `ids` that are still unpublished as published (a parked row, released and
+/// now delivered, is parked no more: `refused_at` is cleared, its last `refusal` kept) and
+/// counts the publication in `publish_attempts`. Returns how many rows were marked (a row marked already, by a relay
 /// that led before this one, is not marked again).
 ///
 /// The same statement notifies [`ORDER_CHANNEL`] with the distinct order ids of the rows it
@@ -372,7 +398,8 @@ pub const NOTIFY_IDS: i64 = 200;
 pub async fn mark_published(c: &mut sqlx::PgConnection, ids: &[Uuid]) -> Result<u64, sqlx::Error> {
     let marked: i64 = sqlx::query_scalar(
         "WITH marked AS (
-            UPDATE outbox SET published_at = clock_timestamp(), publish_attempts = publish_attempts + 1
+            UPDATE outbox SET published_at = clock_timestamp(), publish_attempts = publish_attempts + 1,
+                              refused_at = NULL, retry_at = NULL
              WHERE id = ANY($1) AND published_at IS NULL
             RETURNING message_key),
          keys AS (
@@ -405,7 +432,8 @@ pub struct Backlog {
 
 /// Reads the current [`Backlog`]: one count of the unpublished rows, as before parking
 /// existed; the parked rows through their partial index and the rows behind them through the
-/// message key's; the oldest publishable row by the pending index, in order.
+/// message key's; the oldest publishable row by the pending index, in order (with rows
+/// parked, one probe of the message key's index per row passed over).
 pub async fn backlog<'e>(ex: impl sqlx::PgExecutor<'e>) -> Result<Backlog, sqlx::Error> {
     let (unpublished, oldest_age_ms, parked): (i64, Option<f64>, i64) = sqlx::query_as(
         "WITH parked AS MATERIALIZED (
@@ -420,8 +448,9 @@ pub async fn backlog<'e>(ex: impl sqlx::PgExecutor<'e>) -> Result<Backlog, sqlx:
                 (SELECT EXTRACT(EPOCH FROM clock_timestamp() - o.created_at) * 1000 FROM outbox o
                   WHERE o.published_at IS NULL
                     AND (NOT EXISTS (SELECT 1 FROM parked)
-                         OR NOT EXISTS (SELECT 1 FROM parked p
-                                         WHERE p.message_key = o.message_key AND p.since <= o.created_at))
+                         OR NOT EXISTS (SELECT 1 FROM outbox p
+                                         WHERE p.message_key = o.message_key AND p.created_at <= o.created_at
+                                           AND p.refused_at IS NOT NULL AND p.published_at IS NULL))
                   ORDER BY o.created_at LIMIT 1)::float8,
                 (SELECT n FROM held)",
     )

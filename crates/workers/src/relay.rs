@@ -17,14 +17,19 @@
 //! relay of another process may carry on. Rows an old leader published but had not marked are
 //! published again by the next: a duplicate the consumers' inbox absorbs, never a loss.
 //!
-//! **Refused messages are parked.** A message the producer refuses outright (larger than a
-//! message may be, a topic it cannot send to) is left unpublished and parked in the ledger
-//! ([`outbox::park_refused`]: `refused_at` and the producer's error): no batch reads it, nor
-//! the later facts of its order, until `refused_retry_s` has passed or an operator's
-//! `boxoffice outbox retry` clears it, and the rest of the outbox flows past. So an order's
-//! facts still leave in order, and no number of refused rows stops the relay for the other
-//! orders. A refusal is no broker failure: it counts towards no give-up. The parked rows are
-//! the `boxoffice_outbox_parked` gauge, counted apart from the backlog
+//! **Refused messages are parked.** A message the producer refuses at once for its own sake
+//! (`MessageSizeTooLarge`: larger than the producer's `message.max.bytes`) is left
+//! unpublished and parked in the ledger ([`outbox::park_refused`]: `refused_at`, the
+//! producer's error and the message's size, `retry_at`): no batch reads it, nor the later
+//! facts of its order, until `refused_retry_s` has passed or an operator's `boxoffice outbox
+//! retry` makes it due, and then a batch reads at most [`outbox::DUE_PARKED_PER_BATCH`] due
+//! rows. So an order's facts still leave in order, and no number of refused rows stops the
+//! relay for the other orders. Such a refusal is no broker failure: it counts towards no
+//! give-up. Any other error at enqueue (a fatal producer, a topic the producer does not know)
+//! is the producer's, not the message's: the row and the later rows of its order stay
+//! unpublished for the next batch, and the batch counts as failed, towards the give-up. A
+//! message the broker refuses (its own size limit) comes back as a failed delivery, likewise.
+//! The parked rows are the `boxoffice_outbox_parked` gauge, counted apart from the backlog
 //! ([`outbox::Backlog`]), and `boxoffice outbox parked` lists them with their refusals.
 //!
 //! Fault points: `relay.before_publish` (read, nothing sent), `relay.after_publish` (the
@@ -46,7 +51,7 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::types::RDKafkaErrorCode;
 use sqlx::postgres::PgConnectOptions;
 use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
@@ -65,7 +70,7 @@ pub struct RelaySettings {
     /// The order history (and its status changes) is deleted after this many seconds.
     pub history_retention_s: i64,
     /// A row the producer refused is parked this long before a batch tries it again, s
-    /// (0: every batch).
+    /// (0: the next batch).
     pub refused_retry_s: i64,
 }
 
@@ -311,11 +316,13 @@ pub struct Batch {
     pub read: usize,
     /// Rows the broker acknowledged and this relay marked published.
     pub marked: u64,
-    /// Rows the broker did not take (the delivery failed or timed out). They stay
-    /// unpublished for the next batch; a later row of the same order delivered meanwhile
-    /// arrives before them (consumers decide by state, not by arrival order).
+    /// Rows the broker did not take (the delivery failed or timed out), and rows the producer
+    /// refused at enqueue for a reason of its own (fatal, unknown topic), with the later rows
+    /// of their orders in this batch. They stay unpublished for the next batch; a later row of
+    /// the same order whose delivery had started arrives before a failed delivery (consumers
+    /// decide by state, not by arrival order).
     pub failed: usize,
-    /// Rows the producer refused when enqueued (e.g. too large), with the later rows of their
+    /// Rows the producer refused when enqueued as too large, with the later rows of their
     /// orders in this batch held back behind them. They stay unpublished; the refused ones
     /// count in `boxoffice_outbox_refused_total` and are parked.
     pub refused: usize,
@@ -338,10 +345,9 @@ pub async fn publish_batch(
     settings: &RelaySettings,
 ) -> anyhow::Result<Batch> {
     let bound = Duration::from_millis(settings.lease_ms.max(1) as u64);
-    let rows =
-        tokio::time::timeout(bound, outbox::pending_batch(c, settings.batch, settings.refused_retry_s))
-            .await
-            .map_err(|_| timed_out())??;
+    let rows = tokio::time::timeout(bound, outbox::pending_batch(c, settings.batch))
+        .await
+        .map_err(|_| timed_out())??;
     if rows.is_empty() {
         return Ok(Batch::default());
     }
@@ -363,23 +369,26 @@ pub async fn publish_batch(
         metrics::counter!("boxoffice_outbox_published_total").increment(marked);
     }
     boxoffice_faults::check("relay.after_commit")?;
-    let parked =
-        tokio::time::timeout(bound, outbox::park_refused(c, &refused)).await.map_err(|_| timed_out())??;
+    let parked = tokio::time::timeout(bound, outbox::park_refused(c, &refused, settings.refused_retry_s))
+        .await
+        .map_err(|_| timed_out())??;
     Ok(Batch { read, marked, failed, refused: refused.len() + held_back, parked })
 }
 
 /// What [`send_all`] did with a batch's rows.
 struct Sent {
     delivered: Vec<uuid::Uuid>,
+    /// Deliveries that failed, rows the producer would not enqueue for a reason of its own,
+    /// and the later rows of their orders.
     failed: usize,
-    /// The rows the producer refused, with its error.
+    /// The rows the producer refused as too large, with its error and their size.
     refused: Vec<(uuid::Uuid, String)>,
     /// Later rows of their orders, not sent.
     held_back: usize,
 }
 
-/// Enqueues `rows` in order and awaits every delivery report. A refused row is reported at
-/// warn (once per parking: a parked row is not read again until its retry is due).
+/// Enqueues `rows` in order and awaits every delivery report. A row refused as too large is
+/// reported at warn on its first refusal, at debug when a retry is refused again.
 async fn send_all(
     producer: &FutureProducer,
     kafka: &KafkaConfig,
@@ -389,13 +398,21 @@ async fn send_all(
 ) -> Sent {
     let mut pending = Vec::with_capacity(rows.len());
     // Orders with a row refused at enqueue: their later rows wait behind it, so none of them
-    // is sent ahead of the refused one.
-    let mut held: HashSet<&str> = HashSet::new();
+    // is sent ahead of the refused one (`true`: parked, too large; `false`: the producer's
+    // own failure).
+    let mut held: HashMap<&str, bool> = HashMap::new();
     let (mut failed, mut refused, mut held_back) = (0, Vec::new(), 0);
     for (row, (topic, payload)) in rows.iter().zip(encoded) {
-        if held.contains(row.message_key.as_str()) {
-            held_back += 1;
-            continue;
+        match held.get(row.message_key.as_str()) {
+            Some(true) => {
+                held_back += 1;
+                continue;
+            }
+            Some(false) => {
+                failed += 1;
+                continue;
+            }
+            None => {}
         }
         let id = row.id.to_string();
         let epoch = row.region_epoch.map(|e| e.to_string());
@@ -418,25 +435,37 @@ async fn send_all(
         // Enqueue in order; all delivery futures are awaited before anything is marked.
         let fut = loop {
             match producer.send_result(record) {
-                Ok(f) => break Some(f),
+                Ok(f) => break Ok(f),
                 Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), r)) => {
                     record = r;
                     tokio::time::sleep(Duration::from_millis(5)).await;
                 }
-                Err((e, _)) => {
+                Err((e @ KafkaError::MessageProduction(RDKafkaErrorCode::MessageSizeTooLarge), _)) => {
                     span.record("otel.status_code", "ERROR");
                     metrics::counter!("boxoffice_outbox_refused_total").increment(1);
+                    if row.refused_at.is_none() {
+                        tracing::warn!(parent: &span, relay = relay_id, outbox.id = %row.id, bytes = payload.len(),
+                            error = %e, "the producer refused the message: parked, with its order's later facts");
+                    } else {
+                        tracing::debug!(parent: &span, relay = relay_id, outbox.id = %row.id, bytes = payload.len(),
+                            error = %e, "the producer refused the message again: parked again");
+                    }
+                    refused.push((row.id, format!("{e} ({} bytes)", payload.len())));
+                    break Err(true);
+                }
+                Err((e, _)) => {
+                    span.record("otel.status_code", "ERROR");
                     tracing::warn!(parent: &span, relay = relay_id, outbox.id = %row.id, error = %e,
-                        "the producer refused the message: parked, with its order's later facts");
-                    refused.push((row.id, e.to_string()));
-                    break None;
+                        "the producer could not enqueue the message: left for the next batch, with its order's later facts");
+                    failed += 1;
+                    break Err(false);
                 }
             }
         };
         match fut {
-            Some(fut) => pending.push((row.id, row.created_at, fut, span)),
-            None => {
-                held.insert(row.message_key.as_str());
+            Ok(fut) => pending.push((row.id, row.created_at, fut, span)),
+            Err(parked) => {
+                held.insert(row.message_key.as_str(), parked);
             }
         }
     }

@@ -16,7 +16,7 @@
 //! | `lock_waits` | `pg_stat_activity` rows of this database waiting on a `Lock` | sessions |
 //! | `deadlocks` | growth of `pg_stat_database.deadlocks` of this database since the last tick | deadlocks |
 //! | `connection_saturation` | client backends / `max_connections` (server-wide) | fraction |
-//! | `outbox_age_ms` | age of the oldest unpublished outbox row | ms |
+//! | `outbox_age_ms` | age of the oldest unpublished outbox row, parked rows and the rows behind them excepted (`outbox::Backlog`) | ms |
 //! | `consumer_lag` | max over the purchase topic's partitions and the groups `ticketing-saga`, `ticketing-payments`, `ticketing-tickets` of high-water − committed offset | messages |
 //! | `active_holds` | holds in status `active` | holds |
 //! | `expiry_delay_ms` | how far the oldest lapsed, still active hold is past its end | ms |
@@ -103,7 +103,8 @@ pub enum Signal {
     Deadlocks,
     /// Client backends / `max_connections` of the server, 0..1.
     ConnectionSaturation,
-    /// Age of the oldest unpublished outbox row, ms.
+    /// Age of the oldest unpublished outbox row, ms, parked rows and the rows behind them
+    /// excepted: a fact the producer refused does not slow admissions.
     OutboxAgeMs,
     /// Max consumer lag over the purchase topic's partitions and consumer groups, messages.
     ConsumerLag,

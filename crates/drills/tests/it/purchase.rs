@@ -229,6 +229,15 @@ async fn a_leader_whose_session_is_ended_takes_the_lock_again_and_publishes(
     })
     .await;
     let first = holder(app.pool.clone()).await.unwrap();
+    let lost = || {
+        metrics
+            .render()
+            .lines()
+            .find_map(|l| l.strip_prefix("boxoffice_relay_gave_up_total{reason=\"session_lost\"} "))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    let lost_before = lost();
     let ended: bool =
         sqlx::query_scalar("SELECT pg_terminate_backend($1)").bind(first).fetch_one(&app.pool).await.unwrap();
     assert!(ended);
@@ -237,11 +246,7 @@ async fn a_leader_whose_session_is_ended_takes_the_lock_again_and_publishes(
     eventually(WAIT, "published by the relay's new session", || published(pool.clone(), fact.event_id)).await;
     let second = holder(app.pool.clone()).await.expect("the relay holds the lock again");
     assert_ne!(second, first, "the lock is held by a new session");
-    let text = metrics.render();
-    assert!(
-        text.lines().any(|l| l.starts_with("boxoffice_relay_gave_up_total{reason=\"session_lost\"}")),
-        "the lost lead was counted:\n{text}"
-    );
+    assert!(lost() > lost_before, "the lost lead was counted:\n{}", metrics.render());
     app.stop().await;
 }
 
@@ -357,7 +362,8 @@ async fn refused_facts_are_parked_and_the_rest_of_the_outbox_flows(_: PgPoolOpti
     for p in &parked {
         let why = p.refusal.as_deref().unwrap_or_default();
         assert!(why.contains("MessageSizeTooLarge"), "the producer's error recorded: {why}");
-        assert!(p.payload_bytes > 1_100_000, "{p:?}");
+        assert!(why.ends_with(" bytes)"), "the message's size recorded: {why}");
+        assert!(p.retry_at.is_some_and(|t| t > p.refused_at), "{p:?}");
         let expect_behind = i64::from(p.message_key == orders[0].0.to_string());
         assert_eq!(p.held_back, expect_behind, "{p:?}");
     }
@@ -376,7 +382,7 @@ async fn refused_facts_are_parked_and_the_rest_of_the_outbox_flows(_: PgPoolOpti
         "a parked row was tried again before its retry was due"
     );
     // Released, it is tried by the next batch, refused and parked again.
-    assert_eq!(outbox::retry_parked(&app.pool, &[refused[1]]).await.unwrap(), 1);
+    assert_eq!(outbox::retry_parked(&app.pool, outbox::Release::Rows(&[refused[1]])).await.unwrap(), 1);
     let (pool, was, released) = (app.pool.clone(), parked[1].refused_at, refused[1]);
     eventually(WAIT, "the released row tried and parked again", || {
         let pool = pool.clone();
@@ -386,6 +392,25 @@ async fn refused_facts_are_parked_and_the_rest_of_the_outbox_flows(_: PgPoolOpti
     })
     .await;
     assert_eq!(outbox::parked(&app.pool).await.unwrap().len(), 3);
+    // Its cause fixed (here: the fact made smaller) and released, the first is published, and
+    // the fact that waited behind it leaves after it.
+    sqlx::query("UPDATE outbox SET payload = jsonb_build_object('pad', 'x') WHERE id = $1")
+        .bind(refused[0])
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(outbox::retry_parked(&app.pool, outbox::Release::Rows(&[refused[0]])).await.unwrap(), 1);
+    let pool = app.pool.clone();
+    eventually(WAIT, "the fact behind it published", || published(pool.clone(), behind.event_id)).await;
+    assert!(published(app.pool.clone(), refused[0]).await);
+    let (cleared, attempts): (bool, i32) =
+        sqlx::query_as("SELECT refused_at IS NULL, publish_attempts FROM outbox WHERE id = $1")
+            .bind(refused[0])
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert!(cleared && attempts == 1, "published once and parked no more");
+    assert_eq!(outbox::backlog(&app.pool).await.unwrap().parked, 2);
     app.stop().await;
 }
 

@@ -313,10 +313,10 @@ async fn a_fenced_relay_reads_nothing_to_publish(pool: PgPoolOptions, opts: PgCo
     raw_outbox_write(&admin).await.unwrap();
     region::fence(&admin, &writer("dr", 2), "test").await.unwrap();
     let mut old = region::writer_options(opts.clone(), &writer("primary", 1)).connect().await.unwrap();
-    let e = boxoffice_store::outbox::pending_batch(&mut old, 10, 300).await.expect_err("fenced");
+    let e = boxoffice_store::outbox::pending_batch(&mut old, 10).await.expect_err("fenced");
     assert_eq!(region::refusal(&e), Some(Refusal::Fenced));
     let mut current = region::writer_options(opts, &writer("dr", 2)).connect().await.unwrap();
-    assert_eq!(boxoffice_store::outbox::pending_batch(&mut current, 10, 300).await.unwrap().len(), 1);
+    assert_eq!(boxoffice_store::outbox::pending_batch(&mut current, 10).await.unwrap().len(), 1);
 }
 
 /// `region republish` marks the outbox rows of the recovery window unpublished again (and no
@@ -637,4 +637,43 @@ async fn a_switchover_with_the_old_primary_reachable_leaves_the_new_primary_writ
     primary.close().await;
     pair.remove().await.unwrap();
     w.drop().await;
+}
+
+/// `boxoffice migrate` redoes an index build a failure left invalid: a `CREATE INDEX
+/// CONCURRENTLY` that is cancelled (a timeout, a crash) leaves the index behind, invalid, and
+/// its migration unrecorded; the next `boxoffice_store::migrate` drops it and builds it again,
+/// where the build alone would stop at "already exists" (or, with `IF NOT EXISTS`, record the
+/// migration with the index still invalid).
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn migrate_rebuilds_an_index_a_failed_build_left_invalid(pool: sqlx::PgPool) {
+    let version: i64 = sqlx::query_scalar(
+        "SELECT version FROM _sqlx_migrations WHERE description LIKE '%outbox parked idx%'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    // As a cancelled build leaves things.
+    sqlx::query("UPDATE pg_index SET indisvalid = false WHERE indexrelid = 'outbox_parked_idx'::regclass")
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query("DELETE FROM _sqlx_migrations WHERE version = $1")
+        .bind(version)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let opts = pool.connect_options().as_ref().clone();
+    let dropped = boxoffice_store::migrate(opts.clone()).await.unwrap();
+    assert_eq!(dropped, ["outbox_parked_idx"]);
+    let (valid, recorded): (bool, bool) = sqlx::query_as(
+        "SELECT (SELECT indisvalid FROM pg_index WHERE indexrelid = 'outbox_parked_idx'::regclass),
+                EXISTS (SELECT 1 FROM _sqlx_migrations WHERE version = $1 AND success)",
+    )
+    .bind(version)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(valid && recorded, "valid {valid}, recorded {recorded}");
+    // Run again: nothing to drop, nothing to apply.
+    assert!(boxoffice_store::migrate(opts).await.unwrap().is_empty());
 }
