@@ -335,7 +335,8 @@ pub async fn tickets_resell(cfg: &Config, order: boxoffice_domain::OrderId) -> a
 }
 
 /// `boxoffice outbox parked`: every parked outbox row ([`boxoffice_store::outbox::parked`]),
-/// as text or JSON. Exit code 1 when there is one (a fact that is not reaching Kafka), else 0.
+/// as text or JSON. Exit code 1 when there is one (a fact that is not reaching Kafka), else 0;
+/// an error is exit code 2 (the binary's `main` maps it).
 pub async fn outbox_parked(cfg: &Config, json: bool) -> anyhow::Result<i32> {
     let pool = boxoffice_store::connect(cfg.pg_options()?, 1, cfg.db_acquire_timeout_ms).await?;
     let rows = boxoffice_store::outbox::parked(&pool).await?;
@@ -361,7 +362,8 @@ pub async fn outbox_parked(cfg: &Config, json: bool) -> anyhow::Result<i32> {
 }
 
 /// `boxoffice outbox retry --id EVENT_ID ... | --all`: [`boxoffice_store::outbox::retry_parked`];
-/// exit code 1 when an id named is not a parked row (the others are made due all the same).
+/// exit code 1 when an id named is not a parked row (the orders of the others are made due
+/// all the same).
 pub async fn outbox_retry(cfg: &Config, ids: &[uuid::Uuid], all: bool) -> anyhow::Result<i32> {
     use boxoffice_store::outbox::Release;
     anyhow::ensure!(all == ids.is_empty(), "name the rows with --id, or --all for every parked row");
@@ -370,12 +372,17 @@ pub async fn outbox_retry(cfg: &Config, ids: &[uuid::Uuid], all: bool) -> anyhow
     ids.sort_unstable();
     ids.dedup();
     let which = if all { Release::All } else { Release::Rows(&ids) };
+    let named = if all {
+        0
+    } else {
+        boxoffice_store::outbox::parked(&pool).await?.iter().filter(|p| ids.contains(&p.id)).count()
+    };
     let n = boxoffice_store::outbox::retry_parked(&pool, which).await?;
     println!(
-        "{n} parked row(s) due now: the relay tries up to {} of them per batch",
+        "{n} parked row(s) due now: the relay tries up to {} parked orders per batch",
         boxoffice_store::outbox::DUE_PARKED_PER_BATCH
     );
-    Ok(i32::from(!all && n < ids.len() as u64))
+    Ok(i32::from(!all && named < ids.len()))
 }
 
 /// `boxoffice dlq list`.

@@ -278,15 +278,15 @@ enum DlqAction {
 
 #[derive(Subcommand)]
 enum OutboxAction {
-    /// Print every parked row (event id, order, type, size, when and why it was refused, the
-    /// later facts of its order held back behind it).
+    /// Print every parked row (event id, order, type, when and why it was refused, its next
+    /// try, the other facts of its order waiting with it); exit 1 when there is one.
     Parked {
         /// Print JSON.
         #[arg(long)]
         json: bool,
     },
-    /// Have the relay try parked rows again now (the given event ids, or --all), once their
-    /// cause is fixed; a row refused again is parked again.
+    /// Have the relay try parked orders again now (those of the given event ids, or --all),
+    /// once their cause is fixed; a row refused again is parked again.
     Retry {
         /// Event ids from `outbox parked`.
         #[arg(long = "id", required_unless_present = "all", conflicts_with = "all")]
@@ -538,7 +538,13 @@ async fn main() {
         Command::Dlq { action: DlqAction::Replay { ids } } => {
             commands::dlq_replay(&cfg, &ids).await.map(|_| 0)
         }
-        Command::Outbox { action: OutboxAction::Parked { json } } => commands::outbox_parked(&cfg, json).await,
+        // Exit 1 means "parked rows exist": a failure to read them is 2.
+        Command::Outbox { action: OutboxAction::Parked { json } } => {
+            commands::outbox_parked(&cfg, json).await.or_else(|e| {
+                eprintln!("error: {e:#}");
+                Ok(2)
+            })
+        }
         Command::Outbox { action: OutboxAction::Retry { ids, all } } => {
             commands::outbox_retry(&cfg, &ids, all).await
         }

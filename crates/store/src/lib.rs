@@ -62,10 +62,11 @@ pub const MIGRATION_LOCK_TIMEOUT_MS: u32 = 5_000;
 /// pair `'BXM1'`, 1).
 pub const MIGRATE_LOCK: (i32, i32) = (1_113_083_185, 1);
 
-/// Applies [`MIGRATOR`] on connections of its own, made from `options` with no
+/// Applies [`MIGRATOR`] on a connection of its own, made from `options` with no
 /// `statement_timeout` (an index built `CONCURRENTLY` on a large table takes what it takes)
 /// and a `lock_timeout` of [`MIGRATION_LOCK_TIMEOUT_MS`], one migrator at a time
-/// ([`MIGRATE_LOCK`]). First drops each index of [`CONCURRENT_INDEXES`] that a failed build
+/// ([`MIGRATE_LOCK`], tried every 250 ms; a migrator of a build without it takes only sqlx's
+/// own lock). First drops each index of [`CONCURRENT_INDEXES`] that a failed build
 /// left invalid, so that its migration builds it again. Returns the indexes dropped.
 ///
 /// # Errors
@@ -79,19 +80,23 @@ pub async fn migrate(options: PgConnectOptions) -> Result<Vec<String>, sqlx::mig
     ]);
     let mut c = options.connect().await?;
     let outcome = async {
-        // Waits for another migrator, without the lock timeout (an advisory lock of its own).
-        sqlx::query("SET lock_timeout = 0").execute(&mut c).await?;
-        sqlx::query("SELECT pg_advisory_lock($1, $2)")
+        // Waits for another migrator by trying, between statements: a session waiting inside
+        // a statement holds a snapshot, which the other's `CREATE INDEX CONCURRENTLY` would
+        // wait for while this one waits for its lock (a deadlock PostgreSQL breaks by
+        // cancelling the build).
+        while !sqlx::query_scalar::<_, bool>("SELECT pg_try_advisory_lock($1, $2)")
             .bind(MIGRATE_LOCK.0)
             .bind(MIGRATE_LOCK.1)
-            .execute(&mut c)
-            .await?;
-        sqlx::query("RESET lock_timeout").execute(&mut c).await?;
+            .fetch_one(&mut c)
+            .await?
+        {
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
         let invalid: Vec<String> = sqlx::query_scalar(
             "SELECT c.relname::text FROM pg_index i
                JOIN pg_class c ON c.oid = i.indexrelid
-              WHERE NOT i.indisvalid AND c.relnamespace = current_schema()::regnamespace
-                AND c.relname = ANY($1)",
+              WHERE NOT i.indisvalid AND c.relname = ANY($1)
+                AND c.relnamespace = (SELECT oid FROM pg_namespace WHERE nspname = current_schema())",
         )
         .bind(CONCURRENT_INDEXES)
         .fetch_all(&mut c)

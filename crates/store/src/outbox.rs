@@ -6,11 +6,11 @@
 //! that takes the lock next publishes them again: at-least-once, made harmless by the
 //! consumers' inbox.
 //!
-//! A row the producer refuses outright is parked ([`park_refused`]): [`pending_batch`] reads
-//! neither it nor the later rows of its order until its retry is due (the relay's retry
-//! interval, or [`retry_parked`]), and then a few due rows per batch, so an order's facts
-//! still leave in order and refused rows never fill a batch. [`backlog`] counts parked rows
-//! apart.
+//! A row the producer refuses outright is parked, and its order with it ([`park_refused`]):
+//! [`pending_batch`] reads none of the order's rows until its retry is due (the relay's retry
+//! interval, or [`retry_parked`]), and then a few due orders per batch, so an order's facts
+//! still leave in order and refused rows never fill a batch. [`backlog`] counts parked orders'
+//! rows apart.
 //!
 //! The columns of the per-row lease that came before the lock (`claimed_by`,
 //! `claim_expires_at`, migration 0001) are no longer written or read. They stay while a relay
@@ -232,9 +232,9 @@ pub async fn try_relay_lock(c: &mut sqlx::PgConnection) -> Result<bool, sqlx::Er
         .await
 }
 
-/// Parked rows whose retry is due that one batch reads at most ([`pending_batch`]): a wave of
-/// rows parked together, or released together by `boxoffice outbox retry --all`, is tried a
-/// few at a time, so refused rows (often large ones) never fill a batch.
+/// Parked orders whose retry is due that one batch reads at most ([`pending_batch`]): a wave
+/// of orders parked together, or released together by `boxoffice outbox retry --all`, is tried
+/// a few at a time, so refused rows (often large ones) never fill a batch.
 pub const DUE_PARKED_PER_BATCH: i64 = 10;
 
 /// Reads up to `limit` unpublished rows, oldest first, for the relay that holds
@@ -242,17 +242,20 @@ pub const DUE_PARKED_PER_BATCH: i64 = 10;
 /// rows; the caller must hold it). Nothing is written: the rows stay unpublished until
 /// [`mark_published`].
 ///
-/// A row parked by [`park_refused`] is not read, nor is any later row of its order (same
-/// message key, `created_at` not before it), so an order's facts still leave in the order
-/// they were written and parked rows, however many, take no room in the batch. Once its
-/// `retry_at` has passed, a parked row is due: the [`DUE_PARKED_PER_BATCH`] due rows with the
-/// earliest `retry_at` are read again, with the rows behind them; the other due rows wait for
-/// a later batch.
+/// An order with a row parked by [`park_refused`] is parked whole: none of its unpublished
+/// rows is read (the later ones wait behind the refused fact, so an order's facts still leave
+/// in the order they were written; an earlier one, whose delivery failed beside it, waits for
+/// the retry too), and parked orders, however many, take no room in the batch. An order's
+/// parked rows share one `retry_at`; once it has passed, the order is due, and the
+/// [`DUE_PARKED_PER_BATCH`] due orders with the earliest `retry_at` are read again, whole;
+/// the other due orders wait for a later batch.
 ///
-/// Cost: when nothing is parked, the per-row test is not run at all (an `OR` on a one-time
-/// result from the parked rows' partial index, migration 0024), so the read is the pending
-/// index's scan in `created_at` order, stopped at `limit`. Otherwise each row scanned costs
-/// one probe of the message key's index (the order's own rows), whatever the number parked.
+/// Cost: when nothing is parked, the test is not run at all (an `OR` on a one-time result
+/// from the parked rows' partial index, migration 0024), so the read is the pending index's
+/// scan in `created_at` order, stopped at `limit`. Otherwise the parked orders' keys are
+/// hashed once per statement and each row scanned costs a probe of that hash; the scan passes
+/// over the parked orders' rows, which are the oldest (20,000 parked orders with 100,000 rows:
+/// README, "Parked outbox rows").
 ///
 /// The statement runs the region fence's check (migration 0013) as a write would, through an
 /// `UPDATE` of no row (statement-level triggers fire all the same): a relay whose session
@@ -262,8 +265,8 @@ pub async fn pending_batch(c: &mut sqlx::PgConnection, limit: i64) -> Result<Vec
     sqlx::query_as(
         "WITH fence AS (UPDATE outbox SET published_at = NULL WHERE false RETURNING id),
          due AS MATERIALIZED (
-            SELECT coalesce(array_agg(id), '{}') AS ids FROM (
-              SELECT id FROM outbox
+            SELECT coalesce(array_agg(DISTINCT message_key), '{}') AS keys FROM (
+              SELECT message_key FROM outbox
                WHERE retry_at <= statement_timestamp() AND refused_at IS NOT NULL AND published_at IS NULL
                ORDER BY retry_at
                LIMIT $2) d)
@@ -272,10 +275,10 @@ pub async fn pending_batch(c: &mut sqlx::PgConnection, limit: i64) -> Result<Vec
            FROM outbox o
           WHERE o.published_at IS NULL AND NOT EXISTS (SELECT 1 FROM fence)
             AND (NOT EXISTS (SELECT 1 FROM outbox r WHERE r.refused_at IS NOT NULL AND r.published_at IS NULL)
-                 OR NOT EXISTS (SELECT 1 FROM outbox p
-                                 WHERE p.message_key = o.message_key AND p.created_at <= o.created_at
-                                   AND p.refused_at IS NOT NULL AND p.published_at IS NULL
-                                   AND p.id <> ALL ((SELECT ids FROM due)::uuid[])))
+                 OR o.message_key NOT IN (
+                      SELECT p.message_key FROM outbox p
+                       WHERE p.refused_at IS NOT NULL AND p.published_at IS NULL
+                         AND p.message_key <> ALL ((SELECT keys FROM due)::text[])))
           ORDER BY o.created_at
           LIMIT $1",
     )
@@ -286,10 +289,12 @@ pub async fn pending_batch(c: &mut sqlx::PgConnection, limit: i64) -> Result<Vec
 }
 
 /// Parks rows the producer refused outright (`(id, why)`: the row and the producer's error),
-/// so that [`pending_batch`] reads neither them nor the later rows of their orders until
-/// `retry_s` seconds from now (`retry_at`) or until [`retry_parked`] makes them due:
-/// `refused_at` is set to now and `refusal` to `why`. Rows published meanwhile are left alone.
-/// Returns how many rows were parked.
+/// and with each its order: `refused_at` is set to now and `refusal` to `why` on the refused
+/// rows, and `retry_at` to `retry_s` seconds from now on every parked row of their orders
+/// (one time for the statement: `statement_timestamp()`, as the read's due test uses), so
+/// an order is tried again whole ([`pending_batch`]) at that time, or when [`retry_parked`]
+/// makes it due. Rows published meanwhile are left alone. Returns how many rows were refused
+/// and parked.
 pub async fn park_refused(
     c: &mut sqlx::PgConnection,
     refused: &[(Uuid, String)],
@@ -299,18 +304,26 @@ pub async fn park_refused(
         return Ok(0);
     }
     let (ids, why): (Vec<Uuid>, Vec<&str>) = refused.iter().map(|(id, w)| (*id, w.as_str())).unzip();
-    let done = sqlx::query(
-        "UPDATE outbox o SET refused_at = clock_timestamp(), refusal = r.why,
-                retry_at = clock_timestamp() + make_interval(secs => $3::double precision)
-           FROM unnest($1::uuid[], $2::text[]) AS r(id, why)
-          WHERE o.id = r.id AND o.published_at IS NULL",
+    let parked: i64 = sqlx::query_scalar(
+        "WITH refused AS (
+            UPDATE outbox o SET refused_at = statement_timestamp(), refusal = r.why,
+                   retry_at = statement_timestamp() + make_interval(secs => $3::double precision)
+              FROM unnest($1::uuid[], $2::text[]) AS r(id, why)
+             WHERE o.id = r.id AND o.published_at IS NULL
+            RETURNING o.id, o.message_key),
+         others AS (
+            UPDATE outbox o SET retry_at = statement_timestamp() + make_interval(secs => $3::double precision)
+             WHERE o.message_key IN (SELECT message_key FROM refused) AND o.id NOT IN (SELECT id FROM refused)
+               AND o.refused_at IS NOT NULL AND o.published_at IS NULL
+            RETURNING 1)
+         SELECT (SELECT count(*) FROM refused) + 0 * (SELECT count(*) FROM others)",
     )
     .bind(&ids)
     .bind(&why)
     .bind(retry_s)
-    .execute(&mut *c)
+    .fetch_one(&mut *c)
     .await?;
-    Ok(done.rows_affected())
+    Ok(parked as u64)
 }
 
 /// A parked outbox row ([`park_refused`]), as `boxoffice outbox parked` lists it.
@@ -330,7 +343,7 @@ pub struct ParkedRow {
     pub retry_at: Option<DateTime<Utc>>,
     /// The producer's error then, with the message's size.
     pub refusal: Option<String>,
-    /// Unpublished later rows of the same order, held back behind it.
+    /// The other unpublished rows of its order, waiting with it.
     pub held_back: i64,
 }
 
@@ -340,7 +353,7 @@ pub async fn parked<'e>(ex: impl sqlx::PgExecutor<'e>) -> Result<Vec<ParkedRow>,
         "SELECT r.id, r.message_key, r.event_type, r.created_at, r.refused_at, r.retry_at, r.refusal,
                 (SELECT count(*) FROM outbox l
                   WHERE l.message_key = r.message_key AND l.published_at IS NULL
-                    AND l.created_at >= r.created_at AND l.id <> r.id) AS held_back
+                    AND l.id <> r.id) AS held_back
            FROM outbox r
           WHERE r.refused_at IS NOT NULL AND r.published_at IS NULL
           ORDER BY r.created_at",
@@ -349,18 +362,19 @@ pub async fn parked<'e>(ex: impl sqlx::PgExecutor<'e>) -> Result<Vec<ParkedRow>,
     .await
 }
 
-/// Which parked rows [`retry_parked`] releases.
+/// Which parked orders [`retry_parked`] makes due.
 #[derive(Debug, Clone, Copy)]
 pub enum Release<'a> {
-    /// These rows (event ids); ids of rows that are not parked are ignored.
+    /// The orders of these rows (event ids); ids of rows that are not parked are ignored.
     Rows(&'a [Uuid]),
-    /// Every parked row (the relay still tries [`DUE_PARKED_PER_BATCH`] of them per batch).
+    /// Every parked order (the relay still tries [`DUE_PARKED_PER_BATCH`] of them per batch).
     All,
 }
 
-/// Makes parked rows due at once (`boxoffice outbox retry`), after their cause is fixed: the
-/// relay's next batches try them again, and a row the producer refuses again is parked
-/// again. Returns how many rows were released.
+/// Makes parked orders due at once (`boxoffice outbox retry`), after their cause is fixed:
+/// every parked row of the orders named (by one of their rows' ids), or of all. The relay's
+/// next batches try them again, and a row the producer refuses again is parked again (its
+/// order with it). Returns how many parked rows were made due.
 pub async fn retry_parked<'e>(ex: impl sqlx::PgExecutor<'e>, which: Release<'_>) -> Result<u64, sqlx::Error> {
     let (all, ids): (bool, &[Uuid]) = match which {
         Release::Rows(ids) => (false, ids),
@@ -368,8 +382,10 @@ pub async fn retry_parked<'e>(ex: impl sqlx::PgExecutor<'e>, which: Release<'_>)
     };
     // Still parked until published (the relay's read and the backlog count it so), due now.
     let done = sqlx::query(
-        "UPDATE outbox SET retry_at = clock_timestamp()
-          WHERE refused_at IS NOT NULL AND published_at IS NULL AND ($1 OR id = ANY($2))",
+        "UPDATE outbox SET retry_at = statement_timestamp()
+          WHERE refused_at IS NOT NULL AND published_at IS NULL
+            AND ($1 OR message_key IN (SELECT message_key FROM outbox
+                                        WHERE id = ANY($2) AND refused_at IS NOT NULL AND published_at IS NULL))",
     )
     .bind(all)
     .bind(ids)
@@ -418,39 +434,36 @@ pub async fn mark_published(c: &mut sqlx::PgConnection, ids: &[Uuid]) -> Result<
 }
 
 /// Backlog figures. The age of the oldest row the relay will publish is the business's
-/// event-delivery latency (design §7, §16); parked rows and the rows held behind them are
-/// counted apart, so a parked row does not read as a stalled relay.
+/// event-delivery latency (design §7, §16); the rows of parked orders are counted apart, so a
+/// parked row does not read as a stalled relay.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Backlog {
-    /// Rows not yet published, parked ones and the rows behind them excepted.
+    /// Rows not yet published, the rows of parked orders excepted.
     pub unpublished: i64,
     /// Age of the oldest of those, ms (0 when there is none).
     pub oldest_age_ms: i64,
-    /// Parked rows ([`park_refused`]) and the unpublished later rows of their orders.
+    /// Unpublished rows of parked orders ([`park_refused`]): the refused rows and the rows
+    /// waiting with them.
     pub parked: i64,
 }
 
 /// Reads the current [`Backlog`]: one count of the unpublished rows, as before parking
-/// existed; the parked rows through their partial index and the rows behind them through the
-/// message key's; the oldest publishable row by the pending index, in order (with rows
-/// parked, one probe of the message key's index per row passed over).
+/// existed; the parked orders through their partial index and their rows through the message
+/// key's; the oldest publishable row by the pending index, in order (with orders parked, a
+/// probe of their hashed keys per row passed over).
 pub async fn backlog<'e>(ex: impl sqlx::PgExecutor<'e>) -> Result<Backlog, sqlx::Error> {
     let (unpublished, oldest_age_ms, parked): (i64, Option<f64>, i64) = sqlx::query_as(
         "WITH parked AS MATERIALIZED (
-            SELECT message_key, min(created_at) AS since FROM outbox
-             WHERE refused_at IS NOT NULL AND published_at IS NULL
-             GROUP BY message_key),
+            SELECT DISTINCT message_key FROM outbox WHERE refused_at IS NOT NULL AND published_at IS NULL),
          held AS MATERIALIZED (
             SELECT count(*) AS n FROM parked p
-              JOIN outbox o ON o.message_key = p.message_key AND o.created_at >= p.since
+              JOIN outbox o ON o.message_key = p.message_key
              WHERE o.published_at IS NULL)
          SELECT (SELECT count(*) FROM outbox WHERE published_at IS NULL) - (SELECT n FROM held),
                 (SELECT EXTRACT(EPOCH FROM clock_timestamp() - o.created_at) * 1000 FROM outbox o
                   WHERE o.published_at IS NULL
                     AND (NOT EXISTS (SELECT 1 FROM parked)
-                         OR NOT EXISTS (SELECT 1 FROM outbox p
-                                         WHERE p.message_key = o.message_key AND p.created_at <= o.created_at
-                                           AND p.refused_at IS NOT NULL AND p.published_at IS NULL))
+                         OR o.message_key NOT IN (SELECT message_key FROM parked))
                   ORDER BY o.created_at LIMIT 1)::float8,
                 (SELECT n FROM held)",
     )

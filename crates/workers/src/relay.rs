@@ -20,11 +20,11 @@
 //! **Refused messages are parked.** A message the producer refuses at once for its own sake
 //! (`MessageSizeTooLarge`: larger than the producer's `message.max.bytes`) is left
 //! unpublished and parked in the ledger ([`outbox::park_refused`]: `refused_at`, the
-//! producer's error and the message's size, `retry_at`): no batch reads it, nor the later
-//! facts of its order, until `refused_retry_s` has passed or an operator's `boxoffice outbox
-//! retry` makes it due, and then a batch reads at most [`outbox::DUE_PARKED_PER_BATCH`] due
-//! rows. So an order's facts still leave in order, and no number of refused rows stops the
-//! relay for the other orders. Such a refusal is no broker failure: it counts towards no
+//! producer's error and the message's size, `retry_at`), and its order with it: no batch
+//! reads any fact of that order until `refused_retry_s` has passed or an operator's
+//! `boxoffice outbox retry` makes it due, and then a batch reads at most
+//! [`outbox::DUE_PARKED_PER_BATCH`] due orders. So an order's facts still leave in order,
+//! and no number of refused rows stops the relay for the other orders. Such a refusal is no broker failure: it counts towards no
 //! give-up. Any other error at enqueue (a fatal producer, a topic the producer does not know)
 //! is the producer's, not the message's: the row and the later rows of its order stay
 //! unpublished for the next batch, and the batch counts as failed, towards the give-up. A

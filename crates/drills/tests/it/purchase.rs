@@ -414,6 +414,68 @@ async fn refused_facts_are_parked_and_the_rest_of_the_outbox_flows(_: PgPoolOpti
     app.stop().await;
 }
 
+/// A parked order is read whole or not at all, and a few due orders at a time
+/// (`outbox::pending_batch`, `park_refused`, `retry_parked`, on the ledger alone): of twelve
+/// orders due at once, a batch reads ten, and the other two once those are parked again; an
+/// order's parked rows share one retry, so a row parked later does not keep the order due
+/// (and its slot taken) while an earlier one waits; released, the order's facts are read in
+/// the order they were written.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn parked_orders_are_read_whole_and_a_few_at_a_time(pool: sqlx::PgPool) {
+    use boxoffice_store::outbox::{self, Release, DUE_PARKED_PER_BATCH};
+    use std::collections::BTreeSet;
+    let mut c = pool.acquire().await.unwrap();
+    let keys =
+        |rows: &[outbox::OutboxRow]| rows.iter().map(|r| r.message_key.clone()).collect::<BTreeSet<_>>();
+    let mut facts = Vec::new();
+    for _ in 0..12 {
+        facts.push(write_intent_created(&pool, OrderId(Uuid::new_v4()), "pi_parked").await);
+    }
+    let refused: Vec<(Uuid, String)> = facts.iter().map(|f| (f.event_id, "too large".to_owned())).collect();
+    assert_eq!(outbox::park_refused(&mut c, &refused, 0).await.unwrap(), 12);
+    let first = outbox::pending_batch(&mut c, 500).await.unwrap();
+    assert_eq!(keys(&first).len(), DUE_PARKED_PER_BATCH as usize, "a few due orders per batch");
+    let again: Vec<(Uuid, String)> = first.iter().map(|r| (r.id, "too large".to_owned())).collect();
+    outbox::park_refused(&mut c, &again, 300).await.unwrap();
+    let second = outbox::pending_batch(&mut c, 500).await.unwrap();
+    assert_eq!(second.len(), 2);
+    assert!(keys(&second).is_disjoint(&keys(&first)), "the orders not read yet come next");
+    outbox::park_refused(&mut c, &second.iter().map(|r| (r.id, "x".to_owned())).collect::<Vec<_>>(), 300)
+        .await
+        .unwrap();
+    assert!(outbox::pending_batch(&mut c, 500).await.unwrap().is_empty(), "every order parked");
+
+    // One order, three facts; its third refused (due at once), then its first (in 300 s).
+    let order = OrderId(Uuid::new_v4());
+    let x1 = write_intent_created(&pool, order, "pi_x1").await;
+    let x2 = write_intent_created(&pool, order, "pi_x2").await;
+    let x3 = write_intent_created(&pool, order, "pi_x3").await;
+    outbox::park_refused(&mut c, &[(x3.event_id, "too large".into())], 0).await.unwrap();
+    outbox::park_refused(&mut c, &[(x1.event_id, "too large".into())], 300).await.unwrap();
+    let retry: Vec<Option<chrono::DateTime<chrono::Utc>>> =
+        sqlx::query_scalar("SELECT retry_at FROM outbox WHERE id = ANY($1) ORDER BY created_at")
+            .bind([x1.event_id, x3.event_id])
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert!(
+        retry[0].is_some() && retry[0] == retry[1],
+        "the order's parked rows share their retry: {retry:?}"
+    );
+    assert!(outbox::pending_batch(&mut c, 500).await.unwrap().is_empty(), "the order waits whole");
+    let parked = outbox::parked(&pool).await.unwrap();
+    let x1_row = parked.iter().find(|p| p.id == x1.event_id).unwrap();
+    assert_eq!(x1_row.held_back, 2, "{x1_row:?}");
+    assert_eq!(outbox::backlog(&pool).await.unwrap().parked, 15);
+    assert_eq!(outbox::retry_parked(&pool, Release::Rows(&[x3.event_id])).await.unwrap(), 2);
+    let released = outbox::pending_batch(&mut c, 500).await.unwrap();
+    assert_eq!(
+        released.iter().map(|r| r.id).collect::<Vec<_>>(),
+        [x1.event_id, x2.event_id, x3.event_id],
+        "the order read whole, in the order its facts were written"
+    );
+}
+
 /// A message no consumer can apply (undecodable, or naming an order that does not exist)
 /// goes to the dead-letter topic with its source coordinates, and the partition moves on.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
