@@ -372,17 +372,21 @@ pub async fn outbox_retry(cfg: &Config, ids: &[uuid::Uuid], all: bool) -> anyhow
     ids.sort_unstable();
     ids.dedup();
     let which = if all { Release::All } else { Release::Rows(&ids) };
-    let named = if all {
-        0
+    let parked: Vec<uuid::Uuid> = if all {
+        Vec::new()
     } else {
-        boxoffice_store::outbox::parked(&pool).await?.iter().filter(|p| ids.contains(&p.id)).count()
+        boxoffice_store::outbox::parked(&pool).await?.into_iter().map(|p| p.id).collect()
     };
+    let unknown: Vec<&uuid::Uuid> = ids.iter().filter(|id| !parked.contains(id)).collect();
+    for id in &unknown {
+        eprintln!("{id}: not a parked outbox row");
+    }
     let n = boxoffice_store::outbox::retry_parked(&pool, which).await?;
     println!(
         "{n} parked row(s) due now: the relay tries up to {} parked orders per batch",
         boxoffice_store::outbox::DUE_PARKED_PER_BATCH
     );
-    Ok(i32::from(!all && named < ids.len()))
+    Ok(i32::from(!unknown.is_empty()))
 }
 
 /// `boxoffice dlq list`.

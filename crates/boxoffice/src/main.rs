@@ -278,17 +278,19 @@ enum DlqAction {
 
 #[derive(Subcommand)]
 enum OutboxAction {
-    /// Print every parked row (event id, order, type, when and why it was refused, its next
-    /// try, the other facts of its order waiting with it); exit 1 when there is one.
+    /// Print every parked row (event id, order, type, when it was refused and why, with the
+    /// message's size, its next try, the other facts of its order waiting with it); exit 1
+    /// when there is one, 2 when they could not be read.
     Parked {
         /// Print JSON.
         #[arg(long)]
         json: bool,
     },
     /// Have the relay try parked orders again now (those of the given event ids, or --all),
-    /// once their cause is fixed; a row refused again is parked again.
+    /// once their cause is fixed; a row refused again is parked again. Exit 1 when an id named
+    /// is not a parked row (each such id is printed).
     Retry {
-        /// Event ids from `outbox parked`.
+        /// An event id from `outbox parked`; repeat `--id` for several.
         #[arg(long = "id", required_unless_present = "all", conflicts_with = "all")]
         ids: Vec<uuid::Uuid>,
         /// Every parked row.

@@ -124,7 +124,11 @@ fn step(out: &mut String, s: &Step, start: DateTime<Utc>) {
     }
     for f in &s.facts {
         let published = match f.published_at {
-            Some(p) => format!("published +{} ms", (p - f.committed_at).num_milliseconds()),
+            Some(p) => format!(
+                "published +{} ms{}",
+                (p - f.committed_at).num_milliseconds(),
+                f.refusal.as_deref().map(|r| format!(" (parked before: {r})")).unwrap_or_default()
+            ),
             None => match (f.refused_at, &f.refusal) {
                 (Some(at), why) => format!(
                     "NOT PUBLISHED: parked, refused at {} ({}); boxoffice outbox parked",
@@ -166,6 +170,9 @@ fn step(out: &mut String, s: &Step, start: DateTime<Utc>) {
     }
 }
 
+/// The longest string value [`summary`] prints whole, bytes.
+const SUMMARY_VALUE_MAX: usize = 120;
+
 /// The payload's telling fields on one line (ids, amounts, statuses, reasons).
 fn summary(payload: &serde_json::Value) -> String {
     let Some(m) = payload.as_object() else { return String::new() };
@@ -175,6 +182,14 @@ fn summary(payload: &serde_json::Value) -> String {
             continue;
         }
         let v = match v {
+            // A long string (a parked fact is one too large for the bus) by its start and size.
+            serde_json::Value::String(s) if s.len() > SUMMARY_VALUE_MAX => {
+                let mut end = SUMMARY_VALUE_MAX;
+                while !s.is_char_boundary(end) {
+                    end -= 1;
+                }
+                format!("{}… ({} bytes)", &s[..end], s.len())
+            }
             serde_json::Value::String(s) => s.clone(),
             serde_json::Value::Array(a) => format!("[{} item(s)]", a.len()),
             other => other.to_string(),

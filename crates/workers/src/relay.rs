@@ -119,6 +119,9 @@ pub async fn run(
     let mut session: Option<PgConnection> = None;
     let mut leading = false;
     metrics::gauge!("boxoffice_relay_leader").set(0.0);
+    // Exported from the start, so a first refusal is an increase from 0.
+    metrics::counter!("boxoffice_outbox_refused_total").increment(0);
+    metrics::gauge!("boxoffice_outbox_parked").set(0.0);
     while !shutdown.is_cancelled() {
         if last_gauge.elapsed() >= Duration::from_secs(1) {
             last_gauge = std::time::Instant::now();
