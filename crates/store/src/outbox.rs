@@ -339,7 +339,8 @@ pub struct ParkedRow {
     pub created_at: DateTime<Utc>,
     /// When the producer last refused it.
     pub refused_at: DateTime<Utc>,
-    /// When the relay tries it again (a batch reads at most [`DUE_PARKED_PER_BATCH`] due rows).
+    /// When the relay tries its order again (a batch reads at most [`DUE_PARKED_PER_BATCH`]
+    /// due orders).
     pub retry_at: Option<DateTime<Utc>>,
     /// The producer's error then, with the message's size.
     pub refusal: Option<String>,
