@@ -288,7 +288,7 @@ enum OutboxAction {
     },
     /// Have the relay try parked orders again now (those of the given event ids, or --all),
     /// once their cause is fixed; a row refused again is parked again. Exit 1 when an id named
-    /// is not a parked row (each such id is printed).
+    /// is not a parked row (each such id is printed), 2 on error.
     Retry {
         /// An event id from `outbox parked`; repeat `--id` for several.
         #[arg(long = "id", required_unless_present = "all", conflicts_with = "all")]
@@ -547,8 +547,12 @@ async fn main() {
                 Ok(2)
             })
         }
+        // Exit 1 means "an id is not parked": a failure is 2.
         Command::Outbox { action: OutboxAction::Retry { ids, all } } => {
-            commands::outbox_retry(&cfg, &ids, all).await
+            commands::outbox_retry(&cfg, &ids, all).await.or_else(|e| {
+                eprintln!("error: {e:#}");
+                Ok(2)
+            })
         }
         Command::Waitroom { action } => waitroom(&cfg, action).await.map(|_| 0),
         Command::Cells { action: CellsAction::List { json } } => boxoffice::cells::list(&cfg, json).await,

@@ -65,8 +65,8 @@ pub const MIGRATE_LOCK: (i32, i32) = (1_113_083_185, 1);
 /// Applies [`MIGRATOR`] on a connection of its own, made from `options` with no
 /// `statement_timeout` (an index built `CONCURRENTLY` on a large table takes what it takes)
 /// and a `lock_timeout` of [`MIGRATION_LOCK_TIMEOUT_MS`], one migrator at a time
-/// ([`MIGRATE_LOCK`], tried every 250 ms; a migrator of a build without it takes only sqlx's
-/// own lock). First drops each index of [`CONCURRENT_INDEXES`] that a failed build
+/// ([`MIGRATE_LOCK`], tried every 250 ms for as long as another holds it, said once at info;
+/// a migrator of a build without it takes only sqlx's own lock). First drops each index of [`CONCURRENT_INDEXES`] that a failed build
 /// left invalid, so that its migration builds it again. Returns the indexes dropped.
 ///
 /// # Errors
@@ -84,12 +84,16 @@ pub async fn migrate(options: PgConnectOptions) -> Result<Vec<String>, sqlx::mig
         // a statement holds a snapshot, which the other's `CREATE INDEX CONCURRENTLY` would
         // wait for while this one waits for its lock (a deadlock PostgreSQL breaks by
         // cancelling the build).
+        let mut told = false;
         while !sqlx::query_scalar::<_, bool>("SELECT pg_try_advisory_lock($1, $2)")
             .bind(MIGRATE_LOCK.0)
             .bind(MIGRATE_LOCK.1)
             .fetch_one(&mut c)
             .await?
         {
+            if !std::mem::replace(&mut told, true) {
+                tracing::info!("another migrator holds this database's migration lock: waiting for it");
+            }
             tokio::time::sleep(Duration::from_millis(250)).await;
         }
         let invalid: Vec<String> = sqlx::query_scalar(

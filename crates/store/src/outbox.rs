@@ -237,6 +237,13 @@ pub async fn try_relay_lock(c: &mut sqlx::PgConnection) -> Result<bool, sqlx::Er
 /// a few at a time, so refused rows (often large ones) never fill a batch.
 pub const DUE_PARKED_PER_BATCH: i64 = 10;
 
+/// The `work_mem` under which the relay's read and [`backlog`] test the parked orders' keys:
+/// PostgreSQL hashes them only when the hash fits `work_mem` × `hash_mem_multiplier` (2 in
+/// PostgreSQL 15), and otherwise compares each row with every key. 64 MB holds about two
+/// million parked rows' keys; the relay's session sets it at its start, [`backlog`] for its
+/// own statement.
+pub const PARKED_WORK_MEM: &str = "64MB";
+
 /// Reads up to `limit` unpublished rows, oldest first, for the relay that holds
 /// [`RELAY_LOCK`] (the lock, not a per-row claim, keeps two relays from publishing the same
 /// rows; the caller must hold it). Nothing is written: the rows stay unpublished until
@@ -253,9 +260,10 @@ pub const DUE_PARKED_PER_BATCH: i64 = 10;
 /// Cost: when nothing is parked, the test is not run at all (an `OR` on a one-time result
 /// from the parked rows' partial index, migration 0024), so the read is the pending index's
 /// scan in `created_at` order, stopped at `limit`. Otherwise the parked orders' keys are
-/// hashed once per statement and each row scanned costs a probe of that hash; the scan passes
-/// over the parked orders' rows, which are the oldest (20,000 parked orders with 100,000 rows:
-/// README, "Parked outbox rows").
+/// hashed once per statement (on a session with [`PARKED_WORK_MEM`], as the relay's is) and
+/// each row scanned costs a probe of that hash; the scan passes over the parked orders' rows,
+/// which are the oldest (20,000 parked orders with 100,000 rows: README, "Parked outbox
+/// rows").
 ///
 /// The statement runs the region fence's check (migration 0013) as a write would, through an
 /// `UPDATE` of no row (statement-level triggers fire all the same): a relay whose session
@@ -451,8 +459,13 @@ pub struct Backlog {
 /// Reads the current [`Backlog`]: one count of the unpublished rows, as before parking
 /// existed; the parked orders through their partial index and their rows through the message
 /// key's; the oldest publishable row by the pending index, in order (with orders parked, a
-/// probe of their hashed keys per row passed over).
-pub async fn backlog<'e>(ex: impl sqlx::PgExecutor<'e>) -> Result<Backlog, sqlx::Error> {
+/// probe of their hashed keys per row passed over). One read-only transaction, under
+/// [`PARKED_WORK_MEM`].
+pub async fn backlog<'a>(
+    conn: impl sqlx::Acquire<'a, Database = sqlx::Postgres>,
+) -> Result<Backlog, sqlx::Error> {
+    let mut tx = conn.begin().await?;
+    sqlx::query(&format!("SET LOCAL work_mem = '{PARKED_WORK_MEM}'")).execute(&mut *tx).await?;
     let (unpublished, oldest_age_ms, parked): (i64, Option<f64>, i64) = sqlx::query_as(
         "WITH parked AS MATERIALIZED (
             SELECT DISTINCT message_key FROM outbox WHERE refused_at IS NOT NULL AND published_at IS NULL),
@@ -468,8 +481,9 @@ pub async fn backlog<'e>(ex: impl sqlx::PgExecutor<'e>) -> Result<Backlog, sqlx:
                   ORDER BY o.created_at LIMIT 1)::float8,
                 (SELECT n FROM held)",
     )
-    .fetch_one(ex)
+    .fetch_one(&mut *tx)
     .await?;
+    tx.commit().await?;
     Ok(Backlog { unpublished, oldest_age_ms: oldest_age_ms.unwrap_or(0.0).max(0.0) as i64, parked })
 }
 

@@ -125,10 +125,18 @@ pub async fn run(
     while !shutdown.is_cancelled() {
         if last_gauge.elapsed() >= Duration::from_secs(1) {
             last_gauge = std::time::Instant::now();
-            if let Ok(b) = outbox::backlog(&pool).await {
-                metrics::gauge!("boxoffice_outbox_unpublished").set(b.unpublished as f64);
-                metrics::gauge!("boxoffice_outbox_oldest_unpublished_age_ms").set(b.oldest_age_ms as f64);
-                metrics::gauge!("boxoffice_outbox_parked").set(b.parked as f64);
+            match outbox::backlog(&pool).await {
+                Ok(b) => {
+                    metrics::gauge!("boxoffice_outbox_unpublished").set(b.unpublished as f64);
+                    metrics::gauge!("boxoffice_outbox_oldest_unpublished_age_ms").set(b.oldest_age_ms as f64);
+                    metrics::gauge!("boxoffice_outbox_parked").set(b.parked as f64);
+                }
+                // The gauges keep their last values: the failure counts as a relay error, so
+                // BoxofficeRelayErrors tells of it.
+                Err(e) => {
+                    metrics::counter!("boxoffice_relay_errors_total").increment(1);
+                    tracing::warn!(relay = %relay_id, error = %e, "reading the outbox's backlog failed");
+                }
             }
         }
         if leading && last_prune.elapsed() >= Duration::from_secs(30) {
@@ -243,6 +251,8 @@ async fn lead(
             ("tcp_keepalives_idle", keepalive_s.to_string()),
             ("tcp_keepalives_interval", keepalive_s.to_string()),
             ("tcp_keepalives_count", "3".to_owned()),
+            // Its read hashes the parked orders' keys (`outbox::pending_batch`).
+            ("work_mem", outbox::PARKED_WORK_MEM.to_owned()),
         ]);
         *session = Some(tokio::time::timeout(bound, opts.connect()).await.map_err(|_| timed_out())??);
     }
