@@ -249,8 +249,8 @@ pub struct OnsaleCell {
     pub outbox_oldest_age_ms: i64,
     /// Unpublished outbox rows the relay will publish.
     pub outbox_unpublished: i64,
-    /// Outbox rows the producer refused (parked: `boxoffice outbox parked`) and the later
-    /// rows of their orders: facts that will not reach Kafka until the cause is fixed.
+    /// Unpublished outbox rows of orders parked for a fact the producer refused (`boxoffice
+    /// outbox parked`): facts that will not reach Kafka until a retry succeeds.
     pub outbox_parked: i64,
     /// How far the oldest lapsed, still active hold is past its end, ms: seats unavailable
     /// past their TTL.

@@ -372,11 +372,7 @@ pub async fn outbox_retry(cfg: &Config, ids: &[uuid::Uuid], all: bool) -> anyhow
     ids.sort_unstable();
     ids.dedup();
     let which = if all { Release::All } else { Release::Rows(&ids) };
-    let parked: Vec<uuid::Uuid> = if all {
-        Vec::new()
-    } else {
-        boxoffice_store::outbox::parked(&pool).await?.into_iter().map(|p| p.id).collect()
-    };
+    let parked = boxoffice_store::outbox::parked_among(&pool, &ids).await?;
     let unknown: Vec<&uuid::Uuid> = ids.iter().filter(|id| !parked.contains(id)).collect();
     for id in &unknown {
         eprintln!("{id}: not a parked outbox row");

@@ -631,7 +631,7 @@ pub struct Config {
     /// relay sends the same rows.
     pub relay_lease_ms: i64,
     /// How long an outbox row the producer refused (a message larger than it may send) stays
-    /// parked, with the later facts of its order, before the relay tries it again, s
+    /// parked, and its order with it, before the relay tries it again, s
     /// (default 300; 0 to 86,400; 0: the next batch). `boxoffice outbox retry` makes it due at
     /// once.
     pub relay_refused_retry_s: i64,

@@ -66,8 +66,9 @@ pub const MIGRATE_LOCK: (i32, i32) = (1_113_083_185, 1);
 /// `statement_timeout` (an index built `CONCURRENTLY` on a large table takes what it takes)
 /// and a `lock_timeout` of [`MIGRATION_LOCK_TIMEOUT_MS`], one migrator at a time
 /// ([`MIGRATE_LOCK`], tried every 250 ms for as long as another holds it, said once at info;
-/// a migrator of a build without it takes only sqlx's own lock). First drops each index of [`CONCURRENT_INDEXES`] that a failed build
-/// left invalid, so that its migration builds it again. Returns the indexes dropped.
+/// a migrator of a build without it takes only sqlx's own lock). First drops each index of
+/// [`CONCURRENT_INDEXES`] that a failed build left invalid, so that its migration builds it
+/// again. Returns the indexes dropped.
 ///
 /// # Errors
 /// The connection's, the drop's or the migrator's.

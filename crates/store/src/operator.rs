@@ -308,12 +308,11 @@ pub async fn event_activity(
 /// Cell-wide figures the ledger answers directly.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
 pub struct CellFigures {
-    /// Unpublished outbox rows the relay will publish (parked ones and the rows behind
-    /// them excepted).
+    /// Unpublished outbox rows the relay will publish (the rows of parked orders excepted).
     pub outbox_unpublished: i64,
     /// Age of the oldest one, ms (0 when none).
     pub outbox_oldest_age_ms: i64,
-    /// Parked outbox rows and the later rows of their orders ([`crate::outbox::park_refused`]).
+    /// Unpublished rows of parked orders ([`crate::outbox::park_refused`]).
     pub outbox_parked: i64,
     /// How far the oldest lapsed, still active hold is past its end, ms (0 when none).
     pub expiry_delay_ms: f64,

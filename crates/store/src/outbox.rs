@@ -371,6 +371,16 @@ pub async fn parked<'e>(ex: impl sqlx::PgExecutor<'e>) -> Result<Vec<ParkedRow>,
     .await
 }
 
+/// Those of `ids` that are parked rows ([`park_refused`], unpublished).
+pub async fn parked_among<'e>(ex: impl sqlx::PgExecutor<'e>, ids: &[Uuid]) -> Result<Vec<Uuid>, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT id FROM outbox WHERE id = ANY($1) AND refused_at IS NOT NULL AND published_at IS NULL",
+    )
+    .bind(ids)
+    .fetch_all(ex)
+    .await
+}
+
 /// Which parked orders [`retry_parked`] makes due.
 #[derive(Debug, Clone, Copy)]
 pub enum Release<'a> {
@@ -465,7 +475,7 @@ pub async fn backlog<'a>(
     conn: impl sqlx::Acquire<'a, Database = sqlx::Postgres>,
 ) -> Result<Backlog, sqlx::Error> {
     let mut tx = conn.begin().await?;
-    sqlx::query(&format!("SET LOCAL work_mem = '{PARKED_WORK_MEM}'")).execute(&mut *tx).await?;
+    sqlx::query("SELECT set_config('work_mem', $1, true)").bind(PARKED_WORK_MEM).execute(&mut *tx).await?;
     let (unpublished, oldest_age_ms, parked): (i64, Option<f64>, i64) = sqlx::query_as(
         "WITH parked AS MATERIALIZED (
             SELECT DISTINCT message_key FROM outbox WHERE refused_at IS NOT NULL AND published_at IS NULL),

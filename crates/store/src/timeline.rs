@@ -102,10 +102,10 @@ pub struct Fact {
     pub committed_at: DateTime<Utc>,
     /// When the relay published it (`None`: not yet).
     pub published_at: Option<DateTime<Utc>>,
-    /// When the producer last refused it, if it did: unpublished, it is parked, and the
-    /// order's later facts wait behind it (`boxoffice outbox parked`).
+    /// When the producer last refused it, if it is parked (unpublished; the order's other
+    /// facts wait with it: `boxoffice outbox parked`); cleared once it is published.
     pub refused_at: Option<DateTime<Utc>>,
-    /// The producer's error then.
+    /// The producer's last error for it, kept once it is published.
     pub refusal: Option<String>,
     /// The fact that caused it (`None`: a request, a webhook or a sweep).
     pub causation_id: Option<Uuid>,
