@@ -288,6 +288,14 @@ pub struct Config {
     /// transaction of its own. Default 16; 1..=1000. A batch holds the row locks of its orders
     /// until it commits, so a webhook for one of them waits for it.
     pub consumer_batch_max: usize,
+    /// Bytes of facts a consumer's fetch waits for at the broker before it answers (librdkafka's
+    /// `fetch.min.bytes`), at most `consumer_fetch_wait_ms`: larger makes fewer, larger
+    /// fetches and lane batches under load, at up to `consumer_fetch_wait_ms` more per hop
+    /// when the bus is quiet. Default 1 (answer as soon as any fact is there); 1..=1048576.
+    pub consumer_fetch_min_bytes: u32,
+    /// Longest a consumer's fetch waits at the broker, in milliseconds (librdkafka's
+    /// `fetch.wait.max.ms`; retry topics always 500). Default 20; 1..=1000.
+    pub consumer_fetch_wait_ms: u32,
     /// Whether a process that runs the saga or the ticket worker beside another consumer
     /// applies their steps in the transaction that commits the fact they follow
     /// (`boxoffice_bus::follow`): the capture's transaction also moves the order to `paid`
@@ -708,6 +716,8 @@ impl Default for Config {
             consumers_per_role: 1,
             consumer_lanes: 8,
             consumer_batch_max: 16,
+            consumer_fetch_min_bytes: 1,
+            consumer_fetch_wait_ms: 20,
             follow_through: true,
             consumer_inline_attempts: 3,
             consumer_retry_5s_delay_ms: 5_000,
@@ -881,6 +891,11 @@ impl Config {
         }
         if self.consumer_lanes < 1 || self.consumer_lanes > 256 || self.consumers_per_role < 1 {
             bail!("consumer_lanes must be 1..=256 and consumers_per_role at least 1");
+        }
+        if !(1..=1_048_576).contains(&self.consumer_fetch_min_bytes)
+            || !(1..=1_000).contains(&self.consumer_fetch_wait_ms)
+        {
+            bail!("consumer_fetch_min_bytes must be 1..=1048576 and consumer_fetch_wait_ms 1..=1000");
         }
         if !["auto", "force_generic_plan", "force_custom_plan"].contains(&self.db_plan_cache_mode.as_str()) {
             bail!("db_plan_cache_mode must be auto, force_generic_plan or force_custom_plan");
@@ -2131,6 +2146,22 @@ mod tests {
         }
         // Off: the other release settings are not looked at.
         Config { release_max_per_s: 0.0, release_min_per_s: 0.0, ..Config::default() }.validate().unwrap();
+    }
+
+    #[test]
+    fn consumer_fetch_settings_are_bounded() {
+        Config { consumer_fetch_min_bytes: 1_048_576, consumer_fetch_wait_ms: 1_000, ..Config::default() }
+            .validate()
+            .unwrap();
+        let bad = [
+            Config { consumer_fetch_min_bytes: 0, ..Config::default() },
+            Config { consumer_fetch_min_bytes: 1_048_577, ..Config::default() },
+            Config { consumer_fetch_wait_ms: 0, ..Config::default() },
+            Config { consumer_fetch_wait_ms: 1_001, ..Config::default() },
+        ];
+        for c in bad {
+            assert!(c.validate().is_err(), "{c:?}");
+        }
     }
 
     #[test]

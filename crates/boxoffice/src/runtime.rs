@@ -325,6 +325,10 @@ pub async fn start(
                     instances: consumers,
                     lanes: cfg.consumer_lanes,
                     batch: cfg.consumer_batch_max,
+                    fetch: boxoffice_bus::Fetch {
+                        min_bytes: cfg.consumer_fetch_min_bytes,
+                        wait_ms: cfg.consumer_fetch_wait_ms,
+                    },
                 };
                 let sd = shutdown.clone();
                 let followers = followers(roles, cfg);

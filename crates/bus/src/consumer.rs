@@ -112,7 +112,7 @@ use rand::Rng;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer};
 use rdkafka::message::{Headers, Message, OwnedMessage};
 use rdkafka::producer::FutureProducer;
-use rdkafka::{ClientContext, Offset, TopicPartitionList};
+use rdkafka::{ClientConfig, ClientContext, Offset, TopicPartitionList};
 use sqlx::PgPool;
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -864,7 +864,34 @@ pub struct Members {
     /// Most messages a lane applies in one transaction (`consumer_batch_max`; see the
     /// module doc, "Batches").
     pub batch: usize,
+    /// How a main-topic member fetches (`consumer_fetch_min_bytes`, `consumer_fetch_wait_ms`).
+    pub fetch: Fetch,
 }
+
+/// How long a main-topic member's fetch may wait at the broker for how much data: the fetch
+/// returns once `min_bytes` of messages are there or `wait_ms` has passed, whichever comes
+/// first (librdkafka's `fetch.min.bytes` and `fetch.wait.max.ms`). A larger `min_bytes` makes
+/// fewer, larger fetches under load, and so larger lane batches (fewer transactions per
+/// fact); it never delays a fact by more than `wait_ms` per hop. Retry members always wait
+/// [`RETRY_FETCH_WAIT_MS`] for any data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fetch {
+    /// Bytes of messages a fetch waits for (1: answer as soon as anything is there).
+    pub min_bytes: u32,
+    /// Longest a fetch waits for them, in milliseconds.
+    pub wait_ms: u32,
+}
+
+impl Default for Fetch {
+    /// The defaults of `consumer_fetch_min_bytes` and `consumer_fetch_wait_ms`.
+    fn default() -> Self {
+        Self { min_bytes: 1, wait_ms: 20 }
+    }
+}
+
+/// A retry member's fetch wait, in milliseconds: retry copies mostly wait for their due
+/// times, and a longer poll costs the broker less.
+pub const RETRY_FETCH_WAIT_MS: u32 = 500;
 
 /// Runs `members.instances` members of the handler's consumer group until `shutdown`. Each
 /// member reads its partitions and spreads messages over `members.lanes` concurrent lanes by
@@ -884,24 +911,14 @@ pub fn run_consumers<H: Handler>(
     shutdown: CancellationToken,
 ) -> anyhow::Result<(Vec<tokio::task::JoinHandle<()>>, Arc<Assignment>)> {
     let followers = followers.without(handler.name()).labelled(cfg.labels.clone());
-    let Members { instances, lanes, batch } = members;
+    let Members { instances, lanes, batch, fetch } = members;
     let assignment = Arc::new(Assignment::default());
     let retry_assignment = Arc::new(Assignment::default());
     let mut tasks = Vec::new();
     for i in 0..instances.max(1) {
         for stage in [Stage::Main, Stage::Retry5s, Stage::Retry1m] {
             let group = format!("{}{}", handler.name(), stage.group_suffix());
-            let consumer: GroupConsumer = cfg
-                .client_config()
-                .set("group.id", cfg.group(&group))
-                .set("client.id", format!("{}-{}-{}", group, std::process::id(), i))
-                .set("enable.auto.commit", "false")
-                .set("auto.offset.reset", "earliest")
-                .set("session.timeout.ms", "10000")
-                .set("heartbeat.interval.ms", "1000")
-                // Retry members mostly wait for due times: a longer poll costs the broker less.
-                .set("fetch.wait.max.ms", if stage == Stage::Main { "20" } else { "500" })
-                .set("partition.assignment.strategy", "cooperative-sticky")
+            let consumer: GroupConsumer = member_client_config(cfg, &group, i, stage, fetch)
                 .create_with_context(GroupContext {
                     name: handler.name(),
                     assignment: if stage == Stage::Main {
@@ -931,6 +948,33 @@ pub fn run_consumers<H: Handler>(
         }
     }
     Ok((tasks, assignment))
+}
+
+/// The librdkafka settings of one member: group `group` (unprefixed), instance `i`, on
+/// `stage`; the main topic's fetches as `fetch` says, a retry topic's as
+/// [`RETRY_FETCH_WAIT_MS`] with any data.
+fn member_client_config(
+    cfg: &KafkaConfig,
+    group: &str,
+    i: usize,
+    stage: Stage,
+    fetch: Fetch,
+) -> ClientConfig {
+    let (wait_ms, min_bytes) = match stage {
+        Stage::Main => (fetch.wait_ms, fetch.min_bytes),
+        Stage::Retry5s | Stage::Retry1m => (RETRY_FETCH_WAIT_MS, 1),
+    };
+    let mut c = cfg.client_config();
+    c.set("group.id", cfg.group(group))
+        .set("client.id", format!("{}-{}-{}", group, std::process::id(), i))
+        .set("enable.auto.commit", "false")
+        .set("auto.offset.reset", "earliest")
+        .set("session.timeout.ms", "10000")
+        .set("heartbeat.interval.ms", "1000")
+        .set("fetch.wait.max.ms", wait_ms.to_string())
+        .set("fetch.min.bytes", min_bytes.to_string())
+        .set("partition.assignment.strategy", "cooperative-sticky");
+    c
 }
 
 struct Runner<H> {
@@ -1583,6 +1627,33 @@ mod tests {
         assert_eq!(f.finish("t", 0, 12), Some(13));
         f.start("t", 0, 13);
         assert_eq!(f.finish("t", 0, 13), Some(14));
+    }
+
+    /// The configured fetch reaches the main topic's members only; a retry member keeps its
+    /// long poll for any data; and the member builds as a librdkafka consumer.
+    #[test]
+    fn the_fetch_settings_reach_the_main_members_only() {
+        let cfg = KafkaConfig {
+            brokers: "127.0.0.1:1".into(),
+            security: Default::default(),
+            prefix: "p-".into(),
+            partitions: 1,
+            replication: 1,
+            retry: Default::default(),
+            writer_epoch: None,
+            labels: Default::default(),
+        };
+        let fetch = Fetch { min_bytes: 16_384, wait_ms: 40 };
+        let main = member_client_config(&cfg, "saga", 0, Stage::Main, fetch);
+        assert_eq!(main.get("fetch.min.bytes"), Some("16384"));
+        assert_eq!(main.get("fetch.wait.max.ms"), Some("40"));
+        assert_eq!(main.get("group.id"), Some("p-ticketing-saga"));
+        for stage in [Stage::Retry5s, Stage::Retry1m] {
+            let retry = member_client_config(&cfg, "saga-retry", 0, stage, fetch);
+            assert_eq!(retry.get("fetch.min.bytes"), Some("1"));
+            assert_eq!(retry.get("fetch.wait.max.ms"), Some("500"));
+        }
+        let _: BaseConsumer = main.create().expect("a consumer with these settings");
     }
 
     #[test]

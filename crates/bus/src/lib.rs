@@ -25,5 +25,5 @@ pub mod fact_headers {
 }
 
 pub use config::{KafkaConfig, KafkaSecurity, RetryPolicy, SaslMechanism, SecurityProtocol};
-pub use consumer::{run_consumers, Handler, HandlerError, Members};
+pub use consumer::{run_consumers, Fetch, Handler, HandlerError, Members};
 pub use follow::{Follower, Followers};
