@@ -30,7 +30,7 @@
 //! its own stable idempotency key, so a batch of k commands asks for k concurrent provider
 //! calls and a main-topic member for at most `consumer_lanes` × `consumer_batch_max` (its
 //! retry-topic members, two lanes each, call one at a time; batches form when messages queue
-//! up while a lane works, and fill under a backlog), of which the process's Stripe client lets
+//! up while a lane works or arrive in one fetch ([`Fetch`]), and fill under a backlog), of which the process's Stripe client lets
 //! `stripe_max_in_flight` be in flight at once, for all its roles together. What those calls
 //! check in the ledger first (the inbox, the order's state) is read before them for the
 //! whole batch in one statement (`Handler::precheck`), holding a connection only for that
