@@ -24,6 +24,14 @@ use uuid::Uuid;
 /// redelivers). Far above Stripe's delivery concurrency, far below `http_max_concurrent_requests`.
 pub const WEBHOOK_MAX_CONCURRENT: usize = 64;
 
+/// Operations requests (`/readyz`, `/metrics`, `/openapi.json`) in flight per process; more are
+/// shed at once with 503 `overloaded`. `/readyz` takes an API pool connection and may wait
+/// up to 1.5 s on the broker, so a crowd of probes must not take the buyers' connections.
+pub const OPS_MAX_CONCURRENT: usize = 8;
+
+/// Operations requests in flight per client address; more get 429 `too_many_in_flight`.
+pub const OPS_MAX_IN_FLIGHT_PER_IP: usize = 4;
+
 /// The whole API.
 pub fn router(state: AppState) -> Router {
     let limit = state.settings.max_body_bytes;
@@ -86,16 +94,28 @@ pub fn router(state: AppState) -> Router {
         ))
         .route_layer(in_flight(&webhook_in_flight))
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), webhook_source));
+    // Probes, scrapes and the API's description: a bulkhead of their own, and a few per
+    // client, so that no crowd of them reaches the pool or the process's slots.
+    let ops_in_flight = crate::edge::PerClientInFlight::new("ops", OPS_MAX_IN_FLIGHT_PER_IP, hops);
+    let ops = Router::new()
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .route("/openapi.json", get(openapi_document))
+        .route_layer(
+            tower::ServiceBuilder::new()
+                .layer(axum::error_handling::HandleErrorLayer::new(crate::edge::shed))
+                .load_shed()
+                .layer(tower::limit::GlobalConcurrencyLimitLayer::new(OPS_MAX_CONCURRENT)),
+        )
+        .route_layer(in_flight(&ops_in_flight));
     Router::new()
         .merge(queue)
         .merge(purchase)
         .merge(catalog)
         .merge(webhooks)
+        .merge(ops)
         .merge(crate::admin::routes(&state))
         .route("/healthz", get(|| async { "ok" }))
-        .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
-        .route("/openapi.json", get(|| async { Json(crate::openapi::document()) }))
         .fallback(|| async { Problem::not_found("route") })
         .method_not_allowed_fallback(|| async {
             Problem::new(
@@ -193,7 +213,7 @@ pub struct HoldBody {
         (status = 202, description = "Seats held; `Location: /orders/{order_id}`. A replay carries `Idempotent-Replayed: true`.", body = boxoffice_store::holds::HoldReceipt),
         (status = 400, description = "`invalid_path` (the event id is not a UUID), `idempotency_key_missing`, `idempotency_key_invalid`, `malformed_json` or `unreadable_body`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 401, description = "`unauthenticated`: no or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 403, description = "`admission_token_missing`, `_malformed`, `_expired`, `_wrong_user`, `_wrong_event`, `_wrong_cell`, `_bad_signature`, `_unknown_kid` or `_revoked` (the admission token); `sales_not_open` (with `opens_at`) or `sales_closed`: outside the event's sales window", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 403, description = "`admission_token_missing`, `_malformed`, `_expired`, `_wrong_user`, `_wrong_event`, `_wrong_cell`, `_bad_signature`, `_unknown_kid` or `_revoked` (the admission token; with `_expired` or `_revoked`, a retry of a hold the token placed, the same Idempotency-Key and seats, still gets its 202); `sales_not_open` (with `opens_at`) or `sales_closed`: outside the event's sales window", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 404, description = "`not_found`: no such event (whatever the admission token says)", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 408, description = "`request_body_timeout`: the body stalled; nothing was held", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 409, description = "`seat_unavailable` (nothing was held), `buyer_limit_reached` (the event's `max_seats_per_buyer` or `max_active_holds_per_buyer`, named in `limit`), `idempotency_key_conflict` or `idempotency_key_in_use` (`Retry-After`); `event_in_another_cell` (another purchase cell sells the event, named in `purchase_cell`) or `admission_token_stale_epoch` (the token was minted before the event moved): get a new admission", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
@@ -228,8 +248,29 @@ async fn create_hold(
     crate::queue::event_info(&st, event).await?;
     let token =
         headers.get("x-admission-token").and_then(|v| v.to_str().ok()).ok_or(AdmissionError::Missing)?;
-    let claims = st.admission.verify(token, user.0, EventId(event))?;
-    st.revocations.check(claims.jti).await?;
+    let admitted = match st.admission.verify(token, user.0, EventId(event)) {
+        Ok(claims) => st.revocations.check(claims.jti).await.map(|()| claims),
+        Err(e) => Err(Problem::from(e)),
+    };
+    let claims = match admitted {
+        Ok(claims) => claims,
+        // A slot that ended (its signature checked first) or a revoked token places no hold,
+        // but a retry of one it placed gets its answer back (invariant 3).
+        Err(refused) if LAPSED_ADMISSION.iter().any(|e| e.code() == refused.code) => {
+            let Ok(ApiJson(body)) = ApiJson::<HoldBody>::from_request(req, &st).await else {
+                return Err(refused);
+            };
+            let Some(receipt) =
+                holds::replay(&st.pool, user.0, EventId(event), &body.seat_ids, &key.0).await?
+            else {
+                return Err(refused);
+            };
+            metrics::histogram!("boxoffice_hold_seconds", "outcome" => "replayed")
+                .record(started.elapsed().as_secs_f64());
+            return Ok(hold_response(&ReserveOutcome::Replayed(receipt)));
+        }
+        Err(refused) => return Err(refused),
+    };
     // The body last: a request without a valid admission is refused before it is read.
     let ApiJson(body) = ApiJson::<HoldBody>::from_request(req, &st).await?;
     let correlation_id = headers
@@ -261,7 +302,15 @@ async fn create_hold(
         Err(_) => "error",
     };
     metrics::histogram!("boxoffice_hold_seconds", "outcome" => label).record(started.elapsed().as_secs_f64());
-    let outcome = outcome?;
+    Ok(hold_response(&outcome?))
+}
+
+/// Admission refusals after which a hold request may still be a retry of one the token
+/// placed: answered from its idempotency key when it is, refused as before when not.
+const LAPSED_ADMISSION: [AdmissionError; 2] = [AdmissionError::Expired, AdmissionError::Revoked];
+
+/// 202 with the hold's receipt and `Location`; `Idempotent-Replayed: true` on a replay.
+fn hold_response(outcome: &ReserveOutcome) -> Response {
     let receipt = outcome.receipt();
     tracing::Span::current().record("order.id", tracing::field::display(receipt.order_id));
     let mut resp = (StatusCode::ACCEPTED, Json(receipt)).into_response();
@@ -270,7 +319,7 @@ async fn create_hold(
     if matches!(outcome, ReserveOutcome::Replayed(_)) {
         resp.headers_mut().insert("idempotent-replayed", HeaderValue::from_static("true"));
     }
-    Ok(resp)
+    resp
 }
 
 /// `GET /orders/{order_id}` → 200 order view, 404 when missing or not the caller's.
@@ -450,6 +499,12 @@ async fn readyz(State(st): State<AppState>) -> Response {
 }
 
 /// `GET /metrics`: Prometheus text exposition.
+/// The OpenAPI document, built once per process.
+async fn openapi_document() -> Json<&'static utoipa::openapi::OpenApi> {
+    static DOCUMENT: std::sync::OnceLock<utoipa::openapi::OpenApi> = std::sync::OnceLock::new();
+    Json(DOCUMENT.get_or_init(crate::openapi::document))
+}
+
 async fn metrics(State(st): State<AppState>) -> Response {
     match &st.metrics {
         Some(h) => ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], h.render()).into_response(),

@@ -8,7 +8,8 @@
 //! `idempotency_keys` row: read under the buyer's lock, after which no request of the same
 //! buyer and event can commit, and written with its answer by the hold's last statement, its
 //! primary key guarding a request with the same key for another event; a failed hold writes
-//! no key, so only successful holds are remembered.
+//! no key, so only successful holds are remembered. A retry that may no longer place a hold
+//! (its admission ended) is answered from that row alone ([`replay`]).
 //!
 //! A hold's lifetime follows [`boxoffice_domain::hold`] (case C19): [`open_payment_window`]
 //! pushes `expires_at` when the order becomes payable, [`protect_authorized`] keeps a hold
@@ -106,15 +107,47 @@ impl ReserveRequest {
     }
 
     /// SHA-256 over the event and the normalized seat set: two bodies naming the same seats
-    /// are the same request.
+    /// are the same request ([`request_hash`]).
     pub fn request_hash(&self) -> String {
-        let mut h = Sha256::new();
-        h.update(self.event_id.0.as_bytes());
-        for s in self.normalized_seats() {
-            h.update(s.0.as_bytes());
-        }
-        hex::encode(h.finalize())
+        request_hash(self.event_id, &self.seat_ids)
     }
+}
+
+/// SHA-256 (hex) over `event` and `seats` deduplicated and sorted: what an idempotency key
+/// stores of its request, so that the same key with another body is told apart.
+pub fn request_hash(event: EventId, seats: &[SeatId]) -> String {
+    let mut seats = seats.to_vec();
+    seats.sort();
+    seats.dedup();
+    let mut h = Sha256::new();
+    h.update(event.0.as_bytes());
+    for s in seats {
+        h.update(s.0.as_bytes());
+    }
+    hex::encode(h.finalize())
+}
+
+/// The stored answer to a retry that may no longer place a hold (its admission slot has
+/// ended, or its token was revoked; invariant 3): one read of `user`'s `key`, no lock.
+/// `Ok(Some(receipt))` when the key holds the answer to this event and these seats,
+/// `Ok(None)` when the key is unknown (or pruned after [`IDEMPOTENCY_RETENTION_HOURS`]);
+/// [`ReserveError::IdempotencyConflict`] when it answered another body,
+/// [`ReserveError::InProgress`] when it holds no answer.
+pub async fn replay(
+    pool: &PgPool,
+    user: UserId,
+    event: EventId,
+    seats: &[SeatId],
+    key: &str,
+) -> Result<Option<HoldReceipt>, ReserveError> {
+    let row: Option<KeyRow> = sqlx::query_as(
+        "SELECT request_hash, response FROM idempotency_keys WHERE user_id = $1 AND idempotency_key = $2",
+    )
+    .bind(user.0)
+    .bind(key)
+    .fetch_optional(pool)
+    .await?;
+    remembered_answer(row, &request_hash(event, seats))
 }
 
 /// The hold as returned to the client (202 body), stored verbatim with the idempotency key

@@ -253,9 +253,10 @@ pub const PARKED_WORK_MEM: &str = "64MB";
 /// rows is read (the later ones wait behind the refused fact, so an order's facts still leave
 /// in the order they were written; an earlier one, whose delivery failed beside it, waits for
 /// the retry too), and parked orders, however many, take no room in the batch. An order's
-/// parked rows share one `retry_at`; once it has passed, the order is due, and the
-/// [`DUE_PARKED_PER_BATCH`] due orders with the earliest `retry_at` are read again, whole;
-/// the other due orders wait for a later batch.
+/// parked rows share one `retry_at`; once it has passed, the order is due, and the orders
+/// of the [`DUE_PARKED_PER_BATCH`] due refused rows with the earliest `retry_at` (so at most
+/// that many orders, fewer when one has several refused rows) are read again, whole; the
+/// other due orders wait for a later batch.
 ///
 /// Cost: when nothing is parked, the test is not run at all (an `OR` on a one-time result
 /// from the parked rows' partial index, migration 0024), so the read is the pending index's

@@ -448,6 +448,65 @@ async fn c12_admission_tokens(_: PgPoolOptions, opts: PgConnectOptions) {
     app.stop().await;
 }
 
+/// Invariant 3 outlives the admission slot: a retry of a hold whose answer was lost gets its
+/// order back with a token that has since expired or been revoked; the same key with other
+/// seats is a 409, and a new key places nothing.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn c12_a_retry_after_the_slot_ended_gets_its_order_back(_: PgPoolOptions, opts: PgConnectOptions) {
+    let app = api(opts).await;
+    let s = app.seats().await;
+    let (a, b) = (app.buyer(), app.buyer());
+    let keys = boxoffice::runtime::admission_tokens(&app.cfg).unwrap();
+    let token = |user: Uuid, exp_in: i64| {
+        let now = chrono::Utc::now().timestamp();
+        keys.sign(&AdmissionClaims {
+            jti: Uuid::new_v4(),
+            sub: user,
+            event_id: app.event,
+            purchase_cell: "cell-1".into(),
+            directory_epoch: 1,
+            iat: now,
+            exp: now + exp_in,
+        })
+    };
+    let placed = app.hold(&a, &token(a.user, 300), "lost-answer", &[s[0], s[1]]).await;
+    assert_eq!(placed.status(), 202);
+    let placed: serde_json::Value = placed.json().await.unwrap();
+
+    let expired = token(a.user, -5);
+    // The same seats in another order are the same request.
+    let retry = app.hold(&a, &expired, "lost-answer", &[s[1], s[0]]).await;
+    assert_eq!(retry.status(), 202);
+    assert_eq!(retry.headers().get("idempotent-replayed").map(|v| v.to_str().unwrap()), Some("true"));
+    assert_eq!(retry.json::<serde_json::Value>().await.unwrap(), placed, "the original receipt");
+
+    let (status, code, _) = problem(app.hold(&a, &expired, "lost-answer", &[s[2]]).await).await;
+    assert_eq!((status, code.as_str()), (409, "idempotency_key_conflict"));
+    let (status, code, _) = problem(app.hold(&a, &expired, "new-key", &[s[2]]).await).await;
+    assert_eq!((status, code.as_str()), (403, "admission_token_expired"), "an ended slot places nothing");
+    // Another buyer's key of the same name is not this buyer's answer.
+    let (status, code, _) =
+        problem(app.hold(&b, &token(b.user, -5), "lost-answer", &[s[0], s[1]]).await).await;
+    assert_eq!((status, code.as_str()), (403, "admission_token_expired"));
+
+    // A revoked token: the same.
+    let room = boxoffice::runtime::waitroom(&app.cfg).unwrap();
+    let ring = boxoffice::runtime::admission_tokens(&app.cfg).unwrap();
+    let (revoked, claims) =
+        ring.issue(boxoffice_domain::UserId(b.user), boxoffice_domain::EventId(app.event), 1, 600);
+    let placed = app.hold(&b, &revoked, "b-key", &[s[3]]).await;
+    assert_eq!(placed.status(), 202);
+    let placed: serde_json::Value = placed.json().await.unwrap();
+    boxoffice_api::revocation::revoke(&app.pool, &room, claims.jti, claims.exp).await.unwrap();
+    let retry = app.hold(&b, &revoked, "b-key", &[s[3]]).await;
+    assert_eq!(retry.status(), 202);
+    assert_eq!(retry.json::<serde_json::Value>().await.unwrap(), placed);
+    let (status, code, _) = problem(app.hold(&b, &revoked, "b-other", &[s[4]]).await).await;
+    assert_eq!((status, code.as_str()), (403, "admission_token_revoked"));
+    assert_eq!(app.count("SELECT count(*) FROM orders").await, 2, "no retry placed a hold");
+    app.stop().await;
+}
+
 /// Bad input gets a clear problem+json and writes nothing.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn bad_requests_are_problems_and_write_nothing(_: PgPoolOptions, opts: PgConnectOptions) {
