@@ -892,10 +892,11 @@ impl Config {
         if self.consumer_lanes < 1 || self.consumer_lanes > 256 || self.consumers_per_role < 1 {
             bail!("consumer_lanes must be 1..=256 and consumers_per_role at least 1");
         }
-        if !(1..=1_048_576).contains(&self.consumer_fetch_min_bytes)
-            || !(1..=1_000).contains(&self.consumer_fetch_wait_ms)
-        {
-            bail!("consumer_fetch_min_bytes must be 1..=1048576 and consumer_fetch_wait_ms 1..=1000");
+        if !(1..=1_048_576).contains(&self.consumer_fetch_min_bytes) {
+            bail!("consumer_fetch_min_bytes must be 1..=1048576 (bytes)");
+        }
+        if !(1..=1_000).contains(&self.consumer_fetch_wait_ms) {
+            bail!("consumer_fetch_wait_ms must be 1..=1000 (ms)");
         }
         if !["auto", "force_generic_plan", "force_custom_plan"].contains(&self.db_plan_cache_mode.as_str()) {
             bail!("db_plan_cache_mode must be auto, force_generic_plan or force_custom_plan");
@@ -2159,8 +2160,9 @@ mod tests {
             Config { consumer_fetch_wait_ms: 0, ..Config::default() },
             Config { consumer_fetch_wait_ms: 1_001, ..Config::default() },
         ];
-        for c in bad {
-            assert!(c.validate().is_err(), "{c:?}");
+        for (c, key) in bad.into_iter().zip(["min_bytes", "min_bytes", "wait_ms", "wait_ms"]) {
+            let e = c.validate().expect_err("refused").to_string();
+            assert!(e.starts_with(&format!("consumer_fetch_{key} ")), "{e}");
         }
     }
 

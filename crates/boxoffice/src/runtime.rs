@@ -321,6 +321,8 @@ pub async fn start(
             }
             Role::Saga | Role::Payments | Role::Tickets => {
                 let (k, p) = (kafka.as_ref().expect("kafka"), producer.clone().expect("kafka"));
+                tracing::info!(role = ?role, min_bytes = cfg.consumer_fetch_min_bytes,
+                    wait_ms = cfg.consumer_fetch_wait_ms, "consumers: fetching");
                 let members = boxoffice_bus::Members {
                     instances: consumers,
                     lanes: cfg.consumer_lanes,
