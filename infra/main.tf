@@ -207,6 +207,8 @@ locals {
     USER_JWT_ISSUER         = var.user_jwt_issuer
     USER_JWT_AUDIENCE       = var.user_jwt_audience
     ADMISSION_KID           = var.admission_kid
+    # Where Stripe's webhooks may come from (production refuses an empty list).
+    WEBHOOK_ALLOWED_NETWORKS = jsonencode(var.webhook_allowed_networks)
 
     # The older, two-fact hold until every service runs a build that reads the one-fact form.
     HOLD_FACT_REQUESTS_AUTHORIZATION = tostring(var.hold_fact_requests_authorization)

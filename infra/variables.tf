@@ -106,6 +106,16 @@ variable "user_jwt_audience" {
   type        = string
 }
 
+variable "webhook_allowed_networks" {
+  description = "CIDR networks Stripe's webhooks may come from: Stripe's published webhook addresses as /32s (\"0.0.0.0/0\" and \"::/0\" accept any, on purpose). Production refuses an empty list."
+  type        = list(string)
+
+  validation {
+    condition     = length(var.webhook_allowed_networks) > 0
+    error_message = "webhook_allowed_networks must list at least one network."
+  }
+}
+
 variable "admission_kid" {
   description = "Key id of the admission signing key held in the admission-private-key secret."
   type        = string

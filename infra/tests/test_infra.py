@@ -862,6 +862,13 @@ class RealConfiguration(unittest.TestCase):
         self.assertRegex(arn, valid)
         self.assertNotRegex("boxoffice/witness-url", valid)
 
+    def test_the_services_are_told_where_webhooks_may_come_from(self):
+        settings = ROOT.locals["app_settings"]
+        self.assertEqual(settings.get("ENV"), "production")
+        self.assertIn("jsonencode(var.webhook_allowed_networks)", str(settings.get("WEBHOOK_ALLOWED_NETWORKS")))
+        condition = ROOT.variables["webhook_allowed_networks"]["validation"][0]["condition"]
+        self.assertIn("length(var.webhook_allowed_networks) > 0", condition)
+
     def test_tasks_reach_the_witness(self):
         self.assertEqual(check_witness_reachable(MODULE), [])
 

@@ -347,7 +347,8 @@ pub struct Config {
     /// whole small body at once, so a slow sender cannot keep a webhook slot for long.
     pub webhook_timeout_ms: u64,
     /// CIDR networks `POST /webhooks/stripe` accepts requests from, e.g. Stripe's published
-    /// webhook addresses as `/32`s (empty, the default: any); others get 403
+    /// webhook addresses as `/32`s (empty, the default: any; refused in production, where
+    /// `0.0.0.0/0` and `::/0` accept any on purpose); others get 403
     /// `webhook_source_refused` before their body is read. The address is the one the rate
     /// buckets use (`http_trusted_proxy_hops`).
     pub webhook_allowed_networks: Vec<String>,
@@ -1388,6 +1389,19 @@ impl Config {
             );
         }
 
+        // Webhook senders: without a list, any address may hold webhook slots (a sender with
+        // many IPv6 /64s, each allowed `webhook_max_in_flight_per_ip` slow requests, can fill
+        // the webhook bulkhead). Listing every network (`0.0.0.0/0`, `::/0`) is a choice too.
+        if prod && self.webhook_allowed_networks.is_empty() {
+            push(
+                "webhook_allowed_networks",
+                Severity::ProductionOnly,
+                "not set: production accepts webhooks only from listed networks (Stripe's published \
+                 webhook addresses; `0.0.0.0/0` and `::/0` to accept any)"
+                    .into(),
+            );
+        }
+
         // The queue bypass: `POST /events/{id}/admission` admits anyone at once.
         if self.admission_direct {
             push(
@@ -1744,6 +1758,7 @@ mod tests {
             stripe_secret_key: "sk_live_0123456789abcdefghijklmnopqrstuv".into(),
             stripe_webhook_secret: "whsec_0123456789abcdefghijklmnopqrstuvwx".into(),
             admin_token: "0123456789abcdef0123456789abcdef-operator".into(),
+            webhook_allowed_networks: vec!["3.18.12.63/32".into(), "3.130.192.231/32".into()],
             ..Config::default()
         }
     }
@@ -1820,7 +1835,8 @@ mod tests {
                 "admission_private_key",
                 "stripe_secret_key",
                 "stripe_webhook_secret",
-                "admin_token"
+                "admin_token",
+                "webhook_allowed_networks"
             ]
         );
         let msg = format!("{:#}", anyhow::Error::from(r));
@@ -1885,6 +1901,7 @@ mod tests {
             ("user_jwks_url", Config { user_jwks_url: None, ..production() }),
             ("user_jwt_issuer", Config { user_jwt_issuer: Some(String::new()), ..production() }),
             ("user_jwt_audience", Config { user_jwt_audience: None, ..production() }),
+            ("webhook_allowed_networks", Config { webhook_allowed_networks: Vec::new(), ..production() }),
             ("admin_token", Config { admin_token: DEV_ADMIN_TOKEN.into(), ..production() }),
             ("admin_token", Config { admin_token: "short-operator-token".into(), ..production() }),
             (

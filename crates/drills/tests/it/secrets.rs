@@ -61,11 +61,12 @@ fn production_start_with_builtin_secrets_is_refused_naming_each_setting() {
             "admission_private_key",
             "stripe_secret_key",
             "stripe_webhook_secret",
-            "admin_token"
+            "admin_token",
+            "webhook_allowed_networks"
         ],
         "{stderr}"
     );
-    assert!(stderr.contains("refusing to start in production: 7 settings must change"), "{stderr}");
+    assert!(stderr.contains("refusing to start in production: 8 settings must change"), "{stderr}");
     for secret in builtin_secrets() {
         assert!(!stderr.contains(&secret), "a secret was printed: {stderr}");
     }
@@ -158,6 +159,7 @@ async fn get_order(app: &TestApp, bearer: &str) -> (u16, String, Value) {
 
 fn production_tokens(cfg: &mut boxoffice::config::Config) {
     cfg.env = Environment::Production;
+    cfg.webhook_allowed_networks = vec!["127.0.0.0/8".into()];
     cfg.user_jwt_issuer = Some(ISS.into());
     cfg.user_jwt_audience = Some(AUD.into());
     cfg.user_jwt_max_lifetime_s = 3_600;
