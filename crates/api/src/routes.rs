@@ -24,12 +24,13 @@ use uuid::Uuid;
 /// redelivers). Far above Stripe's delivery concurrency, far below `http_max_concurrent_requests`.
 pub const WEBHOOK_MAX_CONCURRENT: usize = 64;
 
-/// Operations requests (`/readyz`, `/metrics`, `/openapi.json`) in flight per process; more are
-/// shed at once with 503 `overloaded`. `/readyz` takes an API pool connection and may wait
-/// up to 1.5 s on the broker, so a crowd of probes must not take the buyers' connections.
+/// `/readyz` requests in flight per process; more are shed at once with 503 `overloaded`.
+/// A probe takes an API pool connection and may wait up to 1.5 s on the broker, so a crowd
+/// of probes must not take the buyers' connections.
 pub const OPS_MAX_CONCURRENT: usize = 8;
 
-/// Operations requests in flight per client address; more get 429 `too_many_in_flight`.
+/// Operations requests (`/readyz`, `/metrics`, `/openapi.json`) in flight per client address,
+/// counted together; more get 429 `too_many_in_flight`.
 pub const OPS_MAX_IN_FLIGHT_PER_IP: usize = 4;
 
 /// The whole API.
@@ -97,10 +98,10 @@ pub fn router(state: AppState) -> Router {
     // Probes, scrapes and the API's description: a bulkhead of their own, and a few per
     // client, so that no crowd of them reaches the pool or the process's slots.
     let ops_in_flight = crate::edge::PerClientInFlight::new("ops", OPS_MAX_IN_FLIGHT_PER_IP, hops);
-    let ops = Router::new()
+    // `/readyz` waits on the pool and the broker: a bulkhead of its own, so slow probes can
+    // neither take the buyers' connections nor shed the metrics scrape.
+    let probes = Router::new()
         .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
-        .route("/openapi.json", get(openapi_document))
         .route_layer(
             tower::ServiceBuilder::new()
                 .layer(axum::error_handling::HandleErrorLayer::new(crate::edge::shed))
@@ -108,6 +109,11 @@ pub fn router(state: AppState) -> Router {
                 .layer(tower::limit::GlobalConcurrencyLimitLayer::new(OPS_MAX_CONCURRENT)),
         )
         .route_layer(in_flight(&ops_in_flight));
+    let ops = Router::new()
+        .route("/metrics", get(metrics))
+        .route("/openapi.json", get(openapi_document))
+        .route_layer(in_flight(&ops_in_flight))
+        .merge(probes);
     Router::new()
         .merge(queue)
         .merge(purchase)
@@ -213,7 +219,7 @@ pub struct HoldBody {
         (status = 202, description = "Seats held; `Location: /orders/{order_id}`. A replay carries `Idempotent-Replayed: true`.", body = boxoffice_store::holds::HoldReceipt),
         (status = 400, description = "`invalid_path` (the event id is not a UUID), `idempotency_key_missing`, `idempotency_key_invalid`, `malformed_json` or `unreadable_body`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 401, description = "`unauthenticated`: no or invalid bearer token", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 403, description = "`admission_token_missing`, `_malformed`, `_expired`, `_wrong_user`, `_wrong_event`, `_wrong_cell`, `_bad_signature`, `_unknown_kid` or `_revoked` (the admission token; with `_expired` or `_revoked`, a retry of a hold the token placed, the same Idempotency-Key and seats, still gets its 202); `sales_not_open` (with `opens_at`) or `sales_closed`: outside the event's sales window", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 403, description = "`admission_token_missing`, `_malformed`, `_expired`, `_wrong_user`, `_wrong_event`, `_wrong_cell`, `_bad_signature`, `_unknown_kid` or `_revoked` (the admission token; instead of `_expired` or `_revoked`, the buyer's own earlier hold with the same Idempotency-Key and seats is answered 202, as a retry); `sales_not_open` (with `opens_at`) or `sales_closed`: outside the event's sales window", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 404, description = "`not_found`: no such event (whatever the admission token says)", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 408, description = "`request_body_timeout`: the body stalled; nothing was held", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 409, description = "`seat_unavailable` (nothing was held), `buyer_limit_reached` (the event's `max_seats_per_buyer` or `max_active_holds_per_buyer`, named in `limit`), `idempotency_key_conflict` or `idempotency_key_in_use` (`Retry-After`); `event_in_another_cell` (another purchase cell sells the event, named in `purchase_cell`) or `admission_token_stale_epoch` (the token was minted before the event moved): get a new admission", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
@@ -254,8 +260,9 @@ async fn create_hold(
     };
     let claims = match admitted {
         Ok(claims) => claims,
-        // A slot that ended (its signature checked first) or a revoked token places no hold,
-        // but a retry of one it placed gets its answer back (invariant 3).
+        // A token refused as expired (any validly signed one: expiry is judged before whom
+        // and what it is for) or revoked places no hold, but the buyer's own key gets its
+        // answer back (invariant 3): the key is this user's, its hash binds event and seats.
         Err(refused) if LAPSED_ADMISSION.iter().any(|e| e.code() == refused.code) => {
             let Ok(ApiJson(body)) = ApiJson::<HoldBody>::from_request(req, &st).await else {
                 return Err(refused);
@@ -271,7 +278,8 @@ async fn create_hold(
         }
         Err(refused) => return Err(refused),
     };
-    // The body last: a request without a valid admission is refused before it is read.
+    // The body last: a request without a valid admission is refused before it is read (but
+    // for a possible retry, above).
     let ApiJson(body) = ApiJson::<HoldBody>::from_request(req, &st).await?;
     let correlation_id = headers
         .get("x-request-id")
@@ -498,13 +506,13 @@ async fn readyz(State(st): State<AppState>) -> Response {
         .into_response()
 }
 
-/// `GET /metrics`: Prometheus text exposition.
 /// The OpenAPI document, built once per process.
 async fn openapi_document() -> Json<&'static utoipa::openapi::OpenApi> {
     static DOCUMENT: std::sync::OnceLock<utoipa::openapi::OpenApi> = std::sync::OnceLock::new();
     Json(DOCUMENT.get_or_init(crate::openapi::document))
 }
 
+/// `GET /metrics`: Prometheus text exposition.
 async fn metrics(State(st): State<AppState>) -> Response {
     match &st.metrics {
         Some(h) => ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], h.render()).into_response(),

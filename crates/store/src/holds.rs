@@ -128,7 +128,9 @@ pub fn request_hash(event: EventId, seats: &[SeatId]) -> String {
 }
 
 /// The stored answer to a retry that may no longer place a hold (its admission slot has
-/// ended, or its token was revoked; invariant 3): one read of `user`'s `key`, no lock.
+/// ended, or its token was revoked; invariant 3): `user`'s `key`, read under the buyer's lock
+/// for `event` (the one [`reserve`] takes), so a hold of that key still in flight has
+/// committed or rolled back by then. Writes nothing.
 /// `Ok(Some(receipt))` when the key holds the answer to this event and these seats,
 /// `Ok(None)` when the key is unknown (or pruned after [`IDEMPOTENCY_RETENTION_HOURS`]);
 /// [`ReserveError::IdempotencyConflict`] when it answered another body,
@@ -140,13 +142,20 @@ pub async fn replay(
     seats: &[SeatId],
     key: &str,
 ) -> Result<Option<HoldReceipt>, ReserveError> {
+    let mut tx = pool.begin().await?;
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1::text || '/' || $2::text, 0))")
+        .bind(event.0)
+        .bind(user.0)
+        .execute(&mut *tx)
+        .await?;
     let row: Option<KeyRow> = sqlx::query_as(
         "SELECT request_hash, response FROM idempotency_keys WHERE user_id = $1 AND idempotency_key = $2",
     )
     .bind(user.0)
     .bind(key)
-    .fetch_optional(pool)
+    .fetch_optional(&mut *tx)
     .await?;
+    tx.rollback().await?;
     remembered_answer(row, &request_hash(event, seats))
 }
 

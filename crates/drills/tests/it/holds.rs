@@ -2,7 +2,7 @@
 //! Only the API role runs (holds need no broker); every race releases its requests together
 //! through a barrier.
 
-use crate::helpers::{barrier, problem, TestApp};
+use crate::helpers::{await_lock_wait, barrier, problem, TestApp};
 use boxoffice::runtime::Role;
 use boxoffice_admission::{AdmissionClaims, AdmissionSigningKey, AdmissionTokens};
 use boxoffice_store::venue::VenueSpec;
@@ -469,16 +469,16 @@ async fn c12_a_retry_after_the_slot_ended_gets_its_order_back(_: PgPoolOptions, 
             exp: now + exp_in,
         })
     };
-    let placed = app.hold(&a, &token(a.user, 300), "lost-answer", &[s[0], s[1]]).await;
-    assert_eq!(placed.status(), 202);
-    let placed: serde_json::Value = placed.json().await.unwrap();
+    let placed_a = app.hold(&a, &token(a.user, 300), "lost-answer", &[s[0], s[1]]).await;
+    assert_eq!(placed_a.status(), 202);
+    let placed_a: serde_json::Value = placed_a.json().await.unwrap();
 
     let expired = token(a.user, -5);
     // The same seats in another order are the same request.
     let retry = app.hold(&a, &expired, "lost-answer", &[s[1], s[0]]).await;
     assert_eq!(retry.status(), 202);
     assert_eq!(retry.headers().get("idempotent-replayed").map(|v| v.to_str().unwrap()), Some("true"));
-    assert_eq!(retry.json::<serde_json::Value>().await.unwrap(), placed, "the original receipt");
+    assert_eq!(retry.json::<serde_json::Value>().await.unwrap(), placed_a, "the original receipt");
 
     let (status, code, _) = problem(app.hold(&a, &expired, "lost-answer", &[s[2]]).await).await;
     assert_eq!((status, code.as_str()), (409, "idempotency_key_conflict"));
@@ -488,6 +488,28 @@ async fn c12_a_retry_after_the_slot_ended_gets_its_order_back(_: PgPoolOptions, 
     let (status, code, _) =
         problem(app.hold(&b, &token(b.user, -5), "lost-answer", &[s[0], s[1]]).await).await;
     assert_eq!((status, code.as_str()), (403, "admission_token_expired"));
+
+    // A retry while its hold is still in flight (here: its key committing under the buyer's
+    // lock) waits for it, then gets its answer.
+    let mut in_flight = app.pool.begin().await.unwrap();
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1::text || '/' || $2::text, 0))")
+        .bind(app.event)
+        .bind(a.user)
+        .execute(&mut *in_flight)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE idempotency_keys SET idempotency_key = 'in-flight' WHERE user_id = $1 AND idempotency_key = 'lost-answer'")
+        .bind(a.user)
+        .execute(&mut *in_flight)
+        .await
+        .unwrap();
+    let both = [s[0], s[1]];
+    let (retry, ()) = tokio::join!(app.hold(&a, &expired, "in-flight", &both), async {
+        await_lock_wait(&app.pool, "%pg_advisory_xact_lock%", "the retry waits for the buyer's lock").await;
+        in_flight.commit().await.unwrap();
+    });
+    assert_eq!(retry.status(), 202);
+    assert_eq!(retry.json::<serde_json::Value>().await.unwrap(), placed_a);
 
     // A revoked token: the same.
     let room = boxoffice::runtime::waitroom(&app.cfg).unwrap();
