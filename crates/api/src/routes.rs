@@ -95,8 +95,8 @@ pub fn router(state: AppState) -> Router {
         ))
         .route_layer(in_flight(&webhook_in_flight))
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), webhook_source));
-    // Probes, scrapes and the API's description: a bulkhead of their own, and a few per
-    // client, so that no crowd of them reaches the pool or the process's slots.
+    // Probes, scrapes and the API's description: a few in flight per client address, all
+    // three together, so that no crowd of them takes the process's slots.
     let ops_in_flight = crate::edge::PerClientInFlight::new("ops", OPS_MAX_IN_FLIGHT_PER_IP, hops);
     // `/readyz` waits on the pool and the broker: a bulkhead of its own, so slow probes can
     // neither take the buyers' connections nor shed the metrics scrape.
@@ -313,8 +313,9 @@ async fn create_hold(
     Ok(hold_response(&outcome?))
 }
 
-/// Admission refusals after which a hold request may still be a retry of one the token
-/// placed: answered from its idempotency key when it is, refused as before when not.
+/// Admission refusals after which a hold request may still be a retry of the buyer's own
+/// hold: answered from the buyer's idempotency key when it holds this request's answer,
+/// refused as before when not.
 const LAPSED_ADMISSION: [AdmissionError; 2] = [AdmissionError::Expired, AdmissionError::Revoked];
 
 /// 202 with the hold's receipt and `Location`; `Idempotent-Replayed: true` on a replay.
