@@ -53,6 +53,14 @@ macro_rules! hold_end {
 }
 pub(crate) use hold_end;
 
+/// The buyer's lock for an event ([`reserve`]'s step 1, [`replay`]): a transaction-scoped
+/// advisory lock on (event `$1`, user `$2`).
+macro_rules! buyer_lock {
+    () => {
+        "pg_advisory_xact_lock(hashtextextended($1::text || '/' || $2::text, 0))"
+    };
+}
+
 /// The end of a hold (on `holds` unqualified); see [`LAPSED`].
 pub const HOLD_END: &str = hold_end!("");
 
@@ -143,11 +151,8 @@ pub async fn replay(
     key: &str,
 ) -> Result<Option<HoldReceipt>, ReserveError> {
     let mut tx = pool.begin().await?;
-    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1::text || '/' || $2::text, 0))")
-        .bind(event.0)
-        .bind(user.0)
-        .execute(&mut *tx)
-        .await?;
+    // Its own statement: a statement reads with the snapshot it started with, before the wait.
+    sqlx::query(concat!("SELECT ", buyer_lock!())).bind(event.0).bind(user.0).execute(&mut *tx).await?;
     let row: Option<KeyRow> = sqlx::query_as(
         "SELECT request_hash, response FROM idempotency_keys WHERE user_id = $1 AND idempotency_key = $2",
     )
@@ -529,7 +534,7 @@ async fn lock_buyer_and_seats(
         bool,
     );
     let seat_uuids: Vec<Uuid> = seats.iter().map(|s| s.0).collect();
-    let row: Option<Row> = sqlx::query_as(
+    let row: Option<Row> = sqlx::query_as(concat!(
         "WITH key_seen AS MATERIALIZED (
             SELECT EXISTS (SELECT 1 FROM idempotency_keys WHERE user_id = $2 AND idempotency_key = $4) AS seen
          ), locked AS MATERIALIZED (
@@ -543,11 +548,13 @@ async fn lock_buyer_and_seats(
                 ARRAY(SELECT currency FROM locked ORDER BY id),
                 ARRAY(SELECT elsewhere FROM locked ORDER BY id),
                 (SELECT seen FROM key_seen)
-           FROM (SELECT pg_advisory_xact_lock(hashtextextended($1::text || '/' || $2::text, 0))
+           FROM (SELECT ",
+        buyer_lock!(),
+        "
                    FROM (SELECT pg_advisory_xact_lock_shared($5, $6)) fence) buyer_lock,
                 events e
           WHERE e.id = $1",
-    )
+    ))
     .bind(req.event_id.0)
     .bind(req.user_id.0)
     .bind(&seat_uuids)
