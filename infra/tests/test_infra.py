@@ -869,6 +869,18 @@ class RealConfiguration(unittest.TestCase):
         condition = ROOT.variables["webhook_allowed_networks"]["validation"][0]["condition"]
         self.assertIn("length(var.webhook_allowed_networks) > 0", condition)
 
+    def test_the_load_balancer_and_dns_check_liveness_not_readiness(self):
+        # /readyz is 503 in a fenced or standby region; ECS would replace those tasks in a loop.
+        groups = MODULE.of_type("aws_lb_target_group")
+        self.assertTrue(groups)
+        for _, name, body in groups:
+            for check in blocks(body, "health_check"):
+                self.assertEqual(check.get("path"), "/healthz", name)
+        checks = [b for _, n, b in ROOT.of_type("aws_route53_health_check") if b.get("type") == "HTTPS"]
+        self.assertTrue(checks)
+        paths = {b.get("resource_path") for b in checks}
+        self.assertNotIn("/readyz", paths)
+
     def test_tasks_reach_the_witness(self):
         self.assertEqual(check_witness_reachable(MODULE), [])
 

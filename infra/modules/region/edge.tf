@@ -27,6 +27,9 @@ resource "aws_lb_target_group" "api" {
   vpc_id               = aws_vpc.this.id
   deregistration_delay = 30
 
+  # Liveness, not readiness: ECS replaces a task its target group finds unhealthy, and
+  # /readyz is 503 in a fenced or standby region and in a database outage, so checking it
+  # here would restart those tasks in a loop. A fenced process answers buyers 503 itself.
   health_check {
     path                = "/healthz"
     matcher             = "200"
