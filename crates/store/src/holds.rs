@@ -11,7 +11,7 @@
 //! no key, so only successful holds are remembered. A retry that may no longer place a hold
 //! (its admission ended) is answered from that row alone ([`replay`]).
 //!
-//! A hold's lifetime follows [`boxoffice_domain::hold`] (case C19): [`open_payment_window`]
+//! A hold's lifetime follows [`boxoffice_domain::hold`] (case C19): `open_payment_window`
 //! pushes `expires_at` when the order becomes payable, [`protect_authorized`] keeps a hold
 //! whose authorization was reported in time until the saga settles it, [`check_lapsing`]
 //! asks the provider before a payable hold with no authorization lapses, and every test of
@@ -1074,21 +1074,32 @@ pub async fn transition(
     hold: &mut HoldRow,
     to: HoldStatus,
 ) -> Result<HoldStatus, StoreError> {
+    Ok(transition_returning_seats(tx, hold, to).await?.0)
+}
+
+/// [`transition`], also returning the seat ids of the hold the move gave back, ascending
+/// (empty when `to` keeps them): for the ticket worker, whose tickets take the seats a
+/// confirmed hold releases, without a read of its own.
+pub async fn transition_returning_seats(
+    tx: &mut Tx<'_>,
+    hold: &mut HoldRow,
+    to: HoldStatus,
+) -> Result<(HoldStatus, Vec<Uuid>), StoreError> {
     let from = hold.status;
     if !from.can_transition_to(to) {
         return Err(crate::IllegalTransition::hold(from, to).into());
     }
     // A move that gives the seats back ($4) releases them in the same statement (by `hold_id`
     // alone, as `release_seats` does).
-    let moved: i64 = sqlx::query_scalar(
+    let (moved, seats): (i64, Vec<Uuid>) = sqlx::query_as(
         "WITH moved AS (
             UPDATE holds SET status = $2,
                    confirmed_at = CASE WHEN $2 = 'confirmed' THEN clock_timestamp() ELSE confirmed_at END
              WHERE id = $1 AND status = $3 RETURNING id),
          freed AS (
             UPDATE hold_seats SET released_at = COALESCE(released_at, clock_timestamp())
-             WHERE $4 AND hold_id IN (SELECT id FROM moved))
-         SELECT count(*) FROM moved",
+             WHERE $4 AND hold_id IN (SELECT id FROM moved) RETURNING seat_id)
+         SELECT (SELECT count(*) FROM moved), ARRAY(SELECT seat_id FROM freed ORDER BY seat_id)",
     )
     .bind(hold.id)
     .bind(to.as_str())
@@ -1100,7 +1111,7 @@ pub async fn transition(
         return Err(StoreError::Corrupt(format!("hold {} left {from} under its row lock", hold.id)));
     }
     hold.status = to;
-    Ok(from)
+    Ok((from, seats))
 }
 
 /// Marks the seats of `holds` released. Filters on `hold_id` only (the primary key): with
@@ -1282,35 +1293,31 @@ pub async fn end_provider_check(tx: &mut Tx<'_>, order: OrderId) -> Result<bool,
 }
 
 /// Rule 1 of [`boxoffice_domain::hold`]: the order of the hold the caller has locked became
-/// payable now (its PaymentIntent was just recorded). Records `payable_at` (the first time),
-/// ends the wait for it (`payable_by`), and, unless the hold has lapsed, pushes `expires_at`
-/// to at least now + the payment window, within `created_at` + the ceiling. Returns the hold's `expires_at` afterwards (`None`
-/// without a hold). Call it under the hold's row lock ([`lock_for_order`]), once per order.
-pub async fn open_payment_window(
-    tx: &mut Tx<'_>,
-    order: OrderId,
-    policy: &HoldPolicy,
-) -> Result<Option<DateTime<Utc>>, sqlx::Error> {
+/// payable now (its PaymentIntent was just recorded). The `UPDATE` that records `payable_at`
+/// (the first time), ends the wait for it (`payable_by`), and, unless the hold has lapsed,
+/// pushes `expires_at` to at least now + the payment window, within `created_at` + the
+/// ceiling (and the provider check's end that far past it, when the check is on). `order` is
+/// the SQL that names the order (a parameter, or a CTE's row); `window`, `ceiling` and
+/// `check` name parameters bound to [`HoldPolicy::payment_window`], [`HoldPolicy::ceiling`]
+/// and [`HoldPolicy::provider_check`], in seconds. Run under the hold's row lock, once per
+/// order: [`crate::payments::record_created`] runs it in the statement that records the
+/// PaymentIntent.
+pub(crate) fn open_payment_window(order: &str, window: &str, ceiling: &str, check: &str) -> String {
     // Every SET expression reads the old row, so the wait of rule 3 is computed from the
     // same new expiry expression, not from the updated column.
     let live = format!("status = 'active' AND NOT {LAPSED}");
-    let new_expiry = "GREATEST(expires_at, LEAST(clock_timestamp() + make_interval(secs => $2),
-                                        created_at + make_interval(secs => $3)))";
-    let sql = format!(
+    let new_expiry = format!(
+        "GREATEST(expires_at, LEAST(clock_timestamp() + make_interval(secs => {window}),
+                                        created_at + make_interval(secs => {ceiling})))"
+    );
+    format!(
         "UPDATE holds SET payable_at = COALESCE(payable_at, clock_timestamp()), payable_by = NULL,
                 expires_at = CASE WHEN {live} THEN {new_expiry} ELSE expires_at END,
-                provider_check_until = CASE WHEN {live} AND $4 > 0
-                                            THEN {new_expiry} + make_interval(secs => $4)
+                provider_check_until = CASE WHEN {live} AND {check} > 0
+                                            THEN {new_expiry} + make_interval(secs => {check})
                                             ELSE provider_check_until END
-          WHERE order_id = $1 RETURNING expires_at"
-    );
-    sqlx::query_scalar(&sql)
-        .bind(order.0)
-        .bind(policy.payment_window.as_secs_f64())
-        .bind(policy.ceiling.as_secs_f64())
-        .bind(policy.provider_check.as_secs_f64())
-        .fetch_optional(&mut **tx)
-        .await
+          WHERE order_id = {order}"
+    )
 }
 
 /// Rule 2 of [`boxoffice_domain::hold`]: the provider reported an authorization of `order`'s

@@ -414,6 +414,64 @@ pub async fn insert_created<'e, E: Executor<'e, Database = Postgres>>(
     Ok(r.rows_affected() == 1)
 }
 
+/// What [`record_created`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Created {
+    /// The payment row was there already (a replay): nothing written.
+    Replayed,
+    /// The payment row is new, the order's payment window is open, and this many webhooks
+    /// that arrived before the row were resolved (their facts are to be re-derived from
+    /// Stripe).
+    Recorded {
+        /// Pending `stripe_events` rows of the PaymentIntent resolved for the order.
+        early_webhooks: i64,
+    },
+}
+
+/// Records a newly created PaymentIntent for `order`, whose hold the caller has locked, in one
+/// statement: the payment row ([`insert_created`]'s, insert-or-nothing), and only when it is
+/// new, rule 1 of [`boxoffice_domain::hold`] on the hold (the payment window opens,
+/// `crate::holds::open_payment_window`) and the webhooks that overtook the row resolved
+/// (`crate::stripe_events::RESOLVE_PENDING`). Once per order: a replay writes nothing.
+#[allow(clippy::too_many_arguments)]
+pub async fn record_created(
+    tx: &mut crate::Tx<'_>,
+    order: OrderId,
+    payment_intent_id: &str,
+    client_secret: Option<&str>,
+    status: impl Into<PaymentIntentStatus>,
+    amount_minor: i64,
+    currency: &str,
+    policy: &boxoffice_domain::HoldPolicy,
+) -> Result<Created, sqlx::Error> {
+    static SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+        format!(
+            "WITH inserted AS (
+                INSERT INTO payments (order_id, payment_intent_id, client_secret, status, amount_minor, currency)
+                VALUES ($2, $1, $3, $4, $5, $6) ON CONFLICT (order_id) DO NOTHING RETURNING order_id),
+             opened AS ({window} RETURNING order_id),
+             resolved AS ({resolve} AND EXISTS (SELECT FROM inserted) RETURNING stripe_event_id)
+             SELECT EXISTS (SELECT FROM inserted), (SELECT count(*) FROM resolved)",
+            window = crate::holds::open_payment_window("(SELECT order_id FROM inserted)", "$7", "$8", "$9"),
+            resolve = crate::stripe_events::RESOLVE_PENDING,
+        )
+    });
+    let status: PaymentIntentStatus = status.into();
+    let (inserted, early_webhooks): (bool, i64) = sqlx::query_as(SQL.as_str())
+        .bind(payment_intent_id)
+        .bind(order.0)
+        .bind(client_secret)
+        .bind(status.as_str())
+        .bind(amount_minor)
+        .bind(currency)
+        .bind(policy.payment_window.as_secs_f64())
+        .bind(policy.ceiling.as_secs_f64())
+        .bind(policy.provider_check.as_secs_f64())
+        .fetch_one(&mut **tx)
+        .await?;
+    Ok(if inserted { Created::Recorded { early_webhooks } } else { Created::Replayed })
+}
+
 /// Writes `update` to the payment of PaymentIntent `pi` when its stored status is one of
 /// `from` (known statuses; a stored status this build does not know is always accepted):
 /// status, amounts and error code where given, the capture deadline as

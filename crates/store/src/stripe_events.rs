@@ -50,19 +50,13 @@ pub async fn mark_pending(tx: &mut Tx<'_>, stripe_event_id: &str) -> Result<(), 
     Ok(())
 }
 
-/// Resolves the pending events of PaymentIntent `pi` now that `order` owns it; returns how
-/// many there were (the caller then re-derives the fact from Stripe).
-pub async fn resolve_pending(tx: &mut Tx<'_>, pi: &str, order: OrderId) -> Result<u64, sqlx::Error> {
-    let r = sqlx::query(
-        "UPDATE stripe_events SET pending = false, resolved_at = clock_timestamp(), order_id = $2
-          WHERE pending AND payment_intent_id = $1",
-    )
-    .bind(pi)
-    .bind(order.0)
-    .execute(&mut **tx)
-    .await?;
-    Ok(r.rows_affected())
-}
+/// The `UPDATE` that resolves the pending events of PaymentIntent `$1` now that order `$2`
+/// owns it (the caller then re-derives the fact from Stripe); ends with its `WHERE`, so a
+/// caller may add a condition. [`crate::payments::record_created`] runs it in the statement
+/// that records the PaymentIntent.
+pub(crate) const RESOLVE_PENDING: &str =
+    "UPDATE stripe_events SET pending = false, resolved_at = clock_timestamp(), order_id = $2
+      WHERE pending AND payment_intent_id = $1";
 
 /// Pending events older than `older_than_ms` (for the audit: a pending event nobody claims
 /// is a PaymentIntent boxoffice did not create, or a lost payment row).

@@ -6,23 +6,20 @@
 //! `seat_released_at IS NULL`: one ticket that holds a seat, however many voided ones released it).
 
 use crate::Tx;
-use boxoffice_domain::{ids::ticket_id, HoldId, OrderId, SeatId};
+use boxoffice_domain::{ids::ticket_id, OrderId, SeatId};
 use uuid::Uuid;
 
-/// Inserts the tickets of `hold` for `order` (insert-or-nothing) and returns every ticket id
-/// of the order's seats. Fails with a unique violation on `ticket_seat_uq` only if another
-/// order holds a ticket for one of these seats — an invariant breach the caller must surface.
+/// Inserts the tickets of `seats` (the seat ids of `order`'s hold, as
+/// [`crate::holds::transition_returning_seats`] gives them back) for `order`
+/// (insert-or-nothing) and returns their ticket ids, in `seats`' order. Fails with a unique
+/// violation on `ticket_seat_uq` only if another order holds a ticket for one of these seats —
+/// an invariant breach the caller must surface.
 pub async fn issue(
     tx: &mut Tx<'_>,
     order: OrderId,
-    hold: HoldId,
+    seats: &[Uuid],
     event: Uuid,
 ) -> Result<Vec<Uuid>, sqlx::Error> {
-    let seats: Vec<Uuid> =
-        sqlx::query_scalar("SELECT seat_id FROM hold_seats WHERE hold_id = $1 ORDER BY seat_id")
-            .bind(hold.0)
-            .fetch_all(&mut **tx)
-            .await?;
     let ids: Vec<Uuid> = seats.iter().map(|s| ticket_id(order, SeatId(*s))).collect();
     sqlx::query(
         "INSERT INTO tickets (id, order_id, seat_id, event_id)
@@ -31,7 +28,7 @@ pub async fn issue(
     )
     .bind(&ids)
     .bind(order.0)
-    .bind(&seats)
+    .bind(seats)
     .bind(event)
     .execute(&mut **tx)
     .await?;

@@ -657,26 +657,28 @@ async fn record_created(
     // The hold first (the saga's lock order: hold, then order; the payment row's foreign key
     // share-locks the order).
     lock_hold(tx, order_id, hold_locked).await?;
-    let inserted = payments::insert_created(
-        &mut **tx,
+    // The payment row, and when it is new the payment window (case C19: payable from this
+    // commit on, the buyer is owed the whole window) and the webhooks that overtook it, in
+    // one statement.
+    let created = payments::record_created(
+        tx,
         order_id,
         &pi.id,
         pi.client_secret.as_deref(),
         pi.status.clone(),
         amount_minor,
         currency,
+        policy,
     )
     .await?;
     let mut emit = vec![];
-    if inserted {
-        // Case C19: payable from this commit on; the buyer is owed the whole payment window.
-        holds::open_payment_window(tx, order_id, policy).await?;
+    if let payments::Created::Recorded { early_webhooks } = created {
         emit.push(PurchaseEvent::PaymentIntentCreated {
             order_id,
             payment_intent_id: pi.id.clone(),
             status: pi.status.clone(),
         });
-        if stripe_events::resolve_pending(tx, &pi.id, order_id).await? > 0 {
+        if early_webhooks > 0 {
             emit.push(PurchaseEvent::PaymentIntentRefreshRequested {
                 order_id,
                 payment_intent_id: pi.id.clone(),

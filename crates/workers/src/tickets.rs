@@ -85,8 +85,9 @@ impl Handler for TicketWorker {
                 anyhow::anyhow!("hold {hold_id} is {}", hold.status),
             ));
         }
-        let ids = tickets::issue(tx, *order_id, *hold_id, order.event_id).await?;
-        holds::transition(tx, &mut hold, HoldStatus::Released).await?;
+        // The hold gives its seats back and the tickets take them, in one transaction.
+        let (_, seats) = holds::transition_returning_seats(tx, &mut hold, HoldStatus::Released).await?;
+        let ids = tickets::issue(tx, *order_id, &seats, order.event_id).await?;
         orders::transition(tx, &mut order, OrderStatus::Ticketed, None).await?;
         metrics::counter!("boxoffice_tickets_issued_total").increment(ids.len() as u64);
         Ok(vec![env.follow(&PurchaseEvent::TicketIssued { order_id: *order_id, ticket_ids: ids })])

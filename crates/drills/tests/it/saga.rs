@@ -612,7 +612,7 @@ async fn a_hold_reclaims_lapsed_holds_in_order_id_order(_: PgPoolOptions, opts: 
 ///   seat (locked by a third hold request), and commits before the request moves on.
 ///
 /// The holds stay `active` here: the ticket worker issues only for confirmed holds, but the
-/// locks are the same and `tickets::issue` does not look at statuses.
+/// locks are the same and `tickets::issue` does not look at statuses (it is given the seats).
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn a_hold_request_and_a_ticket_batch_never_wait_for_each_other(
     _: PgPoolOptions,
@@ -625,7 +625,7 @@ async fn a_hold_request_and_a_ticket_batch_never_wait_for_each_other(
     let first = l.hold(&[highest], Duration::from_secs(60)).await;
     let second = l.hold(&[lowest], Duration::from_secs(60)).await;
     let mut batch = l.pool.begin().await.unwrap();
-    boxoffice_store::tickets::issue(&mut batch, first.order_id, first.hold_id, l.event.0).await.unwrap();
+    boxoffice_store::tickets::issue(&mut batch, first.order_id, &[highest], l.event.0).await.unwrap();
 
     let request = l.spawn_request(&[lowest, highest]);
     let outcome = tokio::time::timeout(Duration::from_secs(30), request)
@@ -649,7 +649,7 @@ async fn a_hold_request_and_a_ticket_batch_never_wait_for_each_other(
     crate::helpers::await_lock_wait(&l.pool, "%FROM seats%", "the request waits for the middle seat").await;
     tokio::time::timeout(
         Duration::from_secs(30),
-        boxoffice_store::tickets::issue(&mut batch, second.order_id, second.hold_id, l.event.0),
+        boxoffice_store::tickets::issue(&mut batch, second.order_id, &[lowest], l.event.0),
     )
     .await
     .expect("the ticket batch waited for the hold request's seat lock")
