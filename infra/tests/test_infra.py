@@ -879,6 +879,7 @@ class RealConfiguration(unittest.TestCase):
         checks = [b for _, n, b in ROOT.of_type("aws_route53_health_check") if b.get("type") == "HTTPS"]
         self.assertTrue(checks)
         paths = {b.get("resource_path") for b in checks}
+        self.assertIn("/healthz", paths)
         self.assertNotIn("/readyz", paths)
 
     def test_tasks_reach_the_witness(self):

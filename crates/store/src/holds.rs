@@ -1077,14 +1077,27 @@ pub async fn transition(
     Ok(transition_returning_seats(tx, hold, to).await?.0)
 }
 
-/// [`transition`], also returning the seat ids of the hold the move gave back, ascending
-/// (empty when `to` keeps them): for the ticket worker, whose tickets take the seats a
+/// The seats a hold's move gave back, as [`transition_returning_seats`] released them: every
+/// seat row of the hold, ascending id (a hold gives its seats back all at once). Only that
+/// move makes one, so [`crate::tickets::issue`] tickets no seat its order's hold did not have.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReleasedSeats(Vec<Uuid>);
+
+impl ReleasedSeats {
+    /// The seat ids, ascending.
+    pub fn ids(&self) -> &[Uuid] {
+        &self.0
+    }
+}
+
+/// [`transition`], also returning the seats of the hold the move gave back ([`ReleasedSeats`];
+/// empty when `to` keeps them): for the ticket worker, whose tickets take the seats a
 /// confirmed hold releases, without a read of its own.
 pub async fn transition_returning_seats(
     tx: &mut Tx<'_>,
     hold: &mut HoldRow,
     to: HoldStatus,
-) -> Result<(HoldStatus, Vec<Uuid>), StoreError> {
+) -> Result<(HoldStatus, ReleasedSeats), StoreError> {
     let from = hold.status;
     if !from.can_transition_to(to) {
         return Err(crate::IllegalTransition::hold(from, to).into());
@@ -1111,7 +1124,7 @@ pub async fn transition_returning_seats(
         return Err(StoreError::Corrupt(format!("hold {} left {from} under its row lock", hold.id)));
     }
     hold.status = to;
-    Ok((from, seats))
+    Ok((from, ReleasedSeats(seats)))
 }
 
 /// Marks the seats of `holds` released. Filters on `hold_id` only (the primary key): with

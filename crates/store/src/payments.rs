@@ -387,8 +387,15 @@ pub async fn order_for_intent<'e, E: Executor<'e, Database = Postgres>>(
     Ok(id.map(OrderId))
 }
 
+/// The insert-or-nothing of a new PaymentIntent's payment row: order `$1`, PaymentIntent `$2`,
+/// client secret `$3`, status `$4`, amount `$5`, currency `$6`.
+const INSERT_CREATED: &str =
+    "INSERT INTO payments (order_id, payment_intent_id, client_secret, status, amount_minor, currency)
+     VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (order_id) DO NOTHING";
+
 /// Records a newly created PaymentIntent. Idempotent: a replay (same order, same intent)
-/// leaves the row as it is and returns `false`.
+/// leaves the row as it is and returns `false`. The purchase path records it with
+/// [`record_created`], which runs the same insert.
 pub async fn insert_created<'e, E: Executor<'e, Database = Postgres>>(
     ex: E,
     order: OrderId,
@@ -399,18 +406,15 @@ pub async fn insert_created<'e, E: Executor<'e, Database = Postgres>>(
     currency: &str,
 ) -> Result<bool, sqlx::Error> {
     let status: PaymentIntentStatus = status.into();
-    let r = sqlx::query(
-        "INSERT INTO payments (order_id, payment_intent_id, client_secret, status, amount_minor, currency)
-         VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (order_id) DO NOTHING",
-    )
-    .bind(order.0)
-    .bind(payment_intent_id)
-    .bind(client_secret)
-    .bind(status.as_str())
-    .bind(amount_minor)
-    .bind(currency)
-    .execute(ex)
-    .await?;
+    let r = sqlx::query(INSERT_CREATED)
+        .bind(order.0)
+        .bind(payment_intent_id)
+        .bind(client_secret)
+        .bind(status.as_str())
+        .bind(amount_minor)
+        .bind(currency)
+        .execute(ex)
+        .await?;
     Ok(r.rows_affected() == 1)
 }
 
@@ -429,10 +433,10 @@ pub enum Created {
 }
 
 /// Records a newly created PaymentIntent for `order`, whose hold the caller has locked, in one
-/// statement: the payment row ([`insert_created`]'s, insert-or-nothing), and only when it is
+/// statement: the payment row ([`insert_created`]'s insert-or-nothing), and only when it is
 /// new, rule 1 of [`boxoffice_domain::hold`] on the hold (the payment window opens,
 /// `crate::holds::open_payment_window`) and the webhooks that overtook the row resolved
-/// (`crate::stripe_events::RESOLVE_PENDING`). Once per order: a replay writes nothing.
+/// (`crate::stripe_events::resolve_pending`). Once per order: a replay writes nothing.
 #[allow(clippy::too_many_arguments)]
 pub async fn record_created(
     tx: &mut crate::Tx<'_>,
@@ -446,20 +450,19 @@ pub async fn record_created(
 ) -> Result<Created, sqlx::Error> {
     static SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
         format!(
-            "WITH inserted AS (
-                INSERT INTO payments (order_id, payment_intent_id, client_secret, status, amount_minor, currency)
-                VALUES ($2, $1, $3, $4, $5, $6) ON CONFLICT (order_id) DO NOTHING RETURNING order_id),
+            "WITH inserted AS ({INSERT_CREATED} RETURNING order_id),
              opened AS ({window} RETURNING order_id),
-             resolved AS ({resolve} AND EXISTS (SELECT FROM inserted) RETURNING stripe_event_id)
+             resolved AS ({resolve} RETURNING stripe_event_id)
              SELECT EXISTS (SELECT FROM inserted), (SELECT count(*) FROM resolved)",
             window = crate::holds::open_payment_window("(SELECT order_id FROM inserted)", "$7", "$8", "$9"),
-            resolve = crate::stripe_events::RESOLVE_PENDING,
+            // Only for a new row: a replay resolves nothing.
+            resolve = crate::stripe_events::resolve_pending("$2", "(SELECT order_id FROM inserted)"),
         )
     });
     let status: PaymentIntentStatus = status.into();
     let (inserted, early_webhooks): (bool, i64) = sqlx::query_as(SQL.as_str())
-        .bind(payment_intent_id)
         .bind(order.0)
+        .bind(payment_intent_id)
         .bind(client_secret)
         .bind(status.as_str())
         .bind(amount_minor)

@@ -50,13 +50,17 @@ pub async fn mark_pending(tx: &mut Tx<'_>, stripe_event_id: &str) -> Result<(), 
     Ok(())
 }
 
-/// The `UPDATE` that resolves the pending events of PaymentIntent `$1` now that order `$2`
-/// owns it (the caller then re-derives the fact from Stripe); ends with its `WHERE`, so a
-/// caller may add a condition. [`crate::payments::record_created`] runs it in the statement
-/// that records the PaymentIntent.
-pub(crate) const RESOLVE_PENDING: &str =
-    "UPDATE stripe_events SET pending = false, resolved_at = clock_timestamp(), order_id = $2
-      WHERE pending AND payment_intent_id = $1";
+/// The `UPDATE` that resolves the pending events of PaymentIntent `pi` now that order `order`
+/// owns it (the caller then re-derives the fact from Stripe); `pi` and `order` are the SQL
+/// that names them (parameters, or a CTE's row; an `order` that is NULL resolves nothing).
+/// [`crate::payments::record_created`] runs it in the statement that records the
+/// PaymentIntent.
+pub(crate) fn resolve_pending(pi: &str, order: &str) -> String {
+    format!(
+        "UPDATE stripe_events SET pending = false, resolved_at = clock_timestamp(), order_id = {order}
+          WHERE pending AND payment_intent_id = {pi} AND {order} IS NOT NULL"
+    )
+}
 
 /// Pending events older than `older_than_ms` (for the audit: a pending event nobody claims
 /// is a PaymentIntent boxoffice did not create, or a lost payment row).

@@ -5,21 +5,26 @@
 //! sale, after which the seat can be held and ticketed again (the index is partial on
 //! `seat_released_at IS NULL`: one ticket that holds a seat, however many voided ones released it).
 
-use crate::Tx;
+use crate::holds::ReleasedSeats;
+use crate::{StoreError, Tx};
 use boxoffice_domain::{ids::ticket_id, OrderId, SeatId};
 use uuid::Uuid;
 
-/// Inserts the tickets of `seats` (the seat ids of `order`'s hold, as
-/// [`crate::holds::transition_returning_seats`] gives them back) for `order`
-/// (insert-or-nothing) and returns their ticket ids, in `seats`' order. Fails with a unique
-/// violation on `ticket_seat_uq` only if another order holds a ticket for one of these seats —
-/// an invariant breach the caller must surface.
+/// Inserts the tickets of the seats `order`'s hold gave back ([`ReleasedSeats`], from
+/// [`crate::holds::transition_returning_seats`]) for `order` (insert-or-nothing) and returns
+/// their ticket ids, in ascending seat id. Errors: [`StoreError::Corrupt`] when the hold had
+/// no seats (nothing written); a unique violation on `ticket_seat_uq` only if another order
+/// holds a ticket for one of these seats — an invariant breach the caller must surface.
 pub async fn issue(
     tx: &mut Tx<'_>,
     order: OrderId,
-    seats: &[Uuid],
+    seats: &ReleasedSeats,
     event: Uuid,
-) -> Result<Vec<Uuid>, sqlx::Error> {
+) -> Result<Vec<Uuid>, StoreError> {
+    let seats = seats.ids();
+    if seats.is_empty() {
+        return Err(StoreError::Corrupt(format!("order {order}: its hold gave back no seats to ticket")));
+    }
     let ids: Vec<Uuid> = seats.iter().map(|s| ticket_id(order, SeatId(*s))).collect();
     sqlx::query(
         "INSERT INTO tickets (id, order_id, seat_id, event_id)

@@ -1,7 +1,7 @@
-//! The ticket worker (design §11): on TicketIssueRequested, inserts one ticket per held seat
-//! with an id derived from (order, seat) — insert-or-nothing, so a replay changes nothing —
-//! releases the hold rows (the ticket now owns the seats), moves the order to `ticketed` and
-//! emits TicketIssued. A confirmed hold is never released because issuance is slow: a failed
+//! The ticket worker (design §11): on TicketIssueRequested, in one transaction, releases the
+//! hold rows and inserts one ticket for each seat they gave back, with an id derived from
+//! (order, seat) — insert-or-nothing, so a replay changes nothing; the ticket now owns the
+//! seat — moves the order to `ticketed` and emits TicketIssued. A confirmed hold is never released because issuance is slow: a failed
 //! attempt rolls back and is retried (invariant 1: one ticket per seat). Followed through in
 //! the capture's transaction when the process runs it beside the payment worker and the saga
 //! (`boxoffice_bus::follow`); a failure there rolls that transaction back and leaves the

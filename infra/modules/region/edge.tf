@@ -29,7 +29,8 @@ resource "aws_lb_target_group" "api" {
 
   # Liveness, not readiness: ECS replaces a task its target group finds unhealthy, and
   # /readyz is 503 in a fenced or standby region and in a database outage, so checking it
-  # here would restart those tasks in a loop. A fenced process answers buyers 503 itself.
+  # here would restart those tasks in a loop. A fenced process refuses holds and webhooks
+  # with 503 itself; DNS follows var.active_region's gate.
   health_check {
     path                = "/healthz"
     matcher             = "200"

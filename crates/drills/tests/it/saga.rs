@@ -611,8 +611,8 @@ async fn a_hold_reclaims_lapsed_holds_in_order_id_order(_: PgPoolOptions, opts: 
 /// - the batch tickets a seat that a request has locked while that request waits for another
 ///   seat (locked by a third hold request), and commits before the request moves on.
 ///
-/// The holds stay `active` here: the ticket worker issues only for confirmed holds, but the
-/// locks are the same and `tickets::issue` does not look at statuses (it is given the seats).
+/// The batch does what the ticket worker does for each order: the confirmed hold gives its
+/// seats back (`holds::transition_returning_seats`), then the tickets take them.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn a_hold_request_and_a_ticket_batch_never_wait_for_each_other(
     _: PgPoolOptions,
@@ -625,7 +625,9 @@ async fn a_hold_request_and_a_ticket_batch_never_wait_for_each_other(
     let first = l.hold(&[highest], Duration::from_secs(60)).await;
     let second = l.hold(&[lowest], Duration::from_secs(60)).await;
     let mut batch = l.pool.begin().await.unwrap();
-    boxoffice_store::tickets::issue(&mut batch, first.order_id, &[highest], l.event.0).await.unwrap();
+    let seats = release_for_tickets(&mut batch, first.hold_id).await;
+    assert_eq!(seats.ids(), &[highest][..]);
+    boxoffice_store::tickets::issue(&mut batch, first.order_id, &seats, l.event.0).await.unwrap();
 
     let request = l.spawn_request(&[lowest, highest]);
     let outcome = tokio::time::timeout(Duration::from_secs(30), request)
@@ -647,10 +649,10 @@ async fn a_hold_request_and_a_ticket_batch_never_wait_for_each_other(
         .unwrap();
     let waiting = l.spawn_request(&[lowest, middle]);
     crate::helpers::await_lock_wait(&l.pool, "%FROM seats%", "the request waits for the middle seat").await;
-    tokio::time::timeout(
-        Duration::from_secs(30),
-        boxoffice_store::tickets::issue(&mut batch, second.order_id, &[lowest], l.event.0),
-    )
+    tokio::time::timeout(Duration::from_secs(30), async {
+        let seats = release_for_tickets(&mut batch, second.hold_id).await;
+        boxoffice_store::tickets::issue(&mut batch, second.order_id, &seats, l.event.0).await
+    })
     .await
     .expect("the ticket batch waited for the hold request's seat lock")
     .unwrap();
@@ -668,6 +670,50 @@ async fn a_hold_request_and_a_ticket_batch_never_wait_for_each_other(
         .await
         .unwrap();
     assert_eq!(tickets, 2, "the batch issued both orders' tickets");
+}
+
+/// Tickets take only the seats a hold's release gave back: a move that keeps the seats
+/// (active → confirmed) gives back none, and issuing from it is refused with nothing written.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn tickets_are_issued_only_for_seats_a_release_gave_back(_: PgPoolOptions, opts: PgConnectOptions) {
+    let l = ledger(opts).await;
+    let receipt = l.hold(&l.seats[..2], Duration::from_secs(60)).await;
+    let mut tx = l.pool.begin().await.unwrap();
+    let mut row = holds::lock(&mut tx, receipt.hold_id).await.unwrap().unwrap();
+    let (_, kept) =
+        holds::transition_returning_seats(&mut tx, &mut row, boxoffice_domain::HoldStatus::Confirmed)
+            .await
+            .unwrap();
+    assert!(kept.ids().is_empty(), "a confirmation keeps the seats: {kept:?}");
+    let refused = boxoffice_store::tickets::issue(&mut tx, receipt.order_id, &kept, l.event.0).await;
+    assert!(matches!(refused, Err(boxoffice_store::StoreError::Corrupt(_))), "{refused:?}");
+    let (_, freed) =
+        holds::transition_returning_seats(&mut tx, &mut row, boxoffice_domain::HoldStatus::Released)
+            .await
+            .unwrap();
+    let mut held = l.seats[..2].to_vec();
+    held.sort();
+    assert_eq!(freed.ids(), &held[..], "every seat of the hold, ascending");
+    let ids = boxoffice_store::tickets::issue(&mut tx, receipt.order_id, &freed, l.event.0).await.unwrap();
+    tx.commit().await.unwrap();
+    let tickets: Vec<Uuid> =
+        sqlx::query_scalar("SELECT id FROM tickets WHERE order_id = $1 ORDER BY seat_id")
+            .bind(receipt.order_id.0)
+            .fetch_all(&l.pool)
+            .await
+            .unwrap();
+    assert_eq!(tickets, ids, "one ticket per released seat, in seat order");
+}
+
+/// The ticket worker's release, on a hold of the test's: locked, confirmed, then released,
+/// handing back its seats.
+async fn release_for_tickets(
+    tx: &mut sqlx::Transaction<'static, sqlx::Postgres>,
+    hold: boxoffice_domain::HoldId,
+) -> holds::ReleasedSeats {
+    let mut row = holds::lock(tx, hold).await.unwrap().expect("the hold exists");
+    holds::transition(tx, &mut row, boxoffice_domain::HoldStatus::Confirmed).await.unwrap();
+    holds::transition_returning_seats(tx, &mut row, boxoffice_domain::HoldStatus::Released).await.unwrap().1
 }
 
 /// A request that finds its seat's hold lapsed, and waits for that hold's lock while another
