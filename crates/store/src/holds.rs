@@ -1078,15 +1078,24 @@ pub async fn transition(
 }
 
 /// The seats a hold's move gave back, as [`transition_returning_seats`] released them: every
-/// seat row of the hold, ascending id (a hold gives its seats back all at once). Only that
-/// move makes one, so [`crate::tickets::issue`] tickets no seat its order's hold did not have.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ReleasedSeats(Vec<Uuid>);
+/// seat row of the hold, ascending id (a hold gives its seats back all at once), with the
+/// hold's order. Only that move makes one, and [`crate::tickets::issue`] refuses it for
+/// another order, so no seat is ticketed to an order whose hold did not have it.
+#[derive(Debug, PartialEq, Eq)]
+pub struct ReleasedSeats {
+    order: OrderId,
+    seats: Vec<Uuid>,
+}
 
 impl ReleasedSeats {
     /// The seat ids, ascending.
     pub fn ids(&self) -> &[Uuid] {
-        &self.0
+        &self.seats
+    }
+
+    /// The order whose hold gave them back.
+    pub fn order(&self) -> OrderId {
+        self.order
     }
 }
 
@@ -1124,7 +1133,7 @@ pub async fn transition_returning_seats(
         return Err(StoreError::Corrupt(format!("hold {} left {from} under its row lock", hold.id)));
     }
     hold.status = to;
-    Ok((from, ReleasedSeats(seats)))
+    Ok((from, ReleasedSeats { order: OrderId(hold.order_id), seats }))
 }
 
 /// Marks the seats of `holds` released. Filters on `hold_id` only (the primary key): with

@@ -12,15 +12,22 @@ use uuid::Uuid;
 
 /// Inserts the tickets of the seats `order`'s hold gave back ([`ReleasedSeats`], from
 /// [`crate::holds::transition_returning_seats`]) for `order` (insert-or-nothing) and returns
-/// their ticket ids, in ascending seat id. Errors: [`StoreError::Corrupt`] when the hold had
-/// no seats (nothing written); a unique violation on `ticket_seat_uq` only if another order
-/// holds a ticket for one of these seats — an invariant breach the caller must surface.
+/// their ticket ids, in ascending seat id. Errors, nothing written: [`StoreError::Corrupt`]
+/// when the set is empty (the move kept the seats, or the hold had none) or is another
+/// order's hold's; a unique violation on `ticket_seat_uq` only if another order holds a
+/// ticket for one of these seats — an invariant breach the caller must surface.
 pub async fn issue(
     tx: &mut Tx<'_>,
     order: OrderId,
     seats: &ReleasedSeats,
     event: Uuid,
 ) -> Result<Vec<Uuid>, StoreError> {
+    if seats.order() != order {
+        return Err(StoreError::Corrupt(format!(
+            "order {order}: the seats to ticket are order {}'s",
+            seats.order()
+        )));
+    }
     let seats = seats.ids();
     if seats.is_empty() {
         return Err(StoreError::Corrupt(format!("order {order}: its hold gave back no seats to ticket")));

@@ -1,7 +1,8 @@
-//! The ticket worker (design §11): on TicketIssueRequested, in one transaction, releases the
-//! hold rows and inserts one ticket for each seat they gave back, with an id derived from
-//! (order, seat) — insert-or-nothing, so a replay changes nothing; the ticket now owns the
-//! seat — moves the order to `ticketed` and emits TicketIssued. A confirmed hold is never released because issuance is slow: a failed
+//! The ticket worker (design §11): on TicketIssueRequested for a `paid` order (a replay finds
+//! it `ticketed` and changes nothing), in one transaction, releases the hold rows and inserts
+//! one ticket for each seat they gave back (the ticket now owns the seat), with an id derived
+//! from (order, seat) and insert-or-nothing; moves the order to `ticketed` and emits
+//! TicketIssued. A confirmed hold is never released because issuance is slow: a failed
 //! attempt rolls back and is retried (invariant 1: one ticket per seat). Followed through in
 //! the capture's transaction when the process runs it beside the payment worker and the saga
 //! (`boxoffice_bus::follow`); a failure there rolls that transaction back and leaves the

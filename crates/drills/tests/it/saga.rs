@@ -672,8 +672,9 @@ async fn a_hold_request_and_a_ticket_batch_never_wait_for_each_other(
     assert_eq!(tickets, 2, "the batch issued both orders' tickets");
 }
 
-/// Tickets take only the seats a hold's release gave back: a move that keeps the seats
-/// (active → confirmed) gives back none, and issuing from it is refused with nothing written.
+/// Tickets take only the seats a hold's release gave back, for that hold's order: a move that
+/// keeps the seats (active → confirmed) gives back none, and issuing from it, or issuing the
+/// released seats to another order, is refused with nothing written.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn tickets_are_issued_only_for_seats_a_release_gave_back(_: PgPoolOptions, opts: PgConnectOptions) {
     let l = ledger(opts).await;
@@ -694,6 +695,11 @@ async fn tickets_are_issued_only_for_seats_a_release_gave_back(_: PgPoolOptions,
     let mut held = l.seats[..2].to_vec();
     held.sort();
     assert_eq!(freed.ids(), &held[..], "every seat of the hold, ascending");
+    let other = boxoffice_store::tickets::issue(&mut tx, OrderId(Uuid::new_v4()), &freed, l.event.0).await;
+    assert!(
+        matches!(other, Err(boxoffice_store::StoreError::Corrupt(_))),
+        "another order's seats: {other:?}"
+    );
     let ids = boxoffice_store::tickets::issue(&mut tx, receipt.order_id, &freed, l.event.0).await.unwrap();
     tx.commit().await.unwrap();
     let tickets: Vec<Uuid> =
