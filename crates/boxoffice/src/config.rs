@@ -2233,6 +2233,23 @@ mod tests {
     }
 
     #[test]
+    fn webhook_networks_are_read_from_the_environment_as_terraform_writes_them() {
+        // nextest runs every test in its own process: this environment is this test's alone.
+        // infra/main.tf sets WEBHOOK_ALLOWED_NETWORKS = jsonencode(var.webhook_allowed_networks).
+        std::env::set_var(
+            "BOXOFFICE_WEBHOOK_ALLOWED_NETWORKS",
+            r#"["3.18.12.63/32","2600:1f28::/32","54.187.174.169"]"#,
+        );
+        let c = Config::load(None, Environment::Development).unwrap();
+        assert_eq!(c.webhook_allowed_networks, ["3.18.12.63/32", "2600:1f28::/32", "54.187.174.169"]);
+        let nets: Vec<String> = c.webhook_networks().unwrap().iter().map(|n| n.to_string()).collect();
+        assert_eq!(nets, ["3.18.12.63/32", "2600:1f28::/32", "54.187.174.169/32"]);
+        std::env::set_var("BOXOFFICE_WEBHOOK_ALLOWED_NETWORKS", r#"["3.18.12.63/32","stripe.com"]"#);
+        let e = format!("{:#}", Config::load(None, Environment::Development).unwrap_err());
+        assert!(e.contains("webhook_allowed_networks") && e.contains("stripe.com"), "{e}");
+    }
+
+    #[test]
     fn secrets_are_read_from_the_environment_verbatim() {
         // nextest runs every test in its own process: this environment is this test's alone.
         let digits = "12345678901234567890123456789012345678";
