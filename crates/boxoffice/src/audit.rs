@@ -289,6 +289,7 @@ pub fn render(r: &AuditReport) -> String {
         ("authorizations past their capture deadline".into(), Some(v.uncaptured_past_deadline)),
         ("orders stuck in a non-final state".into(), Some(v.stuck_orders)),
         ("unpublished outbox rows (older than 5 s)".into(), Some(v.unpublished_outbox)),
+        ("pending webhooks with a payment row (older than 30 s)".into(), Some(v.stranded_webhooks)),
     ];
     let p = r.provider.ran().map(|p| &p.violations);
     rows.push((

@@ -303,15 +303,20 @@ pub enum PurchaseEvent {
     PaymentIntentRefreshRequested { order_id: OrderId, payment_intent_id: String, reason: String },
 }
 
-/// Reasons a `PaymentIntentRefreshRequested` carries that change how its re-fetch runs (any
-/// other reason — `webhook_claim`, `amount_mismatch`, `early_webhook`, `hold_lapsing`, … — is
-/// only logged and counted).
+/// Reasons a `PaymentIntentRefreshRequested` carries, for the writers in more than one crate.
+/// Only [`refresh_reason::CAPTURE_OUTSTANDING`] changes how its re-fetch runs; every other
+/// reason — these, `webhook_claim`, `amount_mismatch`, `hold_lapsing`, … — is only logged
+/// and counted.
 pub mod refresh_reason {
     /// A capture was claimed (a webhook) while the saga's own capture request was outstanding:
     /// most likely the capture's own webhook, ahead of the payment worker's record of the same
     /// answer. The re-fetch stops at the ledger when the capture is recorded by the time it
     /// runs, and asks the provider otherwise.
     pub const CAPTURE_OUTSTANDING: &str = "capture_outstanding";
+    /// Webhooks about the PaymentIntent arrived before its payment row, and were kept as
+    /// pending until the row was written (design §10): what they reported is re-derived
+    /// from the provider.
+    pub const EARLY_WEBHOOK: &str = "early_webhook";
 }
 
 impl EventKind {

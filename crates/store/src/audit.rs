@@ -32,12 +32,21 @@ pub struct Violations {
     /// Outbox rows still unpublished [`UNPUBLISHED_GRACE_MS`] after they were written
     /// (invariant 5); younger rows are the relay's normal latency, not a violation.
     pub unpublished_outbox: i64,
+    /// Webhook events still pending [`STRANDED_GRACE_MS`] after they arrived although their
+    /// PaymentIntent's payment row exists: news of a payment the saga has not been asked to
+    /// re-derive (design §10). The expiry worker's sweep
+    /// ([`crate::stripe_events::resolve_stranded`]) resolves them every 10 s.
+    pub stranded_webhooks: i64,
 }
 
 /// How old an unpublished outbox row must be before the audit counts it, ms. The relay
 /// publishes within milliseconds when healthy; five seconds is far above that and far
 /// below anything an operator would call stuck.
 pub const UNPUBLISHED_GRACE_MS: i64 = 5_000;
+
+/// How old a pending webhook event with a payment row must be before the audit counts it,
+/// ms: three periods of the sweep that resolves it.
+pub const STRANDED_GRACE_MS: i64 = 30_000;
 
 impl Violations {
     /// Sum of all counts.
@@ -50,6 +59,7 @@ impl Violations {
             + self.uncaptured_past_deadline
             + self.stuck_orders
             + self.unpublished_outbox
+            + self.stranded_webhooks
     }
 }
 
@@ -201,6 +211,18 @@ pub async fn violations(
                 AND created_at < clock_timestamp() - make_interval(secs => $1::double precision / 1000.0)",
         )
         .bind(UNPUBLISHED_GRACE_MS as f64)
+        .fetch_one(pool)
+        .await?,
+        stranded_webhooks: sqlx::query_scalar(
+            "SELECT count(*) FROM stripe_events se
+               JOIN payments p ON p.payment_intent_id = se.payment_intent_id
+               JOIN orders o ON o.id = p.order_id
+              WHERE se.pending
+                AND se.received_at < clock_timestamp() - make_interval(secs => $2::double precision / 1000.0)
+                AND ($1::uuid IS NULL OR o.event_id = $1)",
+        )
+        .bind(event)
+        .bind(STRANDED_GRACE_MS as f64)
         .fetch_one(pool)
         .await?,
     })

@@ -1,10 +1,15 @@
 //! Received Stripe webhook events, deduplicated on Stripe's event id (invariant 4): the row
 //! and the outbox continuation commit together, so a redelivered event is acknowledged and
 //! does nothing. Events for a PaymentIntent the ledger does not know yet are kept as
-//! pending until its payment row exists (design §10: an early webhook is not lost).
+//! pending until its payment row exists (design §10: an early webhook is not lost). The
+//! payment row's own statement resolves the pending events it sees; [`resolve_stranded`]
+//! resolves those it could not see (their transaction committed after its snapshot).
 
-use crate::Tx;
+use crate::{outbox, StoreError, Tx};
+use boxoffice_domain::events::{refresh_reason, Envelope, PurchaseEvent};
 use boxoffice_domain::OrderId;
+use sqlx::PgPool;
+use uuid::Uuid;
 
 /// Records Stripe event `stripe_event_id`; `true` if it is new.
 pub async fn record(
@@ -62,19 +67,59 @@ pub(crate) fn resolve_pending(pi: &str, order: &str) -> String {
     )
 }
 
-/// Pending events older than `older_than_ms` (for the audit: a pending event nobody claims
-/// is a PaymentIntent boxoffice did not create, or a lost payment row).
-pub async fn pending_count<'e, E: sqlx::Executor<'e, Database = sqlx::Postgres>>(
-    ex: E,
-    older_than_ms: i64,
-) -> Result<i64, sqlx::Error> {
-    sqlx::query_scalar(
-        "SELECT count(*) FROM stripe_events
-          WHERE pending AND received_at < clock_timestamp() - make_interval(secs => $1::double precision / 1000.0)",
+/// Resolves up to `limit` pending events whose PaymentIntent has a committed payment row,
+/// and asks for the re-fetch of each such PaymentIntent (`PaymentIntentRefreshRequested`,
+/// reason [`refresh_reason::EARLY_WEBHOOK`]) in the same transaction; returns how many
+/// re-fetches it asked for.
+///
+/// Why it is needed: a webhook that finds no payment row marks its event pending, and the
+/// statement that records the payment row resolves the pending events it sees
+/// ([`crate::payments::record_created`]). Under READ COMMITTED neither sees the other's
+/// uncommitted row, so when the webhook's transaction commits after that statement began
+/// and before the payment row committed, the event stays pending with its payment row in
+/// place: the early webhook's news would wait for the hold's provider check (rule 3 of
+/// `boxoffice_domain::hold`). Both rows are committed by the time this runs, so it finds
+/// every such event; each is resolved once (its row is locked, `SKIP LOCKED` for a second
+/// sweeper, and a resolved row is no longer pending). The expiry worker runs it every 10 s.
+pub async fn resolve_stranded(pool: &PgPool, limit: i64) -> Result<usize, StoreError> {
+    let mut tx = pool.begin().await?;
+    let rows: Vec<(Uuid, Uuid, String)> = sqlx::query_as(
+        "WITH stranded AS (
+             SELECT se.id FROM stripe_events se
+               JOIN payments p ON p.payment_intent_id = se.payment_intent_id
+              WHERE se.pending
+              ORDER BY se.received_at LIMIT $1 FOR UPDATE OF se SKIP LOCKED)
+         UPDATE stripe_events se
+            SET pending = false, resolved_at = clock_timestamp(), order_id = p.order_id
+           FROM stranded, payments p, orders o
+          WHERE se.id = stranded.id AND p.payment_intent_id = se.payment_intent_id AND o.id = p.order_id
+         RETURNING p.order_id, o.correlation_id, p.payment_intent_id",
     )
-    .bind(older_than_ms as f64)
-    .fetch_one(ex)
-    .await
+    .bind(limit)
+    .fetch_all(&mut *tx)
+    .await?;
+    if rows.is_empty() {
+        return Ok(0);
+    }
+    // One re-fetch per PaymentIntent, however many of its events were stranded.
+    let mut asks: Vec<(Uuid, Uuid, String)> = rows;
+    asks.sort();
+    asks.dedup();
+    let events: Vec<Envelope> = asks
+        .into_iter()
+        .map(|(order, correlation, pi)| {
+            let fact = PurchaseEvent::PaymentIntentRefreshRequested {
+                order_id: OrderId(order),
+                payment_intent_id: pi,
+                reason: refresh_reason::EARLY_WEBHOOK.into(),
+            };
+            Envelope::new(OrderId(order), &fact, correlation, None)
+        })
+        .collect();
+    outbox::insert_all(&mut tx, &events).await?;
+    tx.commit().await?;
+    metrics::counter!("boxoffice_webhooks_stranded_resolved_total").increment(events.len() as u64);
+    Ok(events.len())
 }
 
 /// Records an incident (money moved for an order that could not be fulfilled, drift, …).

@@ -3,7 +3,10 @@
 //! same hold and without a lock storm after a pause. Expiry is durable data plus a repeatable
 //! query — never an in-process timer. Before a payable hold with no authorization in the
 //! ledger lapses, it asks the provider about the hold's PaymentIntent (rule 3 of
-//! `boxoffice_domain::hold`), so a late webhook never costs a buyer who paid in time.
+//! `boxoffice_domain::hold`), so a late webhook never costs a buyer who paid in time. Every
+//! 10 s it also prunes the inbox and idempotency keys, releases authorizations near their
+//! capture deadline (case C09), and resolves early webhooks that missed their payment row's
+//! resolve (`boxoffice_store::stripe_events::resolve_stranded`).
 
 use sqlx::PgPool;
 use std::time::Duration;
@@ -51,6 +54,12 @@ pub async fn run(pool: PgPool, settings: ExpirySettings, shutdown: CancellationT
                 Ok(0) => {}
                 Ok(n) => tracing::warn!(released = n, "authorizations near their capture deadline released"),
                 Err(e) => tracing::warn!(error = %e, "capture-deadline sweep failed"),
+            }
+            // Webhooks that overtook their payment row and missed its statement's resolve.
+            match boxoffice_store::stripe_events::resolve_stranded(&pool, 100).await {
+                Ok(0) => {}
+                Ok(n) => tracing::info!(refetches = n, "stranded early webhooks resolved"),
+                Err(e) => tracing::warn!(error = %e, "sweep of stranded early webhooks failed"),
             }
         }
         // Rule 3 of the hold's lifetime: a payable hold at its end is checked with the

@@ -682,7 +682,7 @@ async fn record_created(
             emit.push(PurchaseEvent::PaymentIntentRefreshRequested {
                 order_id,
                 payment_intent_id: pi.id.clone(),
-                reason: "early_webhook".into(),
+                reason: boxoffice_domain::events::refresh_reason::EARLY_WEBHOOK.into(),
             });
         }
     }

@@ -55,6 +55,7 @@ async fn small_onsale_through_the_binary_has_no_violations(_: PgPoolOptions, opt
         "uncaptured_past_deadline",
         "stuck_orders",
         "unpublished_outbox",
+        "stranded_webhooks",
         "multiple_captures_at_provider",
         "uncaptured_past_deadline_at_provider",
         "drift_intent_missing_in_ledger",

@@ -542,6 +542,147 @@ async fn early_webhook_is_kept_and_rederived_from_stripe(_: PgPoolOptions, opts:
     app.stop().await;
 }
 
+/// The race an early webhook can lose: its transaction read no payment row, and committed its
+/// pending event after the payment row's statement had taken its snapshot, so that statement
+/// did not resolve it. Both rows are then committed and the event stays pending; the expiry
+/// worker's sweep finds it, resolves it once and asks for the re-fetch, so the authorization
+/// it reported reaches the saga without waiting for the hold's provider check. Meanwhile the
+/// audit counts it once it is older than its grace.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn an_early_webhook_that_commits_after_the_payment_row_misses_it_is_swept(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    use boxoffice_payments::PaymentGateway;
+    use boxoffice_store::{audit, payments, stripe_events};
+    let app = TestApp::spawn(opts, &[Role::Api], VenueSpec::small(1, 1, 4)).await;
+    app.sim.set_webhook_url(None);
+    let seat = app.seats().await[0];
+    let b = app.buyer();
+    let r = app.hold(&b, &app.admission_token(&b), "stranded", &[seat]).await;
+    let order: Uuid =
+        r.json::<serde_json::Value>().await.unwrap()["order_id"].as_str().unwrap().parse().unwrap();
+    let hold_created: serde_json::Value =
+        sqlx::query_scalar("SELECT payload FROM outbox WHERE event_type = 'HoldCreated'")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    let hold_created: Envelope = serde_json::from_value(hold_created).unwrap();
+    let PurchaseEvent::HoldCreated { amount_minor, currency, .. } = hold_created.decode().unwrap() else {
+        panic!("not a HoldCreated")
+    };
+    let gateway = app.stripe();
+    let created = gateway
+        .create_payment_intent(
+            &boxoffice_payments::CreatePaymentIntent { amount_minor, currency, metadata: vec![] },
+            &format!("stranded:{order}"),
+        )
+        .await
+        .unwrap();
+    gateway
+        .confirm_with_client_secret(
+            &app.cfg.stripe_publishable_key,
+            &created.id,
+            created.client_secret.as_deref().unwrap(),
+            "pm_card_visa",
+        )
+        .await
+        .unwrap();
+
+    // The webhook's transaction, as ingress runs it for an event that names no order: it
+    // finds no payment row, records the event and marks it pending, and does not commit yet.
+    let mut webhook = app.pool.begin().await.unwrap();
+    assert_eq!(payments::order_for_intent(&mut *webhook, &created.id).await.unwrap(), None);
+    assert!(stripe_events::record(
+        &mut webhook,
+        "evt_stranded",
+        "payment_intent.amount_capturable_updated",
+        Some(&created.id),
+        None
+    )
+    .await
+    .unwrap());
+    stripe_events::mark_pending(&mut webhook, "evt_stranded").await.unwrap();
+    // The payment worker records the payment row and commits; its resolve cannot see the
+    // webhook's uncommitted row.
+    let worker = boxoffice_workers::payment::PaymentWorker::new(
+        Arc::new(gateway),
+        app.pool.clone(),
+        app.cfg.hold_policy(),
+    );
+    let event = hold_created.decode().unwrap();
+    let mut tx = app.pool.begin().await.unwrap();
+    let follows = worker
+        .apply(
+            &mut tx,
+            &hold_created,
+            &event,
+            boxoffice_workers::payment::Prepared::Intent(created.clone()),
+            false,
+        )
+        .await
+        .unwrap();
+    boxoffice_store::outbox::insert_all(&mut tx, &follows).await.unwrap();
+    tx.commit().await.unwrap();
+    webhook.commit().await.unwrap();
+    let pending = || async {
+        sqlx::query_scalar::<_, bool>(
+            "SELECT pending FROM stripe_events WHERE stripe_event_id = 'evt_stranded'",
+        )
+        .fetch_one(&app.pool)
+        .await
+        .unwrap()
+    };
+    assert!(pending().await, "the race: the payment row's statement did not resolve the event");
+    assert_eq!(refreshes(&app, order, "early_webhook").await, 0);
+
+    // The audit counts it once it is older than its grace, not before.
+    let stranded = || async { audit::violations(&app.pool, 600_000, None).await.unwrap().stranded_webhooks };
+    assert_eq!(stranded().await, 0, "within the grace");
+    sqlx::query("UPDATE stripe_events SET received_at = received_at - make_interval(secs => $1)")
+        .bind((audit::STRANDED_GRACE_MS / 1000 + 1) as f64)
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(stranded().await, 1);
+
+    // The expiry worker's sweep resolves it for the order and asks for the re-fetch, once.
+    let stop = tokio_util::sync::CancellationToken::new();
+    let expiry = tokio::spawn(boxoffice_workers::expiry::run(
+        app.pool.clone(),
+        boxoffice_workers::expiry::ExpirySettings::default(),
+        stop.clone(),
+    ));
+    eventually(Duration::from_secs(30), "the sweep resolves the stranded event", || async {
+        !pending().await
+    })
+    .await;
+    stop.cancel();
+    expiry.await.unwrap();
+    let owner: Option<Uuid> =
+        sqlx::query_scalar("SELECT order_id FROM stripe_events WHERE stripe_event_id = 'evt_stranded'")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(owner, Some(order));
+    assert_eq!(refreshes(&app, order, "early_webhook").await, 1);
+    assert_eq!(stripe_events::resolve_stranded(&app.pool, 100).await.unwrap(), 0, "resolved once");
+    assert_eq!(stranded().await, 0);
+
+    // The re-fetch finds the authorization the webhook reported.
+    let refresh: serde_json::Value = sqlx::query_scalar(
+        "SELECT payload FROM outbox WHERE event_type = 'PaymentIntentRefreshRequested' AND message_key = $1",
+    )
+    .bind(order.to_string())
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    let refresh: Envelope = serde_json::from_value(refresh).unwrap();
+    assert_eq!(handle_once(&app.pool, &worker, &refresh).await.unwrap(), Disposition::Applied);
+    assert_eq!(app.outbox_count("PaymentAuthorized", order).await, 1);
+    app.stop().await;
+}
+
 /// A signed claim for each handled event type about an order whose PaymentIntent the provider
 /// still reports as `requires_payment_method` (case C16).
 fn forged_claims(order: Uuid, pi: &str, round: &str) -> Vec<serde_json::Value> {
