@@ -15,6 +15,8 @@
 //! - `POST /webhooks/stripe`: the cell named in the object's `metadata.purchase_cell` (the
 //!   payment worker writes it on every PaymentIntent). Without one the answer is 503, which
 //!   Stripe retries, and it is logged: an event no cell can claim is never dropped here.
+//!   A sender outside `webhook_allowed_networks` is refused (403 `webhook_source_refused`)
+//!   before its body is read, as each cell would refuse it.
 //!
 //! Paths with dot segments or percent-encoded separators are refused (400 `invalid_path`), so
 //! what is forwarded is exactly what was routed, and only reads (and a queue leave) are asked
@@ -83,6 +85,10 @@ pub struct CellRouter {
     stream_slots: Arc<tokio::sync::Semaphore>,
     stream_max: usize,
     streams_per_ip: Arc<crate::edge::PerClientInFlight>,
+    /// Where webhooks may come from ([`CellRouter::with_webhook_networks`]; empty: anywhere).
+    webhook_networks: Arc<[ipnet::IpNet]>,
+    /// Proxies in front of the router ([`StreamBounds::trusted_proxy_hops`]).
+    trusted_proxy_hops: u32,
 }
 
 /// The router's bounds on the order streams it relays.
@@ -154,7 +160,18 @@ impl CellRouter {
                 streams.max_per_ip,
                 streams.trusted_proxy_hops,
             ),
+            webhook_networks: Arc::new([]),
+            trusted_proxy_hops: streams.trusted_proxy_hops,
         })
+    }
+
+    /// Webhooks only from `networks` (the deployment's `webhook_allowed_networks`, as every
+    /// cell has): others get 403 `webhook_source_refused` here, before their body is read
+    /// ([`crate::edge::webhook_source_refusal`]), so no sender outside them holds the router's
+    /// connections or a cell's. Empty: from anywhere (development).
+    pub fn with_webhook_networks(mut self, networks: Vec<ipnet::IpNet>) -> Self {
+        self.webhook_networks = networks.into();
+        self
     }
 
     /// The map as last read.
@@ -329,6 +346,16 @@ async fn route(
     let (parts, body) = req.into_parts();
     let path_and_query = parts.uri.path_and_query().map_or("/", |p| p.as_str()).to_owned();
     let target = target(&router, &parts.method, parts.uri.path())?;
+    if matches!(target, Target::Webhook) {
+        if let Some(refused) = crate::edge::webhook_source_refusal(
+            &router.webhook_networks,
+            Some(peer.ip()),
+            &parts.headers,
+            router.trusted_proxy_hops,
+        ) {
+            return Err(refused);
+        }
+    }
     let body = axum::body::to_bytes(body, MAX_FORWARDED_BODY).await.map_err(|_| {
         Problem::new(
             StatusCode::PAYLOAD_TOO_LARGE,

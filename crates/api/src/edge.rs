@@ -25,9 +25,9 @@
 //! `/healthz` and `/readyz` are served here, behind the same bounds.
 //!
 //! [`client_ip`] decides which address a request is counted against (the per-IP rate
-//! buckets and [`PerClientInFlight`]): the socket's peer, or an `X-Forwarded-For` entry when
-//! the deployment trusts a number of proxy hops; [`bucket_key`] groups IPv6 clients by their
-//! /64.
+//! buckets and [`PerClientInFlight`]) and where a webhook comes from
+//! ([`webhook_source_refusal`]): the socket's peer, or an `X-Forwarded-For` entry when the
+//! deployment trusts a number of proxy hops; [`bucket_key`] groups IPv6 clients by their /64.
 //!
 //! A rate bucket counts requests as they start, so a client that keeps each request open
 //! (a body trickled byte by byte until the request timeout) would take many slots of the
@@ -288,6 +288,34 @@ pub async fn limit_in_flight(
             Problem::too_many_in_flight(limit.max).into_response()
         }
     }
+}
+
+/// Where webhooks may come from (`webhook_allowed_networks`; empty: anywhere), judged by the
+/// client's address ([`client_ip`] of `peer` and `headers` with `trusted_proxy_hops`): `None`
+/// when the request may go on, else the 403 `webhook_source_refused` to answer before its
+/// body is read. The API's webhook ingress and the cell router take it from here, so a
+/// router in front of the cells refuses what each cell would. Counted as
+/// `boxoffice_stripe_webhooks_total{outcome="source_refused"}`.
+pub fn webhook_source_refusal(
+    allowed: &[ipnet::IpNet],
+    peer: Option<IpAddr>,
+    headers: &HeaderMap,
+    trusted_proxy_hops: u32,
+) -> Option<Problem> {
+    if allowed.is_empty() {
+        return None;
+    }
+    let ip = client_ip(peer, headers, trusted_proxy_hops);
+    if ip.is_some_and(|ip| allowed.iter().any(|n| n.contains(&ip.to_canonical()))) {
+        return None;
+    }
+    metrics::counter!("boxoffice_stripe_webhooks_total", "outcome" => "source_refused").increment(1);
+    Some(Problem::new(
+        axum::http::StatusCode::FORBIDDEN,
+        "webhook_source_refused",
+        "Webhook source refused",
+        "webhooks are accepted only from the provider's published addresses",
+    ))
 }
 
 /// The address a request is counted against: the socket's `peer`, or, with

@@ -468,21 +468,14 @@ async fn webhook_source(
     req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
-    let nets = &st.settings.webhook_allowed_networks;
-    if !nets.is_empty() {
-        let peer =
-            req.extensions().get::<axum::extract::ConnectInfo<std::net::SocketAddr>>().map(|c| c.0.ip());
-        let ip = crate::edge::client_ip(peer, req.headers(), st.settings.trusted_proxy_hops);
-        if !ip.is_some_and(|ip| nets.iter().any(|n| n.contains(&ip.to_canonical()))) {
-            metrics::counter!("boxoffice_stripe_webhooks_total", "outcome" => "source_refused").increment(1);
-            return Problem::new(
-                StatusCode::FORBIDDEN,
-                "webhook_source_refused",
-                "Webhook source refused",
-                "webhooks are accepted only from the provider's published addresses",
-            )
-            .into_response();
-        }
+    let peer = req.extensions().get::<axum::extract::ConnectInfo<std::net::SocketAddr>>().map(|c| c.0.ip());
+    if let Some(refused) = crate::edge::webhook_source_refusal(
+        &st.settings.webhook_allowed_networks,
+        peer,
+        req.headers(),
+        st.settings.trusted_proxy_hops,
+    ) {
+        return refused.into_response();
     }
     next.run(req).await
 }

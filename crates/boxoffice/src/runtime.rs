@@ -513,7 +513,8 @@ async fn start_router(
             max_per_ip: cfg.order_stream_max_per_ip,
             trusted_proxy_hops: cfg.router_proxy_hops(),
         },
-    )?;
+    )?
+    .with_webhook_networks(cfg.webhook_networks()?);
     router.refresh(&control).await;
     let listener = tokio::net::TcpListener::bind(&cfg.router_bind)
         .await

@@ -1,7 +1,7 @@
 //! Purchase cells (design §13): a token for the wrong cell or from before a move is refused
 //! where the seats are, a move keeps sold seats sold, a cell's process never connects to
 //! another cell's database, and the router keeps routing with its last map while the control
-//! database is down.
+//! database is down (and refuses webhooks from outside the allowed networks unread).
 
 use crate::helpers::{eventually, problem, product_bin, Extra, TestApp};
 use boxoffice::config::{CellSettings, Config};
@@ -344,6 +344,8 @@ async fn the_router_serves_its_last_map_while_the_control_database_is_down(
     // The router's own stream bounds (its configuration is cell 1's with the cells added).
     ops.order_stream_max = 16;
     ops.order_stream_max_per_ip = 2;
+    // Webhooks from one network only, which this test's client is not in.
+    ops.webhook_allowed_networks = vec!["192.0.2.0/24".into()];
     let sd = CancellationToken::new();
     let running = runtime::start(&ops, &[Role::Router], opts.clone(), sd.clone()).await.unwrap();
     let router = format!("http://{}", running.router_addr.unwrap());
@@ -486,6 +488,24 @@ async fn the_router_serves_its_last_map_while_the_control_database_is_down(
         .await
         .unwrap();
     assert_eq!(problem(r).await.0, 405);
+    // A webhook from outside `webhook_allowed_networks` is refused before its body is read:
+    // its head promises a body that never comes, and the answer comes at once.
+    let answer = tokio::time::timeout(Duration::from_secs(3), async {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut c = tokio::net::TcpStream::connect(running.router_addr.unwrap()).await.unwrap();
+        c.write_all(
+            b"POST /webhooks/stripe HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n\
+              Stripe-Signature: t=1,v1=00\r\nContent-Length: 4096\r\nConnection: close\r\n\r\n",
+        )
+        .await
+        .unwrap();
+        let mut out = Vec::new();
+        c.read_to_end(&mut out).await.unwrap();
+        String::from_utf8_lossy(&out).into_owned()
+    })
+    .await
+    .expect("answered before the body");
+    assert!(answer.starts_with("HTTP/1.1 403") && answer.contains("webhook_source_refused"), "{answer}");
 
     // The control database goes away: the router keeps its map.
     control.drop().await;
