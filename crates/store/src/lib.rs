@@ -51,7 +51,7 @@ pub static MIGRATOR: Migrator = sqlx::migrate!("./migrations");
 /// go on meanwhile). A build that fails (cancelled, a lock wait timed out, a crash) leaves
 /// its index behind, invalid, and its migration unrecorded; [`migrate`] drops such an index
 /// before it runs the migration again.
-pub const CONCURRENT_INDEXES: &[&str] = &["outbox_parked_idx"];
+pub const CONCURRENT_INDEXES: &[&str] = &["outbox_parked_idx", "stripe_events_pending_received_idx"];
 
 /// A migration's lock waits at most this long, ms: an `ALTER TABLE` queued behind a long
 /// query of a live table would hold up every writer queued behind it. The migration fails

@@ -4,6 +4,7 @@
 //! pending until its payment row exists (design §10: an early webhook is not lost). The
 //! payment row's own statement resolves the pending events it sees; [`resolve_stranded`]
 //! resolves those it could not see (their transaction committed after its snapshot).
+//! Pending events of a PaymentIntent boxoffice did not create stay pending.
 
 use crate::{outbox, StoreError, Tx};
 use boxoffice_domain::events::{refresh_reason, Envelope, PurchaseEvent};
@@ -67,27 +68,39 @@ pub(crate) fn resolve_pending(pi: &str, order: &str) -> String {
     )
 }
 
-/// Resolves up to `limit` pending events whose PaymentIntent has a committed payment row,
-/// and asks for the re-fetch of each such PaymentIntent (`PaymentIntentRefreshRequested`,
-/// reason [`refresh_reason::EARLY_WEBHOOK`]) in the same transaction; returns how many
-/// re-fetches it asked for.
+/// How far back [`resolve_stranded`] looks: a stranded event arrived before its payment row
+/// was committed, so the sweep 10 s later finds it well within this. Older ones (the expiry
+/// worker stopped for longer) are left to the audit (`stranded_webhooks`, unbounded) and the
+/// operator; pending events of PaymentIntents boxoffice did not create are never resolved,
+/// and the bound keeps them out of every pass.
+pub const STRANDED_WINDOW_S: i64 = 86_400;
+
+/// Resolves up to `limit` pending events received in the last [`STRANDED_WINDOW_S`] whose
+/// PaymentIntent has a committed payment row, and asks for the re-fetch of each such
+/// PaymentIntent (`PaymentIntentRefreshRequested`, reason [`refresh_reason::EARLY_WEBHOOK`])
+/// in the same transaction; returns how many re-fetches it asked for (one per PaymentIntent
+/// within one pass; a PaymentIntent whose events two passes share is re-fetched twice, which
+/// the saga takes as one: it acts on the provider's state). Counted as
+/// `boxoffice_webhooks_stranded_resolved_total` (events resolved).
 ///
 /// Why it is needed: a webhook that finds no payment row marks its event pending, and the
 /// statement that records the payment row resolves the pending events it sees
 /// ([`crate::payments::record_created`]). Under READ COMMITTED neither sees the other's
-/// uncommitted row, so when the webhook's transaction commits after that statement began
-/// and before the payment row committed, the event stays pending with its payment row in
-/// place: the early webhook's news would wait for the hold's provider check (rule 3 of
-/// `boxoffice_domain::hold`). Both rows are committed by the time this runs, so it finds
-/// every such event; each is resolved once (its row is locked, `SKIP LOCKED` for a second
-/// sweeper, and a resolved row is no longer pending). The expiry worker runs it every 10 s.
+/// uncommitted row: when the webhook read `payments` before the payment row committed, and
+/// committed its event after that statement took its snapshot, the event stays pending with
+/// its payment row in place, and the early webhook's news would wait for the hold's provider
+/// check (rule 3 of `boxoffice_domain::hold`). Both rows are committed by the time the sweep
+/// sees them, so it resolves each such event once: its row is locked (`SKIP LOCKED` for a
+/// second sweeper) and a resolved row is no longer pending. The expiry worker runs it every
+/// 10 s; the partial index of pending rows by arrival (migration 0025) keeps a pass to the
+/// events of the window.
 pub async fn resolve_stranded(pool: &PgPool, limit: i64) -> Result<usize, StoreError> {
     let mut tx = pool.begin().await?;
     let rows: Vec<(Uuid, Uuid, String)> = sqlx::query_as(
         "WITH stranded AS (
              SELECT se.id FROM stripe_events se
                JOIN payments p ON p.payment_intent_id = se.payment_intent_id
-              WHERE se.pending
+              WHERE se.pending AND se.received_at > clock_timestamp() - make_interval(secs => $2)
               ORDER BY se.received_at LIMIT $1 FOR UPDATE OF se SKIP LOCKED)
          UPDATE stripe_events se
             SET pending = false, resolved_at = clock_timestamp(), order_id = p.order_id
@@ -96,12 +109,14 @@ pub async fn resolve_stranded(pool: &PgPool, limit: i64) -> Result<usize, StoreE
          RETURNING p.order_id, o.correlation_id, p.payment_intent_id",
     )
     .bind(limit)
+    .bind(STRANDED_WINDOW_S as f64)
     .fetch_all(&mut *tx)
     .await?;
     if rows.is_empty() {
         return Ok(0);
     }
-    // One re-fetch per PaymentIntent, however many of its events were stranded.
+    let resolved = rows.len();
+    // One re-fetch per PaymentIntent, however many of its events this pass resolved.
     let mut asks: Vec<(Uuid, Uuid, String)> = rows;
     asks.sort();
     asks.dedup();
@@ -118,7 +133,7 @@ pub async fn resolve_stranded(pool: &PgPool, limit: i64) -> Result<usize, StoreE
         .collect();
     outbox::insert_all(&mut tx, &events).await?;
     tx.commit().await?;
-    metrics::counter!("boxoffice_webhooks_stranded_resolved_total").increment(events.len() as u64);
+    metrics::counter!("boxoffice_webhooks_stranded_resolved_total").increment(resolved as u64);
     Ok(events.len())
 }
 

@@ -547,7 +547,8 @@ async fn early_webhook_is_kept_and_rederived_from_stripe(_: PgPoolOptions, opts:
 /// did not resolve it. Both rows are then committed and the event stays pending; the expiry
 /// worker's sweep finds it, resolves it once and asks for the re-fetch, so the authorization
 /// it reported reaches the saga without waiting for the hold's provider check. Meanwhile the
-/// audit counts it once it is older than its grace.
+/// audit counts it once it is older than its grace; one older than the sweep's window is the
+/// audit's alone.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn an_early_webhook_that_commits_after_the_payment_row_misses_it_is_swept(
     _: PgPoolOptions,
@@ -680,6 +681,20 @@ async fn an_early_webhook_that_commits_after_the_payment_row_misses_it_is_swept(
     let refresh: Envelope = serde_json::from_value(refresh).unwrap();
     assert_eq!(handle_once(&app.pool, &worker, &refresh).await.unwrap(), Disposition::Applied);
     assert_eq!(app.outbox_count("PaymentAuthorized", order).await, 1);
+
+    // One older than the sweep's window is left to the audit, which has no age bound.
+    sqlx::query(
+        "INSERT INTO stripe_events (stripe_event_id, type, payment_intent_id, pending, received_at)
+         VALUES ('evt_old', 'payment_intent.amount_capturable_updated', $1, true,
+                 now() - make_interval(secs => $2))",
+    )
+    .bind(&created.id)
+    .bind((stripe_events::STRANDED_WINDOW_S + 60) as f64)
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(stripe_events::resolve_stranded(&app.pool, 100).await.unwrap(), 0);
+    assert_eq!(stranded().await, 1);
     app.stop().await;
 }
 
