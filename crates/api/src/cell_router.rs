@@ -243,7 +243,8 @@ impl CellRouter {
 ///
 /// The router's own routes: `GET /healthz` (liveness), `GET /metrics` (its Prometheus page:
 /// `boxoffice_router_directory_age_seconds`, `boxoffice_router_upstream_errors_total{cell}`,
-/// `boxoffice_router_streams_refused_total{scope}`)
+/// `boxoffice_router_streams_refused_total{scope}`,
+/// `boxoffice_stripe_webhooks_total{outcome="source_refused"}`)
 /// and `GET /routerz` (the map's size and staleness).
 pub fn app(
     router: CellRouter,

@@ -1557,16 +1557,28 @@ impl Config {
         }
     }
 
-    /// `webhook_allowed_networks` parsed (a bare address is its /32 or /128). Errors name the
-    /// entry that does not parse.
+    /// `webhook_allowed_networks` parsed (a bare address is its /32 or /128). An IPv4-mapped
+    /// IPv6 network (`::ffff:a.b.c.d/N`, N ≥ 96) is read as the IPv4 network it maps, since a
+    /// client's address is compared in its canonical form (an IPv4 client on a dual-stack
+    /// socket is its IPv4 address). Errors name the entry that does not parse.
     pub fn webhook_networks(&self) -> anyhow::Result<Vec<ipnet::IpNet>> {
         self.webhook_allowed_networks
             .iter()
             .map(|n| {
                 let n = n.trim();
-                n.parse::<ipnet::IpNet>()
+                let net = n
+                    .parse::<ipnet::IpNet>()
                     .or_else(|_| n.parse::<std::net::IpAddr>().map(ipnet::IpNet::from))
-                    .map_err(|_| anyhow::anyhow!("webhook_allowed_networks: {n:?} is not a CIDR network"))
+                    .map_err(|_| anyhow::anyhow!("webhook_allowed_networks: {n:?} is not a CIDR network"))?;
+                Ok(match net {
+                    ipnet::IpNet::V6(v6) if v6.prefix_len() >= 96 => match v6.addr().to_ipv4_mapped() {
+                        Some(v4) => ipnet::IpNet::V4(
+                            ipnet::Ipv4Net::new(v4, v6.prefix_len() - 96).expect("a prefix of at most 32"),
+                        ),
+                        None => net,
+                    },
+                    _ => net,
+                })
             })
             .collect()
     }
@@ -2247,6 +2259,25 @@ mod tests {
         std::env::set_var("BOXOFFICE_WEBHOOK_ALLOWED_NETWORKS", r#"["3.18.12.63/32","stripe.com"]"#);
         let e = format!("{:#}", Config::load(None, Environment::Development).unwrap_err());
         assert!(e.contains("webhook_allowed_networks") && e.contains("stripe.com"), "{e}");
+    }
+
+    /// An IPv4-mapped entry allows the IPv4 clients it names: clients are compared by their
+    /// canonical address, so left mapped it would match nobody.
+    #[test]
+    fn ipv4_mapped_webhook_networks_are_read_as_ipv4() {
+        let c = Config {
+            webhook_allowed_networks: vec![
+                "::ffff:3.18.12.63".into(),
+                "::ffff:10.1.0.0/112".into(),
+                "::ffff:0:0/95".into(),
+                "2600:1f28::/32".into(),
+            ],
+            ..Config::default()
+        };
+        let nets: Vec<String> = c.webhook_networks().unwrap().iter().map(|n| n.to_string()).collect();
+        assert_eq!(nets, ["3.18.12.63/32", "10.1.0.0/16", "::ffff:0.0.0.0/95", "2600:1f28::/32"]);
+        let client: std::net::IpAddr = "::ffff:3.18.12.63".parse().unwrap();
+        assert!(c.webhook_networks().unwrap()[0].contains(&client.to_canonical()));
     }
 
     #[test]

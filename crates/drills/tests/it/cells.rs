@@ -344,8 +344,11 @@ async fn the_router_serves_its_last_map_while_the_control_database_is_down(
     // The router's own stream bounds (its configuration is cell 1's with the cells added).
     ops.order_stream_max = 16;
     ops.order_stream_max_per_ip = 2;
-    // Webhooks from one network only, which this test's client is not in.
+    // Webhooks from one network only, which this test's own address is not in; one proxy in
+    // front of the router, whose `X-Forwarded-For` entry names the client (without the
+    // header, the client is the peer).
     ops.webhook_allowed_networks = vec!["192.0.2.0/24".into()];
+    ops.router_trusted_proxy_hops = Some(1);
     let sd = CancellationToken::new();
     let running = runtime::start(&ops, &[Role::Router], opts.clone(), sd.clone()).await.unwrap();
     let router = format!("http://{}", running.router_addr.unwrap());
@@ -506,6 +509,29 @@ async fn the_router_serves_its_last_map_while_the_control_database_is_down(
     .await
     .expect("answered before the body");
     assert!(answer.starts_with("HTTP/1.1 403") && answer.contains("webhook_source_refused"), "{answer}");
+    // The client the proxy names decides: an allowed one is forwarded to the event's cell
+    // (whose answer, here to a signature that does not verify, is relayed); one the client
+    // wrote itself, left of the proxy's entry, does not count.
+    let webhook = |forwarded_for: &'static str| {
+        let (http, router) = (http.clone(), router.clone());
+        async move {
+            let r = http
+                .post(format!("{router}/webhooks/stripe"))
+                .header("x-forwarded-for", forwarded_for)
+                .header("stripe-signature", "t=1,v1=00")
+                .json(&serde_json::json!({
+                    "id": "evt_routed", "type": "payment_intent.succeeded",
+                    "data": {"object": {"id": "pi_routed", "metadata": {"purchase_cell": "cell-1"}}}
+                }))
+                .send()
+                .await
+                .unwrap();
+            let (status, code, _) = problem(r).await;
+            (status, code)
+        }
+    };
+    assert_eq!(webhook("192.0.2.9").await, (400, "invalid_signature".to_owned()));
+    assert_eq!(webhook("192.0.2.9, 203.0.113.5").await, (403, "webhook_source_refused".to_owned()));
 
     // The control database goes away: the router keeps its map.
     control.drop().await;
