@@ -79,8 +79,8 @@ pub const STRANDED_WINDOW_S: i64 = 86_400;
 /// PaymentIntent has a committed payment row, and asks for the re-fetch of each such
 /// PaymentIntent (`PaymentIntentRefreshRequested`, reason [`refresh_reason::EARLY_WEBHOOK`])
 /// in the same transaction; returns how many re-fetches it asked for (one per PaymentIntent
-/// within one pass; a PaymentIntent whose events two passes share is re-fetched twice, which
-/// the saga takes as one: it acts on the provider's state). Counted as
+/// within one pass; a PaymentIntent whose events two passes share is re-fetched twice, and
+/// what both report is applied once: the saga's transitions are idempotent). Counted as
 /// `boxoffice_webhooks_stranded_resolved_total` (events resolved).
 ///
 /// Why it is needed: a webhook that finds no payment row marks its event pending, and the

@@ -413,19 +413,26 @@ async fn an_authorization_request_for_another_amount_creates_no_intent(
     app.stop().await;
 }
 
-/// A webhook for a PaymentIntent the ledger does not know yet, naming no order, is kept as
-/// pending; when the payment worker commits the payment row, the fact is re-derived from
-/// Stripe (a refresh), so the early webhook is not lost.
-#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
-async fn early_webhook_is_kept_and_rederived_from_stripe(_: PgPoolOptions, opts: PgConnectOptions) {
-    // Only the API runs: the test plays the payment worker by hand. The simulator's own
-    // webhooks stay off, so the one early webhook below is the only report of this
-    // authorization (a real one arriving after the payment row would be applied directly).
+/// An order held by a fresh buyer and, at the simulator, a PaymentIntent for its amount that
+/// no payment row names yet (created without our metadata, with idempotency key
+/// `{key}:{order}`): the setting of an early webhook. Only the API runs, with the
+/// simulator's own webhooks off, so the test plays the payment worker and Stripe's webhooks
+/// by hand.
+struct UnrecordedIntent {
+    app: TestApp,
+    order: Uuid,
+    hold_created: Envelope,
+    intent: boxoffice_payments::PaymentIntent,
+    amount_minor: i64,
+}
+
+async fn unrecorded_intent(opts: PgConnectOptions, key: &str) -> UnrecordedIntent {
+    use boxoffice_payments::PaymentGateway;
     let app = TestApp::spawn(opts, &[Role::Api], VenueSpec::small(1, 1, 4)).await;
     app.sim.set_webhook_url(None);
     let seat = app.seats().await[0];
     let b = app.buyer();
-    let r = app.hold(&b, &app.admission_token(&b), "early", &[seat]).await;
+    let r = app.hold(&b, &app.admission_token(&b), key, &[seat]).await;
     let order: Uuid =
         r.json::<serde_json::Value>().await.unwrap()["order_id"].as_str().unwrap().parse().unwrap();
     let hold_created: serde_json::Value =
@@ -437,31 +444,98 @@ async fn early_webhook_is_kept_and_rederived_from_stripe(_: PgPoolOptions, opts:
     let PurchaseEvent::HoldCreated { amount_minor, currency, .. } = hold_created.decode().unwrap() else {
         panic!("not a HoldCreated")
     };
-
-    // Stripe authorizes a PaymentIntent (created without our metadata) and its webhook
-    // arrives before any payment row names it.
-    let gateway = app.stripe();
-    use boxoffice_payments::PaymentGateway;
-    let created = gateway
+    let intent = app
+        .stripe()
         .create_payment_intent(
-            &boxoffice_payments::CreatePaymentIntent {
-                amount_minor,
-                currency: currency.clone(),
-                metadata: vec![],
-            },
-            &format!("early:{order}"),
+            &boxoffice_payments::CreatePaymentIntent { amount_minor, currency, metadata: vec![] },
+            &format!("{key}:{order}"),
         )
         .await
         .unwrap();
-    let early = pi_event(
+    UnrecordedIntent { app, order, hold_created, intent, amount_minor }
+}
+
+impl UnrecordedIntent {
+    /// The buyer pays: the simulator authorizes the PaymentIntent.
+    async fn authorize(&self) {
+        self.app
+            .stripe()
+            .confirm_with_client_secret(
+                &self.app.cfg.stripe_publishable_key,
+                &self.intent.id,
+                self.intent.client_secret.as_deref().unwrap(),
+                "pm_card_visa",
+            )
+            .await
+            .unwrap();
+    }
+
+    /// The payment worker's commit of the payment row, as after a slow authorize call: the
+    /// hold's `HoldCreated` (its authorization request) applied with the PaymentIntent
+    /// created, and what it emits written to the outbox in its transaction, as the consumer
+    /// runner does.
+    async fn record_payment_row(&self, worker: &boxoffice_workers::payment::PaymentWorker) {
+        let event = self.hold_created.decode().unwrap();
+        let mut tx = self.app.pool.begin().await.unwrap();
+        let follows = worker
+            .apply(
+                &mut tx,
+                &self.hold_created,
+                &event,
+                boxoffice_workers::payment::Prepared::Intent(self.intent.clone()),
+                false,
+            )
+            .await
+            .unwrap();
+        boxoffice_store::outbox::insert_all(&mut tx, &follows).await.unwrap();
+        tx.commit().await.unwrap();
+    }
+
+    /// The order's one `PaymentIntentRefreshRequested` in the outbox.
+    async fn the_refresh(&self) -> Envelope {
+        let refresh: serde_json::Value = sqlx::query_scalar(
+            "SELECT payload FROM outbox WHERE event_type = 'PaymentIntentRefreshRequested' AND message_key = $1",
+        )
+        .bind(self.order.to_string())
+        .fetch_one(&self.app.pool)
+        .await
+        .unwrap();
+        serde_json::from_value(refresh).unwrap()
+    }
+
+    /// The payment worker of this test's API, on its pool.
+    fn worker(&self) -> boxoffice_workers::payment::PaymentWorker {
+        boxoffice_workers::payment::PaymentWorker::new(
+            Arc::new(self.app.stripe()),
+            self.app.pool.clone(),
+            self.app.cfg.hold_policy(),
+        )
+    }
+}
+
+/// A webhook for a PaymentIntent the ledger does not know yet, naming no order, is kept as
+/// pending; when the payment worker commits the payment row, the fact is re-derived from
+/// Stripe (a refresh), so the early webhook is not lost.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn early_webhook_is_kept_and_rederived_from_stripe(_: PgPoolOptions, opts: PgConnectOptions) {
+    // The simulator's own webhooks are off, so the one early webhook below is the only report
+    // of this authorization (a real one arriving after the payment row would be applied
+    // directly).
+    let early = unrecorded_intent(opts, "early").await;
+    let UnrecordedIntent { app, order, intent: created, amount_minor, .. } = &early;
+    let order = *order;
+
+    // Stripe authorizes the PaymentIntent and its webhook arrives before any payment row
+    // names it.
+    let webhook = pi_event(
         "evt_early",
         "payment_intent.amount_capturable_updated",
         &created.id,
         "requires_capture",
-        amount_minor,
+        *amount_minor,
         None,
     );
-    let ack = deliver(&app, &early).await;
+    let ack = deliver(app, &webhook).await;
     assert_eq!(ack["duplicate"], false);
     let pending: bool =
         sqlx::query_scalar("SELECT pending FROM stripe_events WHERE stripe_event_id = 'evt_early'")
@@ -469,38 +543,11 @@ async fn early_webhook_is_kept_and_rederived_from_stripe(_: PgPoolOptions, opts:
             .await
             .unwrap();
     assert!(pending, "kept, not dropped");
-    gateway
-        .confirm_with_client_secret(
-            &app.cfg.stripe_publishable_key,
-            &created.id,
-            created.client_secret.as_deref().unwrap(),
-            "pm_card_visa",
-        )
-        .await
-        .unwrap();
+    early.authorize().await;
 
-    // The payment worker's commit of the payment row (as after a slow authorize call).
-    let worker = boxoffice_workers::payment::PaymentWorker::new(
-        Arc::new(gateway),
-        app.pool.clone(),
-        app.cfg.hold_policy(),
-    );
-    // The hold's `HoldCreated` is its authorization request.
-    let event = hold_created.decode().unwrap();
-    let mut tx = app.pool.begin().await.unwrap();
-    let follows = worker
-        .apply(
-            &mut tx,
-            &hold_created,
-            &event,
-            boxoffice_workers::payment::Prepared::Intent(created.clone()),
-            false,
-        )
-        .await
-        .unwrap();
-    // As the consumer runner does: what the effect emits goes to the outbox in its transaction.
-    boxoffice_store::outbox::insert_all(&mut tx, &follows).await.unwrap();
-    tx.commit().await.unwrap();
+    // The payment worker's commit of the payment row resolves it.
+    let worker = early.worker();
+    early.record_payment_row(&worker).await;
     let (pending, owner): (bool, Option<Uuid>) =
         sqlx::query_as("SELECT pending, order_id FROM stripe_events WHERE stripe_event_id = 'evt_early'")
             .fetch_one(&app.pool)
@@ -508,14 +555,7 @@ async fn early_webhook_is_kept_and_rederived_from_stripe(_: PgPoolOptions, opts:
             .unwrap();
     assert!(!pending);
     assert_eq!(owner, Some(order));
-    let refresh: serde_json::Value = sqlx::query_scalar(
-        "SELECT payload FROM outbox WHERE event_type = 'PaymentIntentRefreshRequested' AND message_key = $1",
-    )
-    .bind(order.to_string())
-    .fetch_one(&app.pool)
-    .await
-    .unwrap();
-    let refresh: Envelope = serde_json::from_value(refresh).unwrap();
+    let refresh = early.the_refresh().await;
     assert_eq!(handle_once(&app.pool, &worker, &refresh).await.unwrap(), Disposition::Applied);
     assert_eq!(
         app.outbox_count("PaymentAuthorized", order).await,
@@ -539,7 +579,7 @@ async fn early_webhook_is_kept_and_rederived_from_stripe(_: PgPoolOptions, opts:
     };
     let days = (deadline - chrono::Utc::now()).num_hours() as f64 / 24.0;
     assert!((6.9..=7.01).contains(&days), "capture_before {deadline} is {days} days out");
-    app.stop().await;
+    early.app.stop().await;
 }
 
 /// The race an early webhook can lose: its transaction read no payment row, and committed its
@@ -554,41 +594,11 @@ async fn an_early_webhook_that_commits_after_the_payment_row_misses_it_is_swept(
     _: PgPoolOptions,
     opts: PgConnectOptions,
 ) {
-    use boxoffice_payments::PaymentGateway;
     use boxoffice_store::{audit, payments, stripe_events};
-    let app = TestApp::spawn(opts, &[Role::Api], VenueSpec::small(1, 1, 4)).await;
-    app.sim.set_webhook_url(None);
-    let seat = app.seats().await[0];
-    let b = app.buyer();
-    let r = app.hold(&b, &app.admission_token(&b), "stranded", &[seat]).await;
-    let order: Uuid =
-        r.json::<serde_json::Value>().await.unwrap()["order_id"].as_str().unwrap().parse().unwrap();
-    let hold_created: serde_json::Value =
-        sqlx::query_scalar("SELECT payload FROM outbox WHERE event_type = 'HoldCreated'")
-            .fetch_one(&app.pool)
-            .await
-            .unwrap();
-    let hold_created: Envelope = serde_json::from_value(hold_created).unwrap();
-    let PurchaseEvent::HoldCreated { amount_minor, currency, .. } = hold_created.decode().unwrap() else {
-        panic!("not a HoldCreated")
-    };
-    let gateway = app.stripe();
-    let created = gateway
-        .create_payment_intent(
-            &boxoffice_payments::CreatePaymentIntent { amount_minor, currency, metadata: vec![] },
-            &format!("stranded:{order}"),
-        )
-        .await
-        .unwrap();
-    gateway
-        .confirm_with_client_secret(
-            &app.cfg.stripe_publishable_key,
-            &created.id,
-            created.client_secret.as_deref().unwrap(),
-            "pm_card_visa",
-        )
-        .await
-        .unwrap();
+    let early = unrecorded_intent(opts, "stranded").await;
+    let UnrecordedIntent { app, order, intent: created, .. } = &early;
+    let order = *order;
+    early.authorize().await;
 
     // The webhook's transaction, as ingress runs it for an event that names no order: it
     // finds no payment row, records the event and marks it pending, and does not commit yet.
@@ -606,25 +616,8 @@ async fn an_early_webhook_that_commits_after_the_payment_row_misses_it_is_swept(
     stripe_events::mark_pending(&mut webhook, "evt_stranded").await.unwrap();
     // The payment worker records the payment row and commits; its resolve cannot see the
     // webhook's uncommitted row.
-    let worker = boxoffice_workers::payment::PaymentWorker::new(
-        Arc::new(gateway),
-        app.pool.clone(),
-        app.cfg.hold_policy(),
-    );
-    let event = hold_created.decode().unwrap();
-    let mut tx = app.pool.begin().await.unwrap();
-    let follows = worker
-        .apply(
-            &mut tx,
-            &hold_created,
-            &event,
-            boxoffice_workers::payment::Prepared::Intent(created.clone()),
-            false,
-        )
-        .await
-        .unwrap();
-    boxoffice_store::outbox::insert_all(&mut tx, &follows).await.unwrap();
-    tx.commit().await.unwrap();
+    let worker = early.worker();
+    early.record_payment_row(&worker).await;
     webhook.commit().await.unwrap();
     let pending = || async {
         sqlx::query_scalar::<_, bool>(
@@ -635,7 +628,7 @@ async fn an_early_webhook_that_commits_after_the_payment_row_misses_it_is_swept(
         .unwrap()
     };
     assert!(pending().await, "the race: the payment row's statement did not resolve the event");
-    assert_eq!(refreshes(&app, order, "early_webhook").await, 0);
+    assert_eq!(refreshes(app, order, "early_webhook").await, 0);
 
     // The audit counts it once it is older than its grace, not before.
     let stranded = || async { audit::violations(&app.pool, 600_000, None).await.unwrap().stranded_webhooks };
@@ -666,19 +659,12 @@ async fn an_early_webhook_that_commits_after_the_payment_row_misses_it_is_swept(
             .await
             .unwrap();
     assert_eq!(owner, Some(order));
-    assert_eq!(refreshes(&app, order, "early_webhook").await, 1);
+    assert_eq!(refreshes(app, order, "early_webhook").await, 1);
     assert_eq!(stripe_events::resolve_stranded(&app.pool, 100).await.unwrap(), 0, "resolved once");
     assert_eq!(stranded().await, 0);
 
     // The re-fetch finds the authorization the webhook reported.
-    let refresh: serde_json::Value = sqlx::query_scalar(
-        "SELECT payload FROM outbox WHERE event_type = 'PaymentIntentRefreshRequested' AND message_key = $1",
-    )
-    .bind(order.to_string())
-    .fetch_one(&app.pool)
-    .await
-    .unwrap();
-    let refresh: Envelope = serde_json::from_value(refresh).unwrap();
+    let refresh = early.the_refresh().await;
     assert_eq!(handle_once(&app.pool, &worker, &refresh).await.unwrap(), Disposition::Applied);
     assert_eq!(app.outbox_count("PaymentAuthorized", order).await, 1);
 
@@ -695,7 +681,7 @@ async fn an_early_webhook_that_commits_after_the_payment_row_misses_it_is_swept(
     .unwrap();
     assert_eq!(stripe_events::resolve_stranded(&app.pool, 100).await.unwrap(), 0);
     assert_eq!(stranded().await, 1);
-    app.stop().await;
+    early.app.stop().await;
 }
 
 /// A signed claim for each handled event type about an order whose PaymentIntent the provider
