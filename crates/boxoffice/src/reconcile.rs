@@ -7,7 +7,10 @@
 //! says, and the domain fact that would close it. With `--fix`, those facts are written to
 //! the outbox, one transaction per PaymentIntent, and the saga applies them like any other
 //! fact; it is state-driven and idempotent (design §9), so a fact emitted twice, or racing
-//! the webhook that reports the same thing, changes nothing the second time.
+//! the webhook that reports the same thing, changes nothing the second time. `--fix` also
+//! resolves early webhooks left pending beside their payment row, of any age, and asks for
+//! their re-fetch (`stripe_events::resolve_stranded`), which the expiry worker does only
+//! for the last hour's.
 //!
 //! Invariant protected: the ledger never keeps believing something about money that the
 //! provider contradicts (invariant 6: a capture, cancel or refund the ledger missed is found
@@ -713,6 +716,10 @@ pub struct Report {
     pub facts_emitted: usize,
     /// Drifts not fixed (all of them without `--fix`).
     pub unresolved: usize,
+    /// With `--fix`: re-fetches asked for early webhooks left pending beside their payment
+    /// row, of any age (`stripe_events::resolve_stranded` without its window: those the
+    /// expiry worker's sweep did not reach, the audit's `stranded_webhooks`); 0 without.
+    pub stranded_webhooks_refetched: usize,
 }
 
 impl Report {
@@ -731,6 +738,13 @@ pub async fn run(
 ) -> anyhow::Result<Report> {
     let mut s = scan(pool, stripe, window, None).await?;
     let facts_emitted = if fix_drift { fix(pool, &mut s.drift).await? } else { 0 };
+    let mut stranded_webhooks_refetched = 0;
+    while fix_drift {
+        match boxoffice_store::stripe_events::resolve_stranded(pool, 1_000, None).await? {
+            0 => break,
+            n => stranded_webhooks_refetched += n,
+        }
+    }
     let unresolved = s.drift.iter().filter(|d| !d.fixed).count();
     let report = Report {
         window,
@@ -740,6 +754,7 @@ pub async fn run(
         fix: fix_drift,
         facts_emitted,
         unresolved,
+        stranded_webhooks_refetched,
     };
     record_metrics(&report, Utc::now());
     // The API role exports the latest run's drift from the ledger: this command's own process
@@ -831,6 +846,12 @@ pub fn render(r: &Report) -> String {
             "{} fact(s) written to the outbox; {} drift unresolved\n",
             r.facts_emitted, r.unresolved
         ));
+        if r.stranded_webhooks_refetched > 0 {
+            out.push_str(&format!(
+                "{} re-fetch(es) asked for early webhooks left pending beside their payment row\n",
+                r.stranded_webhooks_refetched
+            ));
+        }
     }
     out
 }
@@ -1077,6 +1098,7 @@ mod tests {
             fix: true,
             facts_emitted: 1,
             unresolved: 1,
+            stranded_webhooks_refetched: 0,
         };
         let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
         let handle = recorder.handle();

@@ -35,8 +35,8 @@ pub struct Violations {
     /// Webhook events still pending [`STRANDED_GRACE_MS`] after they arrived although their
     /// PaymentIntent's payment row exists: news of a payment the saga has not been asked to
     /// re-derive (design §10). The expiry worker's sweep
-    /// ([`crate::stripe_events::resolve_stranded`]) resolves those of the last day every
-    /// 10 s; this count has no age bound.
+    /// ([`crate::stripe_events::resolve_stranded`]) resolves those of the last hour every
+    /// 10 s, `boxoffice reconcile --fix` those of any age; this count has no age bound.
     pub stranded_webhooks: i64,
 }
 

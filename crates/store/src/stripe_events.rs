@@ -68,20 +68,23 @@ pub(crate) fn resolve_pending(pi: &str, order: &str) -> String {
     )
 }
 
-/// How far back [`resolve_stranded`] looks: a stranded event arrived before its payment row
-/// was committed, so the sweep 10 s later finds it well within this. Older ones (the expiry
-/// worker stopped for longer) are left to the audit (`stranded_webhooks`, unbounded) and the
-/// operator; pending events of PaymentIntents boxoffice did not create are never resolved,
-/// and the bound keeps them out of every pass.
-pub const STRANDED_WINDOW_S: i64 = 86_400;
+/// How far back the expiry worker's [`resolve_stranded`] looks, seconds: a stranded event
+/// arrived before its payment row was committed, so the sweep 10 s later finds it well within
+/// this. The bound keeps each pass to the last hour's pending events, since those of
+/// PaymentIntents boxoffice did not create (another integration on the same Stripe account)
+/// are never resolved. Older stranded events (the expiry worker stopped for longer) are
+/// counted by the audit (`stranded_webhooks`, no age bound) and resolved by
+/// `boxoffice reconcile --fix`, which sweeps without the bound.
+pub const STRANDED_WINDOW_S: i64 = 3_600;
 
-/// Resolves up to `limit` pending events received in the last [`STRANDED_WINDOW_S`] whose
-/// PaymentIntent has a committed payment row, and asks for the re-fetch of each such
-/// PaymentIntent (`PaymentIntentRefreshRequested`, reason [`refresh_reason::EARLY_WEBHOOK`])
-/// in the same transaction; returns how many re-fetches it asked for (one per PaymentIntent
-/// within one pass; a PaymentIntent whose events two passes share is re-fetched twice, and
-/// what both report is applied once: the saga's transitions are idempotent). Counted as
-/// `boxoffice_webhooks_stranded_resolved_total` (events resolved).
+/// Resolves up to `limit` pending events whose PaymentIntent has a committed payment row,
+/// received within `within` seconds before this transaction began (`None`: of any age), and
+/// asks for the re-fetch of each such PaymentIntent (`PaymentIntentRefreshRequested`, reason
+/// [`refresh_reason::EARLY_WEBHOOK`]) in the same transaction; returns how many re-fetches it
+/// asked for (one per PaymentIntent within one pass; a PaymentIntent whose events two passes
+/// share is re-fetched twice, and what both report is applied once: the saga's transitions
+/// are idempotent). Counted as `boxoffice_webhooks_stranded_resolved_total` (events
+/// resolved).
 ///
 /// Why it is needed: a webhook that finds no payment row marks its event pending, and the
 /// statement that records the payment row resolves the pending events it sees
@@ -91,27 +94,36 @@ pub const STRANDED_WINDOW_S: i64 = 86_400;
 /// its payment row in place, and the early webhook's news would wait for the hold's provider
 /// check (rule 3 of `boxoffice_domain::hold`). Both rows are committed by the time the sweep
 /// sees them, so it resolves each such event once: its row is locked (`SKIP LOCKED` for a
-/// second sweeper) and a resolved row is no longer pending. The expiry worker runs it every
-/// 10 s; the partial index of pending rows by arrival (migration 0025) keeps a pass to the
-/// events of the window.
-pub async fn resolve_stranded(pool: &PgPool, limit: i64) -> Result<usize, StoreError> {
+/// second sweeper) and a resolved row is no longer pending.
+///
+/// The expiry worker runs it every 10 s with [`STRANDED_WINDOW_S`]: the window is a range of
+/// the partial index of pending rows by arrival (migration 0025; `now()`, not the volatile
+/// `clock_timestamp()`, so that it is an index condition), so a pass reads the window's
+/// pending events, not every one ever kept. Without a window it reads them all.
+pub async fn resolve_stranded(pool: &PgPool, limit: i64, within: Option<i64>) -> Result<usize, StoreError> {
+    static SQL: std::sync::LazyLock<[String; 2]> = std::sync::LazyLock::new(|| {
+        let sweep = |window: &str| {
+            format!(
+                "WITH stranded AS (
+                     SELECT se.id FROM stripe_events se
+                       JOIN payments p ON p.payment_intent_id = se.payment_intent_id
+                      WHERE se.pending {window}
+                      ORDER BY se.received_at LIMIT $1 FOR UPDATE OF se SKIP LOCKED)
+                 UPDATE stripe_events se
+                    SET pending = false, resolved_at = clock_timestamp(), order_id = p.order_id
+                   FROM stranded, payments p, orders o
+                  WHERE se.id = stranded.id AND p.payment_intent_id = se.payment_intent_id
+                    AND o.id = p.order_id
+                 RETURNING p.order_id, o.correlation_id, p.payment_intent_id"
+            )
+        };
+        [sweep("AND se.received_at > now() - make_interval(secs => $2)"), sweep("")]
+    });
     let mut tx = pool.begin().await?;
-    let rows: Vec<(Uuid, Uuid, String)> = sqlx::query_as(
-        "WITH stranded AS (
-             SELECT se.id FROM stripe_events se
-               JOIN payments p ON p.payment_intent_id = se.payment_intent_id
-              WHERE se.pending AND se.received_at > clock_timestamp() - make_interval(secs => $2)
-              ORDER BY se.received_at LIMIT $1 FOR UPDATE OF se SKIP LOCKED)
-         UPDATE stripe_events se
-            SET pending = false, resolved_at = clock_timestamp(), order_id = p.order_id
-           FROM stranded, payments p, orders o
-          WHERE se.id = stranded.id AND p.payment_intent_id = se.payment_intent_id AND o.id = p.order_id
-         RETURNING p.order_id, o.correlation_id, p.payment_intent_id",
-    )
-    .bind(limit)
-    .bind(STRANDED_WINDOW_S as f64)
-    .fetch_all(&mut *tx)
-    .await?;
+    let rows: Vec<(Uuid, Uuid, String)> = match within {
+        Some(s) => sqlx::query_as(&SQL[0]).bind(limit).bind(s as f64).fetch_all(&mut *tx).await?,
+        None => sqlx::query_as(&SQL[1]).bind(limit).fetch_all(&mut *tx).await?,
+    };
     if rows.is_empty() {
         return Ok(0);
     }

@@ -56,7 +56,13 @@ pub async fn run(pool: PgPool, settings: ExpirySettings, shutdown: CancellationT
                 Err(e) => tracing::warn!(error = %e, "capture-deadline sweep failed"),
             }
             // Webhooks that overtook their payment row and missed its statement's resolve.
-            match boxoffice_store::stripe_events::resolve_stranded(&pool, 100).await {
+            match boxoffice_store::stripe_events::resolve_stranded(
+                &pool,
+                100,
+                Some(boxoffice_store::stripe_events::STRANDED_WINDOW_S),
+            )
+            .await
+            {
                 Ok(0) => {}
                 Ok(n) => tracing::info!(refetches = n, "stranded early webhooks resolved"),
                 Err(e) => tracing::warn!(error = %e, "sweep of stranded early webhooks failed"),

@@ -329,7 +329,9 @@ async fn the_router_serves_its_last_map_while_the_control_database_is_down(
     // Cell 1 serves one order stream at a time: a full cell, for the streams below.
     let app1 =
         TestApp::spawn_with(opts.clone(), &[Role::Api], spec.clone(), |c| c.order_stream_max = 1).await;
-    let app2 = cell_two(&app1, &c2, spec, |_| {}).await;
+    // Cell 2 takes webhooks from nobody here (its client is the router): a webhook the router
+    // sent there by mistake would get its 403, not cell 1's answer.
+    let app2 = cell_two(&app1, &c2, spec, |c| c.webhook_allowed_networks = vec!["192.0.2.0/24".into()]).await;
     let mut ops = across(
         &app1.cfg,
         opts.to_url_lossy().to_string(),
@@ -509,9 +511,9 @@ async fn the_router_serves_its_last_map_while_the_control_database_is_down(
     .await
     .expect("answered before the body");
     assert!(answer.starts_with("HTTP/1.1 403") && answer.contains("webhook_source_refused"), "{answer}");
-    // The client the proxy names decides: an allowed one is forwarded to the event's cell
-    // (whose answer, here to a signature that does not verify, is relayed); one the client
-    // wrote itself, left of the proxy's entry, does not count.
+    // The client the proxy names decides: an allowed one is forwarded to the cell the event's
+    // object names, cell 1 (whose answer, here to a signature that does not verify, is
+    // relayed); one the client wrote itself, left of the proxy's entry, does not count.
     let webhook = |forwarded_for: &'static str| {
         let (http, router) = (http.clone(), router.clone());
         async move {

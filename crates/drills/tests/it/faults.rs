@@ -587,8 +587,8 @@ async fn early_webhook_is_kept_and_rederived_from_stripe(_: PgPoolOptions, opts:
 /// did not resolve it. Both rows are then committed and the event stays pending; the expiry
 /// worker's sweep finds it, resolves it once and asks for the re-fetch, so the authorization
 /// it reported reaches the saga without waiting for the hold's provider check. Meanwhile the
-/// audit counts it once it is older than its grace; one older than the sweep's window is the
-/// audit's alone.
+/// audit counts it once it is older than its grace; one older than the sweep's window is
+/// counted by the audit until `reconcile --fix` resolves it.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn an_early_webhook_that_commits_after_the_payment_row_misses_it_is_swept(
     _: PgPoolOptions,
@@ -660,7 +660,8 @@ async fn an_early_webhook_that_commits_after_the_payment_row_misses_it_is_swept(
             .unwrap();
     assert_eq!(owner, Some(order));
     assert_eq!(refreshes(app, order, "early_webhook").await, 1);
-    assert_eq!(stripe_events::resolve_stranded(&app.pool, 100).await.unwrap(), 0, "resolved once");
+    let window = Some(stripe_events::STRANDED_WINDOW_S);
+    assert_eq!(stripe_events::resolve_stranded(&app.pool, 100, window).await.unwrap(), 0, "resolved once");
     assert_eq!(stranded().await, 0);
 
     // The re-fetch finds the authorization the webhook reported.
@@ -679,8 +680,14 @@ async fn an_early_webhook_that_commits_after_the_payment_row_misses_it_is_swept(
     .execute(&app.pool)
     .await
     .unwrap();
-    assert_eq!(stripe_events::resolve_stranded(&app.pool, 100).await.unwrap(), 0);
+    assert_eq!(stripe_events::resolve_stranded(&app.pool, 100, window).await.unwrap(), 0);
     assert_eq!(stranded().await, 1);
+    // `reconcile --fix` resolves it, whatever its age.
+    let since = boxoffice::reconcile::Window::parse("1h", None, chrono::Utc::now()).unwrap();
+    let fixed = boxoffice::reconcile::run(&app.pool, &app.stripe(), since, true).await.unwrap();
+    assert_eq!(fixed.stranded_webhooks_refetched, 1, "{}", boxoffice::reconcile::render(&fixed));
+    assert_eq!(stranded().await, 0);
+    assert_eq!(refreshes(app, order, "early_webhook").await, 2);
     early.app.stop().await;
 }
 
