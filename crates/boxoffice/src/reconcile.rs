@@ -739,10 +739,12 @@ pub async fn run(
     let mut s = scan(pool, stripe, window, None).await?;
     let facts_emitted = if fix_drift { fix(pool, &mut s.drift).await? } else { 0 };
     let mut stranded_webhooks_refetched = 0;
-    while fix_drift {
-        match boxoffice_store::stripe_events::resolve_stranded(pool, 1_000, None).await? {
-            0 => break,
-            n => stranded_webhooks_refetched += n,
+    if fix_drift {
+        loop {
+            match boxoffice_store::stripe_events::resolve_stranded(pool, 1_000, None).await? {
+                0 => break,
+                n => stranded_webhooks_refetched += n,
+            }
         }
     }
     let unresolved = s.drift.iter().filter(|d| !d.fixed).count();
