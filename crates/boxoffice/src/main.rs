@@ -90,7 +90,9 @@ enum Command {
         #[arg(long)]
         until: Option<String>,
         /// Write the closing facts (PaymentAuthorized, PaymentCaptured, PaymentCanceled,
-        /// PaymentRefunded) to the outbox, one transaction per PaymentIntent.
+        /// PaymentRefunded) to the outbox, one transaction per PaymentIntent; and resolve the
+        /// early webhooks left pending beside their payment row, of any age, with a re-fetch
+        /// each (the audit's `stranded_webhooks`).
         #[arg(long)]
         fix: bool,
         /// Print JSON instead of text.
