@@ -90,9 +90,9 @@ enum Command {
         #[arg(long)]
         until: Option<String>,
         /// Write the closing facts (PaymentAuthorized, PaymentCaptured, PaymentCanceled,
-        /// PaymentRefunded) to the outbox, one transaction per PaymentIntent; and resolve the
-        /// early webhooks left pending beside their payment row, of any age, with a re-fetch
-        /// each (the audit's `stranded_webhooks`).
+        /// PaymentRefunded) to the outbox, one transaction per PaymentIntent; and, first,
+        /// resolve the early webhooks left pending beside their payment row, of any age (the
+        /// window does not bound these), asking for a re-fetch of their PaymentIntents.
         #[arg(long)]
         fix: bool,
         /// Print JSON instead of text.

@@ -716,9 +716,10 @@ pub struct Report {
     pub facts_emitted: usize,
     /// Drifts not fixed (all of them without `--fix`).
     pub unresolved: usize,
-    /// With `--fix`: re-fetches asked for early webhooks left pending beside their payment
-    /// row, of any age (`stripe_events::resolve_stranded` without its window: those the
-    /// expiry worker's sweep did not reach, the audit's `stranded_webhooks`); 0 without.
+    /// With `--fix`: re-fetches asked (one per PaymentIntent and pass) for the early webhooks
+    /// left pending beside their payment row, of any age (`stripe_events::resolve_stranded`
+    /// without its window; the expiry worker's sweep takes only the last hour's); 0 without.
+    /// Printed, not kept with the run's record.
     pub stranded_webhooks_refetched: usize,
 }
 
@@ -736,17 +737,11 @@ pub async fn run(
     window: Window,
     fix_drift: bool,
 ) -> anyhow::Result<Report> {
+    // First, and whatever the provider does: the stranded early webhooks need only the
+    // ledger, and their re-fetches reach the provider through the payment worker.
+    let stranded_webhooks_refetched = if fix_drift { resolve_stranded_webhooks(pool).await } else { 0 };
     let mut s = scan(pool, stripe, window, None).await?;
     let facts_emitted = if fix_drift { fix(pool, &mut s.drift).await? } else { 0 };
-    let mut stranded_webhooks_refetched = 0;
-    if fix_drift {
-        loop {
-            match boxoffice_store::stripe_events::resolve_stranded(pool, 1_000, None).await? {
-                0 => break,
-                n => stranded_webhooks_refetched += n,
-            }
-        }
-    }
     let unresolved = s.drift.iter().filter(|d| !d.fixed).count();
     let report = Report {
         window,
@@ -773,6 +768,26 @@ pub async fn run(
     )
     .await?;
     Ok(report)
+}
+
+/// `--fix`'s sweep of early webhooks left pending beside their payment row, of any age
+/// (`stripe_events::resolve_stranded` without a window), pass after pass until one resolves
+/// nothing: each pass that returns more than 0 has committed at least one event out of
+/// pending, so the loop ends (a row another sweeper holds is skipped, and stays for the
+/// audit). Re-fetches asked; a failure is logged and ends the sweep, and the run goes on to
+/// the provider's drift (the audit still counts what is left).
+async fn resolve_stranded_webhooks(pool: &PgPool) -> usize {
+    let mut refetched = 0;
+    loop {
+        match boxoffice_store::stripe_events::resolve_stranded(pool, 1_000, None).await {
+            Ok(0) => return refetched,
+            Ok(n) => refetched += n,
+            Err(e) => {
+                tracing::warn!(error = %e, refetched, "resolving stranded early webhooks failed");
+                return refetched;
+            }
+        }
+    }
 }
 
 /// The drift a run left unresolved, per kind (every kind, 0 when none).

@@ -669,14 +669,15 @@ async fn an_early_webhook_that_commits_after_the_payment_row_misses_it_is_swept(
     assert_eq!(handle_once(&app.pool, &worker, &refresh).await.unwrap(), Disposition::Applied);
     assert_eq!(app.outbox_count("PaymentAuthorized", order).await, 1);
 
-    // One older than the sweep's window is left to the audit, which has no age bound.
+    // One a month old, far outside the sweep's window, is left to the audit, which has no age
+    // bound.
     sqlx::query(
         "INSERT INTO stripe_events (stripe_event_id, type, payment_intent_id, pending, received_at)
          VALUES ('evt_old', 'payment_intent.amount_capturable_updated', $1, true,
                  now() - make_interval(secs => $2))",
     )
     .bind(&created.id)
-    .bind((stripe_events::STRANDED_WINDOW_S + 60) as f64)
+    .bind(30.0 * 86_400.0)
     .execute(&app.pool)
     .await
     .unwrap();
