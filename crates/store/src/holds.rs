@@ -20,8 +20,7 @@
 use crate::error::constraint;
 use crate::{outbox, StoreError, Tx};
 use boxoffice_domain::{
-    saga, Envelope, EventId, HoldId, HoldPolicy, HoldStatus, OrderId, OrderStatus, PurchaseEvent, SeatId,
-    UserId,
+    saga, Envelope, EventId, HoldId, HoldPolicy, HoldStatus, OrderId, OrderStatus, SeatId, UserId,
 };
 use chrono::{DateTime, Utc};
 use rand::Rng;
@@ -1278,17 +1277,7 @@ pub async fn check_lapsing(pool: &PgPool, limit: i64) -> Result<usize, StoreErro
         .bind(&orders)
         .execute(&mut *tx)
         .await?;
-    let events: Vec<Envelope> = rows
-        .into_iter()
-        .map(|(order, correlation, pi)| {
-            let fact = PurchaseEvent::PaymentIntentRefreshRequested {
-                order_id: OrderId(order),
-                payment_intent_id: pi,
-                reason: PROVIDER_CHECK_REASON.into(),
-            };
-            Envelope::new(OrderId(order), &fact, correlation, None)
-        })
-        .collect();
+    let events = outbox::refresh_requests(rows, PROVIDER_CHECK_REASON);
     outbox::insert_all(&mut tx, &events).await?;
     tx.commit().await?;
     metrics::counter!("boxoffice_hold_provider_checks_total").increment(events.len() as u64);

@@ -47,6 +47,26 @@ pub async fn insert(tx: &mut Tx<'_>, topic: Topic, envelope: &Envelope) -> Resul
     Ok(())
 }
 
+/// The re-fetches a sweep asks for: one `PaymentIntentRefreshRequested` with `reason` per
+/// `(order, correlation id, PaymentIntent)` row, each the first fact of its own step (no
+/// cause), for [`insert_all`] in the sweep's transaction.
+pub(crate) fn refresh_requests(
+    rows: impl IntoIterator<Item = (Uuid, Uuid, String)>,
+    reason: &str,
+) -> Vec<Envelope> {
+    rows.into_iter()
+        .map(|(order, correlation, pi)| {
+            let order = boxoffice_domain::OrderId(order);
+            let fact = boxoffice_domain::PurchaseEvent::PaymentIntentRefreshRequested {
+                order_id: order,
+                payment_intent_id: pi,
+                reason: reason.to_owned(),
+            };
+            Envelope::new(order, &fact, correlation, None)
+        })
+        .collect()
+}
+
 /// Adds several envelopes for the purchase topic in one statement, in order, all with the
 /// current span's trace context.
 pub async fn insert_all(tx: &mut Tx<'_>, envelopes: &[Envelope]) -> Result<(), sqlx::Error> {

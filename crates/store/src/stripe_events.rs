@@ -7,7 +7,7 @@
 //! Pending events of a PaymentIntent boxoffice did not create stay pending.
 
 use crate::{outbox, StoreError, Tx};
-use boxoffice_domain::events::{refresh_reason, Envelope, PurchaseEvent};
+use boxoffice_domain::events::refresh_reason;
 use boxoffice_domain::OrderId;
 use sqlx::PgPool;
 use uuid::Uuid;
@@ -132,17 +132,7 @@ pub async fn resolve_stranded(pool: &PgPool, limit: i64, within: Option<i64>) ->
     let mut asks: Vec<(Uuid, Uuid, String)> = rows;
     asks.sort();
     asks.dedup();
-    let events: Vec<Envelope> = asks
-        .into_iter()
-        .map(|(order, correlation, pi)| {
-            let fact = PurchaseEvent::PaymentIntentRefreshRequested {
-                order_id: OrderId(order),
-                payment_intent_id: pi,
-                reason: refresh_reason::EARLY_WEBHOOK.into(),
-            };
-            Envelope::new(OrderId(order), &fact, correlation, None)
-        })
-        .collect();
+    let events = outbox::refresh_requests(asks, refresh_reason::EARLY_WEBHOOK);
     outbox::insert_all(&mut tx, &events).await?;
     tx.commit().await?;
     metrics::counter!("boxoffice_webhooks_stranded_resolved_total").increment(resolved as u64);
