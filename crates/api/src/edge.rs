@@ -101,6 +101,33 @@ pub(crate) async fn shed(e: BoxError) -> Problem {
     }
 }
 
+/// A bulkhead for one class of routes: at most `max` requests of every route and method it
+/// is layered on in flight together (one semaphore, not one per method as `route_layer` would
+/// give `concurrency_limit`), more shed at once with 503 `overloaded` ([`shed`]) rather than
+/// queued. `max` 0 is taken as 1.
+pub(crate) fn bulkhead(
+    max: usize,
+) -> impl tower::Layer<
+    axum::routing::Route,
+    Service: tower::Service<
+        axum::extract::Request,
+        Response = axum::response::Response,
+        Error = std::convert::Infallible,
+        Future: Send + 'static,
+    > + Clone
+                 + Send
+                 + Sync
+                 + 'static,
+> + Clone
+       + Send
+       + Sync
+       + 'static {
+    tower::ServiceBuilder::new()
+        .layer(axum::error_handling::HandleErrorLayer::new(shed))
+        .load_shed()
+        .layer(tower::limit::GlobalConcurrencyLimitLayer::new(max.max(1)))
+}
+
 /// Serves `app` on `listener` within the bounds of `edge` until `shutdown`, then lets
 /// in-flight requests finish (for at most `request_timeout`). The peer address reaches
 /// handlers as `ConnectInfo<SocketAddr>`.
@@ -447,6 +474,61 @@ mod tests {
         assert_eq!(client_ip(PEER, &xff(&["[2001:db8::1]:443"]), 1), ip("2001:db8::1"));
         assert_eq!(client_ip(PEER, &xff(&["[2001:db8::1]"]), 1), ip("2001:db8::1"));
         assert_eq!(client_ip(PEER, &xff(&["2001:db8::1"]), 1), ip("2001:db8::1"));
+    }
+
+    /// One semaphore for every route and method behind a bulkhead: with its slots taken by
+    /// requests that wait, the next one — another method, another route — is shed at once
+    /// with 503 `overloaded` problem+json; routes outside it are untouched; and the slots come
+    /// back when the waiting requests end.
+    #[tokio::test]
+    async fn a_bulkhead_sheds_at_once_across_its_routes_and_methods() {
+        use axum::http::{header, StatusCode};
+        use axum::routing::get;
+        let gate = Arc::new(Semaphore::new(0));
+        let (entered_tx, mut entered) = tokio::sync::mpsc::unbounded_channel::<()>();
+        let handler_gate = gate.clone();
+        let wait = move || {
+            let (gate, entered_tx) = (handler_gate.clone(), entered_tx.clone());
+            async move {
+                let _ = entered_tx.send(());
+                let _ = gate.acquire().await.map(|p| p.forget());
+                "done"
+            }
+        };
+        let app = Router::new()
+            .route("/a", get(wait.clone()).post(wait.clone()))
+            .route("/b", get(wait))
+            .route_layer(bulkhead(2))
+            .route("/outside", get(|| async { "ok" }));
+        let call = |method: &str, path: &str| {
+            let req =
+                axum::extract::Request::builder().method(method).uri(path).body(axum::body::Body::empty());
+            app.clone().oneshot(req.unwrap())
+        };
+        let first = tokio::spawn(call("GET", "/a"));
+        let second = tokio::spawn(call("POST", "/a"));
+        for _ in 0..2 {
+            tokio::time::timeout(Duration::from_secs(5), entered.recv())
+                .await
+                .expect("both reach the handler");
+        }
+        for (method, path) in [("GET", "/b"), ("POST", "/a"), ("GET", "/a")] {
+            let r = tokio::time::timeout(Duration::from_secs(1), call(method, path))
+                .await
+                .expect("shed at once, not queued")
+                .unwrap();
+            assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE, "{method} {path}");
+            assert_eq!(r.headers()[header::CONTENT_TYPE], "application/problem+json");
+            assert!(r.headers().contains_key(header::RETRY_AFTER));
+        }
+        assert!(entered.try_recv().is_err(), "no shed request reached the handler");
+        let outside = call("GET", "/outside").await.unwrap();
+        assert_eq!(outside.status(), StatusCode::OK, "a route outside the bulkhead is not shed");
+        gate.add_permits(2);
+        assert_eq!(first.await.unwrap().unwrap().status(), StatusCode::OK);
+        assert_eq!(second.await.unwrap().unwrap().status(), StatusCode::OK);
+        gate.add_permits(1);
+        assert_eq!(call("GET", "/b").await.unwrap().status(), StatusCode::OK, "its slots came back");
     }
 
     #[test]

@@ -50,16 +50,7 @@ pub fn router(state: AppState) -> Router {
         .route("/events/{event_id}/queue", post(crate::queue::join))
         .route("/queue/{ticket}", get(crate::queue::status).delete(crate::queue::leave))
         .route_layer(buckets(state.clone(), crate::limits::queue))
-        .route_layer(
-            tower::ServiceBuilder::new()
-                .layer(axum::error_handling::HandleErrorLayer::new(crate::edge::shed))
-                .load_shed()
-                // One semaphore for every queue route and method: `route_layer` builds the
-                // layer once per method, and `concurrency_limit` would give each its own.
-                .layer(tower::limit::GlobalConcurrencyLimitLayer::new(
-                    state.settings.queue_max_concurrent.max(1),
-                )),
-        )
+        .route_layer(crate::edge::bulkhead(state.settings.queue_max_concurrent))
         .route_layer(in_flight(&buyer_in_flight));
     let mut purchase = Router::new();
     if state.settings.admission_direct {
@@ -83,12 +74,7 @@ pub fn router(state: AppState) -> Router {
         crate::edge::PerClientInFlight::new("webhook", state.settings.webhook_max_in_flight_per_ip, hops);
     let webhooks = Router::new()
         .route("/webhooks/stripe", post(stripe_webhook))
-        .route_layer(
-            tower::ServiceBuilder::new()
-                .layer(axum::error_handling::HandleErrorLayer::new(crate::edge::shed))
-                .load_shed()
-                .concurrency_limit(WEBHOOK_MAX_CONCURRENT),
-        )
+        .route_layer(crate::edge::bulkhead(WEBHOOK_MAX_CONCURRENT))
         .route_layer(tower_http::timeout::TimeoutLayer::with_status_code(
             StatusCode::SERVICE_UNAVAILABLE,
             state.settings.webhook_timeout,
@@ -102,12 +88,7 @@ pub fn router(state: AppState) -> Router {
     // neither take the buyers' connections nor shed the metrics scrape.
     let probes = Router::new()
         .route("/readyz", get(readyz))
-        .route_layer(
-            tower::ServiceBuilder::new()
-                .layer(axum::error_handling::HandleErrorLayer::new(crate::edge::shed))
-                .load_shed()
-                .layer(tower::limit::GlobalConcurrencyLimitLayer::new(OPS_MAX_CONCURRENT)),
-        )
+        .route_layer(crate::edge::bulkhead(OPS_MAX_CONCURRENT))
         .route_layer(in_flight(&ops_in_flight));
     let ops = Router::new()
         .route("/metrics", get(metrics))
