@@ -29,6 +29,24 @@ pub mod targets {
     pub const P4_EVENTS_PER_S: f64 = 10_000.0;
 }
 
+/// The PostgreSQL settings [`Machine::postgres_settings`] records: memory, WAL and checkpoints,
+/// durability, and the bench's own instruments (`pg_stat_statements`, function tracking).
+pub const SERVER_SETTINGS: [&str; 13] = [
+    "shared_buffers",
+    "wal_buffers",
+    "max_wal_size",
+    "checkpoint_timeout",
+    "full_page_writes",
+    "wal_compression",
+    "synchronous_commit",
+    "fsync",
+    "max_connections",
+    "autovacuum",
+    "shared_preload_libraries",
+    "track_functions",
+    "huge_pages",
+];
+
 /// Where and on what the bench ran.
 #[derive(Debug, Clone, Serialize)]
 pub struct Machine {
@@ -36,6 +54,10 @@ pub struct Machine {
     pub cores: usize,
     /// `SELECT version()` of the PostgreSQL server.
     pub postgres: String,
+    /// The server's settings that bear on what a transaction costs it ([`SERVER_SETTINGS`]),
+    /// by name, as `current_setting` shows them (`"128MB"`, `"on"`); empty when the server
+    /// could not be asked. Figures measured on servers set up differently are no comparison.
+    pub postgres_settings: std::collections::BTreeMap<String, String>,
     /// `uname -sr`-like kernel string.
     pub os: String,
     /// Start of the run, RFC 3339.
@@ -104,13 +126,20 @@ pub struct Report {
 impl Report {
     /// An empty report with the machine facts.
     pub async fn new(cfg: &Config, args: &BenchArgs, broker: &str) -> Self {
-        let postgres = async {
+        let server = async {
             let mut c =
                 sqlx::ConnectOptions::connect(&cfg.pg_options().ok()?.database("postgres")).await.ok()?;
-            sqlx::query_scalar::<_, String>("SELECT version()").fetch_one(&mut c).await.ok()
+            let version = sqlx::query_scalar::<_, String>("SELECT version()").fetch_one(&mut c).await.ok()?;
+            let settings: Vec<(String, String)> =
+                sqlx::query_as("SELECT name, current_setting(name) FROM unnest($1::text[]) AS name")
+                    .bind(SERVER_SETTINGS)
+                    .fetch_all(&mut c)
+                    .await
+                    .unwrap_or_default();
+            Some((version, settings.into_iter().collect()))
         }
-        .await
-        .unwrap_or_else(|| "unknown".into());
+        .await;
+        let (postgres, postgres_settings) = server.unwrap_or_else(|| ("unknown".into(), Default::default()));
         let os = std::fs::read_to_string("/proc/sys/kernel/osrelease")
             .map(|r| format!("{} {}", std::env::consts::OS, r.trim()))
             .unwrap_or_else(|_| std::env::consts::OS.into());
@@ -121,6 +150,7 @@ impl Report {
             machine: Machine {
                 cores: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
                 postgres,
+                postgres_settings,
                 os,
                 started_at: chrono::Utc::now().to_rfc3339(),
                 broker: broker.into(),
@@ -318,6 +348,10 @@ pub fn markdown(r: &Report) -> String {
         },
         if r.quick { " **--quick: smoke-test durations, the numbers mean nothing.**" } else { "" }
     );
+    if !m.postgres_settings.is_empty() {
+        let settings: Vec<String> = m.postgres_settings.iter().map(|(k, v)| format!("`{k}` {v}")).collect();
+        let _ = writeln!(s, "PostgreSQL's settings: {}.\n", settings.join(", "));
+    }
     let _ = writeln!(s, "| Phase | Metric | Target | Measured | Met |\n|---|---|---|---|---|");
     for t in &r.targets {
         let met = match t.met {

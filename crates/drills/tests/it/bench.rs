@@ -109,7 +109,21 @@ async fn quick_bench_reports_every_phase_without_oversell(_: PgPoolOptions, opts
     let p4 = r.p4.as_ref().unwrap();
     assert!(p4.drained && p4.events == 2_000);
 
+    // The server's settings that bear on the cost are recorded beside the figures, as the
+    // server states them.
+    assert_eq!(
+        json["machine"]["postgres_settings"]["shared_preload_libraries"].as_str(),
+        Some(preloaded.as_str())
+    );
+    assert_eq!(
+        r.machine.postgres_settings.len(),
+        report::SERVER_SETTINGS.len(),
+        "every setting read: {:?}",
+        r.machine.postgres_settings
+    );
+
     let md = std::fs::read_to_string(out.join("report.md")).unwrap();
+    assert!(md.contains("`shared_buffers` "), "report.md names the server's settings");
     for phase in ["| P1 |", "| P2 |", "| P3 |", "| P4 |", "Recommended R"] {
         assert!(md.contains(phase), "report.md lacks {phase}");
     }
