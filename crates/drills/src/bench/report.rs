@@ -31,7 +31,7 @@ pub mod targets {
 
 /// The PostgreSQL settings [`Machine::postgres_settings`] records: memory, WAL and checkpoints,
 /// durability, and the bench's own instruments (`pg_stat_statements`, function tracking).
-pub const SERVER_SETTINGS: [&str; 13] = [
+pub const SERVER_SETTINGS: [&str; 14] = [
     "shared_buffers",
     "wal_buffers",
     "max_wal_size",
@@ -44,6 +44,7 @@ pub const SERVER_SETTINGS: [&str; 13] = [
     "autovacuum",
     "shared_preload_libraries",
     "track_functions",
+    "pg_stat_statements.track_planning",
     "huge_pages",
 ];
 
@@ -55,8 +56,10 @@ pub struct Machine {
     /// `SELECT version()` of the PostgreSQL server.
     pub postgres: String,
     /// The server's settings that bear on what a transaction costs it ([`SERVER_SETTINGS`]),
-    /// by name, as `current_setting` shows them (`"128MB"`, `"on"`); empty when the server
-    /// could not be asked. Figures measured on servers set up differently are no comparison.
+    /// by name, as `current_setting` shows them (`"128MB"`, `"on"`); a setting the server does
+    /// not have (`pg_stat_statements.*` without the module loaded) is left out, and the map is
+    /// empty when the server could not be asked. Figures measured on servers set up
+    /// differently are no comparison.
     pub postgres_settings: std::collections::BTreeMap<String, String>,
     /// `uname -sr`-like kernel string.
     pub os: String,
@@ -130,13 +133,17 @@ impl Report {
             let mut c =
                 sqlx::ConnectOptions::connect(&cfg.pg_options().ok()?.database("postgres")).await.ok()?;
             let version = sqlx::query_scalar::<_, String>("SELECT version()").fetch_one(&mut c).await.ok()?;
-            let settings: Vec<(String, String)> =
-                sqlx::query_as("SELECT name, current_setting(name) FROM unnest($1::text[]) AS name")
+            // `missing_ok`: NULL, not an error, for a setting this server does not have.
+            let settings: Vec<(String, Option<String>)> =
+                sqlx::query_as("SELECT name, current_setting(name, true) FROM unnest($1::text[]) AS name")
                     .bind(SERVER_SETTINGS)
                     .fetch_all(&mut c)
                     .await
-                    .unwrap_or_default();
-            Some((version, settings.into_iter().collect()))
+                    .unwrap_or_else(|e| {
+                        tracing::warn!(error = %e, "could not read the server's settings");
+                        Vec::new()
+                    });
+            Some((version, settings.into_iter().filter_map(|(k, v)| Some((k, v?))).collect()))
         }
         .await;
         let (postgres, postgres_settings) = server.unwrap_or_else(|| ("unknown".into(), Default::default()));
