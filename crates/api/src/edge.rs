@@ -520,6 +520,9 @@ mod tests {
             assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE, "{method} {path}");
             assert_eq!(r.headers()[header::CONTENT_TYPE], "application/problem+json");
             assert!(r.headers().contains_key(header::RETRY_AFTER));
+            let body = axum::body::to_bytes(r.into_body(), 64 * 1024).await.unwrap();
+            let problem: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            assert_eq!(problem["code"], "overloaded", "{problem}");
         }
         assert!(entered.try_recv().is_err(), "no shed request reached the handler");
         let outside = call("GET", "/outside").await.unwrap();

@@ -56,11 +56,14 @@ pub struct Machine {
     /// `SELECT version()` of the PostgreSQL server.
     pub postgres: String,
     /// The server's settings that bear on what a transaction costs it ([`SERVER_SETTINGS`]),
-    /// by name, as `current_setting` shows them (`"128MB"`, `"on"`); a setting the server does
-    /// not have (`pg_stat_statements.*` without the module loaded) is left out, and the map is
-    /// empty when the server could not be asked. Figures measured on servers set up
-    /// differently are no comparison.
+    /// by name, as `current_setting` shows them (`"128MB"`, `"on"`), read from `pg_settings`.
+    /// Figures measured on servers set up differently are no comparison.
     pub postgres_settings: std::collections::BTreeMap<String, String>,
+    /// Those of [`SERVER_SETTINGS`] not read: the server does not have them
+    /// (`pg_stat_statements.*` without the module loaded), or does not show them to the
+    /// bench's role (`shared_preload_libraries` needs `pg_read_all_settings`), or could not
+    /// be asked at all (then every name).
+    pub postgres_settings_unread: Vec<String>,
     /// `uname -sr`-like kernel string.
     pub os: String,
     /// Start of the run, RFC 3339.
@@ -133,9 +136,11 @@ impl Report {
             let mut c =
                 sqlx::ConnectOptions::connect(&cfg.pg_options().ok()?.database("postgres")).await.ok()?;
             let version = sqlx::query_scalar::<_, String>("SELECT version()").fetch_one(&mut c).await.ok()?;
-            // `missing_ok`: NULL, not an error, for a setting this server does not have.
-            let settings: Vec<(String, Option<String>)> =
-                sqlx::query_as("SELECT name, current_setting(name, true) FROM unnest($1::text[]) AS name")
+            // `pg_settings` lists only what the role may see, so one hidden setting (or one this
+            // server does not have) leaves out that one alone, where `current_setting` of it
+            // would fail the whole statement.
+            let settings: Vec<(String, String)> =
+                sqlx::query_as("SELECT name, current_setting(name) FROM pg_settings WHERE name = ANY($1)")
                     .bind(SERVER_SETTINGS)
                     .fetch_all(&mut c)
                     .await
@@ -143,10 +148,16 @@ impl Report {
                         tracing::warn!(error = %e, "could not read the server's settings");
                         Vec::new()
                     });
-            Some((version, settings.into_iter().filter_map(|(k, v)| Some((k, v?))).collect()))
+            Some((version, settings.into_iter().collect()))
         }
         .await;
-        let (postgres, postgres_settings) = server.unwrap_or_else(|| ("unknown".into(), Default::default()));
+        let (postgres, postgres_settings): (String, std::collections::BTreeMap<String, String>) =
+            server.unwrap_or_else(|| ("unknown".into(), Default::default()));
+        let postgres_settings_unread = SERVER_SETTINGS
+            .iter()
+            .filter(|name| !postgres_settings.contains_key(**name))
+            .map(|name| name.to_string())
+            .collect();
         let os = std::fs::read_to_string("/proc/sys/kernel/osrelease")
             .map(|r| format!("{} {}", std::env::consts::OS, r.trim()))
             .unwrap_or_else(|_| std::env::consts::OS.into());
@@ -158,6 +169,7 @@ impl Report {
                 cores: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
                 postgres,
                 postgres_settings,
+                postgres_settings_unread,
                 os,
                 started_at: chrono::Utc::now().to_rfc3339(),
                 broker: broker.into(),
@@ -355,9 +367,15 @@ pub fn markdown(r: &Report) -> String {
         },
         if r.quick { " **--quick: smoke-test durations, the numbers mean nothing.**" } else { "" }
     );
-    if !m.postgres_settings.is_empty() {
+    if !m.postgres_settings.is_empty() || !m.postgres_settings_unread.is_empty() {
         let settings: Vec<String> = m.postgres_settings.iter().map(|(k, v)| format!("`{k}` {v}")).collect();
-        let _ = writeln!(s, "PostgreSQL's settings: {}.\n", settings.join(", "));
+        let unread: Vec<String> = m.postgres_settings_unread.iter().map(|k| format!("`{k}`")).collect();
+        let _ = writeln!(
+            s,
+            "PostgreSQL's settings: {}{}.\n",
+            if settings.is_empty() { "none read".to_owned() } else { settings.join(", ") },
+            if unread.is_empty() { String::new() } else { format!("; not read: {}", unread.join(", ")) }
+        );
     }
     let _ = writeln!(s, "| Phase | Metric | Target | Measured | Met |\n|---|---|---|---|---|");
     for t in &r.targets {
