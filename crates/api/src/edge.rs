@@ -36,7 +36,8 @@
 //! ingress): one more is 429 `too_many_in_flight` at once, before its body is read.
 //!
 //! Metrics: `boxoffice_http_connections` (open connections), `boxoffice_http_connections_shed_total{how}`
-//! (`answered_503`, `closed`), `boxoffice_http_requests_shed_total` (503 `overloaded`),
+//! (`answered_503`, `closed`), `boxoffice_http_requests_shed_total{bulkhead}` (503 `overloaded`,
+//! by the limit that shed it: `process`, `queue`, `webhooks`, `ops`),
 //! `boxoffice_http_header_timeouts_total`.
 
 use crate::problem::Problem;
@@ -90,22 +91,24 @@ impl Default for EdgeSettings {
     }
 }
 
-/// The answer to a request shed by the concurrency limit (or any other error a layer
-/// raised).
-pub(crate) async fn shed(e: BoxError) -> Problem {
+/// The answer to a request shed by a concurrency limit (or any other error a layer raised),
+/// counted in `boxoffice_http_requests_shed_total{bulkhead}` by the limit that shed it:
+/// `process` (the edge's `max_concurrent_requests`), or the route class's [`bulkhead`].
+pub(crate) async fn shed(e: BoxError, bulkhead: &'static str) -> Problem {
     if e.is::<tower::load_shed::error::Overloaded>() {
-        metrics::counter!("boxoffice_http_requests_shed_total").increment(1);
+        metrics::counter!("boxoffice_http_requests_shed_total", "bulkhead" => bulkhead).increment(1);
         Problem::overloaded()
     } else {
         Problem::internal(&*e)
     }
 }
 
-/// A bulkhead for one class of routes: at most `max` requests of every route and method it
-/// is layered on in flight together (one semaphore, not one per method as `route_layer` would
-/// give `concurrency_limit`), more shed at once with 503 `overloaded` ([`shed`]) rather than
-/// queued. `max` 0 is taken as 1.
+/// A bulkhead for one class of routes, named `name` in the shed counter ([`shed`]): at most
+/// `max` requests of every route and method it is layered on in flight together (one
+/// semaphore, not one per method as `route_layer` would give `concurrency_limit`), more shed
+/// at once with 503 `overloaded` rather than queued. `max` 0 is taken as 1.
 pub(crate) fn bulkhead(
+    name: &'static str,
     max: usize,
 ) -> impl tower::Layer<
     axum::routing::Route,
@@ -123,7 +126,7 @@ pub(crate) fn bulkhead(
        + Sync
        + 'static {
     tower::ServiceBuilder::new()
-        .layer(axum::error_handling::HandleErrorLayer::new(shed))
+        .layer(axum::error_handling::HandleErrorLayer::new(move |e| shed(e, name)))
         .load_shed()
         .layer(tower::limit::GlobalConcurrencyLimitLayer::new(max.max(1)))
 }
@@ -143,7 +146,7 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let service = ServiceBuilder::new()
         .map_response(crate::problem::ensure_problem)
-        .layer(HandleErrorLayer::new(shed))
+        .layer(HandleErrorLayer::new(|e| shed(e, "process")))
         .load_shed()
         .concurrency_limit(edge.max_concurrent_requests.max(1))
         .layer(TimeoutLayer::with_status_code(
@@ -498,7 +501,7 @@ mod tests {
         let app = Router::new()
             .route("/a", get(wait.clone()).post(wait.clone()))
             .route("/b", get(wait))
-            .route_layer(bulkhead(2))
+            .route_layer(bulkhead("test", 2))
             .route("/outside", get(|| async { "ok" }));
         let call = |method: &str, path: &str| {
             let req =

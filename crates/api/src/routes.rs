@@ -50,7 +50,7 @@ pub fn router(state: AppState) -> Router {
         .route("/events/{event_id}/queue", post(crate::queue::join))
         .route("/queue/{ticket}", get(crate::queue::status).delete(crate::queue::leave))
         .route_layer(buckets(state.clone(), crate::limits::queue))
-        .route_layer(crate::edge::bulkhead(state.settings.queue_max_concurrent))
+        .route_layer(crate::edge::bulkhead("queue", state.settings.queue_max_concurrent))
         .route_layer(in_flight(&buyer_in_flight));
     let mut purchase = Router::new();
     if state.settings.admission_direct {
@@ -74,7 +74,7 @@ pub fn router(state: AppState) -> Router {
         crate::edge::PerClientInFlight::new("webhook", state.settings.webhook_max_in_flight_per_ip, hops);
     let webhooks = Router::new()
         .route("/webhooks/stripe", post(stripe_webhook))
-        .route_layer(crate::edge::bulkhead(WEBHOOK_MAX_CONCURRENT))
+        .route_layer(crate::edge::bulkhead("webhooks", WEBHOOK_MAX_CONCURRENT))
         .route_layer(tower_http::timeout::TimeoutLayer::with_status_code(
             StatusCode::SERVICE_UNAVAILABLE,
             state.settings.webhook_timeout,
@@ -88,7 +88,7 @@ pub fn router(state: AppState) -> Router {
     // neither take the buyers' connections nor shed the metrics scrape.
     let probes = Router::new()
         .route("/readyz", get(readyz))
-        .route_layer(crate::edge::bulkhead(OPS_MAX_CONCURRENT))
+        .route_layer(crate::edge::bulkhead("ops", OPS_MAX_CONCURRENT))
         .route_layer(in_flight(&ops_in_flight));
     let ops = Router::new()
         .route("/metrics", get(metrics))

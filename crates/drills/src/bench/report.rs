@@ -31,9 +31,10 @@ pub mod targets {
 
 /// The PostgreSQL settings [`Machine::postgres_settings`] records: memory, WAL and checkpoints,
 /// durability, and the bench's own instruments (`pg_stat_statements`, function tracking).
-pub const SERVER_SETTINGS: [&str; 14] = [
+pub const SERVER_SETTINGS: [&str; 15] = [
     "shared_buffers",
     "wal_buffers",
+    "wal_level",
     "max_wal_size",
     "checkpoint_timeout",
     "full_page_writes",

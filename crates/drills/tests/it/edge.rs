@@ -200,6 +200,9 @@ async fn edge_sheds_beyond_the_concurrency_limit_and_times_out_stalled_bodies(
         app.http.get(format!("{}/healthz", app.api)).send().await.is_ok_and(|r| r.status() == 200)
     })
     .await;
+    // Counted by the limit that shed it: the process's, not a route class's bulkhead.
+    assert!(metric(&app, "boxoffice_http_requests_shed_total{bulkhead=\"process\"}").await >= 1.0);
+    assert_eq!(metric(&app, "boxoffice_http_requests_shed_total{bulkhead=\"webhooks\"}").await, 0.0);
     app.stop().await;
 }
 
@@ -227,6 +230,12 @@ async fn stalled_webhook_bodies_cannot_take_every_request_slot(_: PgPoolOptions,
         let r = app.http.get(format!("{}/healthz", app.api)).send().await.unwrap();
         assert_eq!(r.status(), 200, "the webhook flood took the health check's slot");
     }
+    // The 16 beyond the bulkhead were shed, each counted under the name of the limit that
+    // shed it: the webhook bulkhead's, but for any the process-wide limit shed first.
+    let by_bulkhead = metric(&app, "boxoffice_http_requests_shed_total{bulkhead=\"webhooks\"}").await;
+    let by_process = metric(&app, "boxoffice_http_requests_shed_total{bulkhead=\"process\"}").await;
+    assert_eq!(by_bulkhead + by_process, 16.0, "every request beyond the bulkhead was shed");
+    assert!(by_bulkhead >= 8.0, "shed by the webhook bulkhead: {by_bulkhead}");
     drop(stalled);
     app.stop().await;
 }
