@@ -806,7 +806,7 @@ fn print_report(r: &serde_json::Value, audited: &boxoffice::audit::AuditReport, 
     println!("  orders by status           {}", g("orders_by_status"));
     let (sold, seats) = (g("seats_sold").as_i64().unwrap_or(0), g("venue_seats").as_i64().unwrap_or(0));
     if sold < seats {
-        // Why seats stayed unsold, from what the run counted (a run that leaves only 1–4
+        // Why seats stayed unsold, from what the run counted (a run that leaves only a few
         // single seats no multi-seat buyer fits has sold out all the same).
         let q = r.get("waiting_room").cloned().unwrap_or_default();
         let n = |k: &str| q.get(k).and_then(|v| v.as_u64()).unwrap_or(0);
