@@ -38,7 +38,12 @@
 //! Metrics: `boxoffice_http_connections` (open connections), `boxoffice_http_connections_shed_total{how}`
 //! (`answered_503`, `closed`), `boxoffice_http_requests_shed_total{bulkhead}` (503 `overloaded`,
 //! by the limit that shed it: `process`, `queue`, `webhooks`, `ops`),
-//! `boxoffice_http_header_timeouts_total`.
+//! `boxoffice_http_retry_after_widened_total{routes}` (503s whose `Retry-After` a
+//! [`RefusalBackoff`] widened), `boxoffice_http_header_timeouts_total`.
+//!
+//! A route class refused for seconds on end (the waiting room's, whose crowd is the largest)
+//! tells its refused clients to come back later and later ([`RefusalBackoff`]), so that shed
+//! clients do not return every few seconds and keep the overload going.
 
 use crate::problem::Problem;
 use axum::error_handling::HandleErrorLayer;
@@ -129,6 +134,92 @@ pub(crate) fn bulkhead(
         .layer(axum::error_handling::HandleErrorLayer::new(move |e| shed(e, name)))
         .load_shed()
         .layer(tower::limit::GlobalConcurrencyLimitLayer::new(max.max(1)))
+}
+
+/// A route class's answer to a crowd it keeps refusing: while its 503 answers (shed by its
+/// bulkhead, or its dependency unavailable) keep coming, each one's `Retry-After` is widened,
+/// so the refused clients come back spread over a longer time instead of every 1–3 s, each
+/// retry meeting the same overload (a retry storm that outlasts its cause).
+///
+/// A streak starts with a 503 and ends after [`RefusalBackoff::QUIET`] without one. In its
+/// first second the answers are left as they are; after `s` whole seconds of it, a
+/// `Retry-After` is at least a draw from 1 s to `3 × 2^s` s, capped at `max_s`
+/// ([`RefusalBackoff::window_s`]). The waiting room sets `max_s` to a sixth of
+/// `waitroom_abandon_after_ms` ([`crate::routes::router`]), so a buyer who polls when told
+/// (at most a third of it) keeps its position through four refusals in a row at the cap.
+/// Widened answers are counted in `boxoffice_http_retry_after_widened_total{routes}`.
+#[derive(Debug)]
+pub struct RefusalBackoff {
+    routes: &'static str,
+    origin: std::time::Instant,
+    max_s: u64,
+    /// The current streak's first refusal, ms after `origin`.
+    streak_start_ms: std::sync::atomic::AtomicU64,
+    /// The latest refusal, ms after `origin` ([`u64::MAX`] before the first).
+    last_ms: std::sync::atomic::AtomicU64,
+}
+
+impl RefusalBackoff {
+    /// Time without a 503 that ends a streak.
+    pub const QUIET: Duration = Duration::from_secs(2);
+    /// The widest window of a streak's first second, s: the `overloaded` answer's own.
+    pub const BASE_S: u64 = 3;
+
+    /// Backoff for the route class `routes` (its label in the metric), windows capped at
+    /// `max_s` seconds (at least [`Self::BASE_S`]).
+    pub fn new(routes: &'static str, max_s: u64) -> Self {
+        use std::sync::atomic::AtomicU64;
+        Self {
+            routes,
+            origin: std::time::Instant::now(),
+            max_s: max_s.max(Self::BASE_S),
+            streak_start_ms: AtomicU64::new(0),
+            last_ms: AtomicU64::new(u64::MAX),
+        }
+    }
+
+    /// Records a refusal now; returns the upper bound, seconds, of the window a refused
+    /// client's `Retry-After` is drawn from, or `None` in a streak's first second.
+    pub fn window_s(&self) -> Option<u64> {
+        self.window_s_at(self.origin.elapsed().as_millis() as u64)
+    }
+
+    /// [`Self::window_s`] for a refusal `now` ms after the backoff was made.
+    fn window_s_at(&self, now: u64) -> Option<u64> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let last = self.last_ms.swap(now, Relaxed);
+        if last == u64::MAX || now.saturating_sub(last) > Self::QUIET.as_millis() as u64 {
+            self.streak_start_ms.store(now, Relaxed);
+            return None;
+        }
+        let seconds = now.saturating_sub(self.streak_start_ms.load(Relaxed)) / 1_000;
+        (seconds > 0).then(|| (Self::BASE_S << seconds.min(16)).min(self.max_s))
+    }
+}
+
+/// Middleware (outside a route class's bulkhead, with [`RefusalBackoff`] as its state):
+/// widens the `Retry-After` of each 503 as the backoff says; other answers pass untouched.
+pub(crate) async fn widen_retry_after(
+    axum::extract::State(backoff): axum::extract::State<Arc<RefusalBackoff>>,
+    mut resp: axum::response::Response,
+) -> axum::response::Response {
+    if resp.status() != axum::http::StatusCode::SERVICE_UNAVAILABLE {
+        return resp;
+    }
+    let Some(hi) = backoff.window_s() else { return resp };
+    let said = resp
+        .headers()
+        .get(axum::http::header::RETRY_AFTER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(1);
+    let drawn = rand::Rng::gen_range(&mut rand::thread_rng(), 1..=hi);
+    if drawn > said {
+        resp.headers_mut().insert(axum::http::header::RETRY_AFTER, drawn.into());
+        metrics::counter!("boxoffice_http_retry_after_widened_total", "routes" => backoff.routes)
+            .increment(1);
+    }
+    resp
 }
 
 /// Serves `app` on `listener` within the bounds of `edge` until `shutdown`, then lets
@@ -535,6 +626,80 @@ mod tests {
         assert_eq!(second.await.unwrap().unwrap().status(), StatusCode::OK);
         gate.add_permits(1);
         assert_eq!(call("GET", "/b").await.unwrap().status(), StatusCode::OK, "its slots came back");
+    }
+
+    /// A streak's first second is left alone; then the window doubles each second up to the
+    /// cap; a quiet spell longer than `QUIET` starts a new streak.
+    #[test]
+    fn refusals_that_keep_coming_widen_the_window_up_to_its_cap() {
+        let b = RefusalBackoff::new("test", 20);
+        assert_eq!(b.window_s_at(10_000), None, "a streak's first refusal");
+        assert_eq!(b.window_s_at(10_900), None, "its first second");
+        assert_eq!(b.window_s_at(11_000), Some(6));
+        assert_eq!(b.window_s_at(12_500), Some(12));
+        assert_eq!(b.window_s_at(13_000), Some(20), "24 capped at 20");
+        assert_eq!(b.window_s_at(40_000), None, "quiet for 27 s: a new streak");
+        assert_eq!(b.window_s_at(41_000), Some(6));
+        assert_eq!(b.window_s_at(43_001), None, "quiet for just over QUIET");
+        let low = RefusalBackoff::new("test", 1);
+        assert_eq!(low.window_s_at(0), None);
+        assert_eq!(low.window_s_at(1_500), Some(RefusalBackoff::BASE_S), "the cap is at least the base");
+        let long = RefusalBackoff::new("test", u64::MAX);
+        long.window_s_at(0);
+        for t in (1_000..600_000).step_by(1_000) {
+            assert!(long.window_s_at(t).is_some(), "no overflow at {t} ms");
+        }
+    }
+
+    /// Behind [`widen_retry_after`]: 503s in a streak's first second and every other answer
+    /// pass untouched; 503s of a streak older than that get `Retry-After` drawn up to the cap,
+    /// never shorter than the answer's own, and never past the cap.
+    #[tokio::test]
+    async fn a_crowd_refused_for_seconds_is_told_to_come_back_later() {
+        use axum::http::{header, StatusCode};
+        use axum::routing::get;
+        use std::sync::atomic::Ordering::Relaxed;
+        // Made a minute ago, so that a streak can be dated back below.
+        let minute_ago = std::time::Instant::now() - Duration::from_secs(60);
+        let backoff = Arc::new(RefusalBackoff { origin: minute_ago, ..RefusalBackoff::new("test", 20) });
+        let app = Router::new()
+            .route(
+                "/refused",
+                get(|| async { (StatusCode::SERVICE_UNAVAILABLE, [(header::RETRY_AFTER, "2")], "busy") }),
+            )
+            .route("/ok", get(|| async { "ok" }))
+            .route_layer(axum::middleware::map_response_with_state(backoff.clone(), widen_retry_after));
+        let retry_after = |path: &'static str| {
+            let app = app.clone();
+            async move {
+                let req =
+                    axum::extract::Request::builder().uri(path).body(axum::body::Body::empty()).unwrap();
+                let r = app.oneshot(req).await.unwrap();
+                let secs =
+                    r.headers().get(header::RETRY_AFTER).map(|v| v.to_str().unwrap().parse::<u64>().unwrap());
+                (r.status(), secs)
+            }
+        };
+        for _ in 0..50 {
+            assert_eq!(
+                retry_after("/refused").await,
+                (StatusCode::SERVICE_UNAVAILABLE, Some(2)),
+                "first second"
+            );
+        }
+        // A streak that began 10 s ago, its last refusal half a second ago.
+        let now = backoff.origin.elapsed().as_millis() as u64;
+        backoff.streak_start_ms.store(now - 10_000, Relaxed);
+        backoff.last_ms.store(now - 500, Relaxed);
+        let mut seen = Vec::new();
+        for _ in 0..200 {
+            let (status, secs) = retry_after("/refused").await;
+            assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+            seen.push(secs.expect("a Retry-After"));
+        }
+        assert!(seen.iter().all(|s| (2..=20).contains(s)), "between the answer's own and the cap: {seen:?}");
+        assert!(seen.iter().any(|&s| s > 10), "spread toward the cap: {seen:?}");
+        assert_eq!(retry_after("/ok").await, (StatusCode::OK, None), "other answers untouched");
     }
 
     #[test]

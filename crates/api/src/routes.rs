@@ -43,14 +43,21 @@ pub fn router(state: AppState) -> Router {
     let in_flight = |l: &std::sync::Arc<crate::edge::PerClientInFlight>| {
         axum::middleware::from_fn_with_state(l.clone(), crate::edge::limit_in_flight)
     };
-    // Outermost first: the per-client bound, the queue's bulkhead (a share of the process's
-    // slots, so a crowd waiting on a slow Redis — its buckets included — cannot take every
-    // slot), then the rate buckets.
+    // Outermost first: the per-client bound, the widening of the queue's 503s while they
+    // keep coming (a sixth of the lapse time at most, so a buyer who polls when told keeps
+    // its position through four of them at the cap), the queue's bulkhead (a share of the
+    // process's slots, so a crowd waiting on a slow Redis — its buckets included — cannot
+    // take every slot), then the rate buckets.
+    let refusals = std::sync::Arc::new(crate::edge::RefusalBackoff::new(
+        "queue",
+        state.waitroom.config().abandon_after_ms / 6 / 1_000,
+    ));
     let queue = Router::new()
         .route("/events/{event_id}/queue", post(crate::queue::join))
         .route("/queue/{ticket}", get(crate::queue::status).delete(crate::queue::leave))
         .route_layer(buckets(state.clone(), crate::limits::queue))
         .route_layer(crate::edge::bulkhead("queue", state.settings.queue_max_concurrent))
+        .route_layer(axum::middleware::map_response_with_state(refusals, crate::edge::widen_retry_after))
         .route_layer(in_flight(&buyer_in_flight));
     let mut purchase = Router::new();
     if state.settings.admission_direct {

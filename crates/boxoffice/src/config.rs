@@ -527,7 +527,9 @@ pub struct Config {
     pub release_threshold_never_payable_share: f64,
     /// A queue position whose holder has not polled for this long lapses, ms (default 120000:
     /// a queued client is told to poll at most every third of it, so a deep queue polls
-    /// rarely and a lost poll or two does not cost a position).
+    /// rarely and a lost poll or two does not cost a position; a sixth of it caps the
+    /// `Retry-After` of the queue's 503s while they keep coming,
+    /// `boxoffice_api::edge::RefusalBackoff`).
     pub waitroom_abandon_after_ms: u64,
     /// Poll interval suggested to queued clients (`poll_after_ms`), ms; keep it well below
     /// `waitroom_abandon_after_ms`.

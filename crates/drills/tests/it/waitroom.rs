@@ -438,6 +438,29 @@ async fn waitroom_redis_down_answers_503_and_changes_no_seat(_: PgPoolOptions, o
     let changed: Vec<_> = before.iter().zip(&after).filter(|(x, y)| x != y).map(|(x, _)| x.0).collect();
     assert_eq!(changed, vec![s[0]], "only the seat the admitted buyer held changed");
 
+    // Refused for seconds on end, the crowd is told to come back later than 2–6 s, but
+    // never later than a sixth of the lapse time (20 s here), so polls keep the position.
+    let mut said = Vec::new();
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let r = poll(&app, &app.api, &b, &tb).await;
+        let secs: u64 = r.headers()["retry-after"].to_str().unwrap().parse().unwrap();
+        assert_eq!(problem(r).await.1, "waitroom_unavailable");
+        said.push(secs);
+        if secs > *boxoffice_api::problem::WAITROOM_RETRY_AFTER_S.end() {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "no 503 was widened: {said:?}");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert!(said.iter().all(|s| (1..=20).contains(s)), "within the cap: {said:?}");
+    let metrics = app.http.get(format!("{}/metrics", app.api)).send().await.unwrap().text().await.unwrap();
+    assert!(
+        metrics.lines().any(|l| l.starts_with("boxoffice_http_retry_after_widened_total{routes=\"queue\"} ")),
+        "widened answers are counted"
+    );
+    assert_eq!(seat_state(&app).await, after, "no seat changed while the crowd was refused");
+
     let _redis = PrivateRedis::start(port).await;
     eventually(Duration::from_secs(15), "joins work again once Redis is back", || async {
         join(&app, &app.api, &c, app.event).await.status() == 201
