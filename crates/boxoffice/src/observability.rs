@@ -25,7 +25,8 @@ use std::process::Command;
 const PENDING: &[&str] = &[];
 
 /// The nine signals of design §16, then the business boundary and the release controller
-/// the controller's own rules watch: each with the alerts that cover it.
+/// the controller's own rules watch, then the HTTP edge's shed and refused requests: each
+/// with the alerts that cover it.
 const SIGNALS: &[(&str, &[&str])] = &[
     (
         "1 hold endpoint p99 and conflict rate",
@@ -108,6 +109,7 @@ const SIGNALS: &[(&str, &[&str])] = &[
             "BoxofficeReleaseNoLeader",
         ],
     ),
+    ("the HTTP edge: shed and refused requests", &["BoxofficeRequestsShed", "BoxofficeWaitingRoomRefusing"]),
 ];
 
 #[derive(Debug, Deserialize)]
