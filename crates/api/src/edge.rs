@@ -42,8 +42,10 @@
 //! [`RefusalBackoff`] widened), `boxoffice_http_header_timeouts_total`.
 //!
 //! A route class refused for seconds on end (the waiting room's, whose crowd is the largest)
-//! tells its refused clients to come back later and later ([`RefusalBackoff`]), so that shed
-//! clients do not return every few seconds and keep the overload going.
+//! tells its refused clients to come back later and later ([`RefusalBackoff`]: every 503 of
+//! its routes, the ones its own bulkhead sheds among them, not those of the process-wide limit
+//! or timeout above the router), so that shed clients do not return every few seconds and
+//! keep the overload going.
 
 use crate::problem::Problem;
 use axum::error_handling::HandleErrorLayer;
@@ -137,26 +139,31 @@ pub(crate) fn bulkhead(
 }
 
 /// A route class's answer to a crowd it keeps refusing: while its 503 answers (shed by its
-/// bulkhead, or its dependency unavailable) keep coming, each one's `Retry-After` is widened,
+/// bulkhead, its dependency unavailable: every 503 of its routes) keep coming, each one's
+/// `Retry-After` is widened,
 /// so the refused clients come back spread over a longer time instead of every 1–3 s, each
 /// retry meeting the same overload (a retry storm that outlasts its cause).
 ///
 /// A streak starts with a 503 and ends after [`RefusalBackoff::QUIET`] without one. In its
 /// first second the answers are left as they are; after `s` whole seconds of it, a
 /// `Retry-After` is at least a draw from 1 s to `3 × 2^s` s, capped at `max_s`
-/// ([`RefusalBackoff::window_s`]). The waiting room sets `max_s` to a sixth of
-/// `waitroom_abandon_after_ms` ([`crate::routes::router`]), so a buyer who polls when told
-/// (at most a third of it) keeps its position through four refusals in a row at the cap.
+/// ([`RefusalBackoff::window_s`]); an answer's own longer `Retry-After` is kept. The waiting
+/// room sets `max_s` to a sixth of `waitroom_abandon_after_ms` ([`crate::routes::router`]):
+/// a buyer told to poll after a third of it (the longest advice while
+/// `waitroom_poll_interval_ms` is at most a third, as by default) keeps its position through
+/// three refusals in a row at the cap, with a sixth of it (20 s by default) to spare for
+/// latency. The state is per process: a crowd that ignores `Retry-After` keeps the streak
+/// going for everyone on that process, and the buyers who obey it then try less often.
 /// Widened answers are counted in `boxoffice_http_retry_after_widened_total{routes}`.
 #[derive(Debug)]
 pub struct RefusalBackoff {
     routes: &'static str,
     origin: std::time::Instant,
     max_s: u64,
-    /// The current streak's first refusal, ms after `origin`.
-    streak_start_ms: std::sync::atomic::AtomicU64,
-    /// The latest refusal, ms after `origin` ([`u64::MAX`] before the first).
-    last_ms: std::sync::atomic::AtomicU64,
+    /// The current streak: its first and its latest refusal, ms after `origin` (`None`
+    /// before the first). One lock for both, so a refusal never pairs one streak's start
+    /// with another's latest; it is taken only on a 503.
+    streak: std::sync::Mutex<Option<(u64, u64)>>,
 }
 
 impl RefusalBackoff {
@@ -168,32 +175,37 @@ impl RefusalBackoff {
     /// Backoff for the route class `routes` (its label in the metric), windows capped at
     /// `max_s` seconds (at least [`Self::BASE_S`]).
     pub fn new(routes: &'static str, max_s: u64) -> Self {
-        use std::sync::atomic::AtomicU64;
         Self {
             routes,
             origin: std::time::Instant::now(),
             max_s: max_s.max(Self::BASE_S),
-            streak_start_ms: AtomicU64::new(0),
-            last_ms: AtomicU64::new(u64::MAX),
+            streak: std::sync::Mutex::new(None),
         }
     }
 
     /// Records a refusal now; returns the upper bound, seconds, of the window a refused
     /// client's `Retry-After` is drawn from, or `None` in a streak's first second.
     pub fn window_s(&self) -> Option<u64> {
-        self.window_s_at(self.origin.elapsed().as_millis() as u64)
+        let mut streak = self.streak.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        // Read under the lock: refusals reach the streak in the order of their clocks.
+        let now = self.origin.elapsed().as_millis() as u64;
+        Self::advance(&mut streak, now, self.max_s)
     }
 
     /// [`Self::window_s`] for a refusal `now` ms after the backoff was made.
+    #[cfg(test)]
     fn window_s_at(&self, now: u64) -> Option<u64> {
-        use std::sync::atomic::Ordering::Relaxed;
-        let last = self.last_ms.swap(now, Relaxed);
-        if last == u64::MAX || now.saturating_sub(last) > Self::QUIET.as_millis() as u64 {
-            self.streak_start_ms.store(now, Relaxed);
-            return None;
-        }
-        let seconds = now.saturating_sub(self.streak_start_ms.load(Relaxed)) / 1_000;
-        (seconds > 0).then(|| (Self::BASE_S << seconds.min(16)).min(self.max_s))
+        Self::advance(&mut self.streak.lock().unwrap(), now, self.max_s)
+    }
+
+    fn advance(streak: &mut Option<(u64, u64)>, now: u64, max_s: u64) -> Option<u64> {
+        let start = match *streak {
+            Some((start, last)) if now.saturating_sub(last) <= Self::QUIET.as_millis() as u64 => start,
+            _ => now,
+        };
+        *streak = Some((start, now.max(start)));
+        let seconds = now.saturating_sub(start) / 1_000;
+        (seconds > 0).then(|| (Self::BASE_S << seconds.min(16)).min(max_s))
     }
 }
 
@@ -658,7 +670,6 @@ mod tests {
     async fn a_crowd_refused_for_seconds_is_told_to_come_back_later() {
         use axum::http::{header, StatusCode};
         use axum::routing::get;
-        use std::sync::atomic::Ordering::Relaxed;
         // Made a minute ago, so that a streak can be dated back below.
         let minute_ago = std::time::Instant::now() - Duration::from_secs(60);
         let backoff = Arc::new(RefusalBackoff { origin: minute_ago, ..RefusalBackoff::new("test", 20) });
@@ -689,8 +700,7 @@ mod tests {
         }
         // A streak that began 10 s ago, its last refusal half a second ago.
         let now = backoff.origin.elapsed().as_millis() as u64;
-        backoff.streak_start_ms.store(now - 10_000, Relaxed);
-        backoff.last_ms.store(now - 500, Relaxed);
+        *backoff.streak.lock().unwrap() = Some((now - 10_000, now - 500));
         let mut seen = Vec::new();
         for _ in 0..200 {
             let (status, secs) = retry_after("/refused").await;

@@ -45,7 +45,7 @@ pub fn router(state: AppState) -> Router {
     };
     // Outermost first: the per-client bound, the widening of the queue's 503s while they
     // keep coming (a sixth of the lapse time at most, so a buyer who polls when told keeps
-    // its position through four of them at the cap), the queue's bulkhead (a share of the
+    // its position through three of them at the cap), the queue's bulkhead (a share of the
     // process's slots, so a crowd waiting on a slow Redis — its buckets included — cannot
     // take every slot), then the rate buckets.
     let refusals = std::sync::Arc::new(crate::edge::RefusalBackoff::new(
