@@ -152,8 +152,11 @@ pub(crate) fn bulkhead(
 /// a buyer told to poll after a third of it (the longest advice while
 /// `waitroom_poll_interval_ms` is at most a third, as by default) keeps its position through
 /// three refusals in a row at the cap, with a sixth of it (20 s by default) to spare for
-/// latency. The state is per process: a crowd that ignores `Retry-After` keeps the streak
-/// going for everyone on that process, and the buyers who obey it then try less often.
+/// latency. The state is per process: any 503 at least every [`RefusalBackoff::QUIET`]
+/// (clients that ignore `Retry-After`, a flaky dependency) keeps the streak going for
+/// everyone on that process, and the buyers who obey it then try less often, so under a
+/// sustained refusal of most polls their positions are likelier to lapse than with short
+/// retries (nothing here stops a position lapsing).
 /// Widened answers are counted in `boxoffice_http_retry_after_widened_total{routes}`.
 #[derive(Debug)]
 pub struct RefusalBackoff {

@@ -7,9 +7,9 @@
 //! These routes have their own share of the process's request slots
 //! (`AppState::settings.queue_max_concurrent`, 503 `overloaded` beyond it), so a crowd
 //! waiting on a slow Redis never takes the slots of holds and webhooks. While their 503s
-//! (shed, or Redis unavailable) keep coming, their `Retry-After` is widened up to a sixth of
-//! `abandon_after_ms` ([`crate::edge::RefusalBackoff`]), so a refused crowd spreads out
-//! instead of coming back every few seconds.
+//! (any: shed, Redis or the ledger unavailable) keep coming, their `Retry-After` is widened
+//! up to a sixth of `abandon_after_ms` ([`crate::edge::RefusalBackoff`]), so a refused crowd
+//! spreads out instead of coming back every few seconds.
 //!
 //! Redis is a shield, not a ledger: when it is unreachable these routes answer 503 with
 //! `Retry-After` and nothing about seats changes; the hold endpoint keeps serving buyers who
