@@ -140,9 +140,9 @@ pub(crate) fn bulkhead(
 
 /// A route class's answer to a crowd it keeps refusing: while its 503 answers (shed by its
 /// bulkhead, its dependency unavailable: every 503 of its routes) keep coming, each one's
-/// `Retry-After` is widened,
-/// so the refused clients come back spread over a longer time instead of every 1–3 s, each
-/// retry meeting the same overload (a retry storm that outlasts its cause).
+/// `Retry-After` is widened, so the refused clients come back spread over a longer time
+/// instead of every 1–3 s, each retry meeting the same overload (a retry storm that outlasts
+/// its cause).
 ///
 /// A streak starts with a 503 and ends after [`RefusalBackoff::QUIET`] without one. In its
 /// first second the answers are left as they are; after `s` whole seconds of it, a
@@ -156,8 +156,8 @@ pub(crate) fn bulkhead(
 /// (clients that ignore `Retry-After`, a flaky dependency) keeps the streak going for
 /// everyone on that process, and the buyers who obey it then try less often, so under a
 /// sustained refusal of most polls their positions are likelier to lapse than with short
-/// retries (nothing here stops a position lapsing).
-/// Widened answers are counted in `boxoffice_http_retry_after_widened_total{routes}`.
+/// retries (nothing here stops a position lapsing). Widened answers are counted in
+/// `boxoffice_http_retry_after_widened_total{routes}`.
 #[derive(Debug)]
 pub struct RefusalBackoff {
     routes: &'static str,
