@@ -154,11 +154,11 @@ pub(crate) fn bulkhead(
 /// three refusals in a row at the cap, with a sixth of it (20 s by default) to spare for
 /// latency. The state is per process: any 503 at least every [`RefusalBackoff::QUIET`]
 /// (clients that ignore `Retry-After`, a flaky dependency) keeps the streak going for
-/// everyone on that process, and the buyers who obey it then try less often, so under a
-/// sustained refusal of most polls their positions are likelier to lapse than with short
-/// retries (nothing here stops a position lapsing). Widened answers are counted in
-/// `boxoffice_http_retry_after_widened_total{routes}`.
-#[derive(Debug)]
+/// everyone on that process, and the buyers who obey it then try less often. So that they
+/// do not lose their positions for it, the streak past its first second is reported to the
+/// waiting room ([`RefusalBackoff::noting`], `Waitroom::note_refused`), whose lapse clock does
+/// not count that time (up to its grace: three times the lapse time by default). Widened
+/// answers are counted in `boxoffice_http_retry_after_widened_total{routes}`.
 pub struct RefusalBackoff {
     routes: &'static str,
     origin: std::time::Instant,
@@ -167,6 +167,19 @@ pub struct RefusalBackoff {
     /// before the first). One lock for both, so a refusal never pairs one streak's start
     /// with another's latest; it is taken only on a 503.
     streak: std::sync::Mutex<Option<(u64, u64)>>,
+    /// Told of the streak (its start, this refusal) at each refusal past its first second.
+    noted: Option<Box<dyn Fn(std::time::Instant, std::time::Instant) + Send + Sync>>,
+}
+
+impl std::fmt::Debug for RefusalBackoff {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RefusalBackoff")
+            .field("routes", &self.routes)
+            .field("max_s", &self.max_s)
+            .field("streak", &self.streak)
+            .field("noting", &self.noted.is_some())
+            .finish()
+    }
 }
 
 impl RefusalBackoff {
@@ -183,22 +196,46 @@ impl RefusalBackoff {
             origin: std::time::Instant::now(),
             max_s: max_s.max(Self::BASE_S),
             streak: std::sync::Mutex::new(None),
+            noted: None,
         }
+    }
+
+    /// Tells `noted` of the streak, its first refusal and this one, at each refusal past
+    /// the streak's first second (when `Retry-After` is widened). Called on the request's
+    /// task: it must be cheap and must not block.
+    pub fn noting(
+        mut self,
+        noted: impl Fn(std::time::Instant, std::time::Instant) + Send + Sync + 'static,
+    ) -> Self {
+        self.noted = Some(Box::new(noted));
+        self
     }
 
     /// Records a refusal now; returns the upper bound, seconds, of the window a refused
     /// client's `Retry-After` is drawn from, or `None` in a streak's first second.
     pub fn window_s(&self) -> Option<u64> {
-        let mut streak = self.streak.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        // Read under the lock: refusals reach the streak in the order of their clocks.
-        let now = self.origin.elapsed().as_millis() as u64;
-        Self::advance(&mut streak, now, self.max_s)
+        self.refusal(None)
     }
 
     /// [`Self::window_s`] for a refusal `now` ms after the backoff was made.
     #[cfg(test)]
     fn window_s_at(&self, now: u64) -> Option<u64> {
-        Self::advance(&mut self.streak.lock().unwrap(), now, self.max_s)
+        self.refusal(Some(now))
+    }
+
+    /// A refusal at `at` ms after `origin` (now when `None`).
+    fn refusal(&self, at: Option<u64>) -> Option<u64> {
+        let (window, streak) = {
+            let mut streak = self.streak.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            // Read under the lock: refusals reach the streak in the order of their clocks.
+            let now = at.unwrap_or_else(|| self.origin.elapsed().as_millis() as u64);
+            (Self::advance(&mut streak, now, self.max_s), *streak)
+        };
+        if let (Some(_), Some((start, last)), Some(noted)) = (window, streak, &self.noted) {
+            let at = |ms: u64| self.origin + Duration::from_millis(ms);
+            noted(at(start), at(last));
+        }
+        window
     }
 
     fn advance(streak: &mut Option<(u64, u64)>, now: u64, max_s: u64) -> Option<u64> {
@@ -664,6 +701,24 @@ mod tests {
         for t in (1_000..600_000).step_by(1_000) {
             assert!(long.window_s_at(t).is_some(), "no overflow at {t} ms");
         }
+    }
+
+    #[test]
+    fn a_streak_past_its_first_second_is_noted_for_the_lapse_clock() {
+        let noted = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let sink = noted.clone();
+        let b = RefusalBackoff::new("test", 20).noting(move |from, to| sink.lock().unwrap().push((from, to)));
+        let at = |ms: u64| b.origin + Duration::from_millis(ms);
+        b.window_s_at(10_000);
+        b.window_s_at(10_900);
+        assert!(noted.lock().unwrap().is_empty(), "a streak's first second is not noted");
+        b.window_s_at(11_500);
+        b.window_s_at(13_000);
+        assert_eq!(*noted.lock().unwrap(), vec![(at(10_000), at(11_500)), (at(10_000), at(13_000))]);
+        b.window_s_at(15_500); // after a quiet spell: a new streak, its first second
+        assert_eq!(noted.lock().unwrap().len(), 2);
+        b.window_s_at(16_600);
+        assert_eq!(noted.lock().unwrap().last(), Some(&(at(15_500), at(16_600))));
     }
 
     /// Behind [`widen_retry_after`]: 503s in a streak's first second and every other answer

@@ -48,10 +48,13 @@ pub fn router(state: AppState) -> Router {
     // its position through three of them at the cap), the queue's bulkhead (a share of the
     // process's slots, so a crowd waiting on a slow Redis — its buckets included — cannot
     // take every slot), then the rate buckets.
-    let refusals = std::sync::Arc::new(crate::edge::RefusalBackoff::new(
-        "queue",
-        state.waitroom.config().abandon_after_ms / 6 / 1_000,
-    ));
+    // A streak past its first second is also a pause of the waiting room's lapse clock, so
+    // the buyers it refused keep their positions for that time.
+    let waitroom = state.waitroom.clone();
+    let refusals = std::sync::Arc::new(
+        crate::edge::RefusalBackoff::new("queue", state.waitroom.config().abandon_after_ms / 6 / 1_000)
+            .noting(move |from, to| waitroom.note_refused(from, to)),
+    );
     let queue = Router::new()
         .route("/events/{event_id}/queue", post(crate::queue::join))
         .route("/queue/{ticket}", get(crate::queue::status).delete(crate::queue::leave))

@@ -10,8 +10,8 @@ pub(crate) struct Keys {
     prefix: String,
 }
 
-/// The seven keys every event script takes, in `KEYS[1..7]` order.
-pub(crate) struct EventKeys(pub [String; 7]);
+/// The eight keys every event script takes, in `KEYS[1..8]` order.
+pub(crate) struct EventKeys(pub [String; 8]);
 
 impl Keys {
     pub fn new(prefix: &str) -> Self {
@@ -21,7 +21,21 @@ impl Keys {
     pub fn event(&self, event: Uuid) -> EventKeys {
         let p = &self.prefix;
         let k = |s: &str| format!("{p}e:{{{event}}}:{s}");
-        EventKeys([k("meta"), k("q"), k("pre"), k("hb"), k("adm"), k("users"), self.events()])
+        EventKeys([
+            k("meta"),
+            k("q"),
+            k("pre"),
+            k("hb"),
+            k("adm"),
+            k("users"),
+            self.events(),
+            self.lapse_clock(),
+        ])
+    }
+
+    /// The lapse clock: the last sweeping script's time and the pauses (see `scripts`).
+    pub fn lapse_clock(&self) -> String {
+        format!("{}lapse-clock", self.prefix)
     }
 
     /// Events that have a queue, for the release controller.

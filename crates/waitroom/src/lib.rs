@@ -5,7 +5,10 @@
 //! What it owns, per event: queue positions (FIFO after the onsale opens), the pre-queue
 //! (joins before `opens_at`, shuffled once at the opening so arriving first buys nothing),
 //! heartbeats (a position whose holder stops polling for `abandon_after_ms` lapses, and lapsed
-//! positions are dropped atomically, so they never stall the inlet), admission slots of
+//! positions are dropped atomically, so they never stall the inlet), the lapse clock (time in
+//! which the waiting room could not answer its callers — Redis stalled or unreachable, or a
+//! process refusing them 503 — does not count towards a lapse, up to
+//! [`LAPSE_GRACE_FACTOR`] × `abandon_after_ms`; see [`Waitroom::note_refused`]), admission slots of
 //! released tickets, one position per user and event and a per-user cap across events.
 //! Every multi-key step is one Lua script ([`scripts`]), so concurrent API instances cannot
 //! interleave half-done steps; every script reads the Redis clock.
@@ -24,7 +27,7 @@
 //!
 //! Metrics: `boxoffice_waitroom_joins_total{outcome}`, `boxoffice_waitroom_admitted_total`,
 //! `boxoffice_waitroom_abandoned_total`, `boxoffice_waitroom_queue_length{event,stage}`,
-//! `boxoffice_waitroom_redis_errors_total{op}`.
+//! `boxoffice_waitroom_redis_errors_total{op}`, `boxoffice_waitroom_lapse_grace_seconds`.
 
 mod keys;
 mod scripts;
@@ -92,6 +95,23 @@ pub enum Patience {
     /// [`WaitroomConfig::queue_timeout_ms`]: the waiting room's own routes.
     Queue,
 }
+
+/// No sweeping script for longer than this is a stall of the waiting room (Redis unreachable
+/// or stalled): the whole gap is a pause of the lapse clock. The release controller runs one
+/// per event every tick, so a live deployment never goes this long without one.
+pub const STALL_GAP: Duration = Duration::from_secs(5);
+
+/// Pauses hold a position's lapse back by at most this many times `abandon_after_ms` (by
+/// default 6 min on top of the 2 min), so refusals that never end cannot keep abandoned
+/// positions for ever.
+pub const LAPSE_GRACE_FACTOR: u64 = 3;
+
+/// A process sends its claim of refusals with at most one call per this long.
+pub const CLAIM_EVERY: Duration = Duration::from_millis(500);
+
+/// Spans of refusal a process keeps while it cannot send them (more are joined, oldest
+/// first: a longer pause, never a shorter one).
+const REFUSALS_KEPT: usize = 8;
 
 /// How long a per-second activity counter ([`Waitroom::add_counts`]) lives, seconds.
 pub const COUNTER_TTL_S: i64 = 120;
@@ -273,6 +293,64 @@ pub struct Waitroom {
     /// When a change of health was last logged, ms after `epoch` + 1 (0 = never).
     last_health_log_ms: Arc<AtomicU64>,
     epoch: Instant,
+    /// This process's refusals not yet recorded in Redis ([`Waitroom::note_refused`]).
+    refusals: Arc<std::sync::Mutex<Refusals>>,
+}
+
+/// Spans in which a process refused the waiting room's callers, kept until a sweeping call
+/// that carried them succeeded (recording one twice changes nothing: pauses are a union).
+#[derive(Debug, Default)]
+struct Refusals {
+    /// Disjoint, oldest first, at most [`REFUSALS_KEPT`].
+    pending: Vec<(Instant, Instant)>,
+    /// When a claim last went out.
+    last_sent: Option<Instant>,
+}
+
+impl Refusals {
+    fn note(&mut self, from: Instant, to: Instant) {
+        if to <= from {
+            return;
+        }
+        self.pending.push((from, to));
+        self.pending.sort_by_key(|s| s.0);
+        let mut merged: Vec<(Instant, Instant)> = Vec::with_capacity(self.pending.len());
+        for (a, b) in self.pending.drain(..) {
+            match merged.last_mut() {
+                Some(last) if a <= last.1 => last.1 = last.1.max(b),
+                _ => merged.push((a, b)),
+            }
+        }
+        while merged.len() > REFUSALS_KEPT {
+            let (_, b) = merged.remove(1);
+            merged[0].1 = merged[0].1.max(b);
+        }
+        self.pending = merged;
+    }
+
+    /// The claim to send with a call at `now` (`from_age:to_age,…`, ms) and what it covers,
+    /// or `None` when there is nothing to send or one went out less than [`CLAIM_EVERY`] ago.
+    fn claim(&mut self, now: Instant) -> Option<(String, Vec<(Instant, Instant)>)> {
+        if self.pending.is_empty()
+            || self.last_sent.is_some_and(|t| now.saturating_duration_since(t) < CLAIM_EVERY)
+        {
+            return None;
+        }
+        self.last_sent = Some(now);
+        let age = |t: Instant| now.saturating_duration_since(t).as_millis();
+        let text = self
+            .pending
+            .iter()
+            .map(|(a, b)| format!("{}:{}", age(*a), age(*b)))
+            .collect::<Vec<_>>()
+            .join(",");
+        Some((text, self.pending.clone()))
+    }
+
+    /// A call carrying `sent` succeeded: what it covered is recorded.
+    fn recorded(&mut self, sent: &[(Instant, Instant)]) {
+        self.pending.retain(|p| !sent.iter().any(|s| s.0 <= p.0 && p.1 <= s.1));
+    }
 }
 
 /// What Redis knows about one admission token ([`Waitroom::revocation_state`]).
@@ -334,6 +412,7 @@ impl Waitroom {
             last_unavailable_ms: Arc::new(AtomicU64::new(0)),
             last_health_log_ms: Arc::new(AtomicU64::new(0)),
             epoch: Instant::now(),
+            refusals: Arc::new(std::sync::Mutex::new(Refusals::default())),
         })
     }
 
@@ -348,6 +427,36 @@ impl Waitroom {
     pub fn recently_unavailable(&self, within: Duration) -> bool {
         let at = self.last_unavailable_ms.load(Ordering::Relaxed);
         at != 0 && self.epoch.elapsed().as_millis() as u64 <= at + within.as_millis() as u64
+    }
+
+    /// Records that this process refused the waiting room's callers (503) from `from` to
+    /// `to`: with its next sweeping call (a join, a poll, the release step or the stats; at
+    /// most one per [`CLAIM_EVERY`]) the span becomes a pause of the lapse clock, so the
+    /// positions of buyers who were refused are not lapsed for that time. Cheap: no Redis
+    /// call of its own. The API calls it for a refusal streak of the queue routes past its
+    /// first second (`boxoffice-api`'s `edge::RefusalBackoff`); a stall of Redis itself is
+    /// recorded by the scripts ([`STALL_GAP`]).
+    pub fn note_refused(&self, from: Instant, to: Instant) {
+        self.refusals.lock().unwrap_or_else(std::sync::PoisonError::into_inner).note(from, to);
+    }
+
+    /// Runs a sweeping event script (`inv` with every argument but the last) with this
+    /// process's claim of refusals as its last argument; the claim counts as recorded once
+    /// the call succeeded.
+    async fn sweeping_call<T: redis::FromRedisValue>(
+        &self,
+        op: &'static str,
+        mut inv: redis::ScriptInvocation<'_>,
+    ) -> Result<T, WaitroomError> {
+        let refusals = || self.refusals.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let claim = refusals().claim(Instant::now());
+        inv.arg(claim.as_ref().map_or("", |(text, _)| text.as_str()));
+        let mut conn = self.conn.clone();
+        let res = self.queue_call(op, inv.invoke_async(&mut conn)).await;
+        if let (Ok(_), Some((_, sent))) = (&res, &claim) {
+            refusals().recorded(sent);
+        }
+        res
     }
 
     /// Runs one Redis call bounded by `timeout_ms`; see [`Self::call_with`].
@@ -489,7 +598,6 @@ impl Waitroom {
             .arg(self.cfg.sweep_batch)
             .arg(self.cfg.max_positions_per_user)
             .arg(self.ticket_ttl_ms());
-        let mut conn = self.conn.clone();
         let (state, ticket, created, position, opens_at, abandoned, slot_end, rate): (
             String,
             String,
@@ -499,7 +607,7 @@ impl Waitroom {
             i64,
             i64,
             String,
-        ) = self.queue_call("join", inv.invoke_async(&mut conn)).await?;
+        ) = self.sweeping_call("join", inv).await?;
         count_abandoned(abandoned);
         if state == "limit" {
             metrics::counter!("boxoffice_waitroom_joins_total", "outcome" => "limit").increment(1);
@@ -537,7 +645,6 @@ impl Waitroom {
             .arg(self.cfg.abandon_after_ms)
             .arg(self.cfg.sweep_batch)
             .arg(self.ticket_ttl_ms());
-        let mut conn = self.conn.clone();
         let (state, position, opens_at, abandoned, slot_end, queued, pre, rate): (
             String,
             i64,
@@ -547,7 +654,7 @@ impl Waitroom {
             i64,
             i64,
             String,
-        ) = self.queue_call("status", inv.invoke_async(&mut conn)).await?;
+        ) = self.sweeping_call("status", inv).await?;
         count_abandoned(abandoned);
         let state = match state.as_str() {
             "unknown" => return Err(WaitroomError::UnknownTicket),
@@ -639,9 +746,8 @@ impl Waitroom {
             .arg(self.cfg.slot_ms)
             .arg(rate)
             .arg(valid);
-        let mut conn = self.conn.clone();
         let (admitted, abandoned, queued, pre, live, _slot_end): (Vec<String>, i64, i64, i64, i64, i64) =
-            self.queue_call("release", inv.invoke_async(&mut conn)).await?;
+            self.sweeping_call("release", inv).await?;
         count_abandoned(abandoned);
         metrics::counter!("boxoffice_waitroom_admitted_total").increment(admitted.len() as u64);
         let r = Released {
@@ -656,17 +762,18 @@ impl Waitroom {
     }
 
     /// Counts of `event`'s queue (after dropping lapsed positions); also exported as the
-    /// `boxoffice_waitroom_queue_length` gauge.
+    /// `boxoffice_waitroom_queue_length` gauge, and how far pauses of the lapse clock hold
+    /// lapses back now as `boxoffice_waitroom_lapse_grace_seconds` (0 when none).
     ///
     /// # Errors
     /// [`WaitroomError::Unavailable`] / [`WaitroomError::Timeout`].
     pub async fn stats(&self, event: EventId) -> Result<QueueStats, WaitroomError> {
         let mut inv = self.event_script(&self.scripts.stats, event.0);
         inv.arg(self.cfg.abandon_after_ms).arg(self.cfg.sweep_batch);
-        let mut conn = self.conn.clone();
-        let (queued, pre, live, abandoned, _now): (i64, i64, i64, i64, i64) =
-            self.queue_call("stats", inv.invoke_async(&mut conn)).await?;
+        let (queued, pre, live, abandoned, grace_ms): (i64, i64, i64, i64, i64) =
+            self.sweeping_call("stats", inv).await?;
         count_abandoned(abandoned);
+        metrics::gauge!("boxoffice_waitroom_lapse_grace_seconds").set(grace_ms.max(0) as f64 / 1000.0);
         let s = QueueStats {
             queued: queued.max(0) as u64,
             pre_queued: pre.max(0) as u64,

@@ -1,8 +1,25 @@
 //! The Lua scripts that make each multi-key step of the waiting room atomic (Redis runs a
 //! script to completion before any other command). Every event script takes the same first
-//! seven keys (see [`crate::keys::EventKeys`]) and shares one prelude: the Redis clock (so
-//! every API instance measures heartbeats and slots against one clock), the pre-queue opening
-//! and the sweep of abandoned positions. Time values are milliseconds since the Unix epoch.
+//! eight keys (see [`crate::keys::EventKeys`]) and shares one prelude: the Redis clock (so
+//! every API instance measures heartbeats and slots against one clock), the pre-queue opening,
+//! the lapse clock and the sweep of abandoned positions. Time values are milliseconds since
+//! the Unix epoch.
+//!
+//! **The lapse clock.** A position lapses when its holder has not polled for `abandon` ms of
+//! time in which the waiting room could have answered the poll, not of wall time: spans in
+//! which it could not (pauses) do not count. A pause is recorded two ways, by the first
+//! sweeping script (`join`, `status`, `release`, `stats`) that runs after one:
+//! - a **stall**: no sweeping script ran for more than [`crate::STALL_GAP`] (Redis unreachable
+//!   or stalled; the release controller runs one every tick, so a live deployment never goes
+//!   that long): the whole gap since the last one;
+//! - a **claim** of refusals: spans in which a process kept answering the waiting room's
+//!   callers 503 ([`crate::Waitroom::note_refused`]), sent with its next sweeping call as ages
+//!   (`from:to,…`, ms before the call).
+//!
+//! A pause never holds a lapse back by more than [`crate::LAPSE_GRACE_FACTOR`] × `abandon` in
+//! all, so refusals that never end cannot keep abandoned positions for ever. The same cutoff
+//! decides every lapse: the sweep, a late poll, a repeated join, the release step and the
+//! per-user count of live positions.
 //!
 //! Data model, per event `E`:
 //! - `meta` hash: `opens_at` (ms, absent = open), `opened` (`1` once the pre-queue was
@@ -13,15 +30,21 @@
 //! - `adm` zset: ticket → end of its admission slot;
 //! - `users` hash: user → their ticket in this event (one position per user and event);
 //!
-//! and outside the event: `events` set (events with a queue, for the release controller), `t:{T}`
+//! and outside the event: `lapse-clock` hash (`seen`: the last sweeping script's time;
+//! `spans`: the pauses, `from:to,…` oldest first, merged, those older than the longest grace
+//! dropped), `events` set (events with a queue, for the release controller), `t:{T}`
 //! hash (ticket → event, user), `u:{U}` zset (a user's live positions in every event → the
 //! time the position lapses, for the per-user limit), `rv:{jti}` (revoked admission tokens).
 //! The keys of one user or ticket live outside the event's hash slot: the waiting room needs
 //! one Redis primary (not Redis Cluster).
 
-/// Shared by every event script. `KEYS[1..7]` = meta, q, pre, hb, adm, users, events.
+/// Shared by every event script. `KEYS[1..8]` = meta, q, pre, hb, adm, users, events,
+/// lapse-clock. `@STALL_GAP_MS@` and `@GRACE_FACTOR@` are replaced by [`crate::STALL_GAP`]
+/// and [`crate::LAPSE_GRACE_FACTOR`].
 const PRELUDE: &str = r#"
 local META, Q, PRE, HB, ADM, USERS, EVENTS = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
+local CLOCK = KEYS[8]
+local STALL_GAP_MS, GRACE_FACTOR = @STALL_GAP_MS@, @GRACE_FACTOR@
 
 local function now_ms()
   local t = redis.call('TIME')
@@ -48,12 +71,79 @@ local function open_if_due(now)
   redis.call('HSET', META, 'opened', '1')
 end
 
--- Drops up to `limit` positions whose holder has not polled for `abandon` ms, and ended
--- admission slots. Returns the number of positions dropped.
-local function sweep(now, abandon, limit)
+-- Pauses as {from, to} pairs, oldest first, from their stored form `from:to,...`.
+local function parse_spans(raw)
+  local spans = {}
+  for a, b in string.gmatch(raw, '(%d+):(%d+)') do spans[#spans + 1] = {tonumber(a), tonumber(b)} end
+  return spans
+end
+
+local function format_spans(spans)
+  local parts = {}
+  for i, s in ipairs(spans) do parts[i] = string.format('%d:%d', s[1], s[2]) end
+  return table.concat(parts, ',')
+end
+
+-- The pauses with [from, to] added: sorted, overlapping ones merged, those that ended before
+-- the oldest cutoff any grace allows dropped.
+local function add_pause(spans, from, to, floor)
+  if to > from then spans[#spans + 1] = {from, to} end
+  table.sort(spans, function(x, y) return x[1] < y[1] end)
+  local merged = {}
+  for _, s in ipairs(spans) do
+    if s[2] > floor then
+      local last = merged[#merged]
+      if last and s[1] <= last[2] then
+        if s[2] > last[2] then last[2] = s[2] end
+      else
+        merged[#merged + 1] = {s[1], s[2]}
+      end
+    end
+  end
+  return merged
+end
+
+-- The lapse clock's step (see the module's doc): records a stall since the last sweeping
+-- script and this caller's claim of refusals (`from_age:to_age,...`, ms before now; '' for
+-- none), then returns the heartbeat cutoff: a position whose last poll is older than it has
+-- gone `abandon` ms of serving time without one, and lapses. Never earlier than
+-- `now - (GRACE_FACTOR + 1) * abandon`.
+local function lapse_cutoff(now, abandon, claim)
+  local floor = now - (GRACE_FACTOR + 1) * abandon
+  local c = redis.call('HMGET', CLOCK, 'seen', 'spans')
+  local seen, raw = tonumber(c[1]), c[2] or ''
+  local spans = parse_spans(raw)
+  if seen and now - seen > STALL_GAP_MS then spans = add_pause(spans, seen, now, floor) end
+  for a, b in string.gmatch(claim, '(%d+):(%d+)') do
+    spans = add_pause(spans, now - tonumber(a), now - tonumber(b), floor)
+  end
+  if #spans > 0 or raw ~= '' then
+    -- Pauses that ended before the floor no longer matter.
+    spans = add_pause(spans, 0, 0, floor)
+    local formatted = format_spans(spans)
+    if formatted ~= raw then redis.call('HSET', CLOCK, 'spans', formatted) end
+  end
+  if not seen or now > seen then redis.call('HSET', CLOCK, 'seen', now) end
+  -- Walk back from now through the pauses, newest first, until `abandon` ms of serving time
+  -- are behind.
+  local remaining, t = abandon, now
+  for i = #spans, 1, -1 do
+    local from, to = spans[i][1], math.min(spans[i][2], t)
+    if from < to then
+      if t - to >= remaining then break end
+      remaining = remaining - (t - to)
+      t = from
+    end
+  end
+  return math.max(t - remaining, floor)
+end
+
+-- Drops up to `limit` positions whose last poll is older than `cutoff` (see `lapse_cutoff`),
+-- and ended admission slots. Returns the number of positions dropped.
+local function sweep(now, cutoff, limit)
   redis.call('ZREMRANGEBYSCORE', ADM, '-inf', now)
   if limit <= 0 then return 0 end
-  local dead = redis.call('ZRANGEBYSCORE', HB, '-inf', '(' .. (now - abandon), 'LIMIT', 0, limit)
+  local dead = redis.call('ZRANGEBYSCORE', HB, '-inf', '(' .. cutoff, 'LIMIT', 0, limit)
   for _, t in ipairs(dead) do
     redis.call('ZREM', Q, t)
     redis.call('ZREM', PRE, t)
@@ -81,8 +171,8 @@ local function live_rate(now)
 end
 "#;
 
-/// `join`. KEYS 8 = `t:{new ticket}`, 9 = `u:{user}`. ARGV: event, user, new ticket,
-/// abandon ms, sweep limit, max positions per user, ticket key ttl ms.
+/// `join`. KEYS 9 = `t:{new ticket}`, 10 = `u:{user}`. ARGV: event, user, new ticket,
+/// abandon ms, sweep limit, max positions per user, ticket key ttl ms, claim of refusals.
 /// Returns `{state, ticket, created, position, opens_at, abandoned, slot_end, rate}` where
 /// state is `pre`, `queued`, `admitted` or `limit` (then `created` carries the user's live
 /// positions) and rate is the live release rate or `''`.
@@ -90,8 +180,9 @@ const JOIN: &str = r#"
 local event, user, ticket = ARGV[1], ARGV[2], ARGV[3]
 local abandon, limit, max_pos, ttl = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
 local now = now_ms()
+local cutoff = lapse_cutoff(now, abandon, ARGV[8])
 open_if_due(now)
-local dropped = sweep(now, abandon, limit)
+local dropped = sweep(now, cutoff, limit)
 local opening = pending_opening() or -1
 local rate = live_rate(now)
 
@@ -100,9 +191,9 @@ local rate = live_rate(now)
 local existing = redis.call('HGET', USERS, user)
 if existing then
   local hb = redis.call('ZSCORE', HB, existing)
-  if hb and tonumber(hb) >= now - abandon then
+  if hb and tonumber(hb) >= cutoff then
     redis.call('ZADD', HB, now, existing)
-    redis.call('ZADD', KEYS[9], now + abandon, existing)
+    redis.call('ZADD', KEYS[10], now + abandon, existing)
     local state = 'queued'
     if redis.call('ZSCORE', PRE, existing) then state = 'pre' end
     return {state, existing, 0, position(existing), opening, dropped, -1, rate}
@@ -113,17 +204,19 @@ if existing then
   end
 end
 
-redis.call('ZREMRANGEBYSCORE', KEYS[9], '-inf', now)
-local held = redis.call('ZCARD', KEYS[9])
+-- A position's entry is its lapse time without pauses (`hb + abandon`, or its slot's end):
+-- it counts while the position is kept.
+redis.call('ZREMRANGEBYSCORE', KEYS[10], '-inf', '(' .. (cutoff + abandon))
+local held = redis.call('ZCARD', KEYS[10])
 if held >= max_pos then
   return {'limit', '', held, -1, opening, dropped, -1, rate}
 end
 
-redis.call('HSET', KEYS[8], 'event', event, 'user', user)
-redis.call('PEXPIRE', KEYS[8], ttl)
-redis.call('HSET', USERS, user, ticket)
-redis.call('ZADD', KEYS[9], now + abandon, ticket)
+redis.call('HSET', KEYS[9], 'event', event, 'user', user)
 redis.call('PEXPIRE', KEYS[9], ttl)
+redis.call('HSET', USERS, user, ticket)
+redis.call('ZADD', KEYS[10], now + abandon, ticket)
+redis.call('PEXPIRE', KEYS[10], ttl)
 redis.call('ZADD', HB, now, ticket)
 redis.call('SADD', EVENTS, event)
 if opening >= 0 and now < opening then
@@ -139,26 +232,27 @@ redis.call('ZADD', Q, redis.call('HINCRBY', META, 'seq', 1), ticket)
 return {'queued', ticket, 1, position(ticket), opening, dropped, -1, rate}
 "#;
 
-/// `status`. KEYS 8 = `t:{ticket}`, 9 = `u:{user}`. ARGV: ticket, user, abandon ms, sweep
-/// limit, ticket key ttl ms. Returns `{state, position, opens_at,
+/// `status`. KEYS 9 = `t:{ticket}`, 10 = `u:{user}`. ARGV: ticket, user, abandon ms, sweep
+/// limit, ticket key ttl ms, claim of refusals. Returns `{state, position, opens_at,
 /// abandoned, slot_end, queued, pre_queued, rate}`; state `unknown` when the ticket is not
 /// this user's or is gone; rate as in `join`.
 const STATUS: &str = r#"
 local ticket, user = ARGV[1], ARGV[2]
 local abandon, limit, ttl = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-if redis.call('HGET', KEYS[8], 'user') ~= user then return {'unknown', -1, -1, 0, -1, 0, 0, ''} end
 local now = now_ms()
+local cutoff = lapse_cutoff(now, abandon, ARGV[6])
+if redis.call('HGET', KEYS[9], 'user') ~= user then return {'unknown', -1, -1, 0, -1, 0, 0, ''} end
 open_if_due(now)
-local dropped = sweep(now, abandon, limit)
+local dropped = sweep(now, cutoff, limit)
 local opening = pending_opening() or -1
 local rate = live_rate(now)
 local slot = redis.call('ZSCORE', ADM, ticket)
 if slot then
-  redis.call('ZADD', KEYS[9], slot, ticket)
+  redis.call('ZADD', KEYS[10], slot, ticket)
   return {'admitted', -1, opening, dropped, tonumber(slot), redis.call('ZCARD', Q), redis.call('ZCARD', PRE), rate}
 end
 local hb = redis.call('ZSCORE', HB, ticket)
-if hb and tonumber(hb) < now - abandon then
+if hb and tonumber(hb) < cutoff then
   -- Lapsed but not swept yet: a late poll does not resurrect it.
   redis.call('ZREM', Q, ticket)
   redis.call('ZREM', PRE, ticket)
@@ -170,31 +264,31 @@ if not hb then
   return {'unknown', -1, -1, dropped, -1, 0, 0, ''}
 end
 redis.call('ZADD', HB, now, ticket)
-redis.call('ZADD', KEYS[9], now + abandon, ticket)
-redis.call('PEXPIRE', KEYS[8], ttl)
+redis.call('ZADD', KEYS[10], now + abandon, ticket)
+redis.call('PEXPIRE', KEYS[9], ttl)
 local state = 'queued'
 if redis.call('ZSCORE', PRE, ticket) then state = 'pre' end
 return {state, position(ticket), opening, dropped, -1, redis.call('ZCARD', Q), redis.call('ZCARD', PRE), rate}
 "#;
 
-/// `leave`. KEYS 8 = `t:{ticket}`, 9 = `u:{user}`, 10 = `rv:{ticket}`. ARGV: ticket, user.
+/// `leave`. KEYS 9 = `t:{ticket}`, 10 = `u:{user}`, 11 = `rv:{ticket}`. ARGV: ticket, user.
 /// Returns `{1, slot end ms}` when the ticket was this user's and its live admission slot was
 /// revoked (the admission token's `jti` is the ticket; revoked until the slot ends), `{1, 0}`
 /// when it was this user's without a live slot, else `{0, 0}`.
 const LEAVE: &str = r#"
 local ticket, user = ARGV[1], ARGV[2]
-if redis.call('HGET', KEYS[8], 'user') ~= user then return {0, 0} end
+if redis.call('HGET', KEYS[9], 'user') ~= user then return {0, 0} end
 local now = now_ms()
 local slot = redis.call('ZSCORE', ADM, ticket)
 redis.call('ZREM', Q, ticket)
 redis.call('ZREM', PRE, ticket)
 redis.call('ZREM', HB, ticket)
 redis.call('ZREM', ADM, ticket)
-redis.call('ZREM', KEYS[9], ticket)
+redis.call('ZREM', KEYS[10], ticket)
 if redis.call('HGET', USERS, user) == ticket then redis.call('HDEL', USERS, user) end
-redis.call('DEL', KEYS[8])
+redis.call('DEL', KEYS[9])
 if slot and tonumber(slot) > now then
-  redis.call('SET', KEYS[10], '1', 'PX', math.ceil(tonumber(slot) - now))
+  redis.call('SET', KEYS[11], '1', 'PX', math.ceil(tonumber(slot) - now))
   return {1, math.floor(tonumber(slot))}
 end
 return {1, 0}
@@ -202,7 +296,7 @@ return {1, 0}
 
 /// `release`. ARGV: event, n, abandon ms, sweep limit, slot ms, rate (positions per second
 /// the controller releases this event at, recorded for `join`/`status`; `''` = not given),
-/// how long that rate stays valid, ms.
+/// how long that rate stays valid, ms, claim of refusals.
 /// Admits the next `n` live positions, dropping lapsed ones it meets on the way (so an
 /// abandoned position never holds the inlet). Returns `{admitted tickets, abandoned, queued, pre_queued, admitted_live,
 /// slot_end}`.
@@ -210,10 +304,10 @@ const RELEASE: &str = r#"
 local event, n = ARGV[1], tonumber(ARGV[2])
 local abandon, limit, slot_ms = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local now = now_ms()
+local cutoff = lapse_cutoff(now, abandon, ARGV[8])
 if ARGV[6] ~= '' then redis.call('HSET', META, 'rate', ARGV[6], 'rate_until', now + tonumber(ARGV[7])) end
 open_if_due(now)
-local dropped = sweep(now, abandon, limit)
-local cutoff = now - abandon
+local dropped = sweep(now, cutoff, limit)
 local admitted = {}
 while #admitted < n do
   local head = redis.call('ZRANGE', Q, 0, n - #admitted - 1)
@@ -235,16 +329,18 @@ if queued == 0 and pre == 0 then redis.call('SREM', EVENTS, event) end
 return {admitted, dropped, queued, pre, live_admitted(now), now + slot_ms}
 "#;
 
-/// `stats`. ARGV: abandon ms, sweep limit. Returns `{queued, pre_queued, admitted_live,
-/// abandoned, now}`.
+/// `stats`. ARGV: abandon ms, sweep limit, claim of refusals. Returns `{queued, pre_queued,
+/// admitted_live, abandoned, grace}` where grace is how far pauses hold lapses back now, ms.
 const STATS: &str = r#"
 local now = now_ms()
+local abandon = tonumber(ARGV[1])
+local cutoff = lapse_cutoff(now, abandon, ARGV[3])
 open_if_due(now)
-local dropped = sweep(now, tonumber(ARGV[1]), tonumber(ARGV[2]))
-return {redis.call('ZCARD', Q), redis.call('ZCARD', PRE), live_admitted(now), dropped, now}
+local dropped = sweep(now, cutoff, tonumber(ARGV[2]))
+return {redis.call('ZCARD', Q), redis.call('ZCARD', PRE), live_admitted(now), dropped, now - abandon - cutoff}
 "#;
 
-/// `schedule`. KEYS 1..7 as usual. ARGV: opens_at ms, seed, explicit seed (`1`/`0`).
+/// `schedule`. KEYS 1..8 as usual. ARGV: opens_at ms, seed, explicit seed (`1`/`0`).
 /// Returns 1, or 0 when the event has already opened or people are queued FIFO.
 const SCHEDULE: &str = r#"
 if redis.call('HGET', META, 'opened') == '1' or redis.call('ZCARD', Q) > 0 then return 0 end
@@ -298,7 +394,10 @@ pub(crate) struct Scripts {
 
 impl Scripts {
     pub fn new() -> Self {
-        let with_prelude = |body: &str| redis::Script::new(&format!("{PRELUDE}\n{body}"));
+        let prelude = PRELUDE
+            .replace("@STALL_GAP_MS@", &crate::STALL_GAP.as_millis().to_string())
+            .replace("@GRACE_FACTOR@", &crate::LAPSE_GRACE_FACTOR.to_string());
+        let with_prelude = |body: &str| redis::Script::new(&format!("{prelude}\n{body}"));
         Self {
             join: with_prelude(JOIN),
             status: with_prelude(STATUS),

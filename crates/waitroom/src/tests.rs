@@ -277,3 +277,119 @@ async fn polls_report_the_release_controllers_live_rate() {
     tokio::time::sleep(Duration::from_millis(5)).await;
     assert_eq!(wr.status(third.ticket, users[2]).await.unwrap().release_per_s, None);
 }
+
+/// Sets `ticket`'s last poll to `ms_ago` before the Redis clock, as if its holder had not
+/// polled (or been answered) since.
+async fn polled_ago(wr: &Waitroom, event: EventId, ticket: Uuid, ms_ago: i64) {
+    let now = wr.clock_ms().await.unwrap();
+    let hb = wr.keys.event(event.0).0[3].clone();
+    let mut conn = wr.conn.clone();
+    let _: () = redis::cmd("ZADD")
+        .arg(hb)
+        .arg(now - ms_ago)
+        .arg(ticket.to_string())
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+}
+
+/// Sets the last sweeping script's time to `ms_ago` before the Redis clock, as if no call
+/// had reached Redis since.
+async fn stalled_for(wr: &Waitroom, ms_ago: i64) {
+    let now = wr.clock_ms().await.unwrap();
+    let mut conn = wr.conn.clone();
+    let _: () = redis::cmd("HSET")
+        .arg(wr.keys.lapse_clock())
+        .arg("seen")
+        .arg(now - ms_ago)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn waitroom_a_stall_longer_than_the_lapse_time_lapses_nobody_who_polled_before_it() {
+    let wr = room_with(|c| c.abandon_after_ms = 3_000);
+    let event = EventId::new();
+    let (kept_user, far_user) = (UserId::new(), UserId::new());
+    let kept = wr.join(event, kept_user).await.unwrap();
+    let far = wr.join(event, far_user).await.unwrap();
+    // The holder polled just before a 10 s stall (no script ran: Redis unreachable); the
+    // other one had stopped polling long before.
+    polled_ago(&wr, event, kept.ticket, 10_000).await;
+    polled_ago(&wr, event, far.ticket, 20_000).await;
+    stalled_for(&wr, 10_000).await;
+    let s = wr.status(kept.ticket, kept_user).await.expect("kept: the stall does not count");
+    assert_eq!((s.state, s.position), (TicketState::Queued, Some(1)));
+    assert!(
+        matches!(wr.status(far.ticket, far_user).await, Err(WaitroomError::UnknownTicket)),
+        "silent for 10 s of serving time before the stall: lapsed"
+    );
+    // The grace is bounded: a position silent for longer than four lapse times lapses
+    // whatever the stalls.
+    polled_ago(&wr, event, kept.ticket, 12_100).await;
+    stalled_for(&wr, 12_100).await;
+    assert!(
+        matches!(wr.status(kept.ticket, kept_user).await, Err(WaitroomError::UnknownTicket)),
+        "past the longest grace"
+    );
+    // Without a stall the lapse time is the lapse time.
+    let plain = room_with(|c| c.abandon_after_ms = 3_000);
+    let u = UserId::new();
+    let t = plain.join(event, u).await.unwrap();
+    polled_ago(&plain, event, t.ticket, 3_100).await;
+    assert!(matches!(plain.status(t.ticket, u).await, Err(WaitroomError::UnknownTicket)));
+}
+
+#[tokio::test]
+async fn waitroom_refusals_a_process_noted_do_not_count_towards_a_lapse() {
+    let wr = room_with(|c| c.abandon_after_ms = 3_000);
+    let event = EventId::new();
+    let users: Vec<UserId> = (0..4).map(|_| UserId::new()).collect();
+    let mut tickets = Vec::new();
+    for u in &users {
+        tickets.push(wr.join(event, *u).await.unwrap().ticket);
+    }
+    // The process refused every poll for the last 4 s. Users 1 and 2 were answered 5 s ago
+    // (1 s of serving time, then the refusals); user 0 8 s ago (4 s of serving time: lapsed).
+    polled_ago(&wr, event, tickets[0], 8_000).await;
+    polled_ago(&wr, event, tickets[1], 5_000).await;
+    polled_ago(&wr, event, tickets[2], 5_000).await;
+    let now = Instant::now();
+    wr.note_refused(now - Duration::from_secs(4), now);
+    let r = wr.release(event, 1, None).await.unwrap();
+    assert_eq!(r.admitted, vec![tickets[1]], "the refused holder is admitted, the silent one dropped");
+    assert_eq!(r.abandoned, 1);
+    assert!(wr.refusals.lock().unwrap().pending.is_empty(), "the claim is recorded once it went out");
+    let again = wr.join(event, users[2]).await.unwrap();
+    assert_eq!((again.ticket, again.created), (tickets[2], false), "a repeated join finds its position");
+    assert_eq!(wr.status(tickets[3], users[3]).await.unwrap().position, Some(2));
+    assert_eq!(wr.stats(event).await.unwrap().queued, 2);
+}
+
+#[test]
+fn refusals_merge_keep_a_bounded_list_and_go_out_at_most_every_claim_interval() {
+    let t0 = Instant::now();
+    let at = |ms: u64| t0 + Duration::from_millis(ms);
+    let mut r = Refusals::default();
+    r.note(at(1_000), at(1_000));
+    assert!(r.pending.is_empty(), "a single refusal is no span");
+    r.note(at(1_000), at(2_000));
+    r.note(at(1_000), at(2_500)); // the same streak, later
+    r.note(at(5_000), at(6_000));
+    assert_eq!(r.pending, vec![(at(1_000), at(2_500)), (at(5_000), at(6_000))]);
+    let (text, sent) = r.claim(at(7_000)).unwrap();
+    assert_eq!(text, "6000:4500,2000:1000");
+    assert!(r.claim(at(7_100)).is_none(), "one claim per CLAIM_EVERY");
+    r.note(at(5_000), at(7_200)); // the streak went on while the claim was out
+    r.recorded(&sent);
+    assert_eq!(r.pending, vec![(at(5_000), at(7_200))], "what grew since is sent again");
+    assert!(r.claim(at(7_000) + CLAIM_EVERY).is_some());
+    let mut many = Refusals::default();
+    for i in 0..20 {
+        many.note(at(i * 1_000), at(i * 1_000 + 500));
+    }
+    assert_eq!(many.pending.len(), REFUSALS_KEPT);
+    assert_eq!(many.pending[0].0, at(0), "joined into the oldest: longer, never shorter");
+    assert_eq!(many.pending.last().unwrap().1, at(19_500));
+}

@@ -369,6 +369,17 @@ impl PrivateRedis {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+
+    /// Stops (`SIGSTOP`) or resumes (`SIGCONT`) the server: while stopped, connections are
+    /// accepted by the kernel and every call times out; nothing is lost.
+    pub(crate) fn signal(&self, sig: &str) {
+        let ok = std::process::Command::new("kill")
+            .args([sig, &self.child.id().to_string()])
+            .status()
+            .expect("kill(1) runs")
+            .success();
+        assert!(ok, "kill {sig} the private redis-server");
+    }
 }
 
 impl Drop for PrivateRedis {
@@ -466,6 +477,81 @@ async fn waitroom_redis_down_answers_503_and_changes_no_seat(_: PgPoolOptions, o
         join(&app, &app.api, &c, app.event).await.status() == 201
     })
     .await;
+    app.stop().await;
+}
+
+/// A Redis stalled for longer than the lapse time (its process stopped: every call times
+/// out, nothing is lost) lapses no position whose holder was polling before it: the stall
+/// is a pause of the lapse clock, recorded by the first call after it.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn waitroom_a_stall_of_redis_longer_than_the_lapse_time_keeps_positions(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    let port = free_port();
+    let redis = PrivateRedis::start(port).await;
+    let url = redis.url();
+    let abandon = Duration::from_millis(18_000); // the shortest `validate` allows
+    let app = app(opts, |c| {
+        c.redis_url = url.into();
+        c.waitroom_abandon_after_ms = abandon.as_millis() as u64;
+        c.waitroom_poll_interval_ms = 6_000;
+    })
+    .await;
+    let (first, second) = (app.buyer(), app.buyer());
+    let (t1, t2) = (queued(&app, &first).await, queued(&app, &second).await);
+
+    // A short stall, under the stall gap: the API refuses polls for seconds, and the part of
+    // its refusal streak past the first second reaches the lapse clock as a pause with the
+    // first call after it.
+    redis.signal("-STOP");
+    let short = std::time::Instant::now();
+    while short.elapsed() < Duration::from_millis(2_500) {
+        assert_eq!(poll(&app, &app.api, &first, &t1).await.status(), 503);
+    }
+    redis.signal("-CONT");
+    eventually(Duration::from_secs(15), "polls are answered again", || async {
+        poll(&app, &app.api, &first, &t1).await.status() == 200
+    })
+    .await;
+    let mut conn =
+        redis::Client::open(redis.url()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    let spans: Option<String> = redis::cmd("HGET")
+        .arg(format!("{}wr:lapse-clock", app.cfg.redis_key_prefix))
+        .arg("spans")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let paused_ms: i64 = spans
+        .iter()
+        .flat_map(|s| s.split(','))
+        .filter_map(|span| span.split_once(':'))
+        .map(|(a, b)| b.parse::<i64>().unwrap() - a.parse::<i64>().unwrap())
+        .sum();
+    assert!(paused_ms >= 1_000, "the refusals were recorded as a pause: {spans:?}");
+
+    // A stall longer than the lapse time.
+    redis.signal("-STOP");
+    let stalled_at = tokio::time::Instant::now();
+    let (status, code, _) = problem(poll(&app, &app.api, &first, &t1).await).await;
+    assert_eq!((status, code.as_str()), (503, "waitroom_unavailable"), "refused during the stall");
+    // The stall itself is the scenario: it outlasts the lapse time.
+    tokio::time::sleep_until(stalled_at + abandon + Duration::from_secs(1)).await;
+    redis.signal("-CONT");
+    let deadline = stalled_at + abandon + Duration::from_secs(16);
+    let r = loop {
+        let r = poll(&app, &app.api, &second, &t2).await;
+        if r.status() != 503 {
+            break r;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "polls are answered again once Redis resumes");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(r.status(), 200, "the position outlived the stall");
+    let v: Value = r.json().await.unwrap();
+    assert_eq!((&v["state"], &v["position"]), (&"queued".into(), &2.into()), "{v}");
+    let v: Value = poll(&app, &app.api, &first, &t1).await.json().await.unwrap();
+    assert_eq!((&v["state"], &v["position"]), (&"queued".into(), &1.into()), "{v}");
     app.stop().await;
 }
 
