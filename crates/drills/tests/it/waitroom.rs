@@ -574,7 +574,10 @@ async fn onsale_buyers_queue_until_released_open_loop_and_paced(_: PgPoolOptions
         QueuePacing { attempt_rate: 0.0, arrival_rate: 200.0, max_in_flight: 64 },
     ] {
         let buyers: Vec<_> = (0..60).map(|_| app.buyer()).collect();
-        let bearers = buyers.iter().map(|b| format!("Bearer {}", b.token).into()).collect();
+        // And one whose join is refused for good (401): it is counted as refused, not as a
+        // buyer who gave up.
+        let mut bearers: Vec<_> = buyers.iter().map(|b| format!("Bearer {}", b.token).into()).collect();
+        bearers.push("Bearer not-a-token".to_owned().into());
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let client = BuyerClient::new(app.http.clone(), &app.api);
         let stats = queue::run(client, app.event, bearers, pacing.clone(), tx).await.unwrap();
@@ -588,7 +591,11 @@ async fn onsale_buyers_queue_until_released_open_loop_and_paced(_: PgPoolOptions
         }
         assert_eq!(seen.len(), 60, "{pacing:?}: {stats:?}");
         assert_eq!(stats.admitted, 60, "{stats:?}");
-        assert_eq!((stats.gave_up, stats.errors, stats.unavailable_503), (0, 0, 0), "{stats:?}");
+        assert_eq!(
+            (stats.gave_up, stats.refused, stats.errors, stats.unavailable_503),
+            (0, 1, 1, 0),
+            "{stats:?}"
+        );
         // Released at 50/s, 60 buyers cannot all be admitted on their join: some polled.
         assert!(stats.polls > 0 && stats.joins >= 60, "{stats:?}");
         assert!(stats.max_position > 1, "a queue formed: {stats:?}");
