@@ -157,18 +157,39 @@ pub(crate) fn bulkhead(
 /// everyone on that process, and the buyers who obey it then try less often. So that they
 /// do not lose their positions for it, the streak past its first second is reported to the
 /// waiting room ([`RefusalBackoff::noting`], `Waitroom::note_refused`), whose lapse clock does
-/// not count that time (up to its grace: three times the lapse time by default). Widened
-/// answers are counted in `boxoffice_http_retry_after_widened_total{routes}`.
+/// not count that time (up to its grace: three times the lapse time by default): only while
+/// the refusal is one the noting names (the waiting room could not answer, not e.g. the
+/// database) and refusals are at least as many as answers since the streak began, so a
+/// trickle of 503s among answered polls stops no clock. Widened answers are counted in
+/// `boxoffice_http_retry_after_widened_total{routes}`.
 pub struct RefusalBackoff {
     routes: &'static str,
     origin: std::time::Instant,
     max_s: u64,
-    /// The current streak: its first and its latest refusal, ms after `origin` (`None`
-    /// before the first). One lock for both, so a refusal never pairs one streak's start
-    /// with another's latest; it is taken only on a 503.
-    streak: std::sync::Mutex<Option<(u64, u64)>>,
-    /// Told of the streak (its start, this refusal) at each refusal past its first second.
-    noted: Option<Box<dyn Fn(std::time::Instant, std::time::Instant) + Send + Sync>>,
+    /// The current streak (`None` before the first refusal). One lock for all of it, so a
+    /// refusal never pairs one streak's start with another's latest; it is taken only on a
+    /// 503.
+    streak: std::sync::Mutex<Option<Streak>>,
+    /// Answers other than 503 so far (one relaxed increment each).
+    answered: std::sync::atomic::AtomicU64,
+    /// The problem codes whose refusals are noted, and whom to tell ([`Self::noting`]).
+    noted: Option<(&'static [&'static str], NoteRefusal)>,
+}
+
+/// Told of a refusal streak: its first refusal and this one.
+type NoteRefusal = Box<dyn Fn(std::time::Instant, std::time::Instant) + Send + Sync>;
+
+/// A refusal streak of a [`RefusalBackoff`].
+#[derive(Debug, Clone, Copy)]
+struct Streak {
+    /// Its first refusal, ms after `origin`.
+    start: u64,
+    /// Its latest refusal, ms after `origin`.
+    last: u64,
+    /// Refusals in it.
+    refused: u64,
+    /// [`RefusalBackoff::answered`] when it began.
+    answered_before: u64,
 }
 
 impl std::fmt::Debug for RefusalBackoff {
@@ -177,7 +198,7 @@ impl std::fmt::Debug for RefusalBackoff {
             .field("routes", &self.routes)
             .field("max_s", &self.max_s)
             .field("streak", &self.streak)
-            .field("noting", &self.noted.is_some())
+            .field("noting", &self.noted.as_ref().map(|(codes, _)| codes))
             .finish()
     }
 }
@@ -196,55 +217,68 @@ impl RefusalBackoff {
             origin: std::time::Instant::now(),
             max_s: max_s.max(Self::BASE_S),
             streak: std::sync::Mutex::new(None),
+            answered: std::sync::atomic::AtomicU64::new(0),
             noted: None,
         }
     }
 
-    /// Tells `noted` of the streak, its first refusal and this one, at each refusal past
-    /// the streak's first second (when `Retry-After` is widened). Called on the request's
-    /// task: it must be cheap and must not block.
+    /// Tells `noted` of the streak, its first refusal and this one, at each refusal with a
+    /// problem code among `codes` past the streak's first second (when `Retry-After` is
+    /// widened) while the streak's refusals are at least as many as the answers since it
+    /// began. Called on the request's task: it must be cheap and must not block.
     pub fn noting(
         mut self,
+        codes: &'static [&'static str],
         noted: impl Fn(std::time::Instant, std::time::Instant) + Send + Sync + 'static,
     ) -> Self {
-        self.noted = Some(Box::new(noted));
+        self.noted = Some((codes, Box::new(noted)));
         self
     }
 
-    /// Records a refusal now; returns the upper bound, seconds, of the window a refused
-    /// client's `Retry-After` is drawn from, or `None` in a streak's first second.
-    pub fn window_s(&self) -> Option<u64> {
-        self.refusal(None)
+    /// Records an answer other than a 503.
+    pub fn answered(&self) {
+        self.answered.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Records a refusal now, with its problem `code` when it has one; returns the upper
+    /// bound, seconds, of the window a refused client's `Retry-After` is drawn from, or
+    /// `None` in a streak's first second.
+    pub fn window_s(&self, code: Option<&str>) -> Option<u64> {
+        self.refusal(None, code)
     }
 
     /// [`Self::window_s`] for a refusal `now` ms after the backoff was made.
     #[cfg(test)]
-    fn window_s_at(&self, now: u64) -> Option<u64> {
-        self.refusal(Some(now))
+    fn window_s_at(&self, now: u64, code: Option<&str>) -> Option<u64> {
+        self.refusal(Some(now), code)
     }
 
     /// A refusal at `at` ms after `origin` (now when `None`).
-    fn refusal(&self, at: Option<u64>) -> Option<u64> {
+    fn refusal(&self, at: Option<u64>, code: Option<&str>) -> Option<u64> {
+        let answered = self.answered.load(std::sync::atomic::Ordering::Relaxed);
         let (window, streak) = {
             let mut streak = self.streak.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             // Read under the lock: refusals reach the streak in the order of their clocks.
             let now = at.unwrap_or_else(|| self.origin.elapsed().as_millis() as u64);
-            (Self::advance(&mut streak, now, self.max_s), *streak)
+            (Self::advance(&mut streak, now, self.max_s, answered), *streak)
         };
-        if let (Some(_), Some((start, last)), Some(noted)) = (window, streak, &self.noted) {
-            let at = |ms: u64| self.origin + Duration::from_millis(ms);
-            noted(at(start), at(last));
+        if let (Some(_), Some(s), Some((codes, noted))) = (window, streak, &self.noted) {
+            let refusing = s.refused >= answered.saturating_sub(s.answered_before);
+            if refusing && code.is_some_and(|c| codes.contains(&c)) {
+                let at = |ms: u64| self.origin + Duration::from_millis(ms);
+                noted(at(s.start), at(s.last));
+            }
         }
         window
     }
 
-    fn advance(streak: &mut Option<(u64, u64)>, now: u64, max_s: u64) -> Option<u64> {
-        let start = match *streak {
-            Some((start, last)) if now.saturating_sub(last) <= Self::QUIET.as_millis() as u64 => start,
-            _ => now,
+    fn advance(streak: &mut Option<Streak>, now: u64, max_s: u64, answered: u64) -> Option<u64> {
+        let s = match *streak {
+            Some(s) if now.saturating_sub(s.last) <= Self::QUIET.as_millis() as u64 => s,
+            _ => Streak { start: now, last: now, refused: 0, answered_before: answered },
         };
-        *streak = Some((start, now.max(start)));
-        let seconds = now.saturating_sub(start) / 1_000;
+        *streak = Some(Streak { last: now.max(s.start), refused: s.refused + 1, ..s });
+        let seconds = now.saturating_sub(s.start) / 1_000;
         (seconds > 0).then(|| (Self::BASE_S << seconds.min(16)).min(max_s))
     }
 }
@@ -256,9 +290,11 @@ pub(crate) async fn widen_retry_after(
     mut resp: axum::response::Response,
 ) -> axum::response::Response {
     if resp.status() != axum::http::StatusCode::SERVICE_UNAVAILABLE {
+        backoff.answered();
         return resp;
     }
-    let Some(hi) = backoff.window_s() else { return resp };
+    let code = resp.extensions().get::<crate::problem::ProblemCode>().map(|c| c.0);
+    let Some(hi) = backoff.window_s(code) else { return resp };
     let said = resp
         .headers()
         .get(axum::http::header::RETRY_AFTER)
@@ -685,21 +721,25 @@ mod tests {
     #[test]
     fn refusals_that_keep_coming_widen_the_window_up_to_its_cap() {
         let b = RefusalBackoff::new("test", 20);
-        assert_eq!(b.window_s_at(10_000), None, "a streak's first refusal");
-        assert_eq!(b.window_s_at(10_900), None, "its first second");
-        assert_eq!(b.window_s_at(11_000), Some(6));
-        assert_eq!(b.window_s_at(12_500), Some(12));
-        assert_eq!(b.window_s_at(13_000), Some(20), "24 capped at 20");
-        assert_eq!(b.window_s_at(40_000), None, "quiet for 27 s: a new streak");
-        assert_eq!(b.window_s_at(41_000), Some(6));
-        assert_eq!(b.window_s_at(43_001), None, "quiet for just over QUIET");
+        assert_eq!(b.window_s_at(10_000, Some("overloaded")), None, "a streak's first refusal");
+        assert_eq!(b.window_s_at(10_900, Some("overloaded")), None, "its first second");
+        assert_eq!(b.window_s_at(11_000, Some("overloaded")), Some(6));
+        assert_eq!(b.window_s_at(12_500, Some("overloaded")), Some(12));
+        assert_eq!(b.window_s_at(13_000, Some("overloaded")), Some(20), "24 capped at 20");
+        assert_eq!(b.window_s_at(40_000, Some("overloaded")), None, "quiet for 27 s: a new streak");
+        assert_eq!(b.window_s_at(41_000, Some("overloaded")), Some(6));
+        assert_eq!(b.window_s_at(43_001, Some("overloaded")), None, "quiet for just over QUIET");
         let low = RefusalBackoff::new("test", 1);
-        assert_eq!(low.window_s_at(0), None);
-        assert_eq!(low.window_s_at(1_500), Some(RefusalBackoff::BASE_S), "the cap is at least the base");
+        assert_eq!(low.window_s_at(0, Some("overloaded")), None);
+        assert_eq!(
+            low.window_s_at(1_500, Some("overloaded")),
+            Some(RefusalBackoff::BASE_S),
+            "the cap is at least the base"
+        );
         let long = RefusalBackoff::new("test", u64::MAX);
-        long.window_s_at(0);
+        long.window_s_at(0, Some("overloaded"));
         for t in (1_000..600_000).step_by(1_000) {
-            assert!(long.window_s_at(t).is_some(), "no overflow at {t} ms");
+            assert!(long.window_s_at(t, Some("overloaded")).is_some(), "no overflow at {t} ms");
         }
     }
 
@@ -707,18 +747,32 @@ mod tests {
     fn a_streak_past_its_first_second_is_noted_for_the_lapse_clock() {
         let noted = Arc::new(std::sync::Mutex::new(Vec::new()));
         let sink = noted.clone();
-        let b = RefusalBackoff::new("test", 20).noting(move |from, to| sink.lock().unwrap().push((from, to)));
+        let b = RefusalBackoff::new("test", 20)
+            .noting(&["overloaded"], move |from, to| sink.lock().unwrap().push((from, to)));
         let at = |ms: u64| b.origin + Duration::from_millis(ms);
-        b.window_s_at(10_000);
-        b.window_s_at(10_900);
+        let refused = Some("overloaded");
+        b.window_s_at(10_000, refused);
+        b.window_s_at(10_900, refused);
         assert!(noted.lock().unwrap().is_empty(), "a streak's first second is not noted");
-        b.window_s_at(11_500);
-        b.window_s_at(13_000);
+        b.window_s_at(11_500, refused);
+        b.window_s_at(13_000, refused);
         assert_eq!(*noted.lock().unwrap(), vec![(at(10_000), at(11_500)), (at(10_000), at(13_000))]);
-        b.window_s_at(15_500); // after a quiet spell: a new streak, its first second
-        assert_eq!(noted.lock().unwrap().len(), 2);
-        b.window_s_at(16_600);
-        assert_eq!(noted.lock().unwrap().last(), Some(&(at(15_500), at(16_600))));
+        b.window_s_at(13_500, Some("unavailable"));
+        b.window_s_at(13_600, None);
+        assert_eq!(noted.lock().unwrap().len(), 2, "only the codes it was given are noted");
+        b.window_s_at(15_500, refused); // within QUIET of the last 503: the same streak
+        assert_eq!(noted.lock().unwrap().len(), 3);
+        // Answers outnumbering the refusals: the streak widens on, but is not noted.
+        for _ in 0..10 {
+            b.answered();
+        }
+        assert!(b.window_s_at(16_000, refused).is_some(), "still widened");
+        assert_eq!(noted.lock().unwrap().len(), 3, "8 refusals against 10 answers");
+        // After a quiet spell: a new streak, counted from its own start.
+        b.window_s_at(20_000, refused);
+        assert_eq!(noted.lock().unwrap().len(), 3, "its first second");
+        b.window_s_at(21_100, refused);
+        assert_eq!(noted.lock().unwrap().last(), Some(&(at(20_000), at(21_100))));
     }
 
     /// Behind [`widen_retry_after`]: 503s in a streak's first second and every other answer
@@ -758,7 +812,8 @@ mod tests {
         }
         // A streak that began 10 s ago, its last refusal half a second ago.
         let now = backoff.origin.elapsed().as_millis() as u64;
-        *backoff.streak.lock().unwrap() = Some((now - 10_000, now - 500));
+        *backoff.streak.lock().unwrap() =
+            Some(Streak { start: now - 10_000, last: now - 500, refused: 50, answered_before: 0 });
         let mut seen = Vec::new();
         for _ in 0..200 {
             let (status, secs) = retry_after("/refused").await;

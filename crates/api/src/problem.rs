@@ -13,6 +13,11 @@ use serde_json::{json, Value};
 /// an unpolled position survives (`waitroom_abandon_after_ms`, 120 s by default).
 pub const WAITROOM_RETRY_AFTER_S: std::ops::RangeInclusive<u64> = 2..=6;
 
+/// The problem `code` of a problem+json response, in its extensions, for middleware that
+/// tells refusals apart without reading the body (e.g. [`crate::edge::RefusalBackoff`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProblemCode(pub &'static str);
+
 /// A problem+json response.
 #[derive(Debug)]
 pub struct Problem {
@@ -213,6 +218,7 @@ impl IntoResponse for Problem {
         if let Some(s) = self.retry_after {
             resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(s));
         }
+        resp.extensions_mut().insert(ProblemCode(self.code));
         resp
     }
 }

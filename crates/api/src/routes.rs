@@ -33,6 +33,12 @@ pub const OPS_MAX_CONCURRENT: usize = 8;
 /// counted together; more get 429 `too_many_in_flight`.
 pub const OPS_MAX_IN_FLIGHT_PER_IP: usize = 4;
 
+/// The queue routes' 503s that mean the waiting room could not answer (Redis unavailable or
+/// too slow, the queue's bulkhead full): their refusal streaks pause the waiting room's lapse
+/// clock (`boxoffice_waitroom::Waitroom::note_refused`). Not `unavailable` (the database) nor
+/// `event_moving`, which say nothing about whether a poll could be answered.
+pub const QUEUE_REFUSALS: &[&str] = &["waitroom_unavailable", "overloaded"];
+
 /// The whole API.
 pub fn router(state: AppState) -> Router {
     let limit = state.settings.max_body_bytes;
@@ -48,12 +54,13 @@ pub fn router(state: AppState) -> Router {
     // its position through three of them at the cap), the queue's bulkhead (a share of the
     // process's slots, so a crowd waiting on a slow Redis — its buckets included — cannot
     // take every slot), then the rate buckets.
-    // A streak past its first second is also a pause of the waiting room's lapse clock, so
-    // the buyers it refused keep their positions for that time.
+    // A streak past its first second of answers the waiting room could not give (Redis
+    // unavailable, the queue's bulkhead full) is also a pause of its lapse clock, so the
+    // buyers it refused keep their positions for that time.
     let waitroom = state.waitroom.clone();
     let refusals = std::sync::Arc::new(
         crate::edge::RefusalBackoff::new("queue", state.waitroom.config().abandon_after_ms / 6 / 1_000)
-            .noting(move |from, to| waitroom.note_refused(from, to)),
+            .noting(QUEUE_REFUSALS, move |from, to| waitroom.note_refused(from, to)),
     );
     let queue = Router::new()
         .route("/events/{event_id}/queue", post(crate::queue::join))

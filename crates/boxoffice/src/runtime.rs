@@ -273,6 +273,10 @@ pub async fn start(
                 .with_order_streams(cfg.order_streams())
                 .with_payment_gateway(provider.clone());
                 tasks.push((
+                    "waitroom-clock",
+                    tokio::spawn(room.clone().keep_clock(shutdown.clone().cancelled_owned())),
+                ));
+                tasks.push((
                     "order-views",
                     tokio::spawn(boxoffice_api::order_stream::read_views(
                         pool.clone(),

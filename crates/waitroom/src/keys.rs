@@ -51,6 +51,11 @@ impl Keys {
         format!("{}u:{user}", self.prefix)
     }
 
+    /// A user's running admission slots in every event (for the per-user limit).
+    pub fn user_slots(&self, user: Uuid) -> String {
+        format!("{}us:{user}", self.prefix)
+    }
+
     pub fn revoked(&self, jti: Uuid) -> String {
         format!("{}rv:{jti}", self.prefix)
     }

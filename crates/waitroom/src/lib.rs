@@ -96,10 +96,14 @@ pub enum Patience {
     Queue,
 }
 
-/// No sweeping script for longer than this is a stall of the waiting room (Redis unreachable
-/// or stalled): the whole gap is a pause of the lapse clock. The release controller runs one
-/// per event every tick, so a live deployment never goes this long without one.
+/// The lapse clock not seen for longer than this is a stall of the waiting room: the whole gap
+/// is a pause. Every API process sees it every [`HEARTBEAT_EVERY`] ([`Waitroom::keep_clock`])
+/// and every join, poll and release step sees it, so only a Redis unreachable or stalled (or
+/// no API process running) goes this long.
 pub const STALL_GAP: Duration = Duration::from_secs(5);
+
+/// How often an API process sees the lapse clock ([`Waitroom::keep_clock`]).
+pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
 
 /// Pauses hold a position's lapse back by at most this many times `abandon_after_ms` (by
 /// default 6 min on top of the 2 min), so refusals that never end cannot keep abandoned
@@ -312,6 +316,13 @@ impl Refusals {
         if to <= from {
             return;
         }
+        // The usual case: the latest span goes on (a refusal streak noted at each refusal).
+        if let Some(last) = self.pending.last_mut() {
+            if last.0 <= from && from <= last.1 {
+                last.1 = last.1.max(to);
+                return;
+            }
+        }
         self.pending.push((from, to));
         self.pending.sort_by_key(|s| s.0);
         let mut merged: Vec<(Instant, Instant)> = Vec::with_capacity(self.pending.len());
@@ -330,10 +341,9 @@ impl Refusals {
 
     /// The claim to send with a call at `now` (`from_age:to_age,…`, ms) and what it covers,
     /// or `None` when there is nothing to send or one went out less than [`CLAIM_EVERY`] ago.
-    fn claim(&mut self, now: Instant) -> Option<(String, Vec<(Instant, Instant)>)> {
-        if self.pending.is_empty()
-            || self.last_sent.is_some_and(|t| now.saturating_duration_since(t) < CLAIM_EVERY)
-        {
+    fn claim(&mut self, now: Instant, flush: bool) -> Option<(String, Vec<(Instant, Instant)>)> {
+        let recent = self.last_sent.is_some_and(|t| now.saturating_duration_since(t) < CLAIM_EVERY);
+        if self.pending.is_empty() || (recent && !flush) {
             return None;
         }
         self.last_sent = Some(now);
@@ -430,14 +440,51 @@ impl Waitroom {
     }
 
     /// Records that this process refused the waiting room's callers (503) from `from` to
-    /// `to`: with its next sweeping call (a join, a poll, the release step or the stats; at
-    /// most one per [`CLAIM_EVERY`]) the span becomes a pause of the lapse clock, so the
+    /// `to`: with its next sweeping call (a join, a poll, the release step, the stats or the
+    /// heartbeat; at most one per [`CLAIM_EVERY`]) the span becomes a pause of the lapse clock, so the
     /// positions of buyers who were refused are not lapsed for that time. Cheap: no Redis
-    /// call of its own. The API calls it for a refusal streak of the queue routes past its
-    /// first second (`boxoffice-api`'s `edge::RefusalBackoff`); a stall of Redis itself is
-    /// recorded by the scripts ([`STALL_GAP`]).
+    /// call of its own (the heartbeat of [`Self::keep_clock`] sends it within a second if no
+    /// queue call does). The API calls it while its queue routes keep refusing their callers
+    /// because the waiting room cannot answer (`boxoffice-api`'s `edge::RefusalBackoff`); a
+    /// stall of Redis itself is recorded by the scripts ([`STALL_GAP`]).
     pub fn note_refused(&self, from: Instant, to: Instant) {
         self.refusals.lock().unwrap_or_else(std::sync::PoisonError::into_inner).note(from, to);
+    }
+
+    /// Keeps the lapse clock; every API process runs it until `until` completes. Every
+    /// [`HEARTBEAT_EVERY`] one call ([`Self::heartbeat`]) marks the clock seen (so a quiet
+    /// waiting room is no stall), records a stall since it was last seen, sends this
+    /// process's claim of refusals and sets `boxoffice_waitroom_lapse_grace_seconds`; a last
+    /// call on the way out sends any claim left. Failed calls are counted
+    /// (`boxoffice_waitroom_redis_errors_total{op="heartbeat"}`) and the next tick tries again.
+    pub async fn keep_clock(self, until: impl Future<Output = ()>) {
+        let mut tick = tokio::time::interval(HEARTBEAT_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut until = std::pin::pin!(until);
+        loop {
+            tokio::select! {
+                _ = &mut until => break,
+                _ = tick.tick() => {
+                    let _ = self.heartbeat(false).await;
+                }
+            }
+        }
+        let _ = self.heartbeat(true).await;
+    }
+
+    /// One step of the lapse clock on its own (see [`Self::keep_clock`]), with this process's
+    /// claim of refusals (`flush`: even if one went out less than [`CLAIM_EVERY`] ago).
+    /// Returns how far pauses hold lapses back now.
+    ///
+    /// # Errors
+    /// [`WaitroomError::Unavailable`] / [`WaitroomError::Timeout`].
+    pub async fn heartbeat(&self, flush: bool) -> Result<Duration, WaitroomError> {
+        let mut inv = self.scripts.heartbeat.prepare_invoke();
+        inv.key(self.keys.lapse_clock()).arg(self.cfg.abandon_after_ms);
+        let grace_ms: i64 = self.sweeping_call_with("heartbeat", inv, flush).await?;
+        let grace = Duration::from_millis(grace_ms.max(0) as u64);
+        metrics::gauge!("boxoffice_waitroom_lapse_grace_seconds").set(grace.as_secs_f64());
+        Ok(grace)
     }
 
     /// Runs a sweeping event script (`inv` with every argument but the last) with this
@@ -446,10 +493,21 @@ impl Waitroom {
     async fn sweeping_call<T: redis::FromRedisValue>(
         &self,
         op: &'static str,
+        inv: redis::ScriptInvocation<'_>,
+    ) -> Result<T, WaitroomError> {
+        self.sweeping_call_with(op, inv, false).await
+    }
+
+    /// [`Self::sweeping_call`]; `flush` sends the claim even if one went out less than
+    /// [`CLAIM_EVERY`] ago.
+    async fn sweeping_call_with<T: redis::FromRedisValue>(
+        &self,
+        op: &'static str,
         mut inv: redis::ScriptInvocation<'_>,
+        flush: bool,
     ) -> Result<T, WaitroomError> {
         let refusals = || self.refusals.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let claim = refusals().claim(Instant::now());
+        let claim = refusals().claim(Instant::now(), flush);
         inv.arg(claim.as_ref().map_or("", |(text, _)| text.as_str()));
         let mut conn = self.conn.clone();
         let res = self.queue_call(op, inv.invoke_async(&mut conn)).await;
@@ -590,7 +648,7 @@ impl Waitroom {
     pub async fn join(&self, event: EventId, user: UserId) -> Result<QueueTicket, WaitroomError> {
         let ticket = Uuid::new_v4();
         let mut inv = self.event_script(&self.scripts.join, event.0);
-        inv.key(self.keys.ticket(ticket)).key(self.keys.user(user.0));
+        inv.key(self.keys.ticket(ticket)).key(self.keys.user(user.0)).key(self.keys.user_slots(user.0));
         inv.arg(event.0.to_string())
             .arg(user.0.to_string())
             .arg(ticket.to_string())
@@ -639,7 +697,7 @@ impl Waitroom {
     pub async fn status(&self, ticket: Uuid, user: UserId) -> Result<TicketStatus, WaitroomError> {
         let event = self.ticket_event(ticket).await?;
         let mut inv = self.event_script(&self.scripts.status, event);
-        inv.key(self.keys.ticket(ticket)).key(self.keys.user(user.0));
+        inv.key(self.keys.ticket(ticket)).key(self.keys.user(user.0)).key(self.keys.user_slots(user.0));
         inv.arg(ticket.to_string())
             .arg(user.0.to_string())
             .arg(self.cfg.abandon_after_ms)
@@ -709,7 +767,10 @@ impl Waitroom {
     pub async fn leave(&self, ticket: Uuid, user: UserId) -> Result<Option<DateTime<Utc>>, WaitroomError> {
         let event = self.ticket_event(ticket).await?;
         let mut inv = self.event_script(&self.scripts.leave, event);
-        inv.key(self.keys.ticket(ticket)).key(self.keys.user(user.0)).key(self.keys.revoked(ticket));
+        inv.key(self.keys.ticket(ticket))
+            .key(self.keys.user(user.0))
+            .key(self.keys.revoked(ticket))
+            .key(self.keys.user_slots(user.0));
         inv.arg(ticket.to_string()).arg(user.0.to_string());
         let mut conn = self.conn.clone();
         let (left, revoked_until): (i64, i64) = self.queue_call("leave", inv.invoke_async(&mut conn)).await?;
@@ -762,18 +823,16 @@ impl Waitroom {
     }
 
     /// Counts of `event`'s queue (after dropping lapsed positions); also exported as the
-    /// `boxoffice_waitroom_queue_length` gauge, and how far pauses of the lapse clock hold
-    /// lapses back now as `boxoffice_waitroom_lapse_grace_seconds` (0 when none).
+    /// `boxoffice_waitroom_queue_length` gauge.
     ///
     /// # Errors
     /// [`WaitroomError::Unavailable`] / [`WaitroomError::Timeout`].
     pub async fn stats(&self, event: EventId) -> Result<QueueStats, WaitroomError> {
         let mut inv = self.event_script(&self.scripts.stats, event.0);
         inv.arg(self.cfg.abandon_after_ms).arg(self.cfg.sweep_batch);
-        let (queued, pre, live, abandoned, grace_ms): (i64, i64, i64, i64, i64) =
+        let (queued, pre, live, abandoned, _now): (i64, i64, i64, i64, i64) =
             self.sweeping_call("stats", inv).await?;
         count_abandoned(abandoned);
-        metrics::gauge!("boxoffice_waitroom_lapse_grace_seconds").set(grace_ms.max(0) as f64 / 1000.0);
         let s = QueueStats {
             queued: queued.max(0) as u64,
             pre_queued: pre.max(0) as u64,

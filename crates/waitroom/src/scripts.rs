@@ -9,17 +9,18 @@
 //! time in which the waiting room could have answered the poll, not of wall time: spans in
 //! which it could not (pauses) do not count. A pause is recorded two ways, by the first
 //! sweeping script (`join`, `status`, `release`, `stats`) that runs after one:
-//! - a **stall**: no sweeping script ran for more than [`crate::STALL_GAP`] (Redis unreachable
-//!   or stalled; the release controller runs one every tick, so a live deployment never goes
-//!   that long): the whole gap since the last one;
-//! - a **claim** of refusals: spans in which a process kept answering the waiting room's
-//!   callers 503 ([`crate::Waitroom::note_refused`]), sent with its next sweeping call as ages
-//!   (`from:to,…`, ms before the call).
+//! - a **stall**: the clock was not seen for more than [`crate::STALL_GAP`] (every sweeping
+//!   script and every API process's [`HEARTBEAT`], once a second, sees it; so only a Redis
+//!   unreachable or stalled, or no API process running, goes that long): the whole gap since;
+//! - a **claim** of refusals: spans in which a process kept refusing the waiting room's
+//!   callers ([`crate::Waitroom::note_refused`]), sent with its next sweeping call or
+//!   heartbeat as ages (`from:to,…`, ms before the call).
 //!
 //! A pause never holds a lapse back by more than [`crate::LAPSE_GRACE_FACTOR`] × `abandon` in
-//! all, so refusals that never end cannot keep abandoned positions for ever. The same cutoff
-//! decides every lapse: the sweep, a late poll, a repeated join, the release step and the
-//! per-user count of live positions.
+//! all, so refusals that never end cannot keep abandoned positions for ever; at most
+//! [`MAX_SPANS`] pauses are kept, and a cutoff is reused for [`CUTOFF_TTL_MS`], so a poll's
+//! work stays bounded. The same cutoff decides every lapse: the sweep, a late poll, a
+//! repeated join, the release step and the per-user count of live positions.
 //!
 //! Data model, per event `E`:
 //! - `meta` hash: `opens_at` (ms, absent = open), `opened` (`1` once the pre-queue was
@@ -30,27 +31,47 @@
 //! - `adm` zset: ticket → end of its admission slot;
 //! - `users` hash: user → their ticket in this event (one position per user and event);
 //!
-//! and outside the event: `lapse-clock` hash (`seen`: the last sweeping script's time;
-//! `spans`: the pauses, `from:to,…` oldest first, merged, those older than the longest grace
-//! dropped), `events` set (events with a queue, for the release controller), `t:{T}`
+//! and outside the event: `lapse-clock` hash (`seen`: when the clock was last seen; `spans`:
+//! the pauses, `from:to,…` oldest first, merged, those older than the longest grace dropped;
+//! `cutoff:{abandon}`: `at:cutoff`, the last cutoff computed from them), `events` set (events with a queue, for the release controller), `t:{T}`
 //! hash (ticket → event, user), `u:{U}` zset (a user's live positions in every event → the
-//! time the position lapses, for the per-user limit), `rv:{jti}` (revoked admission tokens).
+//! time the position lapses without pauses) and `us:{U}` zset (their running admission slots
+//! → the slot's end), for the per-user limit, `rv:{jti}` (revoked admission tokens).
 //! The keys of one user or ticket live outside the event's hash slot: the waiting room needs
 //! one Redis primary (not Redis Cluster).
 
-/// Shared by every event script. `KEYS[1..8]` = meta, q, pre, hb, adm, users, events,
-/// lapse-clock. `@STALL_GAP_MS@` and `@GRACE_FACTOR@` are replaced by [`crate::STALL_GAP`]
-/// and [`crate::LAPSE_GRACE_FACTOR`].
-const PRELUDE: &str = r#"
-local META, Q, PRE, HB, ADM, USERS, EVENTS = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
-local CLOCK = KEYS[8]
-local STALL_GAP_MS, GRACE_FACTOR = @STALL_GAP_MS@, @GRACE_FACTOR@
+/// The lapse clock, shared by every event script and [`HEARTBEAT`]; the including script
+/// sets `CLOCK` (the `lapse-clock` hash's key) first. `@STALL_GAP_MS@`, `@GRACE_FACTOR@`,
+/// `@MAX_SPANS@` and `@CUTOFF_TTL_MS@` are replaced by [`crate::STALL_GAP`],
+/// [`crate::LAPSE_GRACE_FACTOR`], [`MAX_SPANS`] and [`CUTOFF_TTL_MS`].
+const CLOCK_FNS: &str = r#"
+local STALL_GAP_MS, GRACE_FACTOR, MAX_SPANS, CUTOFF_TTL_MS = @STALL_GAP_MS@, @GRACE_FACTOR@, @MAX_SPANS@, @CUTOFF_TTL_MS@
 
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
+@CLOCK_BODY@"#;
+
+/// Opens every event script. `KEYS[1..8]` = meta, q, pre, hb, adm, users, events,
+/// lapse-clock; then come [`CLOCK_FNS`] and [`EVENT_FNS`].
+const PRELUDE: &str = r#"
+local META, Q, PRE, HB, ADM, USERS, EVENTS = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
+local CLOCK = KEYS[8]
+"#;
+
+/// The most pauses the clock keeps: beyond, the two closest are joined (the time between
+/// them becomes a pause too: a longer grace, never a shorter one), so the work of a poll
+/// stays bounded.
+pub(crate) const MAX_SPANS: usize = 16;
+
+/// How long a cutoff computed from the pauses is reused, ms: a lapse is decided at most this
+/// much later than it could be, and a poll does not walk the pauses again.
+pub(crate) const CUTOFF_TTL_MS: u64 = 100;
+
+/// Shared by every event script, after [`PRELUDE`] and [`CLOCK_FNS`].
+const EVENT_FNS: &str = r#"
 -- The opening time while the pre-queue is still closed, else nil.
 local function pending_opening()
   local o = redis.call('HGET', META, 'opens_at')
@@ -69,73 +90,6 @@ local function open_if_due(now)
   end
   redis.call('DEL', PRE)
   redis.call('HSET', META, 'opened', '1')
-end
-
--- Pauses as {from, to} pairs, oldest first, from their stored form `from:to,...`.
-local function parse_spans(raw)
-  local spans = {}
-  for a, b in string.gmatch(raw, '(%d+):(%d+)') do spans[#spans + 1] = {tonumber(a), tonumber(b)} end
-  return spans
-end
-
-local function format_spans(spans)
-  local parts = {}
-  for i, s in ipairs(spans) do parts[i] = string.format('%d:%d', s[1], s[2]) end
-  return table.concat(parts, ',')
-end
-
--- The pauses with [from, to] added: sorted, overlapping ones merged, those that ended before
--- the oldest cutoff any grace allows dropped.
-local function add_pause(spans, from, to, floor)
-  if to > from then spans[#spans + 1] = {from, to} end
-  table.sort(spans, function(x, y) return x[1] < y[1] end)
-  local merged = {}
-  for _, s in ipairs(spans) do
-    if s[2] > floor then
-      local last = merged[#merged]
-      if last and s[1] <= last[2] then
-        if s[2] > last[2] then last[2] = s[2] end
-      else
-        merged[#merged + 1] = {s[1], s[2]}
-      end
-    end
-  end
-  return merged
-end
-
--- The lapse clock's step (see the module's doc): records a stall since the last sweeping
--- script and this caller's claim of refusals (`from_age:to_age,...`, ms before now; '' for
--- none), then returns the heartbeat cutoff: a position whose last poll is older than it has
--- gone `abandon` ms of serving time without one, and lapses. Never earlier than
--- `now - (GRACE_FACTOR + 1) * abandon`.
-local function lapse_cutoff(now, abandon, claim)
-  local floor = now - (GRACE_FACTOR + 1) * abandon
-  local c = redis.call('HMGET', CLOCK, 'seen', 'spans')
-  local seen, raw = tonumber(c[1]), c[2] or ''
-  local spans = parse_spans(raw)
-  if seen and now - seen > STALL_GAP_MS then spans = add_pause(spans, seen, now, floor) end
-  for a, b in string.gmatch(claim, '(%d+):(%d+)') do
-    spans = add_pause(spans, now - tonumber(a), now - tonumber(b), floor)
-  end
-  if #spans > 0 or raw ~= '' then
-    -- Pauses that ended before the floor no longer matter.
-    spans = add_pause(spans, 0, 0, floor)
-    local formatted = format_spans(spans)
-    if formatted ~= raw then redis.call('HSET', CLOCK, 'spans', formatted) end
-  end
-  if not seen or now > seen then redis.call('HSET', CLOCK, 'seen', now) end
-  -- Walk back from now through the pauses, newest first, until `abandon` ms of serving time
-  -- are behind.
-  local remaining, t = abandon, now
-  for i = #spans, 1, -1 do
-    local from, to = spans[i][1], math.min(spans[i][2], t)
-    if from < to then
-      if t - to >= remaining then break end
-      remaining = remaining - (t - to)
-      t = from
-    end
-  end
-  return math.max(t - remaining, floor)
 end
 
 -- Drops up to `limit` positions whose last poll is older than `cutoff` (see `lapse_cutoff`),
@@ -171,7 +125,115 @@ local function live_rate(now)
 end
 "#;
 
-/// `join`. KEYS 9 = `t:{new ticket}`, 10 = `u:{user}`. ARGV: event, user, new ticket,
+/// The lapse clock's functions, inside [`CLOCK_FNS`].
+const CLOCK_BODY: &str = r#"
+-- Pauses as {from, to} pairs, oldest first, from their stored form `from:to,...`.
+local function parse_spans(raw)
+  local spans = {}
+  for a, b in string.gmatch(raw, '(%d+):(%d+)') do spans[#spans + 1] = {tonumber(a), tonumber(b)} end
+  return spans
+end
+
+local function format_spans(spans)
+  local parts = {}
+  for i, s in ipairs(spans) do parts[i] = string.format('%d:%d', s[1], s[2]) end
+  return table.concat(parts, ',')
+end
+
+-- The pauses with [from, to] added (clipped to start no earlier than `floor`): sorted,
+-- overlapping ones merged, those that ended by `floor` dropped, and at most MAX_SPANS (the
+-- two closest joined).
+local function add_pause(spans, from, to, floor)
+  if from < floor then from = floor end
+  if to > from then spans[#spans + 1] = {from, to} end
+  table.sort(spans, function(x, y) return x[1] < y[1] end)
+  local merged = {}
+  for _, s in ipairs(spans) do
+    if s[2] > floor then
+      local last = merged[#merged]
+      if last and s[1] <= last[2] then
+        if s[2] > last[2] then last[2] = s[2] end
+      else
+        merged[#merged + 1] = {math.max(s[1], floor), s[2]}
+      end
+    end
+  end
+  while #merged > MAX_SPANS do
+    local best = 2
+    for i = 3, #merged do
+      if merged[i][1] - merged[i - 1][2] < merged[best][1] - merged[best - 1][2] then best = i end
+    end
+    merged[best - 1][2] = merged[best][2]
+    table.remove(merged, best)
+  end
+  return merged
+end
+
+-- Walks back from `now` through the pauses, newest first, until `abandon` ms of serving
+-- time are behind: the cutoff, never earlier than `floor`.
+local function walk_back(spans, now, abandon, floor)
+  local remaining, t = abandon, now
+  for i = #spans, 1, -1 do
+    local from, to = spans[i][1], math.min(spans[i][2], t)
+    if from < to then
+      if t - to >= remaining then break end
+      remaining = remaining - (t - to)
+      t = from
+    end
+  end
+  return math.max(t - remaining, floor)
+end
+
+-- The lapse clock's step (see the module's doc): records a stall since the clock was last
+-- seen and this caller's claim of refusals (`from_age:to_age,...`, ms before now; '' for
+-- none), then returns the heartbeat cutoff: a position whose last poll is older than it has
+-- gone `abandon` ms of serving time without one, and lapses. Never earlier than
+-- `now - (GRACE_FACTOR + 1) * abandon`. Without pauses that is `now - abandon` at the cost
+-- of one HMGET and one HSET; with pauses, a cutoff computed in the last CUTOFF_TTL_MS for
+-- the same `abandon` is reused unless this call records a pause.
+local function lapse_cutoff(now, abandon, claim)
+  local floor = now - (GRACE_FACTOR + 1) * abandon
+  local cached = 'cutoff:' .. abandon
+  local c = redis.call('HMGET', CLOCK, 'seen', 'spans', cached)
+  local seen, raw = tonumber(c[1]), c[2] or ''
+  if not seen or now > seen then redis.call('HSET', CLOCK, 'seen', now) end
+  local stalled = seen and now - seen > STALL_GAP_MS
+  if not stalled and claim == '' then
+    if raw == '' then return now - abandon end
+    if c[3] then
+      local at, cut = string.match(c[3], '^(%d+):(%d+)$')
+      at, cut = tonumber(at), tonumber(cut)
+      if at and now >= at and now - at < CUTOFF_TTL_MS then return math.max(cut, floor) end
+    end
+  end
+  local spans = parse_spans(raw)
+  if stalled then spans = add_pause(spans, seen, now, floor) end
+  for a, b in string.gmatch(claim, '(%d+):(%d+)') do
+    a, b = tonumber(a), tonumber(b)
+    if a > b and a <= now then spans = add_pause(spans, now - a, now - b, floor) end
+  end
+  spans = add_pause(spans, 0, 0, floor)
+  local formatted = format_spans(spans)
+  if formatted ~= raw then
+    if formatted == '' then redis.call('HDEL', CLOCK, 'spans') else redis.call('HSET', CLOCK, 'spans', formatted) end
+  end
+  local cutoff = walk_back(spans, now, abandon, floor)
+  if formatted ~= '' then redis.call('HSET', CLOCK, cached, string.format('%d:%d', now, cutoff)) end
+  return cutoff
+end
+"#;
+
+/// `heartbeat`: the lapse clock's step on its own, run by every API process every second
+/// ([`crate::Waitroom::keep_clock`]), so the clock is seen while no queue call runs (a quiet
+/// waiting room is no stall) and a process's claim of refusals goes out without waiting for
+/// traffic. KEYS[1] = lapse-clock. ARGV: abandon ms, claim of refusals. Returns how far
+/// pauses hold lapses back now, ms (0 when none).
+const HEARTBEAT: &str = r#"
+local now, abandon = now_ms(), tonumber(ARGV[1])
+return now - abandon - lapse_cutoff(now, abandon, ARGV[2])
+"#;
+
+/// `join`. KEYS 9 = `t:{new ticket}`, 10 = `u:{user}`, 11 = `us:{user}`. ARGV: event, user, new ticket,
 /// abandon ms, sweep limit, max positions per user, ticket key ttl ms, claim of refusals.
 /// Returns `{state, ticket, created, position, opens_at, abandoned, slot_end, rate}` where
 /// state is `pre`, `queued`, `admitted` or `limit` (then `created` carries the user's live
@@ -204,10 +266,11 @@ if existing then
   end
 end
 
--- A position's entry is its lapse time without pauses (`hb + abandon`, or its slot's end):
--- it counts while the position is kept.
+-- The user's live positions (`u`: each one's lapse time without pauses, `hb + abandon`, so
+-- it counts while the position is kept) and running admission slots (`us`: each one's end).
 redis.call('ZREMRANGEBYSCORE', KEYS[10], '-inf', '(' .. (cutoff + abandon))
-local held = redis.call('ZCARD', KEYS[10])
+redis.call('ZREMRANGEBYSCORE', KEYS[11], '-inf', now)
+local held = redis.call('ZCARD', KEYS[10]) + redis.call('ZCARD', KEYS[11])
 if held >= max_pos then
   return {'limit', '', held, -1, opening, dropped, -1, rate}
 end
@@ -232,7 +295,7 @@ redis.call('ZADD', Q, redis.call('HINCRBY', META, 'seq', 1), ticket)
 return {'queued', ticket, 1, position(ticket), opening, dropped, -1, rate}
 "#;
 
-/// `status`. KEYS 9 = `t:{ticket}`, 10 = `u:{user}`. ARGV: ticket, user, abandon ms, sweep
+/// `status`. KEYS 9 = `t:{ticket}`, 10 = `u:{user}`, 11 = `us:{user}`. ARGV: ticket, user, abandon ms, sweep
 /// limit, ticket key ttl ms, claim of refusals. Returns `{state, position, opens_at,
 /// abandoned, slot_end, queued, pre_queued, rate}`; state `unknown` when the ticket is not
 /// this user's or is gone; rate as in `join`.
@@ -248,7 +311,10 @@ local opening = pending_opening() or -1
 local rate = live_rate(now)
 local slot = redis.call('ZSCORE', ADM, ticket)
 if slot then
-  redis.call('ZADD', KEYS[10], slot, ticket)
+  -- Admitted: from the user's positions to their admission slots.
+  redis.call('ZREM', KEYS[10], ticket)
+  redis.call('ZADD', KEYS[11], slot, ticket)
+  redis.call('PEXPIRE', KEYS[11], ttl)
   return {'admitted', -1, opening, dropped, tonumber(slot), redis.call('ZCARD', Q), redis.call('ZCARD', PRE), rate}
 end
 local hb = redis.call('ZSCORE', HB, ticket)
@@ -271,7 +337,7 @@ if redis.call('ZSCORE', PRE, ticket) then state = 'pre' end
 return {state, position(ticket), opening, dropped, -1, redis.call('ZCARD', Q), redis.call('ZCARD', PRE), rate}
 "#;
 
-/// `leave`. KEYS 9 = `t:{ticket}`, 10 = `u:{user}`, 11 = `rv:{ticket}`. ARGV: ticket, user.
+/// `leave`. KEYS 9 = `t:{ticket}`, 10 = `u:{user}`, 11 = `rv:{ticket}`, 12 = `us:{user}`. ARGV: ticket, user.
 /// Returns `{1, slot end ms}` when the ticket was this user's and its live admission slot was
 /// revoked (the admission token's `jti` is the ticket; revoked until the slot ends), `{1, 0}`
 /// when it was this user's without a live slot, else `{0, 0}`.
@@ -285,6 +351,7 @@ redis.call('ZREM', PRE, ticket)
 redis.call('ZREM', HB, ticket)
 redis.call('ZREM', ADM, ticket)
 redis.call('ZREM', KEYS[10], ticket)
+redis.call('ZREM', KEYS[12], ticket)
 if redis.call('HGET', USERS, user) == ticket then redis.call('HDEL', USERS, user) end
 redis.call('DEL', KEYS[9])
 if slot and tonumber(slot) > now then
@@ -330,14 +397,14 @@ return {admitted, dropped, queued, pre, live_admitted(now), now + slot_ms}
 "#;
 
 /// `stats`. ARGV: abandon ms, sweep limit, claim of refusals. Returns `{queued, pre_queued,
-/// admitted_live, abandoned, grace}` where grace is how far pauses hold lapses back now, ms.
+/// admitted_live, abandoned, now}`.
 const STATS: &str = r#"
 local now = now_ms()
 local abandon = tonumber(ARGV[1])
 local cutoff = lapse_cutoff(now, abandon, ARGV[3])
 open_if_due(now)
 local dropped = sweep(now, cutoff, tonumber(ARGV[2]))
-return {redis.call('ZCARD', Q), redis.call('ZCARD', PRE), live_admitted(now), dropped, now - abandon - cutoff}
+return {redis.call('ZCARD', Q), redis.call('ZCARD', PRE), live_admitted(now), dropped, now}
 "#;
 
 /// `schedule`. KEYS 1..8 as usual. ARGV: opens_at ms, seed, explicit seed (`1`/`0`).
@@ -383,6 +450,7 @@ return 1
 /// `NOSCRIPT`).
 pub(crate) struct Scripts {
     pub join: redis::Script,
+    pub heartbeat: redis::Script,
     pub status: redis::Script,
     pub leave: redis::Script,
     pub release: redis::Script,
@@ -394,12 +462,16 @@ pub(crate) struct Scripts {
 
 impl Scripts {
     pub fn new() -> Self {
-        let prelude = PRELUDE
+        let clock = CLOCK_FNS
+            .replace("@CLOCK_BODY@", CLOCK_BODY)
             .replace("@STALL_GAP_MS@", &crate::STALL_GAP.as_millis().to_string())
-            .replace("@GRACE_FACTOR@", &crate::LAPSE_GRACE_FACTOR.to_string());
-        let with_prelude = |body: &str| redis::Script::new(&format!("{prelude}\n{body}"));
+            .replace("@GRACE_FACTOR@", &crate::LAPSE_GRACE_FACTOR.to_string())
+            .replace("@MAX_SPANS@", &MAX_SPANS.to_string())
+            .replace("@CUTOFF_TTL_MS@", &CUTOFF_TTL_MS.to_string());
+        let with_prelude = |body: &str| redis::Script::new(&format!("{PRELUDE}{clock}{EVENT_FNS}\n{body}"));
         Self {
             join: with_prelude(JOIN),
+            heartbeat: redis::Script::new(&format!("local CLOCK = KEYS[1]\n{clock}\n{HEARTBEAT}")),
             status: with_prelude(STATUS),
             leave: with_prelude(LEAVE),
             release: with_prelude(RELEASE),

@@ -378,13 +378,13 @@ fn refusals_merge_keep_a_bounded_list_and_go_out_at_most_every_claim_interval() 
     r.note(at(1_000), at(2_500)); // the same streak, later
     r.note(at(5_000), at(6_000));
     assert_eq!(r.pending, vec![(at(1_000), at(2_500)), (at(5_000), at(6_000))]);
-    let (text, sent) = r.claim(at(7_000)).unwrap();
+    let (text, sent) = r.claim(at(7_000), false).unwrap();
     assert_eq!(text, "6000:4500,2000:1000");
-    assert!(r.claim(at(7_100)).is_none(), "one claim per CLAIM_EVERY");
+    assert!(r.claim(at(7_100), false).is_none(), "one claim per CLAIM_EVERY");
     r.note(at(5_000), at(7_200)); // the streak went on while the claim was out
     r.recorded(&sent);
     assert_eq!(r.pending, vec![(at(5_000), at(7_200))], "what grew since is sent again");
-    assert!(r.claim(at(7_000) + CLAIM_EVERY).is_some());
+    assert!(r.claim(at(7_000) + CLAIM_EVERY, false).is_some());
     let mut many = Refusals::default();
     for i in 0..20 {
         many.note(at(i * 1_000), at(i * 1_000 + 500));
@@ -392,4 +392,85 @@ fn refusals_merge_keep_a_bounded_list_and_go_out_at_most_every_claim_interval() 
     assert_eq!(many.pending.len(), REFUSALS_KEPT);
     assert_eq!(many.pending[0].0, at(0), "joined into the oldest: longer, never shorter");
     assert_eq!(many.pending.last().unwrap().1, at(19_500));
+}
+
+#[tokio::test]
+async fn waitroom_the_heartbeat_records_stalls_and_claims_and_reports_the_grace() {
+    let wr = room_with(|c| c.abandon_after_ms = 3_000);
+    assert_eq!(wr.heartbeat(false).await.unwrap(), Duration::ZERO, "no pause yet");
+    // Seen every second, a quiet waiting room is no stall.
+    assert_eq!(wr.heartbeat(false).await.unwrap(), Duration::ZERO);
+    stalled_for(&wr, 6_000).await;
+    let grace = wr.heartbeat(false).await.unwrap();
+    assert!((6_000..6_200).contains(&(grace.as_millis() as u64)), "the stall: {grace:?}");
+
+    let wr = room_with(|c| c.abandon_after_ms = 3_000);
+    let now = Instant::now();
+    wr.note_refused(now - Duration::from_secs(2), now);
+    let grace = wr.heartbeat(false).await.unwrap();
+    assert!((2_000..2_200).contains(&(grace.as_millis() as u64)), "the claim: {grace:?}");
+    assert!(wr.refusals.lock().unwrap().pending.is_empty(), "sent without waiting for traffic");
+    // A claim noted right after one went out waits for CLAIM_EVERY, unless flushed (the last
+    // heartbeat of a process on its way out).
+    let now = Instant::now();
+    wr.note_refused(now - Duration::from_millis(2_500), now);
+    wr.heartbeat(false).await.unwrap();
+    assert!(!wr.refusals.lock().unwrap().pending.is_empty());
+    wr.heartbeat(true).await.unwrap();
+    assert!(wr.refusals.lock().unwrap().pending.is_empty());
+}
+
+#[tokio::test]
+async fn waitroom_keeps_a_bounded_number_of_pauses_never_a_shorter_one() {
+    let wr = room_with(|c| c.abandon_after_ms = 60_000);
+    let now = Instant::now();
+    // Three claims of eight disjoint half-second spans each, 1 s apart: 24 pauses.
+    for k in 0..3u64 {
+        for i in 0..8u64 {
+            let end = now - Duration::from_millis(1_000 * (8 * k + i) + 100);
+            wr.note_refused(end - Duration::from_millis(500), end);
+        }
+        wr.heartbeat(true).await.unwrap();
+    }
+    let mut conn = wr.conn.clone();
+    let spans: String =
+        redis::cmd("HGET").arg(wr.keys.lapse_clock()).arg("spans").query_async(&mut conn).await.unwrap();
+    let spans: Vec<(i64, i64)> = spans
+        .split(',')
+        .map(|s| s.split_once(':').unwrap())
+        .map(|(a, b)| (a.parse().unwrap(), b.parse().unwrap()))
+        .collect();
+    assert_eq!(spans.len(), scripts::MAX_SPANS, "{spans:?}");
+    let paused: i64 = spans.iter().map(|(a, b)| b - a).sum();
+    assert!(paused >= 24 * 500, "joining spans only lengthens the pauses: {paused} ms");
+    assert!(spans.windows(2).all(|w| w[0].1 < w[1].0), "sorted and disjoint: {spans:?}");
+}
+
+#[tokio::test]
+async fn waitroom_an_ended_admission_slot_stops_counting_at_once_whatever_the_pauses() {
+    let wr = room_with(|c| c.max_positions_per_user = 2);
+    let u = UserId::new();
+    let (e1, e2, e3) = (EventId::new(), EventId::new(), EventId::new());
+    let t = wr.join(e1, u).await.unwrap();
+    wr.release(e1, 1, None).await.unwrap();
+    assert_eq!(wr.status(t.ticket, u).await.unwrap().state, TicketState::Admitted);
+    // The slot ended a second ago; the lapse clock holds lapses back by a minute.
+    let now = wr.clock_ms().await.unwrap();
+    let mut conn = wr.conn.clone();
+    for key in [wr.keys.event(e1.0).0[4].clone(), wr.keys.user_slots(u.0)] {
+        let _: () = redis::cmd("ZADD")
+            .arg(key)
+            .arg(now - 1_000)
+            .arg(t.ticket.to_string())
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+    }
+    stalled_for(&wr, 60_000).await;
+    wr.join(e2, u).await.unwrap();
+    assert!(wr.join(e3, u).await.is_ok(), "the ended slot no longer counts towards the limit");
+    assert!(matches!(
+        wr.join(EventId::new(), u).await,
+        Err(WaitroomError::PositionLimit { held: 2, limit: 2 })
+    ));
 }

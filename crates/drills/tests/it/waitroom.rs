@@ -500,6 +500,18 @@ async fn waitroom_a_stall_of_redis_longer_than_the_lapse_time_keeps_positions(
     .await;
     let (first, second) = (app.buyer(), app.buyer());
     let (t1, t2) = (queued(&app, &first).await, queued(&app, &second).await);
+    let mut conn =
+        redis::Client::open(redis.url()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    let clock = format!("{}wr:lapse-clock", app.cfg.redis_key_prefix);
+
+    // Quiet for longer than a stall gap (no join, poll or release step: the release
+    // controller is off here), the waiting room is no stall: the API's heartbeat keeps the
+    // clock seen.
+    tokio::time::sleep(boxoffice_waitroom::STALL_GAP + Duration::from_secs(1)).await;
+    assert_eq!(poll(&app, &app.api, &first, &t1).await.status(), 200);
+    let spans: Option<String> =
+        redis::cmd("HGET").arg(&clock).arg("spans").query_async(&mut conn).await.unwrap();
+    assert_eq!(spans, None, "no pause recorded while Redis answered");
 
     // A short stall, under the stall gap: the API refuses polls for seconds, and the part of
     // its refusal streak past the first second reaches the lapse clock as a pause with the
@@ -514,14 +526,8 @@ async fn waitroom_a_stall_of_redis_longer_than_the_lapse_time_keeps_positions(
         poll(&app, &app.api, &first, &t1).await.status() == 200
     })
     .await;
-    let mut conn =
-        redis::Client::open(redis.url()).unwrap().get_multiplexed_async_connection().await.unwrap();
-    let spans: Option<String> = redis::cmd("HGET")
-        .arg(format!("{}wr:lapse-clock", app.cfg.redis_key_prefix))
-        .arg("spans")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    let spans: Option<String> =
+        redis::cmd("HGET").arg(&clock).arg("spans").query_async(&mut conn).await.unwrap();
     let paused_ms: i64 = spans
         .iter()
         .flat_map(|s| s.split(','))
@@ -552,6 +558,17 @@ async fn waitroom_a_stall_of_redis_longer_than_the_lapse_time_keeps_positions(
     assert_eq!((&v["state"], &v["position"]), (&"queued".into(), &2.into()), "{v}");
     let v: Value = poll(&app, &app.api, &first, &t1).await.json().await.unwrap();
     assert_eq!((&v["state"], &v["position"]), (&"queued".into(), &1.into()), "{v}");
+    // The grace is on the API's /metrics once its heartbeat has seen the stall.
+    eventually(Duration::from_secs(5), "the grace is exported", || async {
+        let metrics =
+            app.http.get(format!("{}/metrics", app.api)).send().await.unwrap().text().await.unwrap();
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix("boxoffice_waitroom_lapse_grace_seconds "))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .is_some_and(|grace| grace > abandon.as_secs_f64())
+    })
+    .await;
     app.stop().await;
 }
 
