@@ -157,10 +157,10 @@ pub(crate) fn bulkhead(
 /// everyone on that process, and the buyers who obey it then try less often. So that they
 /// do not lose their positions for it, the streak past its first second is reported to the
 /// waiting room ([`RefusalBackoff::noting`], `Waitroom::note_refused`), whose lapse clock does
-/// not count that time (up to its grace: three times the lapse time by default): only while
-/// the refusal is one the noting names (the waiting room could not answer, not e.g. the
-/// database) and refusals are at least as many as answers since the streak began, so a
-/// trickle of 503s among answered polls stops no clock. Widened answers are counted in
+/// not count that time (up to its grace: three times the lapse time by default): from the
+/// first refusal of a run of refusals the noting names (the waiting room could not answer,
+/// not e.g. the database) while refusals are at least as many as answers (2xx) over the last
+/// one to two seconds, so a trickle of 503s among answered polls stops no clock. Widened answers are counted in
 /// `boxoffice_http_retry_after_widened_total{routes}`.
 pub struct RefusalBackoff {
     routes: &'static str,
@@ -170,7 +170,7 @@ pub struct RefusalBackoff {
     /// refusal never pairs one streak's start with another's latest; it is taken only on a
     /// 503.
     streak: std::sync::Mutex<Option<Streak>>,
-    /// Answers other than 503 so far (one relaxed increment each).
+    /// Answers (2xx) so far (one relaxed increment each).
     answered: std::sync::atomic::AtomicU64,
     /// The problem codes whose refusals are noted, and whom to tell ([`Self::noting`]).
     noted: Option<(&'static [&'static str], NoteRefusal)>,
@@ -186,10 +186,46 @@ struct Streak {
     start: u64,
     /// Its latest refusal, ms after `origin`.
     last: u64,
-    /// Refusals in it.
+    /// The majority rule's window: the current second and the one before it.
+    tally: Tally,
+    /// The first refusal of the current run of noted ones (a noted code while refusals are
+    /// at least as many as answers in the window), ms after `origin`.
+    noting_since: Option<u64>,
+}
+
+/// Refusals and answers of the last one to two seconds ([`RefusalBackoff::noting`]).
+#[derive(Debug, Clone, Copy)]
+struct Tally {
+    /// When the current second began, ms after `origin`.
+    since: u64,
+    /// Refusals in the current second.
     refused: u64,
     /// [`RefusalBackoff::answered`] when it began.
     answered_before: u64,
+    /// Refusals and answers of the second before, if it adjoins the current one.
+    previous: (u64, u64),
+}
+
+impl Tally {
+    fn new(now: u64, answered: u64) -> Self {
+        Self { since: now, refused: 0, answered_before: answered, previous: (0, 0) }
+    }
+
+    /// Counts a refusal at `now` (`answered`: the answers so far); returns whether refusals
+    /// are at least as many as answers over the window.
+    fn refusal(&mut self, now: u64, answered: u64) -> bool {
+        let elapsed = now.saturating_sub(self.since);
+        if elapsed >= 1_000 {
+            let previous = (self.refused, answered.saturating_sub(self.answered_before));
+            *self = Self::new(now, answered);
+            if elapsed < 2_000 {
+                self.previous = previous;
+            }
+        }
+        self.refused += 1;
+        let answers = self.previous.1 + answered.saturating_sub(self.answered_before);
+        self.previous.0 + self.refused >= answers
+    }
 }
 
 impl std::fmt::Debug for RefusalBackoff {
@@ -222,10 +258,11 @@ impl RefusalBackoff {
         }
     }
 
-    /// Tells `noted` of the streak, its first refusal and this one, at each refusal with a
-    /// problem code among `codes` past the streak's first second (when `Retry-After` is
-    /// widened) while the streak's refusals are at least as many as the answers since it
-    /// began. Called on the request's task: it must be cheap and must not block.
+    /// Tells `noted` of a run of refusals, its first and this one, at each refusal past the
+    /// streak's first second (when `Retry-After` is widened) that continues the run: a
+    /// refusal with a problem code among `codes` while refusals are at least as many as
+    /// answers ([`Self::answered`]) over the last one to two seconds; any other refusal ends
+    /// the run. Called on the request's task: it must be cheap and must not block.
     pub fn noting(
         mut self,
         codes: &'static [&'static str],
@@ -235,7 +272,7 @@ impl RefusalBackoff {
         self
     }
 
-    /// Records an answer other than a 503.
+    /// Records an answer (a 2xx: what the caller came for).
     pub fn answered(&self) {
         self.answered.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
@@ -256,28 +293,40 @@ impl RefusalBackoff {
     /// A refusal at `at` ms after `origin` (now when `None`).
     fn refusal(&self, at: Option<u64>, code: Option<&str>) -> Option<u64> {
         let answered = self.answered.load(std::sync::atomic::Ordering::Relaxed);
+        let noted_code = match &self.noted {
+            Some((codes, _)) => code.is_some_and(|c| codes.contains(&c)),
+            None => false,
+        };
         let (window, streak) = {
             let mut streak = self.streak.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             // Read under the lock: refusals reach the streak in the order of their clocks.
             let now = at.unwrap_or_else(|| self.origin.elapsed().as_millis() as u64);
-            (Self::advance(&mut streak, now, self.max_s, answered), *streak)
+            (Self::advance(&mut streak, now, self.max_s, answered, noted_code), *streak)
         };
-        if let (Some(_), Some(s), Some((codes, noted))) = (window, streak, &self.noted) {
-            let refusing = s.refused >= answered.saturating_sub(s.answered_before);
-            if refusing && code.is_some_and(|c| codes.contains(&c)) {
+        if let (Some(_), Some(s), Some((_, noted))) = (window, streak, &self.noted) {
+            if let Some(since) = s.noting_since.filter(|since| *since < s.last) {
                 let at = |ms: u64| self.origin + Duration::from_millis(ms);
-                noted(at(s.start), at(s.last));
+                noted(at(since), at(s.last));
             }
         }
         window
     }
 
-    fn advance(streak: &mut Option<Streak>, now: u64, max_s: u64, answered: u64) -> Option<u64> {
-        let s = match *streak {
+    fn advance(
+        streak: &mut Option<Streak>,
+        now: u64,
+        max_s: u64,
+        answered: u64,
+        noted_code: bool,
+    ) -> Option<u64> {
+        let mut s = match *streak {
             Some(s) if now.saturating_sub(s.last) <= Self::QUIET.as_millis() as u64 => s,
-            _ => Streak { start: now, last: now, refused: 0, answered_before: answered },
+            _ => Streak { start: now, last: now, tally: Tally::new(now, answered), noting_since: None },
         };
-        *streak = Some(Streak { last: now.max(s.start), refused: s.refused + 1, ..s });
+        s.last = now.max(s.start);
+        let refusing = s.tally.refusal(now, answered);
+        s.noting_since = if noted_code && refusing { Some(s.noting_since.unwrap_or(s.last)) } else { None };
+        *streak = Some(s);
         let seconds = now.saturating_sub(s.start) / 1_000;
         (seconds > 0).then(|| (Self::BASE_S << seconds.min(16)).min(max_s))
     }
@@ -290,7 +339,11 @@ pub(crate) async fn widen_retry_after(
     mut resp: axum::response::Response,
 ) -> axum::response::Response {
     if resp.status() != axum::http::StatusCode::SERVICE_UNAVAILABLE {
-        backoff.answered();
+        // Only what a caller came for counts as answered: not the rate buckets' 429s nor a
+        // 404, or a flood of them would stop a crowd's refusals from being noted.
+        if resp.status().is_success() {
+            backoff.answered();
+        }
         return resp;
     }
     let code = resp.extensions().get::<crate::problem::ProblemCode>().map(|c| c.0);
@@ -757,20 +810,26 @@ mod tests {
         b.window_s_at(11_500, refused);
         b.window_s_at(13_000, refused);
         assert_eq!(*noted.lock().unwrap(), vec![(at(10_000), at(11_500)), (at(10_000), at(13_000))]);
-        b.window_s_at(13_500, Some("unavailable"));
+        b.window_s_at(13_500, Some("unavailable")); // ends the run of noted refusals
         b.window_s_at(13_600, None);
         assert_eq!(noted.lock().unwrap().len(), 2, "only the codes it was given are noted");
-        b.window_s_at(15_500, refused); // within QUIET of the last 503: the same streak
-        assert_eq!(noted.lock().unwrap().len(), 3);
-        // Answers outnumbering the refusals: the streak widens on, but is not noted.
+        b.window_s_at(15_000, refused); // the same streak (within QUIET), a new run
+        assert_eq!(noted.lock().unwrap().len(), 2);
+        b.window_s_at(15_400, refused);
+        assert_eq!(noted.lock().unwrap().last(), Some(&(at(15_000), at(15_400))), "from the run's start");
+        // Answers outnumbering the refusals in the window: widened on, but not noted.
         for _ in 0..10 {
             b.answered();
         }
-        assert!(b.window_s_at(16_000, refused).is_some(), "still widened");
-        assert_eq!(noted.lock().unwrap().len(), 3, "8 refusals against 10 answers");
+        assert!(b.window_s_at(15_800, refused).is_some(), "still widened");
+        assert_eq!(noted.lock().unwrap().len(), 3, "3 refusals against 10 answers");
+        // Two seconds on, the answers have left the window: a new run.
+        b.window_s_at(17_000, refused);
+        b.window_s_at(17_500, refused);
+        assert_eq!(noted.lock().unwrap().last(), Some(&(at(17_000), at(17_500))));
         // After a quiet spell: a new streak, counted from its own start.
         b.window_s_at(20_000, refused);
-        assert_eq!(noted.lock().unwrap().len(), 3, "its first second");
+        assert_eq!(noted.lock().unwrap().len(), 4, "its first second");
         b.window_s_at(21_100, refused);
         assert_eq!(noted.lock().unwrap().last(), Some(&(at(20_000), at(21_100))));
     }
@@ -812,8 +871,12 @@ mod tests {
         }
         // A streak that began 10 s ago, its last refusal half a second ago.
         let now = backoff.origin.elapsed().as_millis() as u64;
-        *backoff.streak.lock().unwrap() =
-            Some(Streak { start: now - 10_000, last: now - 500, refused: 50, answered_before: 0 });
+        *backoff.streak.lock().unwrap() = Some(Streak {
+            start: now - 10_000,
+            last: now - 500,
+            tally: Tally::new(now - 500, 0),
+            noting_since: None,
+        });
         let mut seen = Vec::new();
         for _ in 0..200 {
             let (status, secs) = retry_after("/refused").await;

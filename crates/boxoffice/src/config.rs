@@ -530,8 +530,9 @@ pub struct Config {
     /// rarely and a lost poll or two does not cost a position; a sixth of it caps the
     /// `Retry-After` of the queue's 503s while they keep coming,
     /// `boxoffice_api::edge::RefusalBackoff`). Time in which the waiting room could not
-    /// answer (Redis stalled, the queue routes refusing) does not count, up to three times
-    /// this (`boxoffice_waitroom::LAPSE_GRACE_FACTOR`).
+    /// answer does not count, up to three times this (`boxoffice_waitroom::LAPSE_GRACE_FACTOR`):
+    /// a Redis unreachable or stopped for more than 5 s, and the queue routes refusing most
+    /// callers `waitroom_unavailable` or `overloaded` past a streak's first second.
     pub waitroom_abandon_after_ms: u64,
     /// Poll interval suggested to queued clients (`poll_after_ms`), ms; keep it well below
     /// `waitroom_abandon_after_ms`.

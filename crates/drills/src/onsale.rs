@@ -735,13 +735,13 @@ fn print_report(r: &serde_json::Value, audited: &boxoffice::audit::AuditReport, 
         let n = |k: &str| q.get(k).cloned().unwrap_or_default();
         let p = |k: &str, s: &str| q.get(k).and_then(|v| v.get(s)).and_then(|v| v.as_f64()).unwrap_or(0.0);
         println!(
-            "  waiting room               joins {}  polls {}  admitted {}  lapsed {}  gave up {}  refused {}",
+            "  waiting room               joins {}  polls {}  admitted {}  lapsed {}  gave up {}  rejected {}",
             n("joins"),
             n("polls"),
             n("admitted"),
             n("lapsed"),
             n("gave_up"),
-            n("refused")
+            n("rejected")
         );
         println!(
             "  join+poll attempts         {:.0}/s  p50 {:.1}  p99 {:.1} ms  (429s {}, 503s {}, errors {}, late slots {})",

@@ -65,9 +65,9 @@ pub struct QueueStats {
     /// Buyers who stopped queueing after [`MAX_FAILURES`] failed attempts in a row (503s,
     /// transport errors, 5xx, unreadable answers).
     pub gave_up: u64,
-    /// Buyers refused for good (401, 404 or 409, e.g. `queue_position_limit`): they could
-    /// not queue at all, and did not retry.
-    pub refused: u64,
+    /// Buyers given an answer they cannot retry (a 4xx other than a poll's 404 and 429:
+    /// 401, a join's 404, 409 `queue_position_limit`, …): they stopped queueing at once.
+    pub rejected: u64,
     /// Polls answered 404 (the position lapsed): the buyer joined again.
     pub lapsed: u64,
     /// 429 answers (rate buckets).
@@ -138,7 +138,7 @@ struct Counters {
     polls: AtomicU64,
     admitted: AtomicU64,
     gave_up: AtomicU64,
-    refused: AtomicU64,
+    rejected: AtomicU64,
     lapsed: AtomicU64,
     rate_limited_429: AtomicU64,
     unavailable_503: AtomicU64,
@@ -302,7 +302,7 @@ pub async fn run(
         polls: g(&s.polls),
         admitted: g(&s.admitted),
         gave_up: g(&s.gave_up),
-        refused: g(&s.refused),
+        rejected: g(&s.rejected),
         lapsed: g(&s.lapsed),
         rate_limited_429: g(&s.rate_limited_429),
         unavailable_503: g(&s.unavailable_503),
@@ -450,7 +450,7 @@ impl Room {
                     self.retry(idx, kind, backoff());
                 } else {
                     // 401/404 on join/409 position limit: this buyer cannot queue.
-                    inc(&self.stats.refused);
+                    inc(&self.stats.rejected);
                     self.resolve();
                 }
             }

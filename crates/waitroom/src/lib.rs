@@ -6,9 +6,10 @@
 //! (joins before `opens_at`, shuffled once at the opening so arriving first buys nothing),
 //! heartbeats (a position whose holder stops polling for `abandon_after_ms` lapses, and lapsed
 //! positions are dropped atomically, so they never stall the inlet), the lapse clock (time in
-//! which the waiting room could not answer its callers — Redis stalled or unreachable, or a
-//! process refusing them 503 — does not count towards a lapse, up to
-//! [`LAPSE_GRACE_FACTOR`] × `abandon_after_ms`; see [`Waitroom::note_refused`]), admission slots of
+//! which the waiting room could not answer its callers — Redis unreachable or stopped for
+//! more than [`STALL_GAP`], or a process that noted its refusals, [`Waitroom::note_refused`]
+//! — does not count towards a lapse, up to [`LAPSE_GRACE_FACTOR`] × `abandon_after_ms`),
+//! admission slots of
 //! released tickets, one position per user and event and a per-user cap across events.
 //! Every multi-key step is one Lua script ([`scripts`]), so concurrent API instances cannot
 //! interleave half-done steps; every script reads the Redis clock.
@@ -97,13 +98,13 @@ pub enum Patience {
 }
 
 /// The lapse clock not seen for longer than this is a stall of the waiting room: the whole gap
-/// is a pause. Every API process sees it every [`HEARTBEAT_EVERY`] ([`Waitroom::keep_clock`])
+/// is a pause. Every API process sees it every [`CLOCK_TICK_EVERY`] ([`Waitroom::keep_clock`])
 /// and every join, poll and release step sees it, so only a Redis unreachable or stalled (or
 /// no API process running) goes this long.
 pub const STALL_GAP: Duration = Duration::from_secs(5);
 
 /// How often an API process sees the lapse clock ([`Waitroom::keep_clock`]).
-pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
+pub const CLOCK_TICK_EVERY: Duration = Duration::from_secs(1);
 
 /// Pauses hold a position's lapse back by at most this many times `abandon_after_ms` (by
 /// default 6 min on top of the 2 min), so refusals that never end cannot keep abandoned
@@ -441,9 +442,9 @@ impl Waitroom {
 
     /// Records that this process refused the waiting room's callers (503) from `from` to
     /// `to`: with its next sweeping call (a join, a poll, the release step, the stats or the
-    /// heartbeat; at most one per [`CLAIM_EVERY`]) the span becomes a pause of the lapse clock, so the
+    /// clock's tick; at most one per [`CLAIM_EVERY`]) the span becomes a pause of the lapse clock, so the
     /// positions of buyers who were refused are not lapsed for that time. Cheap: no Redis
-    /// call of its own (the heartbeat of [`Self::keep_clock`] sends it within a second if no
+    /// call of its own (the tick of [`Self::keep_clock`] sends it within a second if no
     /// queue call does). The API calls it while its queue routes keep refusing their callers
     /// because the waiting room cannot answer (`boxoffice-api`'s `edge::RefusalBackoff`); a
     /// stall of Redis itself is recorded by the scripts ([`STALL_GAP`]).
@@ -452,24 +453,27 @@ impl Waitroom {
     }
 
     /// Keeps the lapse clock; every API process runs it until `until` completes. Every
-    /// [`HEARTBEAT_EVERY`] one call ([`Self::heartbeat`]) marks the clock seen (so a quiet
+    /// [`CLOCK_TICK_EVERY`] one call ([`Self::tick_clock`]) marks the clock seen (so a quiet
     /// waiting room is no stall), records a stall since it was last seen, sends this
     /// process's claim of refusals and sets `boxoffice_waitroom_lapse_grace_seconds`; a last
     /// call on the way out sends any claim left. Failed calls are counted
-    /// (`boxoffice_waitroom_redis_errors_total{op="heartbeat"}`) and the next tick tries again.
+    /// (`boxoffice_waitroom_redis_errors_total{op="tick_clock"}`; the gauge keeps its last
+    /// value meanwhile) and the next tick tries again; errors that are faults are logged at
+    /// most once per [`HEALTH_LOG_EVERY`]. Shutting down waits for the tick in progress and
+    /// the last call, each bounded by `queue_timeout_ms`.
     pub async fn keep_clock(self, until: impl Future<Output = ()>) {
-        let mut tick = tokio::time::interval(HEARTBEAT_EVERY);
+        let mut tick = tokio::time::interval(CLOCK_TICK_EVERY);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut until = std::pin::pin!(until);
         loop {
             tokio::select! {
                 _ = &mut until => break,
                 _ = tick.tick() => {
-                    let _ = self.heartbeat(false).await;
+                    let _ = self.tick_clock(false).await;
                 }
             }
         }
-        let _ = self.heartbeat(true).await;
+        let _ = self.tick_clock(true).await;
     }
 
     /// One step of the lapse clock on its own (see [`Self::keep_clock`]), with this process's
@@ -478,10 +482,10 @@ impl Waitroom {
     ///
     /// # Errors
     /// [`WaitroomError::Unavailable`] / [`WaitroomError::Timeout`].
-    pub async fn heartbeat(&self, flush: bool) -> Result<Duration, WaitroomError> {
-        let mut inv = self.scripts.heartbeat.prepare_invoke();
+    pub async fn tick_clock(&self, flush: bool) -> Result<Duration, WaitroomError> {
+        let mut inv = self.scripts.tick_clock.prepare_invoke();
         inv.key(self.keys.lapse_clock()).arg(self.cfg.abandon_after_ms);
-        let grace_ms: i64 = self.sweeping_call_with("heartbeat", inv, flush).await?;
+        let grace_ms: i64 = self.sweeping_call_with("tick_clock", inv, flush).await?;
         let grace = Duration::from_millis(grace_ms.max(0) as u64);
         metrics::gauge!("boxoffice_waitroom_lapse_grace_seconds").set(grace.as_secs_f64());
         Ok(grace)
@@ -566,7 +570,11 @@ impl Waitroom {
                     self.last_unavailable_ms.store(at, Ordering::Relaxed);
                     Some(false)
                 } else {
-                    tracing::error!(redis.op = op, error = ?e, "waiting room: redis error");
+                    // The clock ticks every second in every API process: its faults are
+                    // logged at most once per HEALTH_LOG_EVERY (the metric counts each).
+                    if op != "tick_clock" || self.may_log() {
+                        tracing::error!(redis.op = op, error = ?e, "waiting room: redis error");
+                    }
                     None
                 }
             }
@@ -1015,10 +1023,10 @@ impl Waitroom {
         event.and_then(|e| e.parse().ok()).ok_or(WaitroomError::UnknownTicket)
     }
 
-    /// How long a ticket's record outlives its last poll: long enough to cover a lapse, a
-    /// slot and a margin.
+    /// How long a ticket's record outlives its last poll: long enough to cover the longest
+    /// lapse (its grace included), a slot and a margin.
     fn ticket_ttl_ms(&self) -> u64 {
-        self.cfg.abandon_after_ms + self.cfg.slot_ms + 3_600_000
+        (LAPSE_GRACE_FACTOR + 1) * self.cfg.abandon_after_ms + self.cfg.slot_ms + 3_600_000
     }
 }
 

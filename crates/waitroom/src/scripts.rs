@@ -8,13 +8,13 @@
 //! **The lapse clock.** A position lapses when its holder has not polled for `abandon` ms of
 //! time in which the waiting room could have answered the poll, not of wall time: spans in
 //! which it could not (pauses) do not count. A pause is recorded two ways, by the first
-//! sweeping script (`join`, `status`, `release`, `stats`) that runs after one:
+//! sweeping script (`join`, `status`, `release`, `stats`, `tick_clock`) that runs after one:
 //! - a **stall**: the clock was not seen for more than [`crate::STALL_GAP`] (every sweeping
-//!   script and every API process's [`HEARTBEAT`], once a second, sees it; so only a Redis
+//!   script and every API process's [`TICK_CLOCK`], once a second, sees it; so only a Redis
 //!   unreachable or stalled, or no API process running, goes that long): the whole gap since;
 //! - a **claim** of refusals: spans in which a process kept refusing the waiting room's
 //!   callers ([`crate::Waitroom::note_refused`]), sent with its next sweeping call or
-//!   heartbeat as ages (`from:to,…`, ms before the call).
+//!   clock tick as ages (`from:to,…`, ms before the call).
 //!
 //! A pause never holds a lapse back by more than [`crate::LAPSE_GRACE_FACTOR`] × `abandon` in
 //! all, so refusals that never end cannot keep abandoned positions for ever; at most
@@ -32,15 +32,16 @@
 //! - `users` hash: user → their ticket in this event (one position per user and event);
 //!
 //! and outside the event: `lapse-clock` hash (`seen`: when the clock was last seen; `spans`:
-//! the pauses, `from:to,…` oldest first, merged, those older than the longest grace dropped;
-//! `cutoff:{abandon}`: `at:cutoff`, the last cutoff computed from them), `events` set (events with a queue, for the release controller), `t:{T}`
+//! the pauses, `from:to,…` oldest first, merged, those that ended more than an hour (or the
+//! longest grace) ago dropped; `cutoff`: `abandon:at:cutoff`, the last cutoff computed from
+//! them), `events` set (events with a queue, for the release controller), `t:{T}`
 //! hash (ticket → event, user), `u:{U}` zset (a user's live positions in every event → the
 //! time the position lapses without pauses) and `us:{U}` zset (their running admission slots
 //! → the slot's end), for the per-user limit, `rv:{jti}` (revoked admission tokens).
 //! The keys of one user or ticket live outside the event's hash slot: the waiting room needs
 //! one Redis primary (not Redis Cluster).
 
-/// The lapse clock, shared by every event script and [`HEARTBEAT`]; the including script
+/// The lapse clock, shared by every event script and [`TICK_CLOCK`]; the including script
 /// sets `CLOCK` (the `lapse-clock` hash's key) first. `@STALL_GAP_MS@`, `@GRACE_FACTOR@`,
 /// `@MAX_SPANS@` and `@CUTOFF_TTL_MS@` are replaced by [`crate::STALL_GAP`],
 /// [`crate::LAPSE_GRACE_FACTOR`], [`MAX_SPANS`] and [`CUTOFF_TTL_MS`].
@@ -140,21 +141,19 @@ local function format_spans(spans)
   return table.concat(parts, ',')
 end
 
--- The pauses with [from, to] added (clipped to start no earlier than `floor`): sorted,
--- overlapping ones merged, those that ended by `floor` dropped, and at most MAX_SPANS (the
--- two closest joined).
-local function add_pause(spans, from, to, floor)
-  if from < floor then from = floor end
+-- The pauses with [from, to] added: sorted, overlapping ones merged, those that ended by
+-- `horizon` dropped, and at most MAX_SPANS (the two closest joined).
+local function add_pause(spans, from, to, horizon)
   if to > from then spans[#spans + 1] = {from, to} end
   table.sort(spans, function(x, y) return x[1] < y[1] end)
   local merged = {}
   for _, s in ipairs(spans) do
-    if s[2] > floor then
+    if s[2] > horizon then
       local last = merged[#merged]
       if last and s[1] <= last[2] then
         if s[2] > last[2] then last[2] = s[2] end
       else
-        merged[#merged + 1] = {math.max(s[1], floor), s[2]}
+        merged[#merged + 1] = {s[1], s[2]}
       end
     end
   end
@@ -189,46 +188,50 @@ end
 -- none), then returns the heartbeat cutoff: a position whose last poll is older than it has
 -- gone `abandon` ms of serving time without one, and lapses. Never earlier than
 -- `now - (GRACE_FACTOR + 1) * abandon`. Without pauses that is `now - abandon` at the cost
--- of one HMGET and one HSET; with pauses, a cutoff computed in the last CUTOFF_TTL_MS for
--- the same `abandon` is reused unless this call records a pause.
+-- of one HMGET and one HSET; with pauses, the cutoff last computed (by any caller) is reused
+-- for CUTOFF_TTL_MS when it was computed for the same `abandon` and this call records no
+-- pause (a call that records one computes afresh and replaces it, so a reused cutoff is
+-- never earlier than a fresh one). Pauses are kept for the longest grace of any caller:
+-- those that ended more than an hour ago, or (GRACE_FACTOR + 1) * abandon if longer, are
+-- dropped.
 local function lapse_cutoff(now, abandon, claim)
   local floor = now - (GRACE_FACTOR + 1) * abandon
-  local cached = 'cutoff:' .. abandon
-  local c = redis.call('HMGET', CLOCK, 'seen', 'spans', cached)
+  local horizon = math.min(floor, now - 3600000)
+  local c = redis.call('HMGET', CLOCK, 'seen', 'spans', 'cutoff')
   local seen, raw = tonumber(c[1]), c[2] or ''
   if not seen or now > seen then redis.call('HSET', CLOCK, 'seen', now) end
   local stalled = seen and now - seen > STALL_GAP_MS
   if not stalled and claim == '' then
     if raw == '' then return now - abandon end
     if c[3] then
-      local at, cut = string.match(c[3], '^(%d+):(%d+)$')
-      at, cut = tonumber(at), tonumber(cut)
-      if at and now >= at and now - at < CUTOFF_TTL_MS then return math.max(cut, floor) end
+      local by, at, cut = string.match(c[3], '^(%d+):(%d+):(%d+)$')
+      by, at, cut = tonumber(by), tonumber(at), tonumber(cut)
+      if by == abandon and now >= at and now - at < CUTOFF_TTL_MS then return math.max(cut, floor) end
     end
   end
   local spans = parse_spans(raw)
-  if stalled then spans = add_pause(spans, seen, now, floor) end
+  if stalled then spans = add_pause(spans, seen, now, horizon) end
   for a, b in string.gmatch(claim, '(%d+):(%d+)') do
     a, b = tonumber(a), tonumber(b)
-    if a > b and a <= now then spans = add_pause(spans, now - a, now - b, floor) end
+    if a > b and a <= now then spans = add_pause(spans, now - a, now - b, horizon) end
   end
-  spans = add_pause(spans, 0, 0, floor)
+  spans = add_pause(spans, 0, 0, horizon)
   local formatted = format_spans(spans)
   if formatted ~= raw then
     if formatted == '' then redis.call('HDEL', CLOCK, 'spans') else redis.call('HSET', CLOCK, 'spans', formatted) end
   end
   local cutoff = walk_back(spans, now, abandon, floor)
-  if formatted ~= '' then redis.call('HSET', CLOCK, cached, string.format('%d:%d', now, cutoff)) end
+  if formatted ~= '' then redis.call('HSET', CLOCK, 'cutoff', string.format('%d:%d:%d', abandon, now, cutoff)) end
   return cutoff
 end
 "#;
 
-/// `heartbeat`: the lapse clock's step on its own, run by every API process every second
+/// `tick_clock`: the lapse clock's step on its own, run by every API process every second
 /// ([`crate::Waitroom::keep_clock`]), so the clock is seen while no queue call runs (a quiet
 /// waiting room is no stall) and a process's claim of refusals goes out without waiting for
 /// traffic. KEYS[1] = lapse-clock. ARGV: abandon ms, claim of refusals. Returns how far
 /// pauses hold lapses back now, ms (0 when none).
-const HEARTBEAT: &str = r#"
+const TICK_CLOCK: &str = r#"
 local now, abandon = now_ms(), tonumber(ARGV[1])
 return now - abandon - lapse_cutoff(now, abandon, ARGV[2])
 "#;
@@ -262,6 +265,10 @@ if existing then
   end
   local slot = redis.call('ZSCORE', ADM, existing)
   if slot then
+    -- Admitted: from the user's positions to their admission slots (as `status` does).
+    redis.call('ZREM', KEYS[10], existing)
+    redis.call('ZADD', KEYS[11], slot, existing)
+    redis.call('PEXPIRE', KEYS[11], ttl)
     return {'admitted', existing, 0, -1, opening, dropped, tonumber(slot), rate}
   end
 end
@@ -450,7 +457,7 @@ return 1
 /// `NOSCRIPT`).
 pub(crate) struct Scripts {
     pub join: redis::Script,
-    pub heartbeat: redis::Script,
+    pub tick_clock: redis::Script,
     pub status: redis::Script,
     pub leave: redis::Script,
     pub release: redis::Script,
@@ -471,7 +478,7 @@ impl Scripts {
         let with_prelude = |body: &str| redis::Script::new(&format!("{PRELUDE}{clock}{EVENT_FNS}\n{body}"));
         Self {
             join: with_prelude(JOIN),
-            heartbeat: redis::Script::new(&format!("local CLOCK = KEYS[1]\n{clock}\n{HEARTBEAT}")),
+            tick_clock: redis::Script::new(&format!("local CLOCK = KEYS[1]\n{clock}\n{TICK_CLOCK}")),
             status: with_prelude(STATUS),
             leave: with_prelude(LEAVE),
             release: with_prelude(RELEASE),

@@ -309,54 +309,56 @@ async fn stalled_for(wr: &Waitroom, ms_ago: i64) {
 
 #[tokio::test]
 async fn waitroom_a_stall_longer_than_the_lapse_time_lapses_nobody_who_polled_before_it() {
-    let wr = room_with(|c| c.abandon_after_ms = 3_000);
+    // A lapse time of a minute: the seconds between setting a heartbeat and the script that
+    // judges it are far inside every margin below.
+    let wr = room_with(|c| c.abandon_after_ms = 60_000);
     let event = EventId::new();
     let (kept_user, far_user) = (UserId::new(), UserId::new());
     let kept = wr.join(event, kept_user).await.unwrap();
     let far = wr.join(event, far_user).await.unwrap();
-    // The holder polled just before a 10 s stall (no script ran: Redis unreachable); the
-    // other one had stopped polling long before.
-    polled_ago(&wr, event, kept.ticket, 10_000).await;
-    polled_ago(&wr, event, far.ticket, 20_000).await;
-    stalled_for(&wr, 10_000).await;
+    // The holder polled just before a 100 s stall (nothing reached Redis); the other one had
+    // stopped polling 100 s before that.
+    polled_ago(&wr, event, kept.ticket, 100_000).await;
+    polled_ago(&wr, event, far.ticket, 200_000).await;
+    stalled_for(&wr, 100_000).await;
     let s = wr.status(kept.ticket, kept_user).await.expect("kept: the stall does not count");
     assert_eq!((s.state, s.position), (TicketState::Queued, Some(1)));
     assert!(
         matches!(wr.status(far.ticket, far_user).await, Err(WaitroomError::UnknownTicket)),
-        "silent for 10 s of serving time before the stall: lapsed"
+        "silent for 100 s of serving time before the stall: lapsed"
     );
     // The grace is bounded: a position silent for longer than four lapse times lapses
     // whatever the stalls.
-    polled_ago(&wr, event, kept.ticket, 12_100).await;
-    stalled_for(&wr, 12_100).await;
+    polled_ago(&wr, event, kept.ticket, 250_000).await;
+    stalled_for(&wr, 250_000).await;
     assert!(
         matches!(wr.status(kept.ticket, kept_user).await, Err(WaitroomError::UnknownTicket)),
         "past the longest grace"
     );
     // Without a stall the lapse time is the lapse time.
-    let plain = room_with(|c| c.abandon_after_ms = 3_000);
+    let plain = room_with(|c| c.abandon_after_ms = 60_000);
     let u = UserId::new();
     let t = plain.join(event, u).await.unwrap();
-    polled_ago(&plain, event, t.ticket, 3_100).await;
+    polled_ago(&plain, event, t.ticket, 70_000).await;
     assert!(matches!(plain.status(t.ticket, u).await, Err(WaitroomError::UnknownTicket)));
 }
 
 #[tokio::test]
 async fn waitroom_refusals_a_process_noted_do_not_count_towards_a_lapse() {
-    let wr = room_with(|c| c.abandon_after_ms = 3_000);
+    let wr = room_with(|c| c.abandon_after_ms = 60_000);
     let event = EventId::new();
     let users: Vec<UserId> = (0..4).map(|_| UserId::new()).collect();
     let mut tickets = Vec::new();
     for u in &users {
         tickets.push(wr.join(event, *u).await.unwrap().ticket);
     }
-    // The process refused every poll for the last 4 s. Users 1 and 2 were answered 5 s ago
-    // (1 s of serving time, then the refusals); user 0 8 s ago (4 s of serving time: lapsed).
-    polled_ago(&wr, event, tickets[0], 8_000).await;
-    polled_ago(&wr, event, tickets[1], 5_000).await;
-    polled_ago(&wr, event, tickets[2], 5_000).await;
+    // The process refused every poll for the last 80 s. Users 1 and 2 were answered 100 s
+    // ago (20 s of serving time, then the refusals); user 0 170 s ago (90 s: lapsed).
+    polled_ago(&wr, event, tickets[0], 170_000).await;
+    polled_ago(&wr, event, tickets[1], 100_000).await;
+    polled_ago(&wr, event, tickets[2], 100_000).await;
     let now = Instant::now();
-    wr.note_refused(now - Duration::from_secs(4), now);
+    wr.note_refused(now - Duration::from_secs(80), now);
     let r = wr.release(event, 1, None).await.unwrap();
     assert_eq!(r.admitted, vec![tickets[1]], "the refused holder is admitted, the silent one dropped");
     assert_eq!(r.abandoned, 1);
@@ -395,28 +397,29 @@ fn refusals_merge_keep_a_bounded_list_and_go_out_at_most_every_claim_interval() 
 }
 
 #[tokio::test]
-async fn waitroom_the_heartbeat_records_stalls_and_claims_and_reports_the_grace() {
-    let wr = room_with(|c| c.abandon_after_ms = 3_000);
-    assert_eq!(wr.heartbeat(false).await.unwrap(), Duration::ZERO, "no pause yet");
+async fn waitroom_the_clock_tick_records_stalls_and_claims_and_reports_the_grace() {
+    let wr = room_with(|c| c.abandon_after_ms = 60_000);
+    assert_eq!(wr.tick_clock(false).await.unwrap(), Duration::ZERO, "no pause yet");
     // Seen every second, a quiet waiting room is no stall.
-    assert_eq!(wr.heartbeat(false).await.unwrap(), Duration::ZERO);
-    stalled_for(&wr, 6_000).await;
-    let grace = wr.heartbeat(false).await.unwrap();
-    assert!((6_000..6_200).contains(&(grace.as_millis() as u64)), "the stall: {grace:?}");
+    assert_eq!(wr.tick_clock(false).await.unwrap(), Duration::ZERO);
+    stalled_for(&wr, 30_000).await;
+    let grace = wr.tick_clock(false).await.unwrap();
+    assert!((30_000..32_000).contains(&(grace.as_millis() as u64)), "the stall: {grace:?}");
 
-    let wr = room_with(|c| c.abandon_after_ms = 3_000);
+    let wr = room_with(|c| c.abandon_after_ms = 60_000);
     let now = Instant::now();
-    wr.note_refused(now - Duration::from_secs(2), now);
-    let grace = wr.heartbeat(false).await.unwrap();
-    assert!((2_000..2_200).contains(&(grace.as_millis() as u64)), "the claim: {grace:?}");
+    wr.note_refused(now - Duration::from_secs(20), now);
+    let grace = wr.tick_clock(false).await.unwrap();
+    assert!((20_000..22_000).contains(&(grace.as_millis() as u64)), "the claim: {grace:?}");
     assert!(wr.refusals.lock().unwrap().pending.is_empty(), "sent without waiting for traffic");
-    // A claim noted right after one went out waits for CLAIM_EVERY, unless flushed (the last
-    // heartbeat of a process on its way out).
+    // A claim while one went out less than CLAIM_EVERY ago waits, unless flushed (the last
+    // tick of a process on its way out).
     let now = Instant::now();
-    wr.note_refused(now - Duration::from_millis(2_500), now);
-    wr.heartbeat(false).await.unwrap();
+    wr.note_refused(now - Duration::from_secs(25), now);
+    wr.refusals.lock().unwrap().last_sent = Some(Instant::now());
+    wr.tick_clock(false).await.unwrap();
     assert!(!wr.refusals.lock().unwrap().pending.is_empty());
-    wr.heartbeat(true).await.unwrap();
+    wr.tick_clock(true).await.unwrap();
     assert!(wr.refusals.lock().unwrap().pending.is_empty());
 }
 
@@ -430,7 +433,7 @@ async fn waitroom_keeps_a_bounded_number_of_pauses_never_a_shorter_one() {
             let end = now - Duration::from_millis(1_000 * (8 * k + i) + 100);
             wr.note_refused(end - Duration::from_millis(500), end);
         }
-        wr.heartbeat(true).await.unwrap();
+        wr.tick_clock(true).await.unwrap();
     }
     let mut conn = wr.conn.clone();
     let spans: String =
@@ -473,4 +476,65 @@ async fn waitroom_an_ended_admission_slot_stops_counting_at_once_whatever_the_pa
         wr.join(EventId::new(), u).await,
         Err(WaitroomError::PositionLimit { held: 2, limit: 2 })
     ));
+}
+
+#[tokio::test]
+async fn waitroom_processes_with_different_lapse_times_share_the_pauses_without_spoiling_them() {
+    let long = room_with(|c| c.abandon_after_ms = 120_000);
+    let short = room_with(|c| {
+        c.abandon_after_ms = 60_000;
+        c.key_prefix = long.cfg.key_prefix.clone();
+    });
+    let around =
+        |grace: Duration, s: u64| (s * 1_000..s * 1_000 + 2_000).contains(&(grace.as_millis() as u64));
+    // A cutoff cached by one lapse time is not reused by the other.
+    let now = Instant::now();
+    short.note_refused(now - Duration::from_secs(30), now);
+    let g = short.tick_clock(true).await.unwrap();
+    assert!(around(g, 30), "{g:?}");
+    let g = long.tick_clock(false).await.unwrap();
+    assert!(around(g, 30), "the long lapse time's own cutoff: {g:?}");
+    // A pause the long lapse time still needs survives the short one's calls: 200 s ending
+    // 250 s ago (before the short one's oldest cutoff, 240 s back) and 200 s ending now.
+    let long = room_with(|c| c.abandon_after_ms = 120_000);
+    let short = room_with(|c| {
+        c.abandon_after_ms = 60_000;
+        c.key_prefix = long.cfg.key_prefix.clone();
+    });
+    let now = Instant::now();
+    long.note_refused(now - Duration::from_secs(450), now - Duration::from_secs(250));
+    long.note_refused(now - Duration::from_secs(200), now);
+    // 120 s of serving time back from now passes both pauses: capped at 360 s.
+    let g = long.tick_clock(true).await.unwrap();
+    assert!(around(g, 360), "{g:?}");
+    let g = short.tick_clock(false).await.unwrap();
+    assert!(around(g, 180), "the short one's grace is capped at three lapse times: {g:?}");
+    let g = long.tick_clock(false).await.unwrap();
+    assert!(around(g, 360), "and the long one's older pause is still there: {g:?}");
+}
+
+#[tokio::test]
+async fn waitroom_a_running_slot_counts_towards_the_limit_however_its_holder_learnt_of_it() {
+    let wr = room_with(|c| c.max_positions_per_user = 2);
+    let u = UserId::new();
+    let e1 = EventId::new();
+    let t = wr.join(e1, u).await.unwrap();
+    wr.release(e1, 1, None).await.unwrap();
+    let again = wr.join(e1, u).await.unwrap();
+    assert_eq!((again.ticket, again.state), (t.ticket, TicketState::Admitted), "learnt by a repeated join");
+    // Long after its last poll: a queue position would have lapsed by now; the slot runs on.
+    let now = wr.clock_ms().await.unwrap();
+    let mut conn = wr.conn.clone();
+    let _: () = redis::cmd("ZADD")
+        .arg(wr.keys.user(u.0))
+        .arg(now - 1_000)
+        .arg(t.ticket.to_string())
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    wr.join(EventId::new(), u).await.unwrap();
+    assert!(
+        matches!(wr.join(EventId::new(), u).await, Err(WaitroomError::PositionLimit { held: 2, limit: 2 })),
+        "the running slot and the new position"
+    );
 }

@@ -81,7 +81,7 @@ async fn small_onsale_through_the_binary_has_no_violations(_: PgPoolOptions, opt
     let q = &r["waiting_room"];
     assert_eq!(q["admitted"], 400, "{q}");
     assert!(q["joins"].as_u64().unwrap() >= 400, "{q}");
-    assert_eq!((&q["gave_up"], &q["refused"]), (&0.into(), &0.into()), "{q}");
+    assert_eq!((&q["gave_up"], &q["rejected"]), (&0.into(), &0.into()), "{q}");
     // The release controller admitted them, at a rate the report read from /metrics.
     let rc = &r["release_controller"];
     assert!(rc["max_per_s"].as_f64().unwrap() > 0.0 && rc["samples"].as_u64().unwrap() > 0, "{rc}");
