@@ -9,8 +9,8 @@
 //! which the waiting room could not answer its callers — Redis unreachable or stopped for
 //! more than [`STALL_GAP`], or a process that noted its refusals, [`Waitroom::note_refused`]
 //! — does not count towards a lapse, up to [`LAPSE_GRACE_FACTOR`] × `abandon_after_ms`),
-//! admission slots of
-//! released tickets, one position per user and event and a per-user cap across events.
+//! admission slots of released tickets, one position per user and event and a per-user cap
+//! across events.
 //! Every multi-key step is one Lua script ([`scripts`]), so concurrent API instances cannot
 //! interleave half-done steps; every script reads the Redis clock.
 //!
@@ -442,8 +442,8 @@ impl Waitroom {
 
     /// Records that this process refused the waiting room's callers (503) from `from` to
     /// `to`: with its next sweeping call (a join, a poll, the release step, the stats or the
-    /// clock's tick; at most one per [`CLAIM_EVERY`]) the span becomes a pause of the lapse clock, so the
-    /// positions of buyers who were refused are not lapsed for that time. Cheap: no Redis
+    /// clock's tick; at most one per [`CLAIM_EVERY`]) the span becomes a pause of the lapse
+    /// clock, so the positions of buyers who were refused are not lapsed for that time. Cheap: no Redis
     /// call of its own (the tick of [`Self::keep_clock`] sends it within a second if no
     /// queue call does). The API calls it while its queue routes keep refusing their callers
     /// because the waiting room cannot answer (`boxoffice-api`'s `edge::RefusalBackoff`); a
@@ -491,7 +491,7 @@ impl Waitroom {
         Ok(grace)
     }
 
-    /// Runs a sweeping event script (`inv` with every argument but the last) with this
+    /// Runs a sweeping script (`inv` with every argument but the last) with this
     /// process's claim of refusals as its last argument; the claim counts as recorded once
     /// the call succeeded.
     async fn sweeping_call<T: redis::FromRedisValue>(

@@ -8,7 +8,8 @@
 //! **The lapse clock.** A position lapses when its holder has not polled for `abandon` ms of
 //! time in which the waiting room could have answered the poll, not of wall time: spans in
 //! which it could not (pauses) do not count. A pause is recorded two ways, by the first
-//! sweeping script (`join`, `status`, `release`, `stats`, `tick_clock`) that runs after one:
+//! script that sees the clock after one (the sweeping scripts `join`, `status`, `release`,
+//! `stats`, and `tick_clock`):
 //! - a **stall**: the clock was not seen for more than [`crate::STALL_GAP`] (every sweeping
 //!   script and every API process's [`TICK_CLOCK`], once a second, sees it; so only a Redis
 //!   unreachable or stalled, or no API process running, goes that long): the whole gap since;
