@@ -160,7 +160,7 @@ pub(crate) fn bulkhead(
 /// not count that time (up to its grace: three times the lapse time by default): from the
 /// first refusal of a run of refusals the noting names (the waiting room could not answer,
 /// not e.g. the database) while refusals are at least as many as answers (2xx) over the last
-/// one to two seconds, so a trickle of 503s among answered polls stops no clock. Widened answers are counted in
+/// one to four seconds, so a trickle of 503s among answered polls stops no clock. Widened answers are counted in
 /// `boxoffice_http_retry_after_widened_total{routes}`.
 pub struct RefusalBackoff {
     routes: &'static str,
@@ -186,23 +186,26 @@ struct Streak {
     start: u64,
     /// Its latest refusal, ms after `origin`.
     last: u64,
-    /// The majority rule's window: the current second and the one before it.
+    /// The majority rule's windows.
     tally: Tally,
     /// The first refusal of the current run of noted ones (a noted code while refusals are
-    /// at least as many as answers in the window), ms after `origin`.
+    /// at least as many as answers in the windows), ms after `origin`.
     noting_since: Option<u64>,
 }
 
-/// Refusals and answers of the last one to two seconds ([`RefusalBackoff::noting`]).
+/// Refusals and answers of the current window and the one before it
+/// ([`RefusalBackoff::noting`]): a window rolls at the first refusal at least a second after
+/// it began, and refusals of one streak come at most [`RefusalBackoff::QUIET`] apart, so the
+/// two cover the last one to four seconds.
 #[derive(Debug, Clone, Copy)]
 struct Tally {
-    /// When the current second began, ms after `origin`.
+    /// When the current window began, ms after `origin`.
     since: u64,
-    /// Refusals in the current second.
+    /// Refusals in the current window.
     refused: u64,
     /// [`RefusalBackoff::answered`] when it began.
     answered_before: u64,
-    /// Refusals and answers of the second before, if it adjoins the current one.
+    /// Refusals and answers of the window before.
     previous: (u64, u64),
 }
 
@@ -212,15 +215,11 @@ impl Tally {
     }
 
     /// Counts a refusal at `now` (`answered`: the answers so far); returns whether refusals
-    /// are at least as many as answers over the window.
+    /// are at least as many as answers over the two windows.
     fn refusal(&mut self, now: u64, answered: u64) -> bool {
-        let elapsed = now.saturating_sub(self.since);
-        if elapsed >= 1_000 {
+        if now.saturating_sub(self.since) >= 1_000 {
             let previous = (self.refused, answered.saturating_sub(self.answered_before));
-            *self = Self::new(now, answered);
-            if elapsed < 2_000 {
-                self.previous = previous;
-            }
+            *self = Self { previous, ..Self::new(now, answered) };
         }
         self.refused += 1;
         let answers = self.previous.1 + answered.saturating_sub(self.answered_before);
@@ -261,8 +260,9 @@ impl RefusalBackoff {
     /// Tells `noted` of a run of refusals, its first and this one, at each refusal past the
     /// streak's first second (when `Retry-After` is widened) that continues the run: a
     /// refusal with a problem code among `codes` while refusals are at least as many as
-    /// answers ([`Self::answered`]) over the last one to two seconds; any other refusal ends
-    /// the run. Called on the request's task: it must be cheap and must not block.
+    /// answers ([`Self::answered`]) over the last one to four seconds ([`Tally`]); any other
+    /// refusal ends the run. The run's span, from its first refusal, is noted once the
+    /// streak is past its first second. Called on the request's task: it must be cheap and must not block.
     pub fn noting(
         mut self,
         codes: &'static [&'static str],
@@ -823,15 +823,17 @@ mod tests {
         }
         assert!(b.window_s_at(15_800, refused).is_some(), "still widened");
         assert_eq!(noted.lock().unwrap().len(), 3, "3 refusals against 10 answers");
-        // Two seconds on, the answers have left the window: a new run.
+        // The answers leave the windows once they have rolled past them twice.
         b.window_s_at(17_000, refused);
-        b.window_s_at(17_500, refused);
-        assert_eq!(noted.lock().unwrap().last(), Some(&(at(17_000), at(17_500))));
+        assert_eq!(noted.lock().unwrap().len(), 3, "the answers are in the window before");
+        b.window_s_at(18_100, refused);
+        b.window_s_at(18_500, refused);
+        assert_eq!(noted.lock().unwrap().last(), Some(&(at(18_100), at(18_500))), "a new run");
         // After a quiet spell: a new streak, counted from its own start.
-        b.window_s_at(20_000, refused);
+        b.window_s_at(21_000, refused);
         assert_eq!(noted.lock().unwrap().len(), 4, "its first second");
-        b.window_s_at(21_100, refused);
-        assert_eq!(noted.lock().unwrap().last(), Some(&(at(20_000), at(21_100))));
+        b.window_s_at(22_100, refused);
+        assert_eq!(noted.lock().unwrap().last(), Some(&(at(21_000), at(22_100))));
     }
 
     /// Behind [`widen_retry_after`]: 503s in a streak's first second and every other answer

@@ -34,8 +34,8 @@
 //!
 //! and outside the event: `lapse-clock` hash (`seen`: when the clock was last seen; `spans`:
 //! the pauses, `from:to,…` oldest first, merged, those that ended more than an hour (or the
-//! longest grace) ago dropped; `cutoff`: `abandon:at:cutoff`, the last cutoff computed from
-//! them), `events` set (events with a queue, for the release controller), `t:{T}`
+//! longest grace of any caller, `longest`: the longest `abandon` one gave) ago dropped;
+//! `cutoff`: `abandon:at:cutoff`, the last cutoff computed from them), `events` set (events with a queue, for the release controller), `t:{T}`
 //! hash (ticket → event, user), `u:{U}` zset (a user's live positions in every event → the
 //! time the position lapses without pauses) and `us:{U}` zset (their running admission slots
 //! → the slot's end), for the per-user limit, `rv:{jti}` (revoked admission tokens).
@@ -63,9 +63,9 @@ local META, Q, PRE, HB, ADM, USERS, EVENTS = KEYS[1], KEYS[2], KEYS[3], KEYS[4],
 local CLOCK = KEYS[8]
 "#;
 
-/// The most pauses the clock keeps: beyond, the two closest are joined (the time between
-/// them becomes a pause too: a longer grace, never a shorter one), so the work of a poll
-/// stays bounded.
+/// The most pauses the clock keeps: beyond, the two oldest are joined (the time between
+/// them becomes a pause too: a longer grace, never a shorter one, and for the oldest the
+/// fewest positions), so the work of a poll stays bounded.
 pub(crate) const MAX_SPANS: usize = 16;
 
 /// How long a cutoff computed from the pauses is reused, ms: a lapse is decided at most this
@@ -143,7 +143,7 @@ local function format_spans(spans)
 end
 
 -- The pauses with [from, to] added: sorted, overlapping ones merged, those that ended by
--- `horizon` dropped, and at most MAX_SPANS (the two closest joined).
+-- `horizon` dropped, and at most MAX_SPANS (the two oldest joined: they matter least).
 local function add_pause(spans, from, to, horizon)
   if to > from then spans[#spans + 1] = {from, to} end
   table.sort(spans, function(x, y) return x[1] < y[1] end)
@@ -159,12 +159,8 @@ local function add_pause(spans, from, to, horizon)
     end
   end
   while #merged > MAX_SPANS do
-    local best = 2
-    for i = 3, #merged do
-      if merged[i][1] - merged[i - 1][2] < merged[best][1] - merged[best - 1][2] then best = i end
-    end
-    merged[best - 1][2] = merged[best][2]
-    table.remove(merged, best)
+    merged[1][2] = merged[2][2]
+    table.remove(merged, 2)
   end
   return merged
 end
@@ -192,14 +188,20 @@ end
 -- of one HMGET and one HSET; with pauses, the cutoff last computed (by any caller) is reused
 -- for CUTOFF_TTL_MS when it was computed for the same `abandon` and this call records no
 -- pause (a call that records one computes afresh and replaces it, so a reused cutoff is
--- never earlier than a fresh one). Pauses are kept for the longest grace of any caller:
--- those that ended more than an hour ago, or (GRACE_FACTOR + 1) * abandon if longer, are
+-- never later, never stricter, than a fresh one: a lapse comes at most CUTOFF_TTL_MS late).
+-- Pauses are kept for the longest grace of any caller: those that ended more than an hour
+-- ago, or (GRACE_FACTOR + 1) times the longest `abandon` any caller gave if longer, are
 -- dropped.
 local function lapse_cutoff(now, abandon, claim)
   local floor = now - (GRACE_FACTOR + 1) * abandon
-  local horizon = math.min(floor, now - 3600000)
-  local c = redis.call('HMGET', CLOCK, 'seen', 'spans', 'cutoff')
+  local c = redis.call('HMGET', CLOCK, 'seen', 'spans', 'cutoff', 'longest')
   local seen, raw = tonumber(c[1]), c[2] or ''
+  local longest = tonumber(c[4]) or 0
+  if abandon > longest then
+    longest = abandon
+    redis.call('HSET', CLOCK, 'longest', abandon)
+  end
+  local horizon = now - math.max(3600000, (GRACE_FACTOR + 1) * longest)
   if not seen or now > seen then redis.call('HSET', CLOCK, 'seen', now) end
   local stalled = seen and now - seen > STALL_GAP_MS
   if not stalled and claim == '' then

@@ -511,6 +511,30 @@ async fn waitroom_processes_with_different_lapse_times_share_the_pauses_without_
     assert!(around(g, 180), "the short one's grace is capped at three lapse times: {g:?}");
     let g = long.tick_clock(false).await.unwrap();
     assert!(around(g, 360), "and the long one's older pause is still there: {g:?}");
+    // Pauses older than an hour are kept while a caller's longest grace still needs them:
+    // with a 20 min lapse time, 39 min of pause ending 61 min ago and 55 min ending 5 min ago
+    // hold lapses back by the whole 60 min grace.
+    let long = room_with(|c| c.abandon_after_ms = 1_200_000);
+    let short = room_with(|c| {
+        c.abandon_after_ms = 60_000;
+        c.key_prefix = long.cfg.key_prefix.clone();
+    });
+    let now = long.clock_ms().await.unwrap();
+    let min = 60_000;
+    let spans = format!("{}:{},{}:{}", now - 100 * min, now - 61 * min, now - 60 * min, now - 5 * min);
+    let mut conn = long.conn.clone();
+    let _: () = redis::cmd("HSET")
+        .arg(long.keys.lapse_clock())
+        .arg("spans")
+        .arg(spans)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let g = long.tick_clock(false).await.unwrap();
+    assert!(around(g, 3_600), "{g:?}");
+    short.tick_clock(false).await.unwrap();
+    let g = long.tick_clock(false).await.unwrap();
+    assert!(around(g, 3_600), "the short lapse time's calls keep what the long one needs: {g:?}");
 }
 
 #[tokio::test]
