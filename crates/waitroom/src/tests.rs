@@ -478,13 +478,19 @@ async fn waitroom_an_ended_admission_slot_stops_counting_at_once_whatever_the_pa
     ));
 }
 
-#[tokio::test]
-async fn waitroom_processes_with_different_lapse_times_share_the_pauses_without_spoiling_them() {
-    let long = room_with(|c| c.abandon_after_ms = 120_000);
+/// Two processes' waiting rooms on one key prefix with lapse times of `long_ms` and `short_ms`.
+fn sharing_one_clock(long_ms: u64, short_ms: u64) -> (Waitroom, Waitroom) {
+    let long = room_with(|c| c.abandon_after_ms = long_ms);
     let short = room_with(|c| {
-        c.abandon_after_ms = 60_000;
+        c.abandon_after_ms = short_ms;
         c.key_prefix = long.cfg.key_prefix.clone();
     });
+    (long, short)
+}
+
+#[tokio::test]
+async fn waitroom_processes_with_different_lapse_times_share_the_pauses_without_spoiling_them() {
+    let (long, short) = sharing_one_clock(120_000, 60_000);
     let around =
         |grace: Duration, s: u64| (s * 1_000..s * 1_000 + 2_000).contains(&(grace.as_millis() as u64));
     // A cutoff cached by one lapse time is not reused by the other.
@@ -496,11 +502,7 @@ async fn waitroom_processes_with_different_lapse_times_share_the_pauses_without_
     assert!(around(g, 30), "the long lapse time's own cutoff: {g:?}");
     // A pause the long lapse time still needs survives the short one's calls: 200 s ending
     // 250 s ago (before the short one's oldest cutoff, 240 s back) and 200 s ending now.
-    let long = room_with(|c| c.abandon_after_ms = 120_000);
-    let short = room_with(|c| {
-        c.abandon_after_ms = 60_000;
-        c.key_prefix = long.cfg.key_prefix.clone();
-    });
+    let (long, short) = sharing_one_clock(120_000, 60_000);
     let now = Instant::now();
     long.note_refused(now - Duration::from_secs(450), now - Duration::from_secs(250));
     long.note_refused(now - Duration::from_secs(200), now);
@@ -514,11 +516,7 @@ async fn waitroom_processes_with_different_lapse_times_share_the_pauses_without_
     // Pauses older than an hour are kept while a caller's longest grace still needs them:
     // with a 20 min lapse time, 39 min of pause ending 61 min ago and 55 min ending 5 min ago
     // hold lapses back by the whole 60 min grace.
-    let long = room_with(|c| c.abandon_after_ms = 1_200_000);
-    let short = room_with(|c| {
-        c.abandon_after_ms = 60_000;
-        c.key_prefix = long.cfg.key_prefix.clone();
-    });
+    let (long, short) = sharing_one_clock(1_200_000, 60_000);
     let now = long.clock_ms().await.unwrap();
     let min = 60_000;
     let spans = format!("{}:{},{}:{}", now - 100 * min, now - 61 * min, now - 60 * min, now - 5 * min);
