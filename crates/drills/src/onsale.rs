@@ -813,13 +813,14 @@ fn print_report(r: &serde_json::Value, audited: &boxoffice::audit::AuditReport, 
         let n = |k: &str| q.get(k).and_then(|v| v.as_u64()).unwrap_or(0);
         println!(
             "  unsold seats               {} of {seats}: {} queued buyers gave up after {} failed attempts in a row ({} waiting-room 503s {}, {} lapsed \
-             positions), {} gave up picking seats, {} holds expired (abandoned {}, declined {}, never payable {})",
+             positions), {} were rejected by the queue, {} gave up picking seats, {} holds expired (abandoned {}, declined {}, never payable {})",
             seats - sold,
             n("gave_up"),
             queue::MAX_FAILURES,
             n("unavailable_503"),
             q.get("unavailable_503_by_code").map(|v| v.to_string()).unwrap_or_default(),
             n("lapsed"),
+            n("rejected"),
             g("gave_up_buyers"),
             g("expired"),
             g("expired_abandoned"),
