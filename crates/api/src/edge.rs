@@ -155,12 +155,11 @@ pub(crate) fn bulkhead(
 /// latency. The state is per process: any 503 at least every [`RefusalBackoff::QUIET`]
 /// (clients that ignore `Retry-After`, a flaky dependency) keeps the streak going for
 /// everyone on that process, and the buyers who obey it then try less often. So that they
-/// do not lose their positions for it, the streak past its first second is reported to the
-/// waiting room ([`RefusalBackoff::noting`], `Waitroom::note_refused`), whose lapse clock does
-/// not count that time (up to its grace: three times the lapse time by default): from the
-/// first refusal of a run of refusals the noting names (the waiting room could not answer,
-/// not e.g. the database) while refusals are at least as many as answers (2xx) over the last
-/// one to four seconds, so a trickle of 503s among answered polls stops no clock. Widened answers are counted in
+/// do not lose their positions for it, runs of the refusals the noting names (the waiting
+/// room could not answer, not e.g. the database) are reported to the waiting room
+/// ([`RefusalBackoff::noting`], `Waitroom::note_refused`), whose lapse clock does not count
+/// that time (up to its grace: three times the lapse time by default); a trickle of 503s
+/// among answered polls stops no clock. Widened answers are counted in
 /// `boxoffice_http_retry_after_widened_total{routes}`.
 pub struct RefusalBackoff {
     routes: &'static str,
@@ -257,12 +256,12 @@ impl RefusalBackoff {
         }
     }
 
-    /// Tells `noted` of a run of refusals, its first and this one, at each refusal past the
-    /// streak's first second (when `Retry-After` is widened) that continues the run: a
-    /// refusal with a problem code among `codes` while refusals are at least as many as
-    /// answers ([`Self::answered`]) over the last one to four seconds ([`Tally`]); any other
-    /// refusal ends the run. The run's span, from its first refusal, is noted once the
-    /// streak is past its first second. Called on the request's task: it must be cheap and must not block.
+    /// Tells `noted` of a run of refusals, its first and this one, at each refusal that
+    /// continues the run once the streak is past its first second (when `Retry-After` is
+    /// widened). A run is refusals with a problem code among `codes` while refusals are at
+    /// least as many as answers ([`Self::answered`]) over the last one to four seconds
+    /// ([`Tally`]); any other refusal ends it. Called on the request's task: it must be
+    /// cheap and must not block.
     pub fn noting(
         mut self,
         codes: &'static [&'static str],

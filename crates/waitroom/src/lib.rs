@@ -443,9 +443,9 @@ impl Waitroom {
     /// Records that this process refused the waiting room's callers (503) from `from` to
     /// `to`: with its next sweeping call (a join, a poll, the release step, the stats or the
     /// clock's tick; at most one per [`CLAIM_EVERY`]) the span becomes a pause of the lapse
-    /// clock, so the positions of buyers who were refused are not lapsed for that time. Cheap: no Redis
-    /// call of its own (the tick of [`Self::keep_clock`] sends it within a second if no
-    /// queue call does). The API calls it while its queue routes keep refusing their callers
+    /// clock, so the positions of buyers who were refused are not lapsed for that time.
+    /// Cheap: no Redis call of its own (the tick of [`Self::keep_clock`] sends it within a
+    /// second if no queue call does). The API calls it while its queue routes keep refusing their callers
     /// because the waiting room cannot answer (`boxoffice-api`'s `edge::RefusalBackoff`); a
     /// stall of Redis itself is recorded by the scripts ([`STALL_GAP`]).
     pub fn note_refused(&self, from: Instant, to: Instant) {

@@ -35,8 +35,8 @@
 //! and outside the event: `lapse-clock` hash (`seen`: when the clock was last seen; `spans`:
 //! the pauses, `from:to,…` oldest first, merged, those that ended more than an hour (or the
 //! longest grace of any caller, `longest`: the longest `abandon` one gave) ago dropped;
-//! `cutoff`: `abandon:at:cutoff`, the last cutoff computed from them), `events` set (events with a queue, for the release controller), `t:{T}`
-//! hash (ticket → event, user), `u:{U}` zset (a user's live positions in every event → the
+//! `cutoff`: `abandon:at:cutoff`, the last cutoff computed from them), `events` set (events
+//! with a queue, for the release controller), `t:{T}` hash (ticket → event, user), `u:{U}` zset (a user's live positions in every event → the
 //! time the position lapses without pauses) and `us:{U}` zset (their running admission slots
 //! → the slot's end), for the per-user limit, `rv:{jti}` (revoked admission tokens).
 //! The keys of one user or ticket live outside the event's hash slot: the waiting room needs
@@ -239,8 +239,9 @@ local now, abandon = now_ms(), tonumber(ARGV[1])
 return now - abandon - lapse_cutoff(now, abandon, ARGV[2])
 "#;
 
-/// `join`. KEYS 9 = `t:{new ticket}`, 10 = `u:{user}`, 11 = `us:{user}`. ARGV: event, user, new ticket,
-/// abandon ms, sweep limit, max positions per user, ticket key ttl ms, claim of refusals.
+/// `join`. KEYS 9 = `t:{new ticket}`, 10 = `u:{user}`, 11 = `us:{user}`. ARGV: event, user,
+/// new ticket, abandon ms, sweep limit, max positions per user, ticket key ttl ms, claim of
+/// refusals.
 /// Returns `{state, ticket, created, position, opens_at, abandoned, slot_end, rate}` where
 /// state is `pre`, `queued`, `admitted` or `limit` (then `created` carries the user's live
 /// positions) and rate is the live release rate or `''`.
