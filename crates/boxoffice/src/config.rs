@@ -681,6 +681,12 @@ pub struct Config {
     pub capture_deadline_margin_s: i64,
     /// Inbox rows are pruned after this many seconds; keep it above the topics' retention.
     pub inbox_retention_s: i64,
+    /// Webhook events that name no order of this ledger (another integration's PaymentIntents
+    /// on the same Stripe account, event types boxoffice does not handle) are pruned after
+    /// this many seconds (`BOXOFFICE_WEBHOOK_EVENT_RETENTION_S`; default 604,800, 7 days; at
+    /// least 345,600, 4 days: Stripe redelivers for up to three, and the row is what makes a
+    /// redelivery a duplicate). Events about an order stay with its timeline.
+    pub webhook_event_retention_s: i64,
     /// Log format: `text` or `json`.
     pub log_format: String,
     /// OpenTelemetry collector to export spans to, OTLP over gRPC
@@ -839,6 +845,7 @@ impl Default for Config {
             expiry_interval_ms: 250,
             capture_deadline_margin_s: 86_400,
             inbox_retention_s: 7 * 86_400,
+            webhook_event_retention_s: boxoffice_store::stripe_events::UNCLAIMED_RETENTION_S,
             log_format: "text".into(),
             otlp_endpoint: None,
             faults: String::new(),
@@ -935,6 +942,12 @@ impl Config {
         }
         if !(1..=36_500).contains(&self.order_history_retention_days) {
             bail!("order_history_retention_days must be 1..=36500");
+        }
+        if self.webhook_event_retention_s < boxoffice_store::stripe_events::MIN_UNCLAIMED_RETENTION_S {
+            bail!(
+                "webhook_event_retention_s must be at least {} (four days: Stripe redelivers a webhook for up to three)",
+                boxoffice_store::stripe_events::MIN_UNCLAIMED_RETENTION_S
+            );
         }
         if self.order_stream_max > self.http_max_connections / 2 {
             bail!(

@@ -365,6 +365,7 @@ pub async fn start(
                     interval_ms: cfg.expiry_interval_ms,
                     capture_deadline_margin_s: cfg.capture_deadline_margin_s,
                     inbox_retention_s: cfg.inbox_retention_s,
+                    webhook_event_retention_s: cfg.webhook_event_retention_s,
                 };
                 tasks.push(("expiry", tokio::spawn(expiry::run(pool.clone(), settings, shutdown.clone()))));
             }

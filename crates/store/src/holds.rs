@@ -1232,12 +1232,18 @@ pub async fn expire_batch(tx: &mut Tx<'_>, holds: &[(Uuid, Uuid)]) -> Result<Vec
 /// Expires up to `limit` lapsed active holds in one transaction (`FOR UPDATE SKIP LOCKED`,
 /// so several expiry workers never claim the same hold). Returns how many expired and the
 /// largest delay between a hold's end ([`HOLD_END`]) and its release, in ms.
+///
+/// Reads only the active holds whose `expires_at` has passed, a range of `hold_expiry_idx`
+/// (`expires_at < now()`, the transaction's start, which the index can take; [`LAPSED`]
+/// then judges each by the clock): the active holds of a running onsale that are not due are
+/// never read (see "Periodic sweeps" in the crate docs). A hold's end is never before its
+/// `expires_at`, so the range holds every lapsed hold.
 pub async fn expire_due(pool: &PgPool, limit: i64) -> Result<(usize, i64), StoreError> {
     let mut tx = pool.begin().await?;
     let sql = format!(
         "SELECT id, order_id, (EXTRACT(EPOCH FROM clock_timestamp() - {HOLD_END}) * 1000)::float8
            FROM holds
-          WHERE status = 'active' AND expires_at < clock_timestamp() AND {LAPSED}
+          WHERE status = 'active' AND expires_at < now() AND {LAPSED}
           ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED"
     );
     let rows: Vec<(Uuid, Uuid, f64)> = sqlx::query_as(&sql).bind(limit).fetch_all(&mut *tx).await?;
@@ -1253,7 +1259,8 @@ pub async fn expire_due(pool: &PgPool, limit: i64) -> Result<(usize, i64), Store
 /// no authorization reported and no check asked yet, get one: a
 /// `PaymentIntentRefreshRequested` (reason [`PROVIDER_CHECK_REASON`]) for the order's
 /// PaymentIntent in the outbox and `provider_check_requested_at` set, in one transaction
-/// (`FOR UPDATE SKIP LOCKED`). Returns how many checks were asked.
+/// (`FOR UPDATE SKIP LOCKED`). Returns how many checks were asked. Reads the active holds past
+/// their `expires_at` only, as [`expire_due`] does.
 pub async fn check_lapsing(pool: &PgPool, limit: i64) -> Result<usize, StoreError> {
     let mut tx = pool.begin().await?;
     let rows: Vec<(Uuid, Uuid, String)> = sqlx::query_as(
@@ -1261,7 +1268,7 @@ pub async fn check_lapsing(pool: &PgPool, limit: i64) -> Result<usize, StoreErro
            FROM holds h
            JOIN orders o ON o.id = h.order_id
            JOIN payments p ON p.order_id = h.order_id
-          WHERE h.status = 'active' AND h.expires_at < clock_timestamp()
+          WHERE h.status = 'active' AND h.expires_at < now()
             AND h.provider_check_until > clock_timestamp() AND h.provider_check_requested_at IS NULL
             AND h.authorization_reported_at IS NULL
           ORDER BY h.expires_at LIMIT $1 FOR UPDATE OF h SKIP LOCKED",

@@ -54,12 +54,17 @@ pub async fn seen(pool: &sqlx::PgPool, consumer: &str, event_id: Uuid) -> Result
 
 /// Deletes up to `limit` inbox rows older than `retention_s` seconds. Keep the retention
 /// longer than the topic's, so no message that can still be redelivered loses its row.
+///
+/// Reads only the rows it deletes, through `inbox_processed_idx` (migration 0026): the age is
+/// measured from `now()`, the transaction's start, which an index can take, not from the
+/// volatile `clock_timestamp()`, which would make each pass read the whole inbox (see
+/// "Periodic sweeps" in the crate docs).
 pub async fn prune(pool: &sqlx::PgPool, retention_s: i64, limit: i64) -> Result<u64, sqlx::Error> {
     let r = sqlx::query(
-        "DELETE FROM inbox WHERE ctid IN (
+        "DELETE FROM inbox WHERE ctid = ANY (ARRAY(
             SELECT ctid FROM inbox
-             WHERE processed_at < clock_timestamp() - make_interval(secs => $1::double precision)
-             LIMIT $2)",
+             WHERE processed_at < now() - make_interval(secs => $1::double precision)
+             LIMIT $2))",
     )
     .bind(retention_s as f64)
     .bind(limit)
@@ -68,11 +73,13 @@ pub async fn prune(pool: &sqlx::PgPool, retention_s: i64, limit: i64) -> Result<
     Ok(r.rows_affected())
 }
 
-/// Deletes up to `limit` idempotency keys past their `expires_at` (24 h after the request).
+/// Deletes up to `limit` idempotency keys past their `expires_at` (24 h after the request),
+/// found through `idempotency_expiry_idx` (expired by `now()`, which the index can take; see
+/// "Periodic sweeps" in the crate docs).
 pub async fn prune_idempotency_keys(pool: &sqlx::PgPool, limit: i64) -> Result<u64, sqlx::Error> {
     let r = sqlx::query(
-        "DELETE FROM idempotency_keys WHERE (user_id, idempotency_key) IN (
-            SELECT user_id, idempotency_key FROM idempotency_keys WHERE expires_at < clock_timestamp() LIMIT $1)",
+        "DELETE FROM idempotency_keys WHERE ctid = ANY (ARRAY(
+            SELECT ctid FROM idempotency_keys WHERE expires_at < now() LIMIT $1))",
     )
     .bind(limit)
     .execute(pool)

@@ -15,6 +15,21 @@
 //! each by a foreign key's `FOR KEY SHARE`: the hold transaction's insert of its hold's seat
 //! rows (on seats it has locked already), and a ticket's insert, whose lock conflicts with no
 //! seat lock any transaction here takes (`holds::lock_buyer_and_seats`), so it never waits.
+//!
+//! # Periodic sweeps
+//!
+//! A statement a worker repeats on a timer reads what is due through an index, never the
+//! whole table, however large the table has grown: the expiry worker's sweeps of lapsed holds
+//! (`holds::expire_due`, `holds::check_lapsing`, every 250 ms) and its prunes of the inbox,
+//! of expired idempotency keys and of webhook events that name no order (every 10 s), the
+//! relay's moves of published outbox rows and its prunes of the order history (every 30 s),
+//! and the release controller's hold signals that count what is due (`signals`). Each states
+//! the time it compares with as `now()` (the transaction's start, a stable value), not
+//! `clock_timestamp()`: PostgreSQL cannot use a volatile value as an index condition, so a
+//! `clock_timestamp()` bound turns the index range into a scan of every row. Where an exact
+//! verdict needs the clock (a hold's lapse, [`holds::LAPSED`]), it filters the rows the range
+//! found. The integration test `sweeps::every_periodic_sweep_reads_only_what_is_due` counts
+//! the rows each one reads beside thousands that are not due.
 
 pub mod audit;
 pub mod cells;
@@ -51,7 +66,13 @@ pub static MIGRATOR: Migrator = sqlx::migrate!("./migrations");
 /// go on meanwhile). A build that fails (cancelled, a lock wait timed out, a crash) leaves
 /// its index behind, invalid, and its migration unrecorded; [`migrate`] drops such an index
 /// before it runs the migration again.
-pub const CONCURRENT_INDEXES: &[&str] = &["outbox_parked_idx", "stripe_events_pending_received_idx"];
+pub const CONCURRENT_INDEXES: &[&str] = &[
+    "outbox_parked_idx",
+    "stripe_events_pending_received_idx",
+    "inbox_processed_idx",
+    "outbox_published_idx",
+    "stripe_events_unclaimed_idx",
+];
 
 /// A migration's lock waits at most this long, ms: an `ALTER TABLE` queued behind a long
 /// query of a live table would hold up every writer queued behind it. The migration fails

@@ -2,6 +2,11 @@
 //! small query each, on the controller's own connection, plus the leader lock that lets one
 //! controller per purchase cell release buyers. Reads only, apart from the one-row commit
 //! probe (`release_probe`).
+//!
+//! The hold signals read the active holds through `hold_expiry_idx`: [`expiry_delay_ms`] and
+//! [`never_payable_share`] only the range of it they count (`expires_at` against `now()`,
+//! which the index can take; see "Periodic sweeps" in the crate docs), [`payable_delay_p99_ms`]
+//! and [`authorization_wait_ms`] every active hold, as many as the onsale holds at once.
 
 use sqlx::PgConnection;
 use std::time::Instant;
@@ -59,7 +64,7 @@ pub async fn expiry_delay_ms(c: &mut PgConnection) -> Result<f64, sqlx::Error> {
         "SELECT COALESCE(EXTRACT(EPOCH FROM clock_timestamp() - min(",
         crate::holds::hold_end!(""),
         ")) * 1000, 0)::float8
-           FROM holds WHERE status = 'active' AND expires_at < clock_timestamp() AND ",
+           FROM holds WHERE status = 'active' AND expires_at < now() AND ",
         crate::holds::hold_end!(""),
         " < clock_timestamp()",
     ))
@@ -102,7 +107,7 @@ pub async fn never_payable_share(c: &mut PgConnection, horizon_s: f64) -> Result
         "SELECT (count(*) FILTER (WHERE payable_at IS NULL))::float8 / GREATEST(count(*), 10)::float8
            FROM holds
           WHERE status = 'active' AND authorized_until IS NULL
-            AND expires_at < clock_timestamp() + make_interval(secs => $1)",
+            AND expires_at < now() + make_interval(secs => $1)",
     )
     .bind(horizon_s)
     .fetch_one(&mut *c)

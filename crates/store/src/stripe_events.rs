@@ -4,7 +4,9 @@
 //! pending until its payment row exists (design §10: an early webhook is not lost). The
 //! payment row's own statement resolves the pending events it sees; [`resolve_stranded`]
 //! resolves those it could not see (their transaction committed after its snapshot).
-//! Pending events of a PaymentIntent boxoffice did not create stay pending.
+//! Pending events of a PaymentIntent boxoffice did not create stay pending until
+//! [`prune_unclaimed`] deletes them, with every other event that names no order of this
+//! ledger, once Stripe can no longer redeliver them.
 
 use crate::{outbox, StoreError, Tx};
 use boxoffice_domain::events::refresh_reason;
@@ -72,7 +74,7 @@ pub(crate) fn resolve_pending(pi: &str, order: &str) -> String {
 /// arrived before its payment row was committed, so the sweep 10 s later finds it well within
 /// this. The bound keeps each pass to the last hour's pending events, since those of
 /// PaymentIntents boxoffice did not create (another integration on the same Stripe account)
-/// are never resolved. Older stranded events (the expiry worker stopped for longer) are
+/// are never resolved: they stay pending until [`prune_unclaimed`] deletes them. Older stranded events (the expiry worker stopped for longer) are
 /// counted by the audit (`stranded_webhooks`, no age bound) and resolved by
 /// `boxoffice reconcile --fix`, which sweeps without the bound.
 pub const STRANDED_WINDOW_S: i64 = 3_600;
@@ -137,6 +139,53 @@ pub async fn resolve_stranded(pool: &PgPool, limit: i64, within: Option<i64>) ->
     tx.commit().await?;
     metrics::counter!("boxoffice_webhooks_stranded_resolved_total").increment(resolved as u64);
     Ok(events.len())
+}
+
+/// How long an event that names no order of this ledger is kept, by default, seconds (7
+/// days): Stripe retries an unacknowledged webhook for up to three days, and the row is what
+/// makes a redelivery a duplicate (invariant 4).
+pub const UNCLAIMED_RETENTION_S: i64 = 7 * 86_400;
+
+/// The shortest retention [`prune_unclaimed`] accepts, seconds (4 days): Stripe's three days of
+/// redelivery and a day's margin.
+pub const MIN_UNCLAIMED_RETENTION_S: i64 = 4 * 86_400;
+
+/// Deletes up to `limit` events that name no order of this ledger (`order_id` NULL: the
+/// events of PaymentIntents boxoffice did not create, such as another integration's on the
+/// same Stripe account, and of types boxoffice does not handle), received more than
+/// `retention_s` seconds ago (at least [`MIN_UNCLAIMED_RETENTION_S`]; a shorter one is
+/// raised to it). An event whose PaymentIntent has a payment row is kept whatever its age:
+/// it is stranded news for an order, which [`resolve_stranded`] hands on (the audit counts
+/// it). Events about an order stay with the order's timeline. Returns how many went;
+/// counted as `boxoffice_webhook_events_pruned_total`.
+///
+/// Reads only the rows it deletes, through `stripe_events_unclaimed_idx` (migration 0028;
+/// aged by `now()`, see "Periodic sweeps" in the crate docs). The expiry worker runs it every
+/// 10 s with `webhook_event_retention_s`.
+pub async fn prune_unclaimed(pool: &PgPool, retention_s: i64, limit: i64) -> Result<u64, sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    // The planner takes "names no order" and "old" as independent, so on a ledger where
+    // nearly every old event names an order it expects many old unclaimed rows and may
+    // choose to read the whole table. Nothing this statement wants is outside the index.
+    sqlx::query("SET LOCAL enable_seqscan = off").execute(&mut *tx).await?;
+    let r = sqlx::query(
+        "DELETE FROM stripe_events WHERE ctid = ANY (ARRAY(
+            SELECT se.ctid FROM stripe_events se
+             WHERE se.order_id IS NULL
+               AND se.received_at < now() - make_interval(secs => $1::double precision)
+               AND NOT EXISTS (SELECT 1 FROM payments p WHERE p.payment_intent_id = se.payment_intent_id)
+             LIMIT $2))",
+    )
+    .bind(retention_s.max(MIN_UNCLAIMED_RETENTION_S) as f64)
+    .bind(limit)
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    let pruned = r.rows_affected();
+    if pruned > 0 {
+        metrics::counter!("boxoffice_webhook_events_pruned_total").increment(pruned);
+    }
+    Ok(pruned)
 }
 
 /// Records an incident (money moved for an order that could not be fulfilled, drift, …).

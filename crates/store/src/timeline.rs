@@ -592,19 +592,21 @@ fn trace_id_of(traceparent: &str) -> Option<String> {
 }
 
 /// Deletes up to `limit` rows of the order history and of the status changes older than
-/// `retention_s` seconds. Returns how many rows went.
+/// `retention_s` seconds. Returns how many rows went. Each reads only the rows it deletes,
+/// through `order_history_created_idx` and `order_transitions_at_idx` (aged by `now()`, which
+/// an index can take; see "Periodic sweeps" in the crate docs).
 ///
 /// # Errors
 /// Database errors.
 pub async fn prune(pool: &PgPool, retention_s: i64, limit: i64) -> Result<u64, sqlx::Error> {
     let mut n = 0;
     for sql in [
-        "DELETE FROM order_history WHERE event_id IN (
-            SELECT event_id FROM order_history
-             WHERE created_at < clock_timestamp() - make_interval(secs => $1::double precision) LIMIT $2)",
-        "DELETE FROM order_transitions WHERE ctid IN (
+        "DELETE FROM order_history WHERE ctid = ANY (ARRAY(
+            SELECT ctid FROM order_history
+             WHERE created_at < now() - make_interval(secs => $1::double precision) LIMIT $2))",
+        "DELETE FROM order_transitions WHERE ctid = ANY (ARRAY(
             SELECT ctid FROM order_transitions
-             WHERE at < clock_timestamp() - make_interval(secs => $1::double precision) LIMIT $2)",
+             WHERE at < now() - make_interval(secs => $1::double precision) LIMIT $2))",
     ] {
         n += sqlx::query(sql).bind(retention_s as f64).bind(limit).execute(pool).await?.rows_affected();
     }

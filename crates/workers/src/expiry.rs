@@ -4,9 +4,11 @@
 //! query — never an in-process timer. Before a payable hold with no authorization in the
 //! ledger lapses, it asks the provider about the hold's PaymentIntent (rule 3 of
 //! `boxoffice_domain::hold`), so a late webhook never costs a buyer who paid in time. Every
-//! 10 s it also prunes the inbox and idempotency keys, releases authorizations near their
+//! 10 s it also prunes the inbox, idempotency keys and webhook events that name no order
+//! (`boxoffice_store::stripe_events::prune_unclaimed`), releases authorizations near their
 //! capture deadline (case C09), and resolves early webhooks that missed their payment row's
-//! resolve (`boxoffice_store::stripe_events::resolve_stranded`).
+//! resolve (`boxoffice_store::stripe_events::resolve_stranded`). Each of these reads what is
+//! due through an index ("Periodic sweeps" in `boxoffice_store`).
 
 use sqlx::PgPool;
 use std::time::Duration;
@@ -25,6 +27,9 @@ pub struct ExpirySettings {
     /// Inbox rows older than this many seconds are pruned (keep it above the topic's
     /// retention).
     pub inbox_retention_s: i64,
+    /// Webhook events that name no order of this ledger are pruned after this many seconds
+    /// (at least `boxoffice_store::stripe_events::MIN_UNCLAIMED_RETENTION_S`).
+    pub webhook_event_retention_s: i64,
 }
 
 impl Default for ExpirySettings {
@@ -34,6 +39,7 @@ impl Default for ExpirySettings {
             interval_ms: 250,
             capture_deadline_margin_s: 86_400,
             inbox_retention_s: 7 * 86_400,
+            webhook_event_retention_s: boxoffice_store::stripe_events::UNCLAIMED_RETENTION_S,
         }
     }
 }
@@ -46,7 +52,7 @@ pub async fn run(pool: PgPool, settings: ExpirySettings, shutdown: CancellationT
         if last_deadline_sweep.elapsed() >= Duration::from_secs(10) {
             last_deadline_sweep = std::time::Instant::now();
             if let Err(e) = prune(&pool, &settings).await {
-                tracing::warn!(error = %e, "pruning inbox / idempotency keys failed");
+                tracing::warn!(error = %e, "pruning inbox / idempotency keys / unclaimed webhook events failed");
             }
             match crate::saga::release_lapsing_authorizations(&pool, settings.capture_deadline_margin_s, 100)
                 .await
@@ -103,10 +109,11 @@ pub async fn run(pool: PgPool, settings: ExpirySettings, shutdown: CancellationT
     tracing::info!("expiry worker stopped");
 }
 
-/// Janitor work that rides along the expiry sweep: old inbox rows and expired idempotency
-/// keys, in bounded batches.
+/// Janitor work that rides along the expiry sweep: old inbox rows, expired idempotency keys
+/// and old webhook events that name no order, in bounded batches.
 async fn prune(pool: &PgPool, settings: &ExpirySettings) -> Result<(), sqlx::Error> {
     boxoffice_store::inbox::prune(pool, settings.inbox_retention_s, 10_000).await?;
     boxoffice_store::inbox::prune_idempotency_keys(pool, 10_000).await?;
+    boxoffice_store::stripe_events::prune_unclaimed(pool, settings.webhook_event_retention_s, 10_000).await?;
     Ok(())
 }

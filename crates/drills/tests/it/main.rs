@@ -31,6 +31,7 @@ mod region;
 mod release;
 mod saga;
 mod secrets;
+mod sweeps;
 mod tracing;
 mod waitroom;
 mod webhooks;

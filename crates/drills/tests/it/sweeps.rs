@@ -1,0 +1,306 @@
+//! The statements workers repeat on a timer read what is due through an index, never the
+//! whole table (`boxoffice_store`, "Periodic sweeps"): each runs once on a ledger that also
+//! holds thousands of rows that are not due, and PostgreSQL's own counters
+//! (`pg_stat_user_tables.seq_tup_read`, `pg_stat_user_indexes.idx_tup_read`) say how many
+//! rows of the swept table it read. A bound compared with `clock_timestamp()` reads them all.
+
+use boxoffice_domain::{EventId, OrderId, SeatId, UserId};
+use boxoffice_store::holds::{self, ReserveRequest};
+use boxoffice_store::venue::{self, VenueSpec};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::PgPool;
+use std::future::Future;
+use std::time::Duration;
+use uuid::Uuid;
+
+/// Rows that are not due, in each swept table.
+const NOT_DUE: i64 = 5_000;
+
+/// Rows a pass may read beyond those it acts on: the neighbours of an index range, the
+/// primary-key lookups of the rows it changes.
+const SLACK: i64 = 25;
+
+/// Runs each sweep on a pool of one connection, so that its table statistics can be flushed
+/// right after it, and reads them on another.
+struct Reads {
+    pool: PgPool,
+    observer: PgPool,
+}
+
+impl Reads {
+    /// Rows of `table` read so far: by sequential scans, and index entries read by any scan.
+    async fn so_far(&self, table: &str) -> i64 {
+        sqlx::query_scalar(
+            "SELECT t.seq_tup_read + COALESCE((SELECT sum(i.idx_tup_read) FROM pg_stat_user_indexes i
+                                                WHERE i.relid = t.relid), 0)::bigint
+               FROM pg_stat_user_tables t WHERE t.relname = $1",
+        )
+        .bind(table)
+        .fetch_one(&self.observer)
+        .await
+        .unwrap()
+    }
+
+    /// Runs `sweep` and returns what it returned with the rows of each of `tables` it read.
+    async fn measure<T, F, Fut>(&self, tables: &[&str], sweep: F) -> (T, Vec<i64>)
+    where
+        F: FnOnce(PgPool) -> Fut,
+        Fut: Future<Output = T>,
+    {
+        let mut before = Vec::new();
+        for t in tables {
+            before.push(self.so_far(t).await);
+        }
+        let out = sweep(self.pool.clone()).await;
+        // The backend flushes its pending statistics, those of the sweep included, when this
+        // statement ends, before it answers.
+        sqlx::query("SELECT pg_stat_force_next_flush()").execute(&self.pool).await.unwrap();
+        let mut read = Vec::new();
+        for (t, b) in tables.iter().zip(before) {
+            read.push(self.so_far(t).await - b);
+        }
+        (out, read)
+    }
+}
+
+async fn exec(pool: &PgPool, sql: &str) {
+    sqlx::query(sql).execute(pool).await.unwrap();
+}
+
+/// A new buyer's hold of `seat`, as the API would place it.
+async fn hold(pool: &PgPool, event: EventId, seat: Uuid) -> OrderId {
+    let req = ReserveRequest {
+        user_id: UserId::new(),
+        event_id: event,
+        seat_ids: vec![SeatId(seat)],
+        idempotency_key: Uuid::new_v4().to_string(),
+        correlation_id: Uuid::new_v4(),
+        ttl: Duration::from_secs(600),
+        payable_within: None,
+        cell: "cell-1".into(),
+        directory_epoch: 1,
+        authorization_request: boxoffice_domain::saga::AuthorizationRequest::InHoldFact,
+    };
+    holds::reserve(pool, &req).await.unwrap().receipt().order_id
+}
+
+/// Each sweep, beside `NOT_DUE` rows of its table that it must leave alone (and, where a
+/// partial index leaves rows out, as many more of those), acts on exactly the due rows and
+/// reads at most those and `SLACK` more.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn every_periodic_sweep_reads_only_what_is_due(_: PgPoolOptions, opts: PgConnectOptions) {
+    let pool = boxoffice_store::connect(opts.clone(), 1, 10_000).await.unwrap();
+    let observer = boxoffice_store::connect(opts, 2, 10_000).await.unwrap();
+    let (event, _) =
+        venue::seed(&observer, "Sweeps", &VenueSpec::small(1, 1, 8), chrono::Utc::now(), "cell-1")
+            .await
+            .unwrap();
+    let seats: Vec<Uuid> = sqlx::query_scalar("SELECT id FROM seats WHERE event_id = $1 ORDER BY label")
+        .bind(event.0)
+        .fetch_all(&observer)
+        .await
+        .unwrap();
+
+    // Due: three holds past every end, two past their expiry waiting for the provider's word.
+    let mut lapsed = Vec::new();
+    for s in &seats[..3] {
+        lapsed.push(hold(&observer, event, *s).await.0);
+    }
+    let mut waiting = Vec::new();
+    let mut waiting_pis = Vec::new();
+    for s in &seats[3..5] {
+        let order = hold(&observer, event, *s).await;
+        let pi = format!("pi_sweep_{}", Uuid::new_v4().simple());
+        boxoffice_store::payments::insert_created(
+            &observer,
+            order,
+            &pi,
+            Some("secret"),
+            "requires_payment_method",
+            1,
+            "usd",
+        )
+        .await
+        .unwrap();
+        waiting.push(order.0);
+        waiting_pis.push(pi);
+    }
+    sqlx::query(
+        "UPDATE holds SET expires_at = now() - interval '1 minute', authorized_until = NULL, payable_by = NULL,
+                provider_check_until = CASE WHEN order_id = ANY($2) THEN now() + interval '1 minute' END
+          WHERE order_id = ANY($1) OR order_id = ANY($2)",
+    )
+    .bind(&lapsed)
+    .bind(&waiting)
+    .execute(&observer)
+    .await
+    .unwrap();
+    // Not due: active holds of a running onsale, ten minutes from their end, each with its
+    // PaymentIntent.
+    exec(
+        &observer,
+        &format!(
+            "WITH o AS (
+                INSERT INTO orders (id, user_id, event_id, status, amount_minor, currency, correlation_id)
+                SELECT gen_random_uuid(), gen_random_uuid(), '{event}', 'held', 1, 'usd', gen_random_uuid()
+                  FROM generate_series(1, {NOT_DUE}) RETURNING id),
+             h AS (INSERT INTO holds (id, order_id, status, expires_at)
+                   SELECT gen_random_uuid(), id, 'active', now() + interval '10 minutes' FROM o)
+             INSERT INTO payments (order_id, payment_intent_id, status, amount_minor, currency)
+             SELECT id, 'pi_' || id, 'requires_payment_method', 1, 'usd' FROM o",
+            event = event.0
+        ),
+    )
+    .await;
+    // Inbox rows: recent ones, and three past the retention.
+    exec(&observer, &format!("INSERT INTO inbox (consumer, event_id) SELECT 'saga', gen_random_uuid() FROM generate_series(1, {NOT_DUE})")).await;
+    exec(&observer, "INSERT INTO inbox (consumer, event_id, processed_at) SELECT 'saga', gen_random_uuid(), now() - interval '8 days' FROM generate_series(1, 3)").await;
+    // Idempotency keys: live ones, and three expired.
+    exec(&observer, &format!("INSERT INTO idempotency_keys (user_id, idempotency_key, request_hash, expires_at) SELECT gen_random_uuid(), 'k', 'h', now() + interval '20 hours' FROM generate_series(1, {NOT_DUE})")).await;
+    exec(&observer, "INSERT INTO idempotency_keys (user_id, idempotency_key, request_hash, expires_at) SELECT gen_random_uuid(), 'k', 'h', now() - interval '1 hour' FROM generate_series(1, 3)").await;
+    // Outbox: published rows within the retention, unpublished rows past it (not the prune's),
+    // and three published rows past it.
+    let outbox = |published: &str, age: &str, n: i64| {
+        format!(
+            "INSERT INTO outbox (id, topic, message_key, event_type, payload, published_at, created_at)
+             SELECT gen_random_uuid(), 'purchase', gen_random_uuid()::text, 'HoldCreated', '{{}}', {published}, now() - interval '{age}'
+               FROM generate_series(1, {n})"
+        )
+    };
+    exec(&observer, &outbox("now()", "1 minute", NOT_DUE)).await;
+    exec(&observer, &outbox("NULL", "2 hours", NOT_DUE)).await;
+    exec(&observer, &outbox("now() - interval '2 hours'", "2 hours", 3)).await;
+    // The order history and status changes: recent ones, three of each past the retention.
+    let history = |age: &str, n: i64| {
+        format!(
+            "INSERT INTO order_history (event_id, order_id, topic, event_type, payload, created_at)
+             SELECT gen_random_uuid(), gen_random_uuid(), 'purchase', 'HoldCreated', '{{}}', now() - interval '{age}'
+               FROM generate_series(1, {n})"
+        )
+    };
+    exec(&observer, &history("1 day", NOT_DUE)).await;
+    exec(&observer, &history("401 days", 3)).await;
+    let transitions = |age: &str, n: i64| {
+        format!(
+            "INSERT INTO order_transitions (order_id, from_status, to_status, at)
+             SELECT gen_random_uuid(), 'held', 'payment_required', now() - interval '{age}' FROM generate_series(1, {n})"
+        )
+    };
+    exec(&observer, &transitions("1 day", NOT_DUE)).await;
+    exec(&observer, &transitions("401 days", 3)).await;
+    // Webhook events: recent ones that name no order (an unhandled type), pending ones of
+    // another integration's PaymentIntents from two hours ago, old ones about orders (not the
+    // prune's), three that name no order past the retention, and one as old whose
+    // PaymentIntent has a payment row (stranded: kept).
+    let events = |order: &str, pi: &str, pending: bool, age: &str, n: i64| {
+        format!(
+            "INSERT INTO stripe_events (stripe_event_id, type, payment_intent_id, order_id, pending, received_at)
+             SELECT 'evt_' || gen_random_uuid(), 'payment_intent.succeeded', {pi}, {order}, {pending}, now() - interval '{age}'
+               FROM generate_series(1, {n})"
+        )
+    };
+    exec(&observer, &events("NULL", "NULL", false, "1 minute", NOT_DUE)).await;
+    exec(&observer, &events("NULL", "'pi_other_' || gen_random_uuid()", true, "2 hours", NOT_DUE)).await;
+    exec(&observer, &events("gen_random_uuid()", "'pi_' || gen_random_uuid()", false, "30 days", NOT_DUE))
+        .await;
+    exec(&observer, &events("NULL", "'pi_other_' || gen_random_uuid()", true, "8 days", 3)).await;
+    exec(&observer, &events("NULL", &format!("'{}'", waiting_pis[0]), true, "8 days", 1)).await;
+    exec(&observer, "ANALYZE").await;
+
+    let reads = Reads { pool, observer };
+    let due = |what: &str, read: &[i64], acted: i64| {
+        for r in read {
+            assert!(
+                *r <= acted + SLACK,
+                "{what}: read {r} rows to act on {acted} (of {NOT_DUE}+ not due): {read:?}"
+            );
+        }
+    };
+
+    // The expiry worker, every 250 ms: provider checks of lapsing holds, then the lapse.
+    let (n, read) = reads
+        .measure(&["holds", "payments"], |p| async move { holds::check_lapsing(&p, 500).await.unwrap() })
+        .await;
+    assert_eq!(n, 2);
+    due("check_lapsing", &read, 5);
+    let ((n, _), read) =
+        reads.measure(&["holds"], |p| async move { holds::expire_due(&p, 500).await.unwrap() }).await;
+    assert_eq!(n, 3);
+    due("expire_due", &read, 5);
+    // The release controller's signals of what is due.
+    let (delay, read) = reads
+        .measure(&["holds"], |p| async move {
+            let mut c = p.acquire().await.unwrap();
+            boxoffice_store::signals::expiry_delay_ms(&mut c).await.unwrap()
+        })
+        .await;
+    assert_eq!(delay, 0.0, "the lapsed holds were released");
+    due("signals::expiry_delay_ms", &read, 2);
+    let (_, read) = reads
+        .measure(&["holds"], |p| async move {
+            let mut c = p.acquire().await.unwrap();
+            boxoffice_store::signals::never_payable_share(&mut c, 60.0).await.unwrap()
+        })
+        .await;
+    due("signals::never_payable_share", &read, 2);
+    // The expiry worker's janitor, every 10 s.
+    let (n, read) = reads
+        .measure(&["inbox"], |p| async move {
+            boxoffice_store::inbox::prune(&p, 7 * 86_400, 10_000).await.unwrap()
+        })
+        .await;
+    assert_eq!(n, 3);
+    due("inbox::prune", &read, 3);
+    let (n, read) = reads
+        .measure(&["idempotency_keys"], |p| async move {
+            boxoffice_store::inbox::prune_idempotency_keys(&p, 10_000).await.unwrap()
+        })
+        .await;
+    assert_eq!(n, 3);
+    due("inbox::prune_idempotency_keys", &read, 3);
+    let (n, read) = reads
+        .measure(&["stripe_events"], |p| async move {
+            boxoffice_store::stripe_events::prune_unclaimed(&p, 7 * 86_400, 10_000).await.unwrap()
+        })
+        .await;
+    assert_eq!(n, 3, "the stranded event is kept");
+    due("stripe_events::prune_unclaimed", &read, 4);
+    let (n, read) = reads
+        .measure(&["stripe_events"], |p| async move {
+            boxoffice_store::stripe_events::resolve_stranded(
+                &p,
+                100,
+                Some(boxoffice_store::stripe_events::STRANDED_WINDOW_S),
+            )
+            .await
+            .unwrap()
+        })
+        .await;
+    assert_eq!(n, 0, "the stranded event is older than the sweep's window");
+    due("stripe_events::resolve_stranded", &read, 0);
+    // The relay, every 30 s.
+    let (n, read) = reads
+        .measure(&["outbox"], |p| async move {
+            boxoffice_store::outbox::prune_published(&p, 3_600, 10_000).await.unwrap()
+        })
+        .await;
+    assert_eq!(n, 3);
+    due("outbox::prune_published", &read, 3);
+    let (n, read) = reads
+        .measure(&["order_history", "order_transitions"], |p| async move {
+            boxoffice_store::timeline::prune(&p, 400 * 86_400, 10_000).await.unwrap()
+        })
+        .await;
+    assert_eq!(n, 6);
+    due("timeline::prune", &read, 3);
+
+    let left: (i64, i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM holds WHERE status = 'active'),
+                (SELECT count(*) FROM stripe_events WHERE order_id IS NULL AND received_at < now() - interval '7 days'),
+                (SELECT count(*) FROM outbox WHERE published_at IS NULL AND created_at < now() - interval '1 hour')",
+    )
+    .fetch_one(&reads.observer)
+    .await
+    .unwrap();
+    assert_eq!(left, (NOT_DUE + 2, 1, NOT_DUE), "what was not due is left as it was");
+}

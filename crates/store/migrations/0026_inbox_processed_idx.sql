@@ -1,0 +1,13 @@
+-- no-transaction
+-- The inbox rows in the order they were applied, for the expiry worker's prune of rows past
+-- `inbox_retention_s` (`boxoffice_store::inbox::prune`, every 10 s). The BRIN index migration
+-- 0003 made for it was never read: the prune compared with `clock_timestamp()`, which no
+-- index can take, so each pass read the whole inbox (seven days of rows) to find the few it
+-- deletes. A B-tree on a time that only grows takes each new row at its right edge; a BRIN
+-- range also goes on covering old times once a pruned page takes new rows, so on a table
+-- pruned by age it comes to cover everything. Migration 0029 drops the BRIN index.
+--
+-- Built CONCURRENTLY, outside a transaction (one statement in this file, as CONCURRENTLY
+-- requires): consumers go on recording inbox rows while it is built. A build that fails
+-- leaves an invalid index behind; `boxoffice migrate` drops it before it runs this again.
+CREATE INDEX CONCURRENTLY IF NOT EXISTS inbox_processed_idx ON inbox (processed_at);
