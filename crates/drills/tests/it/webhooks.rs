@@ -8,6 +8,7 @@ use boxoffice_store::venue::VenueSpec;
 use secrecy::ExposeSecret;
 use serde_json::json;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use std::time::Duration;
 use uuid::Uuid;
 
 fn event_body(evt: &str, order: Uuid, pi: &str) -> Vec<u8> {
@@ -98,5 +99,77 @@ async fn c08_duplicate_webhooks_have_one_effect(_: PgPoolOptions, opts: PgConnec
     let (_, view) = app.order(&b, order).await;
     assert_eq!(view["status"], "held");
     assert!(view.get("client_secret").is_some());
+    app.stop().await;
+}
+
+/// Events of another integration's PaymentIntents on the same Stripe account (no payment row,
+/// no order in their metadata) are recorded pending and acknowledged, deduplicated while
+/// Stripe may still redeliver them, and deleted by the expiry worker once older than
+/// `webhook_event_retention_s`; a younger one, and an old one whose PaymentIntent boxoffice
+/// records for an order, are kept.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn events_of_another_integration_are_deduplicated_then_pruned(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    let mut app = TestApp::spawn(opts, &[Role::Api], VenueSpec::small(1, 1, 4)).await;
+    let secret = app.cfg.stripe_webhook_secret.expose_secret().to_owned();
+    let url = format!("{}/webhooks/stripe", app.api);
+    let foreign = |evt: &str, pi: &str| {
+        serde_json::to_vec(&json!({
+            "id": evt, "object": "event", "type": "payment_intent.succeeded",
+            "created": chrono::Utc::now().timestamp(), "livemode": false, "api_version": "2024-06-20",
+            "pending_webhooks": 1, "request": null,
+            "data": {"object": {"id": pi, "object": "payment_intent", "status": "succeeded", "amount": 900,
+                     "amount_received": 900, "currency": "usd", "metadata": {"shop_order": "A-17"}}}
+        }))
+        .unwrap()
+    };
+    let deliver = |body: Vec<u8>| {
+        let sig = boxoffice_payments::webhook::sign(&body, &secret, chrono::Utc::now().timestamp());
+        app.http.post(&url).header("Stripe-Signature", sig).body(body).send()
+    };
+    for evt in ["evt_other_old", "evt_other_old", "evt_other_young"] {
+        assert_eq!(deliver(foreign(evt, &format!("pi_{evt}"))).await.unwrap().status(), 200);
+    }
+    // One of ours that arrived without its order, before its payment row (then written).
+    let seat = app.seats().await[0];
+    let b = app.buyer();
+    let r = app.hold(&b, &app.admission_token(&b), "k", &[seat]).await;
+    let order: Uuid =
+        r.json::<serde_json::Value>().await.unwrap()["order_id"].as_str().unwrap().parse().unwrap();
+    assert_eq!(deliver(foreign("evt_ours_early", "pi_ours")).await.unwrap().status(), 200);
+    let pending = "SELECT count(*) FROM stripe_events WHERE pending AND order_id IS NULL";
+    assert_eq!(app.count(pending).await, 3, "one row per event id, each pending");
+    sqlx::query(
+        "INSERT INTO payments (order_id, payment_intent_id, status, amount_minor, currency)
+         VALUES ($1, 'pi_ours', 'succeeded', 900, 'usd')",
+    )
+    .bind(order)
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "UPDATE stripe_events SET received_at = now() - interval '8 days'
+          WHERE stripe_event_id IN ('evt_other_old', 'evt_ours_early')",
+    )
+    .execute(&app.pool)
+    .await
+    .unwrap();
+
+    app.start_roles(&[Role::Expiry]).await;
+    crate::helpers::eventually(
+        Duration::from_secs(30),
+        "the expiry worker prunes the old foreign event",
+        || async {
+            app.count("SELECT count(*) FROM stripe_events WHERE stripe_event_id = 'evt_other_old'").await == 0
+        },
+    )
+    .await;
+    let left: Vec<String> = sqlx::query_scalar("SELECT stripe_event_id FROM stripe_events ORDER BY 1")
+        .fetch_all(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(left, ["evt_other_young", "evt_ours_early"]);
     app.stop().await;
 }
