@@ -74,9 +74,10 @@ pub(crate) fn resolve_pending(pi: &str, order: &str) -> String {
 /// arrived before its payment row was committed, so the sweep 10 s later finds it well within
 /// this. The bound keeps each pass to the last hour's pending events, since those of
 /// PaymentIntents boxoffice did not create (another integration on the same Stripe account)
-/// are never resolved: they stay pending until [`prune_unclaimed`] deletes them. Older stranded events (the expiry worker stopped for longer) are
-/// counted by the audit (`stranded_webhooks`, no age bound) and resolved by
-/// `boxoffice reconcile --fix`, which sweeps without the bound.
+/// are never resolved: they stay pending until [`prune_unclaimed`] deletes them. Older
+/// stranded events (the expiry worker stopped for longer) are counted by the audit
+/// (`stranded_webhooks`, no age bound) and resolved by `boxoffice reconcile --fix`, which
+/// sweeps without the bound.
 pub const STRANDED_WINDOW_S: i64 = 3_600;
 
 /// Resolves up to `limit` pending events whose PaymentIntent has a committed payment row,

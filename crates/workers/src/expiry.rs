@@ -7,8 +7,10 @@
 //! 10 s it also prunes the inbox, idempotency keys and webhook events that name no order
 //! (`boxoffice_store::stripe_events::prune_unclaimed`), releases authorizations near their
 //! capture deadline (case C09), and resolves early webhooks that missed their payment row's
-//! resolve (`boxoffice_store::stripe_events::resolve_stranded`). Each of these reads what is
-//! due through an index ("Periodic sweeps" in `boxoffice_store`).
+//! resolve (`boxoffice_store::stripe_events::resolve_stranded`). The hold sweeps, the prunes
+//! and the stranded-webhook sweep read what is due through an index ("Periodic sweeps" in
+//! `boxoffice_store`); the capture-deadline sweep reads the orders awaiting their capture
+//! (`confirming`, a state an order passes through in seconds).
 
 use sqlx::PgPool;
 use std::time::Duration;
