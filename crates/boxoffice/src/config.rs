@@ -82,6 +82,14 @@ pub const DEV_ADMIN_TOKEN: &str = "dev-admin-token-change-me-0123456789";
 /// Shortest operator token, characters (e.g. `openssl rand -hex 32` gives 64).
 pub const MIN_ADMIN_TOKEN_CHARS: usize = 32;
 
+/// The shortest `inbox_retention_s` accepted, seconds (one day): a consumer's inbox row must
+/// outlive every redelivery of its message, and a broker keeps a topic's messages for days.
+pub const MIN_INBOX_RETENTION_S: i64 = 86_400;
+
+/// The longest retention of the inbox and of webhook events accepted, seconds (ten years): a
+/// longer one puts the prune's bound out of PostgreSQL's timestamp range.
+pub const MAX_RETENTION_S: i64 = 3_650 * 86_400;
+
 /// How a [`SecretFinding`] weighs in each environment.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Severity {
@@ -679,13 +687,14 @@ pub struct Config {
     /// Confirmed orders still uncaptured this many seconds before Stripe's capture deadline
     /// are released and their authorization cancelled on purpose (case C09).
     pub capture_deadline_margin_s: i64,
-    /// Inbox rows are pruned after this many seconds; keep it above the topics' retention.
+    /// Inbox rows are pruned after this many seconds; keep it above the topics' retention
+    /// ([`MIN_INBOX_RETENTION_S`]..=[`MAX_RETENTION_S`]).
     pub inbox_retention_s: i64,
-    /// Webhook events that name no order of this ledger (another integration's PaymentIntents
-    /// on the same Stripe account, event types boxoffice does not handle) are pruned after
+    /// Webhook events recorded without an order id (another integration's PaymentIntents on
+    /// the same Stripe account, event types boxoffice does not handle) are pruned after
     /// this many seconds (`BOXOFFICE_WEBHOOK_EVENT_RETENTION_S`; default 604,800, 7 days; at
     /// least 345,600, 4 days: Stripe redelivers for up to three, and the row is what makes a
-    /// redelivery a duplicate). Events about an order stay with its timeline.
+    /// redelivery a duplicate; at most [`MAX_RETENTION_S`]). Events with an order id stay.
     pub webhook_event_retention_s: i64,
     /// Log format: `text` or `json`.
     pub log_format: String,
@@ -943,10 +952,17 @@ impl Config {
         if !(1..=36_500).contains(&self.order_history_retention_days) {
             bail!("order_history_retention_days must be 1..=36500");
         }
-        if self.webhook_event_retention_s < boxoffice_store::stripe_events::MIN_UNCLAIMED_RETENTION_S {
+        if !(boxoffice_store::stripe_events::MIN_UNCLAIMED_RETENTION_S..=MAX_RETENTION_S)
+            .contains(&self.webhook_event_retention_s)
+        {
             bail!(
-                "webhook_event_retention_s must be at least {} (four days: Stripe redelivers a webhook for up to three)",
+                "webhook_event_retention_s must be {}..={MAX_RETENTION_S} (at least four days: Stripe redelivers a webhook for up to three)",
                 boxoffice_store::stripe_events::MIN_UNCLAIMED_RETENTION_S
+            );
+        }
+        if !(MIN_INBOX_RETENTION_S..=MAX_RETENTION_S).contains(&self.inbox_retention_s) {
+            bail!(
+                "inbox_retention_s must be {MIN_INBOX_RETENTION_S}..={MAX_RETENTION_S}: a row pruned while its message can still be redelivered lets it apply twice"
             );
         }
         if self.order_stream_max > self.http_max_connections / 2 {
@@ -1795,6 +1811,28 @@ mod tests {
 
     fn refusal(c: &Config) -> SecretFindings {
         c.validate().expect_err("refused").downcast::<SecretFindings>().expect("a secrets refusal")
+    }
+
+    /// The retentions of the inbox and of webhook events with no order id: none short enough
+    /// to prune a row whose message or webhook can still be redelivered, none past the
+    /// timestamp range the prune computes with.
+    #[test]
+    fn retentions_outlive_redelivery_and_stay_in_range() {
+        let base = Config::default();
+        base.validate().unwrap();
+        let refused = |c: Config| format!("{:#}", c.validate().expect_err("refused"));
+        for bad in [-1, 0, 3 * 86_400, MAX_RETENTION_S + 1, i64::MAX] {
+            assert!(refused(Config { webhook_event_retention_s: bad, ..base.clone() })
+                .contains("webhook_event_retention_s"));
+        }
+        for bad in [-1, 0, 3_600, MAX_RETENTION_S + 1] {
+            assert!(refused(Config { inbox_retention_s: bad, ..base.clone() }).contains("inbox_retention_s"));
+        }
+        for good in [boxoffice_store::stripe_events::MIN_UNCLAIMED_RETENTION_S, MAX_RETENTION_S] {
+            Config { webhook_event_retention_s: good, inbox_retention_s: good, ..base.clone() }
+                .validate()
+                .unwrap();
+        }
     }
 
     /// The region settings' rules (design §15): each refusal names its setting.

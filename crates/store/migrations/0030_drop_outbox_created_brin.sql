@@ -1,7 +1,10 @@
 -- no-transaction
--- An index no query reads, dropped (design §12): outbox_created_brin. Its prune reads
--- outbox_published_idx (migration 0027); a build that runs beside this one during a rolling
--- upgrade compares with `clock_timestamp()` and reads neither.
+-- An index dropped (design §12): outbox_created_brin. Its prune reads outbox_published_idx
+-- (migration 0027); a build that runs beside this one during a rolling upgrade compares with
+-- `clock_timestamp()` and reads neither. The one other statement that could read it is a
+-- failover's republish of the outbox since the recovery point (`region::republish`, once per
+-- failover), which now reads the outbox, an hour of rows, once; on a table pruned by age a
+-- BRIN range comes to cover most times anyway, as pruned pages take new rows.
 --
 -- Dropped CONCURRENTLY, outside a transaction (one statement in this file, as CONCURRENTLY
 -- requires): the outbox goes on being written while it waits for the transactions using the

@@ -1260,20 +1260,31 @@ pub async fn expire_due(pool: &PgPool, limit: i64) -> Result<(usize, i64), Store
 /// `PaymentIntentRefreshRequested` (reason [`PROVIDER_CHECK_REASON`]) for the order's
 /// PaymentIntent in the outbox and `provider_check_requested_at` set, in one transaction
 /// (`FOR UPDATE SKIP LOCKED`). Returns how many checks were asked. Reads the active holds past
-/// their `expires_at` only, as [`expire_due`] does.
+/// their `expires_at` only, as [`expire_due`] does, and then, only when it took any, their
+/// orders and payments by key: one statement joining them could read every payment ever
+/// recorded, as the planner takes "active" and "past its `expires_at`" for independent while
+/// nearly every hold past it is no longer active. Every hold with a `provider_check_until`
+/// has a payment row: both are written by the statement that records the PaymentIntent.
 pub async fn check_lapsing(pool: &PgPool, limit: i64) -> Result<usize, StoreError> {
     let mut tx = pool.begin().await?;
-    let rows: Vec<(Uuid, Uuid, String)> = sqlx::query_as(
-        "SELECT h.order_id, o.correlation_id, p.payment_intent_id
-           FROM holds h
-           JOIN orders o ON o.id = h.order_id
-           JOIN payments p ON p.order_id = h.order_id
-          WHERE h.status = 'active' AND h.expires_at < now()
-            AND h.provider_check_until > clock_timestamp() AND h.provider_check_requested_at IS NULL
-            AND h.authorization_reported_at IS NULL
-          ORDER BY h.expires_at LIMIT $1 FOR UPDATE OF h SKIP LOCKED",
+    let due: Vec<Uuid> = sqlx::query_scalar(
+        "SELECT order_id FROM holds
+          WHERE status = 'active' AND expires_at < now()
+            AND provider_check_until > clock_timestamp() AND provider_check_requested_at IS NULL
+            AND authorization_reported_at IS NULL
+          ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED",
     )
     .bind(limit)
+    .fetch_all(&mut *tx)
+    .await?;
+    if due.is_empty() {
+        return Ok(0);
+    }
+    let rows: Vec<(Uuid, Uuid, String)> = sqlx::query_as(
+        "SELECT o.id, o.correlation_id, p.payment_intent_id
+           FROM orders o JOIN payments p ON p.order_id = o.id WHERE o.id = ANY($1)",
+    )
+    .bind(&due)
     .fetch_all(&mut *tx)
     .await?;
     if rows.is_empty() {
@@ -1391,24 +1402,55 @@ pub struct LapsingAuthorization {
     pub payment_intent_id: String,
 }
 
-/// Locks (`FOR UPDATE OF` the hold, `SKIP LOCKED`, so several workers share the sweep) up to
+/// Locks (`FOR UPDATE`, `SKIP LOCKED`, so several workers share the sweep) the holds of up to
 /// `limit` confirmed orders whose authorization is uncaptured within `margin_s` seconds of its
 /// capture deadline and has no cancel requested, soonest deadline first.
+///
+/// Two statements, so that no plan can read every hold or payment ever recorded (see
+/// "Periodic sweeps" in the crate docs): the candidates from the orders awaiting their capture
+/// (`confirming`, through `order_open_idx`), each one's payment read by its key (a `LATERAL`
+/// subquery the planner cannot turn into a join); then, only when there are any, their holds
+/// by order id. A candidate whose hold another worker has locked is left to it.
 pub async fn lock_lapsing_authorizations(
     tx: &mut Tx<'_>,
     margin_s: i64,
     limit: i64,
 ) -> Result<Vec<LapsingAuthorization>, sqlx::Error> {
-    sqlx::query_as(
-        "SELECT h.id AS hold_id, o.id AS order_id, p.payment_intent_id
-           FROM payments p JOIN orders o ON o.id = p.order_id JOIN holds h ON h.order_id = o.id
-          WHERE o.status = 'confirming' AND p.cancel_requested_at IS NULL
-            AND p.capture_before < clock_timestamp() + make_interval(secs => $1::double precision)
-          ORDER BY p.capture_before LIMIT $2
-          FOR UPDATE OF h SKIP LOCKED",
+    let due: Vec<(Uuid, String)> = sqlx::query_as(
+        "SELECT o.id, p.payment_intent_id
+           FROM orders o
+           CROSS JOIN LATERAL (
+                SELECT payment_intent_id, capture_before FROM payments
+                 WHERE order_id = o.id AND cancel_requested_at IS NULL
+                   AND capture_before < now() + make_interval(secs => $1::double precision)
+                OFFSET 0) p
+          WHERE o.status = 'confirming'
+          ORDER BY p.capture_before LIMIT $2",
     )
     .bind(margin_s as f64)
     .bind(limit)
     .fetch_all(&mut **tx)
-    .await
+    .await?;
+    if due.is_empty() {
+        return Ok(Vec::new());
+    }
+    let orders: Vec<Uuid> = due.iter().map(|d| d.0).collect();
+    let holds: std::collections::HashMap<Uuid, Uuid> = sqlx::query_as(
+        "SELECT order_id, id FROM holds WHERE order_id = ANY($1) ORDER BY order_id FOR UPDATE SKIP LOCKED",
+    )
+    .bind(&orders)
+    .fetch_all(&mut **tx)
+    .await?
+    .into_iter()
+    .collect();
+    Ok(due
+        .into_iter()
+        .filter_map(|(order_id, payment_intent_id)| {
+            holds.get(&order_id).map(|hold_id| LapsingAuthorization {
+                hold_id: *hold_id,
+                order_id,
+                payment_intent_id,
+            })
+        })
+        .collect())
 }

@@ -64,7 +64,7 @@ pub async fn prune(pool: &sqlx::PgPool, retention_s: i64, limit: i64) -> Result<
         "DELETE FROM inbox WHERE ctid = ANY (ARRAY(
             SELECT ctid FROM inbox
              WHERE processed_at < now() - make_interval(secs => $1::double precision)
-             LIMIT $2))",
+             ORDER BY processed_at LIMIT $2))",
     )
     .bind(retention_s as f64)
     .bind(limit)
@@ -79,7 +79,7 @@ pub async fn prune(pool: &sqlx::PgPool, retention_s: i64, limit: i64) -> Result<
 pub async fn prune_idempotency_keys(pool: &sqlx::PgPool, limit: i64) -> Result<u64, sqlx::Error> {
     let r = sqlx::query(
         "DELETE FROM idempotency_keys WHERE ctid = ANY (ARRAY(
-            SELECT ctid FROM idempotency_keys WHERE expires_at < now() LIMIT $1))",
+            SELECT ctid FROM idempotency_keys WHERE expires_at < now() ORDER BY expires_at LIMIT $1))",
     )
     .bind(limit)
     .execute(pool)

@@ -21,15 +21,21 @@
 //! A statement a worker repeats on a timer reads what is due through an index, never the
 //! whole table, however large the table has grown: the expiry worker's sweeps of lapsed holds
 //! (`holds::expire_due`, `holds::check_lapsing`, every 250 ms) and its prunes of the inbox,
-//! of expired idempotency keys and of webhook events that name no order (every 10 s), the
+//! of expired idempotency keys and of webhook events without an order id (every 10 s), the
 //! relay's moves of published outbox rows and its prunes of the order history (every 30 s),
 //! and the release controller's hold signals that count what is due (`signals`). Each states
 //! the time it compares with as `now()` (the transaction's start, a stable value), not
 //! `clock_timestamp()`: PostgreSQL cannot use a volatile value as an index condition, so a
 //! `clock_timestamp()` bound turns the index range into a scan of every row. Where an exact
 //! verdict needs the clock (a hold's lapse, [`holds::LAPSED`]), it filters the rows the range
-//! found. The integration test `sweeps::every_periodic_sweep_reads_only_what_is_due` counts
-//! the rows each one reads beside thousands that are not due.
+//! found. A prune takes its batch in the index's order (`ORDER BY` the time, `LIMIT`), so the
+//! plan is an index scan that stops at the batch, whatever the table's statistics say or
+//! however large the backlog, and deletes by the ctids it found (`ctid = ANY (ARRAY(…))`), so
+//! no join can read the table again. The expiry worker's capture-deadline sweep
+//! (`holds::lock_lapsing_authorizations`) reads the orders awaiting their capture, a state an
+//! order passes through in seconds, and locks only the holds of those it takes. The
+//! integration test `sweeps::every_periodic_sweep_reads_only_what_is_due` counts the rows
+//! each one reads beside thousands that are not due.
 
 pub mod audit;
 pub mod cells;

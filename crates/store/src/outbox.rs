@@ -532,7 +532,7 @@ pub async fn prune_published(pool: &PgPool, retention_s: i64, limit: i64) -> Res
                 SELECT ctid FROM outbox
                  WHERE created_at < now() - make_interval(secs => $1::double precision)
                    AND published_at IS NOT NULL
-                 LIMIT $2))
+                 ORDER BY created_at LIMIT $2))
             RETURNING id, topic, message_key, event_type, payload, created_at, published_at,
                       region, region_epoch, traceparent, xact),
          kept AS (

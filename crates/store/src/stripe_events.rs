@@ -5,8 +5,8 @@
 //! payment row's own statement resolves the pending events it sees; [`resolve_stranded`]
 //! resolves those it could not see (their transaction committed after its snapshot).
 //! Pending events of a PaymentIntent boxoffice did not create stay pending until
-//! [`prune_unclaimed`] deletes them, with every other event that names no order of this
-//! ledger, once Stripe can no longer redeliver them.
+//! [`prune_unclaimed`] deletes them, with every other event recorded without an order id,
+//! once Stripe can no longer redeliver them.
 
 use crate::{outbox, StoreError, Tx};
 use boxoffice_domain::events::refresh_reason;
@@ -142,7 +142,7 @@ pub async fn resolve_stranded(pool: &PgPool, limit: i64, within: Option<i64>) ->
     Ok(events.len())
 }
 
-/// How long an event that names no order of this ledger is kept, by default, seconds (7
+/// How long an event recorded without an order id is kept, by default, seconds (7
 /// days): Stripe retries an unacknowledged webhook for up to three days, and the row is what
 /// makes a redelivery a duplicate (invariant 4).
 pub const UNCLAIMED_RETENTION_S: i64 = 7 * 86_400;
@@ -151,9 +151,11 @@ pub const UNCLAIMED_RETENTION_S: i64 = 7 * 86_400;
 /// redelivery and a day's margin.
 pub const MIN_UNCLAIMED_RETENTION_S: i64 = 4 * 86_400;
 
-/// Deletes up to `limit` events that name no order of this ledger (`order_id` NULL: the
-/// events of PaymentIntents boxoffice did not create, such as another integration's on the
-/// same Stripe account, and of types boxoffice does not handle), received more than
+/// Deletes up to `limit` events recorded without an order id (`order_id` NULL: no
+/// `metadata.order_id` and no payment row, such as the events of another integration's
+/// PaymentIntents on the same Stripe account, and of types boxoffice does not handle; an
+/// event whose metadata names an order this ledger lacks keeps that id, and is kept for
+/// `reconcile`), the oldest first, received more than
 /// `retention_s` seconds ago (at least [`MIN_UNCLAIMED_RETENTION_S`]; a shorter one is
 /// raised to it). An event whose PaymentIntent has a payment row is kept whatever its age:
 /// it is stranded news for an order, which [`resolve_stranded`] hands on (the audit counts
@@ -165,7 +167,7 @@ pub const MIN_UNCLAIMED_RETENTION_S: i64 = 4 * 86_400;
 /// 10 s with `webhook_event_retention_s`.
 pub async fn prune_unclaimed(pool: &PgPool, retention_s: i64, limit: i64) -> Result<u64, sqlx::Error> {
     let mut tx = pool.begin().await?;
-    // The planner takes "names no order" and "old" as independent, so on a ledger where
+    // The planner takes "no order id" and "old" as independent, so on a ledger where
     // nearly every old event names an order it expects many old unclaimed rows and may
     // choose to read the whole table. Nothing this statement wants is outside the index.
     sqlx::query("SET LOCAL enable_seqscan = off").execute(&mut *tx).await?;
@@ -175,7 +177,7 @@ pub async fn prune_unclaimed(pool: &PgPool, retention_s: i64, limit: i64) -> Res
              WHERE se.order_id IS NULL
                AND se.received_at < now() - make_interval(secs => $1::double precision)
                AND NOT EXISTS (SELECT 1 FROM payments p WHERE p.payment_intent_id = se.payment_intent_id)
-             LIMIT $2))",
+             ORDER BY se.received_at LIMIT $2))",
     )
     .bind(retention_s.max(MIN_UNCLAIMED_RETENTION_S) as f64)
     .bind(limit)

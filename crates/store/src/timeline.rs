@@ -603,10 +603,12 @@ pub async fn prune(pool: &PgPool, retention_s: i64, limit: i64) -> Result<u64, s
     for sql in [
         "DELETE FROM order_history WHERE ctid = ANY (ARRAY(
             SELECT ctid FROM order_history
-             WHERE created_at < now() - make_interval(secs => $1::double precision) LIMIT $2))",
+             WHERE created_at < now() - make_interval(secs => $1::double precision)
+             ORDER BY created_at LIMIT $2))",
         "DELETE FROM order_transitions WHERE ctid = ANY (ARRAY(
             SELECT ctid FROM order_transitions
-             WHERE at < now() - make_interval(secs => $1::double precision) LIMIT $2))",
+             WHERE at < now() - make_interval(secs => $1::double precision)
+             ORDER BY at LIMIT $2))",
     ] {
         n += sqlx::query(sql).bind(retention_s as f64).bind(limit).execute(pool).await?.rows_affected();
     }

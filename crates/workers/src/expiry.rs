@@ -4,7 +4,7 @@
 //! query — never an in-process timer. Before a payable hold with no authorization in the
 //! ledger lapses, it asks the provider about the hold's PaymentIntent (rule 3 of
 //! `boxoffice_domain::hold`), so a late webhook never costs a buyer who paid in time. Every
-//! 10 s it also prunes the inbox, idempotency keys and webhook events that name no order
+//! 10 s it also prunes the inbox, idempotency keys and webhook events without an order id
 //! (`boxoffice_store::stripe_events::prune_unclaimed`), releases authorizations near their
 //! capture deadline (case C09), and resolves early webhooks that missed their payment row's
 //! resolve (`boxoffice_store::stripe_events::resolve_stranded`). The hold sweeps, the prunes
@@ -29,7 +29,7 @@ pub struct ExpirySettings {
     /// Inbox rows older than this many seconds are pruned (keep it above the topic's
     /// retention).
     pub inbox_retention_s: i64,
-    /// Webhook events that name no order of this ledger are pruned after this many seconds
+    /// Webhook events recorded without an order id are pruned after this many seconds
     /// (at least `boxoffice_store::stripe_events::MIN_UNCLAIMED_RETENTION_S`).
     pub webhook_event_retention_s: i64,
 }
@@ -112,7 +112,7 @@ pub async fn run(pool: PgPool, settings: ExpirySettings, shutdown: CancellationT
 }
 
 /// Janitor work that rides along the expiry sweep: old inbox rows, expired idempotency keys
-/// and old webhook events that name no order, in bounded batches.
+/// and old webhook events without an order id, in bounded batches.
 async fn prune(pool: &PgPool, settings: &ExpirySettings) -> Result<(), sqlx::Error> {
     boxoffice_store::inbox::prune(pool, settings.inbox_retention_s, 10_000).await?;
     boxoffice_store::inbox::prune_idempotency_keys(pool, 10_000).await?;

@@ -16,6 +16,12 @@ use uuid::Uuid;
 /// Rows that are not due, in each swept table.
 const NOT_DUE: i64 = 5_000;
 
+/// Orders ticketed before, each with its confirmed hold.
+const SOLD: i64 = 50_000;
+
+/// Confirmed orders awaiting their capture, days from its deadline.
+const AWAITING_CAPTURE: i64 = 1_000;
+
 /// Rows a pass may read beyond those it acts on: the neighbours of an index range, the
 /// primary-key lookups of the rows it changes.
 const SLACK: i64 = 25;
@@ -152,6 +158,39 @@ async fn every_periodic_sweep_reads_only_what_is_due(_: PgPoolOptions, opts: PgC
         ),
     )
     .await;
+    // Tickets sold before: orders and their confirmed holds, as many as every other row here.
+    exec(
+        &observer,
+        &format!(
+            "WITH o AS (
+                INSERT INTO orders (id, user_id, event_id, status, amount_minor, currency, correlation_id)
+                SELECT gen_random_uuid(), gen_random_uuid(), '{event}', 'ticketed', 1, 'usd', gen_random_uuid()
+                  FROM generate_series(1, {SOLD}) RETURNING id)
+             INSERT INTO holds (id, order_id, status, expires_at)
+             SELECT gen_random_uuid(), id, 'confirmed', now() - interval '30 days' FROM o",
+            event = event.0
+        ),
+    )
+    .await;
+    // Confirmed orders awaiting their capture: a backlog of them days from the deadline, and
+    // two within the release margin.
+    exec(
+        &observer,
+        &format!(
+            "WITH o AS (
+                INSERT INTO orders (id, user_id, event_id, status, amount_minor, currency, correlation_id)
+                SELECT gen_random_uuid(), gen_random_uuid(), '{event}', 'confirming', 1, 'usd', gen_random_uuid()
+                  FROM generate_series(1, {AWAITING_CAPTURE} + 2) RETURNING id),
+             h AS (INSERT INTO holds (id, order_id, status, expires_at)
+                   SELECT gen_random_uuid(), id, 'confirmed', now() FROM o)
+             INSERT INTO payments (order_id, payment_intent_id, status, amount_minor, currency, capture_before)
+             SELECT id, 'pi_' || id, 'requires_capture', 1, 'usd',
+                    now() + CASE WHEN row_number() OVER () <= 2 THEN interval '1 hour' ELSE interval '6 days' END
+               FROM o",
+            event = event.0
+        ),
+    )
+    .await;
     // Inbox rows: recent ones, and three past the retention.
     exec(&observer, &format!("INSERT INTO inbox (consumer, event_id) SELECT 'saga', gen_random_uuid() FROM generate_series(1, {NOT_DUE})")).await;
     exec(&observer, "INSERT INTO inbox (consumer, event_id, processed_at) SELECT 'saga', gen_random_uuid(), now() - interval '8 days' FROM generate_series(1, 3)").await;
@@ -188,9 +227,9 @@ async fn every_periodic_sweep_reads_only_what_is_due(_: PgPoolOptions, opts: PgC
     };
     exec(&observer, &transitions("1 day", NOT_DUE)).await;
     exec(&observer, &transitions("401 days", 3)).await;
-    // Webhook events: recent ones that name no order (an unhandled type), pending ones of
+    // Webhook events: recent ones without an order id (an unhandled type), pending ones of
     // another integration's PaymentIntents from two hours ago, old ones about orders (not the
-    // prune's), three that name no order past the retention, and one as old whose
+    // prune's), three without one past the retention, and one as old whose
     // PaymentIntent has a payment row (stranded: kept).
     let events = |order: &str, pi: &str, pending: bool, age: &str, n: i64| {
         format!(
@@ -227,6 +266,17 @@ async fn every_periodic_sweep_reads_only_what_is_due(_: PgPoolOptions, opts: PgC
         reads.measure(&["holds"], |p| async move { holds::expire_due(&p, 500).await.unwrap() }).await;
     assert_eq!(n, 3);
     due("expire_due", &read, 5);
+    // The capture-deadline sweep, every 10 s: it reads the orders awaiting their capture with
+    // their payments, and locks the holds of the two within a day of their deadline.
+    let (n, read) = reads
+        .measure(&["holds", "payments"], |p| async move {
+            let mut tx = p.begin().await.unwrap();
+            holds::lock_lapsing_authorizations(&mut tx, 86_400, 100).await.unwrap().len()
+        })
+        .await;
+    assert_eq!(n, 2);
+    due("lock_lapsing_authorizations, holds", &read[..1], 2);
+    due("lock_lapsing_authorizations, payments", &read[1..], AWAITING_CAPTURE + 2);
     // The release controller's signals of what is due.
     let (delay, read) = reads
         .measure(&["holds"], |p| async move {
