@@ -73,6 +73,32 @@ async fn exec(pool: &PgPool, sql: &str) {
     sqlx::query(sql).execute(pool).await.unwrap();
 }
 
+/// Inserts `n` orders of `event` with status `status` (SQL), each with a hold whose status and
+/// `expires_at` are `hold` (SQL), and with a payment whose status and `capture_before` are
+/// `payment` (SQL, where `n` is the order's number from 1) when given.
+async fn orders(pool: &PgPool, event: EventId, n: i64, status: &str, hold: &str, payment: Option<&str>) {
+    let payments = match payment {
+        Some(p) => format!(
+            ", p AS (INSERT INTO payments (order_id, payment_intent_id, status, capture_before, amount_minor, currency)
+                    SELECT id, 'pi_' || id, {p}, 1, 'usd' FROM numbered)"
+        ),
+        None => String::new(),
+    };
+    exec(
+        pool,
+        &format!(
+            "WITH o AS (
+                INSERT INTO orders (id, user_id, event_id, status, amount_minor, currency, correlation_id)
+                SELECT gen_random_uuid(), gen_random_uuid(), '{event}', {status}, 1, 'usd', gen_random_uuid()
+                  FROM generate_series(1, {n}) RETURNING id),
+             numbered AS (SELECT id, row_number() OVER () AS n FROM o){payments}
+             INSERT INTO holds (id, order_id, status, expires_at) SELECT gen_random_uuid(), id, {hold} FROM o",
+            event = event.0
+        ),
+    )
+    .await;
+}
+
 /// A new buyer's hold of `seat`, as the API would place it.
 async fn hold(pool: &PgPool, event: EventId, seat: Uuid) -> OrderId {
     let req = ReserveRequest {
@@ -143,54 +169,16 @@ async fn every_periodic_sweep_reads_only_what_is_due(_: PgPoolOptions, opts: PgC
     .unwrap();
     // Not due: active holds of a running onsale, ten minutes from their end, each with its
     // PaymentIntent.
-    exec(
-        &observer,
-        &format!(
-            "WITH o AS (
-                INSERT INTO orders (id, user_id, event_id, status, amount_minor, currency, correlation_id)
-                SELECT gen_random_uuid(), gen_random_uuid(), '{event}', 'held', 1, 'usd', gen_random_uuid()
-                  FROM generate_series(1, {NOT_DUE}) RETURNING id),
-             h AS (INSERT INTO holds (id, order_id, status, expires_at)
-                   SELECT gen_random_uuid(), id, 'active', now() + interval '10 minutes' FROM o)
-             INSERT INTO payments (order_id, payment_intent_id, status, amount_minor, currency)
-             SELECT id, 'pi_' || id, 'requires_payment_method', 1, 'usd' FROM o",
-            event = event.0
-        ),
-    )
-    .await;
+    let payment = "'requires_payment_method', NULL::timestamptz";
+    orders(&observer, event, NOT_DUE, "'held'", "'active', now() + interval '10 minutes'", Some(payment))
+        .await;
     // Tickets sold before: orders and their confirmed holds, as many as every other row here.
-    exec(
-        &observer,
-        &format!(
-            "WITH o AS (
-                INSERT INTO orders (id, user_id, event_id, status, amount_minor, currency, correlation_id)
-                SELECT gen_random_uuid(), gen_random_uuid(), '{event}', 'ticketed', 1, 'usd', gen_random_uuid()
-                  FROM generate_series(1, {SOLD}) RETURNING id)
-             INSERT INTO holds (id, order_id, status, expires_at)
-             SELECT gen_random_uuid(), id, 'confirmed', now() - interval '30 days' FROM o",
-            event = event.0
-        ),
-    )
-    .await;
+    orders(&observer, event, SOLD, "'ticketed'", "'confirmed', now() - interval '30 days'", None).await;
     // Confirmed orders awaiting their capture: a backlog of them days from the deadline, and
     // two within the release margin.
-    exec(
-        &observer,
-        &format!(
-            "WITH o AS (
-                INSERT INTO orders (id, user_id, event_id, status, amount_minor, currency, correlation_id)
-                SELECT gen_random_uuid(), gen_random_uuid(), '{event}', 'confirming', 1, 'usd', gen_random_uuid()
-                  FROM generate_series(1, {AWAITING_CAPTURE} + 2) RETURNING id),
-             h AS (INSERT INTO holds (id, order_id, status, expires_at)
-                   SELECT gen_random_uuid(), id, 'confirmed', now() FROM o)
-             INSERT INTO payments (order_id, payment_intent_id, status, amount_minor, currency, capture_before)
-             SELECT id, 'pi_' || id, 'requires_capture', 1, 'usd',
-                    now() + CASE WHEN row_number() OVER () <= 2 THEN interval '1 hour' ELSE interval '6 days' END
-               FROM o",
-            event = event.0
-        ),
-    )
-    .await;
+    let capture =
+        "'requires_capture', now() + CASE WHEN n <= 2 THEN interval '1 hour' ELSE interval '6 days' END";
+    orders(&observer, event, AWAITING_CAPTURE + 2, "'confirming'", "'confirmed', now()", Some(capture)).await;
     // Inbox rows: recent ones, and three past the retention.
     exec(&observer, &format!("INSERT INTO inbox (consumer, event_id) SELECT 'saga', gen_random_uuid() FROM generate_series(1, {NOT_DUE})")).await;
     exec(&observer, "INSERT INTO inbox (consumer, event_id, processed_at) SELECT 'saga', gen_random_uuid(), now() - interval '8 days' FROM generate_series(1, 3)").await;
