@@ -154,8 +154,8 @@ pub const MIN_UNCLAIMED_RETENTION_S: i64 = 4 * 86_400;
 /// Deletes up to `limit` events recorded without an order id (`order_id` NULL: no
 /// `metadata.order_id` and no payment row, such as the events of another integration's
 /// PaymentIntents on the same Stripe account, and of types boxoffice does not handle; an
-/// event whose metadata names an order this ledger lacks keeps that id, and is kept for
-/// `reconcile`), the oldest first, received more than
+/// event whose metadata names an order this ledger lacks keeps that id and is kept, as
+/// evidence of a PaymentIntent `reconcile --fix` settles), the oldest first, received more than
 /// `retention_s` seconds ago (at least [`MIN_UNCLAIMED_RETENTION_S`]; a shorter one is
 /// raised to it). An event whose PaymentIntent has a payment row is kept whatever its age:
 /// it is stranded news for an order, which [`resolve_stranded`] hands on (the audit counts
