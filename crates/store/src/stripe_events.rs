@@ -166,11 +166,6 @@ pub const MIN_UNCLAIMED_RETENTION_S: i64 = 4 * 86_400;
 /// aged by `now()`, see "Periodic sweeps" in the crate docs). The expiry worker runs it every
 /// 10 s with `webhook_event_retention_s`.
 pub async fn prune_unclaimed(pool: &PgPool, retention_s: i64, limit: i64) -> Result<u64, sqlx::Error> {
-    let mut tx = pool.begin().await?;
-    // The planner takes "no order id" and "old" as independent, so on a ledger where
-    // nearly every old event names an order it expects many old unclaimed rows and may
-    // choose to read the whole table. Nothing this statement wants is outside the index.
-    sqlx::query("SET LOCAL enable_seqscan = off").execute(&mut *tx).await?;
     let r = sqlx::query(
         "DELETE FROM stripe_events WHERE ctid = ANY (ARRAY(
             SELECT se.ctid FROM stripe_events se
@@ -181,9 +176,8 @@ pub async fn prune_unclaimed(pool: &PgPool, retention_s: i64, limit: i64) -> Res
     )
     .bind(retention_s.max(MIN_UNCLAIMED_RETENTION_S) as f64)
     .bind(limit)
-    .execute(&mut *tx)
+    .execute(pool)
     .await?;
-    tx.commit().await?;
     let pruned = r.rows_affected();
     if pruned > 0 {
         metrics::counter!("boxoffice_webhook_events_pruned_total").increment(pruned);
