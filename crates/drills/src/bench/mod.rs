@@ -91,6 +91,10 @@ pub struct BenchArgs {
     /// Seats per P3 buyer.
     #[arg(long, default_value_t = 2)]
     pub p3_seats: usize,
+    /// Seconds P3 measures the product at rest (every role running, no buyer) before its
+    /// first arrival (report.json `p3.at_rest`); 0 skips it.
+    #[arg(long, default_value_t = 20)]
+    pub p3_rest_seconds: u64,
     /// Concurrent HTTP requests the P3 generator keeps in flight at most.
     #[arg(long, default_value_t = 512)]
     pub p3_max_in_flight: usize,
@@ -182,6 +186,7 @@ impl BenchArgs {
             self.p3_step_seconds = 2;
             self.p3_attempt_rate = 20.0;
             self.p3_seconds = 3;
+            self.p3_rest_seconds = 2;
             self.p3_max_in_flight = 64;
             self.p4_events = 2_000;
         }

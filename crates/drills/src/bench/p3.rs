@@ -12,6 +12,9 @@
 //! Stripe.js would (every request through [`boxoffice_harness::client`]); the saga, payment
 //! worker and ticket worker take it from there.
 //!
+//! Before the first arrival it measures the product at rest ([`P3AtRest`]): what its timers
+//! cost with no buyer, per second.
+//!
 //! Every 500 ms a sampler records ticketed orders, the outbox backlog's oldest age and the
 //! consumer lag of the saga, payment and ticket groups (committed offsets vs high
 //! watermarks on the purchase topic). Hold latencies are kept per second for the chart and
@@ -159,6 +162,48 @@ pub struct P3Result {
     /// `cpu_ms_per_order.harness` by part: the load generator, the Stripe simulator and the
     /// broker (report.json `p3.harness_cpu_ms_per_order`).
     pub harness_cpu_ms_per_order: Option<super::procs::HarnessMsPerOrder>,
+    /// The product at rest before the first arrival; None with `--p3-rest-seconds 0`.
+    pub at_rest: Option<P3AtRest>,
+}
+
+/// The product at rest: every role running and no buyer, measured before P3's first arrival
+/// and before the bench's own sampler and `VACUUM (ANALYZE)` start, so the window holds the
+/// product's timers alone (the release controller's probes, the relay's and the expiry
+/// worker's polls, the consumers' fetches). What an idle deployment costs per second; at
+/// `r` ticketed orders per second it adds these figures ÷ `r` to each order's
+/// (report.json `p3.at_rest`).
+#[derive(Debug, Clone, Serialize)]
+pub struct P3AtRest {
+    /// Length of the window, seconds (`--p3-rest-seconds`, after 2 s for start-up to settle).
+    pub seconds: f64,
+    /// CPU-ms per second of the product, PostgreSQL and the harness (the generator, idle
+    /// here, the simulator and the broker).
+    pub cpu_ms_per_s: super::procs::CpuMsPerSecond,
+    /// Share of all cores busy, percent.
+    pub machine_busy_pct: f64,
+    /// What PostgreSQL did for the bench's database per second.
+    pub postgres: super::procs::PgAtRest,
+}
+
+/// Time given to a just-started product before the at-rest window opens: its pools' first
+/// connections and the consumers' first fetches are start-up, not rest.
+const REST_SETTLE: Duration = Duration::from_secs(2);
+
+/// Measures the product at rest for `seconds` (see [`P3AtRest`]).
+async fn at_rest(pool: &sqlx::PgPool, pids: &super::procs::Pids, seconds: u64) -> anyhow::Result<P3AtRest> {
+    let statements = super::procs::PgCounters::enable(pool).await.is_ok();
+    tokio::time::sleep(REST_SETTLE).await;
+    let pg_before = super::procs::PgCounters::read(pool, statements).await?;
+    let cpu_before = super::procs::CpuMark::now(pids);
+    tokio::time::sleep(Duration::from_secs(seconds)).await;
+    let cpu = cpu_before.until(&super::procs::CpuMark::now(pids));
+    let pg_after = super::procs::PgCounters::read(pool, statements).await?;
+    Ok(P3AtRest {
+        seconds: cpu.seconds,
+        cpu_ms_per_s: super::procs::CpuMsPerSecond::of(&cpu),
+        machine_busy_pct: cpu.machine_busy_pct,
+        postgres: pg_before.at_rest(&pg_after, cpu.seconds),
+    })
 }
 
 /// The most buyers the run can start: the ramp, then the sustained step at its explicit rate
@@ -248,6 +293,18 @@ async fn run_on(
     let db_url = sqlx::ConnectOptions::to_url_lossy(&db.opts).to_string();
     let procs = super::procs::P3Processes::start(&mut cfg, programs, &db_url, embedded, &dir).await?;
     eprintln!("   product, simulator and broker ({broker}) running; logs in {}", dir.display());
+    let rest = if args.p3_rest_seconds > 0 {
+        eprintln!("   the product at rest for {} s", args.p3_rest_seconds);
+        match at_rest(pool, &procs.pids(), args.p3_rest_seconds).await {
+            Ok(r) => Some(r),
+            Err(e) => {
+                procs.stop().await;
+                return Err(e.context("measuring the product at rest"));
+            }
+        }
+    } else {
+        None
+    };
     let outcome = drive(&cfg, args, event.0, deck, procs.api_addr, pool, &procs.pids()).await;
     procs.stop().await;
     if let Err(e) = super::p2::delete_keys(&cfg).await {
@@ -255,6 +312,7 @@ async fn run_on(
     }
     outcome.map(|mut r| {
         r.broker = broker;
+        r.at_rest = rest;
         r
     })
 }
@@ -467,6 +525,7 @@ async fn drive(
         sustained_ticketed_per_s: steps.iter().find(|s| s.sustained).map_or(0.0, |s| s.ticketed_per_s),
         cpu_ms_per_order: super::procs::CpuMsPerOrder::of(&sustained_cpu, sustained_ticketed),
         harness_cpu_ms_per_order: super::procs::HarnessMsPerOrder::of(&sustained_cpu, sustained_ticketed),
+        at_rest: None,
         postgres_per_order: pg_before.per_order(&pg_after, sustained_ticketed),
         sustained_ticketed,
         sustained_cpu,

@@ -466,6 +466,32 @@ fn cores_of_machine() -> f64 {
     std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) as f64
 }
 
+/// CPU-ms per second, by whom: a window's cores × 1,000.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct CpuMsPerSecond {
+    /// The `boxoffice serve` process: every role.
+    pub product: f64,
+    /// PostgreSQL (every database of the server).
+    pub postgres: f64,
+    /// The load generator, the Stripe simulator and the broker.
+    pub harness: f64,
+    /// Of `harness`, the broker the bench started (0 with the in-process broker or an
+    /// external one).
+    pub broker: f64,
+}
+
+impl CpuMsPerSecond {
+    /// `cpu`'s cores as CPU-ms per second.
+    pub fn of(cpu: &ProcessCpu) -> Self {
+        Self {
+            product: cpu.product_cores * 1_000.0,
+            postgres: cpu.postgres_cores * 1_000.0,
+            harness: cpu.harness_cores * 1_000.0,
+            broker: cpu.broker_cores * 1_000.0,
+        }
+    }
+}
+
 /// CPU-ms per ticketed order, by whom.
 #[derive(Debug, Clone, Copy, Serialize)]
 pub struct CpuMsPerOrder {
@@ -557,6 +583,39 @@ pub struct PgPerOrder {
     pub top: Vec<StatementCost>,
 }
 
+/// What PostgreSQL did for the bench's database per second while the product was at rest
+/// (every role running, no buyer): the fields of [`PgPerOrder`], per second.
+#[derive(Debug, Clone, Serialize)]
+pub struct PgAtRest {
+    /// Committed and rolled-back transactions per second.
+    pub transactions_per_s: f64,
+    /// Statements other than transaction control per second; None without `pg_stat_statements`.
+    pub statements_per_s: Option<f64>,
+    /// Client calls (round trips) per second; None without `pg_stat_statements`.
+    pub round_trips_per_s: Option<f64>,
+    /// Statement execution time, ms per second (server time, not CPU).
+    pub exec_ms_per_s: Option<f64>,
+    /// WAL the whole server wrote, bytes per second.
+    pub wal_bytes_per_s: f64,
+    /// The region lease's commit-time statements per second.
+    pub commit_trigger_statements_per_s: Option<f64>,
+    /// Why statements are missing, when they are.
+    pub statements_unavailable: Option<String>,
+    /// The statements with the most calls per second, most first (at most 25).
+    pub top: Vec<StatementRate>,
+}
+
+/// One statement's calls at rest, from `pg_stat_statements`.
+#[derive(Debug, Clone, Serialize)]
+pub struct StatementRate {
+    /// The normalized text, at most 200 characters.
+    pub query: String,
+    /// Calls per second.
+    pub calls_per_s: f64,
+    /// Execution time, ms per second (server time, not CPU).
+    pub exec_ms_per_s: f64,
+}
+
 /// Counters of the bench database at one instant.
 #[derive(Debug, Clone)]
 pub struct PgCounters {
@@ -608,16 +667,41 @@ impl PgCounters {
 
     /// What happened between `self` and `later`, per ticketed order.
     pub fn per_order(&self, later: &PgCounters, orders: i64) -> Option<PgPerOrder> {
-        if orders <= 0 {
-            return None;
+        (orders > 0).then(|| self.per(later, orders as f64))
+    }
+
+    /// What happened between `self` and `later`, per second of a window of `seconds` (> 0)
+    /// in which no buyer arrived.
+    pub fn at_rest(&self, later: &PgCounters, seconds: f64) -> PgAtRest {
+        let pg = self.per(later, seconds);
+        PgAtRest {
+            transactions_per_s: pg.transactions,
+            statements_per_s: pg.statements,
+            round_trips_per_s: pg.round_trips,
+            exec_ms_per_s: pg.exec_ms,
+            wal_bytes_per_s: pg.wal_bytes,
+            commit_trigger_statements_per_s: pg.commit_trigger_statements,
+            statements_unavailable: pg.statements_unavailable,
+            top: pg
+                .top
+                .into_iter()
+                .map(|t| StatementRate {
+                    query: t.query,
+                    calls_per_s: t.calls_per_order,
+                    exec_ms_per_s: t.exec_ms_per_order,
+                })
+                .collect(),
         }
-        let n = orders as f64;
+    }
+
+    /// The counters' differences divided by `n` (> 0): orders, or seconds.
+    fn per(&self, later: &PgCounters, n: f64) -> PgPerOrder {
         let transactions = (later.xacts - self.xacts) as f64 / n;
         let wal_bytes = (later.wal_lsn - self.wal_lsn) as f64 / n;
         let (before, after) = match (&self.statements, &later.statements) {
             (Ok(b), Ok(a)) => (b, a),
             (Err(e), _) | (_, Err(e)) => {
-                return Some(PgPerOrder {
+                return PgPerOrder {
                     transactions,
                     statements: None,
                     round_trips: None,
@@ -626,7 +710,7 @@ impl PgCounters {
                     commit_trigger_statements: None,
                     statements_unavailable: Some(e.clone()),
                     top: Vec::new(),
-                })
+                }
             }
         };
         let mut rows: Vec<(String, i64, f64)> = after
@@ -650,7 +734,7 @@ impl PgCounters {
                 exec_ms_per_order: t / n,
             })
             .collect();
-        Some(PgPerOrder {
+        PgPerOrder {
             transactions,
             statements: Some((calls - control) as f64 / n),
             round_trips: Some(calls as f64 / n),
@@ -659,7 +743,7 @@ impl PgCounters {
             commit_trigger_statements: Some(server as f64 / n),
             statements_unavailable: None,
             top,
-        })
+        }
     }
 }
 

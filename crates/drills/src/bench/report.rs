@@ -538,6 +538,40 @@ pub fn markdown(r: &Report) -> String {
                 ))
                 .unwrap_or_default()
         );
+        if let Some(rest) = &p3.at_rest {
+            let c = &rest.cpu_ms_per_s;
+            let pg = &rest.postgres;
+            let _ = writeln!(
+                s,
+                "\nAt rest before the first arrival ({:.0} s, every role running, no buyer): machine {:.1} % busy; \
+                 CPU-ms per second: the product {:.1}, PostgreSQL {:.1}, the harness {:.1} (of it the broker {:.1}); \
+                 PostgreSQL per second: {:.1} transactions{}, {:.0} bytes of WAL.",
+                rest.seconds,
+                rest.machine_busy_pct,
+                c.product,
+                c.postgres,
+                c.harness,
+                c.broker,
+                pg.transactions_per_s,
+                match (pg.statements_per_s, pg.round_trips_per_s) {
+                    (Some(st), Some(rt)) => format!(", {st:.1} statements, {rt:.1} round trips"),
+                    _ => String::new(),
+                },
+                pg.wal_bytes_per_s
+            );
+            if !pg.top.is_empty() {
+                let _ = writeln!(s, "\n| Calls/s at rest | Exec ms/s | Statement |\n|---|---|---|");
+                for t in pg.top.iter().take(12) {
+                    let _ = writeln!(
+                        s,
+                        "| {:.2} | {:.3} | `{}` |",
+                        t.calls_per_s,
+                        t.exec_ms_per_s,
+                        t.query.replace('|', "\\|")
+                    );
+                }
+            }
+        }
         if let Some(pg) = &p3.postgres_per_order {
             let _ = writeln!(
                 s,

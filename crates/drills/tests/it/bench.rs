@@ -105,6 +105,14 @@ async fn quick_bench_reports_every_phase_without_oversell(_: PgPoolOptions, opts
     } else {
         assert!(pg.statements.is_none() && pg.statements_unavailable.is_some());
     }
+    // The product at rest, before the first arrival: its timers' statements alone.
+    let rest = p3.at_rest.as_ref().expect("the product at rest");
+    assert!(rest.seconds >= 1.0, "{rest:?}");
+    assert!(rest.postgres.transactions_per_s > 0.0, "the product's timers run statements at rest: {rest:?}");
+    assert!(json["p3"]["at_rest"]["cpu_ms_per_s"]["product"].is_number());
+    if preloaded.contains("pg_stat_statements") {
+        assert!(rest.postgres.round_trips_per_s.is_some_and(|rt| rt > 0.0) && !rest.postgres.top.is_empty());
+    }
     assert!(r.recommendation.is_some());
     let p4 = r.p4.as_ref().unwrap();
     assert!(p4.drained && p4.events == 2_000);
@@ -132,7 +140,8 @@ async fn quick_bench_reports_every_phase_without_oversell(_: PgPoolOptions, opts
 
     let md = std::fs::read_to_string(out.join("report.md")).unwrap();
     assert!(md.contains("`shared_buffers` "), "report.md names the server's settings");
-    for phase in ["| P1 |", "| P2 |", "| P3 |", "| P4 |", "Recommended R"] {
+    for phase in ["| P1 |", "| P2 |", "| P3 |", "| P4 |", "Recommended R", "At rest before the first arrival"]
+    {
         assert!(md.contains(phase), "report.md lacks {phase}");
     }
     std::fs::remove_dir_all(&out).unwrap();
