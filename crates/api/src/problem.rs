@@ -304,6 +304,9 @@ impl From<crate::webhooks::IngestError> for Problem {
             crate::webhooks::IngestError::Malformed(what) => {
                 Problem::bad_request("malformed_event", format!("the event's {what} is not a Stripe id"))
             }
+            crate::webhooks::IngestError::Stopped => {
+                Problem::unavailable(&crate::webhooks::IngestError::Stopped)
+            }
         }
     }
 }

@@ -447,11 +447,7 @@ async fn stripe_webhook(
         return Err(Problem::region_fenced(boxoffice_store::region::Refusal::LeaseLapsed));
     }
     let span = crate::spans::webhook_span(&event, &st.settings.labels);
-    let outcome = tracing::Instrument::instrument(
-        webhooks::ingest(&st.webhook_pool, &event, &st.settings.hold_policy),
-        span,
-    )
-    .await?;
+    let outcome = tracing::Instrument::instrument(st.webhooks.ingest(event), span).await?;
     Ok(Json(crate::openapi::WebhookAck {
         received: true,
         duplicate: outcome == webhooks::Ingested::Duplicate,

@@ -61,6 +61,9 @@ pub struct ApiSettings {
     /// more is 503 `overloaded` at once. A bulkhead: a crowd polling a slow Redis waits up
     /// to `queue_timeout_ms` per request, and must not take the slots of holds and webhooks.
     pub queue_max_concurrent: usize,
+    /// The most webhook events recorded in one transaction (≥ 1; see
+    /// [`crate::webhooks::Ingress`]).
+    pub webhook_batch_max: usize,
     /// Longest a webhook request may take, body included (Stripe sends a whole small body at
     /// once); past it 503 `request_timeout`.
     pub webhook_timeout: Duration,
@@ -96,6 +99,7 @@ impl Default for ApiSettings {
             max_in_flight_per_ip: 32,
             webhook_max_in_flight_per_ip: 8,
             queue_max_concurrent: 256,
+            webhook_batch_max: crate::webhooks::DEFAULT_BATCH_MAX,
             webhook_timeout: Duration::from_secs(3),
             webhook_allowed_networks: Vec::new(),
             labels: boxoffice_trace::Labels::default(),
@@ -127,9 +131,9 @@ pub type CachedWindow = (Instant, Option<EventInfo>);
 pub struct AppState {
     /// The ledger.
     pub pool: PgPool,
-    /// A separate pool for Stripe webhook ingress, so a burst of hold requests cannot delay
-    /// the facts that move paid orders forward.
-    pub webhook_pool: PgPool,
+    /// Stripe webhook ingress's group commit, on a pool of its own, so a burst of hold
+    /// requests cannot delay the facts that move paid orders forward.
+    pub webhooks: crate::webhooks::Ingress,
     /// Bearer-token verification (the identity provider's keys; HS256 in development).
     pub users: UserTokens,
     /// Admission-token signing and verification.
@@ -184,8 +188,12 @@ impl AppState {
             .build();
         Self {
             revocations: Revocations::new(pool.clone(), waitroom.clone()),
+            webhooks: crate::webhooks::Ingress::start(
+                webhook_pool,
+                settings.hold_policy,
+                settings.webhook_batch_max,
+            ),
             pool,
-            webhook_pool,
             users,
             admission,
             waitroom,

@@ -3,7 +3,9 @@
 //! `stripe_events` together with what the event leads to, in one transaction; 2xx is answered
 //! only after that commit. A redelivered event finds its row and is acknowledged without
 //! effect (invariant 4). Events we do not act on are recorded and acknowledged, so Stripe
-//! stops retrying them. Whole bodies are never logged.
+//! stops retrying them. Whole bodies are never logged. Under load the endpoint records the
+//! events that arrive together in one transaction ([`Ingress`], a group commit whose batch
+//! rules are stated there); each event's statements and outcome are those of [`ingest`].
 //!
 //! A webhook is a claim, not the truth (Stripe delivers at least once, late and in any order,
 //! and whoever holds the signing secret can sign anything), so no webhook moves an order, a
@@ -46,7 +48,7 @@
 use boxoffice_domain::HoldPolicy;
 use boxoffice_domain::{Envelope, OrderId, OrderStatus, PaymentIntentStatus, PurchaseEvent};
 use boxoffice_payments::webhook::Event;
-use boxoffice_store::{holds, outbox, payments, stripe_events, StoreError};
+use boxoffice_store::{holds, outbox, payments, stripe_events, StoreError, Tx};
 use serde_json::Value;
 use sqlx::PgPool;
 
@@ -114,6 +116,9 @@ pub enum IngestError {
     /// a NUL byte): nothing is written.
     #[error("malformed Stripe event: {0}")]
     Malformed(&'static str),
+    /// The process's committers are gone (it is stopping): nothing was written.
+    #[error("webhook ingress is stopping")]
+    Stopped,
 }
 
 fn store_error(e: StoreError) -> IngestError {
@@ -131,31 +136,54 @@ fn well_formed(s: &str) -> bool {
     s.len() <= MAX_ID_LEN && !s.contains('\0')
 }
 
+/// Refuses a signed event whose ids no Stripe object has, before anything is written.
+fn check_ids(event: &Event) -> Result<(), IngestError> {
+    let object = &event.data.object;
+    if !well_formed(&event.id) || !well_formed(&event.r#type) {
+        return Err(IngestError::Malformed("event id or type"));
+    }
+    if payment_intent_id(&event.r#type, object).is_some_and(|p| !well_formed(&p))
+        || dispute_id(&event.r#type, object).is_some_and(|d| !well_formed(&d))
+    {
+        return Err(IngestError::Malformed("object id"));
+    }
+    Ok(())
+}
+
 /// Records a signature-checked Stripe event and what it leads to (nothing, a re-fetch, or
-/// pending) in one transaction.
+/// pending) in a transaction of its own.
 pub async fn ingest(pool: &PgPool, event: &Event, policy: &HoldPolicy) -> Result<Ingested, IngestError> {
-    let outcome = ingest_tx(pool, event, policy).await?;
+    check_ids(event)?;
+    let outcome = ingest_alone(pool, event, policy).await?;
+    acknowledged(outcome)
+}
+
+/// What every answered event passes once its transaction committed: the fault point
+/// `webhook.after_commit` (committed, not answered) and the outcome's count.
+fn acknowledged(outcome: Ingested) -> Result<Ingested, IngestError> {
     boxoffice_faults::check("webhook.after_commit")?;
     metrics::counter!("boxoffice_stripe_webhooks_total", "outcome" => outcome.label()).increment(1);
     Ok(outcome)
 }
 
-async fn ingest_tx(pool: &PgPool, event: &Event, policy: &HoldPolicy) -> Result<Ingested, IngestError> {
+/// One event in a transaction of its own.
+async fn ingest_alone(pool: &PgPool, event: &Event, policy: &HoldPolicy) -> Result<Ingested, IngestError> {
+    let mut tx = pool.begin().await?;
+    let outcome = ingest_in(&mut tx, event, policy).await?;
+    boxoffice_faults::check("webhook.before_commit")?;
+    tx.commit().await?;
+    Ok(outcome)
+}
+
+/// Records `event` (ids already checked) and what it leads to in `tx`, which the caller
+/// commits. A duplicate writes nothing.
+async fn ingest_in(tx: &mut Tx<'_>, event: &Event, policy: &HoldPolicy) -> Result<Ingested, IngestError> {
     let object = &event.data.object;
     let pi = payment_intent_id(&event.r#type, object);
-    if !well_formed(&event.id) || !well_formed(&event.r#type) {
-        return Err(IngestError::Malformed("event id or type"));
-    }
-    if pi.as_deref().is_some_and(|p| !well_formed(p))
-        || dispute_id(&event.r#type, object).is_some_and(|d| !well_formed(&d))
-    {
-        return Err(IngestError::Malformed("object id"));
-    }
-    let mut tx = pool.begin().await?;
     let order = match order_id(object) {
         Some(o) => Some(o),
         None => match &pi {
-            Some(pi) => payments::order_for_intent(&mut *tx, pi).await?,
+            Some(pi) => payments::order_for_intent(&mut **tx, pi).await?,
             None => None,
         },
     };
@@ -164,14 +192,13 @@ async fn ingest_tx(pool: &PgPool, event: &Event, policy: &HoldPolicy) -> Result<
     // they stand, in one statement.
     let (new, known) = match (order, pi.as_deref()) {
         (Some(order), Some(_)) if handled => {
-            stripe_events::record_with_order(&mut tx, &event.id, &event.r#type, pi.as_deref(), order)
+            stripe_events::record_with_order(tx, &event.id, &event.r#type, pi.as_deref(), order)
                 .await
                 .map_err(store_error)?
         }
-        _ => (stripe_events::record(&mut tx, &event.id, &event.r#type, pi.as_deref(), order).await?, None),
+        _ => (stripe_events::record(tx, &event.id, &event.r#type, pi.as_deref(), order).await?, None),
     };
     if !new {
-        tx.rollback().await?;
         return Ok(Ingested::Duplicate);
     }
     let mut outcome = Ingested::Recorded;
@@ -185,7 +212,6 @@ async fn ingest_tx(pool: &PgPool, event: &Event, policy: &HoldPolicy) -> Result<
                 // produce facts nobody can apply.
                 tracing::warn!(stripe.event_id = %event.id, stripe.event_type = %event.r#type, order.id = %order,
                     "webhook names an order this ledger does not have: recorded, ignored");
-                tx.commit().await?;
                 return Ok(Ingested::UnknownOrder);
             };
             let local = known.payment.as_ref();
@@ -209,7 +235,7 @@ async fn ingest_tx(pool: &PgPool, event: &Event, policy: &HoldPolicy) -> Result<
                         // Case C19: reported while the hold is live, so our lag (the re-fetch,
                         // the saga) must not cost the buyer the seats. The re-fetch confirms
                         // the claim or clears the protection.
-                        holds::protect_authorized(&mut tx, order, policy, None).await?;
+                        holds::protect_authorized(tx, order, policy, None).await?;
                     }
                     let fact = match dispute_id(&event.r#type, object) {
                         Some(dispute_id) => PurchaseEvent::DisputeRefreshRequested {
@@ -224,21 +250,222 @@ async fn ingest_tx(pool: &PgPool, event: &Event, policy: &HoldPolicy) -> Result<
                         },
                     };
                     let env = Envelope::new(order, &fact, known.correlation_id, None);
-                    outbox::insert(&mut tx, boxoffice_domain::Topic::Purchase, &env).await?;
+                    outbox::insert(tx, boxoffice_domain::Topic::Purchase, &env).await?;
                 }
             }
         }
         (None, Some(_)) if handled => {
             // Early: the payment worker has not committed the payment row. Keep the event;
             // the fact is re-derived from Stripe when the row is written.
-            stripe_events::mark_pending(&mut tx, &event.id).await?;
+            stripe_events::mark_pending(tx, &event.id).await?;
             outcome = Ingested::Pending;
         }
         _ => {}
     }
-    boxoffice_faults::check("webhook.before_commit")?;
-    tx.commit().await?;
     Ok(outcome)
+}
+
+/// The most events [`Ingress`] records in one transaction by default
+/// (`webhook_batch_max`).
+pub const DEFAULT_BATCH_MAX: usize = 32;
+
+/// Group commit of webhook ingress: verified events, recorded several to a transaction.
+///
+/// Each connection of the webhook pool has one committer. The committer whose turn it is
+/// waits for an event; while another committer's transaction is in flight it gathers the
+/// events that arrive meanwhile, until that transaction ends, `batch_max` are gathered, or
+/// [`GATHER_BOUND`] has passed, whichever is first (so one slow transaction delays the next
+/// batch by at most that); then it records them in one transaction, in the order of (the
+/// order id their metadata names, the event id), so two batches take the rows of the same
+/// orders in the same order, and commits. Each request is answered after that commit, as
+/// [`ingest`] answers after its own. So under load one transaction's `BEGIN`, `COMMIT` and
+/// commit-time region checks serve several events, and at rest an event still has a
+/// transaction of its own at once.
+///
+/// What a batch may not change, and why it does not:
+/// - **once per event (invariant 4)**: the event's `stripe_events` row is its dedupe in
+///   every transaction, batched or not. A redelivery in the same batch finds the row the
+///   batch wrote first and is a [`Ingested::Duplicate`], like one in a later transaction.
+/// - **all or nothing per event**: a batch whose transaction fails — any statement of any of
+///   its events, its commit, or a deadlock with another batch — commits nothing, and each of
+///   its events is then recorded alone, in a transaction of its own, answered with its own
+///   outcome or error. One bad event never fails the others, and an event whose batch's
+///   commit outcome was unknown finds its own row on the retry (a duplicate, nothing
+///   written twice).
+/// - **the fault points**: `webhook.before_commit` is checked once per transaction (a fired
+///   fault fails every event of the batch, nothing committed, as in a crash before the
+///   commit); `webhook.after_commit` once per answered event.
+/// - **what an event leads to** is decided by the statements [`ingest`] runs, in the span of
+///   its own request (its trace, and its `traceparent` on the facts it writes).
+#[derive(Clone)]
+pub struct Ingress {
+    jobs: tokio::sync::mpsc::Sender<Job>,
+}
+
+/// The longest a committer gathers events behind another committer's transaction before it
+/// starts its own.
+pub const GATHER_BOUND: std::time::Duration = std::time::Duration::from_millis(20);
+
+struct Job {
+    event: Event,
+    span: tracing::Span,
+    reply: tokio::sync::oneshot::Sender<Result<Ingested, IngestError>>,
+}
+
+impl Job {
+    /// The key batches are sorted by: the order its metadata names (nil: none), then the
+    /// event id.
+    fn key(&self) -> (uuid::Uuid, &str) {
+        (order_id(&self.event.data.object).map_or(uuid::Uuid::nil(), |o| o.0), self.event.id.as_str())
+    }
+}
+
+/// What the committers of one process share: the queue (its lock is the turn to wait for
+/// events) and the count of transactions in flight, with a wake-up when one ends.
+struct Committers {
+    queue: tokio::sync::Mutex<tokio::sync::mpsc::Receiver<Job>>,
+    in_flight: std::sync::atomic::AtomicUsize,
+    ended: tokio::sync::Notify,
+}
+
+/// One batch in flight; counted until dropped.
+struct InFlight<'a>(&'a Committers);
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+        self.0.ended.notify_waiters();
+    }
+}
+
+impl Ingress {
+    /// Starts one committer per connection of `pool` (at least one), each recording at most
+    /// `batch_max` (≥ 1; 1: one transaction per event) events per transaction. Needs a Tokio
+    /// runtime; the committers stop when every clone of this handle is dropped.
+    pub fn start(pool: PgPool, policy: HoldPolicy, batch_max: usize) -> Self {
+        let batch_max = batch_max.max(1);
+        let committers = pool.options().get_max_connections().max(1) as usize;
+        let (jobs, rx) = tokio::sync::mpsc::channel(committers * batch_max * 2);
+        let shared = std::sync::Arc::new(Committers {
+            queue: tokio::sync::Mutex::new(rx),
+            in_flight: std::sync::atomic::AtomicUsize::new(0),
+            ended: tokio::sync::Notify::new(),
+        });
+        for _ in 0..committers {
+            let (pool, shared) = (pool.clone(), shared.clone());
+            tokio::spawn(async move {
+                while let Some((batch, in_flight)) = next_batch(&shared, batch_max).await {
+                    commit_batch(&pool, &policy, batch).await;
+                    drop(in_flight);
+                }
+            });
+        }
+        Self { jobs }
+    }
+
+    /// Events handed to this process's committers and not yet taken into a batch.
+    pub fn waiting(&self) -> usize {
+        self.jobs.max_capacity() - self.jobs.capacity()
+    }
+
+    /// Records a signature-checked Stripe event and what it leads to, with the other events
+    /// gathered at the time, and answers once their transaction committed: the outcome
+    /// [`ingest`] would give.
+    ///
+    /// # Errors
+    /// [`IngestError::Malformed`] before anything is written; the batch's or the event's own
+    /// error otherwise (nothing of the event committed, but for `webhook.after_commit`);
+    /// [`IngestError::Stopped`] when the committers are gone.
+    pub async fn ingest(&self, event: Event) -> Result<Ingested, IngestError> {
+        check_ids(&event)?;
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        let job = Job { event, span: tracing::Span::current(), reply };
+        self.jobs.send(job).await.map_err(|_| IngestError::Stopped)?;
+        let outcome = answer.await.map_err(|_| IngestError::Stopped)??;
+        acknowledged(outcome)
+    }
+}
+
+/// The next batch (see [`Ingress`]), counted in flight. Events whose request is gone (its
+/// client gave up) are dropped unrecorded, as a dropped request's transaction would roll
+/// back: Stripe delivers them again. None when every sender is gone.
+async fn next_batch(c: &Committers, max: usize) -> Option<(Vec<Job>, InFlight<'_>)> {
+    use std::sync::atomic::Ordering;
+    let mut queue = c.queue.lock().await;
+    let first = queue.recv().await?;
+    let mut batch = vec![first];
+    let deadline = tokio::time::Instant::now() + GATHER_BOUND;
+    loop {
+        while batch.len() < max {
+            match queue.try_recv() {
+                Ok(job) => batch.push(job),
+                Err(_) => break,
+            }
+        }
+        let ended = c.ended.notified();
+        tokio::pin!(ended);
+        ended.as_mut().enable();
+        if batch.len() >= max || c.in_flight.load(Ordering::Acquire) == 0 {
+            break;
+        }
+        tokio::select! {
+            _ = &mut ended => {}
+            job = queue.recv() => match job {
+                Some(job) => batch.push(job),
+                None => break,
+            },
+            _ = tokio::time::sleep_until(deadline) => break,
+        }
+    }
+    c.in_flight.fetch_add(1, Ordering::AcqRel);
+    drop(queue);
+    batch.retain(|j| !j.reply.is_closed());
+    batch.sort_by(|a, b| a.key().cmp(&b.key()));
+    Some((batch, InFlight(c)))
+}
+
+/// Records `batch` in one transaction and answers each event; after a failure, records each
+/// alone (see [`Ingress`]).
+async fn commit_batch(pool: &PgPool, policy: &HoldPolicy, batch: Vec<Job>) {
+    use tracing::Instrument;
+    if batch.len() <= 1 {
+        for job in batch {
+            let outcome = ingest_alone(pool, &job.event, policy).instrument(job.span.clone()).await;
+            let _ = job.reply.send(outcome);
+        }
+        return;
+    }
+    metrics::histogram!("boxoffice_webhook_batch_events").record(batch.len() as f64);
+    let together = async {
+        let mut tx = pool.begin().await?;
+        let mut outcomes = Vec::with_capacity(batch.len());
+        for job in &batch {
+            outcomes.push(ingest_in(&mut tx, &job.event, policy).instrument(job.span.clone()).await?);
+        }
+        boxoffice_faults::check("webhook.before_commit")?;
+        tx.commit().await?;
+        Ok::<_, IngestError>(outcomes)
+    };
+    match together.await {
+        Ok(outcomes) => {
+            for (job, outcome) in batch.into_iter().zip(outcomes) {
+                let _ = job.reply.send(Ok(outcome));
+            }
+        }
+        Err(IngestError::Fault(f)) => {
+            for job in batch {
+                let _ = job.reply.send(Err(IngestError::Fault(f.clone())));
+            }
+        }
+        Err(e) => {
+            metrics::counter!("boxoffice_webhook_batches_split_total").increment(1);
+            tracing::info!(events = batch.len(), error = %e, "webhook batch failed: recording its events one by one");
+            for job in batch {
+                let outcome = ingest_alone(pool, &job.event, policy).instrument(job.span.clone()).await;
+                let _ = job.reply.send(outcome);
+            }
+        }
+    }
 }
 
 /// The reason sent with a claim that brings news the ledger has not recorded (every claim is

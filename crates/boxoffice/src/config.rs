@@ -351,6 +351,11 @@ pub struct Config {
     /// Each may wait `redis_queue_timeout_ms` for a slow Redis: this keeps the rest of the
     /// process's slots for holds, order status and webhooks.
     pub waitroom_max_concurrent_requests: usize,
+    /// The most Stripe webhook events an API process records in one transaction (default 32;
+    /// 1..=1000; 1: one transaction per event). Each connection of `db_pool_webhooks` commits
+    /// one batch at a time, gathering the events that arrive while another's transaction is in
+    /// flight (`boxoffice_api::webhooks::Ingress`).
+    pub webhook_batch_max: usize,
     /// Longest a webhook request may take, body included, ms (default 3000): Stripe sends a
     /// whole small body at once, so a slow sender cannot keep a webhook slot for long.
     pub webhook_timeout_ms: u64,
@@ -752,6 +757,7 @@ impl Default for Config {
             http_max_in_flight_per_ip: 32,
             webhook_max_in_flight_per_ip: 8,
             waitroom_max_concurrent_requests: 256,
+            webhook_batch_max: boxoffice_api::webhooks::DEFAULT_BATCH_MAX,
             webhook_timeout_ms: 3_000,
             webhook_allowed_networks: Vec::new(),
             http_max_connections: 4_096,
@@ -1226,6 +1232,9 @@ impl Config {
         self.webhook_networks()?;
         if self.webhook_timeout_ms == 0 {
             bail!("webhook_timeout_ms must be above 0");
+        }
+        if !(1..=1_000).contains(&self.webhook_batch_max) {
+            bail!("webhook_batch_max must be 1..=1000");
         }
         if self.http_max_concurrent_requests < 1 || self.http_max_connections < 1 {
             bail!("http_max_concurrent_requests and http_max_connections must be at least 1");

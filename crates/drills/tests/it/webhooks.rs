@@ -173,3 +173,160 @@ async fn events_of_another_integration_are_deduplicated_then_pruned(
     assert_eq!(left, ["evt_other_young", "evt_ours_early"]);
     app.stop().await;
 }
+
+/// An authorization claim for `order`'s PaymentIntent `pi`, as the ingress gets it once its
+/// signature verified.
+fn claim(evt: &str, order: Uuid, pi: &str) -> boxoffice_payments::webhook::Event {
+    serde_json::from_slice(&event_body(evt, order, pi)).unwrap()
+}
+
+/// Group commit of webhook ingress: events that wait while a transaction is in flight are
+/// recorded together in the next one, a redelivery among them is a duplicate with no effect,
+/// and an event whose statement fails fails alone: its batch is rolled back and every other
+/// event of it is recorded in a transaction of its own.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn webhook_events_that_wait_commit_together_and_a_failing_one_fails_alone(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    use boxoffice_api::webhooks::{IngestError, Ingested, Ingress};
+    let app = TestApp::spawn(opts.clone(), &[Role::Api], VenueSpec::small(1, 1, 8)).await;
+    let seats = app.seats().await;
+    let mut orders = Vec::new();
+    for (i, seat) in seats.iter().take(6).enumerate() {
+        let b = app.buyer();
+        let r = app.hold(&b, &app.admission_token(&b), &format!("k{i}"), &[*seat]).await;
+        let order: Uuid =
+            r.json::<serde_json::Value>().await.unwrap()["order_id"].as_str().unwrap().parse().unwrap();
+        boxoffice_store::payments::insert_created(
+            &app.pool,
+            boxoffice_domain::OrderId(order),
+            &format!("pi_group_{i}"),
+            Some("s"),
+            "requires_payment_method",
+            18500,
+            "usd",
+        )
+        .await
+        .unwrap();
+        orders.push(order);
+    }
+    let evt = |i: usize| claim(&format!("evt_group_{i}"), orders[i], &format!("pi_group_{i}"));
+    // One connection: one committer, whose statements give up after 1.5 s.
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(opts.clone().options([("statement_timeout", "1500")]))
+        .await
+        .unwrap();
+    let ingress = Ingress::start(pool, app.cfg.hold_policy(), 32);
+    let waiting_lock = || async {
+        app.count("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'").await
+    };
+    let until = |what: &'static str, cond: Box<dyn Fn() -> bool + Send + Sync>| async move {
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while !cond() {
+            assert!(std::time::Instant::now() < deadline, "{what}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+
+    // The holds of orders 0 and 3 are locked: an authorization claim protects its hold, so
+    // their events' statements wait.
+    let mut blocker = app.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM holds WHERE order_id = ANY($1) FOR UPDATE")
+        .bind(vec![orders[0], orders[3]])
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
+    let first = tokio::spawn({
+        let (ingress, e) = (ingress.clone(), evt(0));
+        async move { ingress.ingest(e).await }
+    });
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while waiting_lock().await == 0 {
+        assert!(std::time::Instant::now() < deadline, "order 0's event waits for its hold");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Meanwhile five more arrive: orders 1 to 4, and order 1's again (a redelivery).
+    let mut batch = Vec::new();
+    for e in [evt(1), evt(1), evt(2), evt(3), evt(4)] {
+        let ingress = ingress.clone();
+        batch.push(tokio::spawn(async move { ingress.ingest(e).await }));
+    }
+    let probe = ingress.clone();
+    until("the five events wait for the committer", Box::new(move || probe.waiting() == 5)).await;
+    assert!(matches!(first.await.unwrap(), Err(IngestError::Db(_))), "order 0's statement timed out");
+    // The batch of five met order 3's locked hold: rolled back, then each event alone.
+    let outcomes: Vec<_> = futures::future::join_all(batch).await.into_iter().map(|r| r.unwrap()).collect();
+    let ok: Vec<_> = outcomes.iter().filter_map(|o| o.as_ref().ok().copied()).collect();
+    assert_eq!(
+        ok.iter().filter(|o| **o == Ingested::Refresh).count(),
+        3,
+        "orders 1, 2 and 4 recorded: {outcomes:?}"
+    );
+    assert_eq!(ok.iter().filter(|o| **o == Ingested::Duplicate).count(), 1, "{outcomes:?}");
+    assert_eq!(outcomes.iter().filter(|o| matches!(o, Err(IngestError::Db(_)))).count(), 1, "{outcomes:?}");
+    let xacts = |ids: Vec<String>| {
+        let pool = app.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, String>(
+                "SELECT xact::text FROM stripe_events WHERE stripe_event_id = ANY($1) ORDER BY stripe_event_id",
+            )
+            .bind(ids)
+            .fetch_all(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    let ids = |is: &[usize]| is.iter().map(|i| format!("evt_group_{i}")).collect::<Vec<_>>();
+    let split = xacts(ids(&[0, 1, 2, 3, 4])).await;
+    assert_eq!(split.len(), 3, "orders 0 and 3 recorded nothing: {split:?}");
+    assert_eq!(
+        split.iter().collect::<std::collections::HashSet<_>>().len(),
+        3,
+        "each event of the failed batch in a transaction of its own: {split:?}"
+    );
+    for (i, order) in orders.iter().enumerate().take(5) {
+        let want = if i == 0 || i == 3 { 0 } else { 1 };
+        assert_eq!(app.outbox_count("PaymentIntentRefreshRequested", *order).await, want, "order {i}");
+    }
+    blocker.rollback().await.unwrap();
+
+    // Now order 5's hold is locked while its event is in flight, and Stripe redelivers the
+    // events of orders 0 and 3 and order 2's again: they wait, then commit together.
+    let mut blocker = app.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM holds WHERE order_id = $1 FOR UPDATE")
+        .bind(orders[5])
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
+    let fifth = tokio::spawn({
+        let (ingress, e) = (ingress.clone(), evt(5));
+        async move { ingress.ingest(e).await }
+    });
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while waiting_lock().await == 0 {
+        assert!(std::time::Instant::now() < deadline, "order 5's event waits for its hold");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let mut batch = Vec::new();
+    for e in [evt(3), evt(2), evt(0)] {
+        let ingress = ingress.clone();
+        batch.push(tokio::spawn(async move { ingress.ingest(e).await }));
+    }
+    let probe = ingress.clone();
+    until("the three events wait for the committer", Box::new(move || probe.waiting() == 3)).await;
+    blocker.rollback().await.unwrap();
+    assert_eq!(fifth.await.unwrap().unwrap(), Ingested::Refresh);
+    let outcomes: Vec<_> =
+        futures::future::join_all(batch).await.into_iter().map(|r| r.unwrap().unwrap()).collect();
+    assert_eq!(outcomes, [Ingested::Refresh, Ingested::Duplicate, Ingested::Refresh]);
+    let together = xacts(ids(&[0, 3])).await;
+    assert_eq!(together.len(), 2);
+    assert_eq!(together[0], together[1], "orders 0 and 3 recorded in one transaction");
+    assert_ne!(xacts(ids(&[5])).await, vec![together[0].clone()], "after the one in flight");
+    for order in &orders {
+        assert_eq!(app.outbox_count("PaymentIntentRefreshRequested", *order).await, 1);
+    }
+    app.stop().await;
+}
