@@ -166,10 +166,14 @@ fn acknowledged(outcome: Ingested) -> Result<Ingested, IngestError> {
     Ok(outcome)
 }
 
-/// One event in a transaction of its own.
+/// One event in a transaction of its own (a duplicate's, which wrote nothing, rolled back).
 async fn ingest_alone(pool: &PgPool, event: &Event, policy: &HoldPolicy) -> Result<Ingested, IngestError> {
     let mut tx = pool.begin().await?;
     let outcome = ingest_in(&mut tx, event, policy).await?;
+    if outcome == Ingested::Duplicate {
+        tx.rollback().await?;
+        return Ok(outcome);
+    }
     boxoffice_faults::check("webhook.before_commit")?;
     tx.commit().await?;
     Ok(outcome)
