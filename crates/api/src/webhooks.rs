@@ -116,7 +116,8 @@ pub enum IngestError {
     /// a NUL byte): nothing is written.
     #[error("malformed Stripe event: {0}")]
     Malformed(&'static str),
-    /// The process's committers are gone (it is stopping): nothing was written.
+    /// The event's committer is gone (the process is stopping) or its batch panicked: nothing
+    /// of it was written.
     #[error("webhook ingress is stopping")]
     Stopped,
 }
@@ -359,7 +360,13 @@ impl Ingress {
             let (pool, shared) = (pool.clone(), shared.clone());
             tokio::spawn(async move {
                 while let Some((batch, in_flight)) = next_batch(&shared, batch_max).await {
-                    commit_batch(&pool, &policy, batch).await;
+                    // A panic costs only its batch (its requests answer 503 and Stripe
+                    // delivers again), not the committer.
+                    let done = std::panic::AssertUnwindSafe(commit_batch(&pool, &policy, batch));
+                    if futures::FutureExt::catch_unwind(done).await.is_err() {
+                        metrics::counter!("boxoffice_webhook_batches_panicked_total").increment(1);
+                        tracing::error!("webhook batch panicked: its events are answered 503");
+                    }
                     drop(in_flight);
                 }
             });
@@ -379,7 +386,7 @@ impl Ingress {
     /// # Errors
     /// [`IngestError::Malformed`] before anything is written; the batch's or the event's own
     /// error otherwise (nothing of the event committed, but for `webhook.after_commit`);
-    /// [`IngestError::Stopped`] when the committers are gone.
+    /// [`IngestError::Stopped`] when the committers are gone or the event's batch panicked.
     pub async fn ingest(&self, event: Event) -> Result<Ingested, IngestError> {
         check_ids(&event)?;
         let (reply, answer) = tokio::sync::oneshot::channel();
