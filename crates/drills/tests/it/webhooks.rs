@@ -219,42 +219,12 @@ async fn webhook_events_that_wait_commit_together_and_a_failing_one_fails_alone(
         .await
         .unwrap();
     let ingress = Ingress::start(pool, app.cfg.hold_policy(), 32);
-    let waiting_lock = || async {
-        app.count("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'").await
-    };
-    let until = |what: &'static str, cond: Box<dyn Fn() -> bool + Send + Sync>| async move {
-        let deadline = std::time::Instant::now() + Duration::from_secs(20);
-        while !cond() {
-            assert!(std::time::Instant::now() < deadline, "{what}");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    };
 
     // The holds of orders 0 and 3 are locked: an authorization claim protects its hold, so
-    // their events' statements wait.
-    let mut blocker = app.pool.begin().await.unwrap();
-    sqlx::query("SELECT 1 FROM holds WHERE order_id = ANY($1) FOR UPDATE")
-        .bind(vec![orders[0], orders[3]])
-        .execute(&mut *blocker)
-        .await
-        .unwrap();
-    let first = tokio::spawn({
-        let (ingress, e) = (ingress.clone(), evt(0));
-        async move { ingress.ingest(e).await }
-    });
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while waiting_lock().await == 0 {
-        assert!(std::time::Instant::now() < deadline, "order 0's event waits for its hold");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    // Meanwhile five more arrive: orders 1 to 4, and order 1's again (a redelivery).
-    let mut batch = Vec::new();
-    for e in [evt(1), evt(1), evt(2), evt(3), evt(4)] {
-        let ingress = ingress.clone();
-        batch.push(tokio::spawn(async move { ingress.ingest(e).await }));
-    }
-    let probe = ingress.clone();
-    until("the five events wait for the committer", Box::new(move || probe.waiting() == 5)).await;
+    // their events' statements wait. Order 0's event is in flight, and meanwhile five more
+    // arrive: orders 1 to 4, and order 1's again (a redelivery).
+    let (blocker, first) = in_flight_behind_a_lock(&app, &ingress, &[orders[0], orders[3]], evt(0)).await;
+    let batch = arrive_while_in_flight(&ingress, vec![evt(1), evt(1), evt(2), evt(3), evt(4)]).await;
     assert!(matches!(first.await.unwrap(), Err(IngestError::Db(_))), "order 0's statement timed out");
     // The batch of five met order 3's locked hold: rolled back, then each event alone.
     let outcomes: Vec<_> = futures::future::join_all(batch).await.into_iter().map(|r| r.unwrap()).collect();
@@ -294,28 +264,8 @@ async fn webhook_events_that_wait_commit_together_and_a_failing_one_fails_alone(
 
     // Now order 5's hold is locked while its event is in flight, and Stripe redelivers the
     // events of orders 0 and 3 and order 2's again: they wait, then commit together.
-    let mut blocker = app.pool.begin().await.unwrap();
-    sqlx::query("SELECT 1 FROM holds WHERE order_id = $1 FOR UPDATE")
-        .bind(orders[5])
-        .execute(&mut *blocker)
-        .await
-        .unwrap();
-    let fifth = tokio::spawn({
-        let (ingress, e) = (ingress.clone(), evt(5));
-        async move { ingress.ingest(e).await }
-    });
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while waiting_lock().await == 0 {
-        assert!(std::time::Instant::now() < deadline, "order 5's event waits for its hold");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let mut batch = Vec::new();
-    for e in [evt(3), evt(2), evt(0)] {
-        let ingress = ingress.clone();
-        batch.push(tokio::spawn(async move { ingress.ingest(e).await }));
-    }
-    let probe = ingress.clone();
-    until("the three events wait for the committer", Box::new(move || probe.waiting() == 3)).await;
+    let (blocker, fifth) = in_flight_behind_a_lock(&app, &ingress, &[orders[5]], evt(5)).await;
+    let batch = arrive_while_in_flight(&ingress, vec![evt(3), evt(2), evt(0)]).await;
     blocker.rollback().await.unwrap();
     assert_eq!(fifth.await.unwrap().unwrap(), Ingested::Refresh);
     let outcomes: Vec<_> =
@@ -329,4 +279,59 @@ async fn webhook_events_that_wait_commit_together_and_a_failing_one_fails_alone(
         assert_eq!(app.outbox_count("PaymentIntentRefreshRequested", *order).await, 1);
     }
     app.stop().await;
+}
+
+type Ingest =
+    tokio::task::JoinHandle<Result<boxoffice_api::webhooks::Ingested, boxoffice_api::webhooks::IngestError>>;
+
+/// Locks the holds of `orders` in a transaction of the caller's and hands `event` to
+/// `ingress`; returns once its statement waits for one of those locks.
+async fn in_flight_behind_a_lock(
+    app: &TestApp,
+    ingress: &boxoffice_api::webhooks::Ingress,
+    orders: &[Uuid],
+    event: boxoffice_payments::webhook::Event,
+) -> (sqlx::Transaction<'static, sqlx::Postgres>, Ingest) {
+    let mut blocker = app.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM holds WHERE order_id = ANY($1) FOR UPDATE")
+        .bind(orders)
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
+    let ingest = tokio::spawn({
+        let ingress = ingress.clone();
+        async move { ingress.ingest(event).await }
+    });
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while app
+        .count("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'")
+        .await
+        == 0
+    {
+        assert!(std::time::Instant::now() < deadline, "the event in flight waits for a locked hold");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    (blocker, ingest)
+}
+
+/// Hands `events` to `ingress` while its only committer is busy; returns once all of them
+/// wait for it.
+async fn arrive_while_in_flight(
+    ingress: &boxoffice_api::webhooks::Ingress,
+    events: Vec<boxoffice_payments::webhook::Event>,
+) -> Vec<Ingest> {
+    let n = events.len();
+    let handles = events
+        .into_iter()
+        .map(|e| {
+            let ingress = ingress.clone();
+            tokio::spawn(async move { ingress.ingest(e).await })
+        })
+        .collect();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while ingress.waiting() < n {
+        assert!(std::time::Instant::now() < deadline, "{n} events wait for the committer");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    handles
 }
