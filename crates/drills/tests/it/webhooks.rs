@@ -30,21 +30,8 @@ async fn c08_duplicate_webhooks_have_one_effect(_: PgPoolOptions, opts: PgConnec
     let app = TestApp::spawn(opts, &[Role::Api], VenueSpec::small(1, 1, 4)).await;
     let seat = app.seats().await[0];
     let b = app.buyer();
-    let r = app.hold(&b, &app.admission_token(&b), "k", &[seat]).await;
-    let order: Uuid =
-        r.json::<serde_json::Value>().await.unwrap()["order_id"].as_str().unwrap().parse().unwrap();
     let pi = "pi_webhook_test";
-    boxoffice_store::payments::insert_created(
-        &app.pool,
-        boxoffice_domain::OrderId(order),
-        pi,
-        Some("s"),
-        "requires_payment_method",
-        18500,
-        "usd",
-    )
-    .await
-    .unwrap();
+    let order = held_with_payment_intent(&app, &b, seat, pi).await;
     let secret = app.cfg.stripe_webhook_secret.expose_secret().to_owned();
     let body = event_body("evt_dup_1", order, pi);
     let url = format!("{}/webhooks/stripe", app.api);
@@ -174,6 +161,25 @@ async fn events_of_another_integration_are_deduplicated_then_pruned(
     app.stop().await;
 }
 
+/// `b`'s order for `seat`, held, and its PaymentIntent `pi` recorded as created.
+async fn held_with_payment_intent(app: &TestApp, b: &crate::helpers::Buyer, seat: Uuid, pi: &str) -> Uuid {
+    let r = app.hold(b, &app.admission_token(b), &format!("k-{pi}"), &[seat]).await;
+    let order: Uuid =
+        r.json::<serde_json::Value>().await.unwrap()["order_id"].as_str().unwrap().parse().unwrap();
+    boxoffice_store::payments::insert_created(
+        &app.pool,
+        boxoffice_domain::OrderId(order),
+        pi,
+        Some("s"),
+        "requires_payment_method",
+        18500,
+        "usd",
+    )
+    .await
+    .unwrap();
+    order
+}
+
 /// An authorization claim for `order`'s PaymentIntent `pi`, as the ingress gets it once its
 /// signature verified.
 fn claim(evt: &str, order: Uuid, pi: &str) -> boxoffice_payments::webhook::Event {
@@ -194,22 +200,7 @@ async fn webhook_events_that_wait_commit_together_and_a_failing_one_fails_alone(
     let seats = app.seats().await;
     let mut orders = Vec::new();
     for (i, seat) in seats.iter().take(6).enumerate() {
-        let b = app.buyer();
-        let r = app.hold(&b, &app.admission_token(&b), &format!("k{i}"), &[*seat]).await;
-        let order: Uuid =
-            r.json::<serde_json::Value>().await.unwrap()["order_id"].as_str().unwrap().parse().unwrap();
-        boxoffice_store::payments::insert_created(
-            &app.pool,
-            boxoffice_domain::OrderId(order),
-            &format!("pi_group_{i}"),
-            Some("s"),
-            "requires_payment_method",
-            18500,
-            "usd",
-        )
-        .await
-        .unwrap();
-        orders.push(order);
+        orders.push(held_with_payment_intent(&app, &app.buyer(), *seat, &format!("pi_group_{i}")).await);
     }
     let evt = |i: usize| claim(&format!("evt_group_{i}"), orders[i], &format!("pi_group_{i}"));
     // One connection: one committer, whose statements give up after 1.5 s.
