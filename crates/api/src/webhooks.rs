@@ -277,29 +277,38 @@ pub const DEFAULT_BATCH_MAX: usize = 32;
 /// Group commit of webhook ingress: verified events, recorded several to a transaction.
 ///
 /// Each connection of the webhook pool has one committer. The committer whose turn it is
-/// waits for an event; while another committer's transaction is in flight it gathers the
-/// events that arrive meanwhile, until that transaction ends, `batch_max` are gathered, or
-/// [`GATHER_BOUND`] has passed, whichever is first (so one slow transaction delays the next
-/// batch by at most that); then it records them in one transaction, in the order of (the
-/// order id their metadata names, the event id), so two batches take the rows of the same
-/// orders in the same order, and commits. Each request is answered after that commit, as
-/// [`ingest`] answers after its own. So under load one transaction's `BEGIN`, `COMMIT` and
-/// commit-time region checks serve several events, and at rest an event still has a
-/// transaction of its own at once.
+/// waits for an event. While another committer's transaction is in flight, it gathers the
+/// events that arrive meanwhile, until a transaction ends, `batch_max` are gathered, or
+/// [`GATHER_BOUND`] has passed, whichever is first. Then it records them in one transaction
+/// and commits. At rest an event has a transaction of its own at once; under load one
+/// transaction's `BEGIN`, `COMMIT` and commit-time region checks serve several events. A
+/// batch is also bounded by the webhook requests a process lets in at once (64, and
+/// `webhook_max_in_flight_per_ip` per sender).
+///
+/// What a batch holds, and in which order:
+/// - **one event per order**: a second event naming the same order in its metadata waits for
+///   the next batch. So an order's steps stay one transaction each (the order timeline tells
+///   them apart), and a batch takes at most one order's rows per event;
+/// - sorted by (that order id, the event id), so two batches take the rows of the same orders
+///   in the same order.
 ///
 /// What a batch may not change, and why it does not:
-/// - **once per event (invariant 4)**: the event's `stripe_events` row is its dedupe in
-///   every transaction, batched or not. A redelivery in the same batch finds the row the
-///   batch wrote first and is a [`Ingested::Duplicate`], like one in a later transaction.
-/// - **all or nothing per event**: a batch whose transaction fails — any statement of any of
-///   its events, its commit, or a deadlock with another batch — commits nothing, and each of
-///   its events is then recorded alone, in a transaction of its own, answered with its own
-///   outcome or error. One bad event never fails the others, and an event whose batch's
-///   commit outcome was unknown finds its own row on the retry (a duplicate, nothing
-///   written twice).
+/// - **once per event (invariant 4)**: the event's `stripe_events` row is its dedupe in every
+///   transaction, batched or not; a redelivery in the same batch finds the row the batch wrote
+///   first and is a [`Ingested::Duplicate`], like one in a later transaction.
+/// - **one event's trouble is its own**: a batch waits at most [`BATCH_LOCK_TIMEOUT`] for
+///   any row lock. A batch whose transaction fails commits nothing. The event whose statement
+///   failed (a lock held elsewhere, a deadlock, a bad row) is then recorded alone, after the
+///   others, which are recorded again as one batch (and if that fails too, each alone). An
+///   event recorded alone has the usual timeouts and is rolled back if its request is gone
+///   (the client gave up), as a lone transaction was before batches; an event whose request
+///   is gone before its batch starts is not recorded. Stripe delivers both again.
+/// - **answers follow commits**: each request is answered after the transaction that
+///   recorded its event committed, with that event's outcome, or with the error of the one
+///   that failed it.
 /// - **the fault points**: `webhook.before_commit` is checked once per transaction (a fired
-///   fault fails every event of the batch, nothing committed, as in a crash before the
-///   commit); `webhook.after_commit` once per answered event.
+///   fault fails every event of it, nothing committed, as in a crash before the commit;
+///   duplicates in a batch too); `webhook.after_commit` once per answered event.
 /// - **what an event leads to** is decided by the statements [`ingest`] runs, in the span of
 ///   its own request (its trace, and its `traceparent` on the facts it writes).
 #[derive(Clone)]
@@ -311,6 +320,14 @@ pub struct Ingress {
 /// starts its own.
 pub const GATHER_BOUND: std::time::Duration = std::time::Duration::from_millis(20);
 
+/// How long a statement of a batch waits for a row lock before the batch gives up on the
+/// event that waits (`lock_timeout`), ms: well under the request's `webhook_timeout_ms`, so
+/// a lock held elsewhere delays the others of the batch by about this much.
+pub const BATCH_LOCK_TIMEOUT_MS: u64 = 250;
+
+/// [`BATCH_LOCK_TIMEOUT_MS`] as a duration.
+pub const BATCH_LOCK_TIMEOUT: std::time::Duration = std::time::Duration::from_millis(BATCH_LOCK_TIMEOUT_MS);
+
 struct Job {
     event: Event,
     span: tracing::Span,
@@ -318,17 +335,23 @@ struct Job {
 }
 
 impl Job {
-    /// The key batches are sorted by: the order its metadata names (nil: none), then the
-    /// event id.
-    fn key(&self) -> (uuid::Uuid, &str) {
-        (order_id(&self.event.data.object).map_or(uuid::Uuid::nil(), |o| o.0), self.event.id.as_str())
+    /// The order its metadata names (nil: none).
+    fn order(&self) -> uuid::Uuid {
+        order_id(&self.event.data.object).map_or(uuid::Uuid::nil(), |o| o.0)
     }
+}
+
+/// The committers' queue: the channel, and the events a batch left for the next one (a
+/// second event of an order it holds).
+struct Queue {
+    rx: tokio::sync::mpsc::Receiver<Job>,
+    carried: std::collections::VecDeque<Job>,
 }
 
 /// What the committers of one process share: the queue (its lock is the turn to wait for
 /// events) and the count of transactions in flight, with a wake-up when one ends.
 struct Committers {
-    queue: tokio::sync::Mutex<tokio::sync::mpsc::Receiver<Job>>,
+    queue: tokio::sync::Mutex<Queue>,
     in_flight: std::sync::atomic::AtomicUsize,
     ended: tokio::sync::Notify,
 }
@@ -352,7 +375,7 @@ impl Ingress {
         let committers = pool.options().get_max_connections().max(1) as usize;
         let (jobs, rx) = tokio::sync::mpsc::channel(committers * batch_max * 2);
         let shared = std::sync::Arc::new(Committers {
-            queue: tokio::sync::Mutex::new(rx),
+            queue: tokio::sync::Mutex::new(Queue { rx, carried: Default::default() }),
             in_flight: std::sync::atomic::AtomicUsize::new(0),
             ended: tokio::sync::Notify::new(),
         });
@@ -374,7 +397,7 @@ impl Ingress {
         Self { jobs }
     }
 
-    /// Events handed to this process's committers and not yet taken into a batch.
+    /// Events handed to this process's committers and not yet taken from the channel.
     pub fn waiting(&self) -> usize {
         self.jobs.max_capacity() - self.jobs.capacity()
     }
@@ -384,9 +407,10 @@ impl Ingress {
     /// [`ingest`] would give.
     ///
     /// # Errors
-    /// [`IngestError::Malformed`] before anything is written; the batch's or the event's own
-    /// error otherwise (nothing of the event committed, but for `webhook.after_commit`);
-    /// [`IngestError::Stopped`] when the committers are gone or the event's batch panicked.
+    /// [`IngestError::Malformed`] before anything is written; the event's own error, or that
+    /// of the batch it was in, otherwise (nothing of the event committed, but for
+    /// `webhook.after_commit`); [`IngestError::Stopped`] when the committers are gone or the
+    /// event's batch panicked.
     pub async fn ingest(&self, event: Event) -> Result<Ingested, IngestError> {
         check_ids(&event)?;
         let (reply, answer) = tokio::sync::oneshot::channel();
@@ -397,19 +421,36 @@ impl Ingress {
     }
 }
 
-/// The next batch (see [`Ingress`]), counted in flight. Events whose request is gone (its
-/// client gave up) are dropped unrecorded, as a dropped request's transaction would roll
-/// back: Stripe delivers them again. None when every sender is gone.
+/// The next batch (see [`Ingress`]), counted in flight. None when every sender is gone.
 async fn next_batch(c: &Committers, max: usize) -> Option<(Vec<Job>, InFlight<'_>)> {
     use std::sync::atomic::Ordering;
-    let mut queue = c.queue.lock().await;
-    let first = queue.recv().await?;
+    let mut guard = c.queue.lock().await;
+    let queue = &mut *guard;
+    let first = match queue.carried.pop_front() {
+        Some(job) => job,
+        None => queue.rx.recv().await?,
+    };
     let mut batch = vec![first];
+    // An event of an order already in the batch waits for the next one.
+    let add = |batch: &mut Vec<Job>, carried: &mut std::collections::VecDeque<Job>, job: Job| {
+        let order = job.order();
+        if !order.is_nil() && batch.iter().any(|j| j.order() == order) {
+            carried.push_back(job);
+        } else {
+            batch.push(job);
+        }
+    };
+    let mut taken = std::mem::take(&mut queue.carried);
+    while batch.len() < max {
+        let Some(job) = taken.pop_front() else { break };
+        add(&mut batch, &mut queue.carried, job);
+    }
+    queue.carried.extend(taken);
     let deadline = tokio::time::Instant::now() + GATHER_BOUND;
     loop {
         while batch.len() < max {
-            match queue.try_recv() {
-                Ok(job) => batch.push(job),
+            match queue.rx.try_recv() {
+                Ok(job) => add(&mut batch, &mut queue.carried, job),
                 Err(_) => break,
             }
         }
@@ -420,63 +461,110 @@ async fn next_batch(c: &Committers, max: usize) -> Option<(Vec<Job>, InFlight<'_
             break;
         }
         tokio::select! {
-            _ = &mut ended => {}
-            job = queue.recv() => match job {
-                Some(job) => batch.push(job),
+            // A transaction ended: take what came meanwhile and go.
+            _ = &mut ended => {
+                while batch.len() < max {
+                    match queue.rx.try_recv() {
+                        Ok(job) => add(&mut batch, &mut queue.carried, job),
+                        Err(_) => break,
+                    }
+                }
+                break;
+            }
+            job = queue.rx.recv() => match job {
+                Some(job) => add(&mut batch, &mut queue.carried, job),
                 None => break,
             },
             _ = tokio::time::sleep_until(deadline) => break,
         }
     }
     c.in_flight.fetch_add(1, Ordering::AcqRel);
-    drop(queue);
-    batch.retain(|j| !j.reply.is_closed());
-    batch.sort_by(|a, b| a.key().cmp(&b.key()));
+    drop(guard);
+    batch.sort_by(|a, b| (a.order(), a.event.id.as_str()).cmp(&(b.order(), b.event.id.as_str())));
     Some((batch, InFlight(c)))
 }
 
-/// Records `batch` in one transaction and answers each event; after a failure, records each
-/// alone (see [`Ingress`]).
-async fn commit_batch(pool: &PgPool, policy: &HoldPolicy, batch: Vec<Job>) {
+/// Why a batch's transaction failed: the event whose statement failed (None: the commit or
+/// the fault point), and the error.
+type BatchFailure = (Option<usize>, IngestError);
+
+/// `batch` in one transaction, each row lock waited for at most [`BATCH_LOCK_TIMEOUT`].
+async fn record_together(
+    pool: &PgPool,
+    policy: &HoldPolicy,
+    batch: &[Job],
+) -> Result<Vec<Ingested>, BatchFailure> {
     use tracing::Instrument;
-    if batch.len() <= 1 {
-        for job in batch {
-            let outcome = ingest_alone(pool, &job.event, policy).instrument(job.span.clone()).await;
-            let _ = job.reply.send(outcome);
-        }
-        return;
+    let mut tx = pool.begin().await.map_err(|e| (None, e.into()))?;
+    sqlx::query(&format!("SET LOCAL lock_timeout = {BATCH_LOCK_TIMEOUT_MS}"))
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| (None, e.into()))?;
+    let mut outcomes = Vec::with_capacity(batch.len());
+    for (i, job) in batch.iter().enumerate() {
+        let outcome = ingest_in(&mut tx, &job.event, policy)
+            .instrument(job.span.clone())
+            .await
+            .map_err(|e| (Some(i), e))?;
+        outcomes.push(outcome);
     }
-    metrics::histogram!("boxoffice_webhook_batch_events").record(batch.len() as f64);
-    let together = async {
-        let mut tx = pool.begin().await?;
-        let mut outcomes = Vec::with_capacity(batch.len());
-        for job in &batch {
-            outcomes.push(ingest_in(&mut tx, &job.event, policy).instrument(job.span.clone()).await?);
+    boxoffice_faults::check("webhook.before_commit").map_err(|f| (None, f.into()))?;
+    tx.commit().await.map_err(|e| (None, e.into()))?;
+    Ok(outcomes)
+}
+
+/// Records `batch` (see [`Ingress`]) and answers each event.
+async fn commit_batch(pool: &PgPool, policy: &HoldPolicy, mut batch: Vec<Job>) {
+    let mut alone = Vec::new();
+    for attempt in 0..2 {
+        // A request gone before its batch starts: not recorded (Stripe delivers it again).
+        batch.retain(|j| !j.reply.is_closed());
+        if batch.len() <= 1 {
+            alone.append(&mut batch);
+            break;
         }
-        boxoffice_faults::check("webhook.before_commit")?;
-        tx.commit().await?;
-        Ok::<_, IngestError>(outcomes)
+        metrics::histogram!("boxoffice_webhook_batch_events").record(batch.len() as f64);
+        match record_together(pool, policy, &batch).await {
+            Ok(outcomes) => {
+                for (job, outcome) in batch.drain(..).zip(outcomes) {
+                    let _ = job.reply.send(Ok(outcome));
+                }
+                break;
+            }
+            Err((_, IngestError::Fault(f))) => {
+                for job in batch.drain(..) {
+                    let _ = job.reply.send(Err(IngestError::Fault(f.clone())));
+                }
+                break;
+            }
+            Err((failed, e)) => {
+                metrics::counter!("boxoffice_webhook_batches_split_total").increment(1);
+                let event = failed.map(|i| batch[i].event.id.clone());
+                tracing::info!(events = batch.len(), stripe.event_id = ?event, error = %crate::problem::ErrorChain(&e),
+                    "webhook batch failed: its failing event is recorded alone, after the others");
+                match failed {
+                    Some(i) if attempt == 0 => alone.push(batch.remove(i)),
+                    _ => {
+                        alone.append(&mut batch);
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    for job in alone {
+        record_alone(pool, policy, job).await;
+    }
+}
+
+/// One event in a transaction of its own, rolled back if its request is gone meanwhile.
+async fn record_alone(pool: &PgPool, policy: &HoldPolicy, mut job: Job) {
+    use tracing::Instrument;
+    let outcome = tokio::select! {
+        outcome = ingest_alone(pool, &job.event, policy).instrument(job.span.clone()) => outcome,
+        () = job.reply.closed() => return,
     };
-    match together.await {
-        Ok(outcomes) => {
-            for (job, outcome) in batch.into_iter().zip(outcomes) {
-                let _ = job.reply.send(Ok(outcome));
-            }
-        }
-        Err(IngestError::Fault(f)) => {
-            for job in batch {
-                let _ = job.reply.send(Err(IngestError::Fault(f.clone())));
-            }
-        }
-        Err(e) => {
-            metrics::counter!("boxoffice_webhook_batches_split_total").increment(1);
-            tracing::info!(events = batch.len(), error = %e, "webhook batch failed: recording its events one by one");
-            for job in batch {
-                let outcome = ingest_alone(pool, &job.event, policy).instrument(job.span.clone()).await;
-                let _ = job.reply.send(outcome);
-            }
-        }
-    }
+    let _ = job.reply.send(outcome);
 }
 
 /// The reason sent with a claim that brings news the ledger has not recorded (every claim is
