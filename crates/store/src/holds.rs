@@ -880,7 +880,10 @@ async fn insert_hold(
     .execute(&mut **tx)
     .await;
     match inserted {
-        Ok(_) => Ok(receipt),
+        Ok(_) => {
+            outbox::wake_relay();
+            Ok(receipt)
+        }
         // A request with this key for another event committed under us: the next attempt
         // reads its answer (a different body: 409 `idempotency_key_conflict`).
         Err(e) if constraint(&e) == Some("idempotency_keys_pkey") => Err(ReserveError::InProgress),

@@ -22,12 +22,30 @@
 //! when tracing is off or there is no span), in the same INSERT: the relay sends the stored
 //! value, not its own context, so the consumer continues the trace of the request or message
 //! that caused the fact ([`boxoffice_trace`]).
+//!
+//! Every insert here (and the hold's statement, [`crate::holds`]) also wakes this process's
+//! relay ([`written`]): a relay whose reads keep finding nothing reads less often, and a
+//! fact written in its own process need not wait for its next read. Facts written by other
+//! processes are found by that read.
 
 use crate::Tx;
 use boxoffice_domain::{Envelope, Topic};
 use chrono::{DateTime, Utc};
 use sqlx::PgPool;
 use uuid::Uuid;
+
+static WRITTEN: tokio::sync::Notify = tokio::sync::Notify::const_new();
+
+/// Woken after this process inserted outbox rows (before their transaction commits, so the
+/// relay reads a little later). One wake-up is kept while nobody waits.
+pub fn written() -> &'static tokio::sync::Notify {
+    &WRITTEN
+}
+
+/// Wakes this process's relay ([`written`]).
+pub(crate) fn wake_relay() {
+    WRITTEN.notify_one();
+}
 
 /// Adds `envelope` to the outbox for `topic` inside the caller's transaction; the message key
 /// is the envelope's aggregate (order) id, the trace context the current span's.
@@ -44,6 +62,7 @@ pub async fn insert(tx: &mut Tx<'_>, topic: Topic, envelope: &Envelope) -> Resul
     .bind(boxoffice_trace::current_traceparent())
     .execute(&mut **tx)
     .await?;
+    wake_relay();
     Ok(())
 }
 
@@ -93,6 +112,7 @@ pub async fn insert_all(tx: &mut Tx<'_>, envelopes: &[Envelope]) -> Result<(), s
             .bind(boxoffice_trace::current_traceparent())
             .execute(&mut **tx)
             .await?;
+            wake_relay();
             Ok(())
         }
     }
@@ -142,6 +162,7 @@ pub async fn insert_traced(tx: &mut Tx<'_>, rows: &[Traced]) -> Result<(), sqlx:
     .bind(&traceparents)
     .execute(&mut **tx)
     .await?;
+    wake_relay();
     Ok(())
 }
 
@@ -183,6 +204,7 @@ pub async fn insert_traced_with_inbox(
     .bind(&applied)
     .execute(&mut **tx)
     .await?;
+    wake_relay();
     Ok(())
 }
 

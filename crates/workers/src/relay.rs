@@ -63,7 +63,8 @@ pub struct RelaySettings {
     /// How long the leader's session may sit idle before PostgreSQL ends it and with it the
     /// lead (`idle_session_timeout`), ms; must exceed the producer's delivery timeout.
     pub lease_ms: i64,
-    /// Pause when the outbox is empty, ms.
+    /// Pause after a read that found less than a batch, ms. Reads that keep finding nothing
+    /// double it, up to [`IDLE_MAX`] ([`idle_pause`]).
     pub idle_ms: u64,
     /// Published rows move to the order history after this many seconds.
     pub retention_s: i64,
@@ -85,6 +86,24 @@ impl Default for RelaySettings {
             refused_retry_s: 300,
         }
     }
+}
+
+/// The longest pause of a leading relay whose reads keep finding nothing: how long a fact
+/// written by another process may wait for a relay at rest. A fact written in the relay's
+/// own process wakes it ([`boxoffice_store::outbox::written`]).
+pub const IDLE_MAX: Duration = Duration::from_millis(200);
+
+/// The pause after a read that found `read` rows of a batch of `batch`, the `empty`-th read
+/// in a row to find none (0 when this one found some): none after a full batch, `idle_ms`
+/// after a partial one or the first empty one, then doubling with each empty read up to
+/// [`IDLE_MAX`] (or `idle_ms`, if that is longer).
+pub fn idle_pause(read: usize, batch: usize, empty: u32, idle_ms: u64) -> Duration {
+    if read >= batch {
+        return Duration::ZERO;
+    }
+    let idle = Duration::from_millis(idle_ms);
+    let doubled = idle.saturating_mul(1u32 << empty.saturating_sub(1).min(16));
+    doubled.min(IDLE_MAX.max(idle))
 }
 
 /// How often a relay that does not lead tries the lock.
@@ -114,6 +133,8 @@ pub async fn run(
 ) {
     let mut failures = 0u32;
     let mut stalled = 0u32;
+    // Reads in a row that found nothing (`idle_pause`).
+    let mut empty = 0u32;
     let mut last_gauge = std::time::Instant::now() - Duration::from_secs(5);
     let mut last_prune = std::time::Instant::now();
     let mut session: Option<PgConnection> = None;
@@ -159,11 +180,8 @@ pub async fn run(
                     // nor count towards the give-up (the rest of the outbox flows past them).
                     Ok(b) if b.failed == 0 => {
                         (failures, stalled) = (0, 0);
-                        if b.read < settings.batch as usize {
-                            Duration::from_millis(settings.idle_ms)
-                        } else {
-                            Duration::ZERO
-                        }
+                        empty = if b.read == 0 { empty.saturating_add(1) } else { 0 };
+                        idle_pause(b.read, settings.batch as usize, empty, settings.idle_ms)
                     }
                     Ok(b) => {
                         // Any delivery failure counts towards the give-up, even with other
@@ -211,9 +229,19 @@ pub async fn run(
             pause = pause.max(SIT_OUT);
         }
         if !pause.is_zero() {
+            let idle = Duration::from_millis(settings.idle_ms);
             tokio::select! {
                 _ = shutdown.cancelled() => {}
                 _ = tokio::time::sleep(pause) => {}
+                // A fact written here while the relay rests: read it after the usual short
+                // pause (its transaction commits meanwhile), as under load.
+                _ = boxoffice_store::outbox::written().notified(), if leading && pause > idle => {
+                    empty = 0;
+                    tokio::select! {
+                        _ = shutdown.cancelled() => {}
+                        _ = tokio::time::sleep(idle) => {}
+                    }
+                }
             }
         }
     }
@@ -525,5 +553,25 @@ async fn with_heartbeat<T>(
                     .map_err(|_| timed_out())??;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_relay_at_rest_reads_less_often_up_to_the_bound() {
+        let ms = |d: Duration| d.as_millis();
+        // A full batch: read again at once; a partial one or the first empty one: the usual pause.
+        assert_eq!(ms(idle_pause(500, 500, 0, 20)), 0);
+        assert_eq!(ms(idle_pause(7, 500, 0, 20)), 20);
+        assert_eq!(ms(idle_pause(0, 500, 1, 20)), 20);
+        // Empty reads in a row double it, up to IDLE_MAX.
+        let pauses: Vec<u128> = (1..=8).map(|n| ms(idle_pause(0, 500, n, 20))).collect();
+        assert_eq!(pauses, [20, 40, 80, 160, 200, 200, 200, 200]);
+        assert_eq!(ms(idle_pause(0, 500, u32::MAX, 20)), ms(IDLE_MAX));
+        // A configured pause longer than the bound is kept as it is.
+        assert_eq!(ms(idle_pause(0, 500, 9, 1_000)), 1_000);
     }
 }
