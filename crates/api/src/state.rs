@@ -192,6 +192,7 @@ impl AppState {
                 webhook_pool,
                 settings.hold_policy,
                 settings.webhook_batch_max,
+                settings.webhook_timeout,
             ),
             pool,
             users,

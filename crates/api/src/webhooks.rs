@@ -155,7 +155,7 @@ fn check_ids(event: &Event) -> Result<(), IngestError> {
 /// pending) in a transaction of its own.
 pub async fn ingest(pool: &PgPool, event: &Event, policy: &HoldPolicy) -> Result<Ingested, IngestError> {
     check_ids(event)?;
-    let outcome = ingest_alone(pool, event, policy).await?;
+    let outcome = ingest_alone(pool, event, policy, None).await?;
     acknowledged(outcome)
 }
 
@@ -167,9 +167,20 @@ fn acknowledged(outcome: Ingested) -> Result<Ingested, IngestError> {
     Ok(outcome)
 }
 
-/// One event in a transaction of its own (a duplicate's, which wrote nothing, rolled back).
-async fn ingest_alone(pool: &PgPool, event: &Event, policy: &HoldPolicy) -> Result<Ingested, IngestError> {
+/// One event in a transaction of its own (a duplicate's, which wrote nothing, rolled back),
+/// waiting at most `lock_wait` for a row lock when given.
+async fn ingest_alone(
+    pool: &PgPool,
+    event: &Event,
+    policy: &HoldPolicy,
+    lock_wait: Option<std::time::Duration>,
+) -> Result<Ingested, IngestError> {
     let mut tx = pool.begin().await?;
+    if let Some(wait) = lock_wait {
+        sqlx::query(&format!("SET LOCAL lock_timeout = {}", wait.as_millis().max(1)))
+            .execute(&mut *tx)
+            .await?;
+    }
     let outcome = ingest_in(&mut tx, event, policy).await?;
     if outcome == Ingested::Duplicate {
         tx.rollback().await?;
@@ -277,8 +288,9 @@ pub const DEFAULT_BATCH_MAX: usize = 32;
 /// Group commit of webhook ingress: verified events, recorded several to a transaction.
 ///
 /// Each connection of the webhook pool has one committer. The committer whose turn it is
-/// waits for an event. While another committer's transaction is in flight, it gathers the
-/// events that arrive meanwhile, until a transaction ends, `batch_max` are gathered, or
+/// waits for an event. While another committer's batch is in flight (its batch
+/// transactions, not the events it records alone afterwards), it gathers the events that
+/// arrive meanwhile, until one of those batches ends, `batch_max` are gathered, or
 /// [`GATHER_BOUND`] has passed, whichever is first. Then it records them in one transaction
 /// and commits. At rest an event has a transaction of its own at once; under load one
 /// transaction's `BEGIN`, `COMMIT` and commit-time region checks serve several events. A
@@ -286,26 +298,31 @@ pub const DEFAULT_BATCH_MAX: usize = 32;
 /// `webhook_max_in_flight_per_ip` per sender).
 ///
 /// What a batch holds, and in which order:
-/// - **one event per order**: a second event naming the same order in its metadata waits for
-///   the next batch. So an order's steps stay one transaction each (the order timeline tells
-///   them apart), and a batch takes at most one order's rows per event;
-/// - sorted by (that order id, the event id), so two batches take the rows of the same orders
-///   in the same order.
+/// - **one event per order**: an event about the same order as one in the batch (the order
+///   its metadata names, or the same PaymentIntent) waits for a later batch, which may
+///   commit on another connection before or after this one. So an order's steps stay one
+///   transaction each (the order timeline tells them apart), and a redelivery is never in the
+///   batch of its first delivery;
+/// - sorted by (the order its metadata names, the event id), so two batches take the rows of
+///   the same orders in the same order (an event without that metadata may not: a lock cycle
+///   then ends at the batch's lock timeout, below).
 ///
 /// What a batch may not change, and why it does not:
 /// - **once per event (invariant 4)**: the event's `stripe_events` row is its dedupe in every
-///   transaction, batched or not; a redelivery in the same batch finds the row the batch wrote
-///   first and is a [`Ingested::Duplicate`], like one in a later transaction.
-/// - **one event's trouble is its own**: a batch waits at most [`BATCH_LOCK_TIMEOUT`] for
-///   any row lock. A batch whose transaction fails commits nothing. The event whose statement
-///   failed (a lock held elsewhere, a deadlock, a bad row) is then recorded alone, after the
-///   others, which are recorded again as one batch (and if that fails too, each alone). An
-///   event recorded alone has the usual timeouts and is rolled back if its request is gone
-///   (the client gave up), as a lone transaction was before batches; an event whose request
-///   is gone before its batch starts is not recorded. Stripe delivers both again.
+///   transaction, batched or not; a redelivery finds it and is a [`Ingested::Duplicate`].
+/// - **one event's trouble is its own**: a batch waits at most [`BATCH_LOCK_TIMEOUT`] for any
+///   row lock. A batch whose transaction fails commits nothing. When one event's statement
+///   failed it (a lock held elsewhere, a deadlock, a bad row), that event is set aside and
+///   the others are batched again, up to [`BATCH_ATTEMPTS`] tries; what is left then, and
+///   every event of a batch whose commit failed, is recorded one by one, and the events set
+///   aside after all of them, each waiting for a row lock no longer than its request waits.
+///   An event recorded alone is rolled back if its request is gone meanwhile (unless its
+///   statement or commit was already sent); one whose request is gone before its batch
+///   starts is not recorded. Stripe delivers both again.
 /// - **answers follow commits**: each request is answered after the transaction that
-///   recorded its event committed, with that event's outcome, or with the error of the one
-///   that failed it.
+///   recorded its event committed, with that event's outcome, or with the error of the
+///   transaction that failed it. A request that gave up while its transaction committed
+///   (answered 503) may find its event recorded: Stripe's redelivery is a duplicate.
 /// - **the fault points**: `webhook.before_commit` is checked once per transaction (a fired
 ///   fault fails every event of it, nothing committed, as in a crash before the commit;
 ///   duplicates in a batch too); `webhook.after_commit` once per answered event.
@@ -314,6 +331,7 @@ pub const DEFAULT_BATCH_MAX: usize = 32;
 #[derive(Clone)]
 pub struct Ingress {
     jobs: tokio::sync::mpsc::Sender<Job>,
+    answer_within: std::time::Duration,
 }
 
 /// The longest a committer gathers events behind another committer's transaction before it
@@ -330,14 +348,22 @@ pub const BATCH_LOCK_TIMEOUT: std::time::Duration = std::time::Duration::from_mi
 
 struct Job {
     event: Event,
+    /// The order its metadata names (nil: none).
+    order: uuid::Uuid,
+    /// The PaymentIntent it is about, if any.
+    payment_intent: Option<String>,
+    /// When its request stops waiting for the answer.
+    deadline: tokio::time::Instant,
     span: tracing::Span,
     reply: tokio::sync::oneshot::Sender<Result<Ingested, IngestError>>,
 }
 
 impl Job {
-    /// The order its metadata names (nil: none).
-    fn order(&self) -> uuid::Uuid {
-        order_id(&self.event.data.object).map_or(uuid::Uuid::nil(), |o| o.0)
+    /// Whether `self` and `other` are about the same order: the order their metadata names,
+    /// or the PaymentIntent they are about.
+    fn same_order(&self, other: &Job) -> bool {
+        (!self.order.is_nil() && self.order == other.order)
+            || (self.payment_intent.is_some() && self.payment_intent == other.payment_intent)
     }
 }
 
@@ -368,9 +394,15 @@ impl Drop for InFlight<'_> {
 
 impl Ingress {
     /// Starts one committer per connection of `pool` (at least one), each recording at most
-    /// `batch_max` (≥ 1; 1: one transaction per event) events per transaction. Needs a Tokio
+    /// `batch_max` (≥ 1; 1: one transaction per event) events per transaction, for requests
+    /// that wait `answer_within` for their answer (`webhook_timeout_ms`). Needs a Tokio
     /// runtime; the committers stop when every clone of this handle is dropped.
-    pub fn start(pool: PgPool, policy: HoldPolicy, batch_max: usize) -> Self {
+    pub fn start(
+        pool: PgPool,
+        policy: HoldPolicy,
+        batch_max: usize,
+        answer_within: std::time::Duration,
+    ) -> Self {
         let batch_max = batch_max.max(1);
         let committers = pool.options().get_max_connections().max(1) as usize;
         let (jobs, rx) = tokio::sync::mpsc::channel(committers * batch_max * 2);
@@ -385,16 +417,15 @@ impl Ingress {
                 while let Some((batch, in_flight)) = next_batch(&shared, batch_max).await {
                     // A panic costs only its batch (its requests answer 503 and Stripe
                     // delivers again), not the committer.
-                    let done = std::panic::AssertUnwindSafe(commit_batch(&pool, &policy, batch));
+                    let done = std::panic::AssertUnwindSafe(commit_batch(&pool, &policy, batch, in_flight));
                     if futures::FutureExt::catch_unwind(done).await.is_err() {
                         metrics::counter!("boxoffice_webhook_batches_panicked_total").increment(1);
                         tracing::error!("webhook batch panicked: its events are answered 503");
                     }
-                    drop(in_flight);
                 }
             });
         }
-        Self { jobs }
+        Self { jobs, answer_within }
     }
 
     /// Events handed to this process's committers and not yet taken from the channel.
@@ -414,7 +445,14 @@ impl Ingress {
     pub async fn ingest(&self, event: Event) -> Result<Ingested, IngestError> {
         check_ids(&event)?;
         let (reply, answer) = tokio::sync::oneshot::channel();
-        let job = Job { event, span: tracing::Span::current(), reply };
+        let job = Job {
+            order: order_id(&event.data.object).map_or(uuid::Uuid::nil(), |o| o.0),
+            payment_intent: payment_intent_id(&event.r#type, &event.data.object),
+            deadline: tokio::time::Instant::now() + self.answer_within,
+            event,
+            span: tracing::Span::current(),
+            reply,
+        };
         self.jobs.send(job).await.map_err(|_| IngestError::Stopped)?;
         let outcome = answer.await.map_err(|_| IngestError::Stopped)??;
         acknowledged(outcome)
@@ -433,8 +471,7 @@ async fn next_batch(c: &Committers, max: usize) -> Option<(Vec<Job>, InFlight<'_
     let mut batch = vec![first];
     // An event of an order already in the batch waits for the next one.
     let add = |batch: &mut Vec<Job>, carried: &mut std::collections::VecDeque<Job>, job: Job| {
-        let order = job.order();
-        if !order.is_nil() && batch.iter().any(|j| j.order() == order) {
+        if batch.iter().any(|j| j.same_order(&job)) {
             carried.push_back(job);
         } else {
             batch.push(job);
@@ -480,7 +517,7 @@ async fn next_batch(c: &Committers, max: usize) -> Option<(Vec<Job>, InFlight<'_
     }
     c.in_flight.fetch_add(1, Ordering::AcqRel);
     drop(guard);
-    batch.sort_by(|a, b| (a.order(), a.event.id.as_str()).cmp(&(b.order(), b.event.id.as_str())));
+    batch.sort_by(|a, b| (a.order, a.event.id.as_str()).cmp(&(b.order, b.event.id.as_str())));
     Some((batch, InFlight(c)))
 }
 
@@ -513,14 +550,20 @@ async fn record_together(
     Ok(outcomes)
 }
 
-/// Records `batch` (see [`Ingress`]) and answers each event.
-async fn commit_batch(pool: &PgPool, policy: &HoldPolicy, mut batch: Vec<Job>) {
-    let mut alone = Vec::new();
-    for attempt in 0..2 {
+/// How many times a batch is tried, each time without the event whose statement failed the
+/// time before, before its remaining events are recorded one by one.
+pub const BATCH_ATTEMPTS: usize = 4;
+
+/// Records `batch` (see [`Ingress`]) and answers each event. `in_flight` counts the batch's
+/// transactions for the other committers' gathering; events recorded alone afterwards are
+/// not counted.
+async fn commit_batch(pool: &PgPool, policy: &HoldPolicy, mut batch: Vec<Job>, in_flight: InFlight<'_>) {
+    // Events whose statement failed a batch: recorded alone, after every other event.
+    let mut set_aside = Vec::new();
+    for _ in 0..BATCH_ATTEMPTS {
         // A request gone before its batch starts: not recorded (Stripe delivers it again).
         batch.retain(|j| !j.reply.is_closed());
         if batch.len() <= 1 {
-            alone.append(&mut batch);
             break;
         }
         metrics::histogram!("boxoffice_webhook_batch_events").record(batch.len() as f64);
@@ -538,30 +581,45 @@ async fn commit_batch(pool: &PgPool, policy: &HoldPolicy, mut batch: Vec<Job>) {
                 break;
             }
             Err((failed, e)) => {
-                metrics::counter!("boxoffice_webhook_batches_split_total").increment(1);
-                let event = failed.map(|i| batch[i].event.id.clone());
-                tracing::info!(events = batch.len(), stripe.event_id = ?event, error = %crate::problem::ErrorChain(&e),
-                    "webhook batch failed: its failing event is recorded alone, after the others");
+                metrics::counter!("boxoffice_webhook_batches_failed_total").increment(1);
                 match failed {
-                    Some(i) if attempt == 0 => alone.push(batch.remove(i)),
-                    _ => {
-                        alone.append(&mut batch);
+                    Some(i) => {
+                        tracing::info!(events = batch.len(), stripe.event_id = %batch[i].event.id,
+                            error = %crate::problem::ErrorChain(&e),
+                            "webhook batch failed on one event: the others are batched again, it is recorded alone after them");
+                        set_aside.push(batch.remove(i));
+                    }
+                    None => {
+                        tracing::info!(events = batch.len(), error = %crate::problem::ErrorChain(&e),
+                            "webhook batch failed: its events are recorded one by one");
                         break;
                     }
                 }
             }
         }
     }
-    for job in alone {
-        record_alone(pool, policy, job).await;
+    drop(in_flight);
+    for job in batch {
+        record_alone(pool, policy, job, false).await;
+    }
+    for job in set_aside {
+        record_alone(pool, policy, job, true).await;
     }
 }
 
-/// One event in a transaction of its own, rolled back if its request is gone meanwhile.
-async fn record_alone(pool: &PgPool, policy: &HoldPolicy, mut job: Job) {
+/// One event in a transaction of its own, rolled back if its request is gone meanwhile (a
+/// statement already sent runs on until it ends; a commit already sent may still commit, and
+/// Stripe's redelivery is then a duplicate). `bounded` (an event that failed a batch): it
+/// waits for a row lock no longer than its request waits for the answer.
+async fn record_alone(pool: &PgPool, policy: &HoldPolicy, mut job: Job, bounded: bool) {
     use tracing::Instrument;
+    let left = job.deadline.saturating_duration_since(tokio::time::Instant::now());
+    if job.reply.is_closed() || (bounded && left.is_zero()) {
+        return;
+    }
+    let lock_wait = bounded.then_some(left);
     let outcome = tokio::select! {
-        outcome = ingest_alone(pool, &job.event, policy).instrument(job.span.clone()) => outcome,
+        outcome = ingest_alone(pool, &job.event, policy, lock_wait).instrument(job.span.clone()) => outcome,
         () = job.reply.closed() => return,
     };
     let _ = job.reply.send(outcome);

@@ -210,7 +210,7 @@ async fn webhook_events_that_wait_commit_together_and_a_failing_one_fails_alone(
         .connect_with(opts.clone().options([("statement_timeout", "1500")]))
         .await
         .unwrap();
-    let ingress = Ingress::start(pool, app.cfg.hold_policy(), 32);
+    let ingress = Ingress::start(pool.clone(), app.cfg.hold_policy(), 32, Duration::from_secs(30));
 
     // The holds of orders 0 and 3 are locked: an authorization claim protects its hold, so
     // their events' statements wait. Order 0's event is in flight, and meanwhile five more
@@ -278,6 +278,9 @@ async fn webhook_events_that_wait_commit_together_and_a_failing_one_fails_alone(
         let want = if i == 0 { 2 } else { 1 };
         assert_eq!(app.outbox_count("PaymentIntentRefreshRequested", *order).await, want, "order {i}");
     }
+    // The committer's connection is closed before the test's database is dropped.
+    drop(ingress);
+    pool.close().await;
     app.stop().await;
 }
 
