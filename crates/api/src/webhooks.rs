@@ -5,7 +5,7 @@
 //! effect (invariant 4). Events we do not act on are recorded and acknowledged, so Stripe
 //! stops retrying them. Whole bodies are never logged. Under load the endpoint records the
 //! events that arrive together in one transaction ([`Ingress`], a group commit whose batch
-//! rules are stated there); each event's statements and outcome are those of [`ingest`].
+//! rules are stated there); an event's statements and outcome are the same batched or alone.
 //!
 //! A webhook is a claim, not the truth (Stripe delivers at least once, late and in any order,
 //! and whoever holds the signing secret can sign anything), so no webhook moves an order, a
@@ -149,14 +149,6 @@ fn check_ids(event: &Event) -> Result<(), IngestError> {
         return Err(IngestError::Malformed("object id"));
     }
     Ok(())
-}
-
-/// Records a signature-checked Stripe event and what it leads to (nothing, a re-fetch, or
-/// pending) in a transaction of its own.
-pub async fn ingest(pool: &PgPool, event: &Event, policy: &HoldPolicy) -> Result<Ingested, IngestError> {
-    check_ids(event)?;
-    let outcome = ingest_alone(pool, event, policy, None).await?;
-    acknowledged(outcome)
 }
 
 /// What every answered event passes once its transaction committed: the fault point
@@ -310,7 +302,7 @@ pub const DEFAULT_BATCH_MAX: usize = 32;
 /// What a batch may not change, and why it does not:
 /// - **once per event (invariant 4)**: the event's `stripe_events` row is its dedupe in every
 ///   transaction, batched or not; a redelivery finds it and is a [`Ingested::Duplicate`].
-/// - **one event's trouble is its own**: a batch waits at most [`BATCH_LOCK_TIMEOUT`] for any
+/// - **one event's trouble is its own**: a batch waits at most [`BATCH_LOCK_TIMEOUT_MS`] for any
 ///   row lock. A batch whose transaction fails commits nothing. When one event's statement
 ///   failed it (a lock held elsewhere, a deadlock, a bad row), that event is set aside and
 ///   the others are batched again, up to [`BATCH_ATTEMPTS`] tries; what is left then, and
@@ -326,8 +318,8 @@ pub const DEFAULT_BATCH_MAX: usize = 32;
 /// - **the fault points**: `webhook.before_commit` is checked once per transaction (a fired
 ///   fault fails every event of it, nothing committed, as in a crash before the commit;
 ///   duplicates in a batch too); `webhook.after_commit` once per answered event.
-/// - **what an event leads to** is decided by the statements [`ingest`] runs, in the span of
-///   its own request (its trace, and its `traceparent` on the facts it writes).
+/// - **what an event leads to** is decided by the same statements as when it is recorded
+///   alone, in the span of its own request (its trace, and its `traceparent` on the facts it writes).
 #[derive(Clone)]
 pub struct Ingress {
     jobs: tokio::sync::mpsc::Sender<Job>,
@@ -342,9 +334,6 @@ pub const GATHER_BOUND: std::time::Duration = std::time::Duration::from_millis(2
 /// event that waits (`lock_timeout`), ms: well under the request's `webhook_timeout_ms`, so
 /// a lock held elsewhere delays the others of the batch by about this much.
 pub const BATCH_LOCK_TIMEOUT_MS: u64 = 250;
-
-/// [`BATCH_LOCK_TIMEOUT_MS`] as a duration.
-pub const BATCH_LOCK_TIMEOUT: std::time::Duration = std::time::Duration::from_millis(BATCH_LOCK_TIMEOUT_MS);
 
 struct Job {
     event: Event,
@@ -434,8 +423,8 @@ impl Ingress {
     }
 
     /// Records a signature-checked Stripe event and what it leads to, with the other events
-    /// gathered at the time, and answers once their transaction committed: the outcome
-    /// [`ingest`] would give.
+    /// gathered at the time, and answers once their transaction committed: nothing, a
+    /// re-fetch, or pending, as [`Ingested`] says.
     ///
     /// # Errors
     /// [`IngestError::Malformed`] before anything is written; the event's own error, or that
@@ -483,14 +472,18 @@ async fn next_batch(c: &Committers, max: usize) -> Option<(Vec<Job>, InFlight<'_
         add(&mut batch, &mut queue.carried, job);
     }
     queue.carried.extend(taken);
-    let deadline = tokio::time::Instant::now() + GATHER_BOUND;
-    loop {
+    // Every event already waiting, up to `max`.
+    let take_waiting = |batch: &mut Vec<Job>, queue: &mut Queue| {
         while batch.len() < max {
             match queue.rx.try_recv() {
-                Ok(job) => add(&mut batch, &mut queue.carried, job),
+                Ok(job) => add(batch, &mut queue.carried, job),
                 Err(_) => break,
             }
         }
+    };
+    let deadline = tokio::time::Instant::now() + GATHER_BOUND;
+    loop {
+        take_waiting(&mut batch, queue);
         let ended = c.ended.notified();
         tokio::pin!(ended);
         ended.as_mut().enable();
@@ -500,12 +493,7 @@ async fn next_batch(c: &Committers, max: usize) -> Option<(Vec<Job>, InFlight<'_
         tokio::select! {
             // A transaction ended: take what came meanwhile and go.
             _ = &mut ended => {
-                while batch.len() < max {
-                    match queue.rx.try_recv() {
-                        Ok(job) => add(&mut batch, &mut queue.carried, job),
-                        Err(_) => break,
-                    }
-                }
+                take_waiting(&mut batch, queue);
                 break;
             }
             job = queue.rx.recv() => match job {
@@ -525,7 +513,7 @@ async fn next_batch(c: &Committers, max: usize) -> Option<(Vec<Job>, InFlight<'_
 /// the fault point), and the error.
 type BatchFailure = (Option<usize>, IngestError);
 
-/// `batch` in one transaction, each row lock waited for at most [`BATCH_LOCK_TIMEOUT`].
+/// `batch` in one transaction, each row lock waited for at most [`BATCH_LOCK_TIMEOUT_MS`].
 async fn record_together(
     pool: &PgPool,
     policy: &HoldPolicy,
