@@ -173,19 +173,28 @@ async fn ingest_alone(
             .execute(&mut *tx)
             .await?;
     }
-    let outcome = ingest_in(&mut tx, event, policy).await?;
+    let mut facts = Vec::new();
+    let outcome = ingest_in(&mut tx, event, policy, &mut facts).await?;
     if outcome == Ingested::Duplicate {
         tx.rollback().await?;
         return Ok(outcome);
     }
+    outbox::insert_traced(&mut tx, &facts).await?;
     boxoffice_faults::check("webhook.before_commit")?;
     tx.commit().await?;
     Ok(outcome)
 }
 
-/// Records `event` (ids already checked) and what it leads to in `tx`, which the caller
-/// commits. A duplicate writes nothing.
-async fn ingest_in(tx: &mut Tx<'_>, event: &Event, policy: &HoldPolicy) -> Result<Ingested, IngestError> {
+/// Records `event` (ids already checked) in `tx`, and what it leads to: its rows' changes in
+/// `tx`, the fact it asks for pushed to `facts` (with the current span's trace context), which
+/// the caller writes to the outbox in `tx` (one statement for a whole batch,
+/// [`outbox::insert_traced`]) and commits. A duplicate writes nothing and pushes nothing.
+async fn ingest_in(
+    tx: &mut Tx<'_>,
+    event: &Event,
+    policy: &HoldPolicy,
+    facts: &mut Vec<outbox::Traced>,
+) -> Result<Ingested, IngestError> {
     let object = &event.data.object;
     let pi = payment_intent_id(&event.r#type, object);
     let order = match order_id(object) {
@@ -257,8 +266,7 @@ async fn ingest_in(tx: &mut Tx<'_>, event: &Event, policy: &HoldPolicy) -> Resul
                             reason: reason.to_owned(),
                         },
                     };
-                    let env = Envelope::new(order, &fact, known.correlation_id, None);
-                    outbox::insert(tx, boxoffice_domain::Topic::Purchase, &env).await?;
+                    facts.push(outbox::Traced::here(Envelope::new(order, &fact, known.correlation_id, None)));
                 }
             }
         }
@@ -319,7 +327,9 @@ pub const DEFAULT_BATCH_MAX: usize = 32;
 ///   fault fails every event of it, nothing committed, as in a crash before the commit;
 ///   duplicates in a batch too); `webhook.after_commit` once per answered event.
 /// - **what an event leads to** is decided by the same statements as when it is recorded
-///   alone, in the span of its own request (its trace, and its `traceparent` on the facts it writes).
+///   alone, in the span of its own request (its trace, and its `traceparent` on the facts it
+///   writes). The facts of all its events go to the outbox in one statement before the
+///   commit, in the batch's order, each with its own event's `traceparent`.
 #[derive(Clone)]
 pub struct Ingress {
     jobs: tokio::sync::mpsc::Sender<Job>,
@@ -526,13 +536,16 @@ async fn record_together(
         .await
         .map_err(|e| (None, e.into()))?;
     let mut outcomes = Vec::with_capacity(batch.len());
+    let mut facts = Vec::with_capacity(batch.len());
     for (i, job) in batch.iter().enumerate() {
-        let outcome = ingest_in(&mut tx, &job.event, policy)
+        let outcome = ingest_in(&mut tx, &job.event, policy, &mut facts)
             .instrument(job.span.clone())
             .await
             .map_err(|e| (Some(i), e))?;
         outcomes.push(outcome);
     }
+    // Every event's fact, each with its own event's trace context, in one statement.
+    outbox::insert_traced(&mut tx, &facts).await.map_err(|e| (None, e.into()))?;
     boxoffice_faults::check("webhook.before_commit").map_err(|f| (None, f.into()))?;
     tx.commit().await.map_err(|e| (None, e.into()))?;
     Ok(outcomes)
