@@ -56,6 +56,7 @@ use boxoffice_payments::{
 };
 use boxoffice_store::{holds, payments, stripe_events, Tx};
 use sqlx::PgPool;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 /// Consumer name (inbox key, consumer group `ticketing-payments`).
@@ -481,9 +482,9 @@ impl Handler for PaymentWorker {
         }
     }
 
-    /// Whether the hold of the command's order is locked in the transaction already
-    /// ([`Handler::lock_rows`]); `false`: `apply` locks it itself where it writes.
-    type Rows = bool;
+    /// What [`Handler::lock_rows`] did for the command: whether its order's hold is locked in
+    /// the transaction already, and a re-fetch's payment row as read then ([`Locked`]).
+    type Rows = Locked;
 
     /// The holds locked in one statement in ascending order id
     /// ([`holds::lock_all_for_orders`]), before any effect of `run`: the first lock each
@@ -499,11 +500,16 @@ impl Handler for PaymentWorker {
     /// order id, where taken by the effect they would come after the locks of higher order
     /// ids. A refund or re-fetch processed alone has no other order's lock to keep in order:
     /// its effect locks what it writes.
+    ///
+    /// Then, in one more statement, the payment rows of the re-fetches' orders
+    /// ([`payments::get_all`]), which their effects compare the provider's answer with: read
+    /// after the holds' locks, as each effect would read its own, and changed by no other
+    /// effect of `run` (one command per order; a second command of an order reads its own).
     async fn lock_rows(
         &self,
         tx: &mut Tx<'_>,
         run: &[(&Envelope, &PurchaseEvent)],
-    ) -> Result<Vec<bool>, HandlerError> {
+    ) -> Result<Vec<Locked>, HandlerError> {
         let batch = run.len() > 1;
         let locks = |event: &PurchaseEvent| {
             batch
@@ -518,9 +524,33 @@ impl Handler for PaymentWorker {
             run.iter().filter(|(_, event)| locks(event)).map(|(_, event)| event.order_id()).collect();
         orders.sort();
         orders.dedup();
-        let locked: std::collections::HashSet<uuid::Uuid> =
+        let locked: HashSet<uuid::Uuid> =
             holds::lock_all_for_orders(tx, &orders).await?.into_iter().collect();
-        Ok(run.iter().map(|(_, event)| locks(event) && locked.contains(&event.order_id().0)).collect())
+        let refetches = |event: &PurchaseEvent| {
+            matches!(
+                event,
+                PurchaseEvent::PaymentIntentRefreshRequested { .. }
+                    | PurchaseEvent::DisputeRefreshRequested { .. }
+            )
+        };
+        let mut once = HashSet::new();
+        let first: Vec<bool> = run.iter().map(|(_, event)| once.insert(event.order_id())).collect();
+        let reading: Vec<OrderId> = run
+            .iter()
+            .zip(&first)
+            .filter(|((_, event), first)| **first && refetches(event))
+            .map(|((_, event), _)| event.order_id())
+            .collect();
+        let mut payments: HashMap<uuid::Uuid, payments::PaymentRow> =
+            payments::get_all(&mut **tx, &reading).await?.into_iter().map(|p| (p.order_id, p)).collect();
+        Ok(run
+            .iter()
+            .zip(first)
+            .map(|((_, event), first)| Locked {
+                hold: locks(event) && locked.contains(&event.order_id().0),
+                payment: (first && refetches(event)).then(|| payments.remove(&event.order_id().0)),
+            })
+            .collect())
     }
 
     async fn apply(
@@ -529,9 +559,10 @@ impl Handler for PaymentWorker {
         env: &Envelope,
         event: &PurchaseEvent,
         prepared: Prepared,
-        hold_locked: bool,
+        rows: Locked,
     ) -> Result<Vec<Envelope>, HandlerError> {
         let order_id = event.order_id();
+        let hold_locked = rows.hold;
         let mut emit = Vec::new();
         // An authorization request's new PaymentIntent (a command, or a `HoldCreated` that is
         // the request).
@@ -599,7 +630,7 @@ impl Handler for PaymentWorker {
                 tracing::info!(order.id = %order_id, payment_intent.status = %pi.status, reason = %reason,
                     "PaymentIntent re-fetched");
                 metrics::counter!("boxoffice_payment_intent_refreshes_total").increment(1);
-                let local = payments::get(&mut **tx, order_id).await?;
+                let local = rows.payment_or_read(tx, order_id).await?;
                 if local.as_ref().is_some_and(|p| p.payment_intent_id == pi.id) {
                     // Case C19: the provider's word on the order's current PaymentIntent
                     // decides whether its live hold waits for the saga.
@@ -625,7 +656,7 @@ impl Handler for PaymentWorker {
                 PurchaseEvent::DisputeRefreshRequested { payment_intent_id, .. },
                 Prepared::ObservedDispute { dispute },
             ) => {
-                let local = payments::get(&mut **tx, order_id).await?;
+                let local = rows.payment_or_read(tx, order_id).await?;
                 if local.and_then(|p| p.dispute_status).as_deref() != Some(dispute.status.as_str()) {
                     emit.push(PurchaseEvent::PaymentDisputed {
                         order_id,
@@ -640,6 +671,32 @@ impl Handler for PaymentWorker {
             }
         }
         Ok(emit.iter().map(|e| env.follow(e)).collect())
+    }
+}
+
+/// What [`PaymentWorker`]'s `lock_rows` did for one command, for its `apply`. The default
+/// (nothing locked, nothing read) makes `apply` lock and read what it needs itself.
+#[derive(Debug, Default)]
+pub struct Locked {
+    /// Whether the order's hold is locked in the transaction already; `false`: `apply` locks
+    /// it itself where it writes.
+    hold: bool,
+    /// For a re-fetch, its order's payment row as read after the locks (`Some(None)`: no
+    /// row recorded); `None`: not read, `apply` reads it.
+    payment: Option<Option<payments::PaymentRow>>,
+}
+
+impl Locked {
+    /// The order's payment row: as `lock_rows` read it, else read now in `tx`.
+    async fn payment_or_read(
+        self,
+        tx: &mut Tx<'_>,
+        order_id: OrderId,
+    ) -> Result<Option<payments::PaymentRow>, sqlx::Error> {
+        match self.payment {
+            Some(read) => Ok(read),
+            None => payments::get(&mut **tx, order_id).await,
+        }
     }
 }
 

@@ -666,6 +666,91 @@ async fn a_payment_batch_locks_the_holds_of_all_its_commands_first(_: PgPoolOpti
     app.stop().await;
 }
 
+/// A payment batch of re-fetches reads the payment rows of all its orders in one statement
+/// after the holds' locks (`PaymentWorker::lock_rows`), and each effect compares the
+/// provider's answer with its own order's row: here three orders, two whose authorizations
+/// the provider confirms and one whose claimed authorization it does not. Each confirmed
+/// order's hold is protected and its `PaymentAuthorized` written (the row names the
+/// PaymentIntent re-fetched, so it is the order's current one, case C19); the third's
+/// protection is cleared and nothing is written for it. A row handed to the wrong order, or
+/// none, leaves the confirmed holds unprotected.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn a_payment_batch_of_refetches_judges_each_order_by_its_own_payment_row(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    let app = TestApp::spawn(opts, &[Role::Api], VenueSpec::small(1, 1, 4)).await;
+    let seats = app.seats().await;
+    let (orders, cmds) = held_with_commands(&app, &seats[..3], "refetches").await;
+    let gateway: Arc<dyn boxoffice_payments::PaymentGateway> = Arc::new(app.stripe());
+    let worker =
+        boxoffice_workers::payment::PaymentWorker::new(gateway, app.pool.clone(), app.cfg.hold_policy());
+    let none = boxoffice_bus::Followers::none();
+    let done = handle_batch(&app.pool, &worker, &none, &cmds).await.unwrap();
+    assert_eq!(done, vec![Some(Disposition::Applied); 3]);
+    let mut intents = Vec::new();
+    for order in &orders {
+        let (pi, secret): (String, String) =
+            sqlx::query_as("SELECT payment_intent_id, client_secret FROM payments WHERE order_id = $1")
+                .bind(order)
+                .fetch_one(&app.pool)
+                .await
+                .unwrap();
+        intents.push((pi, secret));
+    }
+    // The buyers of the first two orders pay; the third's authorization is only claimed.
+    for (pi, secret) in &intents[..2] {
+        let paid = app
+            .stripe()
+            .confirm_with_client_secret(&app.cfg.stripe_publishable_key, pi, secret, "pm_card_visa")
+            .await
+            .unwrap();
+        assert_eq!(paid.status, "requires_capture");
+    }
+    sqlx::query(
+        "UPDATE holds SET authorized_until = clock_timestamp() + interval '1 hour',
+                authorization_reported_at = clock_timestamp()
+          WHERE order_id = $1",
+    )
+    .bind(orders[2])
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let refetches: Vec<Envelope> = orders
+        .iter()
+        .zip(&intents)
+        .map(|(order, (pi, _))| {
+            let refresh = PurchaseEvent::PaymentIntentRefreshRequested {
+                order_id: OrderId(*order),
+                payment_intent_id: pi.clone(),
+                reason: "webhook_claim".into(),
+            };
+            Envelope::new(OrderId(*order), &refresh, Uuid::new_v4(), None)
+        })
+        .collect();
+    let done = handle_batch(&app.pool, &worker, &none, &refetches).await.unwrap();
+    assert_eq!(done, vec![Some(Disposition::Applied); 3]);
+    let protected = |order: Uuid| {
+        let app = &app;
+        async move {
+            app.count(&format!(
+                "SELECT count(*) FROM holds WHERE order_id = '{order}' AND authorized_until IS NOT NULL"
+            ))
+            .await
+        }
+    };
+    for (i, order) in orders.iter().enumerate() {
+        let confirmed = i < 2;
+        assert_eq!(protected(*order).await, i64::from(confirmed), "order {i}'s hold protected: {confirmed}");
+        assert_eq!(
+            app.outbox_count("PaymentAuthorized", *order).await,
+            i64::from(confirmed),
+            "order {i}'s authorization reported: {confirmed}"
+        );
+    }
+    app.stop().await;
+}
+
 /// The provider concurrency a payment lane's batch may ask for is bounded per process: the
 /// Stripe client `runtime::gateway` builds (one per process, shared by its roles) lets
 /// `stripe_max_in_flight` calls be in flight at once and queues the others; the same calls
@@ -712,7 +797,7 @@ struct CountingPrechecks {
 impl Handler for CountingPrechecks {
     type Prepared = boxoffice_workers::payment::Prepared;
     type Precheck = boxoffice_store::payments::Precheck;
-    type Rows = bool;
+    type Rows = boxoffice_workers::payment::Locked;
 
     fn name(&self) -> &'static str {
         self.inner.name()
@@ -751,7 +836,7 @@ impl Handler for CountingPrechecks {
         &self,
         tx: &mut boxoffice_store::Tx<'_>,
         run: &[(&Envelope, &PurchaseEvent)],
-    ) -> Result<Vec<bool>, HandlerError> {
+    ) -> Result<Vec<boxoffice_workers::payment::Locked>, HandlerError> {
         self.inner.lock_rows(tx, run).await
     }
 
@@ -761,7 +846,7 @@ impl Handler for CountingPrechecks {
         env: &Envelope,
         event: &PurchaseEvent,
         prepared: Self::Prepared,
-        rows: bool,
+        rows: boxoffice_workers::payment::Locked,
     ) -> Result<Vec<Envelope>, HandlerError> {
         self.inner.apply(tx, env, event, prepared, rows).await
     }

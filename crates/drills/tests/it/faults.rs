@@ -483,7 +483,7 @@ impl UnrecordedIntent {
                 &self.hold_created,
                 &event,
                 boxoffice_workers::payment::Prepared::Intent(self.intent.clone()),
-                false,
+                Default::default(),
             )
             .await
             .unwrap();
