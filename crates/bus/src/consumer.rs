@@ -39,7 +39,8 @@
 //! rows of all of them in one statement; then the rows the effects of the messages whose row
 //! was new work on, locked and read for all of them at once (`Handler::lock_rows`: the saga
 //! and the ticket worker lock every order's hold and order in one statement, in ascending
-//! order id, and the saga reads the payment rows in one more); then per such message, in the
+//! order id, and the saga reads the payment rows in one more; the payment worker locks the
+//! holds, then reads its re-fetches' payment rows in one more); then per such message, in the
 //! order of their order ids (so two shared transactions lock their orders' rows in one order
 //! and never deadlock each other) and in its own consumer span, the effect with what its
 //! `prepare` returned and the rows locked for it; then the facts and commands all of them emit, in one outbox statement (each row

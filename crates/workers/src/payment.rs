@@ -31,7 +31,9 @@
 //! answer writes the payment row (a new PaymentIntent, a capture, a cancel), the order's hold
 //! is locked first, the ledger's lock order; a batch locks the holds of all its commands (a
 //! re-fetch may write the hold, and a refund or re-fetch may emit a fact the saga follows) in
-//! one statement at the start of its transaction, in ascending order id (`Handler::lock_rows`).
+//! one statement at the start of its transaction, in ascending order id (`Handler::lock_rows`),
+//! and the payment rows of its re-fetches' orders in one more, which each re-fetch compares
+//! the provider's answer with.
 //!
 //! Capture is only sent for an order whose hold is confirmed (case C06); a cancel that finds
 //! the money already captured turns into a refund (invariant 6). A refund the provider refuses
