@@ -302,10 +302,11 @@ pub const DEFAULT_BATCH_MAX: usize = 32;
 ///   its metadata names, or the same PaymentIntent) waits for a later batch, which may
 ///   commit on another connection before or after this one. So an order's steps stay one
 ///   transaction each (the order timeline tells them apart), and a redelivery is never in the
-///   batch of its first delivery;
+///   batch of its first delivery. An event whose metadata names no order (a dispute's or a
+///   refund's, or another integration's) has its order looked up inside the transaction,
+///   from its PaymentIntent, so it is recorded in a batch of its own;
 /// - sorted by (the order its metadata names, the event id), so two batches take the rows of
-///   the same orders in the same order (an event without that metadata may not: a lock cycle
-///   then ends at the batch's lock timeout, below).
+///   the same orders in the same order.
 ///
 /// What a batch may not change, and why it does not:
 /// - **once per event (invariant 4)**: the event's `stripe_events` row is its dedupe in every
@@ -358,10 +359,14 @@ struct Job {
 }
 
 impl Job {
-    /// Whether `self` and `other` are about the same order: the order their metadata names,
-    /// or the PaymentIntent they are about.
+    /// Whether `self` and `other` may be about the same order: the order their metadata
+    /// names, or the PaymentIntent they are about. An event whose metadata names no order
+    /// may be about any order (its order is found from its PaymentIntent inside the
+    /// transaction), so it shares a batch with no other event.
     fn same_order(&self, other: &Job) -> bool {
-        (!self.order.is_nil() && self.order == other.order)
+        self.order.is_nil()
+            || other.order.is_nil()
+            || self.order == other.order
             || (self.payment_intent.is_some() && self.payment_intent == other.payment_intent)
     }
 }

@@ -190,7 +190,8 @@ fn claim(evt: &str, order: Uuid, pi: &str) -> boxoffice_payments::webhook::Event
 /// recorded together in the next one, one event per order; a redelivery among them is a
 /// duplicate with no effect; and an event whose statement fails fails alone: its batch is
 /// rolled back within the batch's lock timeout, the others are recorded together again, and
-/// the failing one alone, with the usual timeouts.
+/// the failing one alone, with the usual timeouts. An event whose metadata names no order
+/// shares a transaction with no other.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn webhook_events_that_wait_commit_together_and_a_failing_one_fails_alone(
     _: PgPoolOptions,
@@ -278,6 +279,36 @@ async fn webhook_events_that_wait_commit_together_and_a_failing_one_fails_alone(
         let want = if i == 0 { 2 } else { 1 };
         assert_eq!(app.outbox_count("PaymentIntentRefreshRequested", *order).await, want, "order {i}");
     }
+
+    // An event whose metadata names no order is about order 4 only through its PaymentIntent,
+    // and another names order 4 with a stray PaymentIntent: both wait behind one in flight,
+    // and the first is recorded in a transaction of its own, not with the second.
+    let (blocker, late) = in_flight_behind_a_lock(
+        &app,
+        &ingress,
+        &[orders[5]],
+        claim("evt_group_5_late", orders[5], "pi_group_5"),
+    )
+    .await;
+    let mut unnamed = serde_json::from_slice::<serde_json::Value>(&event_body(
+        "evt_group_4_unnamed",
+        orders[4],
+        "pi_group_4",
+    ))
+    .unwrap();
+    unnamed["data"]["object"]["metadata"] = json!({});
+    let unnamed: boxoffice_payments::webhook::Event = serde_json::from_value(unnamed).unwrap();
+    let stray = claim("evt_group_4_stray", orders[4], "pi_stray_4");
+    let batch = arrive_while_in_flight(&ingress, vec![unnamed, stray]).await;
+    blocker.rollback().await.unwrap();
+    late.await.unwrap().unwrap();
+    for outcome in futures::future::join_all(batch).await {
+        assert_eq!(outcome.unwrap().unwrap(), Ingested::Refresh);
+    }
+    let apart = xacts(vec!["evt_group_4_stray".into(), "evt_group_4_unnamed".into()]).await;
+    assert_eq!(apart.len(), 2);
+    assert_ne!(apart[0], apart[1], "an event named by its PaymentIntent alone has a transaction of its own");
+    assert_eq!(app.outbox_count("PaymentIntentRefreshRequested", orders[4]).await, 3);
     // The committer's connection is closed before the test's database is dropped.
     drop(ingress);
     pool.close().await;
