@@ -499,7 +499,7 @@ pub fn ensure_problem(resp: Response) -> Response {
                 status,
                 "request_timeout",
                 "Request timeout",
-                "the request did not complete in time; retry (with the same Idempotency-Key)",
+                "the request did not complete in time; retry it (a request that carries an Idempotency-Key, with the same key)",
             );
             p.retry_after = Some(1);
             p

@@ -412,10 +412,10 @@ async fn render_seat_map(st: &AppState, event: Uuid) -> Result<Option<Bytes>, sq
         (status = 200, description = "Recorded (or a known duplicate)", body = crate::openapi::WebhookAck),
         (status = 400, description = "`invalid_signature` (missing or not verifying; nothing written), `malformed_event` (signed, but not a Stripe event, or naming no usable id; nothing written) or `unreadable_body`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 403, description = "`webhook_source_refused`: not from `webhook_allowed_networks`; nothing read or written", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 408, description = "`request_body_timeout`: the body stalled; nothing written", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 408, description = "`request_body_timeout`: the body stalled longer than the edge's `body_read_timeout` between two chunks, within `webhook_timeout_ms`; nothing written", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 429, description = "`too_many_in_flight`: this sender has `webhook_max_in_flight_per_ip` requests in progress; nothing written", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 413, description = "`body_too_large`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 503, description = "`unavailable`, `region_fenced` (this region does not write now, design §15) or `fault_injected`: nothing committed; Stripe retries", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 503, description = "`unavailable`, `region_fenced` (this region does not write now, design §15), `fault_injected`, or `request_timeout` (the request, its body included, ran past `webhook_timeout_ms`: a body that stalls then ends here when `webhook_timeout_ms` is the shorter): nothing committed; Stripe retries", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
     ))]
 async fn stripe_webhook(
     State(st): State<AppState>,
