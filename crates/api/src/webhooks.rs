@@ -291,7 +291,8 @@ pub const DEFAULT_BATCH_MAX: usize = 32;
 /// waits for an event. While another committer's batch is in flight (its batch
 /// transactions, not the events it records alone afterwards), it gathers the events that
 /// arrive meanwhile, until one of those batches ends, `batch_max` are gathered, or
-/// [`GATHER_BOUND`] has passed, whichever is first. Then it records them in one transaction
+/// [`GATHER_BOUND`] has passed, whichever is first (a batch that begins with an event
+/// recorded in a batch of its own, below, gathers nothing). Then it records them in one transaction
 /// and commits. At rest an event has a transaction of its own at once; under load one
 /// transaction's `BEGIN`, `COMMIT` and commit-time region checks serve several events. A
 /// batch is also bounded by the webhook requests a process lets in at once (64, and
@@ -481,15 +482,18 @@ async fn next_batch(c: &Committers, max: usize) -> Option<(Vec<Job>, InFlight<'_
             batch.push(job);
         }
     };
+    // A batch takes no more once it holds `max` events, or an event that shares a batch
+    // with no other ([`Job::same_order`]): it does not wait to gather then.
+    let full = |batch: &[Job]| batch.len() >= max || batch[0].order.is_nil();
     let mut taken = std::mem::take(&mut queue.carried);
-    while batch.len() < max {
+    while !full(&batch) {
         let Some(job) = taken.pop_front() else { break };
         add(&mut batch, &mut queue.carried, job);
     }
     queue.carried.extend(taken);
-    // Every event already waiting, up to `max`.
+    // Every event already waiting, until the batch is full.
     let take_waiting = |batch: &mut Vec<Job>, queue: &mut Queue| {
-        while batch.len() < max {
+        while !full(batch) {
             match queue.rx.try_recv() {
                 Ok(job) => add(batch, &mut queue.carried, job),
                 Err(_) => break,
@@ -502,7 +506,7 @@ async fn next_batch(c: &Committers, max: usize) -> Option<(Vec<Job>, InFlight<'_
         let ended = c.ended.notified();
         tokio::pin!(ended);
         ended.as_mut().enable();
-        if batch.len() >= max || c.in_flight.load(Ordering::Acquire) == 0 {
+        if full(&batch) || c.in_flight.load(Ordering::Acquire) == 0 {
             break;
         }
         tokio::select! {
