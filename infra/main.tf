@@ -49,8 +49,8 @@ resource "aws_secretsmanager_secret" "db_master" {
 }
 
 resource "aws_secretsmanager_secret_version" "db_master" {
-  provider      = aws.primary
-  secret_id     = aws_secretsmanager_secret.db_master.id
+  provider  = aws.primary
+  secret_id = aws_secretsmanager_secret.db_master.id
   secret_string = jsonencode({
     username = var.db_master_username
     password = random_password.db_master.result
@@ -212,6 +212,8 @@ locals {
 
     # The older, two-fact hold until every service runs a build that reads the one-fact form.
     HOLD_FACT_REQUESTS_AUTHORIZATION = tostring(var.hold_fact_requests_authorization)
+    # The older confirmation (OrderConfirmed, then CaptureRequested) likewise.
+    CONFIRMATION_FACT_REQUESTS_CAPTURE = tostring(var.confirmation_fact_requests_capture)
   }
 
   # The copy of the witness secret each Region's tasks read: the given ARN with that Region

@@ -234,3 +234,9 @@ variable "hold_fact_requests_authorization" {
   type        = bool
   default     = false
 }
+
+variable "confirmation_fact_requests_capture" {
+  description = "Whether a confirmation's OrderConfirmed is its order's capture request (one fact per confirmation; BOXOFFICE_CONFIRMATION_FACT_REQUESTS_CAPTURE). false writes the older form, a CaptureRequested beside it, which every build's payment worker acts on: keep it while any service may run a build whose payment worker ignores OrderConfirmed (ECS replaces every role at once and may roll one back alone), then apply true."
+  type        = bool
+  default     = false
+}

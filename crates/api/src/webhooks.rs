@@ -722,8 +722,9 @@ fn judge(
         && p.status == PaymentIntentStatus::RequiresCapture
         && order_status == OrderStatus::Confirming
     {
-        // The saga asked for this capture (`confirming` from the confirmation, which emits
-        // CaptureRequested, until the capture's answer is recorded). Still checked — the
+        // The saga asked for this capture (`confirming` from the confirmation, whose
+        // `OrderConfirmed` is the capture request, until the capture's answer is recorded;
+        // a `CaptureRequested` after it in the older form). Still checked — the
         // capture command may never record it (dead-lettered) — but the re-fetch may stop at
         // the ledger once the capture is recorded there.
         Verdict::Verify(CAPTURE_OUTSTANDING)

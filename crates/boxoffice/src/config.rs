@@ -626,6 +626,16 @@ pub struct Config {
     /// order would get no PaymentIntent. A payment worker of this build acts on either form
     /// (README, "Rolling upgrades and rollbacks across the one-fact hold").
     pub hold_fact_requests_authorization: bool,
+    /// Whether a confirmation's `OrderConfirmed` is itself its order's capture request, which
+    /// the payment worker acts on (default `true`: one fact per confirmation). `false` writes
+    /// a `CaptureRequested` command after it, as older builds did. Set `false` while
+    /// processes of an older build run beside this one (a rolling upgrade), and before the
+    /// first older process starts in a rollback: an older payment worker does not act on an
+    /// `OrderConfirmed`, so such an order would never be captured. Only the saga reads it
+    /// (in every process that runs the saga, following included). A payment worker of this
+    /// build acts on either form (README, "Rolling upgrades and rollbacks across the one-fact
+    /// confirmation").
+    pub confirmation_fact_requests_capture: bool,
     /// Stripe API base URL: `https://api.stripe.com` in production, the simulator otherwise.
     /// Empty means "no provider configured": `audit` then skips its provider checks and
     /// `reconcile` refuses to run.
@@ -839,6 +849,7 @@ impl Default for Config {
             authorization_settle_ms: 1_800_000,
             hold_provider_check_ms: 30_000,
             hold_fact_requests_authorization: true,
+            confirmation_fact_requests_capture: true,
             stripe_api_base: "https://api.stripe.com".into(),
             stripe_secret_key: DEV_STRIPE_SECRET_KEY.into(),
             stripe_publishable_key: "pk_test_boxoffice_dev".into(),
@@ -1633,6 +1644,17 @@ impl Config {
             AuthorizationRequest::InHoldFact
         } else {
             AuthorizationRequest::Command
+        }
+    }
+
+    /// How a confirmation asks for its order's capture, from
+    /// `confirmation_fact_requests_capture`.
+    pub fn capture_request(&self) -> boxoffice_domain::saga::CaptureRequest {
+        use boxoffice_domain::saga::CaptureRequest;
+        if self.confirmation_fact_requests_capture {
+            CaptureRequest::InConfirmationFact
+        } else {
+            CaptureRequest::Command
         }
     }
 

@@ -340,7 +340,10 @@ pub async fn start(
                 let sd = shutdown.clone();
                 let followers = followers(roles, cfg);
                 let (handles, assignment) = match role {
-                    Role::Saga => run_consumers(k, pool.clone(), Arc::new(Saga), p, members, followers, sd)?,
+                    Role::Saga => {
+                        let saga = Saga { capture_request: cfg.capture_request() };
+                        run_consumers(k, pool.clone(), Arc::new(saga), p, members, followers, sd)?
+                    }
                     Role::Tickets => {
                         run_consumers(k, pool.clone(), Arc::new(TicketWorker), p, members, followers, sd)?
                     }
@@ -400,7 +403,7 @@ fn followers(roles: &[Role], cfg: &Config) -> boxoffice_bus::Followers {
         return f;
     }
     if roles.contains(&Role::Saga) {
-        f = f.with(Arc::new(Saga));
+        f = f.with(Arc::new(Saga { capture_request: cfg.capture_request() }));
     }
     if roles.contains(&Role::Tickets) {
         f = f.with(Arc::new(TicketWorker));

@@ -173,7 +173,8 @@ fn step(out: &mut String, s: &Step, start: DateTime<Utc>) {
 /// The longest string value [`summary`] prints whole, bytes.
 const SUMMARY_VALUE_MAX: usize = 120;
 
-/// The payload's telling fields on one line (ids, amounts, statuses, reasons).
+/// The payload's telling fields on one line (ids, amounts, statuses, reasons); a nested
+/// object's fields as `field.inner=value` (an `OrderConfirmed`'s `capture`).
 fn summary(payload: &serde_json::Value) -> String {
     let Some(m) = payload.as_object() else { return String::new() };
     let mut parts = Vec::new();
@@ -181,22 +182,30 @@ fn summary(payload: &serde_json::Value) -> String {
         if k == "order_id" {
             continue;
         }
-        let v = match v {
-            // A long string (a parked fact is one too large for the bus) by its start and size.
-            serde_json::Value::String(s) if s.len() > SUMMARY_VALUE_MAX => {
-                let mut end = SUMMARY_VALUE_MAX;
-                while !s.is_char_boundary(end) {
-                    end -= 1;
-                }
-                format!("{}… ({} bytes)", &s[..end], s.len())
-            }
-            serde_json::Value::String(s) => s.clone(),
-            serde_json::Value::Array(a) => format!("[{} item(s)]", a.len()),
-            other => other.to_string(),
-        };
-        parts.push(format!("{k}={v}"));
+        if let serde_json::Value::Object(inner) = v {
+            parts.extend(inner.iter().map(|(ik, iv)| format!("{k}.{ik}={}", value(iv))));
+        } else {
+            parts.push(format!("{k}={}", value(v)));
+        }
     }
     parts.join(" ")
+}
+
+/// One payload value as [`summary`] prints it.
+fn value(v: &serde_json::Value) -> String {
+    match v {
+        // A long string (a parked fact is one too large for the bus) by its start and size.
+        serde_json::Value::String(s) if s.len() > SUMMARY_VALUE_MAX => {
+            let mut end = SUMMARY_VALUE_MAX;
+            while !s.is_char_boundary(end) {
+                end -= 1;
+            }
+            format!("{}… ({} bytes)", &s[..end], s.len())
+        }
+        serde_json::Value::String(s) => s.clone(),
+        serde_json::Value::Array(a) => format!("[{} item(s)]", a.len()),
+        other => other.to_string(),
+    }
 }
 
 fn reason(r: &Option<String>) -> String {
@@ -226,5 +235,19 @@ mod tests {
         let short: std::collections::HashSet<&str> = ids.iter().map(|id| super::short(id)).collect();
         assert_eq!(short.len(), ids.len(), "{ids:?}");
         assert_eq!(super::short("0193a1b2-0000-7000-8000-00000000abcd"), "0000abcd");
+    }
+
+    #[test]
+    fn a_nested_payload_field_is_printed_by_its_parts() {
+        let payload = serde_json::json!({
+            "order_id": "o",
+            "hold_id": "h",
+            "capture": { "amount_minor": 18500, "payment_intent_id": "pi_1" },
+            "seat_ids": ["a", "b"],
+        });
+        assert_eq!(
+            super::summary(&payload),
+            "capture.amount_minor=18500 capture.payment_intent_id=pi_1 hold_id=h seat_ids=[2 item(s)]"
+        );
     }
 }

@@ -11,7 +11,8 @@
 //! unknown fields; a breaking change publishes version 2 beside version 1. A field that hands
 //! a step from one consumer to another (`HoldCreated`'s `is_authorization_request`, which an
 //! older payment worker ignores) comes with a way to write the older form for as long as
-//! older consumers run (`hold_fact_requests_authorization`).
+//! older consumers run (`hold_fact_requests_authorization`); likewise `OrderConfirmed`'s
+//! `capture` (`confirmation_fact_requests_capture`).
 
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
@@ -262,7 +263,19 @@ pub enum PurchaseEvent {
     /// within the hold.
     PaymentFailed { order_id: OrderId, payment_intent_id: String, reason: String },
     /// Fact: the saga froze the hold after authorization.
-    OrderConfirmed { order_id: OrderId, hold_id: HoldId },
+    OrderConfirmed {
+        order_id: OrderId,
+        hold_id: HoldId,
+        /// The capture this fact requests, when it is itself the order's capture request:
+        /// the payment worker captures from it (idempotency key `capture:{order_id}`, as for
+        /// a `CaptureRequested`) and no `CaptureRequested` is written for the order
+        /// ([`crate::saga::CaptureRequest::InConfirmationFact`]). Absent on facts written
+        /// beside that command ([`crate::saga::CaptureRequest::Command`]) and on older
+        /// writers' facts; an older payment worker does not read it
+        /// (`confirmation_fact_requests_capture`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        capture: Option<RequestedCapture>,
+    },
     /// Command to the payment worker: capture the authorized PaymentIntent.
     CaptureRequested { order_id: OrderId, payment_intent_id: String, amount_minor: i64 },
     /// Fact: the money was captured.
@@ -346,6 +359,28 @@ pub struct AuthorizationAsk<'a> {
     pub currency: &'a str,
 }
 
+/// The capture an `OrderConfirmed` requests when it is the order's capture request: the
+/// order's PaymentIntent and the amount to capture, minor units (the order's total).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RequestedCapture {
+    /// The authorized PaymentIntent to capture.
+    pub payment_intent_id: String,
+    /// The amount to capture, minor units.
+    pub amount_minor: i64,
+}
+
+/// What a capture request asks the payment worker for: capture `payment_intent_id`, the
+/// order's authorized PaymentIntent, for `amount_minor` (minor units).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CaptureAsk<'a> {
+    /// The order.
+    pub order_id: OrderId,
+    /// The PaymentIntent to capture.
+    pub payment_intent_id: &'a str,
+    /// The amount to capture, minor units.
+    pub amount_minor: i64,
+}
+
 impl PurchaseEvent {
     /// The event's kind.
     pub fn kind(&self) -> EventKind {
@@ -375,6 +410,20 @@ impl PurchaseEvent {
         }
     }
 
+    /// The order's capture request this message is, if it is one: a `CaptureRequested`, or an
+    /// `OrderConfirmed` written as the request (`capture`, [`crate::saga::CaptureRequest`]).
+    pub fn capture_request(&self) -> Option<CaptureAsk<'_>> {
+        match self {
+            PurchaseEvent::CaptureRequested { order_id, payment_intent_id, amount_minor }
+            | PurchaseEvent::OrderConfirmed {
+                order_id,
+                capture: Some(RequestedCapture { payment_intent_id, amount_minor }),
+                ..
+            } => Some(CaptureAsk { order_id: *order_id, payment_intent_id, amount_minor: *amount_minor }),
+            _ => None,
+        }
+    }
+
     /// The PaymentIntent the event is about, for the facts and commands that name one.
     pub fn payment_intent_id(&self) -> Option<&str> {
         use PurchaseEvent::*;
@@ -391,7 +440,10 @@ impl PurchaseEvent {
             | PaymentRefunded { payment_intent_id, .. }
             | PaymentIntentRefreshRequested { payment_intent_id, .. }
             | DisputeRefreshRequested { payment_intent_id, .. }
-            | PaymentDisputed { payment_intent_id, .. } => Some(payment_intent_id),
+            | PaymentDisputed { payment_intent_id, .. }
+            | OrderConfirmed { capture: Some(RequestedCapture { payment_intent_id, .. }), .. } => {
+                Some(payment_intent_id)
+            }
             HoldCreated { .. }
             | PaymentAuthorizationRequested { .. }
             | OrderConfirmed { .. }
@@ -439,7 +491,7 @@ mod tests {
     #[test]
     fn envelope_round_trips_and_carries_type() {
         let order = OrderId::new();
-        let ev = PurchaseEvent::OrderConfirmed { order_id: order, hold_id: HoldId::new() };
+        let ev = PurchaseEvent::OrderConfirmed { order_id: order, hold_id: HoldId::new(), capture: None };
         let env = Envelope::new(order, &ev, Uuid::new_v4(), None);
         assert_eq!(env.event_type, "OrderConfirmed");
         let bytes = serde_json::to_vec(&env).unwrap();

@@ -15,7 +15,7 @@ pub mod money;
 pub mod saga;
 pub mod status;
 
-pub use events::{AuthorizationAsk, Envelope, EventKind, PurchaseEvent, Topic};
+pub use events::{AuthorizationAsk, CaptureAsk, Envelope, EventKind, PurchaseEvent, RequestedCapture, Topic};
 pub use hold::HoldPolicy;
 pub use ids::{EventId, HoldId, OrderId, SeatId, UserId};
 pub use money::Money;

@@ -15,7 +15,7 @@
 //! |                      | order ended (not ticketed)             | cancel the authorization (compensation)                 |
 //! | PaymentAuthorized    | not the order's PaymentIntent          | cancel that authorization                               |
 //! |                      | the intent is already settled          | nothing (a reordered, stale fact)                       |
-//! |                      | hold active and not lapsed             | hold confirmed, → `confirming`, OrderConfirmed + CaptureRequested |
+//! |                      | hold active and not lapsed             | hold confirmed, → `confirming`, OrderConfirmed (the capture request) |
 //! |                      | hold lapsed / expired / order ended    | expire the hold if active, cancel, → `canceled`         |
 //! | PaymentFailed        | payment unsettled                      | record the decline (the buyer may retry)                |
 //! | PaymentCaptured      | not the order's PaymentIntent          | incident, RefundRequested for it; the order unchanged   |
@@ -40,6 +40,10 @@
 //! ([`AuthorizationRequest`]). The saga acts on a `HoldCreated` only when it was written
 //! without either ([`acts_on`]).
 //!
+//! Likewise the confirmation's `OrderConfirmed` is the capture request the payment worker
+//! acts on, or, for builds that do not, a `CaptureRequested` follows it ([`CaptureRequest`],
+//! [`confirmed`]).
+//!
 //! Invariant 2: only `PaymentAuthorized` for the order's PaymentIntent with an active,
 //! unlapsed hold confirms. Invariant 6: a late authorization is cancelled and a capture for an
 //! order that no longer owns seats is refunded. Invariant 4: decisions depend on state, not on
@@ -47,7 +51,7 @@
 
 use chrono::{DateTime, Utc};
 
-use crate::events::{EventKind, PurchaseEvent};
+use crate::events::{EventKind, PurchaseEvent, RequestedCapture};
 use crate::ids::{EventId, HoldId, OrderId, SeatId};
 use crate::status::{CaptureDeadline, HoldStatus, OrderStatus, PaymentIntentStatus, PaymentUpdate};
 
@@ -109,6 +113,8 @@ pub struct Snapshot {
     pub payment: Option<PaymentIntentStatus>,
     /// What the event does with tickets under an open dispute.
     pub dispute_policy: DisputePolicy,
+    /// How a confirmation asks for the capture (the saga's configuration, not a row).
+    pub capture_request: CaptureRequest,
 }
 
 /// What an open dispute does to an order's tickets (`events.dispute_policy`).
@@ -282,6 +288,22 @@ pub enum AuthorizationRequest {
     /// A `PaymentAuthorizationRequested` command beside `HoldCreated`, as builds that do not
     /// act on a `HoldCreated` need it: for a rolling upgrade from such a build, or before a
     /// rollback to one (configuration `hold_fact_requests_authorization = false`).
+    Command,
+}
+
+/// How the saga asks for a confirmed order's capture, the step after the confirmation (its
+/// condition, the hold confirmed and the order `confirming`, is what the confirmation wrote;
+/// its compensation is the refund of a capture that lands on an order without seats).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CaptureRequest {
+    /// `OrderConfirmed` is the request (its `capture`): one fact per confirmation, which the
+    /// payment worker acts on. The default.
+    #[default]
+    InConfirmationFact,
+    /// A `CaptureRequested` command beside `OrderConfirmed`, as builds whose payment worker
+    /// does not act on an `OrderConfirmed` need it: for a rolling upgrade from such a build,
+    /// or before a rollback to one (configuration `confirmation_fact_requests_capture =
+    /// false`).
     Command,
 }
 
@@ -485,13 +507,41 @@ fn confirm(
             capture_before: capture_before.map_or(CaptureDeadline::DefaultIfUnknown, CaptureDeadline::Known),
             ..PaymentUpdate::status(PaymentIntentStatus::RequiresCapture)
         }),
-        Step::Emit(PurchaseEvent::OrderConfirmed { order_id, hold_id }),
-        Step::Emit(PurchaseEvent::CaptureRequested {
-            order_id,
-            payment_intent_id: payment_intent_id.to_owned(),
-            amount_minor: s.amount_minor,
-        }),
     ]
+    .into_iter()
+    .chain(
+        confirmed(s.capture_request, order_id, hold_id, payment_intent_id, s.amount_minor)
+            .into_iter()
+            .map(Step::Emit),
+    )
+    .collect()
+}
+
+/// The facts a confirmation writes, in order: `OrderConfirmed`, which is the capture request
+/// of `amount_minor` (the order's total) for `payment_intent_id` with
+/// [`CaptureRequest::InConfirmationFact`], or is followed by a `CaptureRequested` with
+/// [`CaptureRequest::Command`].
+pub fn confirmed(
+    form: CaptureRequest,
+    order_id: OrderId,
+    hold_id: HoldId,
+    payment_intent_id: &str,
+    amount_minor: i64,
+) -> Vec<PurchaseEvent> {
+    let capture = RequestedCapture { payment_intent_id: payment_intent_id.to_owned(), amount_minor };
+    match form {
+        CaptureRequest::InConfirmationFact => {
+            vec![PurchaseEvent::OrderConfirmed { order_id, hold_id, capture: Some(capture) }]
+        }
+        CaptureRequest::Command => vec![
+            PurchaseEvent::OrderConfirmed { order_id, hold_id, capture: None },
+            PurchaseEvent::CaptureRequested {
+                order_id,
+                payment_intent_id: capture.payment_intent_id,
+                amount_minor: capture.amount_minor,
+            },
+        ],
+    }
 }
 
 /// Compensation of a late authorization (invariant 6): cancel it; the order ends `canceled`.

@@ -5,7 +5,7 @@
 //! | command                        | Stripe call                         | idempotency key          |
 //! |--------------------------------|-------------------------------------|--------------------------|
 //! | PaymentAuthorizationRequested, or HoldCreated written as the request | create PaymentIntent (manual capture)| `authorize:{event_id}`  |
-//! | CaptureRequested               | capture                              | `capture:{order_id}`    |
+//! | CaptureRequested, or OrderConfirmed written as the request | capture | `capture:{order_id}` |
 //! | AuthorizationCancelRequested   | cancel                               | `cancel:{payment_intent_id}` |
 //! | RefundRequested                | refund                               | `refund:{payment_intent_id}` |
 //! | PaymentIntentRefreshRequested  | retrieve PaymentIntent (+ its charge) | (read-only)            |
@@ -35,7 +35,8 @@
 //! and the payment rows of its re-fetches' orders in one more, which each re-fetch compares
 //! the provider's answer with.
 //!
-//! Capture is only sent for an order whose hold is confirmed (case C06); a cancel that finds
+//! Capture is only sent for an order whose hold is confirmed (case C06), and only for the
+//! PaymentIntent its payment row records; a cancel that finds
 //! the money already captured turns into a refund (invariant 6). A refund the provider refuses
 //! because the charge was already refunded in full (from the dashboard, say) is recorded as
 //! done; `PaymentRefunded` always reports the charge's whole refunded amount, read back from
@@ -112,19 +113,23 @@ const AMOUNT_DIFFERS_FROM_ORDER: &str = "amount_differs_from_order";
 const HOLD_DIFFERS_FROM_ORDER: &str = "hold_differs_from_order";
 /// Why a capture request called no one: the order's hold is not confirmed.
 const HOLD_NOT_CONFIRMED: &str = "hold_not_confirmed";
+/// Why a capture request called no one: it names another PaymentIntent than the order's
+/// recorded one (a forged or corrupt request; capturing it would take another order's money).
+const INTENT_DIFFERS_FROM_ORDER: &str = "payment_intent_differs_from_order";
 /// Why a message reached `prepare` without being a payment command.
 const NOT_A_PAYMENT_COMMAND: &str = "not_a_payment_command";
 
 /// Every reason `boxoffice_payment_commands_skipped_total` is counted by. [`PaymentWorker::new`]
 /// exports each at 0, so the first skip of a reason is an increase a rate or `increase()`
 /// sees (a series that appears at 1 shows none).
-pub const SKIP_REASONS: [&str; 7] = [
+pub const SKIP_REASONS: [&str; 8] = [
     CAPTURE_RECORDED,
     ALREADY_APPLIED,
     NOT_AWAITING_PAYMENT_INTENT,
     AMOUNT_DIFFERS_FROM_ORDER,
     HOLD_DIFFERS_FROM_ORDER,
     HOLD_NOT_CONFIRMED,
+    INTENT_DIFFERS_FROM_ORDER,
     NOT_A_PAYMENT_COMMAND,
 ];
 
@@ -135,8 +140,8 @@ pub const SKIP_REASONS: [&str; 7] = [
 /// warn, and alerted on (`BoxofficePaymentCommandsRefused` in deploy/observability).
 pub const ROUTINE_SKIPS: [&str; 2] = [CAPTURE_RECORDED, ALREADY_APPLIED];
 
-/// The commands this worker carries out (its consumer routes on these, and on a `HoldCreated`
-/// that is its order's authorization request: [`PurchaseEvent::authorization_request`]).
+/// The commands this worker carries out (its consumer routes on these, and on the
+/// [`REQUESTING_FACTS`] written as requests).
 pub const COMMANDS: [EventKind; 6] = [
     EventKind::PaymentAuthorizationRequested,
     EventKind::CaptureRequested,
@@ -145,6 +150,10 @@ pub const COMMANDS: [EventKind; 6] = [
     EventKind::PaymentIntentRefreshRequested,
     EventKind::DisputeRefreshRequested,
 ];
+
+/// The facts this worker acts on when they are written as a request
+/// ([`PurchaseEvent::authorization_request`], [`PurchaseEvent::capture_request`]).
+pub const REQUESTING_FACTS: [EventKind; 2] = [EventKind::HoldCreated, EventKind::OrderConfirmed];
 
 /// What the provider said, carried from `prepare` to `apply`.
 #[derive(Debug)]
@@ -356,13 +365,18 @@ impl Handler for PaymentWorker {
     }
 
     fn wants(&self, kind: EventKind) -> bool {
-        COMMANDS.contains(&kind) || kind == EventKind::HoldCreated
+        COMMANDS.contains(&kind) || REQUESTING_FACTS.contains(&kind)
     }
 
-    /// Every command; a `HoldCreated` only when it is its order's authorization request (one
-    /// written beside a `PaymentAuthorizationRequested` is acted on through the command).
+    /// Every command; a `HoldCreated` only when it is its order's authorization request, an
+    /// `OrderConfirmed` only when it is its order's capture request (one written beside a
+    /// `PaymentAuthorizationRequested` or `CaptureRequested` is acted on through the command).
     fn acts_on(&self, event: &PurchaseEvent) -> bool {
-        !matches!(event, PurchaseEvent::HoldCreated { .. }) || event.authorization_request().is_some()
+        match event {
+            PurchaseEvent::HoldCreated { .. } => event.authorization_request().is_some(),
+            PurchaseEvent::OrderConfirmed { .. } => event.capture_request().is_some(),
+            _ => true,
+        }
     }
 
     type Precheck = payments::Precheck;
@@ -396,8 +410,8 @@ impl Handler for PaymentWorker {
         // build does not know (a newer writer's): retried, then dead-lettered without an inbox
         // row, so the upgraded worker can be given it again; never skipped as done.
         let authorization = event.authorization_request();
-        let decides_on_status =
-            authorization.is_some() || matches!(event, PurchaseEvent::CaptureRequested { .. });
+        let capture = event.capture_request();
+        let decides_on_status = authorization.is_some() || capture.is_some();
         if let Some(status) = pre.unknown_status.as_ref().filter(|_| decides_on_status) {
             return Err(HandlerError::permanent(
                 "corrupt_row",
@@ -407,32 +421,39 @@ impl Handler for PaymentWorker {
         if let Some(ask) = authorization {
             return self.create_intent(env, ask, &pre).await;
         }
-        match event {
-            PurchaseEvent::CaptureRequested { order_id, payment_intent_id, .. } => {
-                // Case C06: never capture without a confirmed hold.
-                if (pre.order_status, pre.hold_status)
-                    != (Some(OrderStatus::Confirming), Some(HoldStatus::Confirmed))
-                {
-                    return Ok(Prepared::Skipped(HOLD_NOT_CONFIRMED));
-                }
-                match g.capture_payment_intent(payment_intent_id, &format!("capture:{order_id}")).await {
-                    Ok(pi) => Ok(Prepared::Intent(pi)),
-                    Err(e) if !e.is_retryable() && matches!(e, StripeError::Api { .. }) => {
-                        // Already captured or no longer capturable: ask Stripe what is true.
-                        let pi = g.retrieve_payment_intent(payment_intent_id).await.map_err(stripe_err)?;
-                        if pi.status == PaymentIntentStatus::Succeeded {
-                            Ok(Prepared::Intent(pi))
-                        } else {
-                            Ok(Prepared::CaptureRefused {
-                                payment_intent_id: payment_intent_id.clone(),
-                                reason: e.code().unwrap_or("capture_failed").to_owned(),
-                                intent: Some(pi),
-                            })
-                        }
-                    }
-                    Err(e) => Err(stripe_err(e)),
-                }
+        if let Some(boxoffice_domain::CaptureAsk { order_id, payment_intent_id, .. }) = capture {
+            // Case C06: never capture without a confirmed hold.
+            if (pre.order_status, pre.hold_status)
+                != (Some(OrderStatus::Confirming), Some(HoldStatus::Confirmed))
+            {
+                return Ok(Prepared::Skipped(HOLD_NOT_CONFIRMED));
             }
+            // A message is a claim: the PaymentIntent to capture is the one the order's payment
+            // row records.
+            if pre.payment.as_ref().map(|p| p.payment_intent_id.as_str()) != Some(payment_intent_id) {
+                return Ok(Prepared::Skipped(INTENT_DIFFERS_FROM_ORDER));
+            }
+            // One key per order, whichever message asked (a `CaptureRequested` or an
+            // `OrderConfirmed` that is the request): two requests of one order are one capture.
+            return match g.capture_payment_intent(payment_intent_id, &format!("capture:{order_id}")).await {
+                Ok(pi) => Ok(Prepared::Intent(pi)),
+                Err(e) if !e.is_retryable() && matches!(e, StripeError::Api { .. }) => {
+                    // Already captured or no longer capturable: ask Stripe what is true.
+                    let pi = g.retrieve_payment_intent(payment_intent_id).await.map_err(stripe_err)?;
+                    if pi.status == PaymentIntentStatus::Succeeded {
+                        Ok(Prepared::Intent(pi))
+                    } else {
+                        Ok(Prepared::CaptureRefused {
+                            payment_intent_id: payment_intent_id.to_owned(),
+                            reason: e.code().unwrap_or("capture_failed").to_owned(),
+                            intent: Some(pi),
+                        })
+                    }
+                }
+                Err(e) => Err(stripe_err(e)),
+            };
+        }
+        match event {
             PurchaseEvent::AuthorizationCancelRequested { payment_intent_id, .. } => {
                 // One key per PaymentIntent, not per order: an order may have a stale
                 // authorization to cancel besides its own, and a key reused with another
@@ -516,11 +537,8 @@ impl Handler for PaymentWorker {
         let locks = |event: &PurchaseEvent| {
             batch
                 || event.authorization_request().is_some()
-                || matches!(
-                    event,
-                    PurchaseEvent::CaptureRequested { .. }
-                        | PurchaseEvent::AuthorizationCancelRequested { .. }
-                )
+                || event.capture_request().is_some()
+                || matches!(event, PurchaseEvent::AuthorizationCancelRequested { .. })
         };
         let mut orders: Vec<OrderId> =
             run.iter().filter(|(_, event)| locks(event)).map(|(_, event)| event.order_id()).collect();
@@ -586,16 +604,15 @@ impl Handler for PaymentWorker {
                     tracing::warn!(order.id = %order_id, event.type = %env.event_type, reason = why, "payment command skipped");
                 }
             }
-            (
-                PurchaseEvent::CaptureRequested { .. } | PurchaseEvent::AuthorizationCancelRequested { .. },
-                Prepared::Intent(pi),
-            ) => {
+            (event, Prepared::Intent(pi))
+                if event.capture_request().is_some()
+                    || matches!(event, PurchaseEvent::AuthorizationCancelRequested { .. }) =>
+            {
                 emit.extend(facts_from_intent(tx, order_id, hold_locked, &pi).await?);
             }
-            (
-                PurchaseEvent::CaptureRequested { .. },
-                Prepared::CaptureRefused { payment_intent_id, reason, intent },
-            ) => {
+            (event, Prepared::CaptureRefused { payment_intent_id, reason, intent })
+                if event.capture_request().is_some() =>
+            {
                 // The hold first, as everywhere this worker writes the payment row: the saga
                 // may follow CaptureFailed through here and lock the hold and the order next.
                 lock_hold(tx, order_id, hold_locked).await?;

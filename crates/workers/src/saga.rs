@@ -32,7 +32,11 @@ use sqlx::PgPool;
 
 /// The saga consumer.
 #[derive(Debug, Default, Clone)]
-pub struct Saga;
+pub struct Saga {
+    /// How a confirmation asks for the capture (configuration
+    /// `confirmation_fact_requests_capture`; [`saga::CaptureRequest`]).
+    pub capture_request: saga::CaptureRequest,
+}
 
 /// Consumer name (inbox key, consumer group `ticketing-saga`).
 pub const NAME: &str = boxoffice_domain::consumers::SAGA;
@@ -79,7 +83,7 @@ impl Handler for Saga {
         _: (),
         rows: Option<Locked>,
     ) -> Result<Vec<Envelope>, HandlerError> {
-        apply_locked(tx, env, event, rows).await
+        apply_locked(tx, env, event, rows, self.capture_request).await
     }
 }
 
@@ -138,7 +142,9 @@ impl Locked {
             .collect())
     }
 
-    fn snapshot(&self, payment_intent_id: Option<&str>) -> Snapshot {
+    /// What [`saga::decide`] reads: these rows, as they relate to the fact's PaymentIntent,
+    /// and how this saga asks for a capture.
+    fn snapshot(&self, payment_intent_id: Option<&str>, capture_request: saga::CaptureRequest) -> Snapshot {
         let intent = match (&self.payment, payment_intent_id) {
             (None, _) => IntentMatch::Unrecorded,
             (Some(p), Some(pi)) if p.payment_intent_id != pi => IntentMatch::Other,
@@ -155,27 +161,21 @@ impl Locked {
             intent,
             payment: self.payment.as_ref().map(|p| p.status.clone()),
             dispute_policy: self.dispute_policy,
+            capture_request,
         }
     }
 }
 
 /// Applies one saga fact inside `tx` (which already holds the inbox row); returns the facts
-/// and commands it emits, for the caller to write to the outbox in `tx`.
-pub async fn apply(
-    tx: &mut Tx<'_>,
-    env: &Envelope,
-    event: &PurchaseEvent,
-) -> Result<Vec<Envelope>, HandlerError> {
-    apply_locked(tx, env, event, None).await
-}
-
-/// [`apply`] with the rows [`Saga`]'s `lock_rows` locked for the fact in `tx` (`None`: it locks
-/// them itself).
+/// and commands it emits, for the caller to write to the outbox in `tx`. `rows`: those
+/// [`Saga`]'s `lock_rows` locked for the fact in `tx` (`None`: it locks them itself);
+/// `capture_request`: how a confirmation asks for the capture.
 async fn apply_locked(
     tx: &mut Tx<'_>,
     env: &Envelope,
     event: &PurchaseEvent,
     rows: Option<Locked>,
+    capture_request: saga::CaptureRequest,
 ) -> Result<Vec<Envelope>, HandlerError> {
     let order_id = event.order_id();
     let rows = match rows {
@@ -193,7 +193,7 @@ async fn apply_locked(
         locked.dispute_policy = DisputePolicy::parse(&policy);
     }
     let pi = event.payment_intent_id();
-    let steps = saga::decide(&locked.snapshot(pi), event).map_err(|r| {
+    let steps = saga::decide(&locked.snapshot(pi, capture_request), event).map_err(|r| {
         HandlerError::permanent(r.code(), anyhow::anyhow!(r.clone()).context(format!("{event:?}")))
     })?;
     let emit = execute(tx, &mut locked, pi.unwrap_or_default(), &steps).await?;
@@ -311,7 +311,10 @@ pub async fn release_lapsing_authorizations(
     let mut released = 0;
     for due in due {
         let Some(mut locked) = Locked::load(&mut tx, OrderId(due.order_id), true).await? else { continue };
-        let steps = saga::give_up_before_capture_deadline(&locked.snapshot(None), &due.payment_intent_id);
+        let steps = saga::give_up_before_capture_deadline(
+            &locked.snapshot(None, saga::CaptureRequest::default()),
+            &due.payment_intent_id,
+        );
         if steps.is_empty() {
             continue; // captured or failed meanwhile
         }

@@ -45,6 +45,7 @@ impl World {
             },
             payment: self.payment.clone(),
             dispute_policy: DisputePolicy::Keep,
+            capture_request: CaptureRequest::default(),
         }
     }
 
@@ -531,4 +532,54 @@ fn the_hold_transaction_requests_the_authorization_itself() {
         vec![],
         "an order past `held` is not asked again"
     );
+}
+
+/// A confirmation asks for its capture once, in either form: in the default form its
+/// `OrderConfirmed` is the request (for the order's PaymentIntent and total); in the command
+/// form a `CaptureRequested` with the same terms follows an `OrderConfirmed` that is not one.
+/// Only `PaymentAuthorized` with a live hold writes either.
+#[test]
+fn a_confirmation_requests_the_capture_once_in_either_form() {
+    let live = World::new(OrderStatus::PaymentRequired, HoldStatus::Active, false);
+    let authorized = fact(EventKind::PaymentAuthorized, PI);
+    let order_id = authorized.order_id();
+    let ask = crate::CaptureAsk { order_id, payment_intent_id: PI, amount_minor: 18_500 };
+    let emitted = |form| {
+        let snapshot = Snapshot { capture_request: form, ..live.snapshot(PI) };
+        decide(&snapshot, &authorized)
+            .unwrap()
+            .into_iter()
+            .filter_map(|step| match step {
+                Step::Emit(e) => Some(e),
+                _ => None,
+            })
+            .collect::<Vec<_>>()
+    };
+    let [confirmed] = emitted(CaptureRequest::InConfirmationFact).try_into().expect("one fact");
+    assert!(matches!(confirmed, PurchaseEvent::OrderConfirmed { .. }), "{confirmed:?}");
+    assert_eq!(confirmed.capture_request(), Some(ask), "the fact is the request");
+    assert_eq!(confirmed.payment_intent_id(), Some(PI));
+    let [beside, request] = emitted(CaptureRequest::Command).try_into().expect("two facts");
+    assert!(matches!(beside, PurchaseEvent::OrderConfirmed { capture: None, .. }), "{beside:?}");
+    assert_eq!(beside.capture_request(), None, "the command is the request, not the fact beside it");
+    assert_eq!(
+        request,
+        PurchaseEvent::CaptureRequested { order_id, payment_intent_id: PI.into(), amount_minor: 18_500 }
+    );
+    assert_eq!(request.capture_request(), Some(ask));
+    // An older writer's fact (no `capture` field) reads as one that is not the request, and
+    // this build writes no `capture` field on such a fact.
+    let written = serde_json::to_value(&beside).unwrap();
+    assert!(written["payload"].get("capture").is_none(), "{written}");
+    let older = serde_json::json!({
+        "event_type": "OrderConfirmed",
+        "payload": { "order_id": order_id, "hold_id": written["payload"]["hold_id"] },
+    });
+    assert_eq!(serde_json::from_value::<PurchaseEvent>(older).unwrap(), beside);
+    // Neither form is written twice: a confirmed order decides nothing on a second authorization.
+    let confirming = World::new(OrderStatus::Confirming, HoldStatus::Confirmed, false);
+    for form in [CaptureRequest::InConfirmationFact, CaptureRequest::Command] {
+        let snapshot = Snapshot { capture_request: form, ..confirming.snapshot(PI) };
+        assert_eq!(decide(&snapshot, &authorized).unwrap(), vec![], "{form:?}");
+    }
 }

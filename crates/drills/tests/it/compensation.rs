@@ -221,11 +221,11 @@ async fn c05_capture_after_release_is_refunded(_: PgPoolOptions, opts: PgConnect
         Uuid::new_v4(),
         None,
     );
-    handle_once(&app.pool, &Saga, &fact).await.unwrap();
+    handle_once(&app.pool, &Saga::default(), &fact).await.unwrap();
     // The same fact again (e.g. from the capture response path) does nothing more.
     let mut again = fact.clone();
     again.event_id = Uuid::new_v4();
-    handle_once(&app.pool, &Saga, &again).await.unwrap();
+    handle_once(&app.pool, &Saga::default(), &again).await.unwrap();
 
     let (_, view) = app.order(&b, order).await;
     assert_eq!(view["status"], "refunding");
@@ -241,7 +241,7 @@ async fn c05_capture_after_release_is_refunded(_: PgPoolOptions, opts: PgConnect
         Uuid::new_v4(),
         None,
     );
-    handle_once(&app.pool, &Saga, &refunded).await.unwrap();
+    handle_once(&app.pool, &Saga::default(), &refunded).await.unwrap();
     let (_, view) = app.order(&b, order).await;
     assert_eq!(view["status"], "refunded");
     let v = boxoffice_store::audit::violations(&app.pool, 600_000, None).await.unwrap();
@@ -269,6 +269,7 @@ async fn two_authorizations_of_one_order_are_both_cancelled(_: PgPoolOptions, op
         &PurchaseEvent::OrderConfirmed {
             order_id: OrderId(order),
             hold_id: boxoffice_domain::HoldId(Uuid::new_v4()),
+            capture: None,
         },
         Uuid::new_v4(),
         None,

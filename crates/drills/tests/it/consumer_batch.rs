@@ -97,7 +97,7 @@ fn fact(order: Uuid, kind: &str) -> Envelope {
     let (o, h) = (OrderId(order), HoldId(Uuid::new_v4()));
     let event = match kind {
         "issue" => PurchaseEvent::TicketIssueRequested { order_id: o, hold_id: h },
-        _ => PurchaseEvent::OrderConfirmed { order_id: o, hold_id: h },
+        _ => PurchaseEvent::OrderConfirmed { order_id: o, hold_id: h, capture: None },
     };
     Envelope::new(o, &event, Uuid::new_v4(), None)
 }
@@ -471,7 +471,7 @@ async fn a_batch_of_payment_commands_that_fails_at_any_boundary_repeats_only_its
     let gateway: Arc<dyn boxoffice_payments::PaymentGateway> = Arc::new(app.stripe());
     let worker =
         boxoffice_workers::payment::PaymentWorker::new(gateway, app.pool.clone(), app.cfg.hold_policy());
-    let saga = boxoffice_bus::Followers::none().with(Arc::new(boxoffice_workers::saga::Saga));
+    let saga = boxoffice_bus::Followers::none().with(Arc::new(boxoffice_workers::saga::Saga::default()));
     let mut next_seat = 0;
     for boundary in boxoffice_faults::CONSUMER_BOUNDARIES {
         // Four orders awaiting their PaymentIntent, and their commands as the relay sends them.
@@ -601,7 +601,7 @@ async fn a_payment_batch_locks_the_holds_of_all_its_commands_first(_: PgPoolOpti
     let gateway: Arc<dyn boxoffice_payments::PaymentGateway> = Arc::new(app.stripe());
     let worker =
         boxoffice_workers::payment::PaymentWorker::new(gateway, app.pool.clone(), app.cfg.hold_policy());
-    let saga = boxoffice_bus::Followers::none().with(Arc::new(boxoffice_workers::saga::Saga));
+    let saga = boxoffice_bus::Followers::none().with(Arc::new(boxoffice_workers::saga::Saga::default()));
     let done = handle_batch(&app.pool, &worker, &saga, &cmds).await.unwrap();
     assert_eq!(done, vec![Some(Disposition::Applied); 2]);
     orders.sort();

@@ -125,7 +125,7 @@ async fn small_onsale_through_the_binary_has_no_violations(_: PgPoolOptions, opt
         "webhook payment_intent.amount_capturable_updated",
         "order payment_required → confirming",
         "order paid → ticketed",
-        "payments, applying CaptureRequested",
+        "payments, applying OrderConfirmed",
         "applied by tickets in this transaction",
         "→ TicketIssued",
         "gaps (SLO",

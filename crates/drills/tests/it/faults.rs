@@ -87,7 +87,7 @@ async fn every_boundary_fails_once_and_every_purchase_converges(_: PgPoolOptions
         // A copy nobody applied: not even the consumers that followed it through.
         env.applied_by.clear();
         for d in [
-            handle_once(&app.pool, &boxoffice_workers::saga::Saga, &env).await.unwrap(),
+            handle_once(&app.pool, &boxoffice_workers::saga::Saga::default(), &env).await.unwrap(),
             handle_once(&app.pool, &payments, &env).await.unwrap(),
             handle_once(&app.pool, &boxoffice_workers::tickets::TicketWorker, &env).await.unwrap(),
         ] {
@@ -410,6 +410,96 @@ async fn an_authorization_request_for_another_amount_creates_no_intent(
     let prepared = prepare(hold_created.clone(), real).await;
     assert!(matches!(prepared, boxoffice_workers::payment::Prepared::Intent(_)), "{prepared:?}");
     assert_eq!(app.sim.stats().payment_intents_created, 1);
+    app.stop().await;
+}
+
+/// A capture request is a claim checked against the ledger too: one naming another
+/// PaymentIntent than the order's recorded one (forged or corrupt; capturing it would take
+/// another buyer's money under this order's key) captures nothing, in either form; the
+/// confirmation's own `OrderConfirmed` then captures the order's intent.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn a_capture_request_for_another_payment_intent_captures_nothing(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    // Only the API runs: the test plays the payment worker and the saga by hand.
+    let app = TestApp::spawn(opts, &[Role::Api], VenueSpec::small(1, 1, 4)).await;
+    let seat = app.seats().await[0];
+    let b = app.buyer();
+    let r = app.hold(&b, &app.admission_token(&b), "capture-claim", &[seat]).await;
+    assert_eq!(r.status(), 202);
+    let order: Uuid =
+        r.json::<serde_json::Value>().await.unwrap()["order_id"].as_str().unwrap().parse().unwrap();
+    let fact = |event_type: &'static str| {
+        let pool = app.pool.clone();
+        async move {
+            let payload: serde_json::Value =
+                sqlx::query_scalar("SELECT payload FROM outbox WHERE event_type = $1 AND message_key = $2")
+                    .bind(event_type)
+                    .bind(order.to_string())
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap();
+            serde_json::from_value::<Envelope>(payload).unwrap()
+        }
+    };
+    let worker = boxoffice_workers::payment::PaymentWorker::new(
+        Arc::new(app.stripe()),
+        app.pool.clone(),
+        app.cfg.hold_policy(),
+    );
+    let saga = boxoffice_workers::saga::Saga::default();
+    assert_eq!(
+        handle_once(&app.pool, &worker, &fact("HoldCreated").await).await.unwrap(),
+        Disposition::Applied
+    );
+    let created = fact("PaymentIntentCreated").await;
+    assert_eq!(handle_once(&app.pool, &saga, &created).await.unwrap(), Disposition::Applied);
+    let pi = app.pay(&b, order, "pm_card_visa").await.expect("authorized");
+    let authorized = created.follow(&PurchaseEvent::PaymentAuthorized {
+        order_id: boxoffice_domain::OrderId(order),
+        payment_intent_id: pi.id.clone(),
+        amount_capturable_minor: pi.amount,
+        capture_before: None,
+    });
+    assert_eq!(handle_once(&app.pool, &saga, &authorized).await.unwrap(), Disposition::Applied);
+    let confirmed = fact("OrderConfirmed").await;
+    let real = confirmed.decode().unwrap();
+    let ask = real.capture_request().expect("the confirmation is the capture request");
+    assert_eq!(ask.payment_intent_id, pi.id);
+
+    // Another buyer's authorized PaymentIntent at the provider.
+    let other = app.authorize_at_provider(Uuid::new_v4(), pi.amount, "another-buyer").await;
+    let mut forged_fact = real.clone();
+    if let PurchaseEvent::OrderConfirmed { capture: Some(c), .. } = &mut forged_fact {
+        c.payment_intent_id = other.clone();
+    }
+    let forged_command = PurchaseEvent::CaptureRequested {
+        order_id: ask.order_id,
+        payment_intent_id: other.clone(),
+        amount_minor: ask.amount_minor,
+    };
+    for event in [forged_fact, forged_command] {
+        let env = confirmed.follow(&event);
+        let pre =
+            boxoffice_store::payments::prechecks(&app.pool, "payments", &[(event.order_id(), env.event_id)])
+                .await
+                .unwrap()
+                .remove(0);
+        let prepared = worker.prepare(&env, &event, pre).await.unwrap();
+        assert!(
+            matches!(
+                prepared,
+                boxoffice_workers::payment::Prepared::Skipped("payment_intent_differs_from_order")
+            ),
+            "{event:?}: {prepared:?}"
+        );
+    }
+    assert_eq!(app.sim.captures_for(&other), 0, "no capture of another buyer's authorization");
+    assert_eq!(app.sim.captures_for(&pi.id), 0);
+    assert_eq!(handle_once(&app.pool, &worker, &confirmed).await.unwrap(), Disposition::Applied);
+    assert_eq!(app.sim.captures_for(&pi.id), 1, "the order's own request captures its intent");
+    assert_eq!(app.sim.captures_for(&other), 0);
     app.stop().await;
 }
 

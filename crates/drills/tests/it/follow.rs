@@ -130,7 +130,7 @@ async fn a_purchase_in_one_process_is_followed_through_by_the_saga_and_the_ticke
         .expect("the capture's step");
     match &step.actor {
         boxoffice_store::timeline::Actor::Consumer { consumer, applied_type, .. } => {
-            assert_eq!((consumer.as_str(), applied_type.as_str()), ("payments", "CaptureRequested"));
+            assert_eq!((consumer.as_str(), applied_type.as_str()), ("payments", "OrderConfirmed"));
         }
         other => panic!("the capture's step was run by {other:?}"),
     }
@@ -229,7 +229,7 @@ fn confirmed() -> Envelope {
     let order = OrderId(Uuid::new_v4());
     Envelope::new(
         order,
-        &PurchaseEvent::OrderConfirmed { order_id: order, hold_id: HoldId(Uuid::new_v4()) },
+        &PurchaseEvent::OrderConfirmed { order_id: order, hold_id: HoldId(Uuid::new_v4()), capture: None },
         Uuid::new_v4(),
         None,
     )
@@ -389,7 +389,7 @@ async fn a_capture_whose_ticket_issuance_fails_in_its_transaction_is_recorded_on
     );
     let payments_rows: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM inbox i JOIN outbox o ON o.id = i.event_id
-          WHERE i.consumer = 'payments' AND o.event_type = 'CaptureRequested' AND o.message_key = $1::text",
+          WHERE i.consumer = 'payments' AND o.event_type = 'OrderConfirmed' AND o.message_key = $1::text",
     )
     .bind(order)
     .fetch_one(&app.pool)
@@ -537,7 +537,7 @@ async fn batches_and_followers_lock_their_rows_once_per_run_of_distinct_orders(
         let o = OrderId(order);
         Envelope::new(
             o,
-            &PurchaseEvent::OrderConfirmed { order_id: o, hold_id: HoldId(Uuid::new_v4()) },
+            &PurchaseEvent::OrderConfirmed { order_id: o, hold_id: HoldId(Uuid::new_v4()), capture: None },
             Uuid::new_v4(),
             None,
         )

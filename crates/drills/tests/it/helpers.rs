@@ -325,6 +325,20 @@ pub async fn outbox_count(pool: &PgPool, event_type: &str, order: Uuid) -> i64 {
         .unwrap()
 }
 
+/// How many capture requests the outbox holds for `order`, in either form
+/// (`boxoffice_domain::saga::CaptureRequest`): a `CaptureRequested`, or an `OrderConfirmed`
+/// that is the request (its payload names the capture).
+pub async fn capture_requests(pool: &PgPool, order: Uuid) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM outbox WHERE message_key = $1
+            AND (event_type = 'CaptureRequested' OR (event_type = 'OrderConfirmed' AND payload->'payload' ? 'capture'))",
+    )
+    .bind(order.to_string())
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
 /// Whether consumer `consumer` has applied fact `event_id` (its inbox row).
 pub async fn in_inbox(pool: &PgPool, consumer: &str, event_id: Uuid) -> bool {
     sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM inbox WHERE consumer = $1 AND event_id = $2)")

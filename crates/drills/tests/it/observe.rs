@@ -518,8 +518,8 @@ async fn the_timeline_tells_who_moved_a_ticketed_and_a_compensated_order(
             "payments:PaymentIntentRefreshRequested".into(),
             vec!["saga:PaymentAuthorized".to_owned()],
         ),
-        ("confirming".into(), "paid".into(), "payments:CaptureRequested".into(), capture.clone()),
-        ("paid".into(), "ticketed".into(), "payments:CaptureRequested".into(), capture),
+        ("confirming".into(), "paid".into(), "payments:OrderConfirmed".into(), capture.clone()),
+        ("paid".into(), "ticketed".into(), "payments:OrderConfirmed".into(), capture),
     ];
     assert_eq!(moves, expected, "each status change, who made it and who followed it through");
     // Every fact is in a step after the step that wrote its cause, and was applied.

@@ -696,6 +696,77 @@ async fn a_hold_asks_for_its_authorization_once_in_either_form(_: PgPoolOptions,
     app.stop().await;
 }
 
+/// A confirmation asks for its capture once, in either form. With
+/// `confirmation_fact_requests_capture = false` (a rolling upgrade from a build whose payment
+/// worker does not act on an `OrderConfirmed`) the saga writes a `CaptureRequested` after an
+/// `OrderConfirmed` that is not the request, and the payment worker acts on the command alone;
+/// in the default form (every other purchase test) the `OrderConfirmed` is the request. A
+/// capture request of the other form arriving for the same order afterwards (a replay, a
+/// mixed fleet) captures nothing more: the hold is no longer `confirming`'s, and the provider
+/// key is the order's either way.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn a_confirmation_asks_for_its_capture_once_in_either_form(_: PgPoolOptions, opts: PgConnectOptions) {
+    let app = TestApp::spawn_with(opts, &Role::ALL, VenueSpec::small(1, 1, 4), |c| {
+        c.confirmation_fact_requests_capture = false;
+    })
+    .await;
+    let seat = app.seats().await[0];
+    let b = app.buyer();
+    let r = app.hold(&b, &app.admission_token(&b), "upgrade", &[seat]).await;
+    assert_eq!(r.status(), 202);
+    let order: Uuid =
+        r.json::<serde_json::Value>().await.unwrap()["order_id"].as_str().unwrap().parse().unwrap();
+    let pi = app.pay(&b, order, "pm_card_visa").await.expect("authorized");
+    app.await_order(&b, order, WAIT, |v| v["status"] == "ticketed").await;
+    assert_eq!(app.sim.captures_for(&pi.id), 1);
+    assert_eq!(app.outbox_count("OrderConfirmed", order).await, 1);
+    assert_eq!(app.outbox_count("CaptureRequested", order).await, 1, "the command beside the fact");
+    assert_eq!(crate::helpers::capture_requests(&app.pool, order).await, 1, "the fact is not a request");
+    let applied: Vec<String> = sqlx::query_scalar(
+        "SELECT o.event_type FROM inbox i JOIN outbox o ON o.id = i.event_id
+          WHERE i.consumer = 'payments' AND o.message_key = $1::text AND o.event_type IN ('OrderConfirmed', 'CaptureRequested')",
+    )
+    .bind(order)
+    .fetch_all(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(applied, ["CaptureRequested"], "the payment worker acted on the command");
+
+    // The default form's request for the same order, delivered late: nothing is captured again.
+    let confirmed: Envelope = sqlx::query_scalar::<_, serde_json::Value>(
+        "SELECT payload FROM outbox WHERE event_type = 'OrderConfirmed' AND message_key = $1::text",
+    )
+    .bind(order)
+    .fetch_one(&app.pool)
+    .await
+    .map(|v| serde_json::from_value(v).unwrap())
+    .unwrap();
+    let hold_id = match confirmed.decode().unwrap() {
+        PurchaseEvent::OrderConfirmed { hold_id, capture: None, .. } => hold_id,
+        other => panic!("{other:?}"),
+    };
+    let request = confirmed.follow(&PurchaseEvent::OrderConfirmed {
+        order_id: OrderId(order),
+        hold_id,
+        capture: Some(boxoffice_domain::RequestedCapture {
+            payment_intent_id: pi.id.clone(),
+            amount_minor: 18_500,
+        }),
+    });
+    let worker = boxoffice_workers::payment::PaymentWorker::new(
+        std::sync::Arc::new(app.stripe()),
+        app.pool.clone(),
+        app.cfg.hold_policy(),
+    );
+    assert_eq!(
+        boxoffice_bus::consumer::handle_once(&app.pool, &worker, &request).await.unwrap(),
+        boxoffice_bus::consumer::Disposition::Applied
+    );
+    assert_eq!(app.sim.captures_for(&pi.id), 1, "one capture at the provider");
+    app.assert_drained_and_clean().await;
+    app.stop().await;
+}
+
 /// A second `PaymentAuthorizationRequested` for one order (an older saga's beside the hold
 /// transaction's, or a replayed or forged one with a new event id, hence a new idempotency
 /// key) creates no second PaymentIntent: the order already has its payment row.

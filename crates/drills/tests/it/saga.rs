@@ -115,6 +115,10 @@ impl Ledger {
         crate::helpers::outbox_count(&self.pool, event_type, order.0).await
     }
 
+    async fn capture_requests(&self, order: OrderId) -> i64 {
+        crate::helpers::capture_requests(&self.pool, order.0).await
+    }
+
     async fn active_rows(&self, seat: Uuid) -> i64 {
         sqlx::query_scalar("SELECT count(*) FROM hold_seats WHERE seat_id = $1 AND released_at IS NULL")
             .bind(seat)
@@ -153,16 +157,16 @@ async fn duplicate_kafka_event_is_applied_once(_: PgPoolOptions, opts: PgConnect
     let r = l.hold(&l.seats[..2], Duration::from_secs(60)).await;
     let pi = l.payment(r.order_id).await;
     let env = authorized(r.order_id, &pi);
-    assert_eq!(handle_once(&l.pool, &Saga, &env).await.unwrap(), Disposition::Applied);
-    assert_eq!(handle_once(&l.pool, &Saga, &env).await.unwrap(), Disposition::Duplicate);
-    assert_eq!(l.outbox("CaptureRequested", r.order_id).await, 1);
+    assert_eq!(handle_once(&l.pool, &Saga::default(), &env).await.unwrap(), Disposition::Applied);
+    assert_eq!(handle_once(&l.pool, &Saga::default(), &env).await.unwrap(), Disposition::Duplicate);
+    assert_eq!(l.capture_requests(r.order_id).await, 1);
     assert_eq!(l.outbox("OrderConfirmed", r.order_id).await, 1);
     assert_eq!(l.status(r.order_id).await, "confirming");
     assert_eq!(l.hold_status(r.order_id).await, "confirmed");
 }
 
 /// C07: the same authorization fact in ten different messages (webhook + re-fetch paths),
-/// all racing: one transition, one OrderConfirmed, one CaptureRequested.
+/// all racing: one transition, one OrderConfirmed, one capture request.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn c07_concurrent_copies_of_one_fact_transition_once(_: PgPoolOptions, opts: PgConnectOptions) {
     let l = ledger(opts).await;
@@ -174,14 +178,14 @@ async fn c07_concurrent_copies_of_one_fact_transition_once(_: PgPoolOptions, opt
         let (pool, env, gate) = (l.pool.clone(), authorized(r.order_id, &pi), gate.clone());
         tasks.push(tokio::spawn(async move {
             gate.wait().await;
-            handle_once(&pool, &Saga, &env).await
+            handle_once(&pool, &Saga::default(), &env).await
         }));
     }
     for t in tasks {
         assert_eq!(t.await.unwrap().unwrap(), Disposition::Applied);
     }
     assert_eq!(l.outbox("OrderConfirmed", r.order_id).await, 1);
-    assert_eq!(l.outbox("CaptureRequested", r.order_id).await, 1);
+    assert_eq!(l.capture_requests(r.order_id).await, 1);
     assert_eq!(l.status(r.order_id).await, "confirming");
 }
 
@@ -196,10 +200,10 @@ async fn authorization_after_expiry_is_compensated(_: PgPoolOptions, opts: PgCon
     assert_eq!(holds::expire_due(&l.pool, 100).await.unwrap().0, 1);
     assert_eq!(l.status(r.order_id).await, "expired");
 
-    handle_once(&l.pool, &Saga, &authorized(r.order_id, &pi)).await.unwrap();
+    handle_once(&l.pool, &Saga::default(), &authorized(r.order_id, &pi)).await.unwrap();
     assert_eq!(l.status(r.order_id).await, "canceled");
     assert_eq!(l.outbox("AuthorizationCancelRequested", r.order_id).await, 1);
-    assert_eq!(l.outbox("CaptureRequested", r.order_id).await, 0);
+    assert_eq!(l.capture_requests(r.order_id).await, 0);
     assert_eq!(l.active_rows(seat).await, 0);
 }
 
@@ -228,8 +232,8 @@ async fn late_decline_does_not_reopen_a_cancelled_payment(_: PgPoolOptions, opts
         .await
         .unwrap()
     };
-    assert_eq!(handle_once(&l.pool, &Saga, &canceled).await.unwrap(), Disposition::Applied);
-    assert_eq!(handle_once(&l.pool, &Saga, &declined).await.unwrap(), Disposition::Applied);
+    assert_eq!(handle_once(&l.pool, &Saga::default(), &canceled).await.unwrap(), Disposition::Applied);
+    assert_eq!(handle_once(&l.pool, &Saga::default(), &declined).await.unwrap(), Disposition::Applied);
     assert_eq!(payment().await, ("canceled".to_owned(), None));
 
     // In order, a decline is recorded while the payment is pending.
@@ -245,7 +249,7 @@ async fn late_decline_does_not_reopen_a_cancelled_payment(_: PgPoolOptions, opts
         Uuid::new_v4(),
         None,
     );
-    handle_once(&l.pool, &Saga, &declined2).await.unwrap();
+    handle_once(&l.pool, &Saga::default(), &declined2).await.unwrap();
     let (status, code): (String, Option<String>) =
         sqlx::query_as("SELECT status, last_error_code FROM payments WHERE payment_intent_id = $1")
             .bind(&pi2)
@@ -269,7 +273,7 @@ async fn c04_late_authorization_after_resale(_: PgPoolOptions, opts: PgConnectOp
     let b = l.hold(&[seat], Duration::from_secs(60)).await;
     assert_eq!(l.status(a.order_id).await, "expired");
     let b_pi = l.payment(b.order_id).await;
-    handle_once(&l.pool, &Saga, &authorized(b.order_id, &b_pi)).await.unwrap();
+    handle_once(&l.pool, &Saga::default(), &authorized(b.order_id, &b_pi)).await.unwrap();
     let captured = Envelope::new(
         b.order_id,
         &PurchaseEvent::PaymentCaptured {
@@ -280,7 +284,7 @@ async fn c04_late_authorization_after_resale(_: PgPoolOptions, opts: PgConnectOp
         Uuid::new_v4(),
         None,
     );
-    handle_once(&l.pool, &Saga, &captured).await.unwrap();
+    handle_once(&l.pool, &Saga::default(), &captured).await.unwrap();
     let issue = Envelope::new(
         b.order_id,
         &PurchaseEvent::TicketIssueRequested { order_id: b.order_id, hold_id: b.hold_id },
@@ -290,7 +294,7 @@ async fn c04_late_authorization_after_resale(_: PgPoolOptions, opts: PgConnectOp
     handle_once(&l.pool, &TicketWorker, &issue).await.unwrap();
     assert_eq!(l.status(b.order_id).await, "ticketed");
 
-    handle_once(&l.pool, &Saga, &authorized(a.order_id, &a_pi)).await.unwrap();
+    handle_once(&l.pool, &Saga::default(), &authorized(a.order_id, &a_pi)).await.unwrap();
     assert_eq!(l.status(a.order_id).await, "canceled");
     assert_eq!(l.outbox("AuthorizationCancelRequested", a.order_id).await, 1);
     let cancel: serde_json::Value = sqlx::query_scalar(
@@ -334,7 +338,7 @@ async fn c03_expiry_racing_authorization_picks_one_legal_state(_: PgPoolOptions,
         let (pool, env, gate) = (l.pool.clone(), authorized(r.order_id, pi), gate.clone());
         tasks.push(tokio::spawn(async move {
             gate.wait().await;
-            handle_once(&pool, &Saga, &env).await.map(|_| ())
+            handle_once(&pool, &Saga::default(), &env).await.map(|_| ())
         }));
     }
     for _ in 0..2 {
@@ -355,7 +359,7 @@ async fn c03_expiry_racing_authorization_picks_one_legal_state(_: PgPoolOptions,
     for (r, _, seat) in &orders {
         let (status, hold) = (l.status(r.order_id).await, l.hold_status(r.order_id).await);
         let cancels = l.outbox("AuthorizationCancelRequested", r.order_id).await;
-        let captures = l.outbox("CaptureRequested", r.order_id).await;
+        let captures = l.capture_requests(r.order_id).await;
         match (status.as_str(), hold.as_str()) {
             ("confirming", "confirmed") => {
                 confirmed += 1;
@@ -381,7 +385,7 @@ async fn c09_capture_deadline_releases_or_cancels_deliberately(_: PgPoolOptions,
     let (s1, s2) = (l.seats[5], l.seats[6]);
     let near = l.hold(&[s1], Duration::from_secs(60)).await;
     let near_pi = l.payment(near.order_id).await;
-    handle_once(&l.pool, &Saga, &authorized(near.order_id, &near_pi)).await.unwrap();
+    handle_once(&l.pool, &Saga::default(), &authorized(near.order_id, &near_pi)).await.unwrap();
     assert_eq!(l.status(near.order_id).await, "confirming");
     let deadline: Option<chrono::DateTime<chrono::Utc>> =
         sqlx::query_scalar("SELECT capture_before FROM payments WHERE order_id = $1")
@@ -418,14 +422,14 @@ async fn c09_capture_deadline_releases_or_cancels_deliberately(_: PgPoolOptions,
     // Stripe cancels an authorization that was never captured: the seats are released.
     let lapsed = l.hold(&[s2], Duration::from_secs(60)).await;
     let lapsed_pi = l.payment(lapsed.order_id).await;
-    handle_once(&l.pool, &Saga, &authorized(lapsed.order_id, &lapsed_pi)).await.unwrap();
+    handle_once(&l.pool, &Saga::default(), &authorized(lapsed.order_id, &lapsed_pi)).await.unwrap();
     let canceled = Envelope::new(
         lapsed.order_id,
         &PurchaseEvent::PaymentCanceled { order_id: lapsed.order_id, payment_intent_id: lapsed_pi },
         Uuid::new_v4(),
         None,
     );
-    handle_once(&l.pool, &Saga, &canceled).await.unwrap();
+    handle_once(&l.pool, &Saga::default(), &canceled).await.unwrap();
     assert_eq!(l.status(lapsed.order_id).await, "failed");
     assert_eq!(l.active_rows(s2).await, 0);
 
@@ -444,7 +448,7 @@ async fn c09_capture_deadline_releases_or_cancels_deliberately(_: PgPoolOptions,
         Uuid::new_v4(),
         None,
     );
-    handle_once(&l.pool, &Saga, &fact).await.unwrap();
+    handle_once(&l.pool, &Saga::default(), &fact).await.unwrap();
     assert_eq!(l.status(stated.order_id).await, "confirming");
     let (status, recorded): (String, Option<chrono::DateTime<chrono::Utc>>) =
         sqlx::query_as("SELECT status, capture_before FROM payments WHERE order_id = $1")
@@ -523,7 +527,7 @@ async fn a_saga_batch_judges_each_hold_when_it_locks_it(_: PgPoolOptions, opts: 
     let envs = vec![authorized(second, &pi_second), authorized(first, &pi_first)];
     let batch = {
         let (pool, envs) = (l.pool.clone(), envs.clone());
-        tokio::spawn(async move { handle_batch(&pool, &Saga, &Followers::none(), &envs).await })
+        tokio::spawn(async move { handle_batch(&pool, &Saga::default(), &Followers::none(), &envs).await })
     };
     crate::helpers::await_lock_wait(
         &l.pool,
@@ -546,11 +550,11 @@ async fn a_saga_batch_judges_each_hold_when_it_locks_it(_: PgPoolOptions, opts: 
 
     assert_eq!(l.status(first).await, "confirming");
     assert_eq!(l.hold_status(first).await, "confirmed");
-    assert_eq!(l.outbox("CaptureRequested", first).await, 1);
+    assert_eq!(l.capture_requests(first).await, 1);
     // Its hold ended while the batch waited: compensated, its seat given back.
     assert_eq!(l.status(second).await, "canceled");
     assert_eq!(l.hold_status(second).await, "expired");
-    assert_eq!(l.outbox("CaptureRequested", second).await, 0);
+    assert_eq!(l.capture_requests(second).await, 0);
     assert_eq!(l.outbox("AuthorizationCancelRequested", second).await, 1);
     assert_eq!(l.active_rows(second_seat).await, 0);
 }
