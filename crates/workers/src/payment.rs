@@ -36,10 +36,9 @@
 //! the provider's answer with.
 //!
 //! Capture is only sent for an order whose hold is confirmed (case C06), and only for the
-//! PaymentIntent its payment row records; a cancel that finds
-//! the money already captured turns into a refund (invariant 6). A refund the provider refuses
-//! because the charge was already refunded in full (from the dashboard, say) is recorded as
-//! done; `PaymentRefunded` always reports the charge's whole refunded amount, read back from
+//! PaymentIntent its payment row records; a cancel that finds the money already captured
+//! turns into a refund (invariant 6). A refund the provider refuses because the charge was
+//! already refunded in full (from the dashboard, say) is recorded as done; `PaymentRefunded` always reports the charge's whole refunded amount, read back from
 //! the provider after the refund, as a re-fetch reports it.
 //!
 //! The hold's lifetime rules (case C19, `boxoffice_domain::hold`) are applied here in the
