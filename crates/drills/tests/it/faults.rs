@@ -426,10 +426,7 @@ async fn a_capture_request_for_another_payment_intent_captures_nothing(
     let app = TestApp::spawn(opts, &[Role::Api], VenueSpec::small(1, 1, 4)).await;
     let seat = app.seats().await[0];
     let b = app.buyer();
-    let r = app.hold(&b, &app.admission_token(&b), "capture-claim", &[seat]).await;
-    assert_eq!(r.status(), 202);
-    let order: Uuid =
-        r.json::<serde_json::Value>().await.unwrap()["order_id"].as_str().unwrap().parse().unwrap();
+    let order = app.hold_order(&b, "capture-claim", &[seat]).await;
     let fact = |event_type: &'static str| {
         let pool = app.pool.clone();
         async move {

@@ -54,10 +54,7 @@ async fn a_purchase_in_one_process_is_followed_through_by_the_saga_and_the_ticke
     let app = TestApp::spawn(opts, &Role::ALL, VenueSpec::small(1, 1, 4)).await;
     let seat = app.seats().await[0];
     let b = app.buyer();
-    let r = app.hold(&b, &app.admission_token(&b), "follow", &[seat]).await;
-    assert_eq!(r.status(), 202);
-    let order: Uuid =
-        r.json::<serde_json::Value>().await.unwrap()["order_id"].as_str().unwrap().parse().unwrap();
+    let order = app.hold_order(&b, "follow", &[seat]).await;
     app.pay(&b, order, "pm_card_visa").await.expect("authorized");
     app.await_order(&b, order, Duration::from_secs(60), |v| v["status"] == "ticketed").await;
     app.assert_drained_and_clean().await;
@@ -323,10 +320,7 @@ async fn without_follow_through_each_consumer_applies_its_facts_from_the_bus(
         TestApp::spawn_with(opts, &Role::ALL, VenueSpec::small(1, 1, 4), |c| c.follow_through = false).await;
     let seat = app.seats().await[0];
     let b = app.buyer();
-    let r = app.hold(&b, &app.admission_token(&b), "bus", &[seat]).await;
-    assert_eq!(r.status(), 202);
-    let order: Uuid =
-        r.json::<serde_json::Value>().await.unwrap()["order_id"].as_str().unwrap().parse().unwrap();
+    let order = app.hold_order(&b, "bus", &[seat]).await;
     app.pay(&b, order, "pm_card_visa").await.expect("authorized");
     app.await_order(&b, order, Duration::from_secs(60), |v| v["status"] == "ticketed").await;
     app.assert_drained_and_clean().await;
@@ -357,10 +351,7 @@ async fn a_capture_whose_ticket_issuance_fails_in_its_transaction_is_recorded_on
     let app = TestApp::spawn(opts, &Role::ALL, VenueSpec::small(1, 1, 4)).await;
     let seat = app.seats().await[0];
     let b = app.buyer();
-    let r = app.hold(&b, &app.admission_token(&b), "isolated", &[seat]).await;
-    assert_eq!(r.status(), 202);
-    let order: Uuid =
-        r.json::<serde_json::Value>().await.unwrap()["order_id"].as_str().unwrap().parse().unwrap();
+    let order = app.hold_order(&b, "isolated", &[seat]).await;
     // Ticket issuance fails once: in the capture's transaction, where the ticket worker follows.
     boxoffice_faults::set("tickets.before_commit", "1*return").unwrap();
     let pi = app.pay(&b, order, "pm_card_visa").await.expect("authorized");

@@ -197,6 +197,14 @@ impl TestApp {
         self.client.hold(&b.bearer(), self.event, admission, key, seats).send().await.expect("request")
     }
 
+    /// A hold of `seats` by `b` under Idempotency-Key `key`, with a fresh admission token;
+    /// asserts the 202 and returns the new order's id.
+    pub async fn hold_order(&self, b: &Buyer, key: &str, seats: &[Uuid]) -> Uuid {
+        let r = self.hold(b, &self.admission_token(b), key, seats).await;
+        assert_eq!(r.status(), 202);
+        r.json::<Value>().await.unwrap()["order_id"].as_str().unwrap().parse().unwrap()
+    }
+
     pub async fn order(&self, b: &Buyer, order: Uuid) -> (u16, Value) {
         let r = self.client.order(&b.bearer(), order).send().await.expect("request");
         (r.status().as_u16(), r.json().await.unwrap_or(Value::Null))

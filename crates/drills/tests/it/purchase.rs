@@ -712,10 +712,7 @@ async fn a_confirmation_asks_for_its_capture_once_in_either_form(_: PgPoolOption
     .await;
     let seat = app.seats().await[0];
     let b = app.buyer();
-    let r = app.hold(&b, &app.admission_token(&b), "upgrade", &[seat]).await;
-    assert_eq!(r.status(), 202);
-    let order: Uuid =
-        r.json::<serde_json::Value>().await.unwrap()["order_id"].as_str().unwrap().parse().unwrap();
+    let order = app.hold_order(&b, "upgrade", &[seat]).await;
     let pi = app.pay(&b, order, "pm_card_visa").await.expect("authorized");
     app.await_order(&b, order, WAIT, |v| v["status"] == "ticketed").await;
     assert_eq!(app.sim.captures_for(&pi.id), 1);
