@@ -35,11 +35,13 @@
 //! and the payment rows of its re-fetches' orders in one more, which each re-fetch compares
 //! the provider's answer with.
 //!
-//! Capture is only sent for an order whose hold is confirmed (case C06), and only for the
-//! PaymentIntent its payment row records; a cancel that finds the money already captured
+//! Capture is only sent for an order whose hold is confirmed (case C06), for its total, and
+//! only for the PaymentIntent its payment row records (without a row: one the provider made
+//! for the order, read before the call); a cancel that finds the money already captured
 //! turns into a refund (invariant 6). A refund the provider refuses because the charge was
-//! already refunded in full (from the dashboard, say) is recorded as done; `PaymentRefunded` always reports the charge's whole refunded amount, read back from
-//! the provider after the refund, as a re-fetch reports it.
+//! already refunded in full (from the dashboard, say) is recorded as done; `PaymentRefunded`
+//! always reports the charge's whole refunded amount, read back from the provider after the
+//! refund, as a re-fetch reports it.
 //!
 //! The hold's lifetime rules (case C19, `boxoffice_domain::hold`) are applied here in the
 //! same transaction as what the provider said: recording a new PaymentIntent opens the
@@ -105,15 +107,16 @@ const CAPTURE_RECORDED: &str = "capture_recorded";
 /// Why an authorization request created nothing: its order is not `held` without a payment
 /// row (a second request for one order: an older writer's, a replayed or forged one).
 const NOT_AWAITING_PAYMENT_INTENT: &str = "order_not_awaiting_payment_intent";
-/// Why an authorization request created nothing: it asks for another amount or currency
-/// than its order's.
+/// Why an authorization request created nothing, or a capture request called no one: it
+/// asks for another amount (or currency) than its order's.
 const AMOUNT_DIFFERS_FROM_ORDER: &str = "amount_differs_from_order";
 /// Why an authorization request created nothing: it names another hold than its order's.
 const HOLD_DIFFERS_FROM_ORDER: &str = "hold_differs_from_order";
 /// Why a capture request called no one: the order's hold is not confirmed.
 const HOLD_NOT_CONFIRMED: &str = "hold_not_confirmed";
 /// Why a capture request called no one: it names another PaymentIntent than the order's
-/// recorded one (a forged or corrupt request; capturing it would take another order's money).
+/// recorded one, or, without a recorded one, one the provider does not know or made for
+/// another order (a forged or corrupt request; capturing it would take another buyer's money).
 const INTENT_DIFFERS_FROM_ORDER: &str = "payment_intent_differs_from_order";
 /// Why a message reached `prepare` without being a payment command.
 const NOT_A_PAYMENT_COMMAND: &str = "not_a_payment_command";
@@ -420,17 +423,35 @@ impl Handler for PaymentWorker {
         if let Some(ask) = authorization {
             return self.create_intent(env, ask, &pre).await;
         }
-        if let Some(boxoffice_domain::CaptureAsk { order_id, payment_intent_id, .. }) = capture {
+        if let Some(boxoffice_domain::CaptureAsk { order_id, payment_intent_id, amount_minor }) = capture {
             // Case C06: never capture without a confirmed hold.
             if (pre.order_status, pre.hold_status)
                 != (Some(OrderStatus::Confirming), Some(HoldStatus::Confirmed))
             {
                 return Ok(Prepared::Skipped(HOLD_NOT_CONFIRMED));
             }
-            // A message is a claim: the PaymentIntent to capture is the one the order's payment
-            // row records.
-            if pre.payment.as_ref().map(|p| p.payment_intent_id.as_str()) != Some(payment_intent_id) {
-                return Ok(Prepared::Skipped(INTENT_DIFFERS_FROM_ORDER));
+            // A message is a claim: the amount is the order's total (the capture takes the
+            // whole authorization, so another amount is a forged or corrupt request) ...
+            if pre.order_amount.as_ref().is_none_or(|(amount, _)| *amount != amount_minor) {
+                return Ok(Prepared::Skipped(AMOUNT_DIFFERS_FROM_ORDER));
+            }
+            // ... and the PaymentIntent is the order's: the one its payment row records, or,
+            // where the ledger has none (lost with a fenced region's unreplicated commits,
+            // design §15, while the saga confirmed the order on the provider's word), one the
+            // provider says was made for this order.
+            match &pre.payment {
+                Some(p) if p.payment_intent_id != payment_intent_id => {
+                    return Ok(Prepared::Skipped(INTENT_DIFFERS_FROM_ORDER));
+                }
+                Some(_) => {}
+                None => match g.retrieve_payment_intent(payment_intent_id).await {
+                    Ok(pi) if pi.metadata.get("order_id") == Some(&order_id.to_string()) => {}
+                    Ok(_) => return Ok(Prepared::Skipped(INTENT_DIFFERS_FROM_ORDER)),
+                    Err(e) if e.status() == Some(404) => {
+                        return Ok(Prepared::Skipped(INTENT_DIFFERS_FROM_ORDER))
+                    }
+                    Err(e) => return Err(stripe_err(e)),
+                },
             }
             // One key per order, whichever message asked (a `CaptureRequested` or an
             // `OrderConfirmed` that is the request): two requests of one order are one capture.

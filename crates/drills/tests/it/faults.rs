@@ -414,20 +414,24 @@ async fn an_authorization_request_for_another_amount_creates_no_intent(
 }
 
 /// A capture request is a claim checked against the ledger too: one naming another
-/// PaymentIntent than the order's recorded one (forged or corrupt; capturing it would take
-/// another buyer's money under this order's key) captures nothing, in either form; the
-/// confirmation's own `OrderConfirmed` then captures the order's intent.
+/// PaymentIntent than the order's recorded one, or another amount than the order's (forged or
+/// corrupt; capturing another buyer's intent under this order's key would take their money)
+/// captures nothing, in either form; the confirmation's own `OrderConfirmed` then captures the
+/// order's intent. An order confirmed without a recorded payment row (one lost with a fenced
+/// region's commits, the saga having confirmed on the provider's word) is captured when the
+/// provider says the intent was made for it, and not otherwise.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn a_capture_request_for_another_payment_intent_captures_nothing(
     _: PgPoolOptions,
     opts: PgConnectOptions,
 ) {
+    use boxoffice_workers::payment::Prepared;
     // Only the API runs: the test plays the payment worker and the saga by hand.
     let app = TestApp::spawn(opts, &[Role::Api], VenueSpec::small(1, 1, 4)).await;
-    let seat = app.seats().await[0];
+    let seats = app.seats().await;
     let b = app.buyer();
-    let order = app.hold_order(&b, "capture-claim", &[seat]).await;
-    let fact = |event_type: &'static str| {
+    let recorded = app.hold_order(&b, "capture-claim", &[seats[0]]).await;
+    let fact = |event_type: &'static str, order: Uuid| {
         let pool = app.pool.clone();
         async move {
             let payload: serde_json::Value =
@@ -445,57 +449,89 @@ async fn a_capture_request_for_another_payment_intent_captures_nothing(
         app.pool.clone(),
         app.cfg.hold_policy(),
     );
+    let prepare = |env: Envelope, event: PurchaseEvent| {
+        let (worker, pool) = (worker.clone(), app.pool.clone());
+        async move {
+            let pre =
+                boxoffice_store::payments::prechecks(&pool, "payments", &[(event.order_id(), env.event_id)])
+                    .await
+                    .unwrap()
+                    .remove(0);
+            worker.prepare(&env, &event, pre).await.unwrap()
+        }
+    };
     let saga = boxoffice_workers::saga::Saga::default();
-    assert_eq!(
-        handle_once(&app.pool, &worker, &fact("HoldCreated").await).await.unwrap(),
-        Disposition::Applied
-    );
-    let created = fact("PaymentIntentCreated").await;
+    let authorized = |cause: &Envelope, order: Uuid, pi: &str| {
+        cause.follow(&PurchaseEvent::PaymentAuthorized {
+            order_id: boxoffice_domain::OrderId(order),
+            payment_intent_id: pi.to_owned(),
+            amount_capturable_minor: 18_500,
+            capture_before: None,
+        })
+    };
+    // A request of the confirmation's with its PaymentIntent, or its amount, replaced.
+    let forge = |real: &PurchaseEvent, pi: &str, amount: i64| {
+        let mut forged = real.clone();
+        if let PurchaseEvent::OrderConfirmed { capture: Some(c), .. } = &mut forged {
+            (c.payment_intent_id, c.amount_minor) = (pi.to_owned(), amount);
+        }
+        let ask = real.capture_request().unwrap();
+        let command = PurchaseEvent::CaptureRequested {
+            order_id: ask.order_id,
+            payment_intent_id: pi.to_owned(),
+            amount_minor: amount,
+        };
+        [forged, command]
+    };
+
+    // The order with its payment row: the payment worker records the intent, the saga
+    // moves the order on, the buyer pays, and the saga confirms.
+    let held = fact("HoldCreated", recorded).await;
+    assert_eq!(handle_once(&app.pool, &worker, &held).await.unwrap(), Disposition::Applied);
+    let created = fact("PaymentIntentCreated", recorded).await;
     assert_eq!(handle_once(&app.pool, &saga, &created).await.unwrap(), Disposition::Applied);
-    let pi = app.pay(&b, order, "pm_card_visa").await.expect("authorized");
-    let authorized = created.follow(&PurchaseEvent::PaymentAuthorized {
-        order_id: boxoffice_domain::OrderId(order),
-        payment_intent_id: pi.id.clone(),
-        amount_capturable_minor: pi.amount,
-        capture_before: None,
-    });
-    assert_eq!(handle_once(&app.pool, &saga, &authorized).await.unwrap(), Disposition::Applied);
-    let confirmed = fact("OrderConfirmed").await;
+    let pi = app.pay(&b, recorded, "pm_card_visa").await.expect("authorized").id;
+    let auth = authorized(&created, recorded, &pi);
+    assert_eq!(handle_once(&app.pool, &saga, &auth).await.unwrap(), Disposition::Applied);
+    let confirmed = fact("OrderConfirmed", recorded).await;
     let real = confirmed.decode().unwrap();
-    let ask = real.capture_request().expect("the confirmation is the capture request");
-    assert_eq!(ask.payment_intent_id, pi.id);
+    assert_eq!(
+        real.capture_request().expect("the confirmation is the capture request").payment_intent_id,
+        pi
+    );
 
     // Another buyer's authorized PaymentIntent at the provider.
-    let other = app.authorize_at_provider(Uuid::new_v4(), pi.amount, "another-buyer").await;
-    let mut forged_fact = real.clone();
-    if let PurchaseEvent::OrderConfirmed { capture: Some(c), .. } = &mut forged_fact {
-        c.payment_intent_id = other.clone();
-    }
-    let forged_command = PurchaseEvent::CaptureRequested {
-        order_id: ask.order_id,
-        payment_intent_id: other.clone(),
-        amount_minor: ask.amount_minor,
-    };
-    for event in [forged_fact, forged_command] {
-        let env = confirmed.follow(&event);
-        let pre =
-            boxoffice_store::payments::prechecks(&app.pool, "payments", &[(event.order_id(), env.event_id)])
-                .await
-                .unwrap()
-                .remove(0);
-        let prepared = worker.prepare(&env, &event, pre).await.unwrap();
-        assert!(
-            matches!(
-                prepared,
-                boxoffice_workers::payment::Prepared::Skipped("payment_intent_differs_from_order")
-            ),
-            "{event:?}: {prepared:?}"
-        );
+    let other = app.authorize_at_provider(Uuid::new_v4(), 18_500, "another-buyer").await;
+    let forged = forge(&real, &other, 18_500).into_iter().map(|e| (e, "payment_intent_differs_from_order"));
+    let amounts = forge(&real, &pi, 1).into_iter().map(|e| (e, "amount_differs_from_order"));
+    for (event, why) in forged.chain(amounts) {
+        let prepared = prepare(confirmed.follow(&event), event.clone()).await;
+        assert!(matches!(prepared, Prepared::Skipped(w) if w == why), "{event:?}: {prepared:?}");
     }
     assert_eq!(app.sim.captures_for(&other), 0, "no capture of another buyer's authorization");
-    assert_eq!(app.sim.captures_for(&pi.id), 0);
+    assert_eq!(app.sim.captures_for(&pi), 0);
     assert_eq!(handle_once(&app.pool, &worker, &confirmed).await.unwrap(), Disposition::Applied);
-    assert_eq!(app.sim.captures_for(&pi.id), 1, "the order's own request captures its intent");
+    assert_eq!(app.sim.captures_for(&pi), 1, "the order's own request captures its intent");
+
+    // An order without a payment row, confirmed on an authorization of an intent made for it.
+    let unrecorded = app.hold_order(&app.buyer(), "capture-unrecorded", &[seats[1]]).await;
+    let its_own = app.authorize_at_provider(unrecorded, 18_500, "its-own").await;
+    let auth = authorized(&fact("HoldCreated", unrecorded).await, unrecorded, &its_own);
+    assert_eq!(handle_once(&app.pool, &saga, &auth).await.unwrap(), Disposition::Applied);
+    let confirmed = fact("OrderConfirmed", unrecorded).await;
+    let real = confirmed.decode().unwrap();
+    assert!(real.capture_request().is_some(), "confirmed: {real:?}");
+    for stranger in [other.as_str(), "pi_nobody_made"] {
+        for event in forge(&real, stranger, 18_500) {
+            let prepared = prepare(confirmed.follow(&event), event.clone()).await;
+            assert!(
+                matches!(prepared, Prepared::Skipped("payment_intent_differs_from_order")),
+                "{event:?}: {prepared:?}"
+            );
+        }
+    }
+    assert_eq!(handle_once(&app.pool, &worker, &confirmed).await.unwrap(), Disposition::Applied);
+    assert_eq!(app.sim.captures_for(&its_own), 1, "the provider made it for this order");
     assert_eq!(app.sim.captures_for(&other), 0);
     app.stop().await;
 }
