@@ -170,42 +170,71 @@ fn step(out: &mut String, s: &Step, start: DateTime<Utc>) {
     }
 }
 
-/// The longest string value [`summary`] prints whole, bytes.
+/// The longest string value (or field name) [`summary`] prints whole, bytes.
 const SUMMARY_VALUE_MAX: usize = 120;
 
+/// The most fields of one object [`summary`] prints; the rest are counted.
+const SUMMARY_FIELDS_MAX: usize = 16;
+
 /// The payload's telling fields on one line (ids, amounts, statuses, reasons); a nested
-/// object's fields as `field.inner=value` (an `OrderConfirmed`'s `capture`).
+/// object's fields as `field.inner=value` (an `OrderConfirmed`'s `capture`), anything deeper
+/// by its size. Bounded whatever the payload: at most [`SUMMARY_FIELDS_MAX`] fields per
+/// object, strings cut at [`SUMMARY_VALUE_MAX`] bytes, control characters escaped (a
+/// payload cannot print lines of its own).
 fn summary(payload: &serde_json::Value) -> String {
     let Some(m) = payload.as_object() else { return String::new() };
     let mut parts = Vec::new();
-    for (k, v) in m {
-        if k == "order_id" {
-            continue;
-        }
-        if let serde_json::Value::Object(inner) = v {
-            parts.extend(inner.iter().map(|(ik, iv)| format!("{k}.{ik}={}", value(iv))));
-        } else {
-            parts.push(format!("{k}={}", value(v)));
-        }
-    }
+    fields(m, "", &mut parts, |k, v, parts| match v {
+        serde_json::Value::Object(inner) => fields(inner, &format!("{k}."), parts, |ik, iv, parts| {
+            parts.push(format!("{ik}={}", value(iv)));
+        }),
+        _ => parts.push(format!("{k}={}", value(v))),
+    });
     parts.join(" ")
 }
 
-/// One payload value as [`summary`] prints it.
+/// Hands the first [`SUMMARY_FIELDS_MAX`] fields of `m` but `order_id` to `each` with their
+/// printable names (after `prefix`), and counts the rest.
+fn fields(
+    m: &serde_json::Map<String, serde_json::Value>,
+    prefix: &str,
+    parts: &mut Vec<String>,
+    each: impl Fn(&str, &serde_json::Value, &mut Vec<String>),
+) {
+    let shown: Vec<_> = m.iter().filter(|(k, _)| k.as_str() != "order_id").collect();
+    for (k, v) in shown.iter().take(SUMMARY_FIELDS_MAX) {
+        each(&format!("{prefix}{}", printable(k)), v, parts);
+    }
+    if shown.len() > SUMMARY_FIELDS_MAX {
+        parts.push(format!("{prefix}… ({} more field(s))", shown.len() - SUMMARY_FIELDS_MAX));
+    }
+}
+
+/// One payload value as [`summary`] prints it: a string printable, an array or object by
+/// its size.
 fn value(v: &serde_json::Value) -> String {
     match v {
-        // A long string (a parked fact is one too large for the bus) by its start and size.
-        serde_json::Value::String(s) if s.len() > SUMMARY_VALUE_MAX => {
-            let mut end = SUMMARY_VALUE_MAX;
-            while !s.is_char_boundary(end) {
-                end -= 1;
-            }
-            format!("{}… ({} bytes)", &s[..end], s.len())
-        }
-        serde_json::Value::String(s) => s.clone(),
+        serde_json::Value::String(s) => printable(s),
         serde_json::Value::Array(a) => format!("[{} item(s)]", a.len()),
+        serde_json::Value::Object(o) => format!("{{{} field(s)}}", o.len()),
         other => other.to_string(),
     }
+}
+
+/// `s` with its control characters escaped (`\n`, `\u{1b}`, …) and, when longer than
+/// [`SUMMARY_VALUE_MAX`] bytes (a parked fact is one too large for the bus), by its start and
+/// size.
+fn printable(s: &str) -> String {
+    let escaped: String =
+        s.chars().flat_map(|c| if c.is_control() { c.escape_default().collect() } else { vec![c] }).collect();
+    if escaped.len() <= SUMMARY_VALUE_MAX {
+        return escaped;
+    }
+    let mut end = SUMMARY_VALUE_MAX;
+    while !escaped.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}… ({} bytes)", &escaped[..end], s.len())
 }
 
 fn reason(r: &Option<String>) -> String {
@@ -249,5 +278,26 @@ mod tests {
             super::summary(&payload),
             "capture.amount_minor=18500 capture.payment_intent_id=pi_1 hold_id=h seat_ids=[2 item(s)]"
         );
+    }
+
+    #[test]
+    fn a_hostile_payload_prints_one_bounded_line() {
+        let many: serde_json::Map<String, serde_json::Value> =
+            (0..5_000).map(|i| (format!("k{i:04}"), serde_json::json!(i))).collect();
+        let payload = serde_json::json!({
+            "capture": {
+                "payment_intent_id": "pi_1\n  19:30:00.000 +1 ms webhook evt_FAKE\u{1b}[2J",
+                "deep": { "n": { "n": { "blob": "x".repeat(50_000) } } },
+            },
+            "reason": "y".repeat(50_000),
+            "many": many,
+        });
+        let line = super::summary(&payload);
+        assert!(!line.chars().any(char::is_control), "{line}");
+        assert!(line.contains(r"capture.payment_intent_id=pi_1\n  19:30:00.000"), "{line}");
+        assert!(line.contains("capture.deep={1 field(s)}"), "{line}");
+        assert!(line.contains("many.… (4984 more field(s))"), "{line}");
+        assert!(line.contains("… (50000 bytes)"), "{line}");
+        assert!(line.len() < 2_000, "{} bytes", line.len());
     }
 }

@@ -439,13 +439,24 @@ pub async fn read(
     let gaps = gaps(&steps, &all_facts, slo, Utc::now());
     let mut payment_intents: Vec<String> = now.payment_intent_id.iter().cloned().collect();
     for f in &all_facts {
-        if let Some(pi) = f.payload.get("payment_intent_id").and_then(|v| v.as_str()) {
-            if !payment_intents.iter().any(|p| p == pi) {
-                payment_intents.push(pi.to_owned());
+        if let Some(pi) = named_intent(f) {
+            if !payment_intents.iter().any(|p| *p == pi) {
+                payment_intents.push(pi);
             }
         }
     }
     Ok(Some(Timeline { order: now, steps, gaps, slo, payment_intents }))
+}
+
+/// The PaymentIntent fact `f` names, as the payment worker reads it
+/// ([`boxoffice_domain::PurchaseEvent::payment_intent_id`]: an `OrderConfirmed` names the one it asks to
+/// capture); for a fact this build cannot decode, its payload's `payment_intent_id`.
+fn named_intent(f: &Fact) -> Option<String> {
+    let typed = serde_json::json!({ "event_type": f.event_type, "payload": f.payload });
+    match serde_json::from_value::<boxoffice_domain::PurchaseEvent>(typed) {
+        Ok(event) => event.payment_intent_id().map(str::to_owned),
+        Err(_) => f.payload.get("payment_intent_id").and_then(|v| v.as_str()).map(str::to_owned),
+    }
 }
 
 /// A step's key: its transaction, or (rows written before transactions were recorded) a key
@@ -636,6 +647,22 @@ mod tests {
             applied_by: vec![],
             source: "outbox",
         }
+    }
+
+    #[test]
+    fn the_intent_a_capture_request_names_is_one_the_provider_section_reads() {
+        let mut confirmed = fact(1, "OrderConfirmed", 0, None);
+        confirmed.payload = serde_json::json!({
+            "order_id": Uuid::from_u128(7), "hold_id": Uuid::from_u128(8),
+            "capture": { "payment_intent_id": "pi_captured", "amount_minor": 100 },
+        });
+        assert_eq!(named_intent(&confirmed).as_deref(), Some("pi_captured"));
+        confirmed.payload["capture"] = serde_json::Value::Null;
+        assert_eq!(named_intent(&confirmed), None, "not a request: names none");
+        // A fact this build cannot read: its payload's top-level field.
+        let mut unknown = fact(2, "SomethingNewer", 0, None);
+        unknown.payload = serde_json::json!({ "payment_intent_id": "pi_newer" });
+        assert_eq!(named_intent(&unknown).as_deref(), Some("pi_newer"));
     }
 
     fn step(at_ms: i64, actor: Actor, facts: Vec<Fact>) -> Step {
