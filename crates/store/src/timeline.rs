@@ -440,7 +440,7 @@ pub async fn read(
     let mut payment_intents: Vec<String> = now.payment_intent_id.iter().cloned().collect();
     for f in &all_facts {
         if let Some(pi) = named_intent(f) {
-            if !payment_intents.iter().any(|p| *p == pi) {
+            if !payment_intents.contains(&pi) {
                 payment_intents.push(pi);
             }
         }
