@@ -6,7 +6,8 @@
 //! that takes the lock next publishes them again: at-least-once, made harmless by the
 //! consumers' inbox.
 //!
-//! A row the producer refuses outright is parked, and its order with it ([`park_refused`]):
+//! A row the producer refuses outright, or whose stored envelope the relay cannot read
+//! ([`OutboxRow::message`]), is parked, and its order with it ([`park_refused`]):
 //! [`pending_batch`] reads none of the order's rows until its retry is due (the relay's retry
 //! interval, or [`retry_parked`]), and then a few due orders per batch, so an order's facts
 //! still leave in order and refused rows never fill a batch. [`backlog`] counts parked orders'
@@ -219,8 +220,10 @@ pub struct OutboxRow {
     pub message_key: String,
     /// The envelope's type, sent as a header.
     pub event_type: String,
-    /// The envelope as JSON text.
-    pub payload: sqlx::types::Json<serde_json::Value>,
+    /// The envelope as JSON text, as stored: read as text, so a row the relay cannot parse
+    /// (e.g. nested deeper than serde_json's limit) fails alone in [`OutboxRow::message`],
+    /// not the whole batch's read.
+    pub payload: String,
     /// When the business write committed.
     pub created_at: DateTime<Utc>,
     /// The region and epoch of the session that wrote the row (column defaults read from
@@ -234,12 +237,26 @@ pub struct OutboxRow {
     pub refused_at: Option<DateTime<Utc>>,
 }
 
+/// One outbox row as the relay sends it ([`OutboxRow::message`]).
+#[derive(Debug)]
+pub struct Message {
+    /// The message bytes.
+    pub bytes: Vec<u8>,
+    /// The envelope's `correlation_id`, for the publish span.
+    pub correlation_id: Option<String>,
+    /// The envelope's `causation_id`, for the publish span.
+    pub causation_id: Option<String>,
+}
+
 impl OutboxRow {
-    /// The message bytes: the stored envelope with the writer's `region`, `region_epoch` and
+    /// The message: the stored envelope with the writer's `region`, `region_epoch` and
     /// `traceparent` (the column is the fact's trace context: without one, the envelope has
-    /// none either).
-    pub fn message(&self) -> Result<Vec<u8>, serde_json::Error> {
-        let mut v = self.payload.0.clone();
+    /// none either). Errors: the stored text is not JSON serde_json reads (the relay parks
+    /// such a row as it parks one the producer refuses).
+    pub fn message(&self) -> Result<Message, serde_json::Error> {
+        let mut v: serde_json::Value = serde_json::from_str(&self.payload)?;
+        let id = |k: &str| v.get(k).and_then(|x| x.as_str()).map(str::to_owned);
+        let (correlation_id, causation_id) = (id("correlation_id"), id("causation_id"));
         if let serde_json::Value::Object(m) = &mut v {
             if let Some(r) = &self.region {
                 m.insert("region".into(), r.clone().into());
@@ -252,7 +269,7 @@ impl OutboxRow {
                 None => m.remove(boxoffice_trace::TRACEPARENT),
             };
         }
-        serde_json::to_vec(&v)
+        Ok(Message { bytes: serde_json::to_vec(&v)?, correlation_id, causation_id })
     }
 }
 
@@ -321,7 +338,7 @@ pub async fn pending_batch(c: &mut sqlx::PgConnection, limit: i64) -> Result<Vec
                WHERE retry_at <= statement_timestamp() AND refused_at IS NOT NULL AND published_at IS NULL
                ORDER BY retry_at
                LIMIT $2) d)
-         SELECT o.id, o.topic, o.message_key, o.event_type, o.payload, o.created_at, o.region, o.region_epoch,
+         SELECT o.id, o.topic, o.message_key, o.event_type, o.payload::text AS payload, o.created_at, o.region, o.region_epoch,
                 o.traceparent, o.refused_at
            FROM outbox o
           WHERE o.published_at IS NULL AND NOT EXISTS (SELECT 1 FROM fence)

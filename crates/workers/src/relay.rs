@@ -24,8 +24,10 @@
 //! reads any fact of that order until `refused_retry_s` has passed or an operator's
 //! `boxoffice outbox retry` makes it due, and then a batch reads at most
 //! [`outbox::DUE_PARKED_PER_BATCH`] due orders. So an order's facts still leave in order,
-//! and no number of refused rows stops the relay for the other orders. Such a refusal is no broker failure: it counts towards no
-//! give-up. Any other error at enqueue (a fatal producer, a topic the producer does not know)
+//! and no number of refused rows stops the relay for the other orders. A row whose stored
+//! envelope the relay cannot read (JSON nested deeper than serde_json reads, say: no writer
+//! of this build stores one) is parked the same way, with `unreadable envelope: …` as its
+//! refusal. Such a refusal is no broker failure: it counts towards no give-up. Any other error at enqueue (a fatal producer, a topic the producer does not know)
 //! is the producer's, not the message's: the row and the later rows of its order stay
 //! unpublished for the next batch, and the batch counts as failed, towards the give-up. A
 //! message the broker refuses (its own size limit) comes back as a failed delivery, likewise.
@@ -323,7 +325,12 @@ fn session_lost(e: &sqlx::Error) -> bool {
 
 /// The producer span of one row, a child of the row's stored context (a span of its own trace
 /// when the row has none); disabled when tracing is off.
-fn publish_span(kafka: &KafkaConfig, topic: &str, row: &outbox::OutboxRow) -> tracing::Span {
+fn publish_span(
+    kafka: &KafkaConfig,
+    topic: &str,
+    row: &outbox::OutboxRow,
+    message: &outbox::Message,
+) -> tracing::Span {
     if !boxoffice_trace::enabled() {
         return tracing::Span::none();
     }
@@ -339,8 +346,8 @@ fn publish_span(kafka: &KafkaConfig, topic: &str, row: &outbox::OutboxRow) -> tr
         messaging.kafka.message.key = %row.message_key,
         messaging.message.id = %row.id,
         order.id = %row.message_key,
-        correlation_id = row.payload.0.get("correlation_id").and_then(|v| v.as_str()),
-        causation_id = row.payload.0.get("causation_id").and_then(|v| v.as_str()),
+        correlation_id = message.correlation_id.as_deref(),
+        causation_id = message.causation_id.as_deref(),
         event_id = %row.id,
         event_type = %row.event_type,
         region = row.region.as_deref().unwrap_or(&kafka.labels.region),
@@ -363,8 +370,9 @@ pub struct Batch {
     /// the same order whose delivery had started arrives before a failed delivery (consumers
     /// decide by state, not by arrival order).
     pub failed: usize,
-    /// Rows the producer refused when enqueued as too large, with the later rows of their
-    /// orders in this batch held back behind them. They stay unpublished; the refused ones
+    /// Rows the producer refused when enqueued as too large, and rows whose envelope the relay
+    /// could not read, with the later rows of their orders in this batch held back behind
+    /// them. They stay unpublished; the refused ones
     /// count in `boxoffice_outbox_refused_total` and are parked.
     pub refused: usize,
     /// Refused rows this batch parked ([`outbox::park_refused`]).
@@ -374,8 +382,9 @@ pub struct Batch {
 /// Reads, publishes and marks one batch on the leader's session `c` (which must hold
 /// [`outbox::RELAY_LOCK`]). While the batch waits on the broker, the session is kept busy
 /// ([`with_heartbeat`]), so a slow broker does not cost the lock. A row the producer refuses
-/// at once (e.g. too large) is left unpublished, with the later rows of its order in this
-/// batch, and parked (after the delivered rows are marked); the rest go on. A database error
+/// at once (e.g. too large), or whose envelope cannot be read, is left unpublished, with the
+/// later rows of its order in this batch, and parked (after the delivered rows are marked);
+/// the rest go on. A database error
 /// from `c`, and a call to it that outlasts the lease (an unreachable server), is returned as
 /// an `sqlx::Error`, so the caller can tell a lost session.
 pub async fn publish_batch(
@@ -394,10 +403,15 @@ pub async fn publish_batch(
     }
     let read = rows.len();
     boxoffice_faults::check("relay.before_publish")?;
-    let encoded: Vec<(String, Vec<u8>)> = rows
+    // A row whose envelope cannot be read is refused here, as the producer refuses one too
+    // large: parked, with its order's later rows held back, while the batch goes on.
+    let encoded: Vec<(String, Result<outbox::Message, String>)> = rows
         .iter()
-        .map(|row| Ok((kafka.topic(&row.topic), row.message()?)))
-        .collect::<Result<_, serde_json::Error>>()?;
+        .map(|row| {
+            let message = row.message().map_err(|e| format!("unreadable envelope: {e}"));
+            (kafka.topic(&row.topic), message)
+        })
+        .collect();
     let sent = send_all(producer, kafka, relay_id, &rows, &encoded);
     let Sent { delivered, failed, refused, held_back } = with_heartbeat(c, bound, sent).await?;
     // As if the relay died here: delivered but unmarked, so the next batch sends them again.
@@ -422,7 +436,8 @@ struct Sent {
     /// Deliveries that failed, rows the producer would not enqueue for a reason of its own,
     /// and the later rows of their orders.
     failed: usize,
-    /// The rows the producer refused as too large, with its error and their size.
+    /// The rows the producer refused as too large, with its error and their size, and the
+    /// rows whose envelope could not be read, with why.
     refused: Vec<(uuid::Uuid, String)>,
     /// Later rows of their orders, not sent.
     held_back: usize,
@@ -435,7 +450,7 @@ async fn send_all(
     kafka: &KafkaConfig,
     relay_id: &str,
     rows: &[outbox::OutboxRow],
-    encoded: &[(String, Vec<u8>)],
+    encoded: &[(String, Result<outbox::Message, String>)],
 ) -> Sent {
     let mut pending = Vec::with_capacity(rows.len());
     // Orders with a row refused at enqueue: their later rows wait behind it, so none of them
@@ -443,7 +458,7 @@ async fn send_all(
     // own failure).
     let mut held: HashMap<&str, bool> = HashMap::new();
     let (mut failed, mut refused, mut held_back) = (0, Vec::new(), 0);
-    for (row, (topic, payload)) in rows.iter().zip(encoded) {
+    for (row, (topic, message)) in rows.iter().zip(encoded) {
         match held.get(row.message_key.as_str()) {
             Some(true) => {
                 held_back += 1;
@@ -455,6 +470,20 @@ async fn send_all(
             }
             None => {}
         }
+        let message = match message {
+            Ok(message) => message,
+            Err(why) => {
+                metrics::counter!("boxoffice_outbox_refused_total").increment(1);
+                if row.refused_at.is_none() {
+                    tracing::warn!(relay = relay_id, outbox.id = %row.id, error = %why,
+                        "the relay cannot read the row's envelope: parked, with its order's later facts");
+                }
+                refused.push((row.id, why.clone()));
+                held.insert(row.message_key.as_str(), true);
+                continue;
+            }
+        };
+        let payload = &message.bytes;
         let id = row.id.to_string();
         let epoch = row.region_epoch.map(|e| e.to_string());
         let mut headers = OwnedHeaders::new()
@@ -471,7 +500,7 @@ async fn send_all(
         if let Some(tp) = &row.traceparent {
             headers = headers.insert(Header { key: boxoffice_trace::TRACEPARENT, value: Some(tp.as_str()) });
         }
-        let span = publish_span(kafka, topic, row);
+        let span = publish_span(kafka, topic, row, message);
         let mut record = FutureRecord::to(topic).key(&row.message_key).payload(payload).headers(headers);
         // Enqueue in order; all delivery futures are awaited before anything is marked.
         let fut = loop {

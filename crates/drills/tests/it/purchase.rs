@@ -414,6 +414,45 @@ async fn refused_facts_are_parked_and_the_rest_of_the_outbox_flows(_: PgPoolOpti
     app.stop().await;
 }
 
+/// A row whose stored envelope the relay cannot read (JSON nested deeper than serde_json
+/// reads; no writer stores one, but the ledger is not the relay's to trust) is parked with
+/// why, with the later fact of its order behind it, and the facts of other orders are
+/// published past it: one such row does not stop the relay.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn an_unreadable_outbox_row_is_parked_and_the_rest_of_the_outbox_flows(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    use boxoffice_store::outbox;
+    let app = TestApp::spawn(opts, &[Role::Relay], VenueSpec::small(1, 1, 4)).await;
+    let order = OrderId(Uuid::new_v4());
+    let deep = Uuid::new_v4();
+    sqlx::query(
+        "INSERT INTO outbox (id, topic, message_key, event_type, payload)
+         VALUES ($1, $2, $3, 'PaymentIntentCreated', (repeat('[', 200) || repeat(']', 200))::jsonb)",
+    )
+    .bind(deep)
+    .bind(boxoffice_domain::Topic::Purchase.name())
+    .bind(order.0.to_string())
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    let behind = write_intent_created(&app.pool, order, "pi_behind").await;
+    let fine = write_intent_created(&app.pool, OrderId(Uuid::new_v4()), "pi_fine").await;
+    let pool = app.pool.clone();
+    eventually(WAIT, "another order's fact published past the unreadable row", || {
+        published(pool.clone(), fine.event_id)
+    })
+    .await;
+    let parked = outbox::parked(&app.pool).await.unwrap();
+    assert_eq!(parked.iter().map(|p| p.id).collect::<Vec<_>>(), [deep]);
+    let why = parked[0].refusal.as_deref().unwrap_or_default();
+    assert!(why.starts_with("unreadable envelope: recursion limit exceeded"), "{why}");
+    assert_eq!(parked[0].held_back, 1, "its order's later fact waits behind it");
+    assert!(!published(app.pool.clone(), behind.event_id).await);
+    app.stop().await;
+}
+
 /// A parked order is read whole or not at all, and a few due orders at a time
 /// (`outbox::pending_batch`, `park_refused`, `retry_parked`, on the ledger alone): of twelve
 /// orders due at once, a batch reads ten, and the other two once those are parked again; an
