@@ -336,6 +336,21 @@ async fn disagreeing_webhooks_are_resolved_by_asking_stripe(_: PgPoolOptions, op
     app.stop().await;
 }
 
+/// What the payment worker's `prepare` makes of `event` alone (its pre-check read first, as
+/// the runner reads it), with no transaction after it: the test plays the worker by hand.
+async fn prepare_alone(
+    pool: &sqlx::PgPool,
+    worker: &boxoffice_workers::payment::PaymentWorker,
+    env: Envelope,
+    event: PurchaseEvent,
+) -> boxoffice_workers::payment::Prepared {
+    let pre = boxoffice_store::payments::prechecks(pool, "payments", &[(event.order_id(), env.event_id)])
+        .await
+        .unwrap()
+        .remove(0);
+    worker.prepare(&env, &event, pre).await.unwrap()
+}
+
 /// An authorization request is a claim checked against the ledger: one for another amount
 /// or currency than its order's, or naming another hold (forged, or corrupt), creates no
 /// PaymentIntent, whatever its form; the hold's own `HoldCreated` then gets the order its
@@ -364,18 +379,7 @@ async fn an_authorization_request_for_another_amount_creates_no_intent(
         app.pool.clone(),
         app.cfg.hold_policy(),
     );
-    let prepare = |env: Envelope, event: PurchaseEvent| {
-        let worker = worker.clone();
-        let pool = app.pool.clone();
-        async move {
-            let pre =
-                boxoffice_store::payments::prechecks(&pool, "payments", &[(event.order_id(), env.event_id)])
-                    .await
-                    .unwrap()
-                    .remove(0);
-            worker.prepare(&env, &event, pre).await.unwrap()
-        }
-    };
+    let prepare = |env: Envelope, event: PurchaseEvent| prepare_alone(&app.pool, &worker, env, event);
     let mut forged = Vec::new();
     let other_hold = boxoffice_domain::HoldId::new();
     for (amount_minor, currency, hold_id, why) in [
@@ -449,17 +453,7 @@ async fn a_capture_request_for_another_payment_intent_captures_nothing(
         app.pool.clone(),
         app.cfg.hold_policy(),
     );
-    let prepare = |env: Envelope, event: PurchaseEvent| {
-        let (worker, pool) = (worker.clone(), app.pool.clone());
-        async move {
-            let pre =
-                boxoffice_store::payments::prechecks(&pool, "payments", &[(event.order_id(), env.event_id)])
-                    .await
-                    .unwrap()
-                    .remove(0);
-            worker.prepare(&env, &event, pre).await.unwrap()
-        }
-    };
+    let prepare = |env: Envelope, event: PurchaseEvent| prepare_alone(&app.pool, &worker, env, event);
     let saga = boxoffice_workers::saga::Saga::default();
     let authorized = |cause: &Envelope, order: Uuid, pi: &str| {
         cause.follow(&PurchaseEvent::PaymentAuthorized {
