@@ -292,8 +292,8 @@ pub const DEFAULT_BATCH_MAX: usize = 32;
 /// transactions, not the events it records alone afterwards), it gathers the events that
 /// arrive meanwhile, until one of those batches ends, `batch_max` are gathered, or
 /// [`GATHER_BOUND`] has passed, whichever is first (a batch that begins with an event
-/// recorded in a batch of its own, below, gathers nothing). Then it records them in one transaction
-/// and commits. At rest an event has a transaction of its own at once; under load one
+/// recorded in a batch of its own, below, gathers nothing). Then it records them in one
+/// transaction and commits. At rest an event has a transaction of its own at once; under load one
 /// transaction's `BEGIN`, `COMMIT` and commit-time region checks serve several events. A
 /// batch is also bounded by the webhook requests a process lets in at once (64, and
 /// `webhook_max_in_flight_per_ip` per sender).

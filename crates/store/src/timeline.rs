@@ -449,8 +449,9 @@ pub async fn read(
 }
 
 /// The PaymentIntent fact `f` names, as the payment worker reads it
-/// ([`boxoffice_domain::PurchaseEvent::payment_intent_id`]: an `OrderConfirmed` names the one it asks to
-/// capture); for a fact this build cannot decode, its payload's `payment_intent_id`.
+/// ([`boxoffice_domain::PurchaseEvent::payment_intent_id`]: an `OrderConfirmed` names the one
+/// it asks to capture); for a fact this build cannot decode, its payload's
+/// `payment_intent_id`.
 fn named_intent(f: &Fact) -> Option<String> {
     let typed = serde_json::json!({ "event_type": f.event_type, "payload": f.payload });
     match serde_json::from_value::<boxoffice_domain::PurchaseEvent>(typed) {
