@@ -304,6 +304,12 @@ pub struct Config {
     /// Longest a consumer's fetch waits at the broker, in milliseconds (librdkafka's
     /// `fetch.wait.max.ms`; retry topics always 500). Default 20; 1..=1000.
     pub consumer_fetch_wait_ms: u32,
+    /// How long a consumer's lane waits, after the first message of a batch, for more
+    /// messages to join the batch before it applies it, in milliseconds (main topic only;
+    /// `boxoffice_bus::consumer`, "Batches"): under load, fewer and larger transactions per
+    /// fact, at up to this much more per hop. 0: a batch is what has queued up, never waiting.
+    /// Default 0; 0..=100.
+    pub consumer_batch_linger_ms: u32,
     /// Whether a process that runs the saga or the ticket worker beside another consumer
     /// applies their steps in the transaction that commits the fact they follow
     /// (`boxoffice_bus::follow`): the capture's transaction also moves the order to `paid`
@@ -754,6 +760,7 @@ impl Default for Config {
             consumer_batch_max: 16,
             consumer_fetch_min_bytes: 1,
             consumer_fetch_wait_ms: 20,
+            consumer_batch_linger_ms: 0,
             follow_through: true,
             consumer_inline_attempts: 3,
             consumer_retry_5s_delay_ms: 5_000,
@@ -936,6 +943,9 @@ impl Config {
         }
         if !(1..=1_000).contains(&self.consumer_fetch_wait_ms) {
             bail!("consumer_fetch_wait_ms must be 1..=1000 (ms)");
+        }
+        if self.consumer_batch_linger_ms > 100 {
+            bail!("consumer_batch_linger_ms must be 0..=100 (ms)");
         }
         if !["auto", "force_generic_plan", "force_custom_plan"].contains(&self.db_plan_cache_mode.as_str()) {
             bail!("db_plan_cache_mode must be auto, force_generic_plan or force_custom_plan");
@@ -2280,6 +2290,16 @@ mod tests {
             let e = c.validate().expect_err("refused").to_string();
             assert!(e.starts_with(&format!("consumer_fetch_{key} ")), "{e}");
         }
+    }
+
+    #[test]
+    fn the_batch_linger_is_bounded() {
+        for ms in [0, 100] {
+            Config { consumer_batch_linger_ms: ms, ..Config::default() }.validate().unwrap();
+        }
+        let e =
+            Config { consumer_batch_linger_ms: 101, ..Config::default() }.validate().expect_err("refused");
+        assert!(e.to_string().starts_with("consumer_batch_linger_ms "), "{e}");
     }
 
     #[test]

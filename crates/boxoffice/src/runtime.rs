@@ -327,7 +327,8 @@ pub async fn start(
             Role::Saga | Role::Payments | Role::Tickets => {
                 let (k, p) = (kafka.as_ref().expect("kafka"), producer.clone().expect("kafka"));
                 tracing::info!(role = ?role, min_bytes = cfg.consumer_fetch_min_bytes,
-                    wait_ms = cfg.consumer_fetch_wait_ms, "consumers: fetching");
+                    wait_ms = cfg.consumer_fetch_wait_ms, linger_ms = cfg.consumer_batch_linger_ms,
+                    "consumers: fetching");
                 let members = boxoffice_bus::Members {
                     instances: consumers,
                     lanes: cfg.consumer_lanes,
@@ -336,6 +337,7 @@ pub async fn start(
                         min_bytes: cfg.consumer_fetch_min_bytes,
                         wait_ms: cfg.consumer_fetch_wait_ms,
                     },
+                    linger: std::time::Duration::from_millis(cfg.consumer_batch_linger_ms.into()),
                 };
                 let sd = shutdown.clone();
                 let followers = followers(roles, cfg);

@@ -867,6 +867,10 @@ pub struct Members {
     pub batch: usize,
     /// How a main-topic member fetches (`consumer_fetch_min_bytes`, `consumer_fetch_wait_ms`).
     pub fetch: Fetch,
+    /// How long a main-topic lane waits, after a batch's first message, for more to join
+    /// it before it starts the batch (`consumer_batch_linger_ms`; zero: never waits, the
+    /// batch is what has queued up). See the module doc, "Batches".
+    pub linger: Duration,
 }
 
 /// How long a main-topic member's fetch may wait at the broker for how much data: the fetch
@@ -912,7 +916,7 @@ pub fn run_consumers<H: Handler>(
     shutdown: CancellationToken,
 ) -> anyhow::Result<(Vec<tokio::task::JoinHandle<()>>, Arc<Assignment>)> {
     let followers = followers.without(handler.name()).labelled(cfg.labels.clone());
-    let Members { instances, lanes, batch, fetch } = members;
+    let Members { instances, lanes, batch, fetch, linger } = members;
     let assignment = Arc::new(Assignment::default());
     let retry_assignment = Arc::new(Assignment::default());
     let mut tasks = Vec::new();
@@ -941,6 +945,7 @@ pub fn run_consumers<H: Handler>(
                 // A batch shares one transaction, only on the main topic (a retry copy waits
                 // for its own due time).
                 batch: if stage == Stage::Main { batch.max(1) } else { 1 },
+                linger: if stage == Stage::Main && batch > 1 { linger } else { Duration::ZERO },
                 followers: followers.clone(),
             });
             // Retry members mostly wait for due times; a couple of lanes is plenty.
@@ -989,6 +994,8 @@ struct Runner<H> {
     stage: Stage,
     /// Most messages one lane applies in one transaction.
     batch: usize,
+    /// How long a lane waits after a batch's first message for more (zero: never).
+    linger: Duration,
     /// The consumers that follow this one's facts through in its transactions.
     followers: Followers,
 }
@@ -1017,6 +1024,27 @@ impl InFlight {
         }
         Some(e.0.first().copied().unwrap_or(e.1 + 1))
     }
+}
+
+/// A lane's next batch, `first` and what follows it on `rx`, at most `max` in all: what is
+/// queued now, and with a non-zero `linger` what arrives until `linger` after this call
+/// (the batch is started when it is full, the linger is over, or `rx` is closed).
+async fn gather<T>(first: T, rx: &mut mpsc::Receiver<T>, max: usize, linger: Duration) -> Vec<T> {
+    let until = tokio::time::Instant::now() + linger;
+    let mut batch = vec![first];
+    while batch.len() < max {
+        match rx.try_recv() {
+            Ok(m) => batch.push(m),
+            Err(mpsc::error::TryRecvError::Empty) if !linger.is_zero() => {
+                match tokio::time::timeout_at(until, rx.recv()).await {
+                    Ok(Some(m)) => batch.push(m),
+                    _ => break,
+                }
+            }
+            Err(_) => break,
+        }
+    }
+    batch
 }
 
 /// Whether a message can join a shared transaction ([`Runner::process_all`]).
@@ -1056,15 +1084,7 @@ impl<H: Handler> Runner<H> {
             let (me, done) = (self.clone(), done_tx.clone());
             lane_tasks.push(tokio::spawn(async move {
                 while let Some(first) = rx.recv().await {
-                    // What is already queued for this lane, up to the batch size: never waits
-                    // for more.
-                    let mut batch = vec![first];
-                    while batch.len() < me.batch {
-                        match rx.try_recv() {
-                            Ok(m) => batch.push(m),
-                            Err(_) => break,
-                        }
-                    }
+                    let batch = gather(first, &mut rx, me.batch, me.linger).await;
                     let (finished, stopped) = me.process_all(&batch).await;
                     for i in finished {
                         let msg = &batch[i];
@@ -1616,6 +1636,39 @@ fn lane_of(key: &[u8], lanes: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Without a linger a batch is what is queued; with one, what arrives within it after
+    /// the batch's first message joins, up to the batch size; a later message starts the
+    /// next batch, and a closed lane ends the wait. Tokio's paused clock: no real waiting.
+    #[tokio::test(start_paused = true)]
+    async fn a_lane_gathers_what_arrives_within_its_linger() {
+        let ms = Duration::from_millis;
+        let (tx, mut rx) = mpsc::channel::<u32>(16);
+        tx.send(2).await.unwrap();
+        let sender = tokio::spawn(async move {
+            tokio::time::sleep(ms(5)).await;
+            tx.send(3).await.unwrap();
+            tokio::time::sleep(ms(10)).await;
+            tx.send(4).await.unwrap();
+            tokio::time::sleep(ms(30)).await;
+            for m in [5, 6, 7] {
+                tx.send(m).await.unwrap();
+            }
+            tokio::time::sleep(ms(100)).await;
+            tx.send(8).await.unwrap();
+        });
+        assert_eq!(gather(1, &mut rx, 16, Duration::ZERO).await, [1, 2], "no linger: what is queued");
+        let first = rx.recv().await.unwrap();
+        let started = tokio::time::Instant::now();
+        assert_eq!(gather(first, &mut rx, 16, ms(20)).await, [3, 4]);
+        assert_eq!(started.elapsed(), ms(20), "the linger ends the batch, counted from its first");
+        assert_eq!(gather(rx.recv().await.unwrap(), &mut rx, 2, ms(20)).await, [5, 6], "full: at once");
+        assert_eq!(gather(rx.recv().await.unwrap(), &mut rx, 16, ms(20)).await, [7]);
+        sender.await.unwrap();
+        let started = tokio::time::Instant::now();
+        assert_eq!(gather(rx.recv().await.unwrap(), &mut rx, 16, ms(50)).await, [8]);
+        assert_eq!(started.elapsed(), Duration::ZERO, "closed: at once");
+    }
 
     #[test]
     fn commit_point_is_lowest_unfinished_offset() {

@@ -177,7 +177,13 @@ async fn queued_facts_of_many_orders_share_a_transaction_and_a_bad_one_goes_alon
         pool.clone(),
         std::sync::Arc::new(Probe { refuse: refuse.event_id }),
         producer.clone(),
-        boxoffice_bus::Members { instances: 1, lanes: 1, batch: 32, fetch: Default::default() },
+        boxoffice_bus::Members {
+            instances: 1,
+            lanes: 1,
+            batch: 32,
+            fetch: Default::default(),
+            linger: Default::default(),
+        },
         boxoffice_bus::Followers::none(),
         shutdown.clone(),
     )
@@ -357,7 +363,13 @@ async fn a_consumer_that_calls_out_makes_its_calls_before_the_shared_transaction
             pool.clone(),
             Arc::new(Caller { pool: pool.clone(), refuse: refused.event_id }),
             producer.clone(),
-            boxoffice_bus::Members { instances: 1, lanes: 1, batch: 16, fetch: Default::default() },
+            boxoffice_bus::Members {
+                instances: 1,
+                lanes: 1,
+                batch: 16,
+                fetch: Default::default(),
+                linger: Default::default(),
+            },
             boxoffice_bus::Followers::none(),
             shutdown,
         )
