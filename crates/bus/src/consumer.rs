@@ -24,7 +24,9 @@
 //! (into the inbox).
 //!
 //! **Batches.** On the purchase topic, a consumer applies what has queued up for one lane —
-//! at most `consumer_batch_max` messages, never waiting for more — in one transaction. First,
+//! at most `consumer_batch_max` messages: what is queued when the lane is free, and what
+//! arrives within `consumer_batch_linger_ms` after the batch's first message ([`Members`];
+//! zero: never waiting for more) — in one transaction. First,
 //! outside any transaction, the `prepare` of every message of the batch, all at once (they
 //! are of different orders): for the payment worker these are its Stripe calls, each with
 //! its own stable idempotency key, so a batch of k commands asks for k concurrent provider

@@ -271,7 +271,9 @@ pub struct Timeline {
 struct FactRow {
     id: Uuid,
     event_type: String,
-    payload: sqlx::types::Json<serde_json::Value>,
+    /// The stored envelope as text, parsed here: a row nested deeper than the JSON parser
+    /// reads (one the relay parks as unreadable) is shown as such, not an error.
+    payload: String,
     created_at: DateTime<Utc>,
     published_at: Option<DateTime<Utc>>,
     refused_at: Option<DateTime<Utc>>,
@@ -313,11 +315,11 @@ pub async fn read(
     .await?;
     let Some(now) = now else { return Ok(None) };
     let facts: Vec<FactRow> = sqlx::query_as(
-        "SELECT id, event_type, payload, created_at, published_at, refused_at, refusal, region,
-                region_epoch, traceparent, xact::text AS xact, 'outbox' AS source
+        "SELECT id, event_type, payload::text AS payload, created_at, published_at, refused_at, refusal,
+                region, region_epoch, traceparent, xact::text AS xact, 'outbox' AS source
            FROM outbox WHERE message_key = $1::text
          UNION ALL
-         SELECT event_id, event_type, payload, created_at, published_at, NULL, NULL, region, region_epoch,
+         SELECT event_id, event_type, payload::text, created_at, published_at, NULL, NULL, region, region_epoch,
                 traceparent, xact::text, 'order_history'
            FROM order_history WHERE order_id = $1
           ORDER BY created_at",
@@ -386,7 +388,8 @@ pub async fn read(
     }
     let mut all_facts = Vec::with_capacity(facts.len());
     for f in facts {
-        let payload = f.payload.0;
+        let payload: serde_json::Value = serde_json::from_str(&f.payload)
+            .unwrap_or_else(|e| serde_json::json!({ "payload": { "unreadable_envelope": e.to_string() } }));
         let inner = payload.get("payload").cloned().unwrap_or(serde_json::Value::Null);
         let causation_id =
             payload.get("causation_id").and_then(|v| v.as_str()).and_then(|s| s.parse::<Uuid>().ok());

@@ -424,8 +424,9 @@ async fn an_unreadable_outbox_row_is_parked_and_the_rest_of_the_outbox_flows(
     opts: PgConnectOptions,
 ) {
     use boxoffice_store::outbox;
-    let app = TestApp::spawn(opts, &[Role::Relay], VenueSpec::small(1, 1, 4)).await;
-    let order = OrderId(Uuid::new_v4());
+    let app = TestApp::spawn(opts, &[Role::Api, Role::Relay], VenueSpec::small(1, 1, 4)).await;
+    let seats = app.seats().await;
+    let order = OrderId(app.hold_order(&app.buyer(), "unreadable", &seats[..1]).await);
     let deep = Uuid::new_v4();
     sqlx::query(
         "INSERT INTO outbox (id, topic, message_key, event_type, payload)
@@ -450,6 +451,13 @@ async fn an_unreadable_outbox_row_is_parked_and_the_rest_of_the_outbox_flows(
     assert!(why.starts_with("unreadable envelope: recursion limit exceeded"), "{why}");
     assert_eq!(parked[0].held_back, 1, "its order's later fact waits behind it");
     assert!(!published(app.pool.clone(), behind.event_id).await);
+    // The order's timeline reads it, and says it is unreadable.
+    let t = boxoffice_api::timeline::read(&app.pool, None, order.0, Default::default()).await.unwrap().unwrap();
+    let shown = t.timeline.steps.iter().flat_map(|s| &s.facts).find(|f| f.event_id == deep);
+    let shown = shown.expect("the unreadable row is in the timeline");
+    let said = shown.payload["unreadable_envelope"].as_str().unwrap_or_default();
+    assert!(said.starts_with("recursion limit exceeded"), "{:?}", shown.payload);
+    assert!(shown.refusal.as_deref().is_some_and(|r| r.starts_with("unreadable envelope")));
     app.stop().await;
 }
 
