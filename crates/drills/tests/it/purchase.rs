@@ -417,7 +417,8 @@ async fn refused_facts_are_parked_and_the_rest_of_the_outbox_flows(_: PgPoolOpti
 /// A row whose stored envelope the relay cannot read (JSON nested deeper than serde_json
 /// reads; no writer stores one, but the ledger is not the relay's to trust) is parked with
 /// why, with the later fact of its order behind it, and the facts of other orders are
-/// published past it: one such row does not stop the relay.
+/// published past it: one such row does not stop the relay. The order's timeline shows the
+/// row as unreadable instead of failing.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn an_unreadable_outbox_row_is_parked_and_the_rest_of_the_outbox_flows(
     _: PgPoolOptions,
@@ -452,7 +453,8 @@ async fn an_unreadable_outbox_row_is_parked_and_the_rest_of_the_outbox_flows(
     assert_eq!(parked[0].held_back, 1, "its order's later fact waits behind it");
     assert!(!published(app.pool.clone(), behind.event_id).await);
     // The order's timeline reads it, and says it is unreadable.
-    let t = boxoffice_api::timeline::read(&app.pool, None, order.0, Default::default()).await.unwrap().unwrap();
+    let t =
+        boxoffice_api::timeline::read(&app.pool, None, order.0, Default::default()).await.unwrap().unwrap();
     let shown = t.timeline.steps.iter().flat_map(|s| &s.facts).find(|f| f.event_id == deep);
     let shown = shown.expect("the unreadable row is in the timeline");
     let said = shown.payload["unreadable_envelope"].as_str().unwrap_or_default();
