@@ -307,8 +307,9 @@ pub struct Config {
     /// How long a consumer's lane waits, after the first message of a batch, for more
     /// messages to join the batch before it applies it, in milliseconds (main topic only;
     /// `boxoffice_bus::consumer`, "Batches"): under load, fewer and larger transactions per
-    /// fact, at up to this much more per hop. 0: a batch is what has queued up, never waiting.
-    /// Default 0; 0..=100.
+    /// fact, at up to this much more per hop (counted from the message's arrival at its lane).
+    /// 0: a batch is what has queued up, never waiting. Ignored when `consumer_batch_max` is
+    /// 1. Default 0; 0..=100.
     pub consumer_batch_linger_ms: u32,
     /// Whether a process that runs the saga or the ticket worker beside another consumer
     /// applies their steps in the transaction that commits the fact they follow

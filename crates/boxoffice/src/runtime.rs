@@ -327,7 +327,9 @@ pub async fn start(
             Role::Saga | Role::Payments | Role::Tickets => {
                 let (k, p) = (kafka.as_ref().expect("kafka"), producer.clone().expect("kafka"));
                 tracing::info!(role = ?role, min_bytes = cfg.consumer_fetch_min_bytes,
-                    wait_ms = cfg.consumer_fetch_wait_ms, linger_ms = cfg.consumer_batch_linger_ms,
+                    wait_ms = cfg.consumer_fetch_wait_ms,
+                    // What the lanes wait: a batch of one has nothing to wait for.
+                    linger_ms = if cfg.consumer_batch_max > 1 { cfg.consumer_batch_linger_ms } else { 0 },
                     "consumers: fetching");
                 let members = boxoffice_bus::Members {
                     instances: consumers,

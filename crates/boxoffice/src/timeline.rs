@@ -13,21 +13,28 @@ pub fn render(t: &OrderTimeline) -> String {
     let mut out = String::new();
     let o = &t.timeline.order;
     let start = o.created_at;
-    let _ = writeln!(out, "order {}  {}{}", o.id, o.status, reason(&o.failure_reason));
+    let _ =
+        writeln!(out, "order {}  {}{}", o.id, printable(&o.status.to_string()), reason(&o.failure_reason));
     let _ = writeln!(
         out,
         "  buyer {}  event {}  {} {}  correlation {}",
-        o.user_id, o.event_id, o.amount_minor, o.currency, o.correlation_id
+        printable(&o.user_id.to_string()),
+        o.event_id,
+        o.amount_minor,
+        printable(&o.currency),
+        o.correlation_id
     );
     if let (Some(h), Some(s)) = (o.hold_id, &o.hold_status) {
         let until =
             o.hold_expires_at.map(|e| format!(" until {}", e.format("%H:%M:%S%.3f"))).unwrap_or_default();
-        let _ = writeln!(out, "  hold {h}  {s}{until}");
+        let _ = writeln!(out, "  hold {h}  {}{until}", printable(&s.to_string()));
     }
     if let (Some(pi), Some(s)) = (&o.payment_intent_id, &o.payment_status) {
         let _ = writeln!(
             out,
-            "  payment {pi}  {s}  captured {}  refunded {}",
+            "  payment {}  {}  captured {}  refunded {}",
+            printable(pi),
+            printable(&s.to_string()),
             o.amount_captured_minor.unwrap_or(0),
             o.amount_refunded_minor.unwrap_or(0)
         );
@@ -57,15 +64,21 @@ pub fn render(t: &OrderTimeline) -> String {
                     p.cancellation_reason.as_deref().map(|r| format!("  canceled: {r}")).unwrap_or_default();
                 let _ = writeln!(
                     out,
-                    "  {}  {status}  amount {}  received {}  capturable {}{cancel}{agrees}",
-                    p.id,
+                    "  {}  {}  amount {}  received {}  capturable {}{cancel}{agrees}",
+                    printable(&p.id),
+                    printable(status),
                     p.amount.unwrap_or(0),
                     p.amount_received.unwrap_or(0),
                     p.amount_capturable.unwrap_or(0)
                 );
             }
             (None, e) => {
-                let _ = writeln!(out, "  {}  unreadable: {}", p.id, e.as_deref().unwrap_or("?"));
+                let _ = writeln!(
+                    out,
+                    "  {}  unreadable: {}",
+                    printable(&p.id),
+                    e.as_deref().map(printable).unwrap_or_else(|| "?".into())
+                );
             }
         }
     }
@@ -88,7 +101,7 @@ pub fn render(t: &OrderTimeline) -> String {
         let _ = writeln!(
             out,
             "  SLOW {} {}{who}: {what} {} ms (SLO {} ms)",
-            g.event_type,
+            printable(&g.event_type),
             short(&g.event_id.to_string()),
             g.took_ms,
             g.slo_ms
@@ -101,16 +114,27 @@ fn step(out: &mut String, s: &Step, start: DateTime<Utc>) {
     let actor = match &s.actor {
         Actor::BuyerRequest => "buyer's hold request (api)".to_owned(),
         Actor::Consumer { consumer, applied, applied_type } => {
-            format!("{consumer}, applying {applied_type} {}", short(&applied.to_string()))
+            format!(
+                "{}, applying {} {}",
+                printable(consumer),
+                printable(applied_type),
+                short(&applied.to_string())
+            )
         }
         Actor::Webhook { stripe_event_id, r#type } => {
-            format!("webhook {type} {stripe_event_id}", type = r#type)
+            format!("webhook {} {}", printable(r#type), printable(stripe_event_id))
         }
-        Actor::Sweep { wrote } => format!("sweep or operator command ({wrote})"),
+        Actor::Sweep { wrote } => format!("sweep or operator command ({})", printable(wrote)),
     };
     let _ = writeln!(out, "  {} {:>9}  {actor}", s.at.format("%H:%M:%S%.3f"), offset(start, s.at));
     for tr in &s.transitions {
-        let _ = writeln!(out, "      order {} → {}{}", tr.from, tr.to, reason(&tr.reason));
+        let _ = writeln!(
+            out,
+            "      order {} → {}{}",
+            printable(&tr.from),
+            printable(&tr.to),
+            reason(&tr.reason)
+        );
     }
     for w in &s.webhooks {
         let pending = match (w.pending, w.resolved_at) {
@@ -120,20 +144,28 @@ fn step(out: &mut String, s: &Step, start: DateTime<Utc>) {
             (true, None) => "  (early: waiting for the payment row)".to_owned(),
             _ => String::new(),
         };
-        let _ = writeln!(out, "      recorded webhook {} {}{pending}", w.r#type, w.stripe_event_id);
+        let _ = writeln!(
+            out,
+            "      recorded webhook {} {}{pending}",
+            printable(&w.r#type),
+            printable(&w.stripe_event_id)
+        );
     }
     for f in &s.facts {
         let published = match f.published_at {
             Some(p) => format!(
                 "published +{} ms{}",
                 (p - f.committed_at).num_milliseconds(),
-                f.refusal.as_deref().map(|r| format!(" (parked before: {r})")).unwrap_or_default()
+                f.refusal
+                    .as_deref()
+                    .map(|r| format!(" (parked before: {})", printable(r)))
+                    .unwrap_or_default()
             ),
             None => match (f.refused_at, &f.refusal) {
                 (Some(at), why) => format!(
                     "NOT PUBLISHED: parked, refused at {} ({}); boxoffice outbox parked",
                     at.format("%H:%M:%S%.3f"),
-                    why.as_deref().unwrap_or("-")
+                    why.as_deref().map(printable).unwrap_or_else(|| "-".into())
                 ),
                 (None, _) => "NOT PUBLISHED".to_owned(),
             },
@@ -141,32 +173,33 @@ fn step(out: &mut String, s: &Step, start: DateTime<Utc>) {
         let cause =
             f.causation_id.map(|c| format!(", caused by {}", short(&c.to_string()))).unwrap_or_default();
         let region = match (&f.region, f.region_epoch) {
-            (Some(r), Some(e)) => format!(", {r} epoch {e}"),
+            (Some(r), Some(e)) => format!(", {} epoch {e}", printable(r)),
             _ => String::new(),
         };
         let trace = f.trace_id.as_deref().map(|t| format!(", trace {t}")).unwrap_or_default();
         let _ = writeln!(
             out,
             "      → {} {}  {}{cause}{region}{trace}  {published}",
-            f.event_type,
+            printable(&f.event_type),
             short(&f.event_id.to_string()),
             summary(&f.payload)
         );
         for a in &f.applied_by {
             if a.in_writing_transaction {
-                let _ = writeln!(out, "          applied by {} in this transaction", a.consumer);
+                let _ = writeln!(out, "          applied by {} in this transaction", printable(&a.consumer));
             } else {
                 let _ = writeln!(
                     out,
                     "          applied by {} +{} ms",
-                    a.consumer,
+                    printable(&a.consumer),
                     (a.at - f.committed_at).num_milliseconds()
                 );
             }
         }
     }
     for i in &s.incidents {
-        let _ = writeln!(out, "      ! incident {}  {}", i.kind, i.detail);
+        let _ =
+            writeln!(out, "      ! incident {}  {}", printable(&i.kind), printable(&i.detail.to_string()));
     }
 }
 
@@ -221,12 +254,25 @@ fn value(v: &serde_json::Value) -> String {
     }
 }
 
-/// `s` with its control characters escaped (`\n`, `\u{1b}`, …) and, when longer than
-/// [`SUMMARY_VALUE_MAX`] bytes (a parked fact is one too large for the bus), by its start and
-/// size.
+/// Whether `c` could move or hide what a terminal shows: a control character, or one of
+/// Unicode's invisible format characters (zero-width, bidirectional overrides and isolates,
+/// line and paragraph separators, the byte-order mark, the soft hyphen).
+fn unsafe_to_print(c: char) -> bool {
+    c.is_control()
+        || matches!(c, '\u{ad}' | '\u{61c}' | '\u{180e}' | '\u{200b}'..='\u{200f}' | '\u{2028}'..='\u{202e}'
+            | '\u{2060}'..='\u{206f}' | '\u{feff}' | '\u{fff9}'..='\u{fffb}')
+}
+
+/// `s` with the characters that could move or hide what a terminal shows escaped (`\n`,
+/// `\u{1b}`, `\u{202e}`, …) and, when longer than [`SUMMARY_VALUE_MAX`] bytes (a parked fact
+/// is one too large for the bus), by its start and size. Every text the ledger or the
+/// provider supplies is printed through it.
 fn printable(s: &str) -> String {
-    let escaped: String =
-        s.chars().flat_map(|c| if c.is_control() { c.escape_default().collect() } else { vec![c] }).collect();
+    let escaped: String = s
+        .chars()
+        .take(SUMMARY_VALUE_MAX + 1)
+        .flat_map(|c| if unsafe_to_print(c) { c.escape_default().collect() } else { vec![c] })
+        .collect();
     if escaped.len() <= SUMMARY_VALUE_MAX {
         return escaped;
     }
@@ -238,7 +284,7 @@ fn printable(s: &str) -> String {
 }
 
 fn reason(r: &Option<String>) -> String {
-    r.as_deref().map(|r| format!(" ({r})")).unwrap_or_default()
+    r.as_deref().map(|r| format!(" ({})", printable(r))).unwrap_or_default()
 }
 
 /// The last 8 characters of an id, how the text timeline names facts: the random end of a
@@ -299,5 +345,50 @@ mod tests {
         assert!(line.contains("many.… (4984 more field(s))"), "{line}");
         assert!(line.contains("… (50000 bytes)"), "{line}");
         assert!(line.len() < 2_000, "{} bytes", line.len());
+    }
+
+    /// What the ledger supplies besides a payload (a fact's type, its refusal and region, an
+    /// incident's kind and detail) is printed escaped and bounded too: no forged line, no
+    /// terminal sequence, no hidden bidirectional text.
+    #[test]
+    fn a_steps_ledger_text_cannot_forge_lines() {
+        use boxoffice_store::timeline::{Actor, Fact, Incident, Step};
+        let now = chrono::Utc::now();
+        let evil = "Evil\u{1b}[31mRED\nFAKE: order ticketed\u{202e}\u{2028}";
+        let fact = Fact {
+            event_id: uuid::Uuid::nil(),
+            event_type: evil.into(),
+            committed_at: now,
+            published_at: None,
+            refused_at: Some(now),
+            refusal: Some(evil.into()),
+            causation_id: None,
+            region: Some(evil.into()),
+            region_epoch: Some(1),
+            trace_id: None,
+            payload: serde_json::json!({ "unreadable_envelope": evil }),
+            applied_by: vec![],
+            source: "outbox",
+        };
+        let deep = format!("{}{}", "[".repeat(100), "]".repeat(100));
+        let step = Step {
+            at: now,
+            xact: "1".into(),
+            actor: Actor::Sweep { wrote: evil.into() },
+            transitions: vec![],
+            facts: vec![fact],
+            webhooks: vec![],
+            incidents: vec![Incident {
+                kind: evil.into(),
+                detail: serde_json::json!({ "why": "z".repeat(1_000_000), "deep": serde_json::from_str::<serde_json::Value>(&deep).unwrap() }),
+                at: now,
+            }],
+        };
+        let mut out = String::new();
+        super::step(&mut out, &step, now);
+        assert_eq!(out.lines().count(), 3, "{out}");
+        assert!(!out.chars().filter(|c| *c != '\n').any(super::unsafe_to_print), "{out}");
+        assert!(out.contains(r"Evil\u{1b}[31mRED\nFAKE: order ticketed\u{202e}\u{2028}"), "{out}");
+        assert!(out.len() < 4_000, "{} bytes", out.len());
     }
 }

@@ -25,8 +25,8 @@
 //!
 //! **Batches.** On the purchase topic, a consumer applies what has queued up for one lane —
 //! at most `consumer_batch_max` messages: what is queued when the lane is free, and what
-//! arrives within `consumer_batch_linger_ms` after the batch's first message ([`Members`];
-//! zero: never waiting for more) — in one transaction. First,
+//! arrives within `consumer_batch_linger_ms` after the batch's first message reached the lane
+//! ([`Members`]; zero: never waiting for more) — in one transaction. First,
 //! outside any transaction, the `prepare` of every message of the batch, all at once (they
 //! are of different orders): for the payment worker these are its Stripe calls, each with
 //! its own stable idempotency key, so a batch of k commands asks for k concurrent provider
@@ -1028,18 +1028,27 @@ impl InFlight {
     }
 }
 
-/// A lane's next batch, `first` and what follows it on `rx`, at most `max` in all: what is
-/// queued now, and with a non-zero `linger` what arrives until `linger` after this call
-/// (the batch is started when it is full, the linger is over, or `rx` is closed).
-async fn gather<T>(first: T, rx: &mut mpsc::Receiver<T>, max: usize, linger: Duration) -> Vec<T> {
-    let until = tokio::time::Instant::now() + linger;
+/// A lane's next batch, `first` (handed to the lane at `first_at`) and what follows it on
+/// `rx` (each with when it was handed over), at most `max` in all: what is queued now, and
+/// with a non-zero `linger` what arrives until `linger` after `first_at`. The batch is
+/// started when it is full, the linger is over, or `rx` is closed; so no message waits in a
+/// lane longer than `linger` beyond the batches before it (one that queued behind a busy
+/// lane for longer has waited enough, and does not linger again).
+async fn gather<T>(
+    first: T,
+    first_at: tokio::time::Instant,
+    rx: &mut mpsc::Receiver<(T, tokio::time::Instant)>,
+    max: usize,
+    linger: Duration,
+) -> Vec<T> {
+    let until = first_at + linger;
     let mut batch = vec![first];
     while batch.len() < max {
         match rx.try_recv() {
-            Ok(m) => batch.push(m),
+            Ok((m, _)) => batch.push(m),
             Err(mpsc::error::TryRecvError::Empty) if !linger.is_zero() => {
                 match tokio::time::timeout_at(until, rx.recv()).await {
-                    Ok(Some(m)) => batch.push(m),
+                    Ok(Some((m, _))) => batch.push(m),
                     _ => break,
                 }
             }
@@ -1081,12 +1090,12 @@ impl<H: Handler> Runner<H> {
         let mut lane_tx = Vec::with_capacity(lanes);
         let mut lane_tasks = Vec::with_capacity(lanes);
         for _ in 0..lanes {
-            let (tx, mut rx) = mpsc::channel::<OwnedMessage>(64);
+            let (tx, mut rx) = mpsc::channel::<(OwnedMessage, tokio::time::Instant)>(64);
             lane_tx.push(tx);
             let (me, done) = (self.clone(), done_tx.clone());
             lane_tasks.push(tokio::spawn(async move {
-                while let Some(first) = rx.recv().await {
-                    let batch = gather(first, &mut rx, me.batch, me.linger).await;
+                while let Some((first, at)) = rx.recv().await {
+                    let batch = gather(first, at, &mut rx, me.batch, me.linger).await;
                     let (finished, stopped) = me.process_all(&batch).await;
                     for i in finished {
                         let msg = &batch[i];
@@ -1119,7 +1128,7 @@ impl<H: Handler> Runner<H> {
                         let lane = msg.key().map(|k| lane_of(k, lanes)).unwrap_or(0);
                         tokio::select! {
                             _ = self.shutdown.cancelled() => break,
-                            r = lane_tx[lane].send(msg) => if r.is_err() { break },
+                            r = lane_tx[lane].send((msg, tokio::time::Instant::now())) => if r.is_err() { break },
                         }
                     }
                     Err(e) => {
@@ -1644,32 +1653,53 @@ mod tests {
     /// next batch, and a closed lane ends the wait. Tokio's paused clock: no real waiting.
     #[tokio::test(start_paused = true)]
     async fn a_lane_gathers_what_arrives_within_its_linger() {
+        use tokio::time::Instant;
         let ms = Duration::from_millis;
-        let (tx, mut rx) = mpsc::channel::<u32>(16);
-        tx.send(2).await.unwrap();
+        let (tx, mut rx) = mpsc::channel::<(u32, Instant)>(16);
+        let next = |rx: &mut mpsc::Receiver<(u32, Instant)>| rx.try_recv().expect("queued");
+        tx.send((2, Instant::now())).await.unwrap();
         let sender = tokio::spawn(async move {
+            let send = |m| tx.send((m, Instant::now()));
             tokio::time::sleep(ms(5)).await;
-            tx.send(3).await.unwrap();
+            send(3).await.unwrap();
             tokio::time::sleep(ms(10)).await;
-            tx.send(4).await.unwrap();
+            send(4).await.unwrap();
             tokio::time::sleep(ms(30)).await;
             for m in [5, 6, 7] {
-                tx.send(m).await.unwrap();
+                send(m).await.unwrap();
             }
             tokio::time::sleep(ms(100)).await;
-            tx.send(8).await.unwrap();
+            send(8).await.unwrap();
+            send(9).await.unwrap();
+            tokio::time::sleep(ms(100)).await;
+            send(10).await.unwrap();
         });
-        assert_eq!(gather(1, &mut rx, 16, Duration::ZERO).await, [1, 2], "no linger: what is queued");
-        let first = rx.recv().await.unwrap();
-        let started = tokio::time::Instant::now();
-        assert_eq!(gather(first, &mut rx, 16, ms(20)).await, [3, 4]);
-        assert_eq!(started.elapsed(), ms(20), "the linger ends the batch, counted from its first");
-        assert_eq!(gather(rx.recv().await.unwrap(), &mut rx, 2, ms(20)).await, [5, 6], "full: at once");
-        assert_eq!(gather(rx.recv().await.unwrap(), &mut rx, 16, ms(20)).await, [7]);
+        assert_eq!(
+            gather(1, Instant::now(), &mut rx, 16, Duration::ZERO).await,
+            [1, 2],
+            "no linger: what is queued"
+        );
+        let (first, at) = rx.recv().await.unwrap();
+        assert_eq!(gather(first, at, &mut rx, 16, ms(20)).await, [3, 4]);
+        assert_eq!(at.elapsed(), ms(20), "the linger ends the batch, counted from its first's arrival");
+        let (first, at) = rx.recv().await.unwrap();
+        assert_eq!(gather(first, at, &mut rx, 2, ms(20)).await, [5, 6], "full: at once");
+        assert_eq!(at.elapsed(), Duration::ZERO);
+        // 7 has queued since 6 arrived: what is still left of its linger.
+        let (first, at) = next(&mut rx);
+        tokio::time::sleep(ms(15)).await; // the lane was busy with the batch before
+        assert_eq!(gather(first, at, &mut rx, 16, ms(20)).await, [7]);
+        assert_eq!(at.elapsed(), ms(20), "counted from its arrival, not from when the lane took it");
+        let (first, at) = rx.recv().await.unwrap();
+        tokio::time::sleep(ms(30)).await; // busy for longer than the linger
+        let took = Instant::now();
+        assert_eq!(gather(first, at, &mut rx, 16, ms(20)).await, [8, 9]);
+        assert_eq!(took.elapsed(), Duration::ZERO, "queued longer than the linger: no second wait");
         sender.await.unwrap();
-        let started = tokio::time::Instant::now();
-        assert_eq!(gather(rx.recv().await.unwrap(), &mut rx, 16, ms(50)).await, [8]);
-        assert_eq!(started.elapsed(), Duration::ZERO, "closed: at once");
+        let (first, at) = rx.recv().await.unwrap();
+        let took = Instant::now();
+        assert_eq!(gather(first, at, &mut rx, 16, ms(50)).await, [10]);
+        assert_eq!(took.elapsed(), Duration::ZERO, "closed: at once");
     }
 
     #[test]

@@ -358,9 +358,10 @@ pub async fn read(
     .bind(order)
     .fetch_all(pool)
     .await?;
-    let incidents: Vec<(String, sqlx::types::Json<serde_json::Value>, DateTime<Utc>, Option<String>)> =
+    // The detail as text, parsed here, as the facts' envelopes are.
+    let incidents: Vec<(String, String, DateTime<Utc>, Option<String>)> =
         sqlx::query_as(
-            "SELECT kind, detail, created_at, xact::text FROM incidents WHERE order_id = $1 ORDER BY created_at",
+            "SELECT kind, detail::text, created_at, xact::text FROM incidents WHERE order_id = $1 ORDER BY created_at",
         )
         .bind(order)
         .fetch_all(pool)
@@ -435,7 +436,9 @@ pub async fn read(
     for (i, (kind, detail, at, xact)) in incidents.into_iter().enumerate() {
         let s = steps.entry(xact_key(&xact, "incident", &i)).or_default();
         s.touch(at);
-        s.incidents.push(Incident { kind, detail: detail.0, at });
+        let detail = serde_json::from_str(&detail)
+            .unwrap_or_else(|e| serde_json::json!({ "unreadable_detail": e.to_string() }));
+        s.incidents.push(Incident { kind, detail, at });
     }
     let mut steps: Vec<Step> = steps.into_iter().filter_map(|(xact, b)| b.build(xact)).collect();
     order_causally(&mut steps);

@@ -418,7 +418,7 @@ async fn refused_facts_are_parked_and_the_rest_of_the_outbox_flows(_: PgPoolOpti
 /// reads; no writer stores one, but the ledger is not the relay's to trust) is parked with
 /// why, with the later fact of its order behind it, and the facts of other orders are
 /// published past it: one such row does not stop the relay. The order's timeline shows the
-/// row as unreadable instead of failing.
+/// row, and an incident detail nested as deep, as unreadable instead of failing.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn an_unreadable_outbox_row_is_parked_and_the_rest_of_the_outbox_flows(
     _: PgPoolOptions,
@@ -452,7 +452,15 @@ async fn an_unreadable_outbox_row_is_parked_and_the_rest_of_the_outbox_flows(
     assert!(why.starts_with("unreadable envelope: recursion limit exceeded"), "{why}");
     assert_eq!(parked[0].held_back, 1, "its order's later fact waits behind it");
     assert!(!published(app.pool.clone(), behind.event_id).await);
-    // The order's timeline reads it, and says it is unreadable.
+    // The order's timeline reads it, and says it is unreadable; an incident's detail too.
+    sqlx::query(
+        "INSERT INTO incidents (order_id, kind, detail)
+         VALUES ($1, 'forged', ('{\"a\": ' || repeat('[', 200) || repeat(']', 200) || '}')::jsonb)",
+    )
+    .bind(order.0)
+    .execute(&app.pool)
+    .await
+    .unwrap();
     let t =
         boxoffice_api::timeline::read(&app.pool, None, order.0, Default::default()).await.unwrap().unwrap();
     let shown = t.timeline.steps.iter().flat_map(|s| &s.facts).find(|f| f.event_id == deep);
@@ -460,6 +468,12 @@ async fn an_unreadable_outbox_row_is_parked_and_the_rest_of_the_outbox_flows(
     let said = shown.payload["unreadable_envelope"].as_str().unwrap_or_default();
     assert!(said.starts_with("recursion limit exceeded"), "{:?}", shown.payload);
     assert!(shown.refusal.as_deref().is_some_and(|r| r.starts_with("unreadable envelope")));
+    let incident = t.timeline.steps.iter().flat_map(|s| &s.incidents).find(|i| i.kind == "forged");
+    let detail = &incident.expect("the incident is in the timeline").detail;
+    assert!(
+        detail["unreadable_detail"].as_str().is_some_and(|d| d.starts_with("recursion limit")),
+        "{detail}"
+    );
     app.stop().await;
 }
 
