@@ -60,8 +60,11 @@ pub fn render(t: &OrderTimeline) -> String {
                     Some(false) => "  (LEDGER DISAGREES)",
                     None => "  (not the order's current intent)",
                 };
-                let cancel =
-                    p.cancellation_reason.as_deref().map(|r| format!("  canceled: {r}")).unwrap_or_default();
+                let cancel = p
+                    .cancellation_reason
+                    .as_deref()
+                    .map(|r| format!("  canceled: {}", printable(r)))
+                    .unwrap_or_default();
                 let _ = writeln!(
                     out,
                     "  {}  {}  amount {}  received {}  capturable {}{cancel}{agrees}",
