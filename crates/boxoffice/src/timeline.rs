@@ -13,12 +13,11 @@ pub fn render(t: &OrderTimeline) -> String {
     let mut out = String::new();
     let o = &t.timeline.order;
     let start = o.created_at;
-    let _ =
-        writeln!(out, "order {}  {}{}", o.id, printable(&o.status.to_string()), reason(&o.failure_reason));
+    let _ = writeln!(out, "order {}  {}{}", o.id, printable(&o.status), reason(&o.failure_reason));
     let _ = writeln!(
         out,
         "  buyer {}  event {}  {} {}  correlation {}",
-        printable(&o.user_id.to_string()),
+        o.user_id,
         o.event_id,
         o.amount_minor,
         printable(&o.currency),
@@ -27,14 +26,14 @@ pub fn render(t: &OrderTimeline) -> String {
     if let (Some(h), Some(s)) = (o.hold_id, &o.hold_status) {
         let until =
             o.hold_expires_at.map(|e| format!(" until {}", e.format("%H:%M:%S%.3f"))).unwrap_or_default();
-        let _ = writeln!(out, "  hold {h}  {}{until}", printable(&s.to_string()));
+        let _ = writeln!(out, "  hold {h}  {}{until}", printable(s));
     }
     if let (Some(pi), Some(s)) = (&o.payment_intent_id, &o.payment_status) {
         let _ = writeln!(
             out,
             "  payment {}  {}  captured {}  refunded {}",
             printable(pi),
-            printable(&s.to_string()),
+            printable(s),
             o.amount_captured_minor.unwrap_or(0),
             o.amount_refunded_minor.unwrap_or(0)
         );

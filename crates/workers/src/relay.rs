@@ -27,8 +27,9 @@
 //! and no number of refused rows stops the relay for the other orders. A row whose stored
 //! envelope the relay cannot read (JSON nested deeper than serde_json reads, say: no writer
 //! of this build stores one) is parked the same way, with `unreadable envelope: …` as its
-//! refusal. Such a refusal is no broker failure: it counts towards no give-up. Any other error at enqueue (a fatal producer, a topic the producer does not know)
-//! is the producer's, not the message's: the row and the later rows of its order stay
+//! refusal. Such a refusal is no broker failure: it counts towards no give-up. Any other
+//! error at enqueue (a fatal producer, a topic the producer does not know) is the
+//! producer's, not the message's: the row and the later rows of its order stay
 //! unpublished for the next batch, and the batch counts as failed, towards the give-up. A
 //! message the broker refuses (its own size limit) comes back as a failed delivery, likewise.
 //! The parked rows are the `boxoffice_outbox_parked` gauge, counted apart from the backlog
@@ -372,8 +373,8 @@ pub struct Batch {
     pub failed: usize,
     /// Rows the producer refused when enqueued as too large, and rows whose envelope the relay
     /// could not read, with the later rows of their orders in this batch held back behind
-    /// them. They stay unpublished; the refused ones
-    /// count in `boxoffice_outbox_refused_total` and are parked.
+    /// them. They stay unpublished; the refused ones count in `boxoffice_outbox_refused_total`
+    /// and are parked.
     pub refused: usize,
     /// Refused rows this batch parked ([`outbox::park_refused`]).
     pub parked: u64,
@@ -384,9 +385,9 @@ pub struct Batch {
 /// ([`with_heartbeat`]), so a slow broker does not cost the lock. A row the producer refuses
 /// at once (e.g. too large), or whose envelope cannot be read, is left unpublished, with the
 /// later rows of its order in this batch, and parked (after the delivered rows are marked);
-/// the rest go on. A database error
-/// from `c`, and a call to it that outlasts the lease (an unreachable server), is returned as
-/// an `sqlx::Error`, so the caller can tell a lost session.
+/// the rest go on. A database error from `c`, and a call to it that outlasts the lease (an
+/// unreachable server), is returned as an `sqlx::Error`, so the caller can tell a lost
+/// session.
 pub async fn publish_batch(
     c: &mut PgConnection,
     producer: &FutureProducer,
