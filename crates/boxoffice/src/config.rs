@@ -311,6 +311,12 @@ pub struct Config {
     /// 0: a batch is what has queued up, never waiting. Ignored when `consumer_batch_max` is
     /// 1. Default 0; 0..=100.
     pub consumer_batch_linger_ms: u32,
+    /// Most transactions one consumer member's lanes have open at once (main topic only;
+    /// `boxoffice_bus::consumer`, "Transaction slots"): a lane waits for a slot after its
+    /// provider calls and before its transaction, so the calls of every lane still run at
+    /// once while fewer transactions compete for the database, each with a larger batch.
+    /// 0: one per lane (no limit). Default 0; 0..=256, and 0 or at most `consumer_lanes`.
+    pub consumer_transactions_max: usize,
     /// Whether a process that runs the saga or the ticket worker beside another consumer
     /// applies their steps in the transaction that commits the fact they follow
     /// (`boxoffice_bus::follow`): the capture's transaction also moves the order to `paid`
@@ -762,6 +768,7 @@ impl Default for Config {
             consumer_fetch_min_bytes: 1,
             consumer_fetch_wait_ms: 20,
             consumer_batch_linger_ms: 0,
+            consumer_transactions_max: 0,
             follow_through: true,
             consumer_inline_attempts: 3,
             consumer_retry_5s_delay_ms: 5_000,
@@ -947,6 +954,9 @@ impl Config {
         }
         if self.consumer_batch_linger_ms > 100 {
             bail!("consumer_batch_linger_ms must be 0..=100 (ms)");
+        }
+        if self.consumer_transactions_max > self.consumer_lanes {
+            bail!("consumer_transactions_max must be 0 (one per lane) or 1..=consumer_lanes");
         }
         if !["auto", "force_generic_plan", "force_custom_plan"].contains(&self.db_plan_cache_mode.as_str()) {
             bail!("db_plan_cache_mode must be auto, force_generic_plan or force_custom_plan");
@@ -2291,6 +2301,19 @@ mod tests {
             let e = c.validate().expect_err("refused").to_string();
             assert!(e.starts_with(&format!("consumer_fetch_{key} ")), "{e}");
         }
+    }
+
+    #[test]
+    fn transaction_slots_are_at_most_the_lanes() {
+        for n in [0, 1, 8] {
+            Config { consumer_transactions_max: n, consumer_lanes: 8, ..Config::default() }
+                .validate()
+                .unwrap();
+        }
+        let e = Config { consumer_transactions_max: 9, consumer_lanes: 8, ..Config::default() }
+            .validate()
+            .expect_err("refused");
+        assert!(e.to_string().starts_with("consumer_transactions_max "), "{e}");
     }
 
     #[test]

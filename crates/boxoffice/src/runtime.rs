@@ -330,6 +330,7 @@ pub async fn start(
                     wait_ms = cfg.consumer_fetch_wait_ms,
                     // What the lanes wait: a batch of one has nothing to wait for.
                     linger_ms = if cfg.consumer_batch_max > 1 { cfg.consumer_batch_linger_ms } else { 0 },
+                    transactions_max = cfg.consumer_transactions_max,
                     "consumers: fetching");
                 let members = boxoffice_bus::Members {
                     instances: consumers,
@@ -340,6 +341,7 @@ pub async fn start(
                         wait_ms: cfg.consumer_fetch_wait_ms,
                     },
                     linger: std::time::Duration::from_millis(cfg.consumer_batch_linger_ms.into()),
+                    transactions: cfg.consumer_transactions_max,
                 };
                 let sd = shutdown.clone();
                 let followers = followers(roles, cfg);

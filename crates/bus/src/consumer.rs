@@ -71,6 +71,18 @@
 //! (`Handler::acts_on`, decided from the payload alone) is acknowledged the same way: no
 //! inbox row, no transaction.
 //!
+//! **Transaction slots.** A main-topic member may let fewer of its lanes be inside a
+//! transaction at once than it has lanes (`consumer_transactions_max`, [`Members`]; zero:
+//! one per lane). A lane takes a slot once its batch's (or its message's) provider calls
+//! have answered, just before `BEGIN`, and gives it back when that transaction ends —
+//! committed, rolled back or failed — so the provider calls of every lane still run at once,
+//! no lane waits for a slot while it holds a row lock or a connection, and a lane that
+//! waits keeps the answers it already has. While a lane waits, more messages queue up for
+//! it, so its next batch is larger: fewer transactions, each with more facts, and fewer of
+//! them competing for the database's cores at once. Nothing else changes: the same
+//! messages share the same transactions by the same rules, in the same order. Retry-topic
+//! members and the transaction that parks a fact of another region epoch take no slot.
+//!
 //! **Following through** ([`crate::follow`]). A consumer's transaction can also run, for the
 //! facts it emits, the steps of the consumers of this process that make no remote call (the
 //! saga, the ticket worker): their inbox rows and effects join the transaction, and the facts
@@ -341,7 +353,9 @@ pub async fn handle_once_at<H: Handler>(
     writer_epoch: Option<i64>,
 ) -> Result<Disposition, HandlerError> {
     let span = consumer_span(handler.name(), env, None, &boxoffice_trace::Labels::default());
-    apply_once(pool, handler, env, writer_epoch, &Followers::none()).instrument(span).await
+    apply_once(pool, handler, env, writer_epoch, &Followers::none(), &TxSlots::unlimited())
+        .instrument(span)
+        .await
 }
 
 /// [`handle_once`] with `followers` following the facts it emits through in its transaction
@@ -353,7 +367,7 @@ pub async fn handle_once_following<H: Handler>(
     env: &Envelope,
 ) -> Result<Disposition, HandlerError> {
     let span = consumer_span(handler.name(), env, None, &boxoffice_trace::Labels::default());
-    apply_once(pool, handler, env, None, followers).instrument(span).await
+    apply_once(pool, handler, env, None, followers, &TxSlots::unlimited()).instrument(span).await
 }
 
 /// Where a message was read: what the consumer span says about it besides the fact's ids.
@@ -418,6 +432,7 @@ async fn apply_once<H: Handler>(
     env: &Envelope,
     writer_epoch: Option<i64>,
     followers: &Followers,
+    slots: &TxSlots,
 ) -> Result<Disposition, HandlerError> {
     if !EventKind::of(&env.event_type).is_some_and(|kind| handler.wants(kind)) {
         return Ok(Disposition::Ignored);
@@ -485,6 +500,8 @@ async fn apply_once<H: Handler>(
         boxoffice_faults::check_consumer(name, "before_remote")?;
         let prepared = handler.prepare(env, &event, precheck).await?;
         boxoffice_faults::check_consumer(name, "after_remote")?;
+        // Held until the transaction ends (this loop turn), taken after the provider call.
+        let _slot = slots.take().await;
         let mut tx = pool.begin().await?;
         if !inbox::record(&mut tx, name, env.event_id).await? {
             return Ok(Disposition::Duplicate);
@@ -559,7 +576,7 @@ pub async fn handle_batch<H: Handler>(
         .map(|(_, (env, _))| consumer_span(handler.name(), env, None, &Default::default()))
         .collect();
     let shared: Vec<(&Envelope, &PurchaseEvent)> = run.iter().map(|(_, r)| *r).collect();
-    let dispositions = apply_shared(pool, handler, followers, &shared, spans).await?;
+    let dispositions = apply_shared(pool, handler, followers, &TxSlots::unlimited(), &shared, spans).await?;
     for ((k, _), d) in run.iter().zip(dispositions) {
         out[*k] = d;
     }
@@ -587,6 +604,7 @@ async fn apply_shared<H: Handler>(
     pool: &PgPool,
     handler: &H,
     followers: &Followers,
+    slots: &TxSlots,
     run: &[(&Envelope, &PurchaseEvent)],
     spans: Vec<tracing::Span>,
 ) -> Result<Vec<Option<Disposition>>, HandlerError> {
@@ -634,6 +652,8 @@ async fn apply_shared<H: Handler>(
     // A run holds one fact per order, so this reorders no order's facts.
     let mut by_order: Vec<usize> = (0..run.len()).collect();
     by_order.sort_by_key(|&k| run[k].0.aggregate_id);
+    // Taken after every provider call, held until the transaction ends.
+    let slot = slots.take().await;
     let mut tx = pool.begin().await?;
     // Every inbox row of the run in one statement: a message whose id it did not record
     // now is a duplicate, and so is a second copy of an id within the run (each id counts
@@ -674,6 +694,7 @@ async fn apply_shared<H: Handler>(
     outbox::insert_traced_with_inbox(&mut tx, &facts, followed.inbox_rows()).await?;
     boxoffice_faults::check_consumer(name, "before_commit")?;
     tx.commit().await?;
+    drop(slot);
     boxoffice_faults::check_consumer(name, "after_commit")?;
     boxoffice_faults::check_consumer(name, "before_ack")?;
     Followers::after_commit(&followed)?;
@@ -873,6 +894,36 @@ pub struct Members {
     /// it before it starts the batch (`consumer_batch_linger_ms`; zero: never waits, the
     /// batch is what has queued up). See the module doc, "Batches".
     pub linger: Duration,
+    /// Most transactions a main-topic member's lanes have open at once
+    /// (`consumer_transactions_max`; zero: one per lane). See the module doc, "Transaction
+    /// slots".
+    pub transactions: usize,
+}
+
+/// How many of a member's lanes may be inside a transaction at once (see the module doc,
+/// "Transaction slots"). A lane takes a slot after its batch's provider calls and before
+/// `BEGIN`, and gives it back when the transaction ends (commit, rollback or error), so no
+/// lane holds a row lock or a connection while it waits for one, and no provider call waits
+/// for one.
+#[derive(Clone, Default)]
+pub(crate) struct TxSlots(Option<Arc<tokio::sync::Semaphore>>);
+
+impl TxSlots {
+    /// No limit: every lane may be in a transaction at once.
+    pub(crate) fn unlimited() -> Self {
+        Self(None)
+    }
+
+    /// `n` slots for `lanes` lanes; no limit when `n` is zero or at least `lanes`.
+    pub(crate) fn new(n: usize, lanes: usize) -> Self {
+        Self((n > 0 && n < lanes).then(|| Arc::new(tokio::sync::Semaphore::new(n))))
+    }
+
+    /// Waits for a slot; held until the returned guard is dropped.
+    async fn take(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        // The semaphore is never closed.
+        self.0.clone()?.acquire_owned().await.ok()
+    }
 }
 
 /// How long a main-topic member's fetch may wait at the broker for how much data: the fetch
@@ -918,7 +969,7 @@ pub fn run_consumers<H: Handler>(
     shutdown: CancellationToken,
 ) -> anyhow::Result<(Vec<tokio::task::JoinHandle<()>>, Arc<Assignment>)> {
     let followers = followers.without(handler.name()).labelled(cfg.labels.clone());
-    let Members { instances, lanes, batch, fetch, linger } = members;
+    let Members { instances, lanes, batch, fetch, linger, transactions } = members;
     let assignment = Arc::new(Assignment::default());
     let retry_assignment = Arc::new(Assignment::default());
     let mut tasks = Vec::new();
@@ -936,6 +987,8 @@ pub fn run_consumers<H: Handler>(
                     report: stage == Stage::Main,
                 })?;
             consumer.subscribe(&[&cfg.topic(stage.topic().name())])?;
+            // Retry members mostly wait for due times; a couple of lanes is plenty.
+            let lanes = if stage == Stage::Main { lanes.max(1) } else { lanes.clamp(1, 2) };
             let runner = Arc::new(Runner {
                 group: cfg.group(&group),
                 cfg: cfg.clone(),
@@ -949,9 +1002,12 @@ pub fn run_consumers<H: Handler>(
                 batch: if stage == Stage::Main { batch.max(1) } else { 1 },
                 linger: if stage == Stage::Main && batch > 1 { linger } else { Duration::ZERO },
                 followers: followers.clone(),
+                slots: if stage == Stage::Main {
+                    TxSlots::new(transactions, lanes)
+                } else {
+                    TxSlots::unlimited()
+                },
             });
-            // Retry members mostly wait for due times; a couple of lanes is plenty.
-            let lanes = if stage == Stage::Main { lanes.max(1) } else { lanes.clamp(1, 2) };
             tasks.push(tokio::spawn(async move { runner.run(consumer, lanes).await }));
         }
     }
@@ -1000,6 +1056,8 @@ struct Runner<H> {
     linger: Duration,
     /// The consumers that follow this one's facts through in its transactions.
     followers: Followers,
+    /// How many of this member's lanes may be in a transaction at once.
+    slots: TxSlots,
 }
 
 /// Offsets dispatched but not finished, per partition: the commit point of a partition is
@@ -1328,7 +1386,7 @@ impl<H: Handler> Runner<H> {
             })
             .collect();
         let run: Vec<(&Envelope, &PurchaseEvent)> = run.iter().map(|(_, env, event)| (env, event)).collect();
-        apply_shared(&self.pool, &*self.handler, &self.followers, &run, spans).await
+        apply_shared(&self.pool, &*self.handler, &self.followers, &self.slots, &run, spans).await
     }
 
     /// Processes one message until applied, skipped, handed to the next retry topic or
@@ -1424,9 +1482,16 @@ impl<H: Handler> Runner<H> {
             let started = std::time::Instant::now();
             let delivery = self.delivery(msg, attempts - 1);
             let span = consumer_span(name, env, Some(&delivery), &self.cfg.labels);
-            let applied = apply_once(&self.pool, &*self.handler, env, self.cfg.writer_epoch, &self.followers)
-                .instrument(span.clone())
-                .await;
+            let applied = apply_once(
+                &self.pool,
+                &*self.handler,
+                env,
+                self.cfg.writer_epoch,
+                &self.followers,
+                &self.slots,
+            )
+            .instrument(span.clone())
+            .await;
             if applied.is_err() {
                 span.record("otel.status_code", "ERROR");
             }

@@ -183,6 +183,7 @@ async fn queued_facts_of_many_orders_share_a_transaction_and_a_bad_one_goes_alon
             batch: 32,
             fetch: Default::default(),
             linger: Default::default(),
+            transactions: 0,
         },
         boxoffice_bus::Followers::none(),
         shutdown.clone(),
@@ -369,6 +370,7 @@ async fn a_consumer_that_calls_out_makes_its_calls_before_the_shared_transaction
                 batch: 16,
                 fetch: Default::default(),
                 linger: Default::default(),
+                transactions: 0,
             },
             boxoffice_bus::Followers::none(),
             shutdown,
@@ -969,4 +971,139 @@ async fn a_command_on_an_unknown_status_fails_alone_and_is_not_used_up(
     assert_eq!(again, Disposition::Applied);
     assert_eq!(app.sim.stats().payment_intents_created - created, 2);
     app.stop().await;
+}
+
+/// A consumer whose first `calls` provider calls wait for one another (each lane's first
+/// call, when the lanes make their calls at once), and which counts how many of its effects
+/// run at once, each inside its lane's transaction and taking a while there.
+struct Slotted {
+    calls: std::sync::atomic::AtomicUsize,
+    together: tokio::sync::Barrier,
+    waiting_calls: usize,
+    in_tx: std::sync::atomic::AtomicUsize,
+    most_in_tx: std::sync::atomic::AtomicUsize,
+}
+
+#[async_trait]
+impl Handler for Slotted {
+    type Prepared = ();
+    type Precheck = ();
+    type Rows = ();
+
+    fn name(&self) -> &'static str {
+        "slotted"
+    }
+
+    fn wants(&self, kind: EventKind) -> bool {
+        kind == EventKind::TicketIssueRequested
+    }
+
+    fn calls_out(&self) -> bool {
+        true
+    }
+
+    async fn prepare(&self, _: &Envelope, _: &PurchaseEvent, _: ()) -> Result<(), HandlerError> {
+        use std::sync::atomic::Ordering::SeqCst;
+        if self.calls.fetch_add(1, SeqCst) < self.waiting_calls {
+            self.together.wait().await;
+        }
+        Ok(())
+    }
+
+    async fn apply(
+        &self,
+        tx: &mut boxoffice_store::Tx<'_>,
+        env: &Envelope,
+        _: &PurchaseEvent,
+        _: (),
+        _: (),
+    ) -> Result<Vec<Envelope>, HandlerError> {
+        use std::sync::atomic::Ordering::SeqCst;
+        let now = self.in_tx.fetch_add(1, SeqCst) + 1;
+        self.most_in_tx.fetch_max(now, SeqCst);
+        // A while inside the transaction, so that two lanes in theirs at once would overlap.
+        let r = async {
+            sqlx::query("SELECT pg_sleep(0.02)").execute(&mut **tx).await?;
+            sqlx::query("INSERT INTO slotted_applied (event_id) VALUES ($1)")
+                .bind(env.event_id)
+                .execute(&mut **tx)
+                .await
+        }
+        .await;
+        self.in_tx.fetch_sub(1, SeqCst);
+        r?;
+        Ok(vec![])
+    }
+}
+
+/// `consumer_transactions_max` (`boxoffice_bus::consumer`, "Transaction slots"): with four
+/// lanes and one slot, the lanes' provider calls still run at once — the first four calls
+/// wait for each other, which they could not do if a call waited for a slot — while their
+/// effects, each inside its lane's transaction, run one at a time, for lanes that apply one
+/// message per transaction and lanes that share one among a batch; every fact is applied once.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn one_transaction_slot_lets_the_lanes_call_at_once_and_commit_one_at_a_time(
+    pool_opts: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    let pool = pool_opts.max_connections(8).connect_with(opts).await.unwrap();
+    sqlx::query("CREATE TABLE slotted_applied (event_id uuid PRIMARY KEY)").execute(&pool).await.unwrap();
+    for batch in [1, 16] {
+        let cfg = Config {
+            kafka_brokers: Some(test_brokers()),
+            kafka_topic_prefix: format!("slot{}.", &Uuid::new_v4().simple().to_string()[..8]),
+            kafka_partitions: 1,
+            ..Config::default()
+        };
+        let k = cfg.kafka().unwrap();
+        boxoffice_bus::topics::create_all(&k).await.unwrap();
+        let producer = boxoffice_bus::producer::build(&k).unwrap();
+        // 64 orders over four lanes: every lane has some (all but certainly).
+        let facts: Vec<Envelope> = (0..64).map(|_| fact(Uuid::new_v4(), "issue")).collect();
+        publish(&k, &producer, &facts).await;
+        let handler = Arc::new(Slotted {
+            calls: Default::default(),
+            together: tokio::sync::Barrier::new(4),
+            waiting_calls: 4,
+            in_tx: Default::default(),
+            most_in_tx: Default::default(),
+        });
+        let shutdown = CancellationToken::new();
+        let (tasks, _) = run_consumers(
+            &k,
+            pool.clone(),
+            handler.clone(),
+            producer.clone(),
+            boxoffice_bus::Members {
+                instances: 1,
+                lanes: 4,
+                batch,
+                fetch: Default::default(),
+                linger: Default::default(),
+                transactions: 1,
+            },
+            boxoffice_bus::Followers::none(),
+            shutdown.clone(),
+        )
+        .unwrap();
+        let ids: Vec<Uuid> = facts.iter().map(|f| f.event_id).collect();
+        let applied = || {
+            let (pool, ids) = (pool.clone(), ids.clone());
+            async move {
+                sqlx::query_scalar::<_, i64>("SELECT count(*) FROM slotted_applied WHERE event_id = ANY($1)")
+                    .bind(&ids)
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap()
+            }
+        };
+        eventually(Duration::from_secs(60), "the 64 facts applied", || async { applied().await >= 64 }).await;
+        shutdown.cancel();
+        for t in tasks {
+            t.await.unwrap();
+        }
+        assert_eq!(applied().await, 64, "batch {batch}: each fact once");
+        let most = handler.most_in_tx.load(std::sync::atomic::Ordering::SeqCst);
+        assert_eq!(most, 1, "batch {batch}: transactions at once with one slot");
+    }
 }
