@@ -314,7 +314,8 @@ pub struct Config {
     /// Most transactions one consumer member's lanes have open at once (main topic only;
     /// `boxoffice_bus::consumer`, "Transaction slots"): a lane waits for a slot after its
     /// provider calls and before its transaction, so the calls of every lane still run at
-    /// once while fewer transactions compete for the database, each with a larger batch.
+    /// once while fewer transactions compete for the database (and, under a backlog, with
+    /// larger batches). Behind, it carries fewer facts per second than one per lane.
     /// 0: one per lane (no limit). Default 0; 0..=256, and 0 or at most `consumer_lanes`.
     pub consumer_transactions_max: usize,
     /// Whether a process that runs the saga or the ticket worker beside another consumer

@@ -77,9 +77,9 @@
 //! have answered, just before `BEGIN`, and gives it back when that transaction ends —
 //! committed, rolled back or failed — so the provider calls of every lane still run at once,
 //! no lane waits for a slot while it holds a row lock or a connection, and a lane that
-//! waits keeps the answers it already has. While a lane waits, more messages queue up for
-//! it, so its next batch is larger: fewer transactions, each with more facts, and fewer of
-//! them competing for the database's cores at once. Nothing else changes: the same
+//! waits keeps the answers it already has. Fewer transactions compete for the database's
+//! cores at once; while a lane waits, more messages can queue up for it, so under a backlog
+//! its next batch may be larger (up to `consumer_batch_max`). Nothing else changes: the same
 //! messages share the same transactions by the same rules, in the same order. Retry-topic
 //! members and the transaction that parks a fact of another region epoch take no slot.
 //!
