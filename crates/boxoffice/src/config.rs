@@ -315,7 +315,9 @@ pub struct Config {
     /// `boxoffice_bus::consumer`, "Transaction slots"): a lane waits for a slot after its
     /// provider calls and before its transaction, so the calls of every lane still run at
     /// once while fewer transactions compete for the database (and, under a backlog, with
-    /// larger batches). Behind, it carries fewer facts per second than one per lane.
+    /// larger batches). Behind, it carries fewer facts per second than one per lane; and a
+    /// transaction waiting on a row lock keeps its slot (up to `db_statement_timeout_ms` per
+    /// statement), so with one slot one locked order holds up the member's every lane.
     /// 0: one per lane (no limit). Default 0; 0..=256, and 0 or at most `consumer_lanes`.
     pub consumer_transactions_max: usize,
     /// Whether a process that runs the saga or the ticket worker beside another consumer

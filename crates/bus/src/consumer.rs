@@ -74,10 +74,15 @@
 //! **Transaction slots.** A main-topic member may let fewer of its lanes be inside a
 //! transaction at once than it has lanes (`consumer_transactions_max`, [`Members`]; zero:
 //! one per lane). A lane takes a slot once its batch's (or its message's) provider calls
-//! have answered, just before `BEGIN`, and gives it back when that transaction ends —
-//! committed, rolled back or failed — so the provider calls of every lane still run at once,
-//! no lane waits for a slot while it holds a row lock or a connection, and a lane that
-//! waits keeps the answers it already has. Fewer transactions compete for the database's
+//! have answered, just before `BEGIN`, and gives it back when it is done with that
+//! transaction — after the commit, or on an error as it drops the transaction (whose
+//! rollback then goes out as the connection returns to the pool, so for a moment a failed
+//! transaction's locks can outlive its slot) — so the provider calls of every lane still
+//! run at once, no lane waits for a slot while it holds a row lock or a connection, and a
+//! lane that waits keeps the answers it already has. The cost: a transaction that waits —
+//! for a row lock another session holds, or for a database that does not answer — keeps
+//! its slot while it waits, up to `db_statement_timeout_ms` per statement, and with one
+//! slot every lane of the member waits with it (without slots only its own lane would). Fewer transactions compete for the database's
 //! cores at once; while a lane waits, more messages can queue up for it, so under a backlog
 //! its next batch may be larger (up to `consumer_batch_max`). Nothing else changes: the same
 //! messages share the same transactions by the same rules, in the same order. Retry-topic
@@ -902,9 +907,9 @@ pub struct Members {
 
 /// How many of a member's lanes may be inside a transaction at once (see the module doc,
 /// "Transaction slots"). A lane takes a slot after its batch's provider calls and before
-/// `BEGIN`, and gives it back when the transaction ends (commit, rollback or error), so no
-/// lane holds a row lock or a connection while it waits for one, and no provider call waits
-/// for one.
+/// `BEGIN`, and gives it back after the commit or, on an error, as it drops the transaction,
+/// so no lane holds a row lock or a connection while it waits for one, and no provider call
+/// waits for one; a transaction waiting on a lock keeps its slot.
 #[derive(Clone, Default)]
 pub(crate) struct TxSlots(Option<Arc<tokio::sync::Semaphore>>);
 
