@@ -959,7 +959,11 @@ impl Config {
             bail!("consumer_batch_linger_ms must be 0..=100 (ms)");
         }
         if self.consumer_transactions_max > self.consumer_lanes {
-            bail!("consumer_transactions_max must be 0 (one per lane) or 1..=consumer_lanes");
+            bail!(
+                "consumer_transactions_max must be 0 (one per lane) or 1..=consumer_lanes ({}), not {}",
+                self.consumer_lanes,
+                self.consumer_transactions_max
+            );
         }
         if !["auto", "force_generic_plan", "force_custom_plan"].contains(&self.db_plan_cache_mode.as_str()) {
             bail!("db_plan_cache_mode must be auto, force_generic_plan or force_custom_plan");
