@@ -79,14 +79,15 @@
 //! rollback then goes out as the connection returns to the pool, so for a moment a failed
 //! transaction's locks can outlive its slot) — so the provider calls of every lane still
 //! run at once, no lane waits for a slot while it holds a row lock or a connection, and a
-//! lane that waits keeps the answers it already has. The cost: a transaction that waits —
-//! for a row lock another session holds, or for a database that does not answer — keeps
-//! its slot while it waits, up to `db_statement_timeout_ms` per statement, and with one
-//! slot every lane of the member waits with it (without slots only its own lane would). Fewer transactions compete for the database's
-//! cores at once; while a lane waits, more messages can queue up for it, so under a backlog
-//! its next batch may be larger (up to `consumer_batch_max`). Nothing else changes: the same
-//! messages share the same transactions by the same rules, in the same order. Retry-topic
-//! members and the transaction that parks a fact of another region epoch take no slot.
+//! lane that waits keeps the answers it already has. Fewer transactions compete for the
+//! database's cores at once; while a lane waits, more messages can queue up for it, so
+//! under a backlog its next batch may be larger (up to `consumer_batch_max`). Nothing else
+//! changes: the same messages share the same transactions by the same rules, in the same
+//! order. Retry-topic members and the transaction that parks a fact of another region
+//! epoch take no slot. The cost: a transaction that waits — for a row lock another session
+//! holds, or for a database that does not answer — keeps its slot while it waits, up to
+//! `db_statement_timeout_ms` per statement, and with one slot every lane of the member
+//! waits with it (without slots only its own lane would).
 //!
 //! **Following through** ([`crate::follow`]). A consumer's transaction can also run, for the
 //! facts it emits, the steps of the consumers of this process that make no remote call (the
