@@ -348,9 +348,10 @@ async fn refused_facts_are_parked_and_the_rest_of_the_outbox_flows(_: PgPoolOpti
     }
     let behind = write_intent_created(&app.pool, orders[0], "pi_behind").await;
     let fine = write_intent_created(&app.pool, OrderId(Uuid::new_v4()), "pi_fine").await;
+    // The relay marks a batch's delivered rows, then parks its refused ones: await both.
     let pool = app.pool.clone();
-    eventually(WAIT, "another order's fact published past three refused rows", || {
-        published(pool.clone(), fine.event_id)
+    eventually(WAIT, "another order's fact published past three refused rows, and those parked", || {
+        published_and_parked(pool.clone(), fine.event_id, 3)
     })
     .await;
     let parked = outbox::parked(&app.pool).await.unwrap();
@@ -442,8 +443,8 @@ async fn an_unreadable_outbox_row_is_parked_and_the_rest_of_the_outbox_flows(
     let behind = write_intent_created(&app.pool, order, "pi_behind").await;
     let fine = write_intent_created(&app.pool, OrderId(Uuid::new_v4()), "pi_fine").await;
     let pool = app.pool.clone();
-    eventually(WAIT, "another order's fact published past the unreadable row", || {
-        published(pool.clone(), fine.event_id)
+    eventually(WAIT, "another order's fact published past the unreadable row, and that parked", || {
+        published_and_parked(pool.clone(), fine.event_id, 1)
     })
     .await;
     let parked = outbox::parked(&app.pool).await.unwrap();
@@ -925,6 +926,14 @@ async fn write_oversized(pool: &sqlx::PgPool, order: OrderId) -> Uuid {
 }
 
 /// Whether the outbox row of fact `event_id` is marked published.
+/// Whether `event_id` is published and `parked` rows are parked: a relay batch marks its
+/// delivered rows before it parks its refused ones, in two statements, so a test that sees
+/// one awaits the other too.
+async fn published_and_parked(pool: sqlx::PgPool, event_id: Uuid, parked: usize) -> bool {
+    published(pool.clone(), event_id).await
+        && boxoffice_store::outbox::parked(&pool).await.unwrap().len() == parked
+}
+
 async fn published(pool: sqlx::PgPool, event_id: Uuid) -> bool {
     sqlx::query_scalar("SELECT published_at IS NOT NULL FROM outbox WHERE id = $1")
         .bind(event_id)
