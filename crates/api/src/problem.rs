@@ -173,10 +173,18 @@ impl Problem {
         )
     }
 
-    /// 500 or 503 for a database error, depending on whether it is transient.
+    /// 500 or 503 for a database error, depending on whether it is transient: a region
+    /// fence's refusal is 503 `region_fenced`; a statement the server gave up for want of
+    /// time or room ([`boxoffice_store::is_overload`]: its `statement_timeout`, too many
+    /// connections, …) is 503 `overloaded`, with the transaction rolled back, so nothing was
+    /// done; the other transient errors are 503 `unavailable`; the rest 500.
     pub fn database(e: &sqlx::Error) -> Self {
         if let Some(refusal) = boxoffice_store::region::refusal(e) {
             return Self::region_fenced(refusal);
+        }
+        if boxoffice_store::is_overload(e) {
+            tracing::warn!(error = %ErrorChain(e), "database overloaded");
+            return Self::overloaded();
         }
         if boxoffice_store::is_retryable(e) {
             Self::unavailable(e)
@@ -378,7 +386,8 @@ impl From<boxoffice_waitroom::WaitroomError> for Problem {
 impl Problem {
     /// 503 `overloaded` with `Retry-After` drawn from 1–3 s (shed clients must not come back
     /// together): the edge's concurrency or connection limit, or a route class's bulkhead,
-    /// is reached; nothing was done.
+    /// is reached, or the database gave the request's statement up ([`Problem::database`]);
+    /// nothing was done.
     pub fn overloaded() -> Self {
         let mut p = Problem::new(
             StatusCode::SERVICE_UNAVAILABLE,

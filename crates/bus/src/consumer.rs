@@ -9,7 +9,8 @@
 //! replays the message, and the inbox turns the replay into a no-op (invariant 4).
 //!
 //! **Retries** (design §8). A transient error (database unreachable, provider 5xx, timeout,
-//! an injected fault) rolls back and is retried in place a few times with short jittered
+//! a statement the server gave up for want of time or room —
+//! [`boxoffice_store::is_overload`] —, an injected fault) rolls back and is retried in place a few times with short jittered
 //! backoff (`RetryPolicy::inline_attempts`, about a second in all). If it still fails, the
 //! message is copied to `ticketing.purchase.retry-5s.v1`, its offset is committed and the
 //! partition moves on. Each consumer also runs a member on each retry topic: it takes only
@@ -169,7 +170,8 @@ impl HandlerError {
 
 impl From<sqlx::Error> for HandlerError {
     fn from(e: sqlx::Error) -> Self {
-        if boxoffice_store::is_retryable(&e) {
+        // A statement the server gave up under load (`is_overload`) is retried later too.
+        if boxoffice_store::is_retryable(&e) || boxoffice_store::is_overload(&e) {
             Self::Transient(e.into())
         } else {
             Self::Permanent { code: "database_error", source: e.into() }

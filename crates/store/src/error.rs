@@ -1,4 +1,5 @@
-//! Storage errors and the one place that decides which of them are worth retrying.
+//! Storage errors and the one place that decides which of them are worth retrying, now
+//! ([`is_retryable`]) or once the server is less busy ([`is_overload`]).
 
 /// A storage failure. `Db` keeps the sqlx error as its source.
 #[derive(Debug, thiserror::Error)]
@@ -75,6 +76,23 @@ pub fn is_retryable(e: &sqlx::Error) -> bool {
         | sqlx::Error::PoolClosed
         | sqlx::Error::WorkerCrashed
         | sqlx::Error::Protocol(_) => true,
+        _ => false,
+    }
+}
+
+/// SQLSTATE 57014 (query_canceled: the session's `statement_timeout` passed, or an operator
+/// cancelled the statement) and class 53 (insufficient resources: too many connections, out
+/// of memory, disk full): the server gave the statement up for want of time or room, and
+/// rolled its transaction back. The same work may succeed once the server is less busy, so a
+/// consumer retries it later (with backoff, then on the retry topics: never dead-lettered on
+/// the first one) and the API answers 503 `overloaded`. Repeating it at once only adds to
+/// the load, so [`is_retryable`] (repeat the transaction now) leaves it out.
+pub fn is_overload(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Database(db) => {
+            let code = db.code().unwrap_or_default();
+            code == "57014" || code.starts_with("53")
+        }
         _ => false,
     }
 }

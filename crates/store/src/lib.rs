@@ -57,7 +57,7 @@ pub mod timeline;
 pub mod venue;
 pub mod witness;
 
-pub use error::{is_retryable, IllegalTransition, StoreError};
+pub use error::{is_overload, is_retryable, IllegalTransition, StoreError};
 
 use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};

@@ -7,7 +7,8 @@
 //! costs the others nothing but a second try. A consumer that calls out (the payment worker)
 //! batches too: every call of a batch is made before its transaction begins, and a failure at
 //! any boundary fails the batch whole and costs a repeat of the calls under the same
-//! idempotency keys, never a second PaymentIntent or a second record.
+//! idempotency keys, never a second PaymentIntent or a second record. A statement the server
+//! gives up under load fails its attempt, never its fact.
 
 use crate::helpers::{eventually, test_brokers, TestApp};
 use async_trait::async_trait;
@@ -126,6 +127,21 @@ async fn publish(
     }
 }
 
+/// The broker's topics under a fresh prefix (`name` and a random suffix), one partition each,
+/// and a producer.
+async fn topics(name: &str) -> (boxoffice_bus::KafkaConfig, rdkafka::producer::FutureProducer) {
+    let cfg = Config {
+        kafka_brokers: Some(test_brokers()),
+        kafka_topic_prefix: format!("{name}{}.", &Uuid::new_v4().simple().to_string()[..8]),
+        kafka_partitions: 1,
+        ..Config::default()
+    };
+    let k = cfg.kafka().unwrap();
+    boxoffice_bus::topics::create_all(&k).await.unwrap();
+    let producer = boxoffice_bus::producer::build(&k).unwrap();
+    (k, producer)
+}
+
 async fn applied(pool: &PgPool) -> Vec<(Uuid, Uuid, String)> {
     sqlx::query_as("SELECT event_id, order_id, xact FROM probe_applied ORDER BY seq")
         .fetch_all(pool)
@@ -146,15 +162,7 @@ async fn queued_facts_of_many_orders_share_a_transaction_and_a_bad_one_goes_alon
     .execute(&pool)
     .await
     .unwrap();
-    let cfg = Config {
-        kafka_brokers: Some(test_brokers()),
-        kafka_topic_prefix: format!("batch{}.", &Uuid::new_v4().simple().to_string()[..8]),
-        kafka_partitions: 1,
-        ..Config::default()
-    };
-    let k = cfg.kafka().unwrap();
-    boxoffice_bus::topics::create_all(&k).await.unwrap();
-    let producer = boxoffice_bus::producer::build(&k).unwrap();
+    let (k, producer) = topics("batch").await;
 
     // Three orders, four facts each, interleaved; a copy of one fact; facts the probe ignores.
     let orders: Vec<Uuid> = (0..3).map(|_| Uuid::new_v4()).collect();
@@ -341,15 +349,7 @@ async fn a_consumer_that_calls_out_makes_its_calls_before_the_shared_transaction
     .execute(&pool)
     .await
     .unwrap();
-    let cfg = Config {
-        kafka_brokers: Some(test_brokers()),
-        kafka_topic_prefix: format!("call{}.", &Uuid::new_v4().simple().to_string()[..8]),
-        kafka_partitions: 1,
-        ..Config::default()
-    };
-    let k = cfg.kafka().unwrap();
-    boxoffice_bus::topics::create_all(&k).await.unwrap();
-    let producer = boxoffice_bus::producer::build(&k).unwrap();
+    let (k, producer) = topics("call").await;
     // Eight orders' facts and one whose call is refused among them, queued before the
     // consumer starts.
     let facts: Vec<Envelope> = (0..8).map(|_| fact(Uuid::new_v4(), "issue")).collect();
@@ -1049,15 +1049,7 @@ async fn one_transaction_slot_lets_the_lanes_call_at_once_and_commit_one_at_a_ti
     let pool = pool_opts.max_connections(8).connect_with(opts).await.unwrap();
     sqlx::query("CREATE TABLE slotted_applied (event_id uuid PRIMARY KEY)").execute(&pool).await.unwrap();
     for batch in [1, 16] {
-        let cfg = Config {
-            kafka_brokers: Some(test_brokers()),
-            kafka_topic_prefix: format!("slot{}.", &Uuid::new_v4().simple().to_string()[..8]),
-            kafka_partitions: 1,
-            ..Config::default()
-        };
-        let k = cfg.kafka().unwrap();
-        boxoffice_bus::topics::create_all(&k).await.unwrap();
-        let producer = boxoffice_bus::producer::build(&k).unwrap();
+        let (k, producer) = topics("slot").await;
         // 64 orders over four lanes: every lane has some (all but certainly).
         let facts: Vec<Envelope> = (0..64).map(|_| fact(Uuid::new_v4(), "issue")).collect();
         publish(&k, &producer, &facts).await;
@@ -1105,5 +1097,118 @@ async fn one_transaction_slot_lets_the_lanes_call_at_once_and_commit_one_at_a_ti
         assert_eq!(applied().await, 64, "batch {batch}: each fact once");
         let most = handler.most_in_tx.load(std::sync::atomic::Ordering::SeqCst);
         assert_eq!(most, 1, "batch {batch}: transactions at once with one slot");
+    }
+}
+
+/// Counts its attempts, and records each fact it applies in `probe_applied`.
+struct Counted {
+    attempts: std::sync::atomic::AtomicUsize,
+}
+
+#[async_trait]
+impl Handler for Counted {
+    type Prepared = ();
+    type Precheck = ();
+    type Rows = ();
+
+    fn name(&self) -> &'static str {
+        "counted"
+    }
+
+    fn wants(&self, kind: EventKind) -> bool {
+        kind == EventKind::TicketIssueRequested
+    }
+
+    async fn prepare(&self, _: &Envelope, _: &PurchaseEvent, _: ()) -> Result<(), HandlerError> {
+        Ok(())
+    }
+
+    async fn apply(
+        &self,
+        tx: &mut boxoffice_store::Tx<'_>,
+        env: &Envelope,
+        _: &PurchaseEvent,
+        _: (),
+        _: (),
+    ) -> Result<Vec<Envelope>, HandlerError> {
+        self.attempts.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        sqlx::query(
+            "INSERT INTO probe_applied (event_id, order_id, xact) VALUES ($1, $2, pg_current_xact_id()::text)",
+        )
+        .bind(env.event_id)
+        .bind(env.aggregate_id)
+        .execute(&mut **tx)
+        .await?;
+        Ok(vec![])
+    }
+}
+
+/// A statement the server gives up under load (here its `statement_timeout`, while the table
+/// it writes is locked: SQLSTATE 57014) fails the attempt, not the fact: it is tried again
+/// and, once the lock is gone, applied once, with nothing dead-lettered
+/// (`boxoffice_store::is_overload`).
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn a_statement_the_server_gives_up_is_tried_again_not_dead_lettered(
+    pool_opts: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    let pool = pool_opts.max_connections(4).connect_with(opts.clone()).await.unwrap();
+    sqlx::query(
+        "CREATE TABLE probe_applied (seq bigserial PRIMARY KEY, event_id uuid NOT NULL, order_id uuid NOT NULL,
+                                     xact text NOT NULL)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    // The consumer's sessions give a statement up after 200 ms.
+    let impatient = PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(opts.options([("statement_timeout", "200")]))
+        .await
+        .unwrap();
+    let mut blocker = pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE probe_applied IN ACCESS EXCLUSIVE MODE").execute(&mut *blocker).await.unwrap();
+    let (k, producer) = topics("overload").await;
+    let f = fact(Uuid::new_v4(), "issue");
+    publish(&k, &producer, std::slice::from_ref(&f)).await;
+    let handler = Arc::new(Counted { attempts: Default::default() });
+    let shutdown = CancellationToken::new();
+    let (tasks, _) = run_consumers(
+        &k,
+        impatient,
+        handler.clone(),
+        producer.clone(),
+        boxoffice_bus::Members {
+            instances: 1,
+            lanes: 1,
+            batch: 1,
+            fetch: Default::default(),
+            linger: Default::default(),
+            transactions: 0,
+        },
+        boxoffice_bus::Followers::none(),
+        shutdown.clone(),
+    )
+    .unwrap();
+    // The lock is held until the second attempt begins: the first could only have ended by
+    // its statement's timeout.
+    let attempts = || handler.attempts.load(std::sync::atomic::Ordering::SeqCst);
+    eventually(Duration::from_secs(30), "a second attempt after the first timed out", || async {
+        attempts() >= 2
+    })
+    .await;
+    blocker.rollback().await.unwrap();
+    eventually(Duration::from_secs(60), "the fact applied", || async { !applied(&pool).await.is_empty() })
+        .await;
+    let rows = applied(&pool).await;
+    assert_eq!(rows.iter().map(|r| r.0).collect::<Vec<_>>(), [f.event_id], "applied once");
+    assert_eq!(
+        boxoffice_bus::dlq::depth(&k, Duration::from_secs(5)).await.unwrap(),
+        0,
+        "nothing dead-lettered"
+    );
+    shutdown.cancel();
+    for t in tasks {
+        t.await.unwrap();
     }
 }

@@ -615,3 +615,39 @@ async fn bad_requests_are_problems_and_write_nothing(_: PgPoolOptions, opts: PgC
     assert_eq!(app.order(&a, Uuid::new_v4()).await.0, 404);
     app.stop().await;
 }
+
+/// A hold whose statement the database gives up (here the API's `statement_timeout` passes
+/// while another transaction holds the seat's row) is answered 503 `overloaded` with a
+/// `Retry-After`, not 500, and writes nothing: no order, no hold, the Idempotency-Key not
+/// spent; the same request succeeds once the seat is free.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn a_hold_the_database_gives_up_is_overloaded_and_writes_nothing(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    let app = api(opts.options([("statement_timeout", "300")])).await;
+    let seats = app.seats().await;
+    let mut blocker = app.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM seats WHERE id = $1 FOR UPDATE")
+        .bind(seats[0])
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
+    let buyer = app.buyer();
+    let admission = app.admission_token(&buyer);
+    let r = app.hold(&buyer, &admission, "gave-up", &seats[..1]).await;
+    assert!(r.headers().contains_key("retry-after"), "{:?}", r.headers());
+    let (status, code, body) = problem(r).await;
+    assert_eq!((status, code.as_str()), (503, "overloaded"), "{body}");
+    let written: (i64, i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM orders), (SELECT count(*) FROM holds), (SELECT count(*) FROM idempotency_keys)",
+    )
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(written, (0, 0, 0), "nothing written");
+    blocker.rollback().await.unwrap();
+    let r = app.hold(&buyer, &admission, "gave-up", &seats[..1]).await;
+    assert_eq!(r.status(), 202, "the same request, once the seat is free");
+    app.stop().await;
+}
