@@ -88,7 +88,9 @@
 //! epoch take no slot. The cost: a transaction that waits — for a row lock another session
 //! holds, or for a database that does not answer — keeps its slot while it waits, up to
 //! `db_statement_timeout_ms` per statement, and with one slot every lane of the member
-//! waits with it (without slots only its own lane would).
+//! waits with it (without slots only its own lane would). At shutdown a lane waiting for a
+//! slot waits on and applies its batch, as every lane finishes the batch in hand, so a
+//! member with one slot stops once its lanes' transactions have run one after another.
 //!
 //! **Following through** ([`crate::follow`]). A consumer's transaction can also run, for the
 //! facts it emits, the steps of the consumers of this process that make no remote call (the
