@@ -8,21 +8,23 @@
 //! write the facts it emits to the outbox; commit; and only then commit the Kafka offset (batched, see [`run_consumers`]). A crash anywhere before the offset commit
 //! replays the message, and the inbox turns the replay into a no-op (invariant 4).
 //!
-//! **Retries** (design §8). A transient error (database unreachable, provider 5xx, timeout,
-//! a statement the server gave up for want of time or room —
-//! [`boxoffice_store::is_overload`] —, an injected fault) rolls back and is retried in place a few times with short jittered
-//! backoff (`RetryPolicy::inline_attempts`, about a second in all). If it still fails, the
-//! message is copied to `ticketing.purchase.retry-5s.v1`, its offset is committed and the
-//! partition moves on. Each consumer also runs a member on each retry topic: it takes only
-//! the copies addressed to it (`x-retry-consumer` header), waits until the copy is due
-//! (`x-retry-not-before-ms`), and tries once more; a failure there moves the copy to
-//! `ticketing.purchase.retry-1m.v1`, which retries every minute until
-//! `RetryPolicy::max_attempts` attempts in all have failed. Then, as for a permanent error
-//! (undecodable envelope or payload, impossible transition), the message goes to the
-//! dead-letter topic with its original topic/partition/offset, the consumer, the error code
-//! and the attempt count, and the runner moves on. A copy is durable in the next topic
-//! before the offset of the original is committed, so a crash in between only duplicates it
-//! (into the inbox).
+//! **Retries** (design §8). A transient error (database unreachable, provider 5xx, timeout, an
+//! injected fault) rolls back and is retried in place a few times with short jittered backoff
+//! (`RetryPolicy::inline_attempts`, about a second in all). If it still fails, the message is
+//! copied to `ticketing.purchase.retry-5s.v1`, its offset is committed and the partition moves on.
+//! A statement the database gave up for want of time or room ([`boxoffice_store::is_overload`]:
+//! its `statement_timeout`, too many connections, …; [`HandlerError::Overloaded`]) is not tried
+//! again in place, where every attempt would add to the load and hold the lane for up to the
+//! statement timeout: the message is copied to the retry topic after that one attempt, and so
+//! is every message of a shared batch that failed so (they are not processed alone).
+//! Each consumer also runs a member on each retry topic: it takes only the copies addressed to it
+//! (`x-retry-consumer` header), waits until the copy is due (`x-retry-not-before-ms`), and tries
+//! once more; a failure there moves the copy to `ticketing.purchase.retry-1m.v1`, which retries
+//! every minute until `RetryPolicy::max_attempts` attempts in all have failed. Then, as for a
+//! permanent error (undecodable envelope or payload, impossible transition), the message goes to
+//! the dead-letter topic with its original topic/partition/offset, the consumer, the error code and
+//! the attempt count, and the runner moves on. A copy is durable in the next topic before the
+//! offset of the original is committed, so a crash in between only duplicates it (into the inbox).
 //!
 //! **Batches.** On the purchase topic, a consumer applies what has queued up for one lane —
 //! at most `consumer_batch_max` messages: what is queued when the lane is free, and what
@@ -62,7 +64,8 @@
 //! topics and dead letter; the others' answers are recorded, so their calls are not made
 //! twice. If the batch's pre-check read or anything in the shared transaction fails (or every
 //! `prepare` did), all of it is
-//! rolled back and each of its messages is processed alone, so one bad message costs the
+//! rolled back and each of its messages is processed alone (or, when the database gave the
+//! transaction up, handed to the retry topic: "Retries"), so one bad message costs the
 //! others a second try and nothing else: their provider calls are sent again under the same
 //! idempotency keys, and a call that succeeded the first time gets its first answer back (a
 //! re-fetch, a read, gets the provider's state then). Messages of a type the
@@ -98,7 +101,9 @@
 //! name them in `applied_by`. When such a fact reaches one of them on the bus it is
 //! acknowledged like a fact it does not act on (its inbox row is already there). If a
 //! follower fails, the whole transaction is rolled back and the message is applied again
-//! without followers, so a follower's failure never holds back the writer's own step. A
+//! without followers, so a follower's failure never holds back the writer's own step (when
+//! the database gave the follower's statement up, the message goes to the retry topic
+//! instead, as any overloaded attempt does). A
 //! shared batch follows its facts after all its messages, before its commit.
 //!
 //! **Facts of an older region epoch** (design §15). After a regional failover the promoted
@@ -152,6 +157,12 @@ pub enum HandlerError {
     /// Worth retrying the same message later (the effect was rolled back).
     #[error("transient: {0:#}")]
     Transient(#[source] anyhow::Error),
+    /// The database gave a statement up for want of time or room
+    /// ([`boxoffice_store::is_overload`]; the effect was rolled back): worth retrying, but not
+    /// in place, where it would add to the load — the message goes to the next retry topic
+    /// at once, and a shared batch's messages with it.
+    #[error("database overloaded: {0:#}")]
+    Overloaded(#[source] anyhow::Error),
     /// Retrying cannot help: dead-letter the message under `code`.
     #[error("permanent ({code}): {source:#}")]
     Permanent {
@@ -172,9 +183,10 @@ impl HandlerError {
 
 impl From<sqlx::Error> for HandlerError {
     fn from(e: sqlx::Error) -> Self {
-        // A statement the server gave up under load (`is_overload`) is retried later too.
-        if boxoffice_store::is_retryable(&e) || boxoffice_store::is_overload(&e) {
+        if boxoffice_store::is_retryable(&e) {
             Self::Transient(e.into())
+        } else if boxoffice_store::is_overload(&e) {
+            Self::Overloaded(e.into())
         } else {
             Self::Permanent { code: "database_error", source: e.into() }
         }
@@ -525,6 +537,8 @@ async fn apply_once<H: Handler>(
             .collect();
         let (facts, followed) = match followers.follow(&mut tx, emitted).await {
             Ok(r) => r,
+            // The database's trouble, not the follower's: applying again now would add to it.
+            Err(e @ HandlerError::Overloaded(_)) => return Err(e),
             Err(e) => {
                 drop(tx);
                 follow_failed(name, env, &e);
@@ -1367,6 +1381,28 @@ impl<H: Handler> Runner<H> {
                 }
                 true
             }
+            Err(HandlerError::Overloaded(e)) if self.stage == Stage::Main => {
+                // Not one by one: each would wait on the same database. Every message of the
+                // run goes to the retry topic, with the run's one attempt counted.
+                let error = format!("{e:#}");
+                tracing::warn!(
+                    consumer = name,
+                    messages = run.len(),
+                    error,
+                    "shared transaction: database overloaded, handing its messages to the retry topic"
+                );
+                for (i, env, _) in run.drain(..) {
+                    metrics::counter!("boxoffice_consumer_retries_total", "consumer" => name, "stage" => self.stage.label())
+                        .increment(1);
+                    let origin = self.origin(&batch[i]);
+                    let retry = Outcome::Retry { attempts: 1, error: error.clone() };
+                    if !self.conclude(&batch[i], &origin, &env, retry).await {
+                        return false;
+                    }
+                    finished.push(i);
+                }
+                true
+            }
             Err(e) => {
                 tracing::debug!(consumer = name, messages = run.len(), error = %e,
                     "shared transaction failed: applying its messages one by one");
@@ -1415,14 +1451,7 @@ impl<H: Handler> Runner<H> {
             }
         }
         let (origin, attempts_before) = if self.stage == Stage::Main {
-            (
-                Origin {
-                    topic: self.cfg.logical(msg.topic()).to_owned(),
-                    partition: msg.partition(),
-                    offset: msg.offset(),
-                },
-                0,
-            )
+            (self.origin(msg), 0)
         } else {
             // Retry topics are shared: take only the copies addressed to this consumer.
             if header(msg, retry_headers::CONSUMER) != Some(name) {
@@ -1466,18 +1495,35 @@ impl<H: Handler> Runner<H> {
                     .await;
             }
         };
-        match self.attempt(msg, &env, attempts_before).await {
+        let outcome = self.attempt(msg, &env, attempts_before).await;
+        self.conclude(msg, &origin, &env, outcome).await
+    }
+
+    /// Where a main-topic message was read.
+    fn origin(&self, msg: &OwnedMessage) -> Origin {
+        Origin {
+            topic: self.cfg.logical(msg.topic()).to_owned(),
+            partition: msg.partition(),
+            offset: msg.offset(),
+        }
+    }
+
+    /// Acts on a message's `outcome`: done, dead-lettered, or handed to the next retry topic
+    /// (dead-lettered once `max_attempts` are spent); `false` if shutdown interrupted it.
+    async fn conclude(&self, msg: &OwnedMessage, origin: &Origin, env: &Envelope, outcome: Outcome) -> bool {
+        let name = self.handler.name();
+        match outcome {
             Outcome::Done => true,
             Outcome::ShuttingDown => false,
             Outcome::DeadLetter { code, error, attempts } => {
-                self.dead_letter(msg, &origin, Some(&env), code, &error, attempts).await
+                self.dead_letter(msg, origin, Some(env), code, &error, attempts).await
             }
             Outcome::Retry { attempts, error } if attempts >= self.cfg.retry.max_attempts => {
                 tracing::error!(consumer = name, event.id = %env.event_id, event.type = %env.event_type,
                     order.id = %env.aggregate_id, attempts, error, "retries exhausted: dead-lettering");
-                self.dead_letter(msg, &origin, Some(&env), "retries_exhausted", &error, attempts).await
+                self.dead_letter(msg, origin, Some(env), "retries_exhausted", &error, attempts).await
             }
-            Outcome::Retry { attempts, error } => self.forward(msg, &origin, &env, attempts, &error).await,
+            Outcome::Retry { attempts, error } => self.forward(msg, origin, env, attempts, &error).await,
         }
     }
 
@@ -1527,6 +1573,17 @@ impl<H: Handler> Runner<H> {
                     tracing::error!(parent: &span, consumer = name, event.id = %env.event_id, event.type = %env.event_type,
                         order.id = %env.aggregate_id, code, error = %format!("{source:#}"), "permanent failure: dead-lettering");
                     return Outcome::DeadLetter { code, error: format!("{source:#}"), attempts };
+                }
+                Err(HandlerError::Overloaded(e)) => {
+                    // Not again in place, where it would add to the database's load: on the
+                    // next retry topic, after its delay.
+                    let error = format!("{e:#}");
+                    metrics::counter!("boxoffice_consumer_retries_total", "consumer" => name, "stage" => self.stage.label())
+                        .increment(1);
+                    tracing::warn!(parent: &span, consumer = name, stage = self.stage.label(), event.id = %env.event_id,
+                        event.type = %env.event_type, order.id = %env.aggregate_id, attempts,
+                        error, "database overloaded: handing to the retry topic");
+                    return Outcome::Retry { attempts, error };
                 }
                 Err(HandlerError::Transient(e)) => {
                     last_error = format!("{e:#}");

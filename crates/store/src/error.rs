@@ -83,10 +83,11 @@ pub fn is_retryable(e: &sqlx::Error) -> bool {
 /// SQLSTATE 57014 (query_canceled: the session's `statement_timeout` passed, or an operator
 /// cancelled the statement) and class 53 (insufficient resources: too many connections, out
 /// of memory, disk full): the server gave the statement up for want of time or room, and
-/// rolled its transaction back. The same work may succeed once the server is less busy, so a
-/// consumer retries it later (with backoff, then on the retry topics: never dead-lettered on
-/// the first one) and the API answers 503 `overloaded`. Repeating it at once only adds to
-/// the load, so [`is_retryable`] (repeat the transaction now) leaves it out.
+/// its transaction, if one was open, can only roll back. The same work may succeed once the
+/// server is less busy, so a consumer retries it later (on the retry topics, not in place;
+/// dead-lettered only once its attempts are spent) and the API answers 503 `unavailable`
+/// with a jittered `Retry-After`. Repeating it at once only adds to the load, so
+/// [`is_retryable`] (repeat the transaction now) leaves it out.
 pub fn is_overload(e: &sqlx::Error) -> bool {
     match e {
         sqlx::Error::Database(db) => {

@@ -1100,9 +1100,9 @@ async fn one_transaction_slot_lets_the_lanes_call_at_once_and_commit_one_at_a_ti
     }
 }
 
-/// Counts its attempts, and records each fact it applies in `probe_applied`.
+/// Records when each fact's attempts began, and each fact it applies in `probe_applied`.
 struct Counted {
-    attempts: std::sync::atomic::AtomicUsize,
+    attempts: std::sync::Mutex<Vec<(Uuid, std::time::Instant)>>,
 }
 
 #[async_trait]
@@ -1131,7 +1131,7 @@ impl Handler for Counted {
         _: (),
         _: (),
     ) -> Result<Vec<Envelope>, HandlerError> {
-        self.attempts.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.attempts.lock().unwrap().push((env.event_id, std::time::Instant::now()));
         sqlx::query(
             "INSERT INTO probe_applied (event_id, order_id, xact) VALUES ($1, $2, pg_current_xact_id()::text)",
         )
@@ -1143,12 +1143,14 @@ impl Handler for Counted {
     }
 }
 
-/// A statement the server gives up under load (here its `statement_timeout`, while the table
-/// it writes is locked: SQLSTATE 57014) fails the attempt, not the fact: it is tried again
-/// and, once the lock is gone, applied once, with nothing dead-lettered
-/// (`boxoffice_store::is_overload`).
+/// A statement the database gives up (here its `statement_timeout`, while the table it
+/// writes is locked: SQLSTATE 57014) fails the attempt, not the fact, and is not tried again
+/// in place (`HandlerError::Overloaded`): alone (batch 1) or in a shared batch (batch 16,
+/// whose messages are not then tried one by one), each fact's next attempt comes from the
+/// retry topic, at least its delay after the one before; once the lock is gone each fact is
+/// applied once, and nothing is dead-lettered.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
-async fn a_statement_the_server_gives_up_is_tried_again_not_dead_lettered(
+async fn a_statement_the_server_gives_up_is_tried_again_later_not_at_once(
     pool_opts: PgPoolOptions,
     opts: PgConnectOptions,
 ) {
@@ -1162,53 +1164,74 @@ async fn a_statement_the_server_gives_up_is_tried_again_not_dead_lettered(
     .unwrap();
     // The consumer's sessions give a statement up after 200 ms.
     let impatient = PgPoolOptions::new()
-        .max_connections(2)
+        .max_connections(4)
         .connect_with(opts.options([("statement_timeout", "200")]))
         .await
         .unwrap();
-    let mut blocker = pool.begin().await.unwrap();
-    sqlx::query("LOCK TABLE probe_applied IN ACCESS EXCLUSIVE MODE").execute(&mut *blocker).await.unwrap();
-    let (k, producer) = topics("overload").await;
-    let f = fact(Uuid::new_v4(), "issue");
-    publish(&k, &producer, std::slice::from_ref(&f)).await;
-    let handler = Arc::new(Counted { attempts: Default::default() });
-    let shutdown = CancellationToken::new();
-    let (tasks, _) = run_consumers(
-        &k,
-        impatient,
-        handler.clone(),
-        producer.clone(),
-        boxoffice_bus::Members {
-            instances: 1,
-            lanes: 1,
-            batch: 1,
-            fetch: Default::default(),
-            linger: Default::default(),
-            transactions: 0,
-        },
-        boxoffice_bus::Followers::none(),
-        shutdown.clone(),
-    )
-    .unwrap();
-    // The lock is held until the second attempt begins: the first could only have ended by
-    // its statement's timeout.
-    let attempts = || handler.attempts.load(std::sync::atomic::Ordering::SeqCst);
-    eventually(Duration::from_secs(30), "a second attempt after the first timed out", || async {
-        attempts() >= 2
-    })
-    .await;
-    blocker.rollback().await.unwrap();
-    eventually(Duration::from_secs(60), "the fact applied", || async { !applied(&pool).await.is_empty() })
+    let delay = Duration::from_millis(1_000);
+    for batch in [1, 16] {
+        let mut blocker = pool.begin().await.unwrap();
+        sqlx::query("LOCK TABLE probe_applied IN ACCESS EXCLUSIVE MODE")
+            .execute(&mut *blocker)
+            .await
+            .unwrap();
+        let (mut k, producer) = topics("overload").await;
+        k.retry.retry_5s_delay_ms = delay.as_millis() as u64;
+        k.retry.retry_1m_delay_ms = delay.as_millis() as u64;
+        // Queued before the consumer starts: one lane finds them all waiting.
+        let facts: Vec<Envelope> = (0..4).map(|_| fact(Uuid::new_v4(), "issue")).collect();
+        publish(&k, &producer, &facts).await;
+        let handler = Arc::new(Counted { attempts: Default::default() });
+        let shutdown = CancellationToken::new();
+        let (tasks, _) = run_consumers(
+            &k,
+            impatient.clone(),
+            handler.clone(),
+            producer.clone(),
+            boxoffice_bus::Members {
+                instances: 1,
+                lanes: 1,
+                batch,
+                fetch: Default::default(),
+                linger: Default::default(),
+                transactions: 0,
+            },
+            boxoffice_bus::Followers::none(),
+            shutdown.clone(),
+        )
+        .unwrap();
+        // The lock is held until six attempts have begun: all of them timed out.
+        let begun = || handler.attempts.lock().unwrap().len();
+        eventually(Duration::from_secs(60), "six attempts, each given up", || async { begun() >= 6 }).await;
+        blocker.rollback().await.unwrap();
+        let ids: Vec<Uuid> = facts.iter().map(|f| f.event_id).collect();
+        eventually(Duration::from_secs(60), "the facts applied", || async {
+            applied(&pool).await.iter().filter(|r| ids.contains(&r.0)).count() >= ids.len()
+        })
         .await;
-    let rows = applied(&pool).await;
-    assert_eq!(rows.iter().map(|r| r.0).collect::<Vec<_>>(), [f.event_id], "applied once");
-    assert_eq!(
-        boxoffice_bus::dlq::depth(&k, Duration::from_secs(5)).await.unwrap(),
-        0,
-        "nothing dead-lettered"
-    );
-    shutdown.cancel();
-    for t in tasks {
-        t.await.unwrap();
+        shutdown.cancel();
+        for t in tasks {
+            t.await.unwrap();
+        }
+        let rows: Vec<Uuid> =
+            applied(&pool).await.into_iter().map(|r| r.0).filter(|id| ids.contains(id)).collect();
+        assert_eq!(rows.len(), ids.len(), "batch {batch}: each fact once: {rows:?}");
+        let attempts = handler.attempts.lock().unwrap().clone();
+        for id in &ids {
+            let times: Vec<std::time::Instant> =
+                attempts.iter().filter(|a| a.0 == *id).map(|a| a.1).collect();
+            for pair in times.windows(2) {
+                assert!(
+                    pair[1] - pair[0] >= delay,
+                    "batch {batch}: fact {id} tried again {:?} after a given-up attempt, not from the retry topic",
+                    pair[1] - pair[0]
+                );
+            }
+        }
+        assert_eq!(
+            boxoffice_bus::dlq::depth(&k, Duration::from_secs(5)).await.unwrap(),
+            0,
+            "nothing dead-lettered"
+        );
     }
 }
