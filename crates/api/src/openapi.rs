@@ -54,9 +54,8 @@ pub struct WebhookAck {
 }
 
 /// What every operation can answer because of the HTTP edge (`crate::edge`), whatever its
-/// handler does: 503 `overloaded` (the concurrency or connection limit; also a statement the
-/// database gave up, [`crate::problem::Problem::database`]) and 503 `request_timeout`; and
-/// the `Retry-After` header (seconds) on every 429 and 503.
+/// handler does: 503 `overloaded` (the concurrency or connection limit) and 503
+/// `request_timeout`; and the `Retry-After` header (seconds) on every 429 and 503.
 struct EdgeResponses;
 
 impl Modify for EdgeResponses {
@@ -76,7 +75,7 @@ impl Modify for EdgeResponses {
             let ops = [&mut item.get, &mut item.post, &mut item.put, &mut item.delete, &mut item.patch];
             for op in ops.into_iter().flatten() {
                 let responses = &mut op.responses.responses;
-                let edge = "; `overloaded` (too many requests or connections in flight at the edge, or a statement the database gave up: its timeout, too many connections; nothing was done) or, from the edge, `request_timeout` (the request ran past its time limit)";
+                let edge = "; from the edge: `overloaded` (too many requests or connections in flight; nothing was done) or `request_timeout` (the request ran past its time limit)";
                 match responses.get_mut("503") {
                     Some(RefOr::T(r)) => r.description.push_str(edge),
                     _ => {

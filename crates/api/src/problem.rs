@@ -176,15 +176,25 @@ impl Problem {
     /// 500 or 503 for a database error, depending on whether it is transient: a region
     /// fence's refusal is 503 `region_fenced`; a statement the server gave up for want of
     /// time or room ([`boxoffice_store::is_overload`]: its `statement_timeout`, too many
-    /// connections, …) is 503 `overloaded`, with the transaction rolled back, so nothing was
-    /// done; the other transient errors are 503 `unavailable`; the rest 500.
+    /// connections, …) is 503 `unavailable` with `Retry-After` drawn from 1–3 s, so the
+    /// requests it refused together do not come back together (the code is the database's,
+    /// not the edge's `overloaded`: the waiting room's refusal clock counts only the latter,
+    /// `crate::routes::QUEUE_REFUSALS`); the other transient errors are 503 `unavailable`;
+    /// the rest 500.
     pub fn database(e: &sqlx::Error) -> Self {
         if let Some(refusal) = boxoffice_store::region::refusal(e) {
             return Self::region_fenced(refusal);
         }
         if boxoffice_store::is_overload(e) {
             tracing::warn!(error = %ErrorChain(e), "database overloaded");
-            return Self::overloaded();
+            let mut p = Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "unavailable",
+                "Service unavailable",
+                "the database is overloaded; retry after the Retry-After delay (with the same Idempotency-Key)",
+            );
+            p.retry_after = Some(rand::Rng::gen_range(&mut rand::thread_rng(), 1..=3));
+            return p;
         }
         if boxoffice_store::is_retryable(e) {
             Self::unavailable(e)
@@ -386,8 +396,7 @@ impl From<boxoffice_waitroom::WaitroomError> for Problem {
 impl Problem {
     /// 503 `overloaded` with `Retry-After` drawn from 1–3 s (shed clients must not come back
     /// together): the edge's concurrency or connection limit, or a route class's bulkhead,
-    /// is reached, or the database gave the request's statement up ([`Problem::database`]);
-    /// nothing was done.
+    /// is reached; nothing was done.
     pub fn overloaded() -> Self {
         let mut p = Problem::new(
             StatusCode::SERVICE_UNAVAILABLE,

@@ -617,11 +617,11 @@ async fn bad_requests_are_problems_and_write_nothing(_: PgPoolOptions, opts: PgC
 }
 
 /// A hold whose statement the database gives up (here the API's `statement_timeout` passes
-/// while another transaction holds the seat's row) is answered 503 `overloaded` with a
+/// while another transaction holds the seat's row) is answered 503 `unavailable` with a
 /// `Retry-After`, not 500, and writes nothing: no order, no hold, the Idempotency-Key not
 /// spent; the same request succeeds once the seat is free.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
-async fn a_hold_the_database_gives_up_is_overloaded_and_writes_nothing(
+async fn a_hold_the_database_gives_up_is_unavailable_and_writes_nothing(
     _: PgPoolOptions,
     opts: PgConnectOptions,
 ) {
@@ -638,7 +638,8 @@ async fn a_hold_the_database_gives_up_is_overloaded_and_writes_nothing(
     let r = app.hold(&buyer, &admission, "gave-up", &seats[..1]).await;
     assert!(r.headers().contains_key("retry-after"), "{:?}", r.headers());
     let (status, code, body) = problem(r).await;
-    assert_eq!((status, code.as_str()), (503, "overloaded"), "{body}");
+    assert_eq!((status, code.as_str()), (503, "unavailable"), "{body}");
+    assert!(body["detail"].as_str().is_some_and(|d| d.contains("overloaded")), "{body}");
     let written: (i64, i64, i64) = sqlx::query_as(
         "SELECT (SELECT count(*) FROM orders), (SELECT count(*) FROM holds), (SELECT count(*) FROM idempotency_keys)",
     )
