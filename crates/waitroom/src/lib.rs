@@ -1031,7 +1031,9 @@ impl Waitroom {
 }
 
 /// Sorts a Redis error: unavailable (timeouts, refused, reset or closed connections, a Redis
-/// still loading or without a master — the caller may fall back) or a fault.
+/// still loading, without a master, out of memory at `maxmemory` (`OOM`) or running a script
+/// too long (`BUSY`) — the caller may fall back, and a buyer gets 503 with `Retry-After`) or a
+/// fault.
 fn classify(e: redis::RedisError) -> WaitroomError {
     use redis::{ErrorKind, ServerErrorKind};
     let unavailable = e.is_io_error()
@@ -1043,7 +1045,8 @@ fn classify(e: redis::RedisError) -> WaitroomError {
             ErrorKind::Server(
                 ServerErrorKind::BusyLoading | ServerErrorKind::MasterDown | ServerErrorKind::TryAgain
             )
-        );
+        )
+        || matches!(e.code(), Some("OOM" | "BUSY"));
     if unavailable {
         WaitroomError::Unavailable(e)
     } else {

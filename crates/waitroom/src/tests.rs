@@ -560,3 +560,16 @@ async fn waitroom_a_running_slot_counts_towards_the_limit_however_its_holder_lea
         "the running slot and the new position"
     );
 }
+
+#[test]
+fn a_redis_short_of_memory_or_busy_is_unavailable_and_a_refused_script_a_fault() {
+    let reply = |line: &str| {
+        redis::parse_redis_value(format!("-{line}\r\n").as_bytes()).unwrap().extract_error().unwrap_err()
+    };
+    for line in
+        ["OOM command not allowed when used memory > 'maxmemory'.", "BUSY Redis is busy running a script."]
+    {
+        assert!(matches!(classify(reply(line)), WaitroomError::Unavailable(_)), "{line}");
+    }
+    assert!(matches!(classify(reply("ERR Error running script")), WaitroomError::Redis(_)));
+}
