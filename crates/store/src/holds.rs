@@ -67,8 +67,7 @@ pub const HOLD_END: &str = hold_end!("");
 /// [`HOLD_END`] by the database clock.
 pub const LAPSED: &str = concat!(hold_end!(""), " < clock_timestamp()");
 
-/// Fewest and most seats one hold may take (design §5), distinct; the list a request sends
-/// may not be longer than the most either, duplicates counted.
+/// Fewest and most seats one hold may take (design §5).
 pub const SEATS_PER_HOLD: std::ops::RangeInclusive<usize> = 1..=8;
 /// How long an idempotency key is remembered.
 pub const IDEMPOTENCY_RETENTION_HOURS: i64 = 24;
@@ -233,7 +232,7 @@ pub enum ReserveError {
     /// The event does not exist. → 404
     #[error("event not found")]
     EventNotFound,
-    /// Seat count outside 1–8: the distinct seats, or the list as sent (duplicates counted). → 422
+    /// Seat count outside 1–8. → 422
     #[error("a hold takes 1 to 8 seats, got {0}")]
     SeatCount(usize),
     /// The hold would take the buyer past one of the event's per-buyer limits. → 409
@@ -341,9 +340,8 @@ impl std::fmt::Display for BuyerLimit {
 /// key ([`ReserveError::InProgress`]).
 pub async fn reserve(pool: &PgPool, req: &ReserveRequest) -> Result<ReserveOutcome, ReserveError> {
     let seats = req.normalized_seats();
-    // The list as sent, too: nine copies of one seat are not a hold of one.
-    if !SEATS_PER_HOLD.contains(&seats.len()) || req.seat_ids.len() > *SEATS_PER_HOLD.end() {
-        return Err(ReserveError::SeatCount(seats.len().max(req.seat_ids.len())));
+    if !SEATS_PER_HOLD.contains(&seats.len()) {
+        return Err(ReserveError::SeatCount(seats.len()));
     }
     let hash = req.request_hash();
     let mut attempt = 0;
