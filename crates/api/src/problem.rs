@@ -191,7 +191,7 @@ impl Problem {
                 StatusCode::SERVICE_UNAVAILABLE,
                 "unavailable",
                 "Service unavailable",
-                "the database is overloaded; retry after the Retry-After delay (with the same Idempotency-Key)",
+                "the database is overloaded; nothing was done: retry after the Retry-After delay",
             );
             p.retry_after = Some(rand::Rng::gen_range(&mut rand::thread_rng(), 1..=3));
             return p;

@@ -101,10 +101,12 @@
 //! name them in `applied_by`. When such a fact reaches one of them on the bus it is
 //! acknowledged like a fact it does not act on (its inbox row is already there). If a
 //! follower fails, the whole transaction is rolled back and the message is applied again
-//! without followers, so a follower's failure never holds back the writer's own step (when
-//! the database gave the follower's statement up, the message goes to the retry topic
-//! instead, as any overloaded attempt does). A
-//! shared batch follows its facts after all its messages, before its commit.
+//! without followers, so a follower's failure never holds back the writer's own step, not
+//! even when the database gave the follower's statement up (the writer's step may not touch
+//! what the follower waited on: a locked `tickets` table must not keep a capture from being
+//! recorded). A shared batch follows its facts after all its messages, before its commit; a
+//! follower's failure there fails the batch, whose messages are then applied one by one, each
+//! with its followers first and, when they fail, again without them.
 //!
 //! **Facts of an older region epoch** (design §15). After a regional failover the promoted
 //! region's consumers may read facts stamped with the fenced epoch (`region_epoch`): those
@@ -537,8 +539,6 @@ async fn apply_once<H: Handler>(
             .collect();
         let (facts, followed) = match followers.follow(&mut tx, emitted).await {
             Ok(r) => r,
-            // The database's trouble, not the follower's: applying again now would add to it.
-            Err(e @ HandlerError::Overloaded(_)) => return Err(e),
             Err(e) => {
                 drop(tx);
                 follow_failed(name, env, &e);
@@ -713,8 +713,14 @@ async fn apply_shared<H: Handler>(
         .await?;
         out[k] = Some(Disposition::Applied);
     }
-    // A follower's failure fails the batch: each message is then processed alone.
-    let (facts, followed) = followers.follow(&mut tx, follows).await?;
+    // A follower's failure fails the batch: each message is then processed alone, and applied
+    // without followers if they fail again. Even when the database gave the follower's
+    // statement up: that is the follower's table, not the batch's, so the batch is not handed
+    // to the retry topic for it (a locked `tickets` must not hold back the captures).
+    let (facts, followed) = followers.follow(&mut tx, follows).await.map_err(|e| match e {
+        HandlerError::Overloaded(e) => HandlerError::Transient(e),
+        other => other,
+    })?;
     outbox::insert_traced_with_inbox(&mut tx, &facts, followed.inbox_rows()).await?;
     boxoffice_faults::check_consumer(name, "before_commit")?;
     tx.commit().await?;
