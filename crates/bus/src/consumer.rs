@@ -877,7 +877,8 @@ pub mod retry_headers {
     pub const ATTEMPT: &str = "x-retry-attempt";
     /// Not to be retried before this Unix time, ms.
     pub const NOT_BEFORE_MS: &str = "x-retry-not-before-ms";
-    /// The last error's code (`transient`).
+    /// The last error's code: `transient`, or `overloaded` (the database gave a statement up,
+    /// [`super::HandlerError::Overloaded`]).
     pub const LAST_ERROR: &str = "x-retry-last-error";
     /// Logical topic of the original message.
     pub const ORIGIN_TOPIC: &str = "x-origin-topic";
@@ -1159,8 +1160,17 @@ enum Batchable {
 /// How one stage's attempts at a message ended.
 enum Outcome {
     Done,
-    Retry { attempts: u32, error: String },
-    DeadLetter { code: &'static str, error: String, attempts: u32 },
+    /// `code`: the last error's, `transient` or `overloaded` ([`retry_headers::LAST_ERROR`]).
+    Retry {
+        attempts: u32,
+        error: String,
+        code: &'static str,
+    },
+    DeadLetter {
+        code: &'static str,
+        error: String,
+        attempts: u32,
+    },
     ShuttingDown,
 }
 
@@ -1401,7 +1411,7 @@ impl<H: Handler> Runner<H> {
                     metrics::counter!("boxoffice_consumer_retries_total", "consumer" => name, "stage" => self.stage.label())
                         .increment(1);
                     let origin = self.origin(&batch[i]);
-                    let retry = Outcome::Retry { attempts: 1, error: error.clone() };
+                    let retry = Outcome::Retry { attempts: 1, error: error.clone(), code: "overloaded" };
                     if !self.conclude(&batch[i], &origin, &env, retry).await {
                         return false;
                     }
@@ -1524,12 +1534,14 @@ impl<H: Handler> Runner<H> {
             Outcome::DeadLetter { code, error, attempts } => {
                 self.dead_letter(msg, origin, Some(env), code, &error, attempts).await
             }
-            Outcome::Retry { attempts, error } if attempts >= self.cfg.retry.max_attempts => {
+            Outcome::Retry { attempts, error, .. } if attempts >= self.cfg.retry.max_attempts => {
                 tracing::error!(consumer = name, event.id = %env.event_id, event.type = %env.event_type,
                     order.id = %env.aggregate_id, attempts, error, "retries exhausted: dead-lettering");
                 self.dead_letter(msg, origin, Some(env), "retries_exhausted", &error, attempts).await
             }
-            Outcome::Retry { attempts, error } => self.forward(msg, origin, env, attempts, &error).await,
+            Outcome::Retry { attempts, error, code } => {
+                self.forward(msg, origin, env, attempts, code, &error).await
+            }
         }
     }
 
@@ -1589,7 +1601,7 @@ impl<H: Handler> Runner<H> {
                     tracing::warn!(parent: &span, consumer = name, stage = self.stage.label(), event.id = %env.event_id,
                         event.type = %env.event_type, order.id = %env.aggregate_id, attempts,
                         error, "database overloaded: handing to the retry topic");
-                    return Outcome::Retry { attempts, error };
+                    return Outcome::Retry { attempts, error, code: "overloaded" };
                 }
                 Err(HandlerError::Transient(e)) => {
                     last_error = format!("{e:#}");
@@ -1609,7 +1621,7 @@ impl<H: Handler> Runner<H> {
                 }
             }
         }
-        Outcome::Retry { attempts, error: last_error }
+        Outcome::Retry { attempts, error: last_error, code: "transient" }
     }
 
     /// Copies the message to the next retry topic, durably, before its offset may move.
@@ -1619,6 +1631,7 @@ impl<H: Handler> Runner<H> {
         origin: &Origin,
         env: &Envelope,
         attempts: u32,
+        code: &str,
         error: &str,
     ) -> bool {
         let name = self.handler.name();
@@ -1632,7 +1645,7 @@ impl<H: Handler> Runner<H> {
             (retry_headers::CONSUMER, name),
             (retry_headers::ATTEMPT, attempt_s.as_str()),
             (retry_headers::NOT_BEFORE_MS, due_s.as_str()),
-            (retry_headers::LAST_ERROR, "transient"),
+            (retry_headers::LAST_ERROR, code),
             (retry_headers::ORIGIN_TOPIC, origin.topic.as_str()),
             (retry_headers::ORIGIN_PARTITION, part_s.as_str()),
             (retry_headers::ORIGIN_OFFSET, off_s.as_str()),
