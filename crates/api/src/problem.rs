@@ -187,14 +187,11 @@ impl Problem {
         }
         if boxoffice_store::is_overload(e) {
             tracing::warn!(error = %ErrorChain(e), "database overloaded");
-            let mut p = Self::new(
-                StatusCode::SERVICE_UNAVAILABLE,
+            return Self::shed(
                 "unavailable",
                 "Service unavailable",
                 "the database is overloaded; nothing was done: retry after the Retry-After delay",
             );
-            p.retry_after = Some(rand::Rng::gen_range(&mut rand::thread_rng(), 1..=3));
-            return p;
         }
         if boxoffice_store::is_retryable(e) {
             Self::unavailable(e)
@@ -398,12 +395,17 @@ impl Problem {
     /// together): the edge's concurrency or connection limit, or a route class's bulkhead,
     /// is reached; nothing was done.
     pub fn overloaded() -> Self {
-        let mut p = Problem::new(
-            StatusCode::SERVICE_UNAVAILABLE,
+        Self::shed(
             "overloaded",
             "Server overloaded",
             "too many requests are in progress; nothing was done, retry after the Retry-After delay",
-        );
+        )
+    }
+
+    /// A 503 with `Retry-After` drawn from 1–3 s, so the clients refused together do not come
+    /// back together.
+    fn shed(code: &'static str, title: &'static str, detail: &'static str) -> Self {
+        let mut p = Problem::new(StatusCode::SERVICE_UNAVAILABLE, code, title, detail);
         p.retry_after = Some(rand::Rng::gen_range(&mut rand::thread_rng(), 1..=3));
         p
     }

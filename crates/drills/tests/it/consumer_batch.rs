@@ -25,9 +25,11 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-/// Records each fact it applies, with the transaction that applied it; refuses `refuse`.
+/// Records when each fact's attempts began, and each fact it applies, with the transaction
+/// that applied it; refuses `refuse`.
 struct Probe {
     refuse: Uuid,
+    attempts: std::sync::Mutex<Vec<(Uuid, std::time::Instant)>>,
 }
 
 #[async_trait]
@@ -56,6 +58,7 @@ impl Handler for Probe {
         _: (),
         _: (),
     ) -> Result<Vec<Envelope>, HandlerError> {
+        self.attempts.lock().unwrap().push((env.event_id, std::time::Instant::now()));
         if env.event_id == self.refuse {
             return Err(HandlerError::permanent("probe_refused", anyhow::anyhow!("refused")));
         }
@@ -183,7 +186,7 @@ async fn queued_facts_of_many_orders_share_a_transaction_and_a_bad_one_goes_alon
     let (tasks, _) = run_consumers(
         &k,
         pool.clone(),
-        std::sync::Arc::new(Probe { refuse: refuse.event_id }),
+        std::sync::Arc::new(Probe { refuse: refuse.event_id, attempts: Default::default() }),
         producer.clone(),
         boxoffice_bus::Members {
             instances: 1,
@@ -1100,49 +1103,6 @@ async fn one_transaction_slot_lets_the_lanes_call_at_once_and_commit_one_at_a_ti
     }
 }
 
-/// Records when each fact's attempts began, and each fact it applies in `probe_applied`.
-struct Counted {
-    attempts: std::sync::Mutex<Vec<(Uuid, std::time::Instant)>>,
-}
-
-#[async_trait]
-impl Handler for Counted {
-    type Prepared = ();
-    type Precheck = ();
-    type Rows = ();
-
-    fn name(&self) -> &'static str {
-        "counted"
-    }
-
-    fn wants(&self, kind: EventKind) -> bool {
-        kind == EventKind::TicketIssueRequested
-    }
-
-    async fn prepare(&self, _: &Envelope, _: &PurchaseEvent, _: ()) -> Result<(), HandlerError> {
-        Ok(())
-    }
-
-    async fn apply(
-        &self,
-        tx: &mut boxoffice_store::Tx<'_>,
-        env: &Envelope,
-        _: &PurchaseEvent,
-        _: (),
-        _: (),
-    ) -> Result<Vec<Envelope>, HandlerError> {
-        self.attempts.lock().unwrap().push((env.event_id, std::time::Instant::now()));
-        sqlx::query(
-            "INSERT INTO probe_applied (event_id, order_id, xact) VALUES ($1, $2, pg_current_xact_id()::text)",
-        )
-        .bind(env.event_id)
-        .bind(env.aggregate_id)
-        .execute(&mut **tx)
-        .await?;
-        Ok(vec![])
-    }
-}
-
 /// A statement the database gives up (here its `statement_timeout`, while the table it
 /// writes is locked: SQLSTATE 57014) fails the attempt, not the fact, and is not tried again
 /// in place (`HandlerError::Overloaded`): alone (batch 1) or in a shared batch (batch 16,
@@ -1181,7 +1141,7 @@ async fn a_statement_the_server_gives_up_is_tried_again_later_not_at_once(
         // Queued before the consumer starts: one lane finds them all waiting.
         let facts: Vec<Envelope> = (0..4).map(|_| fact(Uuid::new_v4(), "issue")).collect();
         publish(&k, &producer, &facts).await;
-        let handler = Arc::new(Counted { attempts: Default::default() });
+        let handler = Arc::new(Probe { refuse: Uuid::nil(), attempts: Default::default() });
         let shutdown = CancellationToken::new();
         let (tasks, _) = run_consumers(
             &k,
