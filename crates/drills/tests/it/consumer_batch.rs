@@ -145,6 +145,19 @@ async fn topics(name: &str) -> (boxoffice_bus::KafkaConfig, rdkafka::producer::F
     (k, producer)
 }
 
+/// One member of `lanes` lanes, batches of at most `batch`, `transactions` slots (0: one per
+/// lane), fetching and lingering as by default.
+fn members(lanes: usize, batch: usize, transactions: usize) -> boxoffice_bus::Members {
+    boxoffice_bus::Members {
+        instances: 1,
+        lanes,
+        batch,
+        fetch: Default::default(),
+        linger: Default::default(),
+        transactions,
+    }
+}
+
 async fn applied(pool: &PgPool) -> Vec<(Uuid, Uuid, String)> {
     sqlx::query_as("SELECT event_id, order_id, xact FROM probe_applied ORDER BY seq")
         .fetch_all(pool)
@@ -188,14 +201,7 @@ async fn queued_facts_of_many_orders_share_a_transaction_and_a_bad_one_goes_alon
         pool.clone(),
         std::sync::Arc::new(Probe { refuse: refuse.event_id, attempts: Default::default() }),
         producer.clone(),
-        boxoffice_bus::Members {
-            instances: 1,
-            lanes: 1,
-            batch: 32,
-            fetch: Default::default(),
-            linger: Default::default(),
-            transactions: 0,
-        },
+        members(1, 32, 0),
         boxoffice_bus::Followers::none(),
         shutdown.clone(),
     )
@@ -367,14 +373,7 @@ async fn a_consumer_that_calls_out_makes_its_calls_before_the_shared_transaction
             pool.clone(),
             Arc::new(Caller { pool: pool.clone(), refuse: refused.event_id }),
             producer.clone(),
-            boxoffice_bus::Members {
-                instances: 1,
-                lanes: 1,
-                batch: 16,
-                fetch: Default::default(),
-                linger: Default::default(),
-                transactions: 0,
-            },
+            members(1, 16, 0),
             boxoffice_bus::Followers::none(),
             shutdown,
         )
@@ -1069,14 +1068,7 @@ async fn one_transaction_slot_lets_the_lanes_call_at_once_and_commit_one_at_a_ti
             pool.clone(),
             handler.clone(),
             producer.clone(),
-            boxoffice_bus::Members {
-                instances: 1,
-                lanes: 4,
-                batch,
-                fetch: Default::default(),
-                linger: Default::default(),
-                transactions: 1,
-            },
+            members(4, batch, 1),
             boxoffice_bus::Followers::none(),
             shutdown.clone(),
         )
@@ -1148,14 +1140,7 @@ async fn a_statement_the_server_gives_up_is_tried_again_later_not_at_once(
             impatient.clone(),
             handler.clone(),
             producer.clone(),
-            boxoffice_bus::Members {
-                instances: 1,
-                lanes: 1,
-                batch,
-                fetch: Default::default(),
-                linger: Default::default(),
-                transactions: 0,
-            },
+            members(1, batch, 0),
             boxoffice_bus::Followers::none(),
             shutdown.clone(),
         )
