@@ -331,6 +331,7 @@ pub async fn start(
                     // What the lanes wait: a batch of one has nothing to wait for.
                     linger_ms = if cfg.consumer_batch_max > 1 { cfg.consumer_batch_linger_ms } else { 0 },
                     transactions_max = cfg.consumer_transactions_max,
+                    group_commit = cfg.consumer_group_commit,
                     "consumers: fetching");
                 let members = boxoffice_bus::Members {
                     instances: consumers,
@@ -342,6 +343,7 @@ pub async fn start(
                     },
                     linger: std::time::Duration::from_millis(cfg.consumer_batch_linger_ms.into()),
                     transactions: cfg.consumer_transactions_max,
+                    group_commit: cfg.consumer_group_commit,
                 };
                 let sd = shutdown.clone();
                 let followers = followers(roles, cfg);

@@ -95,6 +95,25 @@
 //! slot waits on and applies its batch, as every lane finishes the batch in hand, so a
 //! member with one slot stops once its lanes' transactions have run one after another.
 //!
+//! **Group commit.** With `consumer_group_commit` ([`Members`]) a main-topic member does not
+//! let each lane open its own transaction: a lane whose batch's calls have answered hands
+//! its run — with a run of one message too, which otherwise is processed alone — and the
+//! answers to the member's one committer ([`GroupCommit`]) and waits for its dispositions.
+//! The committer takes the first run that arrives and every run already waiting behind it
+//! (up to `consumer_lanes` × `consumer_batch_max` messages; a run with an order already in the
+//! group starts the next one, so a transaction still applies at most one fact per order) and
+//! applies them in one transaction, exactly as one lane's shared run: one inbox statement, the
+//! rows of all of them locked at once in order-id order, the effects, one outbox statement,
+//! one commit. So every lane still makes its provider calls at once while the member runs
+//! one transaction at a time, and what queued up while one committed shares the next. When a
+//! group of several runs fails, each run is committed alone in its own transaction with the
+//! answers it has (no provider call is made again for it), and a run that fails so is
+//! processed as a failed shared run is (one by one; or handed to the retry topic when the
+//! database gave the group up, which every run of the group then is). The cost: one
+//! transaction waiting on a row lock holds up the commits of every lane of the member, as one
+//! transaction slot does. A message processed alone (a retry copy, one whose `prepare`
+//! failed, one of a failed run) does not go through the committer.
+//!
 //! **Following through** ([`crate::follow`]). A consumer's transaction can also run, for the
 //! facts it emits, the steps of the consumers of this process that make no remote call (the
 //! saga, the ticket worker): their inbox rows and effects join the transaction, and the facts
@@ -149,7 +168,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
@@ -215,7 +234,7 @@ impl From<boxoffice_store::StoreError> for HandlerError {
 #[async_trait]
 pub trait Handler: Send + Sync + 'static {
     /// What `prepare` hands to `apply` (e.g. the provider's answer).
-    type Prepared: Send;
+    type Prepared: Send + Clone + 'static;
 
     /// The consumer's name: its inbox key and consumer group (`ticketing-{name}`).
     fn name(&self) -> &'static str;
@@ -600,7 +619,8 @@ pub async fn handle_batch<H: Handler>(
         .map(|(_, (env, _))| consumer_span(handler.name(), env, None, &Default::default()))
         .collect();
     let shared: Vec<(&Envelope, &PurchaseEvent)> = run.iter().map(|(_, r)| *r).collect();
-    let dispositions = apply_shared(pool, handler, followers, &TxSlots::unlimited(), &shared, spans).await?;
+    let dispositions =
+        apply_shared(pool, handler, followers, &Commit::Lane(TxSlots::unlimited()), &shared, spans).await?;
     for ((k, _), d) in run.iter().zip(dispositions) {
         out[*k] = d;
     }
@@ -628,16 +648,40 @@ async fn apply_shared<H: Handler>(
     pool: &PgPool,
     handler: &H,
     followers: &Followers,
-    slots: &TxSlots,
+    commit: &Commit<H>,
     run: &[(&Envelope, &PurchaseEvent)],
     spans: Vec<tracing::Span>,
 ) -> Result<Vec<Option<Disposition>>, HandlerError> {
+    let Ready { prepared, left_out } = prepare_shared(pool, handler, run, &spans).await?;
+    match commit {
+        Commit::Lane(slots) => {
+            commit_shared(pool, handler, followers, slots, run, prepared, &left_out, &spans).await
+        }
+        Commit::Member(group) => group.commit(run, prepared, left_out, spans).await,
+    }
+}
+
+/// What a run's `prepare`s answered: per message, its answer (`None`: known to be applied
+/// already, or left out) and whether it is left out (its `prepare` failed).
+struct Ready<P> {
+    prepared: Vec<Option<P>>,
+    left_out: Vec<bool>,
+}
+
+/// The remote half of [`apply_shared`]: the run's pre-check, then every `prepare` at once.
+/// An error when the pre-check failed or every `prepare` did (the first one's).
+async fn prepare_shared<H: Handler>(
+    pool: &PgPool,
+    handler: &H,
+    run: &[(&Envelope, &PurchaseEvent)],
+    spans: &[tracing::Span],
+) -> Result<Ready<H::Prepared>, HandlerError> {
     let name = handler.name();
     // What the `prepare`s check first, read for all of them at once.
     let prechecks = prechecks_of(handler, run).await?;
     // Every call is let finish (none is abandoned half-way).
     let outcomes: Vec<Result<Option<H::Prepared>, HandlerError>> = futures::future::join_all(
-        run.iter().zip(&spans).zip(prechecks).map(|(((env, event), span), precheck)| {
+        run.iter().zip(spans).zip(prechecks).map(|(((env, event), span), precheck)| {
             async move {
                 if known_duplicate(pool, handler, env, &precheck).await? {
                     return Ok::<_, HandlerError>(None);
@@ -671,6 +715,25 @@ async fn apply_shared<H: Handler>(
     if let Some(e) = first_error.filter(|_| left_out.iter().all(|&l| l)) {
         return Err(e);
     }
+    Ok(Ready { prepared, left_out })
+}
+
+/// The transaction of [`apply_shared`] for `run` with its `prepared` answers (`left_out`:
+/// the messages whose `prepare` failed, left out whole), taking one of `slots` before
+/// `BEGIN`. One fact per order in `run`: a member's group transaction ([`GroupCommit`])
+/// joins runs of different lanes, whose orders differ.
+#[allow(clippy::too_many_arguments)]
+async fn commit_shared<H: Handler>(
+    pool: &PgPool,
+    handler: &H,
+    followers: &Followers,
+    slots: &TxSlots,
+    run: &[(&Envelope, &PurchaseEvent)],
+    mut prepared: Vec<Option<H::Prepared>>,
+    left_out: &[bool],
+    spans: &[tracing::Span],
+) -> Result<Vec<Option<Disposition>>, HandlerError> {
+    let name = handler.name();
     // Each order's rows are locked in order-id order: two shared transactions (of two
     // lanes, or of the saga and the ticket worker) never wait for each other in a cycle.
     // A run holds one fact per order, so this reorders no order's facts.
@@ -683,7 +746,7 @@ async fn apply_shared<H: Handler>(
     // now is a duplicate, and so is a second copy of an id within the run (each id counts
     // as new once, for the first message that carries it).
     let ids: Vec<uuid::Uuid> =
-        run.iter().zip(&left_out).filter(|(_, &l)| !l).map(|((env, _), _)| env.event_id).collect();
+        run.iter().zip(left_out).filter(|(_, &l)| !l).map(|((env, _), _)| env.event_id).collect();
     let mut fresh = inbox::record_all(&mut tx, name, &ids).await?;
     let mut out: Vec<Option<Disposition>> =
         left_out.iter().map(|&l| (!l).then_some(Disposition::Duplicate)).collect();
@@ -729,6 +792,190 @@ async fn apply_shared<H: Handler>(
     boxoffice_faults::check_consumer(name, "before_ack")?;
     Followers::after_commit(&followed)?;
     Ok(out)
+}
+
+/// How a main-topic member's lanes commit their shared runs.
+pub(crate) enum Commit<H: Handler> {
+    /// Each lane in its own transaction, within the member's transaction slots.
+    Lane(TxSlots),
+    /// Through the member's one committer (`consumer_group_commit`).
+    Member(GroupCommit<H>),
+}
+
+/// A lane's prepared run handed to its member's committer, and where the answer goes.
+struct Part<H: Handler> {
+    run: Vec<(Envelope, PurchaseEvent)>,
+    prepared: Vec<Option<H::Prepared>>,
+    left_out: Vec<bool>,
+    spans: Vec<tracing::Span>,
+    reply: oneshot::Sender<Result<Vec<Option<Disposition>>, HandlerError>>,
+}
+
+/// A main-topic member's committer (module doc, "Group commit"): one task that applies, in
+/// one transaction, the prepared runs of every lane that has one ready, then answers each
+/// lane. Cloned into each lane; the task ends when every clone is gone.
+pub(crate) struct GroupCommit<H: Handler> {
+    parts: mpsc::Sender<Part<H>>,
+}
+
+impl<H: Handler> Clone for GroupCommit<H> {
+    fn clone(&self) -> Self {
+        Self { parts: self.parts.clone() }
+    }
+}
+
+impl<H: Handler> GroupCommit<H> {
+    /// Starts a committer that joins runs of at most `max` messages in all into one
+    /// transaction.
+    pub(crate) fn start(pool: PgPool, handler: Arc<H>, followers: Followers, max: usize) -> Self {
+        let (parts, rx) = mpsc::channel(64);
+        tokio::spawn(committer(pool, handler, followers, rx, max.max(1)));
+        Self { parts }
+    }
+
+    /// Hands `run` with its answers to the committer and waits for its dispositions (as
+    /// [`commit_shared`]'s).
+    async fn commit(
+        &self,
+        run: &[(&Envelope, &PurchaseEvent)],
+        prepared: Vec<Option<H::Prepared>>,
+        left_out: Vec<bool>,
+        spans: Vec<tracing::Span>,
+    ) -> Result<Vec<Option<Disposition>>, HandlerError> {
+        let (reply, answer) = oneshot::channel();
+        let run = run.iter().map(|(env, event)| ((*env).clone(), (*event).clone())).collect();
+        let gone = || HandlerError::Transient(anyhow::anyhow!("the member's committer is gone"));
+        self.parts.send(Part { run, prepared, left_out, spans, reply }).await.map_err(|_| gone())?;
+        answer.await.map_err(|_| gone())?
+    }
+}
+
+/// The committer's loop: the first part that arrives, then every part already waiting (up to
+/// `max` messages, and none with an order already in the group: it starts the next group), in
+/// one transaction.
+async fn committer<H: Handler>(
+    pool: PgPool,
+    handler: Arc<H>,
+    followers: Followers,
+    mut rx: mpsc::Receiver<Part<H>>,
+    max: usize,
+) {
+    let mut next: Option<Part<H>> = None;
+    loop {
+        let first = match next.take() {
+            Some(p) => p,
+            None => match rx.recv().await {
+                Some(p) => p,
+                None => return,
+            },
+        };
+        let mut orders: std::collections::HashSet<uuid::Uuid> =
+            first.run.iter().map(|(env, _)| env.aggregate_id).collect();
+        let mut size = first.run.len();
+        let mut parts = vec![first];
+        while size < max {
+            let Ok(part) = rx.try_recv() else { break };
+            if part.run.iter().any(|(env, _)| orders.contains(&env.aggregate_id)) {
+                next = Some(part);
+                break;
+            }
+            orders.extend(part.run.iter().map(|(env, _)| env.aggregate_id));
+            size += part.run.len();
+            parts.push(part);
+        }
+        commit_group(&pool, &*handler, &followers, parts).await;
+    }
+}
+
+/// One group transaction for `parts`, each part answered. When it fails and it held more than
+/// one part, each part is committed alone (its answers kept), so a message that fails a
+/// group costs the other lanes one more transaction, not their provider calls; when the
+/// database gave it up, every part gets that (its lane hands its run to the retry topic).
+async fn commit_group<H: Handler>(
+    pool: &PgPool,
+    handler: &H,
+    followers: &Followers,
+    mut parts: Vec<Part<H>>,
+) {
+    let name = handler.name();
+    let sizes: Vec<usize> = parts.iter().map(|p| p.run.len()).collect();
+    let spare: Option<Vec<Vec<Option<H::Prepared>>>> =
+        (parts.len() > 1).then(|| parts.iter().map(|p| p.prepared.clone()).collect());
+    let prepared: Vec<Option<H::Prepared>> =
+        parts.iter_mut().flat_map(|p| std::mem::take(&mut p.prepared)).collect();
+    let left_out: Vec<bool> = parts.iter().flat_map(|p| p.left_out.iter().copied()).collect();
+    let spans: Vec<tracing::Span> = parts.iter().flat_map(|p| p.spans.iter().cloned()).collect();
+    let run: Vec<(&Envelope, &PurchaseEvent)> =
+        parts.iter().flat_map(|p| p.run.iter().map(|(env, event)| (env, event))).collect();
+    let result = caught(commit_shared(
+        pool,
+        handler,
+        followers,
+        &TxSlots::unlimited(),
+        &run,
+        prepared,
+        &left_out,
+        &spans,
+    ))
+    .await;
+    drop(run);
+    metrics::histogram!("boxoffice_consumer_group_commit_messages", "consumer" => name)
+        .record(sizes.iter().sum::<usize>() as f64);
+    let spare = match (result, spare) {
+        (Ok(mut out), _) => {
+            for (part, n) in parts.into_iter().zip(sizes) {
+                let rest = out.split_off(n);
+                let _ = part.reply.send(Ok(std::mem::replace(&mut out, rest)));
+            }
+            return;
+        }
+        (Err(e), None) => {
+            if let Some(part) = parts.pop() {
+                let _ = part.reply.send(Err(e));
+            }
+            return;
+        }
+        (Err(HandlerError::Overloaded(e)), Some(_)) => {
+            let error = format!("{e:#}");
+            for part in parts {
+                let _ = part.reply.send(Err(HandlerError::Overloaded(anyhow::anyhow!("{error}"))));
+            }
+            return;
+        }
+        (Err(e), Some(spare)) => {
+            tracing::debug!(consumer = name, parts = sizes.len(), error = %e,
+                "group transaction failed: committing each lane's run alone");
+            metrics::counter!("boxoffice_consumer_group_commit_fallbacks_total", "consumer" => name)
+                .increment(1);
+            spare
+        }
+    };
+    for (part, prepared) in parts.into_iter().zip(spare) {
+        let run: Vec<(&Envelope, &PurchaseEvent)> =
+            part.run.iter().map(|(env, event)| (env, event)).collect();
+        let result = caught(commit_shared(
+            pool,
+            handler,
+            followers,
+            &TxSlots::unlimited(),
+            &run,
+            prepared,
+            &part.left_out,
+            &part.spans,
+        ))
+        .await;
+        let _ = part.reply.send(result);
+    }
+}
+
+/// `f`'s result, or a transient error when it panicked (its transaction is rolled back as it
+/// is dropped): the committer goes on, and the lanes process their messages alone.
+async fn caught<T>(f: impl std::future::Future<Output = Result<T, HandlerError>>) -> Result<T, HandlerError> {
+    use futures::FutureExt;
+    match std::panic::AssertUnwindSafe(f).catch_unwind().await {
+        Ok(result) => result,
+        Err(_) => Err(HandlerError::Transient(anyhow::anyhow!("the group transaction panicked"))),
+    }
 }
 
 /// Whether `env` is known to be applied before its `prepare`: as its pre-check found
@@ -929,6 +1176,10 @@ pub struct Members {
     /// (`consumer_transactions_max`; zero: one per lane). See the module doc, "Transaction
     /// slots".
     pub transactions: usize,
+    /// Whether a main-topic member's lanes commit through one committer, which joins the
+    /// runs every lane has ready into one transaction (`consumer_group_commit`; then
+    /// `transactions` is not used). See the module doc, "Group commit".
+    pub group_commit: bool,
 }
 
 /// How many of a member's lanes may be inside a transaction at once (see the module doc,
@@ -1000,7 +1251,7 @@ pub fn run_consumers<H: Handler>(
     shutdown: CancellationToken,
 ) -> anyhow::Result<(Vec<tokio::task::JoinHandle<()>>, Arc<Assignment>)> {
     let followers = followers.without(handler.name()).labelled(cfg.labels.clone());
-    let Members { instances, lanes, batch, fetch, linger, transactions } = members;
+    let Members { instances, lanes, batch, fetch, linger, transactions, group_commit } = members;
     let assignment = Arc::new(Assignment::default());
     let retry_assignment = Arc::new(Assignment::default());
     let mut tasks = Vec::new();
@@ -1033,10 +1284,15 @@ pub fn run_consumers<H: Handler>(
                 batch: if stage == Stage::Main { batch.max(1) } else { 1 },
                 linger: if stage == Stage::Main && batch > 1 { linger } else { Duration::ZERO },
                 followers: followers.clone(),
-                slots: if stage == Stage::Main {
-                    TxSlots::new(transactions, lanes)
-                } else {
-                    TxSlots::unlimited()
+                commit: match stage {
+                    Stage::Main if group_commit => Commit::Member(GroupCommit::start(
+                        pool.clone(),
+                        handler.clone(),
+                        followers.clone(),
+                        lanes * batch.max(1),
+                    )),
+                    Stage::Main => Commit::Lane(TxSlots::new(transactions, lanes)),
+                    Stage::Retry5s | Stage::Retry1m => Commit::Lane(TxSlots::unlimited()),
                 },
             });
             tasks.push(tokio::spawn(async move { runner.run(consumer, lanes).await }));
@@ -1072,7 +1328,7 @@ fn member_client_config(
     c
 }
 
-struct Runner<H> {
+struct Runner<H: Handler> {
     /// The physical consumer group of this member.
     group: String,
     cfg: KafkaConfig,
@@ -1087,8 +1343,8 @@ struct Runner<H> {
     linger: Duration,
     /// The consumers that follow this one's facts through in its transactions.
     followers: Followers,
-    /// How many of this member's lanes may be in a transaction at once.
-    slots: TxSlots,
+    /// How this member's lanes commit their shared runs.
+    commit: Commit<H>,
 }
 
 /// Offsets dispatched but not finished, per partition: the commit point of a partition is
@@ -1175,6 +1431,22 @@ enum Outcome {
 }
 
 impl<H: Handler> Runner<H> {
+    /// How many of this member's lanes may be in a transaction at once, for a message
+    /// processed alone (with a committer: no limit; it takes none of its runs).
+    fn slots(&self) -> &TxSlots {
+        static UNLIMITED: TxSlots = TxSlots(None);
+        match &self.commit {
+            Commit::Lane(slots) => slots,
+            Commit::Member(_) => &UNLIMITED,
+        }
+    }
+
+    /// Whether a run of one message goes to the member's committer (to share its transaction
+    /// with the other lanes' runs) rather than being processed alone.
+    fn groups_singles(&self) -> bool {
+        matches!(self.commit, Commit::Member(_))
+    }
+
     async fn run(self: Arc<Self>, consumer: GroupConsumer, lanes: usize) {
         let name = self.handler.name();
         let consumer = Arc::new(consumer);
@@ -1273,7 +1545,7 @@ impl<H: Handler> Runner<H> {
     /// alone, with its own attempts, retry topics and dead letter. Returns the indexes of the
     /// finished messages and whether shutdown interrupted the batch.
     async fn process_all(&self, batch: &[OwnedMessage]) -> (Vec<usize>, bool) {
-        if batch.len() == 1 {
+        if batch.len() == 1 && !self.groups_singles() {
             return if self.process(&batch[0]).await { (vec![0], false) } else { (vec![], true) };
         }
         let name = self.handler.name();
@@ -1354,7 +1626,7 @@ impl<H: Handler> Runner<H> {
         let name = self.handler.name();
         match run.len() {
             0 => return true,
-            1 => {
+            1 if !self.groups_singles() => {
                 let (i, _, _) = run.remove(0);
                 if !self.process(&batch[i]).await {
                     return false;
@@ -1448,7 +1720,7 @@ impl<H: Handler> Runner<H> {
             })
             .collect();
         let run: Vec<(&Envelope, &PurchaseEvent)> = run.iter().map(|(_, env, event)| (env, event)).collect();
-        apply_shared(&self.pool, &*self.handler, &self.followers, &self.slots, &run, spans).await
+        apply_shared(&self.pool, &*self.handler, &self.followers, &self.commit, &run, spans).await
     }
 
     /// Processes one message until applied, skipped, handed to the next retry topic or
@@ -1562,7 +1834,7 @@ impl<H: Handler> Runner<H> {
                 env,
                 self.cfg.writer_epoch,
                 &self.followers,
-                &self.slots,
+                self.slots(),
             )
             .instrument(span.clone())
             .await;

@@ -158,7 +158,7 @@ pub const COMMANDS: [EventKind; 6] = [
 pub const REQUESTING_FACTS: [EventKind; 2] = [EventKind::HoldCreated, EventKind::OrderConfirmed];
 
 /// What the provider said, carried from `prepare` to `apply`.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub enum Prepared {
     /// Nothing was sent (the order no longer needs the operation).
     Skipped(&'static str),

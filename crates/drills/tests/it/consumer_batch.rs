@@ -155,7 +155,14 @@ fn members(lanes: usize, batch: usize, transactions: usize) -> boxoffice_bus::Me
         fetch: Default::default(),
         linger: Default::default(),
         transactions,
+        group_commit: false,
     }
+}
+
+/// One member of `lanes` lanes, batches of at most `batch`, committing through its committer
+/// (`consumer_group_commit`).
+fn grouped(lanes: usize, batch: usize) -> boxoffice_bus::Members {
+    boxoffice_bus::Members { group_commit: true, ..members(lanes, batch, 0) }
 }
 
 async fn applied(pool: &PgPool) -> Vec<(Uuid, Uuid, String)> {
@@ -1092,6 +1099,91 @@ async fn one_transaction_slot_lets_the_lanes_call_at_once_and_commit_one_at_a_ti
         assert_eq!(applied().await, 64, "batch {batch}: each fact once");
         let most = handler.most_in_tx.load(std::sync::atomic::Ordering::SeqCst);
         assert_eq!(most, 1, "batch {batch}: transactions at once with one slot");
+    }
+}
+
+/// `consumer_group_commit` (`boxoffice_bus::consumer`, "Group commit"): a member's lanes
+/// hand what they have ready to one committer, which applies the runs of several lanes in
+/// one transaction — with batches of one, a transaction that applied two facts joined two
+/// lanes — yet never two facts of one order, each order's facts in partition order, each
+/// fact once; a refused fact fails its group, whose other lanes' runs are then committed
+/// without it, and is dead-lettered alone.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn a_member_commits_what_its_lanes_have_ready_in_one_transaction(
+    pool_opts: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    let pool = pool_opts.max_connections(8).connect_with(opts).await.unwrap();
+    sqlx::query(
+        "CREATE TABLE probe_applied (seq bigserial PRIMARY KEY, event_id uuid NOT NULL, order_id uuid NOT NULL,
+                                     xact text NOT NULL)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    for batch in [1, 16] {
+        sqlx::query("TRUNCATE probe_applied, outbox, inbox").execute(&pool).await.unwrap();
+        let (k, producer) = topics("group").await;
+        // 48 orders over four lanes, two facts each, interleaved; one more fact is refused.
+        let orders: Vec<Uuid> = (0..48).map(|_| Uuid::new_v4()).collect();
+        let firsts: Vec<Envelope> = orders.iter().map(|o| fact(*o, "issue")).collect();
+        let seconds: Vec<Envelope> = orders.iter().map(|o| fact(*o, "issue")).collect();
+        let refuse = fact(Uuid::new_v4(), "issue");
+        let mut facts: Vec<Envelope> = firsts.iter().chain(&seconds).cloned().collect();
+        facts.insert(20, refuse.clone());
+        publish(&k, &producer, &facts).await;
+        let shutdown = CancellationToken::new();
+        let (tasks, _) = run_consumers(
+            &k,
+            pool.clone(),
+            Arc::new(Probe { refuse: refuse.event_id, attempts: Default::default() }),
+            producer.clone(),
+            grouped(4, batch),
+            boxoffice_bus::Followers::none(),
+            shutdown.clone(),
+        )
+        .unwrap();
+        eventually(Duration::from_secs(60), "the 96 facts applied", || async {
+            applied(&pool).await.len() >= 96
+        })
+        .await;
+        eventually(Duration::from_secs(60), "the refused fact dead-lettered", || {
+            let k = k.clone();
+            async move { !boxoffice_bus::dlq::list(&k, Duration::from_secs(5)).await.unwrap().is_empty() }
+        })
+        .await;
+        shutdown.cancel();
+        for t in tasks {
+            t.await.unwrap();
+        }
+        let letters = boxoffice_bus::dlq::list(&k, Duration::from_secs(5)).await.unwrap();
+        assert_eq!(letters.len(), 1, "batch {batch}: {letters:?}");
+        assert_eq!(letters[0].record["event_id"], refuse.event_id.to_string());
+        let rows = applied(&pool).await;
+        assert_eq!(rows.len(), 96, "batch {batch}: each fact once, the refused one never");
+        let ids: std::collections::HashSet<Uuid> = rows.iter().map(|r| r.0).collect();
+        assert_eq!(ids.len(), 96, "batch {batch}");
+        for (first, second) in firsts.iter().zip(&seconds) {
+            let order: Vec<Uuid> = rows.iter().filter(|r| r.1 == first.aggregate_id).map(|r| r.0).collect();
+            assert_eq!(order, vec![first.event_id, second.event_id], "batch {batch}: in partition order");
+        }
+        let mut per_xact: std::collections::HashMap<&str, Vec<Uuid>> = Default::default();
+        for (_, order, xact) in &rows {
+            per_xact.entry(xact.as_str()).or_default().push(*order);
+        }
+        for orders in per_xact.values() {
+            let distinct: std::collections::HashSet<&Uuid> = orders.iter().collect();
+            assert_eq!(distinct.len(), orders.len(), "batch {batch}: one fact of an order per transaction");
+        }
+        if batch == 1 {
+            // A lane's run is one fact: a transaction with more joined several lanes.
+            assert!(
+                per_xact.values().any(|orders| orders.len() > 1),
+                "the lanes' runs shared a transaction: {} transactions for 96 facts",
+                per_xact.len()
+            );
+        }
+        each_applied_fact_emitted_once_in_its_transaction(&pool).await;
     }
 }
 
