@@ -106,10 +106,13 @@
 //! rows of all of them locked at once in order-id order, the effects, one outbox statement,
 //! one commit. So every lane still makes its provider calls at once while the member runs
 //! one transaction at a time, and what queued up while one committed shares the next. When a
-//! group of several runs fails, each run is committed alone in its own transaction with the
-//! answers it has (no provider call is made again for it), and a run that fails so is
-//! processed as a failed shared run is (one by one; or handed to the retry topic when the
-//! database gave the group up, which every run of the group then is). The cost: one
+//! group of several runs fails for good (a fact the ledger refuses), each run is committed
+//! alone in its own transaction with the answers it has (no provider call is made again for
+//! it), and the run that fails again is processed as a failed shared run is (one by one).
+//! Any other failure of a group (transient, a follower's, the database giving it up) is
+//! every run's: each lane processes its run as a failed shared run, one by one or, when the
+//! database gave the group up, by handing it to the retry topic — outside the committer, so
+//! what failed for all of them is not repeated there while the other lanes wait. The cost: one
 //! transaction waiting on a row lock holds up the commits of every lane of the member, as one
 //! transaction slot does. A message processed alone (a retry copy, one whose `prepare`
 //! failed, one of a failed run) does not go through the committer.
@@ -199,6 +202,17 @@ impl HandlerError {
     /// A permanent error with `code`.
     pub fn permanent(code: &'static str, e: impl Into<anyhow::Error>) -> Self {
         Self::Permanent { code, source: e.into() }
+    }
+
+    /// The same failure again, with its message (for each lane of a group that failed).
+    fn again(&self) -> Self {
+        match self {
+            Self::Transient(e) => Self::Transient(anyhow::anyhow!("{e:#}")),
+            Self::Overloaded(e) => Self::Overloaded(anyhow::anyhow!("{e:#}")),
+            Self::Permanent { code, source } => {
+                Self::Permanent { code, source: anyhow::anyhow!("{source:#}") }
+            }
+        }
     }
 }
 
@@ -627,6 +641,52 @@ pub async fn handle_batch<H: Handler>(
     Ok(out)
 }
 
+/// What a member's committer does with `runs` handed to it together ([`GroupCommit`]; the
+/// module doc, "Group commit"): each run prepared as a lane prepares it ([`handle_batch`]'s
+/// rules: every fact of a run wanted and of a distinct order, the runs' orders distinct),
+/// then all of them in one transaction; when that fails for good, each run again in its
+/// own, with the answers it has (otherwise every run gets the group's error). One result per
+/// run: its dispositions, or the error its lane would get. Public so tests can drive the
+/// committer without a broker.
+///
+/// # Errors
+/// `bad_payload` (permanent) for an undecodable fact.
+pub async fn handle_group<H: Handler>(
+    pool: &PgPool,
+    handler: &H,
+    followers: &Followers,
+    runs: &[Vec<Envelope>],
+) -> Result<Vec<Result<Vec<Option<Disposition>>, HandlerError>>, HandlerError> {
+    let mut parts = Vec::with_capacity(runs.len());
+    let mut answers = Vec::with_capacity(runs.len());
+    for envs in runs {
+        let mut run = Vec::with_capacity(envs.len());
+        for env in envs {
+            run.push((env.clone(), env.decode().map_err(|e| HandlerError::permanent("bad_payload", e))?));
+        }
+        let borrowed: Vec<(&Envelope, &PurchaseEvent)> =
+            run.iter().map(|(env, event)| (env, event)).collect();
+        let spans: Vec<tracing::Span> = borrowed
+            .iter()
+            .map(|(env, _)| consumer_span(handler.name(), env, None, &Default::default()))
+            .collect();
+        let (reply, answer) = oneshot::channel();
+        answers.push(answer);
+        match prepare_shared(pool, handler, &borrowed, &spans).await {
+            Ok(Ready { prepared, left_out }) => parts.push(Part { run, prepared, left_out, spans, reply }),
+            Err(e) => {
+                let _ = reply.send(Err(e));
+            }
+        }
+    }
+    commit_group(pool, handler, followers, parts).await;
+    let mut out = Vec::with_capacity(answers.len());
+    for answer in answers {
+        out.push(answer.await.unwrap_or_else(|_| Err(HandlerError::Transient(anyhow::anyhow!("no answer")))));
+    }
+    Ok(out)
+}
+
 /// `run`'s remote work, then one transaction for it. First, outside any transaction, the
 /// handler's [`Handler::precheck`] of the whole run (one read), then every message's `prepare` (for a handler that [`Handler::calls_out`], its provider calls, each
 /// with its stable idempotency key), all at once — they are of different orders — each in
@@ -887,10 +947,13 @@ async fn committer<H: Handler>(
     }
 }
 
-/// One group transaction for `parts`, each part answered. When it fails and it held more than
-/// one part, each part is committed alone (its answers kept), so a message that fails a
-/// group costs the other lanes one more transaction, not their provider calls; when the
-/// database gave it up, every part gets that (its lane hands its run to the retry topic).
+/// One group transaction for `parts`, each part answered. When it fails for good (a
+/// [`HandlerError::Permanent`]: a fact the ledger refuses) and it held more than one part,
+/// each part is committed alone with the answers it has, so such a fact costs the other
+/// lanes one more transaction, not their provider calls. Any other failure — transient, a
+/// follower's, the database giving the group up, a panic — is every part's: each lane then
+/// does what it does when its own shared run fails so (one by one, or to the retry topic),
+/// outside the committer, which is not held up by repeating what failed for all of them.
 async fn commit_group<H: Handler>(
     pool: &PgPool,
     handler: &H,
@@ -935,19 +998,18 @@ async fn commit_group<H: Handler>(
             }
             return;
         }
-        (Err(HandlerError::Overloaded(e)), Some(_)) => {
-            let error = format!("{e:#}");
-            for part in parts {
-                let _ = part.reply.send(Err(HandlerError::Overloaded(anyhow::anyhow!("{error}"))));
-            }
-            return;
-        }
-        (Err(e), Some(spare)) => {
+        (Err(e @ HandlerError::Permanent { .. }), Some(spare)) => {
             tracing::debug!(consumer = name, parts = sizes.len(), error = %e,
                 "group transaction failed: committing each lane's run alone");
             metrics::counter!("boxoffice_consumer_group_commit_fallbacks_total", "consumer" => name)
                 .increment(1);
             spare
+        }
+        (Err(e), Some(_)) => {
+            for part in parts {
+                let _ = part.reply.send(Err(e.again()));
+            }
+            return;
         }
     };
     for (part, prepared) in parts.into_iter().zip(spare) {

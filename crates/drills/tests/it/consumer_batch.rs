@@ -14,7 +14,7 @@ use crate::helpers::{eventually, test_brokers, TestApp};
 use async_trait::async_trait;
 use boxoffice::config::Config;
 use boxoffice::runtime::Role;
-use boxoffice_bus::consumer::{handle_batch, Disposition};
+use boxoffice_bus::consumer::{handle_batch, handle_group, Disposition};
 use boxoffice_bus::consumer::{run_consumers, Handler, HandlerError};
 use boxoffice_domain::{Envelope, EventKind, HoldId, OrderId, PurchaseEvent, Topic};
 use boxoffice_store::venue::VenueSpec;
@@ -25,10 +25,12 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-/// Records when each fact's attempts began, and each fact it applies, with the transaction
-/// that applied it; refuses `refuse`.
+/// Records each fact it prepares, when each fact's attempts began, and each fact it applies,
+/// with the transaction that applied it; refuses `refuse`.
+#[derive(Default)]
 struct Probe {
     refuse: Uuid,
+    prepared: std::sync::Mutex<Vec<Uuid>>,
     attempts: std::sync::Mutex<Vec<(Uuid, std::time::Instant)>>,
 }
 
@@ -46,7 +48,8 @@ impl Handler for Probe {
         kind == EventKind::TicketIssueRequested
     }
 
-    async fn prepare(&self, _: &Envelope, _: &PurchaseEvent, _: ()) -> Result<(), HandlerError> {
+    async fn prepare(&self, env: &Envelope, _: &PurchaseEvent, _: ()) -> Result<(), HandlerError> {
+        self.prepared.lock().unwrap().push(env.event_id);
         Ok(())
     }
 
@@ -206,7 +209,7 @@ async fn queued_facts_of_many_orders_share_a_transaction_and_a_bad_one_goes_alon
     let (tasks, _) = run_consumers(
         &k,
         pool.clone(),
-        std::sync::Arc::new(Probe { refuse: refuse.event_id, attempts: Default::default() }),
+        std::sync::Arc::new(Probe { refuse: refuse.event_id, ..Default::default() }),
         producer.clone(),
         members(1, 32, 0),
         boxoffice_bus::Followers::none(),
@@ -1136,7 +1139,7 @@ async fn a_member_commits_what_its_lanes_have_ready_in_one_transaction(
         let (tasks, _) = run_consumers(
             &k,
             pool.clone(),
-            Arc::new(Probe { refuse: refuse.event_id, attempts: Default::default() }),
+            Arc::new(Probe { refuse: refuse.event_id, ..Default::default() }),
             producer.clone(),
             grouped(4, batch),
             boxoffice_bus::Followers::none(),
@@ -1187,6 +1190,73 @@ async fn a_member_commits_what_its_lanes_have_ready_in_one_transaction(
     }
 }
 
+/// The committer's rules for runs handed to it together (`handle_group`, what a member's
+/// committer does with the runs of its lanes): runs of different lanes share one
+/// transaction; when one of them fails the group, the others are committed each in its own
+/// transaction with the answers they have (their `prepare` is not run again), and the
+/// failing run gets its error, nothing of it written.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn a_group_that_fails_commits_its_other_runs_alone_with_their_answers(
+    pool_opts: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    let pool = pool_opts.max_connections(4).connect_with(opts).await.unwrap();
+    sqlx::query(
+        "CREATE TABLE probe_applied (seq bigserial PRIMARY KEY, event_id uuid NOT NULL, order_id uuid NOT NULL,
+                                     xact text NOT NULL)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let none = boxoffice_bus::Followers::none();
+    let issue = || fact(Uuid::new_v4(), "issue");
+    let xacts = |pool: PgPool, ids: Vec<Uuid>| async move {
+        sqlx::query_scalar::<_, String>("SELECT DISTINCT xact FROM probe_applied WHERE event_id = ANY($1)")
+            .bind(&ids)
+            .fetch_all(&pool)
+            .await
+            .unwrap()
+    };
+
+    // Three runs that all apply: one transaction.
+    let runs = vec![vec![issue(), issue()], vec![issue()], vec![issue()]];
+    let probe = Probe::default();
+    let answers = handle_group(&pool, &probe, &none, &runs).await.unwrap();
+    for (run, answer) in runs.iter().zip(&answers) {
+        let d = answer.as_ref().expect("applied");
+        assert_eq!(d, &vec![Some(Disposition::Applied); run.len()]);
+    }
+    let ids: Vec<Uuid> = runs.iter().flatten().map(|e| e.event_id).collect();
+    assert_eq!(xacts(pool.clone(), ids).await.len(), 1, "the runs shared one transaction");
+
+    // A refused fact in the second run: the first and third are committed alone, each once,
+    // with the answers they had; the second gets its error and writes nothing.
+    let refused = issue();
+    let runs = vec![vec![issue(), issue()], vec![issue(), refused.clone()], vec![issue()]];
+    let probe = Probe { refuse: refused.event_id, ..Default::default() };
+    let answers = handle_group(&pool, &probe, &none, &runs).await.unwrap();
+    for k in [0, 2] {
+        let d = answers[k].as_ref().expect("committed without the failing run");
+        assert_eq!(d, &vec![Some(Disposition::Applied); runs[k].len()], "run {k}");
+        let ids: Vec<Uuid> = runs[k].iter().map(|e| e.event_id).collect();
+        assert_eq!(xacts(pool.clone(), ids.clone()).await.len(), 1, "run {k}: its own transaction");
+        let prepared = probe.prepared.lock().unwrap().clone();
+        for id in ids {
+            assert_eq!(prepared.iter().filter(|p| **p == id).count(), 1, "run {k}: prepared once");
+        }
+    }
+    match &answers[1] {
+        Err(HandlerError::Permanent { code, .. }) => assert_eq!(*code, "probe_refused"),
+        other => panic!("the failing run gets its error: {other:?}"),
+    }
+    let ids: Vec<Uuid> = runs[1].iter().map(|e| e.event_id).collect();
+    assert!(xacts(pool.clone(), ids).await.is_empty(), "nothing of the failing run written");
+    let first = xacts(pool.clone(), runs[0].iter().map(|e| e.event_id).collect()).await;
+    let third = xacts(pool.clone(), runs[2].iter().map(|e| e.event_id).collect()).await;
+    assert_ne!(first, third, "each run alone");
+    each_applied_fact_emitted_once_in_its_transaction(&pool).await;
+}
+
 /// A statement the database gives up (here its `statement_timeout`, while the table it
 /// writes is locked: SQLSTATE 57014) fails the attempt, not the fact, and is not tried again
 /// in place (`HandlerError::Overloaded`): alone (batch 1) or in a shared batch (batch 16,
@@ -1225,7 +1295,7 @@ async fn a_statement_the_server_gives_up_is_tried_again_later_not_at_once(
         // Queued before the consumer starts: one lane finds them all waiting.
         let facts: Vec<Envelope> = (0..4).map(|_| fact(Uuid::new_v4(), "issue")).collect();
         publish(&k, &producer, &facts).await;
-        let handler = Arc::new(Probe { refuse: Uuid::nil(), attempts: Default::default() });
+        let handler = Arc::new(Probe::default());
         let shutdown = CancellationToken::new();
         let (tasks, _) = run_consumers(
             &k,

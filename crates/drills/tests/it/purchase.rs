@@ -53,6 +53,36 @@ async fn hold_to_ticket_through_every_role(_: PgPoolOptions, opts: PgConnectOpti
     app.stop().await;
 }
 
+/// With `consumer_group_commit` (`boxoffice_bus::consumer`, "Group commit"), purchases made
+/// at once through every role are each ticketed, each charged once, and the ledger is clean
+/// once the outbox drains.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn purchases_at_once_are_ticketed_through_members_that_commit_together(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    let app =
+        TestApp::spawn_with(opts, &Role::ALL, VenueSpec::small(1, 2, 6), |c| c.consumer_group_commit = true)
+            .await;
+    let seats = app.seats().await;
+    let a = &app;
+    let bought = futures::future::join_all(seats.iter().take(8).enumerate().map(|(i, seat)| async move {
+        let b = a.buyer();
+        let order = a.hold_order(&b, &format!("together-{i}"), &[*seat]).await;
+        let pi = a.pay(&b, order, "pm_card_visa").await.expect("authorized");
+        a.await_order(&b, order, WAIT, |v| v["status"] == "ticketed").await;
+        (order, pi.id)
+    }))
+    .await;
+    for (order, pi) in &bought {
+        assert_eq!(app.sim.captures_for(pi), 1, "order {order}: captured once");
+    }
+    let tickets: i64 = sqlx::query_scalar("SELECT count(*) FROM tickets").fetch_one(&app.pool).await.unwrap();
+    assert_eq!(tickets, 8, "one ticket per seat bought");
+    app.assert_drained_and_clean().await;
+    app.stop().await;
+}
+
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn declined_card_then_hold_expiry_releases_seats_and_cancels(_: PgPoolOptions, opts: PgConnectOptions) {
     let app =
