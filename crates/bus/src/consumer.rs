@@ -112,9 +112,13 @@
 //! Any other failure of a group (transient, a follower's, the database giving it up) is
 //! every run's: each lane processes its run as a failed shared run, one by one or, when the
 //! database gave the group up, by handing it to the retry topic — outside the committer, so
-//! what failed for all of them is not repeated there while the other lanes wait. The cost: one
-//! transaction waiting on a row lock holds up the commits of every lane of the member, as one
-//! transaction slot does. A message processed alone (a retry copy, one whose `prepare`
+//! what failed for all of them is not repeated there while the other lanes wait. The cost:
+//! a group transaction that waits holds up the commits of every lane of the member, as one
+//! transaction slot does. For a row lock that wait is bounded: a group transaction waits at
+//! most [`GROUP_LOCK_TIMEOUT_MS`] for one (`lock_timeout`, set in its `BEGIN`), then fails
+//! as transient, and each of its lanes applies its run alone, where only the lane of the
+//! locked order waits for the lock (up to `db_statement_timeout_ms`, as without a committer).
+//! A message processed alone (a retry copy, one whose `prepare`
 //! failed, one of a failed run) does not go through the committer.
 //!
 //! **Following through** ([`crate::follow`]). A consumer's transaction can also run, for the
@@ -715,7 +719,7 @@ async fn apply_shared<H: Handler>(
     let Ready { prepared, left_out } = prepare_shared(pool, handler, run, &spans).await?;
     match commit {
         Commit::Lane(slots) => {
-            commit_shared(pool, handler, followers, slots, run, prepared, &left_out, &spans).await
+            commit_shared(pool, handler, followers, Open::Lane(slots), run, prepared, &left_out, &spans).await
         }
         Commit::Member(group) => group.commit(run, prepared, left_out, spans).await,
     }
@@ -779,15 +783,14 @@ async fn prepare_shared<H: Handler>(
 }
 
 /// The transaction of [`apply_shared`] for `run` with its `prepared` answers (`left_out`:
-/// the messages whose `prepare` failed, left out whole), taking one of `slots` before
-/// `BEGIN`. One fact per order in `run`: a member's group transaction ([`GroupCommit`])
+/// the messages whose `prepare` failed, left out whole), opened as `open` says. One fact per order in `run`: a member's group transaction ([`GroupCommit`])
 /// joins runs of different lanes, whose orders differ.
 #[allow(clippy::too_many_arguments)]
 async fn commit_shared<H: Handler>(
     pool: &PgPool,
     handler: &H,
     followers: &Followers,
-    slots: &TxSlots,
+    open: Open<'_>,
     run: &[(&Envelope, &PurchaseEvent)],
     mut prepared: Vec<Option<H::Prepared>>,
     left_out: &[bool],
@@ -800,8 +803,10 @@ async fn commit_shared<H: Handler>(
     let mut by_order: Vec<usize> = (0..run.len()).collect();
     by_order.sort_by_key(|&k| run[k].0.aggregate_id);
     // Taken after every provider call, held until the transaction ends.
-    let slot = slots.take().await;
-    let mut tx = pool.begin().await?;
+    let (slot, mut tx) = match open {
+        Open::Lane(slots) => (slots.take().await, pool.begin().await?),
+        Open::Group => (None, pool.begin_with(GROUP_BEGIN.as_str()).await?),
+    };
     // Every inbox row of the run in one statement: a message whose id it did not record
     // now is a duplicate, and so is a second copy of an id within the run (each id counts
     // as new once, for the first message that carries it).
@@ -853,6 +858,26 @@ async fn commit_shared<H: Handler>(
     Followers::after_commit(&followed)?;
     Ok(out)
 }
+
+/// How [`commit_shared`] opens its transaction.
+enum Open<'a> {
+    /// A lane's own: `BEGIN` after taking one of the member's transaction slots.
+    Lane(&'a TxSlots),
+    /// A member's committer's ([`GroupCommit`]): [`GROUP_BEGIN`], no slot.
+    Group,
+}
+
+/// Longest a member's group transaction waits for a row lock, in milliseconds: past it the
+/// statement fails (SQLSTATE 55P03, transient) and so does the group, whose lanes then apply
+/// their runs alone, so a row another session holds (an operator's, say) delays one group
+/// this long instead of stalling every lane's commits for up to `db_statement_timeout_ms`.
+/// Lock waits between the purchase path's own transactions last milliseconds.
+pub const GROUP_LOCK_TIMEOUT_MS: u64 = 1_000;
+
+/// How a group transaction begins: `BEGIN` and its lock timeout ([`GROUP_LOCK_TIMEOUT_MS`])
+/// in one round trip.
+static GROUP_BEGIN: std::sync::LazyLock<String> =
+    std::sync::LazyLock::new(|| format!("BEGIN; SET LOCAL lock_timeout = {GROUP_LOCK_TIMEOUT_MS}"));
 
 /// How a main-topic member's lanes commit their shared runs.
 pub(crate) enum Commit<H: Handler> {
@@ -970,17 +995,8 @@ async fn commit_group<H: Handler>(
     let spans: Vec<tracing::Span> = parts.iter().flat_map(|p| p.spans.iter().cloned()).collect();
     let run: Vec<(&Envelope, &PurchaseEvent)> =
         parts.iter().flat_map(|p| p.run.iter().map(|(env, event)| (env, event))).collect();
-    let result = caught(commit_shared(
-        pool,
-        handler,
-        followers,
-        &TxSlots::unlimited(),
-        &run,
-        prepared,
-        &left_out,
-        &spans,
-    ))
-    .await;
+    let result =
+        caught(commit_shared(pool, handler, followers, Open::Group, &run, prepared, &left_out, &spans)).await;
     drop(run);
     metrics::histogram!("boxoffice_consumer_group_commit_messages", "consumer" => name)
         .record(sizes.iter().sum::<usize>() as f64);
@@ -1019,7 +1035,7 @@ async fn commit_group<H: Handler>(
             pool,
             handler,
             followers,
-            &TxSlots::unlimited(),
+            Open::Group,
             &run,
             prepared,
             &part.left_out,

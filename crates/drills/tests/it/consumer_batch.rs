@@ -1257,6 +1257,135 @@ async fn a_group_that_fails_commits_its_other_runs_alone_with_their_answers(
     each_applied_fact_emitted_once_in_its_transaction(&pool).await;
 }
 
+/// A consumer whose effect first locks its order's row in `probe_orders` (when there is
+/// one), then records the fact as [`Probe`] does.
+struct RowLocker;
+
+#[async_trait]
+impl Handler for RowLocker {
+    type Prepared = ();
+    type Precheck = ();
+    type Rows = ();
+
+    fn name(&self) -> &'static str {
+        "row_locker"
+    }
+
+    fn wants(&self, kind: EventKind) -> bool {
+        kind == EventKind::TicketIssueRequested
+    }
+
+    async fn prepare(&self, _: &Envelope, _: &PurchaseEvent, _: ()) -> Result<(), HandlerError> {
+        Ok(())
+    }
+
+    async fn apply(
+        &self,
+        tx: &mut boxoffice_store::Tx<'_>,
+        env: &Envelope,
+        _: &PurchaseEvent,
+        _: (),
+        _: (),
+    ) -> Result<Vec<Envelope>, HandlerError> {
+        sqlx::query("SELECT 1 FROM probe_orders WHERE order_id = $1 FOR UPDATE")
+            .bind(env.aggregate_id)
+            .execute(&mut **tx)
+            .await?;
+        sqlx::query(
+            "INSERT INTO probe_applied (event_id, order_id, xact) VALUES ($1, $2, pg_current_xact_id()::text)",
+        )
+        .bind(env.event_id)
+        .bind(env.aggregate_id)
+        .execute(&mut **tx)
+        .await?;
+        Ok(vec![])
+    }
+}
+
+/// An order's row locked by another session (an operator's, say) does not stall a member's
+/// committer (`boxoffice_bus::consumer::GROUP_LOCK_TIMEOUT_MS`): with no statement timeout
+/// at all, the group that waits for the lock gives up after the lock timeout, its lanes
+/// apply their runs alone, and the other lanes' facts are applied while the lock is still
+/// held; the locked order's fact is applied once it is released; each fact once, nothing
+/// dead-lettered.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn a_locked_order_holds_up_a_group_for_the_lock_timeout_only(
+    pool_opts: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    let pool = pool_opts.max_connections(8).connect_with(opts).await.unwrap();
+    sqlx::query(
+        "CREATE TABLE probe_applied (seq bigserial PRIMARY KEY, event_id uuid NOT NULL, order_id uuid NOT NULL,
+                                     xact text NOT NULL)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query("CREATE TABLE probe_orders (order_id uuid PRIMARY KEY)").execute(&pool).await.unwrap();
+    let (k, producer) = topics("locked").await;
+    let locked = fact(Uuid::new_v4(), "issue");
+    sqlx::query("INSERT INTO probe_orders (order_id) VALUES ($1)")
+        .bind(locked.aggregate_id)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let mut operator = pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM probe_orders WHERE order_id = $1 FOR UPDATE")
+        .bind(locked.aggregate_id)
+        .execute(&mut *operator)
+        .await
+        .unwrap();
+    // The locked order's fact first, then 24 of other orders.
+    let others: Vec<Envelope> = (0..24).map(|_| fact(Uuid::new_v4(), "issue")).collect();
+    let facts: Vec<Envelope> = std::iter::once(locked.clone()).chain(others.iter().cloned()).collect();
+    publish(&k, &producer, &facts).await;
+    let shutdown = CancellationToken::new();
+    let (tasks, _) = run_consumers(
+        &k,
+        pool.clone(),
+        Arc::new(RowLocker),
+        producer.clone(),
+        grouped(4, 1),
+        boxoffice_bus::Followers::none(),
+        shutdown.clone(),
+    )
+    .unwrap();
+    // Four lanes: the locked order's lane waits for the lock, the other three go on (19 or
+    // more of the 24 orders fall on the locked order's lane with a chance of about 4 in 10^8).
+    let ids: Vec<Uuid> = others.iter().map(|f| f.event_id).collect();
+    let applied_of = |ids: Vec<Uuid>| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>("SELECT count(*) FROM probe_applied WHERE event_id = ANY($1)")
+                .bind(&ids)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    eventually(Duration::from_secs(30), "other orders' facts applied while the lock is held", || {
+        let n = applied_of(ids.clone());
+        async move { n.await >= 6 }
+    })
+    .await;
+    assert_eq!(applied_of(vec![locked.event_id]).await, 0, "the locked order waits");
+    operator.rollback().await.unwrap();
+    let all: Vec<Uuid> = facts.iter().map(|f| f.event_id).collect();
+    eventually(Duration::from_secs(60), "every fact applied once the lock is gone", || {
+        let n = applied_of(all.clone());
+        async move { n.await >= 25 }
+    })
+    .await;
+    shutdown.cancel();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let rows = applied(&pool).await;
+    assert_eq!(rows.len(), 25, "each fact once");
+    let letters = boxoffice_bus::dlq::list(&k, Duration::from_secs(2)).await.unwrap();
+    assert!(letters.is_empty(), "nothing dead-lettered: {letters:?}");
+}
+
 /// A statement the database gives up (here its `statement_timeout`, while the table it
 /// writes is locked: SQLSTATE 57014) fails the attempt, not the fact, and is not tried again
 /// in place (`HandlerError::Overloaded`): alone (batch 1) or in a shared batch (batch 16,
