@@ -318,14 +318,16 @@ pub struct Config {
     /// larger batches). Behind, it carries fewer facts per second than one per lane; and a
     /// transaction waiting on a row lock keeps its slot (up to `db_statement_timeout_ms` per
     /// statement), so with one slot one locked order holds up the member's every lane.
-    /// 0: one per lane (no limit). Default 0; 0..=256, and 0 or at most `consumer_lanes`.
+    /// 0: one per lane (no limit). Default 0; 0..=256, and 0 or at most `consumer_lanes`;
+    /// only with `consumer_group_commit` false.
     pub consumer_transactions_max: usize,
     /// Whether each consumer member (main topic) commits through one committer that joins
     /// what every lane has ready into one transaction (`boxoffice_bus::consumer`, "Group
     /// commit"): every lane still makes its provider calls at once, and a lane's run of one
-    /// message shares the transaction too. Fewer transactions and statements per fact; one
-    /// transaction at a time per member, so one waiting on a row lock holds up every lane's
-    /// commit. Default false; not with `consumer_transactions_max`.
+    /// message shares the transaction too. Fewer transactions and statements per fact (README,
+    /// "Group commit" under Performance); one transaction at a time per member, which waits
+    /// at most `boxoffice_bus::consumer::GROUP_LOCK_TIMEOUT_MS` for a row lock. Default true;
+    /// false: each lane commits its own, within `consumer_transactions_max`.
     pub consumer_group_commit: bool,
     /// Whether a process that runs the saga or the ticket worker beside another consumer
     /// applies their steps in the transaction that commits the fact they follow
@@ -779,7 +781,7 @@ impl Default for Config {
             consumer_fetch_wait_ms: 20,
             consumer_batch_linger_ms: 0,
             consumer_transactions_max: 0,
-            consumer_group_commit: false,
+            consumer_group_commit: true,
             follow_through: true,
             consumer_inline_attempts: 3,
             consumer_retry_5s_delay_ms: 5_000,
@@ -974,7 +976,9 @@ impl Config {
             );
         }
         if self.consumer_group_commit && self.consumer_transactions_max != 0 {
-            bail!("consumer_group_commit commits one transaction at a time per member: leave consumer_transactions_max 0");
+            bail!(
+                "consumer_group_commit runs one transaction at a time per member: set it to false to use consumer_transactions_max"
+            );
         }
         if !["auto", "force_generic_plan", "force_custom_plan"].contains(&self.db_plan_cache_mode.as_str()) {
             bail!("db_plan_cache_mode must be auto, force_generic_plan or force_custom_plan");
@@ -2324,19 +2328,30 @@ mod tests {
     #[test]
     fn transaction_slots_are_at_most_the_lanes() {
         for n in [0, 1, 8] {
-            Config { consumer_transactions_max: n, consumer_lanes: 8, ..Config::default() }
-                .validate()
-                .unwrap();
-        }
-        let e = Config { consumer_transactions_max: 9, consumer_lanes: 8, ..Config::default() }
+            Config {
+                consumer_transactions_max: n,
+                consumer_lanes: 8,
+                consumer_group_commit: false,
+                ..Config::default()
+            }
             .validate()
-            .expect_err("refused");
+            .unwrap();
+        }
+        let e = Config {
+            consumer_transactions_max: 9,
+            consumer_lanes: 8,
+            consumer_group_commit: false,
+            ..Config::default()
+        }
+        .validate()
+        .expect_err("refused");
         assert!(e.to_string().starts_with("consumer_transactions_max "), "{e}");
     }
 
     #[test]
     fn group_commit_takes_no_transaction_slots() {
-        Config { consumer_group_commit: true, ..Config::default() }.validate().unwrap();
+        assert!(Config::default().consumer_group_commit, "on by default");
+        Config::default().validate().unwrap();
         let e = Config { consumer_group_commit: true, consumer_transactions_max: 2, ..Config::default() }
             .validate()
             .expect_err("refused");
