@@ -339,16 +339,11 @@ async fn without_follow_through_each_consumer_applies_its_facts_from_the_bus(
     app.stop().await;
 }
 
-/// The payment worker's capture, whose ticket issuance fails when followed through: the whole
-/// transaction is rolled back and the capture applied again alone — the Stripe call repeated
-/// under its idempotency key, so one capture at the provider — and the saga and the ticket
-/// worker then apply their steps from the bus; the order ends ticketed, each fact once.
-#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
-async fn a_capture_whose_ticket_issuance_fails_in_its_transaction_is_recorded_once_and_ticketed_from_the_bus(
-    _: PgPoolOptions,
-    opts: PgConnectOptions,
-) {
-    let app = TestApp::spawn(opts, &Role::ALL, VenueSpec::small(1, 1, 4)).await;
+/// The payment worker's capture, whose ticket issuance fails once when followed through: the
+/// order ends ticketed with one capture at the provider (the Stripe call repeated under its
+/// idempotency key), each fact once, the capture recorded once; returns the order and its
+/// PaymentCaptured fact (type, `applied_by`, transaction).
+async fn capture_whose_ticket_issuance_fails_once(app: &TestApp) -> (Uuid, (String, Vec<String>, String)) {
     let seat = app.seats().await[0];
     let b = app.buyer();
     let order = app.hold_order(&b, "isolated", &[seat]).await;
@@ -368,16 +363,6 @@ async fn a_capture_whose_ticket_issuance_fails_in_its_transaction_is_recorded_on
         (1, 1, 1),
         "{facts:?}"
     );
-    let captured = facts.iter().find(|f| f.0 == "PaymentCaptured").unwrap();
-    assert!(
-        captured.1.is_empty(),
-        "the retry without followers left PaymentCaptured to the bus: {captured:?}"
-    );
-    assert_ne!(
-        applied_in(&app.pool, "saga", "PaymentCaptured", order).await,
-        Some(captured.2.clone()),
-        "the saga applied the capture from the bus"
-    );
     let payments_rows: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM inbox i JOIN outbox o ON o.id = i.event_id
           WHERE i.consumer = 'payments' AND o.event_type = 'OrderConfirmed' AND o.message_key = $1::text",
@@ -393,6 +378,51 @@ async fn a_capture_whose_ticket_issuance_fails_in_its_transaction_is_recorded_on
         .await
         .unwrap();
     assert_eq!(tickets, 1);
+    let captured = facts.iter().find(|f| f.0 == "PaymentCaptured").unwrap().clone();
+    (order, captured)
+}
+
+/// A lane's own transaction (`consumer_group_commit` false): the capture's transaction, whose
+/// ticket issuance fails when followed through, is rolled back whole and the capture applied
+/// again alone, without followers; the saga and the ticket worker then apply their steps from
+/// the bus.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn a_capture_whose_ticket_issuance_fails_in_its_transaction_is_recorded_once_and_ticketed_from_the_bus(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    let app =
+        TestApp::spawn_with(opts, &Role::ALL, VenueSpec::small(1, 1, 4), |c| c.consumer_group_commit = false)
+            .await;
+    let (order, captured) = capture_whose_ticket_issuance_fails_once(&app).await;
+    assert!(
+        captured.1.is_empty(),
+        "the retry without followers left PaymentCaptured to the bus: {captured:?}"
+    );
+    assert_ne!(
+        applied_in(&app.pool, "saga", "PaymentCaptured", order).await,
+        Some(captured.2.clone()),
+        "the saga applied the capture from the bus"
+    );
+    app.stop().await;
+}
+
+/// Through the member's committer (the default): the group that fails with the follower's
+/// failure goes back to its lane, which applies the capture alone — its followers first, and
+/// without them only if they fail again (here they do not: the failure was once) — and the
+/// order ends ticketed as above, each fact once.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn a_capture_whose_ticket_issuance_fails_in_a_group_transaction_is_recorded_once_and_ticketed(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    let app = TestApp::spawn(opts, &Role::ALL, VenueSpec::small(1, 1, 4)).await;
+    let (order, captured) = capture_whose_ticket_issuance_fails_once(&app).await;
+    assert_eq!(
+        applied_in(&app.pool, "saga", "PaymentCaptured", order).await,
+        Some(captured.2.clone()),
+        "applied alone with its followers the second time: {captured:?}"
+    );
     app.stop().await;
 }
 
