@@ -783,8 +783,10 @@ async fn prepare_shared<H: Handler>(
 }
 
 /// The transaction of [`apply_shared`] for `run` with its `prepared` answers (`left_out`:
-/// the messages whose `prepare` failed, left out whole), opened as `open` says. One fact per order in `run`: a member's group transaction ([`GroupCommit`])
-/// joins runs of different lanes, whose orders differ.
+/// the messages whose `prepare` failed, left out whole), opened as `open` says. One fact per
+/// order in `run`: a member's group transaction ([`GroupCommit`]) joins runs of different
+/// lanes, whose orders differ (and the committer starts a new group for a run that would
+/// repeat one).
 #[allow(clippy::too_many_arguments)]
 async fn commit_shared<H: Handler>(
     pool: &PgPool,
