@@ -98,7 +98,7 @@
 //! **Group commit.** With `consumer_group_commit` ([`Members`]) a main-topic member does not
 //! let each lane open its own transaction: a lane whose batch's calls have answered hands
 //! its run — with a run of one message too, which otherwise is processed alone — and the
-//! answers to the member's one committer ([`GroupCommit`]) and waits for its dispositions.
+//! answers to the member's one committer (`GroupCommit`) and waits for its dispositions.
 //! The committer takes the first run that arrives and every run already waiting behind it
 //! (up to `consumer_lanes` × `consumer_batch_max` messages; a run with an order already in the
 //! group starts the next one, so a transaction still applies at most one fact per order) and
@@ -139,6 +139,15 @@
 //! inside the promoted ledger's cut are applied as usual (the inbox absorbs the ones
 //! `region republish` sends again); one whose outbox row this ledger does not have is an
 //! orphan, parked as an `orphan_fact` incident and never applied ([`handle_once_at`]).
+//!
+//! **Claims only the ledger makes** ([`Handler::verifies`]). A fact a consumer verifies (the
+//! saga's facts of what the payment provider did) is applied from the bus only when this
+//! ledger committed it: in the effect's transaction, after the inbox rows, one statement looks
+//! for the run's such facts in the outbox and `order_history`; one found in neither — written
+//! to the topic by anyone but the ledger's writers — is recorded in the inbox and as an
+//! `unknown_fact` incident, never applied ([`Disposition::Unknown`]), and the rest of its run
+//! goes on. A fact followed through in the transaction that writes it is not read from the bus
+//! and is not looked up.
 //!
 //! **Trace context** (design §16). Each attempt at a message runs inside a consumer span
 //! (`otel.kind = consumer`) whose parent is the message's `traceparent` header — the stored
@@ -270,6 +279,17 @@ pub trait Handler: Send + Sync + 'static {
         true
     }
 
+    /// Whether this fact, read from the bus, must be one this ledger committed before it is
+    /// applied: a claim only the ledger's own writers may make (the saga's facts of what the
+    /// provider did). The runner then looks for its outbox or history row in the effect's
+    /// transaction ([`boxoffice_store::outbox::not_committed`]); one this ledger did not
+    /// commit is recorded in the inbox and as an `unknown_fact` incident, never applied
+    /// ([`Disposition::Unknown`]). A fact followed through in the transaction that writes it
+    /// ([`crate::follow`]) is not read from the bus and is not checked. Default: no fact.
+    fn verifies(&self, _event: &PurchaseEvent) -> bool {
+        false
+    }
+
     /// Whether `prepare` calls out (e.g. to Stripe): then the runner first checks the inbox
     /// so a known duplicate costs no remote call. Handlers without remote work skip that
     /// read; the inbox insert in the transaction still catches duplicates.
@@ -383,6 +403,42 @@ pub enum Disposition {
     /// A fact of another region epoch (or, after a failover, of none) that is not in this
     /// ledger's cut: recorded in the inbox and as an `orphan_fact` incident, never applied.
     Orphan,
+    /// A fact this ledger did not commit, of a kind the consumer [`Handler::verifies`] (a
+    /// forged one, or one older than the history's retention): recorded in the inbox and as
+    /// an `unknown_fact` incident, never applied.
+    Unknown,
+}
+
+/// Which facts of `run` (read from the bus) the handler [`Handler::verifies`] and this ledger
+/// did not commit, each recorded as an `unknown_fact` incident in `tx`; no statement when the
+/// handler verifies none of them.
+async fn park_unknown<H: Handler>(
+    tx: &mut Tx<'_>,
+    handler: &H,
+    run: &[(&Envelope, &PurchaseEvent)],
+) -> Result<std::collections::HashSet<uuid::Uuid>, HandlerError> {
+    let ids: Vec<uuid::Uuid> =
+        run.iter().filter(|(_, event)| handler.verifies(event)).map(|(env, _)| env.event_id).collect();
+    if ids.is_empty() {
+        return Ok(Default::default());
+    }
+    let unknown = outbox::not_committed(tx, &ids).await?;
+    for (env, _) in run.iter().filter(|(env, _)| unknown.contains(&env.event_id)) {
+        boxoffice_store::stripe_events::incident(
+            tx,
+            Some(boxoffice_domain::OrderId(env.aggregate_id)),
+            "unknown_fact",
+            serde_json::json!({
+                "consumer": handler.name(),
+                "event_id": env.event_id,
+                "event_type": env.event_type,
+            }),
+        )
+        .await?;
+        tracing::warn!(consumer = handler.name(), event.id = %env.event_id, event.type = %env.event_type,
+            order.id = %env.aggregate_id, "a fact this ledger did not commit: parked, not applied");
+    }
+    Ok(unknown.into_iter().collect())
 }
 
 /// Applies one envelope once: the inbox check, `prepare`, then inbox + `apply` in one
@@ -567,6 +623,10 @@ async fn apply_once<H: Handler>(
         if !inbox::record(&mut tx, name, env.event_id).await? {
             return Ok(Disposition::Duplicate);
         }
+        if !park_unknown(&mut tx, handler, &[(env, &event)]).await?.is_empty() {
+            tx.commit().await?;
+            return Ok(Disposition::Unknown);
+        }
         let rows = rows_of(handler, &mut tx, &[(env, &event)]).await?.pop().unwrap_or_default();
         let emitted: Vec<outbox::Traced> = handler
             .apply(&mut tx, env, &event, prepared, rows)
@@ -645,7 +705,7 @@ pub async fn handle_batch<H: Handler>(
     Ok(out)
 }
 
-/// What a member's committer does with `runs` handed to it together ([`GroupCommit`]; the
+/// What a member's committer does with `runs` handed to it together (`GroupCommit`; the
 /// module doc, "Group commit"): each run prepared as a lane prepares it ([`handle_batch`]'s
 /// rules: every fact of a run wanted and of a distinct order, the runs' orders distinct),
 /// then all of them in one transaction; when that fails for good, each run again in its
@@ -826,6 +886,16 @@ async fn commit_shared<H: Handler>(
             todo.push((k, p));
         }
     }
+    // Claims only this ledger's writers may make, that it did not commit: parked, not applied.
+    let claims: Vec<(&Envelope, &PurchaseEvent)> = todo.iter().map(|(k, _)| run[*k]).collect();
+    let unknown = park_unknown(&mut tx, handler, &claims).await?;
+    todo.retain(|(k, _)| {
+        let known = !unknown.contains(&run[*k].0.event_id);
+        if !known {
+            out[*k] = Some(Disposition::Unknown);
+        }
+        known
+    });
     // Their rows, locked for all of them at once, in the order their effects run.
     let locking: Vec<(&Envelope, &PurchaseEvent)> = todo.iter().map(|(k, _)| run[*k]).collect();
     let rows = rows_of(handler, &mut tx, &locking).await?;

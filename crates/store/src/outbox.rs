@@ -67,6 +67,21 @@ pub async fn insert(tx: &mut Tx<'_>, topic: Topic, envelope: &Envelope) -> Resul
     Ok(())
 }
 
+/// Which of the facts `ids` this ledger did not commit: in neither the outbox nor, once the
+/// relay pruned them, `order_history` (kept `order_history_retention_days`). One statement.
+/// A consumer that reads a fact from the bus asks this before it acts on a claim only the
+/// ledger's own writers may make (`boxoffice_bus::Handler::verifies`).
+pub async fn not_committed(tx: &mut Tx<'_>, ids: &[Uuid]) -> Result<Vec<Uuid>, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT t.id FROM unnest($1::uuid[]) AS t(id)
+          WHERE NOT EXISTS (SELECT 1 FROM outbox o WHERE o.id = t.id)
+            AND NOT EXISTS (SELECT 1 FROM order_history h WHERE h.event_id = t.id)",
+    )
+    .bind(ids)
+    .fetch_all(&mut **tx)
+    .await
+}
+
 /// The re-fetches a sweep asks for: one `PaymentIntentRefreshRequested` with `reason` per
 /// `(order, correlation id, PaymentIntent)` row, each the first fact of its own step (no
 /// cause), for [`insert_all`] in the sweep's transaction.

@@ -15,6 +15,11 @@
 //! fact (`boxoffice_bus::follow`): the payment worker locks the hold first, so the lock order
 //! holds there too.
 //!
+//! On the bus, a fact of what the provider did ([`saga::PROVIDER_FACTS`]) is a claim: the
+//! runner applies it only when this ledger committed it, and parks one it did not as an
+//! `unknown_fact` incident ([`Handler::verifies`]; invariant 2: a forged `PaymentAuthorized`
+//! confirms nothing).
+//!
 //! It also runs the capture-deadline sweep (case C09) through the same executor.
 //!
 //! Duplicate facts (a webhook and a re-fetch both reporting the authorization, invariant 4)
@@ -56,6 +61,10 @@ impl Handler for Saga {
 
     fn acts_on(&self, event: &PurchaseEvent) -> bool {
         saga::acts_on(event)
+    }
+
+    fn verifies(&self, event: &PurchaseEvent) -> bool {
+        saga::PROVIDER_FACTS.contains(&event.kind())
     }
 
     async fn prepare(&self, _: &Envelope, _: &PurchaseEvent, _: ()) -> Result<(), HandlerError> {

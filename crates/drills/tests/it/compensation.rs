@@ -221,10 +221,12 @@ async fn c05_capture_after_release_is_refunded(_: PgPoolOptions, opts: PgConnect
         Uuid::new_v4(),
         None,
     );
+    crate::helpers::committed(&app.pool, &fact).await;
     handle_once(&app.pool, &Saga::default(), &fact).await.unwrap();
     // The same fact again (e.g. from the capture response path) does nothing more.
     let mut again = fact.clone();
     again.event_id = Uuid::new_v4();
+    crate::helpers::committed(&app.pool, &again).await;
     handle_once(&app.pool, &Saga::default(), &again).await.unwrap();
 
     let (_, view) = app.order(&b, order).await;
@@ -241,6 +243,7 @@ async fn c05_capture_after_release_is_refunded(_: PgPoolOptions, opts: PgConnect
         Uuid::new_v4(),
         None,
     );
+    crate::helpers::committed(&app.pool, &refunded).await;
     handle_once(&app.pool, &Saga::default(), &refunded).await.unwrap();
     let (_, view) = app.order(&b, order).await;
     assert_eq!(view["status"], "refunded");

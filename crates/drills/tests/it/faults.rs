@@ -86,6 +86,8 @@ async fn every_boundary_fails_once_and_every_purchase_converges(_: PgPoolOptions
         env.event_id = Uuid::new_v4();
         // A copy nobody applied: not even the consumers that followed it through.
         env.applied_by.clear();
+        // As a fact this ledger committed: the saga checks that of a provider fact.
+        crate::helpers::committed(&app.pool, &env).await;
         for d in [
             handle_once(&app.pool, &boxoffice_workers::saga::Saga::default(), &env).await.unwrap(),
             handle_once(&app.pool, &payments, &env).await.unwrap(),
@@ -486,6 +488,7 @@ async fn a_capture_request_for_another_payment_intent_captures_nothing(
     assert_eq!(handle_once(&app.pool, &saga, &created).await.unwrap(), Disposition::Applied);
     let pi = app.pay(&b, recorded, "pm_card_visa").await.expect("authorized").id;
     let auth = authorized(&created, recorded, &pi);
+    crate::helpers::committed(&app.pool, &auth).await;
     assert_eq!(handle_once(&app.pool, &saga, &auth).await.unwrap(), Disposition::Applied);
     let confirmed = fact("OrderConfirmed", recorded).await;
     let real = confirmed.decode().unwrap();
@@ -511,6 +514,7 @@ async fn a_capture_request_for_another_payment_intent_captures_nothing(
     let unrecorded = app.hold_order(&app.buyer(), "capture-unrecorded", &[seats[1]]).await;
     let its_own = app.authorize_at_provider(unrecorded, 18_500, "its-own").await;
     let auth = authorized(&fact("HoldCreated", unrecorded).await, unrecorded, &its_own);
+    crate::helpers::committed(&app.pool, &auth).await;
     assert_eq!(handle_once(&app.pool, &saga, &auth).await.unwrap(), Disposition::Applied);
     let confirmed = fact("OrderConfirmed", unrecorded).await;
     let real = confirmed.decode().unwrap();

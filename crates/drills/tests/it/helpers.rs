@@ -324,6 +324,26 @@ impl TestApp {
 }
 
 /// Outbox rows of `event_type` for `order`.
+/// `env` as a fact this ledger committed and the relay published and pruned: its row in
+/// `order_history` (the saga acts on a fact of what the provider did, read from the bus, only
+/// when this ledger committed it: `boxoffice_domain::saga::PROVIDER_FACTS`). Nothing is
+/// published and the outbox is unchanged; written once however often this is called.
+pub async fn committed(pool: &PgPool, env: &boxoffice_domain::Envelope) {
+    sqlx::query(
+        "INSERT INTO order_history (event_id, order_id, topic, event_type, payload, created_at, published_at)
+         VALUES ($1, $2, $3, $4, $5, now(), now())
+         ON CONFLICT (event_id) DO NOTHING",
+    )
+    .bind(env.event_id)
+    .bind(env.aggregate_id)
+    .bind(boxoffice_domain::Topic::Purchase.name())
+    .bind(&env.event_type)
+    .bind(sqlx::types::Json(env))
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
 pub async fn outbox_count(pool: &PgPool, event_type: &str, order: Uuid) -> i64 {
     sqlx::query_scalar("SELECT count(*) FROM outbox WHERE event_type = $1 AND message_key = $2")
         .bind(event_type)

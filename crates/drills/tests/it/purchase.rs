@@ -53,6 +53,113 @@ async fn hold_to_ticket_through_every_role(_: PgPoolOptions, opts: PgConnectOpti
     app.stop().await;
 }
 
+/// Facts of what the provider did, written to the purchase topic by someone other than the
+/// ledger's writers (a `PaymentAuthorized` for an order nobody paid, then a
+/// `PaymentRefunded` for the ticketed order), are claims the saga checks
+/// (`saga::PROVIDER_FACTS`): each is parked as an `unknown_fact` incident and changes
+/// nothing — the order stays payable, its hold live, its PaymentIntent uncancelled, and once
+/// the buyer really pays it is ticketed and stays so.
+async fn forged_provider_facts_change_nothing(app: TestApp) {
+    use boxoffice_domain::OrderId;
+    let kafka = app.cfg.kafka().unwrap();
+    let producer = boxoffice_bus::producer::build(&kafka).unwrap();
+    let topic = kafka.topic(boxoffice_domain::Topic::Purchase.name());
+    let forge = |fact: &PurchaseEvent, order: Uuid| {
+        let env = Envelope::new(OrderId(order), fact, Uuid::new_v4(), None);
+        let (producer, topic) = (producer.clone(), topic.clone());
+        async move {
+            let id = env.event_id.to_string();
+            boxoffice_bus::producer::send(
+                &producer,
+                &topic,
+                &order.to_string(),
+                &serde_json::to_vec(&env).unwrap(),
+                &[
+                    (boxoffice_bus::fact_headers::EVENT_ID, id.as_str()),
+                    (boxoffice_bus::fact_headers::EVENT_TYPE, env.event_type.as_str()),
+                ],
+            )
+            .await
+            .unwrap();
+            env.event_id
+        }
+    };
+    let parked = |id: Uuid| {
+        let pool = app.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, bool>(
+                "SELECT EXISTS (SELECT 1 FROM incidents WHERE kind = 'unknown_fact' AND detail->>'event_id' = $1)",
+            )
+            .bind(id.to_string())
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    let seat = app.seats().await[0];
+    let b = app.buyer();
+    let order = app.hold_order(&b, "forged", &[seat]).await;
+    let view = app.await_order(&b, order, WAIT, |v| v["status"] == "payment_required").await;
+    let pi = view["payment_intent_id"].as_str().unwrap().to_owned();
+    let authorized = PurchaseEvent::PaymentAuthorized {
+        order_id: OrderId(order),
+        payment_intent_id: pi.clone(),
+        amount_capturable_minor: view["amount_minor"].as_i64().unwrap(),
+        capture_before: None,
+    };
+    let id = forge(&authorized, order).await;
+    eventually(WAIT, "the forged authorization parked", || parked(id)).await;
+    let (_, view) = app.order(&b, order).await;
+    assert_eq!(view["status"], "payment_required", "a forged authorization confirms nothing: {view}");
+    let hold: String = sqlx::query_scalar("SELECT status FROM holds WHERE order_id = $1")
+        .bind(order)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(hold, "active");
+    assert_eq!(app.sim.captures_for(&pi), 0);
+
+    // The buyer pays for real: ticketed, captured once.
+    app.pay(&b, order, "pm_card_visa").await.expect("authorized");
+    app.await_order(&b, order, WAIT, |v| v["status"] == "ticketed").await;
+    let refunded = PurchaseEvent::PaymentRefunded {
+        order_id: OrderId(order),
+        payment_intent_id: pi.clone(),
+        amount_refunded_minor: view["amount_minor"].as_i64().unwrap(),
+    };
+    let id = forge(&refunded, order).await;
+    eventually(WAIT, "the forged refund parked", || parked(id)).await;
+    let (_, view) = app.order(&b, order).await;
+    assert_eq!(view["status"], "ticketed", "a forged refund voids nothing: {view}");
+    assert_eq!(app.sim.captures_for(&pi), 1);
+    let valid: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM tickets WHERE order_id = $1 AND voided_at IS NULL")
+            .bind(order)
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(valid, 1, "the ticket stays valid");
+    app.stop().await;
+}
+
+/// Through a member's group transaction (the default).
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn forged_provider_facts_are_parked_in_a_group_transaction(_: PgPoolOptions, opts: PgConnectOptions) {
+    forged_provider_facts_change_nothing(TestApp::spawn(opts, &Role::ALL, VenueSpec::small(1, 1, 4)).await)
+        .await;
+}
+
+/// Through a lane's own transaction of one fact.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn forged_provider_facts_are_parked_alone(_: PgPoolOptions, opts: PgConnectOptions) {
+    let app = TestApp::spawn_with(opts, &Role::ALL, VenueSpec::small(1, 1, 4), |c| {
+        c.consumer_group_commit = false;
+        c.consumer_batch_max = 1;
+    })
+    .await;
+    forged_provider_facts_change_nothing(app).await;
+}
+
 /// With `consumer_group_commit` (`boxoffice_bus::consumer`, "Group commit"), purchases made
 /// at once through every role are each ticketed, each charged once, and the ledger is clean
 /// once the outbox drains.
@@ -598,6 +705,8 @@ async fn poison_messages_are_dead_lettered_and_the_partition_moves_on(
     // All on one key, so they share a partition and lane with the real order's event below.
     let key = "poison-key";
     boxoffice_bus::producer::send(&producer, &topic, key, b"{not an envelope", &[]).await.unwrap();
+    // A fact this ledger committed (the saga checks that of a provider fact), whose order is gone.
+    crate::helpers::committed(&app.pool, &orphan).await;
     boxoffice_bus::producer::send(&producer, &topic, key, &serde_json::to_vec(&orphan).unwrap(), &[])
         .await
         .unwrap();

@@ -136,6 +136,13 @@ impl Ledger {
     }
 }
 
+/// The saga's `handle_once` on `env` as read from the bus, `env` being a fact this ledger
+/// committed ([`crate::helpers::committed`]).
+async fn saga_once(pool: &PgPool, env: &Envelope) -> Result<Disposition, boxoffice_bus::HandlerError> {
+    crate::helpers::committed(pool, env).await;
+    handle_once(pool, &Saga::default(), env).await
+}
+
 fn authorized(order: OrderId, pi: &str) -> Envelope {
     Envelope::new(
         order,
@@ -157,8 +164,8 @@ async fn duplicate_kafka_event_is_applied_once(_: PgPoolOptions, opts: PgConnect
     let r = l.hold(&l.seats[..2], Duration::from_secs(60)).await;
     let pi = l.payment(r.order_id).await;
     let env = authorized(r.order_id, &pi);
-    assert_eq!(handle_once(&l.pool, &Saga::default(), &env).await.unwrap(), Disposition::Applied);
-    assert_eq!(handle_once(&l.pool, &Saga::default(), &env).await.unwrap(), Disposition::Duplicate);
+    assert_eq!(saga_once(&l.pool, &env).await.unwrap(), Disposition::Applied);
+    assert_eq!(saga_once(&l.pool, &env).await.unwrap(), Disposition::Duplicate);
     assert_eq!(l.capture_requests(r.order_id).await, 1);
     assert_eq!(l.outbox("OrderConfirmed", r.order_id).await, 1);
     assert_eq!(l.status(r.order_id).await, "confirming");
@@ -178,7 +185,7 @@ async fn c07_concurrent_copies_of_one_fact_transition_once(_: PgPoolOptions, opt
         let (pool, env, gate) = (l.pool.clone(), authorized(r.order_id, &pi), gate.clone());
         tasks.push(tokio::spawn(async move {
             gate.wait().await;
-            handle_once(&pool, &Saga::default(), &env).await
+            saga_once(&pool, &env).await
         }));
     }
     for t in tasks {
@@ -200,7 +207,7 @@ async fn authorization_after_expiry_is_compensated(_: PgPoolOptions, opts: PgCon
     assert_eq!(holds::expire_due(&l.pool, 100).await.unwrap().0, 1);
     assert_eq!(l.status(r.order_id).await, "expired");
 
-    handle_once(&l.pool, &Saga::default(), &authorized(r.order_id, &pi)).await.unwrap();
+    saga_once(&l.pool, &authorized(r.order_id, &pi)).await.unwrap();
     assert_eq!(l.status(r.order_id).await, "canceled");
     assert_eq!(l.outbox("AuthorizationCancelRequested", r.order_id).await, 1);
     assert_eq!(l.capture_requests(r.order_id).await, 0);
@@ -232,8 +239,8 @@ async fn late_decline_does_not_reopen_a_cancelled_payment(_: PgPoolOptions, opts
         .await
         .unwrap()
     };
-    assert_eq!(handle_once(&l.pool, &Saga::default(), &canceled).await.unwrap(), Disposition::Applied);
-    assert_eq!(handle_once(&l.pool, &Saga::default(), &declined).await.unwrap(), Disposition::Applied);
+    assert_eq!(saga_once(&l.pool, &canceled).await.unwrap(), Disposition::Applied);
+    assert_eq!(saga_once(&l.pool, &declined).await.unwrap(), Disposition::Applied);
     assert_eq!(payment().await, ("canceled".to_owned(), None));
 
     // In order, a decline is recorded while the payment is pending.
@@ -249,7 +256,7 @@ async fn late_decline_does_not_reopen_a_cancelled_payment(_: PgPoolOptions, opts
         Uuid::new_v4(),
         None,
     );
-    handle_once(&l.pool, &Saga::default(), &declined2).await.unwrap();
+    saga_once(&l.pool, &declined2).await.unwrap();
     let (status, code): (String, Option<String>) =
         sqlx::query_as("SELECT status, last_error_code FROM payments WHERE payment_intent_id = $1")
             .bind(&pi2)
@@ -273,7 +280,7 @@ async fn c04_late_authorization_after_resale(_: PgPoolOptions, opts: PgConnectOp
     let b = l.hold(&[seat], Duration::from_secs(60)).await;
     assert_eq!(l.status(a.order_id).await, "expired");
     let b_pi = l.payment(b.order_id).await;
-    handle_once(&l.pool, &Saga::default(), &authorized(b.order_id, &b_pi)).await.unwrap();
+    saga_once(&l.pool, &authorized(b.order_id, &b_pi)).await.unwrap();
     let captured = Envelope::new(
         b.order_id,
         &PurchaseEvent::PaymentCaptured {
@@ -284,7 +291,7 @@ async fn c04_late_authorization_after_resale(_: PgPoolOptions, opts: PgConnectOp
         Uuid::new_v4(),
         None,
     );
-    handle_once(&l.pool, &Saga::default(), &captured).await.unwrap();
+    saga_once(&l.pool, &captured).await.unwrap();
     let issue = Envelope::new(
         b.order_id,
         &PurchaseEvent::TicketIssueRequested { order_id: b.order_id, hold_id: b.hold_id },
@@ -294,7 +301,7 @@ async fn c04_late_authorization_after_resale(_: PgPoolOptions, opts: PgConnectOp
     handle_once(&l.pool, &TicketWorker, &issue).await.unwrap();
     assert_eq!(l.status(b.order_id).await, "ticketed");
 
-    handle_once(&l.pool, &Saga::default(), &authorized(a.order_id, &a_pi)).await.unwrap();
+    saga_once(&l.pool, &authorized(a.order_id, &a_pi)).await.unwrap();
     assert_eq!(l.status(a.order_id).await, "canceled");
     assert_eq!(l.outbox("AuthorizationCancelRequested", a.order_id).await, 1);
     let cancel: serde_json::Value = sqlx::query_scalar(
@@ -338,7 +345,7 @@ async fn c03_expiry_racing_authorization_picks_one_legal_state(_: PgPoolOptions,
         let (pool, env, gate) = (l.pool.clone(), authorized(r.order_id, pi), gate.clone());
         tasks.push(tokio::spawn(async move {
             gate.wait().await;
-            handle_once(&pool, &Saga::default(), &env).await.map(|_| ())
+            saga_once(&pool, &env).await.map(|_| ())
         }));
     }
     for _ in 0..2 {
@@ -385,7 +392,7 @@ async fn c09_capture_deadline_releases_or_cancels_deliberately(_: PgPoolOptions,
     let (s1, s2) = (l.seats[5], l.seats[6]);
     let near = l.hold(&[s1], Duration::from_secs(60)).await;
     let near_pi = l.payment(near.order_id).await;
-    handle_once(&l.pool, &Saga::default(), &authorized(near.order_id, &near_pi)).await.unwrap();
+    saga_once(&l.pool, &authorized(near.order_id, &near_pi)).await.unwrap();
     assert_eq!(l.status(near.order_id).await, "confirming");
     let deadline: Option<chrono::DateTime<chrono::Utc>> =
         sqlx::query_scalar("SELECT capture_before FROM payments WHERE order_id = $1")
@@ -422,14 +429,14 @@ async fn c09_capture_deadline_releases_or_cancels_deliberately(_: PgPoolOptions,
     // Stripe cancels an authorization that was never captured: the seats are released.
     let lapsed = l.hold(&[s2], Duration::from_secs(60)).await;
     let lapsed_pi = l.payment(lapsed.order_id).await;
-    handle_once(&l.pool, &Saga::default(), &authorized(lapsed.order_id, &lapsed_pi)).await.unwrap();
+    saga_once(&l.pool, &authorized(lapsed.order_id, &lapsed_pi)).await.unwrap();
     let canceled = Envelope::new(
         lapsed.order_id,
         &PurchaseEvent::PaymentCanceled { order_id: lapsed.order_id, payment_intent_id: lapsed_pi },
         Uuid::new_v4(),
         None,
     );
-    handle_once(&l.pool, &Saga::default(), &canceled).await.unwrap();
+    saga_once(&l.pool, &canceled).await.unwrap();
     assert_eq!(l.status(lapsed.order_id).await, "failed");
     assert_eq!(l.active_rows(s2).await, 0);
 
@@ -448,7 +455,7 @@ async fn c09_capture_deadline_releases_or_cancels_deliberately(_: PgPoolOptions,
         Uuid::new_v4(),
         None,
     );
-    handle_once(&l.pool, &Saga::default(), &fact).await.unwrap();
+    saga_once(&l.pool, &fact).await.unwrap();
     assert_eq!(l.status(stated.order_id).await, "confirming");
     let (status, recorded): (String, Option<chrono::DateTime<chrono::Utc>>) =
         sqlx::query_as("SELECT status, capture_before FROM payments WHERE order_id = $1")
@@ -525,6 +532,9 @@ async fn a_saga_batch_judges_each_hold_when_it_locks_it(_: PgPoolOptions, opts: 
     // Another transaction holds the first order's hold, so the batch's lock waits there.
     let blocker = crate::helpers::hold_lock_elsewhere(&l.pool, first.0).await;
     let envs = vec![authorized(second, &pi_second), authorized(first, &pi_first)];
+    for env in &envs {
+        crate::helpers::committed(&l.pool, env).await;
+    }
     let batch = {
         let (pool, envs) = (l.pool.clone(), envs.clone());
         tokio::spawn(async move { handle_batch(&pool, &Saga::default(), &Followers::none(), &envs).await })
