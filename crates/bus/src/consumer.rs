@@ -115,9 +115,10 @@
 //! what failed for all of them is not repeated there while the other lanes wait. The cost:
 //! a group transaction that waits holds up the commits of every lane of the member, as one
 //! transaction slot does. For a row lock that wait is bounded: a group transaction waits at
-//! most [`GROUP_LOCK_TIMEOUT_MS`] for one (`lock_timeout`, set in its `BEGIN`), then fails
-//! as transient, and each of its lanes applies its run alone, where only the lane of the
-//! locked order waits for the lock (up to `db_statement_timeout_ms`, as without a committer).
+//! most [`GROUP_LOCK_TIMEOUT_MS`] for each lock (`lock_timeout`, set in its `BEGIN`; counted
+//! per lock, not per transaction), then fails as transient, and each of its lanes applies its
+//! run alone, where only the lane of the locked order waits for the lock (up to
+//! `db_statement_timeout_ms`, as without a committer).
 //! A message processed alone (a retry copy, one whose `prepare`
 //! failed, one of a failed run) does not go through the committer.
 //!
@@ -939,7 +940,8 @@ enum Open<'a> {
     Group,
 }
 
-/// Longest a member's group transaction waits for a row lock, in milliseconds: past it the
+/// Longest a member's group transaction waits for any one row lock, in milliseconds (each
+/// lock counted alone, as PostgreSQL's `lock_timeout` does): past it the
 /// statement fails (SQLSTATE 55P03, transient) and so does the group, whose lanes then apply
 /// their runs alone, so a row another session holds (an operator's, say) delays one group
 /// this long instead of stalling every lane's commits for up to `db_statement_timeout_ms`.
