@@ -15,7 +15,7 @@
 //! fact (`boxoffice_bus::follow`): the payment worker locks the hold first, so the lock order
 //! holds there too.
 //!
-//! On the bus, a fact of what the provider did ([`saga::PROVIDER_FACTS`]) is a claim: the
+//! On the bus, a fact of what the provider did ([`saga::states_provider`]) is a claim: the
 //! runner applies it only when this ledger committed it, and parks one it did not as an
 //! `unknown_fact` incident ([`Handler::verifies`]; invariant 2: a forged `PaymentAuthorized`
 //! confirms nothing).
@@ -64,7 +64,7 @@ impl Handler for Saga {
     }
 
     fn verifies(&self, event: &PurchaseEvent) -> bool {
-        saga::PROVIDER_FACTS.contains(&event.kind())
+        saga::states_provider(event.kind())
     }
 
     async fn prepare(&self, _: &Envelope, _: &PurchaseEvent, _: ()) -> Result<(), HandlerError> {

@@ -26,10 +26,12 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 /// Records each fact it prepares, when each fact's attempts began, and each fact it applies,
-/// with the transaction that applied it; refuses `refuse`.
+/// with the transaction that applied it; refuses `refuse`; with `locks`, first locks its
+/// order's row in `probe_orders` (when there is one).
 #[derive(Default)]
 struct Probe {
     refuse: Uuid,
+    locks: bool,
     prepared: std::sync::Mutex<Vec<Uuid>>,
     attempts: std::sync::Mutex<Vec<(Uuid, std::time::Instant)>>,
 }
@@ -65,16 +67,39 @@ impl Handler for Probe {
         if env.event_id == self.refuse {
             return Err(HandlerError::permanent("probe_refused", anyhow::anyhow!("refused")));
         }
-        sqlx::query(
-            "INSERT INTO probe_applied (event_id, order_id, xact) VALUES ($1, $2, pg_current_xact_id()::text)",
-        )
-        .bind(env.event_id)
-        .bind(env.aggregate_id)
-        .execute(&mut **tx)
-        .await?;
+        if self.locks {
+            sqlx::query("SELECT 1 FROM probe_orders WHERE order_id = $1 FOR UPDATE")
+                .bind(env.aggregate_id)
+                .execute(&mut **tx)
+                .await?;
+        }
+        record_applied(tx, env).await?;
         // A fact that follows, which the runner writes to the outbox (a batch's in one statement).
         Ok(vec![env.follow(&PurchaseEvent::TicketIssued { order_id: env.order_id(), ticket_ids: vec![] })])
     }
+}
+
+/// The table the probe handlers record each applied fact in, with its transaction.
+async fn probe_table(pool: &PgPool) {
+    sqlx::query(
+        "CREATE TABLE probe_applied (seq bigserial PRIMARY KEY, event_id uuid NOT NULL, order_id uuid NOT NULL,
+                                     xact text NOT NULL)",
+    )
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+/// Records `env` as applied in `tx` ([`probe_table`]).
+async fn record_applied(tx: &mut boxoffice_store::Tx<'_>, env: &Envelope) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO probe_applied (event_id, order_id, xact) VALUES ($1, $2, pg_current_xact_id()::text)",
+    )
+    .bind(env.event_id)
+    .bind(env.aggregate_id)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
 }
 
 /// Per applied probe row: whether exactly one outbox row follows it (caused by it, for its
@@ -181,13 +206,7 @@ async fn queued_facts_of_many_orders_share_a_transaction_and_a_bad_one_goes_alon
     opts: PgConnectOptions,
 ) {
     let pool = pool_opts.max_connections(4).connect_with(opts).await.unwrap();
-    sqlx::query(
-        "CREATE TABLE probe_applied (seq bigserial PRIMARY KEY, event_id uuid NOT NULL, order_id uuid NOT NULL,
-                                     xact text NOT NULL)",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
+    probe_table(&pool).await;
     let (k, producer) = topics("batch").await;
 
     // Three orders, four facts each, interleaved; a copy of one fact; facts the probe ignores.
@@ -1117,13 +1136,7 @@ async fn a_member_commits_what_its_lanes_have_ready_in_one_transaction(
     opts: PgConnectOptions,
 ) {
     let pool = pool_opts.max_connections(8).connect_with(opts).await.unwrap();
-    sqlx::query(
-        "CREATE TABLE probe_applied (seq bigserial PRIMARY KEY, event_id uuid NOT NULL, order_id uuid NOT NULL,
-                                     xact text NOT NULL)",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
+    probe_table(&pool).await;
     for batch in [1, 16] {
         sqlx::query("TRUNCATE probe_applied, outbox, inbox").execute(&pool).await.unwrap();
         let (k, producer) = topics("group").await;
@@ -1201,13 +1214,7 @@ async fn a_group_that_fails_commits_its_other_runs_alone_with_their_answers(
     opts: PgConnectOptions,
 ) {
     let pool = pool_opts.max_connections(4).connect_with(opts).await.unwrap();
-    sqlx::query(
-        "CREATE TABLE probe_applied (seq bigserial PRIMARY KEY, event_id uuid NOT NULL, order_id uuid NOT NULL,
-                                     xact text NOT NULL)",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
+    probe_table(&pool).await;
     let none = boxoffice_bus::Followers::none();
     let issue = || fact(Uuid::new_v4(), "issue");
     let xacts = |pool: PgPool, ids: Vec<Uuid>| async move {
@@ -1257,51 +1264,6 @@ async fn a_group_that_fails_commits_its_other_runs_alone_with_their_answers(
     each_applied_fact_emitted_once_in_its_transaction(&pool).await;
 }
 
-/// A consumer whose effect first locks its order's row in `probe_orders` (when there is
-/// one), then records the fact as [`Probe`] does.
-struct RowLocker;
-
-#[async_trait]
-impl Handler for RowLocker {
-    type Prepared = ();
-    type Precheck = ();
-    type Rows = ();
-
-    fn name(&self) -> &'static str {
-        "row_locker"
-    }
-
-    fn wants(&self, kind: EventKind) -> bool {
-        kind == EventKind::TicketIssueRequested
-    }
-
-    async fn prepare(&self, _: &Envelope, _: &PurchaseEvent, _: ()) -> Result<(), HandlerError> {
-        Ok(())
-    }
-
-    async fn apply(
-        &self,
-        tx: &mut boxoffice_store::Tx<'_>,
-        env: &Envelope,
-        _: &PurchaseEvent,
-        _: (),
-        _: (),
-    ) -> Result<Vec<Envelope>, HandlerError> {
-        sqlx::query("SELECT 1 FROM probe_orders WHERE order_id = $1 FOR UPDATE")
-            .bind(env.aggregate_id)
-            .execute(&mut **tx)
-            .await?;
-        sqlx::query(
-            "INSERT INTO probe_applied (event_id, order_id, xact) VALUES ($1, $2, pg_current_xact_id()::text)",
-        )
-        .bind(env.event_id)
-        .bind(env.aggregate_id)
-        .execute(&mut **tx)
-        .await?;
-        Ok(vec![])
-    }
-}
-
 /// An order's row locked by another session (an operator's, say) does not stall a member's
 /// committer (`boxoffice_bus::consumer::GROUP_LOCK_TIMEOUT_MS`): with no statement timeout
 /// at all, the group that waits for the lock gives up after the lock timeout, its lanes
@@ -1314,13 +1276,7 @@ async fn a_locked_order_holds_up_a_group_for_the_lock_timeout_only(
     opts: PgConnectOptions,
 ) {
     let pool = pool_opts.max_connections(8).connect_with(opts).await.unwrap();
-    sqlx::query(
-        "CREATE TABLE probe_applied (seq bigserial PRIMARY KEY, event_id uuid NOT NULL, order_id uuid NOT NULL,
-                                     xact text NOT NULL)",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
+    probe_table(&pool).await;
     sqlx::query("CREATE TABLE probe_orders (order_id uuid PRIMARY KEY)").execute(&pool).await.unwrap();
     let (k, producer) = topics("locked").await;
     let locked = fact(Uuid::new_v4(), "issue");
@@ -1343,7 +1299,7 @@ async fn a_locked_order_holds_up_a_group_for_the_lock_timeout_only(
     let (tasks, _) = run_consumers(
         &k,
         pool.clone(),
-        Arc::new(RowLocker),
+        Arc::new(Probe { locks: true, ..Default::default() }),
         producer.clone(),
         grouped(4, 1),
         boxoffice_bus::Followers::none(),
@@ -1398,13 +1354,7 @@ async fn a_statement_the_server_gives_up_is_tried_again_later_not_at_once(
     opts: PgConnectOptions,
 ) {
     let pool = pool_opts.max_connections(4).connect_with(opts.clone()).await.unwrap();
-    sqlx::query(
-        "CREATE TABLE probe_applied (seq bigserial PRIMARY KEY, event_id uuid NOT NULL, order_id uuid NOT NULL,
-                                     xact text NOT NULL)",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
+    probe_table(&pool).await;
     // The consumer's sessions give a statement up after 200 ms.
     let impatient = PgPoolOptions::new()
         .max_connections(4)

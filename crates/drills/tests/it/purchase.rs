@@ -56,7 +56,7 @@ async fn hold_to_ticket_through_every_role(_: PgPoolOptions, opts: PgConnectOpti
 /// Facts of what the provider did, written to the purchase topic by someone other than the
 /// ledger's writers (a `PaymentAuthorized` for an order nobody paid, then a
 /// `PaymentRefunded` for the ticketed order), are claims the saga checks
-/// (`saga::PROVIDER_FACTS`): each is parked as an `unknown_fact` incident and changes
+/// (`saga::states_provider`): each is parked as an `unknown_fact` incident and changes
 /// nothing — the order stays payable, its hold live, its PaymentIntent uncancelled, and once
 /// the buyer really pays it is ticketed and stays so.
 async fn forged_provider_facts_change_nothing(app: TestApp) {
