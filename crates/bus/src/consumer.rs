@@ -144,8 +144,9 @@
 //! **Claims only the ledger makes** ([`Handler::verifies`]). A fact a consumer verifies (the
 //! saga's facts of what the payment provider did) is applied from the bus only when this
 //! ledger committed it: in the effect's transaction, after the inbox rows, one statement looks
-//! for the run's such facts in the outbox and `order_history`; one found in neither — written
-//! to the topic by anyone but the ledger's writers — is recorded in the inbox and as an
+//! for the run's such facts in the outbox and `order_history` (the same id, type, order and
+//! payload); one found in neither — written to the topic by anyone but the ledger's writers,
+//! with a fresh id or one borrowed from a real fact — is recorded in the inbox and as an
 //! `unknown_fact` incident, never applied ([`Disposition::Unknown`]), and the rest of its run
 //! goes on. A fact followed through in the transaction that writes it is not read from the bus
 //! and is not looked up.
@@ -418,12 +419,12 @@ async fn park_unknown<H: Handler>(
     handler: &H,
     run: &[(&Envelope, &PurchaseEvent)],
 ) -> Result<std::collections::HashSet<uuid::Uuid>, HandlerError> {
-    let ids: Vec<uuid::Uuid> =
-        run.iter().filter(|(_, event)| handler.verifies(event)).map(|(env, _)| env.event_id).collect();
-    if ids.is_empty() {
+    let claims: Vec<&Envelope> =
+        run.iter().filter(|(_, event)| handler.verifies(event)).map(|(env, _)| *env).collect();
+    if claims.is_empty() {
         return Ok(Default::default());
     }
-    let unknown = outbox::not_committed(tx, &ids).await?;
+    let unknown = outbox::not_committed(tx, &claims).await?;
     for (env, _) in run.iter().filter(|(env, _)| unknown.contains(&env.event_id)) {
         boxoffice_store::stripe_events::incident(
             tx,

@@ -67,17 +67,31 @@ pub async fn insert(tx: &mut Tx<'_>, topic: Topic, envelope: &Envelope) -> Resul
     Ok(())
 }
 
-/// Which of the facts `ids` this ledger did not commit: in neither the outbox nor, once the
-/// relay pruned them, `order_history` (kept `order_history_retention_days`). One statement.
-/// A consumer that reads a fact from the bus asks this before it acts on a claim only the
-/// ledger's own writers may make (`boxoffice_bus::Handler::verifies`).
-pub async fn not_committed(tx: &mut Tx<'_>, ids: &[Uuid]) -> Result<Vec<Uuid>, sqlx::Error> {
+/// The event ids of the facts of `facts` this ledger did not commit as they are: no row in
+/// the outbox, nor, once the relay pruned it, in `order_history` (kept
+/// `order_history_retention_days`), with the fact's id, type, order and payload (a forged
+/// fact that borrows a real fact's id, of another type or with other contents, is not one
+/// this ledger committed). One statement. A consumer that reads a fact from the bus asks
+/// this before it acts on a claim only the ledger's own writers may make
+/// (`boxoffice_bus::Handler::verifies`).
+pub async fn not_committed(tx: &mut Tx<'_>, facts: &[&Envelope]) -> Result<Vec<Uuid>, sqlx::Error> {
+    let ids: Vec<Uuid> = facts.iter().map(|f| f.event_id).collect();
+    let types: Vec<&str> = facts.iter().map(|f| f.event_type.as_str()).collect();
+    let orders: Vec<Uuid> = facts.iter().map(|f| f.aggregate_id).collect();
+    let payloads: Vec<&serde_json::Value> = facts.iter().map(|f| &f.payload).collect();
     sqlx::query_scalar(
-        "SELECT t.id FROM unnest($1::uuid[]) AS t(id)
-          WHERE NOT EXISTS (SELECT 1 FROM outbox o WHERE o.id = t.id)
-            AND NOT EXISTS (SELECT 1 FROM order_history h WHERE h.event_id = t.id)",
+        "SELECT t.id FROM unnest($1::uuid[], $2::text[], $3::uuid[], $4::jsonb[]) AS t(id, event_type, order_id, payload)
+          WHERE NOT EXISTS (SELECT 1 FROM outbox o
+                             WHERE o.id = t.id AND o.event_type = t.event_type
+                               AND o.message_key = t.order_id::text AND o.payload->'payload' = t.payload)
+            AND NOT EXISTS (SELECT 1 FROM order_history h
+                             WHERE h.event_id = t.id AND h.event_type = t.event_type
+                               AND h.order_id = t.order_id AND h.payload->'payload' = t.payload)",
     )
     .bind(ids)
+    .bind(types)
+    .bind(orders)
+    .bind(payloads.into_iter().map(sqlx::types::Json).collect::<Vec<_>>())
     .fetch_all(&mut **tx)
     .await
 }

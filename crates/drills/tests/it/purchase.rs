@@ -55,7 +55,8 @@ async fn hold_to_ticket_through_every_role(_: PgPoolOptions, opts: PgConnectOpti
 
 /// Facts of what the provider did, written to the purchase topic by someone other than the
 /// ledger's writers (a `PaymentAuthorized` for an order nobody paid, then a
-/// `PaymentRefunded` for the ticketed order), are claims the saga checks
+/// `PaymentRefunded` for the ticketed order; one that borrows the id of a real fact), are
+/// claims the saga checks
 /// (`saga::states_provider`): each is parked as an `unknown_fact` incident and changes
 /// nothing — the order stays payable, its hold live, its PaymentIntent uncancelled, and once
 /// the buyer really pays it is ticketed and stays so.
@@ -64,8 +65,10 @@ async fn forged_provider_facts_change_nothing(app: TestApp) {
     let kafka = app.cfg.kafka().unwrap();
     let producer = boxoffice_bus::producer::build(&kafka).unwrap();
     let topic = kafka.topic(boxoffice_domain::Topic::Purchase.name());
-    let forge = |fact: &PurchaseEvent, order: Uuid| {
-        let env = Envelope::new(OrderId(order), fact, Uuid::new_v4(), None);
+    // `id`: an event id to borrow (else a fresh one).
+    let forge = |fact: &PurchaseEvent, order: Uuid, id: Option<Uuid>| {
+        let mut env = Envelope::new(OrderId(order), fact, Uuid::new_v4(), None);
+        env.event_id = id.unwrap_or(env.event_id);
         let (producer, topic) = (producer.clone(), topic.clone());
         async move {
             let id = env.event_id.to_string();
@@ -107,8 +110,21 @@ async fn forged_provider_facts_change_nothing(app: TestApp) {
         amount_capturable_minor: view["amount_minor"].as_i64().unwrap(),
         capture_before: None,
     };
-    let id = forge(&authorized, order).await;
+    let id = forge(&authorized, order, None).await;
     eventually(WAIT, "the forged authorization parked", || parked(id)).await;
+    // One that borrows the id of a real fact of the order the saga never recorded (its
+    // `HoldCreated`, the payment worker's request) is not that fact either.
+    let hold_created: Uuid = sqlx::query_scalar(
+        "SELECT id FROM outbox WHERE event_type = 'HoldCreated' AND message_key = $1::text
+         UNION ALL SELECT event_id FROM order_history WHERE event_type = 'HoldCreated' AND order_id = $1",
+    )
+    .bind(order)
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert!(!crate::helpers::in_inbox(&app.pool, "saga", hold_created).await);
+    forge(&authorized, order, Some(hold_created)).await;
+    eventually(WAIT, "the forged authorization with a borrowed id parked", || parked(hold_created)).await;
     let (_, view) = app.order(&b, order).await;
     assert_eq!(view["status"], "payment_required", "a forged authorization confirms nothing: {view}");
     let hold: String = sqlx::query_scalar("SELECT status FROM holds WHERE order_id = $1")
@@ -127,7 +143,7 @@ async fn forged_provider_facts_change_nothing(app: TestApp) {
         payment_intent_id: pi.clone(),
         amount_refunded_minor: view["amount_minor"].as_i64().unwrap(),
     };
-    let id = forge(&refunded, order).await;
+    let id = forge(&refunded, order, None).await;
     eventually(WAIT, "the forged refund parked", || parked(id)).await;
     let (_, view) = app.order(&b, order).await;
     assert_eq!(view["status"], "ticketed", "a forged refund voids nothing: {view}");
