@@ -758,8 +758,11 @@ pub async fn handle_group<H: Handler>(
 /// with its stable idempotency key), all at once — they are of different orders — each in
 /// its message's consumer span; a message known to be applied already is not prepared (from
 /// its pre-check, [`Handler::applied`], or else, for a handler that calls out, the inbox).
-/// Then the transaction: the inbox rows of all its messages in one statement; then
-/// [`Handler::lock_rows`] of the messages whose row was new, in the order of their order ids;
+/// Then the transaction, as `commit` says — the lane's own, or the member's group transaction
+/// that joins other lanes' runs (module doc, "Group commit"): the inbox rows of all its
+/// messages in one statement; then the facts the handler [`Handler::verifies`] that this
+/// ledger did not commit, parked ([`Disposition::Unknown`]); then
+/// [`Handler::lock_rows`] of the other messages whose row was new, in the order of their order ids;
 /// then, per such message, in that order (one fact per order: no order's facts
 /// are reordered) and inside its consumer span, its effect with those rows (a duplicate — of
 /// an applied fact, or a second copy of an id in the run — does nothing); then what they emitted, in one outbox statement; then one commit. The fault
