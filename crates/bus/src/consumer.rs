@@ -148,8 +148,10 @@
 //! payload); one found in neither — written to the topic by anyone but the ledger's writers,
 //! with a fresh id or one borrowed from a real fact — is recorded in the inbox and as an
 //! `unknown_fact` incident, never applied ([`Disposition::Unknown`]), and the rest of its run
-//! goes on. A fact followed through in the transaction that writes it is not read from the bus
-//! and is not looked up.
+//! goes on. For a handler that calls out (the payment worker's refund and cancel requests) the
+//! same look-up is made once more before the run's provider calls, so no call is made for
+//! such a fact. A fact followed through in the transaction that writes it is not read from
+//! the bus and is not looked up.
 //!
 //! **Trace context** (design §16). Each attempt at a message runs inside a consumer span
 //! (`otel.kind = consumer`) whose parent is the message's `traceparent` header — the stored
@@ -424,7 +426,7 @@ async fn park_unknown<H: Handler>(
     if claims.is_empty() {
         return Ok(Default::default());
     }
-    let unknown = outbox::not_committed(tx, &claims).await?;
+    let unknown = outbox::not_committed(&mut **tx, &claims).await?;
     for (env, _) in run.iter().filter(|(env, _)| unknown.contains(&env.event_id)) {
         boxoffice_store::stripe_events::incident(
             tx,
@@ -441,6 +443,23 @@ async fn park_unknown<H: Handler>(
             order.id = %env.aggregate_id, "a fact this ledger did not commit: parked, not applied");
     }
     Ok(unknown.into_iter().collect())
+}
+
+/// For a handler that [`Handler::calls_out`]: which facts of `run` it verifies that this
+/// ledger did not commit, read before any provider call (one statement, outside any
+/// transaction), so a forged command costs no call; [`park_unknown`] then records them in
+/// the effect's transaction. Empty, without a statement, for any other handler.
+async fn unverified_before_call<H: Handler>(
+    pool: &PgPool,
+    handler: &H,
+    run: &[(&Envelope, &PurchaseEvent)],
+) -> Result<std::collections::HashSet<uuid::Uuid>, HandlerError> {
+    let claims: Vec<&Envelope> =
+        run.iter().filter(|(_, event)| handler.verifies(event)).map(|(env, _)| *env).collect();
+    if claims.is_empty() || !handler.calls_out() {
+        return Ok(Default::default());
+    }
+    Ok(outbox::not_committed(pool, &claims).await?.into_iter().collect())
 }
 
 /// Applies one envelope once: the inbox check, `prepare`, then inbox + `apply` in one
@@ -615,6 +634,17 @@ async fn apply_once<H: Handler>(
         let precheck = prechecks_of(handler, &[(env, &event)]).await?.pop().unwrap_or_default();
         if known_duplicate(pool, handler, env, &precheck).await? {
             return Ok(Disposition::Duplicate);
+        }
+        if !unverified_before_call(pool, handler, &[(env, &event)]).await?.is_empty() {
+            // No call for a claim this ledger did not make: recorded and parked.
+            let mut tx = pool.begin().await?;
+            if !inbox::record(&mut tx, name, env.event_id).await? {
+                return Ok(Disposition::Duplicate);
+            }
+            if !park_unknown(&mut tx, handler, &[(env, &event)]).await?.is_empty() {
+                tx.commit().await?;
+                return Ok(Disposition::Unknown);
+            }
         }
         boxoffice_faults::check_consumer(name, "before_remote")?;
         let prepared = handler.prepare(env, &event, precheck).await?;
@@ -808,11 +838,13 @@ async fn prepare_shared<H: Handler>(
     let name = handler.name();
     // What the `prepare`s check first, read for all of them at once.
     let prechecks = prechecks_of(handler, run).await?;
+    let unverified = &unverified_before_call(pool, handler, run).await?;
     // Every call is let finish (none is abandoned half-way).
     let outcomes: Vec<Result<Option<H::Prepared>, HandlerError>> = futures::future::join_all(
         run.iter().zip(spans).zip(prechecks).map(|(((env, event), span), precheck)| {
             async move {
-                if known_duplicate(pool, handler, env, &precheck).await? {
+                if known_duplicate(pool, handler, env, &precheck).await? || unverified.contains(&env.event_id)
+                {
                     return Ok::<_, HandlerError>(None);
                 }
                 boxoffice_faults::check_consumer(name, "before_remote")?;
@@ -884,23 +916,20 @@ async fn commit_shared<H: Handler>(
         left_out.iter().map(|&l| (!l).then_some(Disposition::Duplicate)).collect();
     // The messages whose effects run: found in the inbox before their `prepare`, or not new
     // now, a message has nothing to apply.
-    let mut todo: Vec<(usize, H::Prepared)> = Vec::with_capacity(run.len());
-    for k in by_order.into_iter().filter(|&k| !left_out[k]) {
-        let fresh = fresh.remove(&run[k].0.event_id);
-        if let Some(p) = prepared[k].take().filter(|_| fresh) {
+    let new: Vec<usize> =
+        by_order.into_iter().filter(|&k| !left_out[k] && fresh.remove(&run[k].0.event_id)).collect();
+    // Claims only this ledger's writers may make, that it did not commit: parked, not applied
+    // (a handler that calls out made no call for them: `unverified_before_call`).
+    let claims: Vec<(&Envelope, &PurchaseEvent)> = new.iter().map(|&k| run[k]).collect();
+    let unknown = park_unknown(&mut tx, handler, &claims).await?;
+    let mut todo: Vec<(usize, H::Prepared)> = Vec::with_capacity(new.len());
+    for k in new {
+        if unknown.contains(&run[k].0.event_id) {
+            out[k] = Some(Disposition::Unknown);
+        } else if let Some(p) = prepared[k].take() {
             todo.push((k, p));
         }
     }
-    // Claims only this ledger's writers may make, that it did not commit: parked, not applied.
-    let claims: Vec<(&Envelope, &PurchaseEvent)> = todo.iter().map(|(k, _)| run[*k]).collect();
-    let unknown = park_unknown(&mut tx, handler, &claims).await?;
-    todo.retain(|(k, _)| {
-        let known = !unknown.contains(&run[*k].0.event_id);
-        if !known {
-            out[*k] = Some(Disposition::Unknown);
-        }
-        known
-    });
     // Their rows, locked for all of them at once, in the order their effects run.
     let locking: Vec<(&Envelope, &PurchaseEvent)> = todo.iter().map(|(k, _)| run[*k]).collect();
     let rows = rows_of(handler, &mut tx, &locking).await?;

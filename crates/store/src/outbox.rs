@@ -74,7 +74,10 @@ pub async fn insert(tx: &mut Tx<'_>, topic: Topic, envelope: &Envelope) -> Resul
 /// this ledger committed). One statement. A consumer that reads a fact from the bus asks
 /// this before it acts on a claim only the ledger's own writers may make
 /// (`boxoffice_bus::Handler::verifies`).
-pub async fn not_committed(tx: &mut Tx<'_>, facts: &[&Envelope]) -> Result<Vec<Uuid>, sqlx::Error> {
+pub async fn not_committed<'e>(
+    ex: impl sqlx::PgExecutor<'e>,
+    facts: &[&Envelope],
+) -> Result<Vec<Uuid>, sqlx::Error> {
     let ids: Vec<Uuid> = facts.iter().map(|f| f.event_id).collect();
     let types: Vec<&str> = facts.iter().map(|f| f.event_type.as_str()).collect();
     let orders: Vec<Uuid> = facts.iter().map(|f| f.aggregate_id).collect();
@@ -92,7 +95,7 @@ pub async fn not_committed(tx: &mut Tx<'_>, facts: &[&Envelope]) -> Result<Vec<U
     .bind(types)
     .bind(orders)
     .bind(payloads.into_iter().map(sqlx::types::Json).collect::<Vec<_>>())
-    .fetch_all(&mut **tx)
+    .fetch_all(ex)
     .await
 }
 

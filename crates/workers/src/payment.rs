@@ -362,6 +362,17 @@ impl Handler for PaymentWorker {
         true
     }
 
+    /// A refund or a cancel request is sent only when this ledger wrote it (the saga's
+    /// compensations, the expiry sweep, `reconcile --fix`): one on the bus that it did not is
+    /// parked as an `unknown_fact` incident before any call, so a message written to the topic
+    /// by anyone else refunds and cancels nothing.
+    fn verifies(&self, event: &PurchaseEvent) -> bool {
+        matches!(
+            event,
+            PurchaseEvent::RefundRequested { .. } | PurchaseEvent::AuthorizationCancelRequested { .. }
+        )
+    }
+
     fn applied(&self, pre: &payments::Precheck) -> Option<bool> {
         Some(pre.applied)
     }

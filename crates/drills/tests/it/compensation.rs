@@ -283,6 +283,7 @@ async fn two_authorizations_of_one_order_are_both_cancelled(_: PgPoolOptions, op
             payment_intent_id: pi.clone(),
             reason: "stale_authorization".into(),
         });
+        crate::helpers::committed(&app.pool, &cmd).await;
         handle_once(&app.pool, &worker, &cmd).await.unwrap();
     }
     for pi in &intents {
@@ -317,6 +318,7 @@ async fn a_refund_the_provider_already_made_is_recorded_once(_: PgPoolOptions, o
         app.refund_at_provider(&pi, at_provider).await;
 
         let cmd = refund_command(order, &pi);
+        crate::helpers::committed(&app.pool, &cmd).await;
         handle_once(&app.pool, &worker, &cmd).await.expect("recorded, not dead-lettered");
         let amounts: Vec<i64> = sqlx::query_scalar(
             "SELECT (payload->'payload'->>'amount_refunded_minor')::bigint FROM outbox
@@ -360,7 +362,9 @@ async fn two_captures_of_one_order_are_both_refunded(_: PgPoolOptions, opts: PgC
         .unwrap();
     let worker = payment_worker(&app);
     for pi in &intents {
-        handle_once(&app.pool, &worker, &refund_command(order, pi)).await.expect("refunded");
+        let cmd = refund_command(order, pi);
+        crate::helpers::committed(&app.pool, &cmd).await;
+        handle_once(&app.pool, &worker, &cmd).await.expect("refunded");
     }
     for pi in &intents {
         assert_eq!(refunded_on_charge(&app, pi).await, 1_000, "{pi}: the buyer's money returned");

@@ -686,6 +686,9 @@ async fn a_payment_batch_locks_the_holds_of_all_its_commands_first(_: PgPoolOpti
         Envelope::new(high, &cancel, Uuid::new_v4(), None),
         Envelope::new(low, &refresh, Uuid::new_v4(), None),
     ];
+    for cmd in &batch_cmds {
+        crate::helpers::committed(&app.pool, cmd).await;
+    }
     let blocker = crate::helpers::hold_lock_elsewhere(&app.pool, low.0).await;
     let batch = {
         let (pool, worker, saga) = (app.pool.clone(), worker.clone(), saga.clone());

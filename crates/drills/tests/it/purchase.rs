@@ -53,10 +53,11 @@ async fn hold_to_ticket_through_every_role(_: PgPoolOptions, opts: PgConnectOpti
     app.stop().await;
 }
 
-/// Facts of what the provider did, written to the purchase topic by someone other than the
-/// ledger's writers (a `PaymentAuthorized` for an order nobody paid, then a
-/// `PaymentRefunded` for the ticketed order; one that borrows the id of a real fact), are
-/// claims the saga checks
+/// Facts of what the provider did and refund and cancel requests, written to the purchase
+/// topic by someone other than the ledger's writers (a `PaymentAuthorized` and an
+/// `AuthorizationCancelRequested` for an order nobody paid, then a `PaymentRefunded` and a
+/// `RefundRequested` for the ticketed order; one that borrows the id of a real fact), are
+/// claims the saga and the payment worker check
 /// (`saga::states_provider`): each is parked as an `unknown_fact` incident and changes
 /// nothing — the order stays payable, its hold live, its PaymentIntent uncancelled, and once
 /// the buyer really pays it is ticketed and stays so.
@@ -125,6 +126,15 @@ async fn forged_provider_facts_change_nothing(app: TestApp) {
     assert!(!crate::helpers::in_inbox(&app.pool, "saga", hold_created).await);
     forge(&authorized, order, Some(hold_created)).await;
     eventually(WAIT, "the forged authorization with a borrowed id parked", || parked(hold_created)).await;
+    // A forged cancel request cancels nothing at the provider.
+    let cancel = PurchaseEvent::AuthorizationCancelRequested {
+        order_id: OrderId(order),
+        payment_intent_id: pi.clone(),
+        reason: "forged".into(),
+    };
+    let id = forge(&cancel, order, None).await;
+    eventually(WAIT, "the forged cancel request parked", || parked(id)).await;
+    assert_eq!(app.sim.payment_intent(&pi).unwrap()["status"], "requires_payment_method");
     let (_, view) = app.order(&b, order).await;
     assert_eq!(view["status"], "payment_required", "a forged authorization confirms nothing: {view}");
     let hold: String = sqlx::query_scalar("SELECT status FROM holds WHERE order_id = $1")
@@ -145,6 +155,16 @@ async fn forged_provider_facts_change_nothing(app: TestApp) {
     };
     let id = forge(&refunded, order, None).await;
     eventually(WAIT, "the forged refund parked", || parked(id)).await;
+    // A forged refund request refunds nothing at the provider.
+    let refund = PurchaseEvent::RefundRequested {
+        order_id: OrderId(order),
+        payment_intent_id: pi.clone(),
+        amount_minor: 1,
+        reason: "forged".into(),
+    };
+    let id = forge(&refund, order, None).await;
+    eventually(WAIT, "the forged refund request parked", || parked(id)).await;
+    assert_eq!(app.sim.stats().refunds, 0, "nothing refunded at the provider");
     let (_, view) = app.order(&b, order).await;
     assert_eq!(view["status"], "ticketed", "a forged refund voids nothing: {view}");
     assert_eq!(app.sim.captures_for(&pi), 1);
