@@ -285,8 +285,10 @@ pub trait Handler: Send + Sync + 'static {
 
     /// Whether this fact, read from the bus, must be one this ledger committed before it is
     /// applied: a claim only the ledger's own writers may make (the saga's facts of what the
-    /// provider did). The runner then looks for its outbox or history row in the effect's
-    /// transaction ([`boxoffice_store::outbox::not_committed`]); one this ledger did not
+    /// provider did, the payment worker's refund and cancel requests). The runner then looks
+    /// for its outbox or history row in the effect's transaction, and for a handler that
+    /// [`Handler::calls_out`] once more before the provider calls
+    /// ([`boxoffice_store::outbox::not_committed`]); one this ledger did not
     /// commit is recorded in the inbox and as an `unknown_fact` incident, never applied
     /// ([`Disposition::Unknown`]). A fact followed through in the transaction that writes it
     /// ([`crate::follow`]) is not read from the bus and is not checked. Default: no fact.
