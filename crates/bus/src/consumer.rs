@@ -447,6 +447,26 @@ async fn park_unknown<H: Handler>(
     Ok(unknown.into_iter().collect())
 }
 
+/// The first statements of a message's own transaction `tx`: its inbox row, then, for a fact
+/// the handler verifies that this ledger did not commit, the `unknown_fact` incident. `Some`
+/// when nothing is left to apply — `Duplicate` (the row was there; `tx` is rolled back as it
+/// is dropped) or `Unknown` (`tx` committed) — and `None` (`tx` handed back) to apply it.
+async fn recorded_or_parked<H: Handler>(
+    mut tx: Tx<'static>,
+    handler: &H,
+    env: &Envelope,
+    event: &PurchaseEvent,
+) -> Result<Result<Disposition, Tx<'static>>, HandlerError> {
+    if !inbox::record(&mut tx, handler.name(), env.event_id).await? {
+        return Ok(Ok(Disposition::Duplicate));
+    }
+    if park_unknown(&mut tx, handler, &[(env, event)]).await?.is_empty() {
+        return Ok(Err(tx));
+    }
+    tx.commit().await?;
+    Ok(Ok(Disposition::Unknown))
+}
+
 /// For a handler that [`Handler::calls_out`]: which facts of `run` it verifies that this
 /// ledger did not commit, read before any provider call (one statement, outside any
 /// transaction), so a forged command costs no call; [`park_unknown`] then records them in
@@ -639,13 +659,8 @@ async fn apply_once<H: Handler>(
         }
         if !unverified_before_call(pool, handler, &[(env, &event)]).await?.is_empty() {
             // No call for a claim this ledger did not make: recorded and parked.
-            let mut tx = pool.begin().await?;
-            if !inbox::record(&mut tx, name, env.event_id).await? {
-                return Ok(Disposition::Duplicate);
-            }
-            if !park_unknown(&mut tx, handler, &[(env, &event)]).await?.is_empty() {
-                tx.commit().await?;
-                return Ok(Disposition::Unknown);
+            if let Ok(d) = recorded_or_parked(pool.begin().await?, handler, env, &event).await? {
+                return Ok(d);
             }
         }
         boxoffice_faults::check_consumer(name, "before_remote")?;
@@ -653,14 +668,10 @@ async fn apply_once<H: Handler>(
         boxoffice_faults::check_consumer(name, "after_remote")?;
         // Held until the transaction ends (this loop turn), taken after the provider call.
         let _slot = slots.take().await;
-        let mut tx = pool.begin().await?;
-        if !inbox::record(&mut tx, name, env.event_id).await? {
-            return Ok(Disposition::Duplicate);
-        }
-        if !park_unknown(&mut tx, handler, &[(env, &event)]).await?.is_empty() {
-            tx.commit().await?;
-            return Ok(Disposition::Unknown);
-        }
+        let mut tx = match recorded_or_parked(pool.begin().await?, handler, env, &event).await? {
+            Ok(d) => return Ok(d),
+            Err(tx) => tx,
+        };
         let rows = rows_of(handler, &mut tx, &[(env, &event)]).await?.pop().unwrap_or_default();
         let emitted: Vec<outbox::Traced> = handler
             .apply(&mut tx, env, &event, prepared, rows)
