@@ -146,9 +146,11 @@
 //! ledger committed it: in the effect's transaction, after the inbox rows, one statement looks
 //! for the run's such facts in the outbox and `order_history` (the same id, type, order and
 //! payload); one found in neither — written to the topic by anyone but the ledger's writers,
-//! with a fresh id or one borrowed from a real fact — is recorded in the inbox and as an
-//! `unknown_fact` incident, never applied ([`Disposition::Unknown`]), and the rest of its run
-//! goes on. For a handler that calls out (the payment worker's refund and cancel requests) the
+//! with a fresh id or one borrowed from a real fact — is recorded as an `unknown_fact`
+//! incident, never applied ([`Disposition::Unknown`]), and the rest of its run goes on. Its
+//! inbox row is taken back in the same transaction: a forged copy read first (from another
+//! partition, or while the real fact waits in a retry topic) leaves the id free for the real
+//! one, which is applied when it comes; each delivery of a forged fact is an incident. For a handler that calls out (the payment worker's refund and cancel requests) the
 //! same look-up is made once more before the run's provider calls, so no call is made for
 //! such a fact. A fact followed through in the transaction that writes it is not read from
 //! the bus and is not looked up.
@@ -289,8 +291,8 @@ pub trait Handler: Send + Sync + 'static {
     /// for its outbox or history row in the effect's transaction, and for a handler that
     /// [`Handler::calls_out`] once more before the provider calls
     /// ([`boxoffice_store::outbox::not_committed`]); one this ledger did not
-    /// commit is recorded in the inbox and as an `unknown_fact` incident, never applied
-    /// ([`Disposition::Unknown`]). A fact followed through in the transaction that writes it
+    /// commit is recorded as an `unknown_fact` incident, never applied, and leaves no inbox
+    /// row ([`Disposition::Unknown`]: the id may be a real fact's, still to come). A fact followed through in the transaction that writes it
     /// ([`crate::follow`]) is not read from the bus and is not checked. Default: no fact.
     fn verifies(&self, _event: &PurchaseEvent) -> bool {
         false
@@ -410,14 +412,16 @@ pub enum Disposition {
     /// ledger's cut: recorded in the inbox and as an `orphan_fact` incident, never applied.
     Orphan,
     /// A fact this ledger did not commit, of a kind the consumer [`Handler::verifies`] (a
-    /// forged one, or one older than the history's retention): recorded in the inbox and as
-    /// an `unknown_fact` incident, never applied.
+    /// forged one, or one older than the history's retention): recorded as an `unknown_fact`
+    /// incident, never applied; its inbox row is taken back in the same transaction, so a
+    /// real fact with the same id is still applied when it comes.
     Unknown,
 }
 
 /// Which facts of `run` (read from the bus) the handler [`Handler::verifies`] and this ledger
-/// did not commit, each recorded as an `unknown_fact` incident in `tx`; no statement when the
-/// handler verifies none of them.
+/// did not commit, each recorded as an `unknown_fact` incident in `tx` and taken out of the
+/// inbox again (the caller recorded the run's rows before); no statement when the handler
+/// verifies none of them, one more (the inbox's) only when one is unknown.
 async fn park_unknown<H: Handler>(
     tx: &mut Tx<'_>,
     handler: &H,
@@ -429,6 +433,9 @@ async fn park_unknown<H: Handler>(
         return Ok(Default::default());
     }
     let unknown = outbox::not_committed(&mut **tx, &claims).await?;
+    // Not recorded as applied: a forged copy may borrow the id of a real fact still on its
+    // way (another partition, a retry topic), which must then be applied, not skipped.
+    inbox::forget_all(tx, handler.name(), &unknown).await?;
     for (env, _) in run.iter().filter(|(env, _)| unknown.contains(&env.event_id)) {
         boxoffice_store::stripe_events::incident(
             tx,

@@ -42,6 +42,22 @@ pub async fn record_all(
     }
 }
 
+/// Takes `event_ids` out of `consumer`'s inbox in `tx` (one statement; none for no ids): for
+/// messages recorded in this transaction and then refused without an effect (a fact the
+/// ledger did not commit, which may borrow the id of a real one still on its way), so the
+/// id stays free for the message the ledger did write.
+pub async fn forget_all(tx: &mut Tx<'_>, consumer: &str, event_ids: &[Uuid]) -> Result<(), sqlx::Error> {
+    if event_ids.is_empty() {
+        return Ok(());
+    }
+    sqlx::query("DELETE FROM inbox WHERE consumer = $1 AND event_id = ANY($2::uuid[])")
+        .bind(consumer)
+        .bind(event_ids)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
 /// Whether `consumer` already applied `event_id` (outside any transaction: a pre-check that
 /// spares a remote call for a known duplicate; [`record`] stays the guard).
 pub async fn seen(pool: &sqlx::PgPool, consumer: &str, event_id: Uuid) -> Result<bool, sqlx::Error> {

@@ -323,7 +323,6 @@ impl TestApp {
     }
 }
 
-/// Outbox rows of `event_type` for `order`.
 /// `env` as a fact this ledger committed and the relay published and pruned: its row in
 /// `order_history` (the saga acts on a fact of what the provider did, read from the bus, only
 /// when this ledger committed it: `boxoffice_domain::saga::states_provider`). Nothing is
@@ -344,6 +343,7 @@ pub async fn committed(pool: &PgPool, env: &boxoffice_domain::Envelope) {
     .unwrap();
 }
 
+/// Outbox rows of `event_type` for `order`.
 pub async fn outbox_count(pool: &PgPool, event_type: &str, order: Uuid) -> i64 {
     sqlx::query_scalar("SELECT count(*) FROM outbox WHERE event_type = $1 AND message_key = $2")
         .bind(event_type)

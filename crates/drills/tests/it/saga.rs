@@ -172,6 +172,58 @@ async fn duplicate_kafka_event_is_applied_once(_: PgPoolOptions, opts: PgConnect
     assert_eq!(l.hold_status(r.order_id).await, "confirmed");
 }
 
+/// A forged copy of a provider fact that borrows the id of a real one still on its way (read
+/// first: from another partition, or while the real one waits in a retry topic) is parked as
+/// `unknown_fact` and leaves no inbox row, so the real fact is applied when it comes, not
+/// taken for a duplicate; each delivery of the copy is an incident. Alone and in a member's
+/// group transaction (`handle_group`).
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn a_forged_copy_read_first_leaves_its_borrowed_id_to_the_real_fact(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    let l = ledger(opts).await;
+    let followers = boxoffice_bus::Followers::none();
+    for (k, grouped) in [false, true].into_iter().enumerate() {
+        let once = |env: Envelope| {
+            let (pool, followers) = (l.pool.clone(), &followers);
+            async move {
+                if grouped {
+                    let mut out =
+                        boxoffice_bus::consumer::handle_group(&pool, &Saga::default(), followers, &[vec![env]])
+                            .await
+                            .unwrap();
+                    out.remove(0).unwrap()[0].unwrap()
+                } else {
+                    handle_once(&pool, &Saga::default(), &env).await.unwrap()
+                }
+            }
+        };
+        let r = l.hold(&l.seats[k..=k], Duration::from_secs(60)).await;
+        let pi = l.payment(r.order_id).await;
+        let real = authorized(r.order_id, &pi);
+        crate::helpers::committed(&l.pool, &real).await;
+        let mut forged = authorized(r.order_id, "pi_forged");
+        forged.event_id = real.event_id;
+        for _ in 0..2 {
+            assert_eq!(once(forged.clone()).await, Disposition::Unknown);
+        }
+        let incidents: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM incidents WHERE kind = 'unknown_fact' AND detail->>'event_id' = $1",
+        )
+        .bind(real.event_id.to_string())
+        .fetch_one(&l.pool)
+        .await
+        .unwrap();
+        assert_eq!(incidents, 2, "grouped {grouped}: each delivery of the copy is an incident");
+        assert_eq!(l.status(r.order_id).await, "held", "grouped {grouped}: the copy changed nothing");
+        assert_eq!(once(real.clone()).await, Disposition::Applied, "grouped {grouped}: the real fact");
+        assert_eq!(once(real).await, Disposition::Duplicate);
+        assert_eq!(l.status(r.order_id).await, "confirming");
+        assert_eq!(l.capture_requests(r.order_id).await, 1);
+    }
+}
+
 /// C07: the same authorization fact in ten different messages (webhook + re-fetch paths),
 /// all racing: one transition, one OrderConfirmed, one capture request.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
