@@ -189,10 +189,14 @@ async fn a_forged_copy_read_first_leaves_its_borrowed_id_to_the_real_fact(
             let (pool, followers) = (l.pool.clone(), &followers);
             async move {
                 if grouped {
-                    let mut out =
-                        boxoffice_bus::consumer::handle_group(&pool, &Saga::default(), followers, &[vec![env]])
-                            .await
-                            .unwrap();
+                    let mut out = boxoffice_bus::consumer::handle_group(
+                        &pool,
+                        &Saga::default(),
+                        followers,
+                        &[vec![env]],
+                    )
+                    .await
+                    .unwrap();
                     out.remove(0).unwrap()[0].unwrap()
                 } else {
                     handle_once(&pool, &Saga::default(), &env).await.unwrap()
