@@ -78,6 +78,7 @@ pub const CONCURRENT_INDEXES: &[&str] = &[
     "inbox_processed_idx",
     "outbox_published_idx",
     "stripe_events_unclaimed_idx",
+    "stripe_events_ordered_idx",
 ];
 
 /// A migration's lock waits at most this long, ms: an `ALTER TABLE` queued behind a long

@@ -609,15 +609,30 @@ fn trace_id_of(traceparent: &str) -> Option<String> {
     (trace.len() == 32 && trace.bytes().all(|b| b.is_ascii_hexdigit())).then(|| trace.to_owned())
 }
 
-/// Deletes up to `limit` rows of the order history and of the status changes older than
-/// `retention_s` seconds. Returns how many rows went. Each reads only the rows it deletes,
-/// through `order_history_created_idx` and `order_transitions_at_idx` (aged by `now()`, which
-/// an index can take; see "Periodic sweeps" in the crate docs).
+/// Deletes up to `limit` rows each of the order history, of the status changes and of the
+/// webhook events recorded with an order id, older than `retention_s` seconds (the webhook
+/// events: older than that and than [`crate::stripe_events::MIN_UNCLAIMED_RETENTION_S`],
+/// Stripe's redelivery window with a margin, since an event's row is what makes its
+/// redelivery a duplicate). Returns how many rows went. Each reads only the rows it deletes,
+/// through `order_history_created_idx`, `order_transitions_at_idx` and
+/// `stripe_events_ordered_idx` (migration 0031; aged by `now()`, which an index can take;
+/// see "Periodic sweeps" in the crate docs). Webhook events without an order id have their
+/// own, shorter retention ([`crate::stripe_events::prune_unclaimed`]).
 ///
 /// # Errors
 /// Database errors.
 pub async fn prune(pool: &PgPool, retention_s: i64, limit: i64) -> Result<u64, sqlx::Error> {
-    let mut n = 0;
+    let mut n = sqlx::query(
+        "DELETE FROM stripe_events WHERE ctid = ANY (ARRAY(
+            SELECT ctid FROM stripe_events
+             WHERE order_id IS NOT NULL AND received_at < now() - make_interval(secs => $1::double precision)
+             ORDER BY received_at LIMIT $2))",
+    )
+    .bind(retention_s.max(crate::stripe_events::MIN_UNCLAIMED_RETENTION_S) as f64)
+    .bind(limit)
+    .execute(pool)
+    .await?
+    .rows_affected();
     for sql in [
         "DELETE FROM order_history WHERE ctid = ANY (ARRAY(
             SELECT ctid FROM order_history

@@ -216,9 +216,10 @@ async fn every_periodic_sweep_reads_only_what_is_due(_: PgPoolOptions, opts: PgC
     exec(&observer, &transitions("1 day", NOT_DUE)).await;
     exec(&observer, &transitions("401 days", 3)).await;
     // Webhook events: recent ones without an order id (an unhandled type), pending ones of
-    // another integration's PaymentIntents from two hours ago, old ones about orders (not the
-    // prune's), three without one past the retention, and one as old whose
-    // PaymentIntent has a payment row (stranded: kept).
+    // another integration's PaymentIntents from two hours ago, ones about orders from a month
+    // ago (within the history's retention), three without one past their retention, one as
+    // old whose PaymentIntent has a payment row (stranded: kept), and three about orders past
+    // the history's retention.
     let events = |order: &str, pi: &str, pending: bool, age: &str, n: i64| {
         format!(
             "INSERT INTO stripe_events (stripe_event_id, type, payment_intent_id, order_id, pending, received_at)
@@ -232,6 +233,7 @@ async fn every_periodic_sweep_reads_only_what_is_due(_: PgPoolOptions, opts: PgC
         .await;
     exec(&observer, &events("NULL", "'pi_other_' || gen_random_uuid()", true, "8 days", 3)).await;
     exec(&observer, &events("NULL", &format!("'{}'", waiting_pis[0]), true, "8 days", 1)).await;
+    exec(&observer, &events("gen_random_uuid()", "'pi_' || gen_random_uuid()", false, "401 days", 3)).await;
     exec(&observer, "ANALYZE").await;
 
     let reads = Reads { pool, observer };
@@ -325,20 +327,21 @@ async fn every_periodic_sweep_reads_only_what_is_due(_: PgPoolOptions, opts: PgC
     assert_eq!(n, 3);
     due("outbox::prune_published", &read, 3);
     let (n, read) = reads
-        .measure(&["order_history", "order_transitions"], |p| async move {
+        .measure(&["order_history", "order_transitions", "stripe_events"], |p| async move {
             boxoffice_store::timeline::prune(&p, 400 * 86_400, 10_000).await.unwrap()
         })
         .await;
-    assert_eq!(n, 6);
+    assert_eq!(n, 9);
     due("timeline::prune", &read, 3);
 
-    let left: (i64, i64, i64) = sqlx::query_as(
+    let left: (i64, i64, i64, i64) = sqlx::query_as(
         "SELECT (SELECT count(*) FROM holds WHERE status = 'active'),
                 (SELECT count(*) FROM stripe_events WHERE order_id IS NULL AND received_at < now() - interval '7 days'),
-                (SELECT count(*) FROM outbox WHERE published_at IS NULL AND created_at < now() - interval '1 hour')",
+                (SELECT count(*) FROM outbox WHERE published_at IS NULL AND created_at < now() - interval '1 hour'),
+                (SELECT count(*) FROM stripe_events WHERE order_id IS NOT NULL)",
     )
     .fetch_one(&reads.observer)
     .await
     .unwrap();
-    assert_eq!(left, (NOT_DUE + 2, 1, NOT_DUE), "what was not due is left as it was");
+    assert_eq!(left, (NOT_DUE + 2, 1, NOT_DUE, NOT_DUE), "what was not due is left as it was");
 }
