@@ -325,10 +325,18 @@ pub struct Config {
     /// what every lane has ready into one transaction (`boxoffice_bus::consumer`, "Group
     /// commit"): every lane still makes its provider calls at once, and a lane's run of one
     /// message shares the transaction too. Fewer transactions and statements per fact (README,
-    /// "Group commit" under Performance); one transaction at a time per member, which waits
-    /// at most `boxoffice_bus::consumer::GROUP_LOCK_TIMEOUT_MS` for a row lock. Default true;
-    /// false: each lane commits its own, within `consumer_transactions_max`.
+    /// "Group commit" under Performance); at most `consumer_group_commits_max` transactions
+    /// open at once per member, each waiting at most
+    /// `boxoffice_bus::consumer::GROUP_LOCK_TIMEOUT_MS` for a row lock. Default true; false:
+    /// each lane commits its own, within `consumer_transactions_max`.
     pub consumer_group_commit: bool,
+    /// With `consumer_group_commit`: most group transactions one consumer member (main topic)
+    /// has open at once (`boxoffice_bus::consumer`, "Group commit"). 1 makes every commit of
+    /// the member wait for the one before (fewest transactions, and the first to fall behind
+    /// under a burst); each more lets what arrives meanwhile commit at once, on another
+    /// connection, in smaller groups. A member never has more open than it has lanes.
+    /// Default 2; 1..=256.
+    pub consumer_group_commits_max: usize,
     /// Whether a process that runs the saga or the ticket worker beside another consumer
     /// applies their steps in the transaction that commits the fact they follow
     /// (`boxoffice_bus::follow`): the capture's transaction also moves the order to `paid`
@@ -782,6 +790,7 @@ impl Default for Config {
             consumer_batch_linger_ms: 0,
             consumer_transactions_max: 0,
             consumer_group_commit: true,
+            consumer_group_commits_max: 2,
             follow_through: true,
             consumer_inline_attempts: 3,
             consumer_retry_5s_delay_ms: 5_000,
@@ -977,8 +986,11 @@ impl Config {
         }
         if self.consumer_group_commit && self.consumer_transactions_max != 0 {
             bail!(
-                "consumer_group_commit runs one transaction at a time per member: set it to false to use consumer_transactions_max"
+                "consumer_group_commit limits a member's transactions with consumer_group_commits_max: set it to false to use consumer_transactions_max"
             );
+        }
+        if !(1..=256).contains(&self.consumer_group_commits_max) {
+            bail!("consumer_group_commits_max must be 1..=256, not {}", self.consumer_group_commits_max);
         }
         if !["auto", "force_generic_plan", "force_custom_plan"].contains(&self.db_plan_cache_mode.as_str()) {
             bail!("db_plan_cache_mode must be auto, force_generic_plan or force_custom_plan");
@@ -2356,6 +2368,13 @@ mod tests {
             .validate()
             .expect_err("refused");
         assert!(e.to_string().starts_with("consumer_group_commit "), "{e}");
+        for n in [0, 257] {
+            let e = Config { consumer_group_commits_max: n, ..Config::default() }
+                .validate()
+                .expect_err("refused");
+            assert!(e.to_string().starts_with("consumer_group_commits_max "), "{e}");
+        }
+        Config { consumer_group_commits_max: 1, consumer_lanes: 1, ..Config::default() }.validate().unwrap();
     }
 
     #[test]

@@ -332,6 +332,7 @@ pub async fn start(
                     linger_ms = if cfg.consumer_batch_max > 1 { cfg.consumer_batch_linger_ms } else { 0 },
                     transactions_max = cfg.consumer_transactions_max,
                     group_commit = cfg.consumer_group_commit,
+                    group_commits_max = cfg.consumer_group_commits_max,
                     "consumers: fetching");
                 let members = boxoffice_bus::Members {
                     instances: consumers,
@@ -344,6 +345,7 @@ pub async fn start(
                     linger: std::time::Duration::from_millis(cfg.consumer_batch_linger_ms.into()),
                     transactions: cfg.consumer_transactions_max,
                     group_commit: cfg.consumer_group_commit,
+                    group_commits: cfg.consumer_group_commits_max,
                 };
                 let sd = shutdown.clone();
                 let followers = followers(roles, cfg);

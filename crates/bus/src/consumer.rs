@@ -104,8 +104,13 @@
 //! group starts the next one, so a transaction still applies at most one fact per order) and
 //! applies them in one transaction, exactly as one lane's shared run: one inbox statement, the
 //! rows of all of them locked at once in order-id order, the effects, one outbox statement,
-//! one commit. So every lane still makes its provider calls at once while the member runs
-//! one transaction at a time, and what queued up while one committed shares the next. When a
+//! one commit. So every lane still makes its provider calls at once while the member has at
+//! most `consumer_group_commits_max` (default 2) group transactions open at once, and what
+//! queued up while they were open shares the next one: a second open transaction lets the
+//! runs that arrive while one commits go on at once, on another connection, instead of
+//! queueing behind it (one at a time made every commit of the member wait for the one before,
+//! and fell behind first under a burst). A lane hands over its next run only once its last one
+//! is answered, so the open groups never share a lane's order. When a
 //! group of several runs fails for good (a fact the ledger refuses), each run is committed
 //! alone in its own transaction with the answers it has (no provider call is made again for
 //! it), and the run that fails again is processed as a failed shared run is (one by one).
@@ -113,8 +118,9 @@
 //! every run's: each lane processes its run as a failed shared run, one by one or, when the
 //! database gave the group up, by handing it to the retry topic — outside the committer, so
 //! what failed for all of them is not repeated there while the other lanes wait. The cost:
-//! a group transaction that waits holds up the commits of every lane of the member, as one
-//! transaction slot does. For a row lock that wait is bounded: a group transaction waits at
+//! group transactions that wait hold up the commits of every lane of the member once all the
+//! open ones wait (with `consumer_group_commits_max` 1, one that waits does, as one
+//! transaction slot does). For a row lock that wait is bounded: a group transaction waits at
 //! most [`GROUP_LOCK_TIMEOUT_MS`] for each lock (`lock_timeout`, set in its `BEGIN`; counted
 //! per lock, not per transaction), then fails as transient, and each of its lanes applies its
 //! run alone, where only the lane of the locked order waits for the lock (up to
@@ -1010,7 +1016,7 @@ static GROUP_BEGIN: std::sync::LazyLock<String> =
 pub(crate) enum Commit<H: Handler> {
     /// Each lane in its own transaction, within the member's transaction slots.
     Lane(TxSlots),
-    /// Through the member's one committer (`consumer_group_commit`).
+    /// Through the member's committer (`consumer_group_commit`).
     Member(GroupCommit<H>),
 }
 
@@ -1025,7 +1031,8 @@ struct Part<H: Handler> {
 
 /// A main-topic member's committer (module doc, "Group commit"): one task that applies, in
 /// one transaction, the prepared runs of every lane that has one ready, then answers each
-/// lane. Cloned into each lane; the task ends when every clone is gone.
+/// lane; with up to `consumer_group_commits_max` such transactions open at once. Cloned into
+/// each lane; the task ends when every clone is gone and its open transactions have ended.
 pub(crate) struct GroupCommit<H: Handler> {
     parts: mpsc::Sender<Part<H>>,
 }
@@ -1038,10 +1045,16 @@ impl<H: Handler> Clone for GroupCommit<H> {
 
 impl<H: Handler> GroupCommit<H> {
     /// Starts a committer that joins runs of at most `max` messages in all into one
-    /// transaction.
-    pub(crate) fn start(pool: PgPool, handler: Arc<H>, followers: Followers, max: usize) -> Self {
+    /// transaction, with at most `open` (at least 1) such transactions at once.
+    pub(crate) fn start(
+        pool: PgPool,
+        handler: Arc<H>,
+        followers: Followers,
+        max: usize,
+        open: usize,
+    ) -> Self {
         let (parts, rx) = mpsc::channel(64);
-        tokio::spawn(committer(pool, handler, followers, rx, max.max(1)));
+        tokio::spawn(committer(pool, handler, followers, rx, max.max(1), open.max(1)));
         Self { parts }
     }
 
@@ -1062,23 +1075,31 @@ impl<H: Handler> GroupCommit<H> {
     }
 }
 
-/// The committer's loop: the first part that arrives, then every part already waiting (up to
-/// `max` messages, and none with an order already in the group: it starts the next group), in
-/// one transaction.
+/// The committer's loop: once fewer than `open` of its group transactions are open, the
+/// first part that arrives, then every part already waiting (up to `max` messages, and none
+/// with an order already in the group: it starts the next group), in one transaction of its
+/// own task. The parts that arrive while every transaction is open wait for the next group.
+/// A lane hands over its next run only once its last one is answered, so one order's facts
+/// are never in two open groups.
 async fn committer<H: Handler>(
     pool: PgPool,
     handler: Arc<H>,
     followers: Followers,
     mut rx: mpsc::Receiver<Part<H>>,
     max: usize,
+    open: usize,
 ) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(open));
+    let mut running = tokio::task::JoinSet::new();
     let mut next: Option<Part<H>> = None;
     loop {
+        let slot = slots.clone().acquire_owned().await.expect("the committer's semaphore is never closed");
+        while running.try_join_next().is_some() {}
         let first = match next.take() {
             Some(p) => p,
             None => match rx.recv().await {
                 Some(p) => p,
-                None => return,
+                None => break,
             },
         };
         let mut orders: std::collections::HashSet<uuid::Uuid> =
@@ -1095,8 +1116,13 @@ async fn committer<H: Handler>(
             size += part.run.len();
             parts.push(part);
         }
-        commit_group(&pool, &*handler, &followers, parts).await;
+        let (pool, handler, followers) = (pool.clone(), handler.clone(), followers.clone());
+        running.spawn(async move {
+            commit_group(&pool, &*handler, &followers, parts).await;
+            drop(slot);
+        });
     }
+    while running.join_next().await.is_some() {}
 }
 
 /// One group transaction for `parts`, each part answered. When it fails for good (a
@@ -1385,6 +1411,9 @@ pub struct Members {
     /// runs every lane has ready into one transaction (`consumer_group_commit`; then
     /// `transactions` is not used). See the module doc, "Group commit".
     pub group_commit: bool,
+    /// With `group_commit`: most group transactions a member has open at once
+    /// (`consumer_group_commits_max`; at least 1). See the module doc, "Group commit".
+    pub group_commits: usize,
 }
 
 /// How many of a member's lanes may be inside a transaction at once (see the module doc,
@@ -1456,7 +1485,8 @@ pub fn run_consumers<H: Handler>(
     shutdown: CancellationToken,
 ) -> anyhow::Result<(Vec<tokio::task::JoinHandle<()>>, Arc<Assignment>)> {
     let followers = followers.without(handler.name()).labelled(cfg.labels.clone());
-    let Members { instances, lanes, batch, fetch, linger, transactions, group_commit } = members;
+    let Members { instances, lanes, batch, fetch, linger, transactions, group_commit, group_commits } =
+        members;
     let assignment = Arc::new(Assignment::default());
     let retry_assignment = Arc::new(Assignment::default());
     let mut tasks = Vec::new();
@@ -1495,6 +1525,7 @@ pub fn run_consumers<H: Handler>(
                         handler.clone(),
                         followers.clone(),
                         lanes * batch.max(1),
+                        group_commits,
                     )),
                     Stage::Main => Commit::Lane(TxSlots::new(transactions, lanes)),
                     Stage::Retry5s | Stage::Retry1m => Commit::Lane(TxSlots::unlimited()),

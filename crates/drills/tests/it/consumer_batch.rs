@@ -32,6 +32,8 @@ use uuid::Uuid;
 struct Probe {
     refuse: Uuid,
     locks: bool,
+    /// An order whose facts take `SLOW_APPLY_S` to apply (`pg_sleep` in the transaction).
+    slow: Uuid,
     prepared: std::sync::Mutex<Vec<Uuid>>,
     attempts: std::sync::Mutex<Vec<(Uuid, std::time::Instant)>>,
 }
@@ -67,6 +69,9 @@ impl Handler for Probe {
         if env.event_id == self.refuse {
             return Err(HandlerError::permanent("probe_refused", anyhow::anyhow!("refused")));
         }
+        if env.aggregate_id == self.slow {
+            sqlx::query("SELECT pg_sleep($1)").bind(SLOW_APPLY_S).execute(&mut **tx).await?;
+        }
         if self.locks {
             sqlx::query("SELECT 1 FROM probe_orders WHERE order_id = $1 FOR UPDATE")
                 .bind(env.aggregate_id)
@@ -78,6 +83,9 @@ impl Handler for Probe {
         Ok(vec![env.follow(&PurchaseEvent::TicketIssued { order_id: env.order_id(), ticket_ids: vec![] })])
     }
 }
+
+/// How long the probe takes to apply a fact of its `slow` order, seconds.
+const SLOW_APPLY_S: f64 = 3.0;
 
 /// The table the probe handlers record each applied fact in, with its transaction.
 async fn probe_table(pool: &PgPool) {
@@ -184,13 +192,14 @@ fn members(lanes: usize, batch: usize, transactions: usize) -> boxoffice_bus::Me
         linger: Default::default(),
         transactions,
         group_commit: false,
+        group_commits: 1,
     }
 }
 
 /// One member of `lanes` lanes, batches of at most `batch`, committing through its committer
-/// (`consumer_group_commit`).
+/// (`consumer_group_commit`) with two group transactions open at most, as by default.
 fn grouped(lanes: usize, batch: usize) -> boxoffice_bus::Members {
-    boxoffice_bus::Members { group_commit: true, ..members(lanes, batch, 0) }
+    boxoffice_bus::Members { group_commit: true, group_commits: 2, ..members(lanes, batch, 0) }
 }
 
 async fn applied(pool: &PgPool) -> Vec<(Uuid, Uuid, String)> {
@@ -1343,6 +1352,91 @@ async fn a_locked_order_holds_up_a_group_for_the_lock_timeout_only(
     assert_eq!(rows.len(), 25, "each fact once");
     let letters = boxoffice_bus::dlq::list(&k, Duration::from_secs(2)).await.unwrap();
     assert!(letters.is_empty(), "nothing dead-lettered: {letters:?}");
+}
+
+/// With two group transactions open at most (`consumer_group_commits_max`, the default), a
+/// group that takes long (its fact's effect sleeps in the transaction) does not hold up the
+/// other lanes: facts that arrive meanwhile are committed by a second group transaction
+/// while the first is still open. With one, each commit waits for the one before: nothing
+/// else is committed until the slow group ends. Either way each fact is applied once.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn a_second_open_group_commits_what_arrives_while_a_slow_one_is_open(
+    pool_opts: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    let pool = pool_opts.max_connections(8).connect_with(opts).await.unwrap();
+    probe_table(&pool).await;
+    for open in [2, 1] {
+        sqlx::query("TRUNCATE probe_applied").execute(&pool).await.unwrap();
+        let (k, producer) = topics("slow").await;
+        let slow = fact(Uuid::new_v4(), "issue");
+        let shutdown = CancellationToken::new();
+        let (tasks, _) = run_consumers(
+            &k,
+            pool.clone(),
+            Arc::new(Probe { slow: slow.aggregate_id, ..Default::default() }),
+            producer.clone(),
+            boxoffice_bus::Members { group_commits: open, ..grouped(4, 1) },
+            boxoffice_bus::Followers::none(),
+            shutdown.clone(),
+        )
+        .unwrap();
+        publish(&k, &producer, std::slice::from_ref(&slow)).await;
+        // The slow group open, its effect sleeping: (sleeping, facts of other orders applied),
+        // read together.
+        let now = || {
+            let pool = pool.clone();
+            async move {
+                sqlx::query_as::<_, (bool, i64)>(
+                    "SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+                                     WHERE datname = current_database() AND wait_event = 'PgSleep'),
+                            (SELECT count(*) FROM probe_applied WHERE order_id <> $1)",
+                )
+                .bind(slow.aggregate_id)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+            }
+        };
+        eventually(Duration::from_secs(30), "the slow group open", || async { now().await.0 }).await;
+        // 24 orders on four lanes: 6 or more fall beside the slow order's lane but with a
+        // chance of about 4 in 10^8.
+        let others: Vec<Envelope> = (0..24).map(|_| fact(Uuid::new_v4(), "issue")).collect();
+        publish(&k, &producer, &others).await;
+        let mut during = 0;
+        loop {
+            let (sleeping, applied) = now().await;
+            if !sleeping {
+                break;
+            }
+            during = applied;
+            if applied >= 6 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        if open == 2 {
+            assert!(during >= 6, "facts of other lanes committed while the slow group was open: {during}");
+        } else {
+            assert_eq!(during, 0, "with one group transaction open, every commit waits for the slow one");
+        }
+        eventually(Duration::from_secs(60), "every fact applied", || {
+            let pool = pool.clone();
+            async move {
+                sqlx::query_scalar::<_, i64>("SELECT count(*) FROM probe_applied")
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap()
+                    >= 25
+            }
+        })
+        .await;
+        shutdown.cancel();
+        for t in tasks {
+            t.await.unwrap();
+        }
+        assert_eq!(applied(&pool).await.len(), 25, "open {open}: each fact once");
+    }
 }
 
 /// A statement the database gives up (here its `statement_timeout`, while the table it
