@@ -147,19 +147,20 @@
 //! `region republish` sends again); one whose outbox row this ledger does not have is an
 //! orphan, parked as an `orphan_fact` incident and never applied ([`handle_once_at`]).
 //!
-//! **Claims only the ledger makes** ([`Handler::verifies`]). A fact a consumer verifies (the
-//! saga's facts of what the payment provider did) is applied from the bus only when this
-//! ledger committed it: in the effect's transaction, after the inbox rows, one statement looks
-//! for the run's such facts in the outbox and `order_history` (the same id, type, order and
-//! payload); one found in neither — written to the topic by anyone but the ledger's writers,
-//! with a fresh id or one borrowed from a real fact — is recorded as an `unknown_fact`
-//! incident, never applied ([`Disposition::Unknown`]), and the rest of its run goes on. Its
-//! inbox row is taken back in the same transaction: a forged copy read first (from another
-//! partition, or while the real fact waits in a retry topic) leaves the id free for the real
-//! one, which is applied when it comes; each delivery of a forged fact is an incident. For a handler that calls out (the payment worker's refund and cancel requests) the
-//! same look-up is made once more before the run's provider calls, so no call is made for
-//! such a fact. A fact followed through in the transaction that writes it is not read from
-//! the bus and is not looked up.
+//! **Claims only the ledger makes** ([`Handler::verifies`]). A fact a consumer verifies
+//! (every fact the saga, the payment worker and the ticket worker read) is applied from the
+//! bus only when this ledger committed it: one statement looks for the run's facts in the
+//! outbox and `order_history` (the same id, type, order and payload) — in the effect's
+//! transaction, after the inbox rows, or, for a handler that calls out (the payment worker),
+//! before the run's provider calls, so no call is made for such a fact (and the facts found
+//! then are not looked up again). One found in neither — written to the topic by anyone but
+//! the ledger's writers, with a fresh id or one borrowed from a real fact — is recorded as an
+//! `unknown_fact` incident, never applied ([`Disposition::Unknown`]), and the rest of its run
+//! goes on. Its inbox row is taken back in the same transaction: a forged message read first
+//! (from another partition, or while the real fact waits in a retry topic), of the real
+//! fact's type or any other, leaves the id free for the real one, which is applied when it
+//! comes; each delivery of a forged fact is an incident. A fact followed through in the
+//! transaction that writes it is not read from the bus and is not looked up.
 //!
 //! **Trace context** (design §16). Each attempt at a message runs inside a consumer span
 //! (`otel.kind = consumer`) whose parent is the message's `traceparent` header — the stored
@@ -292,14 +293,20 @@ pub trait Handler: Send + Sync + 'static {
     }
 
     /// Whether this fact, read from the bus, must be one this ledger committed before it is
-    /// applied: a claim only the ledger's own writers may make (the saga's facts of what the
-    /// provider did, the payment worker's refund and cancel requests). The runner then looks
-    /// for its outbox or history row in the effect's transaction, and for a handler that
-    /// [`Handler::calls_out`] once more before the provider calls
-    /// ([`boxoffice_store::outbox::not_committed`]); one this ledger did not
-    /// commit is recorded as an `unknown_fact` incident, never applied, and leaves no inbox
-    /// row ([`Disposition::Unknown`]: the id may be a real fact's, still to come). A fact followed through in the transaction that writes it
-    /// ([`crate::follow`]) is not read from the bus and is not checked. Default: no fact.
+    /// applied or takes an inbox row: the purchase path's consumers (saga, payment worker,
+    /// ticket worker) verify every fact, since anyone who can write to the topic could
+    /// otherwise make a claim only the ledger's writers may make, or borrow a real fact's id
+    /// with a message of any type that is then applied or refused and takes the id's inbox
+    /// row, so that the real fact arrives as a duplicate. The runner looks for its outbox or
+    /// history row ([`boxoffice_store::outbox::not_committed`]): before the provider calls for
+    /// a handler that [`Handler::calls_out`] (a fact found then is not looked up again: the
+    /// outbox's prune moves a row into the history in one statement), in the effect's
+    /// transaction otherwise; one this ledger did not commit is recorded as an
+    /// `unknown_fact` incident, never applied, and leaves no inbox row
+    /// ([`Disposition::Unknown`]: the id may be a real fact's, still to come). A fact followed
+    /// through in the transaction that writes it ([`crate::follow`]) is not read from the bus
+    /// and is not checked. Default: no fact (for handlers fed by something else than the
+    /// ledger's outbox).
     fn verifies(&self, _event: &PurchaseEvent) -> bool {
         false
     }
@@ -461,19 +468,21 @@ async fn park_unknown<H: Handler>(
 }
 
 /// The first statements of a message's own transaction `tx`: its inbox row, then, for a fact
-/// the handler verifies that this ledger did not commit, the `unknown_fact` incident. `Some`
-/// when nothing is left to apply — `Duplicate` (the row was there; `tx` is rolled back as it
-/// is dropped) or `Unknown` (`tx` committed) — and `None` (`tx` handed back) to apply it.
+/// the handler verifies that this ledger did not commit, the `unknown_fact` incident (not
+/// looked up when `looked_up`: found committed before the provider call). `Some` when
+/// nothing is left to apply — `Duplicate` (the row was there; `tx` is rolled back as it is
+/// dropped) or `Unknown` (`tx` committed) — and `None` (`tx` handed back) to apply it.
 async fn recorded_or_parked<H: Handler>(
     mut tx: Tx<'static>,
     handler: &H,
     env: &Envelope,
     event: &PurchaseEvent,
+    looked_up: bool,
 ) -> Result<Result<Disposition, Tx<'static>>, HandlerError> {
     if !inbox::record(&mut tx, handler.name(), env.event_id).await? {
         return Ok(Ok(Disposition::Duplicate));
     }
-    if park_unknown(&mut tx, handler, &[(env, event)]).await?.is_empty() {
+    if looked_up || park_unknown(&mut tx, handler, &[(env, event)]).await?.is_empty() {
         return Ok(Err(tx));
     }
     tx.commit().await?;
@@ -672,7 +681,7 @@ async fn apply_once<H: Handler>(
         }
         if !unverified_before_call(pool, handler, &[(env, &event)]).await?.is_empty() {
             // No call for a claim this ledger did not make: recorded and parked.
-            if let Ok(d) = recorded_or_parked(pool.begin().await?, handler, env, &event).await? {
+            if let Ok(d) = recorded_or_parked(pool.begin().await?, handler, env, &event, false).await? {
                 return Ok(d);
             }
         }
@@ -681,7 +690,9 @@ async fn apply_once<H: Handler>(
         boxoffice_faults::check_consumer(name, "after_remote")?;
         // Held until the transaction ends (this loop turn), taken after the provider call.
         let _slot = slots.take().await;
-        let mut tx = match recorded_or_parked(pool.begin().await?, handler, env, &event).await? {
+        // A handler that calls out looked it up before the call (above).
+        let looked_up = handler.calls_out();
+        let mut tx = match recorded_or_parked(pool.begin().await?, handler, env, &event, looked_up).await? {
             Ok(d) => return Ok(d),
             Err(tx) => tx,
         };
@@ -945,8 +956,10 @@ async fn commit_shared<H: Handler>(
     let new: Vec<usize> =
         by_order.into_iter().filter(|&k| !left_out[k] && fresh.remove(&run[k].0.event_id)).collect();
     // Claims only this ledger's writers may make, that it did not commit: parked, not applied
-    // (a handler that calls out made no call for them: `unverified_before_call`).
-    let claims: Vec<(&Envelope, &PurchaseEvent)> = new.iter().map(|&k| run[k]).collect();
+    // (a handler that calls out made no call for them: `unverified_before_call`; one it
+    // prepared was found committed there, and is not looked up again).
+    let claims: Vec<(&Envelope, &PurchaseEvent)> =
+        new.iter().filter(|&&k| !(handler.calls_out() && prepared[k].is_some())).map(|&k| run[k]).collect();
     let unknown = park_unknown(&mut tx, handler, &claims).await?;
     let mut todo: Vec<(usize, H::Prepared)> = Vec::with_capacity(new.len());
     for k in new {

@@ -68,16 +68,6 @@ pub const FACTS: [EventKind; 9] = [
     EventKind::PaymentDisputed,
 ];
 
-/// Whether a fact of `kind` states what the payment provider did: every fact of [`FACTS`]
-/// but `HoldCreated` — written only by the payment worker, from its own calls and re-fetches,
-/// in the transaction that records them. Read from the bus, such a fact is a claim the saga
-/// acts on only when this ledger committed it (`boxoffice_bus::Handler::verifies`): one
-/// written to the topic by anyone else would confirm, settle or end an order the provider
-/// says nothing about.
-pub fn states_provider(kind: EventKind) -> bool {
-    kind != EventKind::HoldCreated && FACTS.contains(&kind)
-}
-
 /// Why an order failed, expired or was canceled (`orders.failure_reason`), and why a
 /// compensation was requested (the `reason` of cancel and refund commands).
 pub mod reason {

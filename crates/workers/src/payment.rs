@@ -362,15 +362,13 @@ impl Handler for PaymentWorker {
         true
     }
 
-    /// A refund or a cancel request is sent only when this ledger wrote it (the saga's
-    /// compensations, the expiry sweep, `reconcile --fix`): one on the bus that it did not is
-    /// parked as an `unknown_fact` incident before any call, so a message written to the topic
-    /// by anyone else refunds and cancels nothing.
-    fn verifies(&self, event: &PurchaseEvent) -> bool {
-        matches!(
-            event,
-            PurchaseEvent::RefundRequested { .. } | PurchaseEvent::AuthorizationCancelRequested { .. }
-        )
+    /// Every command is acted on only when this ledger wrote it (the hold, the saga, the
+    /// webhooks, the sweeps, `reconcile --fix`): one on the bus that it did not is parked as an
+    /// `unknown_fact` incident before any call, so a message written to the topic by anyone
+    /// else refunds, cancels and captures nothing, and one that borrows a real command's id
+    /// (to be refused and take its inbox row) leaves that id to the real command.
+    fn verifies(&self, _event: &PurchaseEvent) -> bool {
+        true
     }
 
     fn applied(&self, pre: &payments::Precheck) -> Option<bool> {

@@ -15,10 +15,10 @@
 //! fact (`boxoffice_bus::follow`): the payment worker locks the hold first, so the lock order
 //! holds there too.
 //!
-//! On the bus, a fact of what the provider did ([`saga::states_provider`]) is a claim: the
-//! runner applies it only when this ledger committed it, and parks one it did not as an
-//! `unknown_fact` incident ([`Handler::verifies`]; invariant 2: a forged `PaymentAuthorized`
-//! confirms nothing).
+//! On the bus, every fact is a claim: the runner applies it only when this ledger committed
+//! it, and parks one it did not as an `unknown_fact` incident, leaving its id free
+//! ([`Handler::verifies`]; invariant 2: a forged `PaymentAuthorized` confirms nothing, and a
+//! forged fact of any type that borrows a real one's id does not make it a duplicate).
 //!
 //! It also runs the capture-deadline sweep (case C09) through the same executor.
 //!
@@ -63,8 +63,9 @@ impl Handler for Saga {
         saga::acts_on(event)
     }
 
-    fn verifies(&self, event: &PurchaseEvent) -> bool {
-        saga::states_provider(event.kind())
+    /// Every fact read from the bus.
+    fn verifies(&self, _event: &PurchaseEvent) -> bool {
+        true
     }
 
     async fn prepare(&self, _: &Envelope, _: &PurchaseEvent, _: ()) -> Result<(), HandlerError> {

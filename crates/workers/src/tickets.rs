@@ -35,6 +35,12 @@ impl Handler for TicketWorker {
         kind == EventKind::TicketIssueRequested
     }
 
+    /// Every request read from the bus: one this ledger did not write is parked, and leaves
+    /// its id to the real one.
+    fn verifies(&self, _event: &PurchaseEvent) -> bool {
+        true
+    }
+
     async fn prepare(&self, _: &Envelope, _: &PurchaseEvent, _: ()) -> Result<(), HandlerError> {
         Ok(())
     }

@@ -402,6 +402,7 @@ async fn an_intent_the_ledger_records_for_another_order_is_refuted(_: PgPoolOpti
         Uuid::new_v4(),
         None,
     );
+    crate::helpers::committed(&app.pool, &refresh).await;
     handle_once(&app.pool, &payment_worker(&app), &refresh).await.unwrap();
     assert_eq!(
         app.count(

@@ -785,6 +785,9 @@ async fn a_payment_batch_of_refetches_judges_each_order_by_its_own_payment_row(
             Envelope::new(OrderId(*order), &refresh, Uuid::new_v4(), None)
         })
         .collect();
+    for env in &refetches {
+        crate::helpers::committed(&app.pool, env).await;
+    }
     let done = handle_batch(&app.pool, &worker, &none, &refetches).await.unwrap();
     assert_eq!(done, vec![Some(Disposition::Applied); 3]);
     let protected = |order: Uuid| {

@@ -324,8 +324,8 @@ impl TestApp {
 }
 
 /// `env` as a fact this ledger committed and the relay published and pruned: its row in
-/// `order_history` (the saga acts on a fact of what the provider did, read from the bus, only
-/// when this ledger committed it: `boxoffice_domain::saga::states_provider`). Nothing is
+/// `order_history` (the purchase path's consumers act on a fact read from the bus only when
+/// this ledger committed it: `boxoffice_bus::Handler::verifies`). Nothing is
 /// published and the outbox is unchanged; written once however often this is called.
 pub async fn committed(pool: &PgPool, env: &boxoffice_domain::Envelope) {
     sqlx::query(

@@ -57,8 +57,8 @@ async fn hold_to_ticket_through_every_role(_: PgPoolOptions, opts: PgConnectOpti
 /// topic by someone other than the ledger's writers (a `PaymentAuthorized` and an
 /// `AuthorizationCancelRequested` for an order nobody paid, then a `PaymentRefunded` and a
 /// `RefundRequested` for the ticketed order; one that borrows the id of a real fact), are
-/// claims the saga and the payment worker check
-/// (`saga::states_provider`): each is parked as an `unknown_fact` incident and changes
+/// claims the saga and the payment worker check (`boxoffice_bus::Handler::verifies`): each
+/// is parked as an `unknown_fact` incident and changes
 /// nothing — the order stays payable, its hold live, its PaymentIntent uncancelled, and once
 /// the buyer really pays it is ticketed and stays so.
 async fn forged_provider_facts_change_nothing(app: TestApp) {
@@ -762,6 +762,7 @@ async fn poison_messages_are_dead_lettered_and_the_partition_moves_on(
     copy["event_id"] = serde_json::json!(copy_id);
     copy["payload"]["authorization_requested"] = serde_json::json!(false);
     copy["payload"]["is_authorization_request"] = serde_json::json!(false);
+    crate::helpers::committed(&app.pool, &serde_json::from_value(copy.clone()).unwrap()).await;
     boxoffice_bus::producer::send(&producer, &topic, key, &serde_json::to_vec(&copy).unwrap(), &[])
         .await
         .unwrap();
@@ -994,6 +995,24 @@ async fn a_confirmation_asks_for_its_capture_once_in_either_form(_: PgPoolOption
         app.pool.clone(),
         app.cfg.hold_policy(),
     );
+    crate::helpers::committed(&app.pool, &request).await;
+    // A copy that borrows the request's id for another amount, read first, is refused before
+    // any call and leaves the id to the real request (it would otherwise be skipped as
+    // `amount_differs_from_order` and take the request's inbox row).
+    let mut forged = confirmed.follow(&PurchaseEvent::OrderConfirmed {
+        order_id: OrderId(order),
+        hold_id,
+        capture: Some(boxoffice_domain::RequestedCapture {
+            payment_intent_id: pi.id.clone(),
+            amount_minor: 18_501,
+        }),
+    });
+    forged.event_id = request.event_id;
+    assert_eq!(
+        boxoffice_bus::consumer::handle_once(&app.pool, &worker, &forged).await.unwrap(),
+        boxoffice_bus::consumer::Disposition::Unknown
+    );
+    assert_eq!(app.sim.captures_for(&pi.id), 1, "nothing more captured for the forged copy");
     assert_eq!(
         boxoffice_bus::consumer::handle_once(&app.pool, &worker, &request).await.unwrap(),
         boxoffice_bus::consumer::Disposition::Applied
