@@ -22,7 +22,8 @@
 //! answered 503 `overloaded` with `Retry-After` and closed; beyond a further
 //! `max_connections / 8` (at least 16) they are closed at once, so a flood of sockets costs
 //! a bounded number of tasks. There is no other listener in the product: `/metrics`,
-//! `/healthz` and `/readyz` are served here, behind the same bounds.
+//! `/healthz` and `/readyz` are served here, behind the same bounds — except that `/healthz`
+//! is answered `ok` when the concurrency limit is full ([`shed_process`]).
 //!
 //! [`client_ip`] decides which address a request is counted against (the per-IP rate
 //! buckets and [`PerClientInFlight`]) and where a webhook comes from
@@ -108,6 +109,17 @@ pub(crate) async fn shed(e: BoxError, bulkhead: &'static str) -> Problem {
     } else {
         Problem::internal(&*e)
     }
+}
+
+/// What the process's concurrency limit answers when it is full: `200 ok` for `/healthz`
+/// (liveness: it reads nothing, and a process shedding its excess is alive — a load balancer
+/// that took it for a dead one would move its whole load onto the others, and slow bodies
+/// from a few addresses could take every instance out), [`shed`] for everything else.
+async fn shed_process(uri: axum::http::Uri, e: BoxError) -> axum::response::Response {
+    if uri.path() == "/healthz" && e.is::<tower::load_shed::error::Overloaded>() {
+        return "ok".into_response();
+    }
+    shed(e, "process").await.into_response()
 }
 
 /// A bulkhead for one class of routes, named `name` in the shed counter ([`shed`]): at most
@@ -377,7 +389,7 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let service = ServiceBuilder::new()
         .map_response(crate::problem::ensure_problem)
-        .layer(HandleErrorLayer::new(|e| shed(e, "process")))
+        .layer(HandleErrorLayer::new(shed_process))
         .load_shed()
         .concurrency_limit(edge.max_concurrent_requests.max(1))
         .layer(TimeoutLayer::with_status_code(

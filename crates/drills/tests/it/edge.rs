@@ -163,8 +163,10 @@ async fn edge_half_open_connections_are_closed_while_healthz_answers(
 }
 
 /// Two requests whose bodies stall hold the two request slots: the next request is shed at
-/// once (503 `overloaded`, `Retry-After`, problem+json), and the stalled ones end with 408
-/// `request_body_timeout` after the body-read timeout; then requests are served again.
+/// once (503 `overloaded`, `Retry-After`, problem+json) — but `/healthz`, which reads
+/// nothing, still answers 200, so a load balancer does not take a busy process for a dead
+/// one — and the stalled ones end with 408 `request_body_timeout` after the body-read
+/// timeout; then requests are served again.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn edge_sheds_beyond_the_concurrency_limit_and_times_out_stalled_bodies(
     _: PgPoolOptions,
@@ -186,10 +188,13 @@ async fn edge_sheds_beyond_the_concurrency_limit_and_times_out_stalled_bodies(
         stalled.push(s);
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let r = app.http.get(format!("{}/healthz", app.api)).send().await.unwrap();
+    let r = app.http.get(format!("{}/openapi.json", app.api)).send().await.unwrap();
     assert!(r.headers().contains_key("retry-after"), "{:?}", r.headers());
     let (status, code, _) = problem(r).await;
     assert_eq!((status, code.as_str()), (503, "overloaded"));
+    let r = app.http.get(format!("{}/healthz", app.api)).send().await.unwrap();
+    assert_eq!(r.status(), 200, "alive while the process sheds");
+    assert_eq!(r.text().await.unwrap(), "ok");
     for mut s in stalled {
         let answer = read_to_close(&mut s, Duration::from_secs(10)).await.expect("answered");
         let text = String::from_utf8_lossy(&answer);
