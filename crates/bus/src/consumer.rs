@@ -110,7 +110,9 @@
 //! runs that arrive while one commits go on at once, on another connection, instead of
 //! queueing behind it (one at a time made every commit of the member wait for the one before,
 //! and fell behind first under a burst). A lane hands over its next run only once its last one
-//! is answered, so the open groups never share a lane's order. When a
+//! is answered, so the open groups never share an order whose facts are keyed by it (as the
+//! relay keys them); a message keyed otherwise could put one order in two open groups, whose
+//! row locks then order them as they order two lanes' own transactions. When a
 //! group of several runs fails for good (a fact the ledger refuses), each run is committed
 //! alone in its own transaction with the answers it has (no provider call is made again for
 //! it), and the run that fails again is processed as a failed shared run is (one by one).
@@ -1092,8 +1094,8 @@ impl<H: Handler> GroupCommit<H> {
 /// first part that arrives, then every part already waiting (up to `max` messages, and none
 /// with an order already in the group: it starts the next group), in one transaction of its
 /// own task. The parts that arrive while every transaction is open wait for the next group.
-/// A lane hands over its next run only once its last one is answered, so one order's facts
-/// are never in two open groups.
+/// A lane hands over its next run only once its last one is answered, so the facts of one
+/// message key are never in two open groups (the module doc, "Group commit").
 async fn committer<H: Handler>(
     pool: PgPool,
     handler: Arc<H>,
