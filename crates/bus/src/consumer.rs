@@ -105,11 +105,10 @@
 //! applies them in one transaction, exactly as one lane's shared run: one inbox statement, the
 //! rows of all of them locked at once in order-id order, the effects, one outbox statement,
 //! one commit. So every lane still makes its provider calls at once while the member has at
-//! most `consumer_group_commits_max` (default 2) group transactions open at once, and what
-//! queued up while they were open shares the next one: a second open transaction lets the
-//! runs that arrive while one commits go on at once, on another connection, instead of
-//! queueing behind it (one at a time made every commit of the member wait for the one before,
-//! and fell behind first under a burst). A lane hands over its next run only once its last one
+//! most `consumer_group_commits_max` (default 1) group transactions open at once, and what
+//! queued up while they were open shares the next one: with more than one, the runs that
+//! arrive while one commits go on at once, on another connection, instead of queueing behind
+//! it. A lane hands over its next run only once its last one
 //! is answered, so the open groups never share an order whose facts are keyed by it (as the
 //! relay keys them); a message keyed otherwise could put one order in two open groups, whose
 //! row locks then order them as they order two lanes' own transactions. When a

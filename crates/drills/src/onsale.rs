@@ -772,7 +772,9 @@ fn print_report(r: &serde_json::Value, audited: &boxoffice::audit::AuditReport, 
             .get("decreases")
             .and_then(|d| d.as_object())
             .filter(|d| !d.is_empty())
-            .map(|d| d.iter().map(|(k, v)| format!("{k} {v}")).collect::<Vec<_>>().join(", "))
+            .map(|d| {
+                d.iter().map(|(k, v)| format!("{k} {:.0}", v.as_f64().unwrap_or(0.0))).collect::<Vec<_>>().join(", ")
+            })
             .unwrap_or_else(|| "none".into());
         println!(
             "  release rate R             min {:.0}  mean {:.0}  max {:.0} /s  (decreases: {decreases})",
@@ -782,7 +784,7 @@ fn print_report(r: &serde_json::Value, audited: &boxoffice::audit::AuditReport, 
         );
         if let Some(m) = c.get("signal_max").and_then(|m| m.as_object()).filter(|m| !m.is_empty()) {
             let peaks: Vec<String> =
-                m.iter().map(|(k, v)| format!("{k} {}", v.as_f64().unwrap_or(0.0).round())).collect();
+                m.iter().map(|(k, v)| format!("{k} {}", peak(v.as_f64().unwrap_or(0.0)))).collect();
             println!("  release signals, peak      {}", peaks.join(", "));
         }
     }
@@ -877,9 +879,26 @@ fn parse_release_metrics(text: &str) -> Option<ReleaseMetrics> {
     rate.map(|r| ReleaseMetrics { rate: r, ..m })
 }
 
+/// A release signal's peak as the text report prints it: a ratio (below 10, e.g.
+/// `connection_saturation`, whose threshold is 0.9) with two decimals, anything larger (ms,
+/// counts) whole.
+fn peak(v: f64) -> String {
+    if v.abs() < 10.0 {
+        format!("{v:.2}")
+    } else {
+        format!("{v:.0}")
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::Verdict;
+
+    #[test]
+    fn a_ratio_peak_keeps_its_decimals_and_a_larger_one_is_whole() {
+        assert_eq!(super::peak(0.59), "0.59", "below connection_saturation's 0.9, not 1");
+        assert_eq!(super::peak(39.4), "39");
+    }
 
     #[test]
     fn the_verdict_follows_the_audit_and_the_orders_lost_to_lag() {
@@ -920,3 +939,4 @@ mod tests {
         assert!(super::parse_release_metrics("boxoffice_other 1\n").is_none());
     }
 }
+

@@ -197,7 +197,7 @@ fn members(lanes: usize, batch: usize, transactions: usize) -> boxoffice_bus::Me
 }
 
 /// One member of `lanes` lanes, batches of at most `batch`, committing through its committer
-/// (`consumer_group_commit`) with two group transactions open at most, as by default.
+/// (`consumer_group_commit`) with two group transactions open at most.
 fn grouped(lanes: usize, batch: usize) -> boxoffice_bus::Members {
     boxoffice_bus::Members { group_commit: true, group_commits: 2, ..members(lanes, batch, 0) }
 }
@@ -1357,7 +1357,7 @@ async fn a_locked_order_holds_up_a_group_for_the_lock_timeout_only(
     assert!(letters.is_empty(), "nothing dead-lettered: {letters:?}");
 }
 
-/// With two group transactions open at most (`consumer_group_commits_max`, the default), a
+/// With two group transactions open at most (`consumer_group_commits_max` 2), a
 /// group that takes long (its fact's effect sleeps in the transaction) does not hold up the
 /// other lanes: facts that arrive meanwhile are committed by a second group transaction
 /// while the first is still open. With one, each commit waits for the one before: nothing

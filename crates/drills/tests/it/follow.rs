@@ -407,7 +407,7 @@ async fn a_capture_whose_ticket_issuance_fails_in_its_transaction_is_recorded_on
     app.stop().await;
 }
 
-/// Through the member's committer (the default): the group that fails with the follower's
+/// Through the member's committer (`consumer_group_commit`): the group that fails with the follower's
 /// failure goes back to its lane, which applies the capture alone — its followers first, and
 /// without them only if they fail again (here they do not: the failure was once) — and the
 /// order ends ticketed as above, each fact once.
@@ -416,7 +416,9 @@ async fn a_capture_whose_ticket_issuance_fails_in_a_group_transaction_is_recorde
     _: PgPoolOptions,
     opts: PgConnectOptions,
 ) {
-    let app = TestApp::spawn(opts, &Role::ALL, VenueSpec::small(1, 1, 4)).await;
+    let app =
+        TestApp::spawn_with(opts, &Role::ALL, VenueSpec::small(1, 1, 4), |c| c.consumer_group_commit = true)
+            .await;
     let (order, captured) = capture_whose_ticket_issuance_fails_once(&app).await;
     assert_eq!(
         applied_in(&app.pool, "saga", "PaymentCaptured", order).await,

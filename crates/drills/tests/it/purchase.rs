@@ -178,11 +178,13 @@ async fn forged_provider_facts_change_nothing(app: TestApp) {
     app.stop().await;
 }
 
-/// Through a member's group transaction (the default).
+/// Through a member's group transaction (`consumer_group_commit`).
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn forged_provider_facts_are_parked_in_a_group_transaction(_: PgPoolOptions, opts: PgConnectOptions) {
-    forged_provider_facts_change_nothing(TestApp::spawn(opts, &Role::ALL, VenueSpec::small(1, 1, 4)).await)
-        .await;
+    let app =
+        TestApp::spawn_with(opts, &Role::ALL, VenueSpec::small(1, 1, 4), |c| c.consumer_group_commit = true)
+            .await;
+    forged_provider_facts_change_nothing(app).await;
 }
 
 /// Through a lane's own transaction of one fact.
