@@ -773,7 +773,10 @@ fn print_report(r: &serde_json::Value, audited: &boxoffice::audit::AuditReport, 
             .and_then(|d| d.as_object())
             .filter(|d| !d.is_empty())
             .map(|d| {
-                d.iter().map(|(k, v)| format!("{k} {:.0}", v.as_f64().unwrap_or(0.0))).collect::<Vec<_>>().join(", ")
+                d.iter()
+                    .map(|(k, v)| format!("{k} {:.0}", v.as_f64().unwrap_or(0.0)))
+                    .collect::<Vec<_>>()
+                    .join(", ")
             })
             .unwrap_or_else(|| "none".into());
         println!(
@@ -939,4 +942,3 @@ mod tests {
         assert!(super::parse_release_metrics("boxoffice_other 1\n").is_none());
     }
 }
-
