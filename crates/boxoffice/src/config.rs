@@ -335,11 +335,11 @@ pub struct Config {
     pub consumer_group_commit: bool,
     /// With `consumer_group_commit`: most group transactions one consumer member (main topic)
     /// has open at once (`boxoffice_bus::consumer`, "Group commit"). 1 makes every commit of
-    /// the member wait for the one before (fewest transactions, and the first to fall behind
-    /// under a burst); each more lets what arrives meanwhile commit at once, on another
-    /// connection, in smaller groups (two raised neither the rate a burst was carried at nor
-    /// saved CPU: README, "Two open group transactions"). A member never has more open than
-    /// it has lanes. Default 1; 1..=256.
+    /// the member wait for the one before (the fewest transactions); each more lets what
+    /// arrives meanwhile commit at once, on another connection, in smaller groups (measured
+    /// with two: more CPU per order than one, and no larger burst carried; README, "Two open
+    /// group transactions"). A member never has more open than it has lanes. Default 1;
+    /// 1..=256.
     pub consumer_group_commits_max: usize,
     /// Whether a process that runs the saga or the ticket worker beside another consumer
     /// applies their steps in the transaction that commits the fact they follow
