@@ -728,9 +728,10 @@ pub struct Config {
     pub order_stream_heartbeat_s: u64,
     /// An order stream ends after this many seconds (the client reconnects); 60–86,400.
     pub order_stream_max_lifetime_s: u64,
-    /// Each order's facts and status changes are kept this many days for its timeline
-    /// (`boxoffice timeline`): 400 covers the card networks' 120-day dispute window and a
-    /// year of bookkeeping. About 0.5 KB per fact and 0.1 KB per status change.
+    /// Each order's facts, status changes and webhook events are kept this many days for its
+    /// timeline (`boxoffice timeline`): 400 covers the card networks' 120-day dispute window
+    /// and a year of bookkeeping. About 0.5 KB per fact and 0.1 KB per status change. Webhook
+    /// events are kept at least four days whatever it says (Stripe's redelivery window).
     pub order_history_retention_days: i64,
     /// Holds expired per expiry transaction.
     pub expiry_batch: i64,

@@ -71,7 +71,8 @@ pub struct RelaySettings {
     pub idle_ms: u64,
     /// Published rows move to the order history after this many seconds.
     pub retention_s: i64,
-    /// The order history (and its status changes) is deleted after this many seconds.
+    /// The order history (with its status changes and the webhook events recorded with an
+    /// order id) is deleted after this many seconds (`boxoffice_store::timeline::prune`).
     pub history_retention_s: i64,
     /// A row the producer refused is parked this long before a batch tries it again, s
     /// (0: the next batch).
