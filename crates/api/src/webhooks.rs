@@ -20,9 +20,11 @@
 //!   (and its charge) and the saga acts on what the provider says (counted in
 //!   `boxoffice_webhook_claims_verified_total` by reason). A capture claimed while the saga's
 //!   capture request is outstanding (order `confirming`) — usually the capture's own webhook,
-//!   ahead of the payment worker's record of the answer — goes with reason
-//!   `capture_outstanding`: its re-fetch stops at the ledger when the capture is recorded by
-//!   then, and asks the provider otherwise (the capture command may have been dead-lettered);
+//!   milliseconds ahead of the payment worker's record of the answer — is kept as a capture
+//!   claim in the same transaction instead (`capture_outstanding`, [`Ingested::AwaitingCapture`]):
+//!   the expiry worker's sweep settles it once [`stripe_events::CAPTURE_CLAIM_GRACE_S`] have
+//!   passed, and asks for the re-fetch only when the ledger still does not record the capture
+//!   (the capture command may have been dead-lettered);
 //! - **early**: an event whose PaymentIntent names no order (no payment row, no metadata) is
 //!   kept as pending and re-derived from Stripe once the payment row exists;
 //! - **disputes**: `charge.dispute.created` / `.closed` lead to a `DisputeRefreshRequested`
@@ -79,6 +81,11 @@ pub enum Ingested {
     /// It claims news: a re-fetch of the PaymentIntent is queued, and the provider's answer
     /// is what the saga acts on.
     Refresh,
+    /// It claims the capture the saga asked for, whose answer the ledger does not record
+    /// yet: kept as a capture claim, which the ledger settles half a minute later, asking the
+    /// provider only if the capture is still unrecorded then
+    /// ([`stripe_events::settle_capture_claims`]).
+    AwaitingCapture,
     /// It concerns a PaymentIntent that is not the order's current one: recorded, ignored.
     Stale,
     /// It names an order this ledger does not have (one lost with a fenced region's
@@ -94,6 +101,7 @@ impl Ingested {
             Ingested::Duplicate => "duplicate",
             Ingested::Pending => "pending",
             Ingested::Refresh => "refresh",
+            Ingested::AwaitingCapture => "awaiting_capture",
             Ingested::Stale => "stale",
             Ingested::UnknownOrder => "unknown_order",
         }
@@ -173,27 +181,46 @@ async fn ingest_alone(
             .execute(&mut *tx)
             .await?;
     }
-    let mut facts = Vec::new();
-    let outcome = ingest_in(&mut tx, event, policy, &mut facts).await?;
+    let mut next = Continuations::default();
+    let outcome = ingest_in(&mut tx, event, policy, &mut next).await?;
     if outcome == Ingested::Duplicate {
         tx.rollback().await?;
         return Ok(outcome);
     }
-    outbox::insert_traced(&mut tx, &facts).await?;
+    next.write(&mut tx).await?;
     boxoffice_faults::check("webhook.before_commit")?;
     tx.commit().await?;
     Ok(outcome)
 }
 
+/// What the events of one transaction lead to beyond their own rows, written together
+/// before its commit ([`Continuations::write`]: one statement each for a whole batch).
+#[derive(Default)]
+struct Continuations {
+    /// The facts asked for, each with its event's trace context.
+    facts: Vec<outbox::Traced>,
+    /// Captures claimed while the saga's capture was outstanding, kept for the ledger to
+    /// settle ([`stripe_events::settle_capture_claims`]).
+    capture_claims: Vec<stripe_events::CaptureClaim>,
+}
+
+impl Continuations {
+    /// Writes the facts to the outbox and keeps the capture claims, in `tx`.
+    async fn write(&self, tx: &mut Tx<'_>) -> Result<(), sqlx::Error> {
+        outbox::insert_traced(tx, &self.facts).await?;
+        stripe_events::await_capture(tx, &self.capture_claims).await
+    }
+}
+
 /// Records `event` (ids already checked) in `tx`, and what it leads to: its rows' changes in
-/// `tx`, the fact it asks for pushed to `facts` (with the current span's trace context), which
-/// the caller writes to the outbox in `tx` (one statement for a whole batch,
-/// [`outbox::insert_traced`]) and commits. A duplicate writes nothing and pushes nothing.
+/// `tx`, the fact it asks for (with the current span's trace context) or the capture claim it
+/// leaves to the ledger pushed to `next`, which the caller writes in `tx`
+/// ([`Continuations::write`]) and commits. A duplicate writes nothing and pushes nothing.
 async fn ingest_in(
     tx: &mut Tx<'_>,
     event: &Event,
     policy: &HoldPolicy,
-    facts: &mut Vec<outbox::Traced>,
+    next: &mut Continuations,
 ) -> Result<Ingested, IngestError> {
     let object = &event.data.object;
     let pi = payment_intent_id(&event.r#type, object);
@@ -246,6 +273,17 @@ async fn ingest_in(
                     }
                     metrics::counter!("boxoffice_webhook_claims_verified_total", "reason" => reason)
                         .increment(1);
+                    if reason == CAPTURE_OUTSTANDING {
+                        // Nearly always the capture's own webhook, milliseconds ahead of the
+                        // payment worker's record of the answer: the ledger settles it later,
+                        // and asks the provider only if the capture is still unrecorded then.
+                        next.capture_claims.push(stripe_events::CaptureClaim {
+                            stripe_event_id: event.id.clone(),
+                            order_id: order,
+                            payment_intent_id: pi.to_owned(),
+                        });
+                        return Ok(Ingested::AwaitingCapture);
+                    }
                     outcome = Ingested::Refresh;
                     let current = local.is_some_and(|p| p.payment_intent_id == pi);
                     if event.r#type == AUTHORIZATION && current && reason == UNVERIFIED_CLAIM {
@@ -266,7 +304,12 @@ async fn ingest_in(
                             reason: reason.to_owned(),
                         },
                     };
-                    facts.push(outbox::Traced::here(Envelope::new(order, &fact, known.correlation_id, None)));
+                    next.facts.push(outbox::Traced::here(Envelope::new(
+                        order,
+                        &fact,
+                        known.correlation_id,
+                        None,
+                    )));
                 }
             }
         }
@@ -545,16 +588,17 @@ async fn record_together(
         .await
         .map_err(|e| (None, e.into()))?;
     let mut outcomes = Vec::with_capacity(batch.len());
-    let mut facts = Vec::with_capacity(batch.len());
+    let mut next = Continuations::default();
     for (i, job) in batch.iter().enumerate() {
-        let outcome = ingest_in(&mut tx, &job.event, policy, &mut facts)
+        let outcome = ingest_in(&mut tx, &job.event, policy, &mut next)
             .instrument(job.span.clone())
             .await
             .map_err(|e| (Some(i), e))?;
         outcomes.push(outcome);
     }
-    // Every event's fact, each with its own event's trace context, in one statement.
-    outbox::insert_traced(&mut tx, &facts).await.map_err(|e| (None, e.into()))?;
+    // Every event's fact, each with its own event's trace context, in one statement, and
+    // every capture claim in another.
+    next.write(&mut tx).await.map_err(|e| (None, e.into()))?;
     boxoffice_faults::check("webhook.before_commit").map_err(|f| (None, f.into()))?;
     tx.commit().await.map_err(|e| (None, e.into()))?;
     Ok(outcomes)

@@ -290,6 +290,7 @@ pub fn render(r: &AuditReport) -> String {
         ("orders stuck in a non-final state".into(), Some(v.stuck_orders)),
         ("unpublished outbox rows (older than 5 s)".into(), Some(v.unpublished_outbox)),
         ("pending webhooks with a payment row (older than 30 s)".into(), Some(v.stranded_webhooks)),
+        ("unsettled capture claims (older than 60 s)".into(), Some(v.unsettled_capture_claims)),
     ];
     let p = r.provider.ran().map(|p| &p.violations);
     rows.push((

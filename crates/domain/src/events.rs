@@ -323,13 +323,30 @@ pub enum PurchaseEvent {
 pub mod refresh_reason {
     /// A capture was claimed (a webhook) while the saga's own capture request was outstanding:
     /// most likely the capture's own webhook, ahead of the payment worker's record of the same
-    /// answer. The re-fetch stops at the ledger when the capture is recorded by the time it
-    /// runs, and asks the provider otherwise.
+    /// answer. Webhook ingress keeps such a claim in the ledger (`capture_claims`) and the
+    /// expiry worker's sweep asks for its re-fetch only when the capture is still unrecorded
+    /// half a minute later; a re-fetch with this reason (the sweep's, or an older writer's
+    /// sent at once) stops at the ledger when the capture is recorded by the time it runs
+    /// ([`super::capture_claim_recorded`]), and asks the provider otherwise.
     pub const CAPTURE_OUTSTANDING: &str = "capture_outstanding";
     /// Webhooks about the PaymentIntent arrived before its payment row, and were kept as
     /// pending until the row was written (design §10): what they reported is re-derived
     /// from the provider.
     pub const EARLY_WEBHOOK: &str = "early_webhook";
+}
+
+/// Whether a capture claimed for PaymentIntent `claimed` while the saga's capture was
+/// outstanding is recorded now: the order's payment row names that PaymentIntent
+/// (`recorded_intent`) and records it `succeeded`. Such a claim then agrees with the ledger,
+/// as one judged known on arrival would (its amount was checked against the order's when it
+/// came in), and no one need be asked. The one rule for the capture-claim sweep and for the
+/// payment worker's re-fetch with [`refresh_reason::CAPTURE_OUTSTANDING`].
+pub fn capture_claim_recorded(
+    recorded_intent: &str,
+    recorded_status: &PaymentIntentStatus,
+    claimed: &str,
+) -> bool {
+    recorded_intent == claimed && *recorded_status == PaymentIntentStatus::Succeeded
 }
 
 impl EventKind {

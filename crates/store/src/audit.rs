@@ -38,6 +38,12 @@ pub struct Violations {
     /// ([`crate::stripe_events::resolve_stranded`]) resolves those of the last hour every
     /// 10 s, `boxoffice reconcile --fix` those of any age; this count has no age bound.
     pub stranded_webhooks: i64,
+    /// Capture claims still unsettled [`UNSETTLED_CLAIM_GRACE_MS`] after they arrived: a
+    /// capture a webhook reported while the saga's was outstanding, which the expiry worker's
+    /// sweep ([`crate::stripe_events::settle_capture_claims`]) settles once
+    /// [`crate::stripe_events::CAPTURE_CLAIM_GRACE_S`] have passed, asking the provider when
+    /// the ledger does not record the capture. No sweep is running.
+    pub unsettled_capture_claims: i64,
 }
 
 /// How old an unpublished outbox row must be before the audit counts it, ms. The relay
@@ -48,6 +54,10 @@ pub const UNPUBLISHED_GRACE_MS: i64 = 5_000;
 /// How old a pending webhook event with a payment row must be before the audit counts it,
 /// ms: three periods of the sweep that resolves it.
 pub const STRANDED_GRACE_MS: i64 = 30_000;
+
+/// How old a capture claim must be before the audit counts it, ms: its grace and three
+/// periods of the sweep that settles it.
+pub const UNSETTLED_CLAIM_GRACE_MS: i64 = crate::stripe_events::CAPTURE_CLAIM_GRACE_S * 1_000 + 30_000;
 
 impl Violations {
     /// Sum of all counts.
@@ -61,6 +71,7 @@ impl Violations {
             + self.stuck_orders
             + self.unpublished_outbox
             + self.stranded_webhooks
+            + self.unsettled_capture_claims
     }
 }
 
@@ -224,6 +235,15 @@ pub async fn violations(
         )
         .bind(event)
         .bind(STRANDED_GRACE_MS as f64)
+        .fetch_one(pool)
+        .await?,
+        unsettled_capture_claims: sqlx::query_scalar(
+            "SELECT count(*) FROM capture_claims c JOIN orders o ON o.id = c.order_id
+              WHERE c.received_at < clock_timestamp() - make_interval(secs => $2::double precision / 1000.0)
+                AND ($1::uuid IS NULL OR o.event_id = $1)",
+        )
+        .bind(event)
+        .bind(UNSETTLED_CLAIM_GRACE_MS as f64)
         .fetch_one(pool)
         .await?,
     })

@@ -142,6 +142,142 @@ pub async fn resolve_stranded(pool: &PgPool, limit: i64, within: Option<i64>) ->
     Ok(events.len())
 }
 
+/// A capture claimed by a webhook while the saga's capture request was outstanding
+/// (`capture_outstanding`), which the ledger settles later instead of at once (migration
+/// 0032).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CaptureClaim {
+    /// The webhook event that made the claim (`evt_…`).
+    pub stripe_event_id: String,
+    /// The order.
+    pub order_id: OrderId,
+    /// The PaymentIntent it claims captured (`pi_…`), the order's current one.
+    pub payment_intent_id: String,
+}
+
+/// Keeps `claims` (webhook events recorded in `tx`) for [`settle_capture_claims`], in one
+/// statement; nothing when empty.
+pub async fn await_capture(tx: &mut Tx<'_>, claims: &[CaptureClaim]) -> Result<(), sqlx::Error> {
+    if claims.is_empty() {
+        return Ok(());
+    }
+    let events: Vec<&str> = claims.iter().map(|c| c.stripe_event_id.as_str()).collect();
+    let orders: Vec<Uuid> = claims.iter().map(|c| c.order_id.0).collect();
+    let intents: Vec<&str> = claims.iter().map(|c| c.payment_intent_id.as_str()).collect();
+    sqlx::query(
+        "INSERT INTO capture_claims (stripe_event_id, order_id, payment_intent_id)
+         SELECT * FROM unnest($1::text[], $2::uuid[], $3::text[])",
+    )
+    .bind(&events)
+    .bind(&orders)
+    .bind(&intents)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+/// How long a capture claim waits before [`settle_capture_claims`] looks at it, seconds: the
+/// payment worker records the capture's answer milliseconds after the provider sent it, and
+/// seconds after under load; a claim still unrecorded after this is asked of the provider.
+pub const CAPTURE_CLAIM_GRACE_S: i64 = 30;
+
+/// What one pass of [`settle_capture_claims`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SettledClaims {
+    /// Claims settled (deleted).
+    pub settled: usize,
+    /// Claims whose capture the ledger records: deleted, nothing asked.
+    pub recorded: usize,
+    /// Re-fetches asked for: one per PaymentIntent among the claims whose capture the ledger
+    /// does not record (deleted too).
+    pub refetches: usize,
+}
+
+/// Settles up to `limit` capture claims received more than `grace_s` seconds before this
+/// transaction began, the oldest first, in one transaction: deletes them (`SKIP LOCKED`, so a
+/// second sweeper takes others), and asks for a re-fetch (`PaymentIntentRefreshRequested`,
+/// reason [`refresh_reason::CAPTURE_OUTSTANDING`]) of each PaymentIntent whose capture the
+/// order's payment row does not record ([`boxoffice_domain::events::capture_claim_recorded`]):
+/// the capture command may never record it (dead-lettered), and the provider's word is what
+/// the saga then acts on. Counted as `boxoffice_capture_claims_settled_total{outcome}`
+/// (`capture_recorded`, `refetch`).
+///
+/// The expiry worker runs it every 10 s with [`CAPTURE_CLAIM_GRACE_S`], pass after pass while
+/// passes are full. It reads only the claims it settles, through the table's key (arrival
+/// first; `now()`, not the volatile `clock_timestamp()`, so that the age is an index
+/// condition), and each one's order and payment by their keys (`LATERAL` subqueries the
+/// planner cannot turn into joins that read either table whole).
+///
+/// # Errors
+/// The database's; nothing is settled then.
+pub async fn settle_capture_claims(
+    pool: &PgPool,
+    grace_s: i64,
+    limit: i64,
+) -> Result<SettledClaims, StoreError> {
+    let mut tx = pool.begin().await?;
+    /// A settled claim with its order's correlation id and the payment row as it stands.
+    #[derive(sqlx::FromRow)]
+    struct Due {
+        order_id: Uuid,
+        correlation_id: Uuid,
+        claimed: String,
+        recorded_intent: Option<String>,
+        recorded_status: Option<String>,
+    }
+    let rows: Vec<Due> = sqlx::query_as(
+        "WITH due AS (
+             DELETE FROM capture_claims WHERE ctid = ANY (ARRAY(
+                 SELECT ctid FROM capture_claims
+                  WHERE received_at < now() - make_interval(secs => $1::double precision)
+                  ORDER BY received_at LIMIT $2 FOR UPDATE SKIP LOCKED))
+             RETURNING order_id, payment_intent_id)
+         SELECT due.order_id, o.correlation_id, due.payment_intent_id AS claimed,
+                p.payment_intent_id AS recorded_intent, p.status AS recorded_status
+           FROM due
+          CROSS JOIN LATERAL (SELECT correlation_id FROM orders WHERE id = due.order_id OFFSET 0) o
+           LEFT JOIN LATERAL (
+                SELECT payment_intent_id, status FROM payments WHERE order_id = due.order_id OFFSET 0) p ON true",
+    )
+    .bind(grace_s as f64)
+    .bind(limit)
+    .fetch_all(&mut *tx)
+    .await?;
+    if rows.is_empty() {
+        return Ok(SettledClaims::default());
+    }
+    let settled = rows.len();
+    let mut recorded = 0;
+    let mut asks: Vec<(Uuid, Uuid, String)> = Vec::with_capacity(rows.len());
+    for d in rows {
+        let is_recorded = match (&d.recorded_intent, &d.recorded_status) {
+            (Some(intent), Some(status)) => boxoffice_domain::events::capture_claim_recorded(
+                intent,
+                &boxoffice_domain::PaymentIntentStatus::from(status.as_str()),
+                &d.claimed,
+            ),
+            _ => false,
+        };
+        if is_recorded {
+            recorded += 1;
+        } else {
+            asks.push((d.order_id, d.correlation_id, d.claimed));
+        }
+    }
+    // One re-fetch per PaymentIntent, however many of its claims this pass settled.
+    asks.sort();
+    asks.dedup();
+    let events = outbox::refresh_requests(asks, refresh_reason::CAPTURE_OUTSTANDING);
+    outbox::insert_all(&mut tx, &events).await?;
+    tx.commit().await?;
+    let refetches = events.len();
+    metrics::counter!("boxoffice_capture_claims_settled_total", "outcome" => "capture_recorded")
+        .increment(recorded as u64);
+    metrics::counter!("boxoffice_capture_claims_settled_total", "outcome" => "refetch")
+        .increment(refetches as u64);
+    Ok(SettledClaims { settled, recorded, refetches })
+}
+
 /// How long an event recorded without an order id is kept, by default, seconds (7
 /// days): Stripe retries an unacknowledged webhook for up to three days, and the row is what
 /// makes a redelivery a duplicate (invariant 4).

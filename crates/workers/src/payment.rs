@@ -136,8 +136,9 @@ pub const SKIP_REASONS: [&str; 8] = [
 ];
 
 /// The reasons of `boxoffice_payment_commands_skipped_total` that are routine: a capture's
-/// own webhook ahead of the worker's record of it ([`CAPTURE_RECORDED`], about one ticketed
-/// order in five under load) and a redelivery ([`ALREADY_APPLIED`]). Any other skip is a
+/// own webhook ahead of the worker's record of it ([`CAPTURE_RECORDED`]: the capture-claim
+/// sweep's re-fetch racing the record, or an older webhook writer's re-fetch sent at once)
+/// and a redelivery ([`ALREADY_APPLIED`]). Any other skip is a
 /// command the ledger no longer wants (a stale, replayed or forged one, or a bug): logged at
 /// warn, and alerted on (`BoxofficePaymentCommandsRefused` in deploy/observability).
 pub const ROUTINE_SKIPS: [&str; 2] = [CAPTURE_RECORDED, ALREADY_APPLIED];
@@ -254,12 +255,14 @@ impl PaymentWorker {
         // `recorded`: the ledger's payment row, read before the provider is asked (it is
         // written once, by the intent's creation).
         // A capture claimed while the saga's capture was outstanding, recorded since from
-        // the provider's answer to the capture call: the claim now agrees with the ledger, as
-        // one judged known on arrival would (its amount was checked against the order's when
-        // it came in). Nothing to ask.
+        // the provider's answer to the capture call: nothing to ask.
         if reason == refresh_reason::CAPTURE_OUTSTANDING
             && recorded.as_ref().is_some_and(|p| {
-                p.payment_intent_id == payment_intent_id && p.status == PaymentIntentStatus::Succeeded
+                boxoffice_domain::events::capture_claim_recorded(
+                    &p.payment_intent_id,
+                    &p.status,
+                    payment_intent_id,
+                )
             })
         {
             return Ok(Prepared::Skipped(CAPTURE_RECORDED));

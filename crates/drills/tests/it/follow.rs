@@ -91,11 +91,10 @@ async fn a_purchase_in_one_process_is_followed_through_by_the_saga_and_the_ticke
         "the order went from confirming to ticketed in the capture's transaction"
     );
     // The capture's own webhook is no claim the provider must answer: it arrived after the
-    // capture was recorded (known) or while it was outstanding (`capture_outstanding`, whose
-    // re-fetch stops at the ledger). One re-fetch asked the provider: the authorization's.
+    // capture was recorded (known) or while it was outstanding (a capture claim, which the
+    // ledger settles later). One re-fetch in all: the authorization's.
     let refreshes: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM outbox WHERE message_key = $1::text AND event_type = 'PaymentIntentRefreshRequested'
-            AND payload->'payload'->>'reason' = 'webhook_claim'",
+        "SELECT count(*) FROM outbox WHERE message_key = $1::text AND event_type = 'PaymentIntentRefreshRequested'",
     )
     .bind(order)
     .fetch_one(&app.pool)

@@ -234,6 +234,16 @@ async fn every_periodic_sweep_reads_only_what_is_due(_: PgPoolOptions, opts: PgC
     exec(&observer, &events("NULL", "'pi_other_' || gen_random_uuid()", true, "8 days", 3)).await;
     exec(&observer, &events("NULL", &format!("'{}'", waiting_pis[0]), true, "8 days", 1)).await;
     exec(&observer, &events("gen_random_uuid()", "'pi_' || gen_random_uuid()", false, "401 days", 3)).await;
+    // Capture claims: young ones (webhooks of a second ago), and three past the grace for
+    // orders awaiting their capture.
+    exec(&observer, &format!("INSERT INTO capture_claims (stripe_event_id, order_id, payment_intent_id) SELECT 'evt_' || gen_random_uuid(), gen_random_uuid(), 'pi_' || gen_random_uuid() FROM generate_series(1, {NOT_DUE})")).await;
+    exec(
+        &observer,
+        "INSERT INTO capture_claims (received_at, stripe_event_id, order_id, payment_intent_id)
+         SELECT now() - interval '1 minute', 'evt_' || gen_random_uuid(), p.order_id, p.payment_intent_id
+           FROM payments p JOIN orders o ON o.id = p.order_id WHERE o.status = 'confirming' LIMIT 3",
+    )
+    .await;
     exec(&observer, "ANALYZE").await;
 
     let reads = Reads { pool, observer };
@@ -318,6 +328,27 @@ async fn every_periodic_sweep_reads_only_what_is_due(_: PgPoolOptions, opts: PgC
         .await;
     assert_eq!(n, 0, "the stranded event is older than the sweep's window");
     due("stripe_events::resolve_stranded", &read, 0);
+    let (s, read) = reads
+        .measure(&["capture_claims", "orders", "payments"], |p| async move {
+            boxoffice_store::stripe_events::settle_capture_claims(
+                &p,
+                boxoffice_store::stripe_events::CAPTURE_CLAIM_GRACE_S,
+                2_000,
+            )
+            .await
+            .unwrap()
+        })
+        .await;
+    assert_eq!((s.settled, s.recorded, s.refetches), (3, 0, 3), "their captures are not recorded");
+    due("stripe_events::settle_capture_claims", &read, 3);
+    assert_eq!(
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM capture_claims")
+            .fetch_one(&reads.observer)
+            .await
+            .unwrap(),
+        NOT_DUE,
+        "the young claims wait"
+    );
     // The relay, every 30 s.
     let (n, read) = reads
         .measure(&["outbox"], |p| async move {

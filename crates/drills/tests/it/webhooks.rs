@@ -161,6 +161,110 @@ async fn events_of_another_integration_are_deduplicated_then_pruned(
     app.stop().await;
 }
 
+/// A capture claimed while the saga's capture request is outstanding (order `confirming`,
+/// payment `requires_capture`: usually the capture's own webhook ahead of the payment
+/// worker's record of the answer) is kept as a capture claim, with no re-fetch command. The
+/// expiry worker settles the claims past their grace: one whose capture the ledger has
+/// recorded since asks no one; one whose capture it still does not record (the capture
+/// command dead-lettered, say) asks the provider (a re-fetch with `capture_outstanding`); a
+/// younger claim waits. A redelivery keeps no second claim, and the audit counts the claims
+/// left past its own grace.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn a_capture_claimed_while_outstanding_is_settled_by_the_ledger_or_asked_of_the_provider(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    let mut app = TestApp::spawn(opts, &[Role::Api], VenueSpec::small(1, 1, 4)).await;
+    let seats = app.seats().await;
+    let secret = app.cfg.stripe_webhook_secret.expose_secret().to_owned();
+    let url = format!("{}/webhooks/stripe", app.api);
+    let deliver = |body: Vec<u8>| {
+        let sig = boxoffice_payments::webhook::sign(&body, &secret, chrono::Utc::now().timestamp());
+        app.http.post(&url).header("Stripe-Signature", sig).body(body).send()
+    };
+    let mut orders = Vec::new();
+    for (seat, pi) in seats.iter().zip(["pi_cap_recorded", "pi_cap_lost", "pi_cap_young"]) {
+        let order = held_with_payment_intent(&app, &app.buyer(), *seat, pi).await;
+        let amount: i64 = sqlx::query_scalar("SELECT amount_minor FROM orders WHERE id = $1")
+            .bind(order)
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+        for sql in [
+            "UPDATE payments SET status = 'requires_capture', amount_minor = $2 WHERE order_id = $1",
+            "UPDATE orders SET status = 'payment_required' WHERE id = $1 AND $2 > 0",
+            "UPDATE orders SET status = 'confirming' WHERE id = $1 AND $2 > 0",
+        ] {
+            sqlx::query(sql).bind(order).bind(amount).execute(&app.pool).await.unwrap();
+        }
+        let body = serde_json::to_vec(&json!({
+            "id": format!("evt_{pi}"), "object": "event", "type": "payment_intent.succeeded",
+            "created": chrono::Utc::now().timestamp(), "livemode": false, "api_version": "2024-06-20",
+            "pending_webhooks": 1, "request": null,
+            "data": {"object": {"id": pi, "object": "payment_intent", "status": "succeeded", "amount": amount,
+                     "amount_received": amount, "amount_capturable": 0, "currency": "usd",
+                     "capture_method": "manual", "metadata": {"order_id": order.to_string()}}}
+        }))
+        .unwrap();
+        // Delivered twice: the second is a duplicate.
+        for _ in 0..2 {
+            assert_eq!(deliver(body.clone()).await.unwrap().status(), 200);
+        }
+        orders.push((order, amount));
+    }
+    let claims = "SELECT count(*) FROM capture_claims";
+    assert_eq!(app.count(claims).await, 3, "one claim per event");
+    for (order, _) in &orders {
+        assert_eq!(app.outbox_count("PaymentIntentRefreshRequested", *order).await, 0, "no re-fetch yet");
+    }
+    // The first one's capture is recorded meanwhile (the payment worker's answer); the first
+    // two claims are past every grace.
+    sqlx::query("UPDATE payments SET status = 'succeeded', amount_captured_minor = $2 WHERE order_id = $1")
+        .bind(orders[0].0)
+        .bind(orders[0].1)
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE capture_claims SET received_at = now() - interval '61 seconds' WHERE order_id <> $1")
+        .bind(orders[2].0)
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    let pool = app.pool.clone();
+    let unsettled = || async {
+        boxoffice_store::audit::violations(&pool, 600_000, None).await.unwrap().unsettled_capture_claims
+    };
+    assert_eq!(unsettled().await, 2);
+
+    app.start_roles(&[Role::Expiry]).await;
+    crate::helpers::eventually(
+        Duration::from_secs(30),
+        "the claims past their grace are settled",
+        || async { app.count(claims).await == 1 },
+    )
+    .await;
+    let left: Uuid =
+        sqlx::query_scalar("SELECT order_id FROM capture_claims").fetch_one(&app.pool).await.unwrap();
+    assert_eq!(left, orders[2].0, "the young claim waits");
+    assert_eq!(unsettled().await, 0);
+    let reasons = |order: Uuid| {
+        sqlx::query_scalar::<_, String>(
+            "SELECT payload->'payload'->>'reason' FROM outbox
+              WHERE message_key = $1::text AND event_type = 'PaymentIntentRefreshRequested'",
+        )
+        .bind(order)
+        .fetch_all(&app.pool)
+    };
+    assert_eq!(reasons(orders[0].0).await.unwrap(), Vec::<String>::new(), "recorded: nothing asked");
+    assert_eq!(
+        reasons(orders[1].0).await.unwrap(),
+        ["capture_outstanding"],
+        "unrecorded: the provider is asked"
+    );
+    assert_eq!(reasons(orders[2].0).await.unwrap(), Vec::<String>::new());
+    app.stop().await;
+}
+
 /// `b`'s order for `seat`, held, and its PaymentIntent `pi` recorded as created.
 async fn held_with_payment_intent(app: &TestApp, b: &crate::helpers::Buyer, seat: Uuid, pi: &str) -> Uuid {
     let r = app.hold(b, &app.admission_token(b), &format!("k-{pi}"), &[seat]).await;
