@@ -184,7 +184,7 @@ pub const CAPTURE_CLAIM_GRACE_S: i64 = 30;
 /// What one pass of [`settle_capture_claims`] did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SettledClaims {
-    /// Claims settled (deleted).
+    /// Claims settled (deleted), those of an order the ledger does not have included.
     pub settled: usize,
     /// Claims whose capture the ledger records: deleted, nothing asked.
     pub recorded: usize,
@@ -220,7 +220,7 @@ pub async fn settle_capture_claims(
     #[derive(sqlx::FromRow)]
     struct Due {
         order_id: Uuid,
-        correlation_id: Uuid,
+        correlation_id: Option<Uuid>,
         claimed: String,
         recorded_intent: Option<String>,
         recorded_status: Option<String>,
@@ -235,7 +235,7 @@ pub async fn settle_capture_claims(
          SELECT due.order_id, o.correlation_id, due.payment_intent_id AS claimed,
                 p.payment_intent_id AS recorded_intent, p.status AS recorded_status
            FROM due
-          CROSS JOIN LATERAL (SELECT correlation_id FROM orders WHERE id = due.order_id OFFSET 0) o
+           LEFT JOIN LATERAL (SELECT correlation_id FROM orders WHERE id = due.order_id OFFSET 0) o ON true
            LEFT JOIN LATERAL (
                 SELECT payment_intent_id, status FROM payments WHERE order_id = due.order_id OFFSET 0) p ON true",
     )
@@ -250,6 +250,9 @@ pub async fn settle_capture_claims(
     let mut recorded = 0;
     let mut asks: Vec<(Uuid, Uuid, String)> = Vec::with_capacity(rows.len());
     for d in rows {
+        // An order the ledger does not have has no saga step to re-fetch for (webhook
+        // ingress keeps claims only for orders it found, and orders are never deleted).
+        let Some(correlation_id) = d.correlation_id else { continue };
         let is_recorded = match (&d.recorded_intent, &d.recorded_status) {
             (Some(intent), Some(status)) => boxoffice_domain::events::capture_claim_recorded(
                 intent,
@@ -261,7 +264,7 @@ pub async fn settle_capture_claims(
         if is_recorded {
             recorded += 1;
         } else {
-            asks.push((d.order_id, d.correlation_id, d.claimed));
+            asks.push((d.order_id, correlation_id, d.claimed));
         }
     }
     // One re-fetch per PaymentIntent, however many of its claims this pass settled.
