@@ -23,8 +23,10 @@
 //! every minute until `RetryPolicy::max_attempts` attempts in all have failed. Then, as for a
 //! permanent error (undecodable envelope or payload, impossible transition), the message goes to
 //! the dead-letter topic with its original topic/partition/offset, the consumer, the error code and
-//! the attempt count, and the runner moves on. A copy is durable in the next topic before the
-//! offset of the original is committed, so a crash in between only duplicates it (into the inbox).
+//! the attempt count, and the runner moves on (a main-topic message that is no envelope at all
+//! goes there from one consumer group only: [`Handler::dead_letters_unreadable`]). A copy is
+//! durable in the next topic before the offset of the original is committed, so a crash in
+//! between only duplicates it (into the inbox).
 //!
 //! **Batches.** On the purchase topic, a consumer applies what has queued up for one lane —
 //! at most `consumer_batch_max` messages: what is queued when the lane is free, and what
@@ -310,6 +312,17 @@ pub trait Handler: Send + Sync + 'static {
     /// ledger's outbox).
     fn verifies(&self, _event: &PurchaseEvent) -> bool {
         false
+    }
+
+    /// Whether this consumer dead-letters a main-topic message that is no envelope at all
+    /// (`bad_envelope`, `empty_message`). Such a message is the same bytes for every consumer
+    /// group that reads the topic, and no consumer can ever apply it, so one group keeps it
+    /// (the saga's, which every deployment runs) and the others acknowledge it with a count
+    /// (`boxoffice_unreadable_messages_skipped_total{consumer}`): junk written to the topic is
+    /// not copied to the dead-letter topic once per group. A retry-topic copy is addressed to
+    /// one consumer, which dead-letters it whatever this says. Default: true.
+    fn dead_letters_unreadable(&self) -> bool {
+        true
     }
 
     /// Whether `prepare` calls out (e.g. to Stripe): then the runner first checks the inbox
@@ -2015,6 +2028,11 @@ impl<H: Handler> Runner<H> {
         };
         let env = match msg.payload().map(Envelope::from_slice) {
             Some(Ok(env)) => env,
+            Some(Err(_)) | None if self.stage == Stage::Main && !self.handler.dead_letters_unreadable() => {
+                metrics::counter!("boxoffice_unreadable_messages_skipped_total", "consumer" => name)
+                    .increment(1);
+                return true;
+            }
             Some(Err(e)) => {
                 return self
                     .dead_letter(msg, &origin, None, "bad_envelope", &e.to_string(), attempts_before + 1)
@@ -2227,7 +2245,13 @@ impl<H: Handler> Runner<H> {
             "source_offset": origin.offset,
             "event_id": env.map(|e| e.event_id),
             "event_type": env.map(|e| e.event_type.clone()),
-            "original": msg.payload().map(|p| String::from_utf8_lossy(p).into_owned()),
+            // Whole when it is an envelope (what `dlq replay` sends again); the first
+            // `UNREADABLE_ORIGINAL_MAX` bytes of one that is not, which nothing can replay.
+            "original": msg.payload().map(|p| {
+                let keep = if env.is_some() { p.len() } else { p.len().min(UNREADABLE_ORIGINAL_MAX) };
+                String::from_utf8_lossy(&p[..keep]).into_owned()
+            }),
+            "original_bytes": msg.payload().map_or(0, <[u8]>::len),
         });
         // The original key (the order id), so one order's dead letters stay in order.
         let key = msg.key().map(|k| String::from_utf8_lossy(k).into_owned()).unwrap_or_default();
@@ -2243,6 +2267,11 @@ impl<H: Handler> Runner<H> {
         true
     }
 }
+
+/// The most bytes of a message that is no envelope its dead letter keeps (`original`;
+/// `original_bytes` says how long it was): enough to recognise it, not a copy of whatever
+/// size a writer to the topic chose.
+pub const UNREADABLE_ORIGINAL_MAX: usize = 4_096;
 
 /// Every 5 s, exports `boxoffice_consumer_lag{consumer, partition}`: the partition's high
 /// watermark minus this member's position, for each partition it holds (design §16: lag by

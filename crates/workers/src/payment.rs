@@ -365,6 +365,12 @@ impl Handler for PaymentWorker {
         true
     }
 
+    /// A message on the purchase topic that is no envelope is the saga's group's to
+    /// dead-letter (one copy, not one per group).
+    fn dead_letters_unreadable(&self) -> bool {
+        false
+    }
+
     /// Every command is acted on only when this ledger wrote it (the hold, the saga, the
     /// webhooks, the sweeps, `reconcile --fix`): one on the bus that it did not is parked as an
     /// `unknown_fact` incident before any call, so a message written to the topic by anyone

@@ -35,6 +35,12 @@ impl Handler for TicketWorker {
         kind == EventKind::TicketIssueRequested
     }
 
+    /// A message on the purchase topic that is no envelope is the saga's group's to
+    /// dead-letter (one copy, not one per group).
+    fn dead_letters_unreadable(&self) -> bool {
+        false
+    }
+
     /// Every request read from the bus: one this ledger did not write is parked, and leaves
     /// its id to the real one.
     fn verifies(&self, _event: &PurchaseEvent) -> bool {

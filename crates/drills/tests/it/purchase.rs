@@ -716,16 +716,20 @@ async fn parked_orders_are_read_whole_and_a_few_at_a_time(pool: sqlx::PgPool) {
 }
 
 /// A message no consumer can apply (undecodable, or naming an order that does not exist)
-/// goes to the dead-letter topic with its source coordinates, and the partition moves on.
+/// goes to the dead-letter topic with its source coordinates, and the partition moves on. One
+/// that is no envelope at all is dead-lettered once, by the saga's group, not once per group
+/// that reads the topic (the ticket worker's acknowledges it), and its letter keeps the first
+/// `UNREADABLE_ORIGINAL_MAX` bytes of it.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn poison_messages_are_dead_lettered_and_the_partition_moves_on(
     _: PgPoolOptions,
     opts: PgConnectOptions,
 ) {
-    use rdkafka::consumer::{Consumer, StreamConsumer};
+    use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
     use rdkafka::Message;
 
-    let app = TestApp::spawn(opts, &[Role::Relay, Role::Saga], VenueSpec::small(1, 1, 4)).await;
+    let app =
+        TestApp::spawn(opts, &[Role::Relay, Role::Saga, Role::Tickets], VenueSpec::small(1, 1, 4)).await;
     let kafka = app.cfg.kafka().unwrap();
     let producer = boxoffice_bus::producer::build(&kafka).unwrap();
     let topic = kafka.topic(boxoffice_domain::Topic::Purchase.name());
@@ -742,7 +746,8 @@ async fn poison_messages_are_dead_lettered_and_the_partition_moves_on(
     );
     // All on one key, so they share a partition and lane with the real order's event below.
     let key = "poison-key";
-    boxoffice_bus::producer::send(&producer, &topic, key, b"{not an envelope", &[]).await.unwrap();
+    let junk = [b"{not an envelope".as_slice(), &[b'x'; 10_000]].concat();
+    boxoffice_bus::producer::send(&producer, &topic, key, &junk, &[]).await.unwrap();
     // A fact this ledger committed (the saga checks that of a provider fact), whose order is gone.
     crate::helpers::committed(&app.pool, &orphan).await;
     boxoffice_bus::producer::send(&producer, &topic, key, &serde_json::to_vec(&orphan).unwrap(), &[])
@@ -800,6 +805,38 @@ async fn poison_messages_are_dead_lettered_and_the_partition_moves_on(
         assert!(l["original"].is_string(), "enough context to replay");
     }
     assert_eq!(letters[1]["event_id"], serde_json::json!(orphan.event_id));
+    let kept = letters[0]["original"].as_str().unwrap();
+    assert_eq!(kept.len(), boxoffice_bus::consumer::UNREADABLE_ORIGINAL_MAX);
+    assert!(kept.starts_with("{not an envelope"));
+    assert_eq!(letters[0]["original_bytes"], serde_json::json!(junk.len()));
+
+    // The ticket worker's group has moved past the junk too (its offset is committed only
+    // after any dead letter of its own is durable): it wrote none.
+    let junk_at = rdkafka::topic_partition_list::TopicPartitionList::from_topic_map(
+        &[(
+            (topic.clone(), letters[0]["source_partition"].as_i64().unwrap() as i32),
+            rdkafka::Offset::Beginning,
+        )]
+        .into_iter()
+        .collect(),
+    )
+    .unwrap();
+    let junk_offset = letters[0]["source_offset"].as_i64().unwrap();
+    let tickets_group: BaseConsumer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", &kafka.brokers)
+        .set("group.id", kafka.group("tickets"))
+        .set("enable.auto.commit", "false")
+        .create()
+        .unwrap();
+    eventually(WAIT, "the ticket worker's group committed past the junk", || {
+        let committed = tickets_group.committed_offsets(junk_at.clone(), Duration::from_secs(5)).unwrap();
+        let past = committed
+            .elements()
+            .iter()
+            .any(|e| matches!(e.offset(), rdkafka::Offset::Offset(o) if o > junk_offset));
+        async move { past }
+    })
+    .await;
 
     // The operator's view lists the same letters; after the fault is fixed (the order now
     // exists), replaying the letter applies it once.
