@@ -73,8 +73,14 @@ pub fn router(state: AppState) -> Router {
     if state.settings.admission_direct {
         purchase = purchase.route("/events/{event_id}/admission", post(admit));
     }
-    let purchase = purchase
+    // Holds have a bulkhead of their own (a share of the process's slots): their bodies are
+    // read after the tokens are checked, but admitted buyers with slow bodies must not take
+    // the slots of the seat map, order status, the queue and webhooks.
+    let holds = Router::new()
         .route("/events/{event_id}/holds", post(create_hold))
+        .route_layer(crate::edge::bulkhead("holds", state.settings.holds_max_concurrent));
+    let purchase = purchase
+        .merge(holds)
         .route("/orders/{order_id}", get(get_order))
         .route("/orders/{order_id}/events", get(crate::order_stream::order_events))
         .route_layer(buckets(state.clone(), crate::limits::purchase))
@@ -225,7 +231,7 @@ pub struct HoldBody {
         (status = 415, description = "`unsupported_media_type`: the body must be `application/json`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 422, description = "`seat_count` (outside 1–8), `unknown_seats` (not this event's), or `invalid_body` (a body of the wrong shape)", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
         (status = 429, description = "`rate_limited` (per IP or per user, named in `scope`), or `too_many_in_flight` (this client address has `max_in_flight` requests in progress); `Retry-After` in seconds", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
-        (status = 503, description = "`unavailable` (the database), `fault_injected`, `revocation_check_failed` (Redis answered with an error), `event_moving` (the event is moving to another purchase cell) or `region_fenced` (this region does not write now, design §15); retry with the same Idempotency-Key after `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
+        (status = 503, description = "`unavailable` (the database), `overloaded` (this process has `holds_max_concurrent_requests` hold requests in progress), `fault_injected`, `revocation_check_failed` (Redis answered with an error), `event_moving` (the event is moving to another purchase cell) or `region_fenced` (this region does not write now, design §15); retry with the same Idempotency-Key after `Retry-After`", body = crate::openapi::ProblemDocument, content_type = "application/problem+json"),
     ))]
 #[tracing::instrument(name = "hold", skip_all, fields(
     event.id = %event,

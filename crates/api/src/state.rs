@@ -61,6 +61,10 @@ pub struct ApiSettings {
     /// more is 503 `overloaded` at once. A bulkhead: a crowd polling a slow Redis waits up
     /// to `queue_timeout_ms` per request, and must not take the slots of holds and webhooks.
     pub queue_max_concurrent: usize,
+    /// Hold requests in flight at once per process (≥ 1); one more is 503 `overloaded` at
+    /// once. A bulkhead: admitted buyers with slow bodies must not take the slots of the seat
+    /// map, order status, the queue and webhooks.
+    pub holds_max_concurrent: usize,
     /// The most webhook events recorded in one transaction (≥ 1; see
     /// [`crate::webhooks::Ingress`]).
     pub webhook_batch_max: usize,
@@ -99,6 +103,7 @@ impl Default for ApiSettings {
             max_in_flight_per_ip: 32,
             webhook_max_in_flight_per_ip: 8,
             queue_max_concurrent: 256,
+            holds_max_concurrent: 256,
             webhook_batch_max: crate::webhooks::DEFAULT_BATCH_MAX,
             webhook_timeout: Duration::from_secs(3),
             webhook_allowed_networks: Vec::new(),

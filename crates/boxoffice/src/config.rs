@@ -388,6 +388,13 @@ pub struct Config {
     /// Each may wait `redis_queue_timeout_ms` for a slow Redis: this keeps the rest of the
     /// process's slots for holds, order status and webhooks.
     pub waitroom_max_concurrent_requests: usize,
+    /// Hold requests (`POST /events/{id}/holds`) in flight at once per API process, a share of
+    /// `http_max_concurrent_requests` (below it); one more is 503 `overloaded` at once
+    /// (default 256). A hold's body is read after its buyer and admission tokens are checked,
+    /// so only admitted buyers can hold these slots, but slow ones (a few addresses, each
+    /// within `http_max_in_flight_per_ip`) could otherwise take every slot of the process:
+    /// this keeps the rest for the seat map, order status, the queue and webhooks.
+    pub holds_max_concurrent_requests: usize,
     /// The most Stripe webhook events an API process records in one transaction (default 32;
     /// 1..=1000; 1: one transaction per event). Each connection of `db_pool_webhooks` commits
     /// one batch at a time, gathering the events that arrive while another's transaction is in
@@ -809,6 +816,7 @@ impl Default for Config {
             http_max_in_flight_per_ip: 32,
             webhook_max_in_flight_per_ip: 8,
             waitroom_max_concurrent_requests: 256,
+            holds_max_concurrent_requests: 256,
             webhook_batch_max: boxoffice_api::webhooks::DEFAULT_BATCH_MAX,
             webhook_timeout_ms: 3_000,
             webhook_allowed_networks: Vec::new(),
@@ -1314,6 +1322,9 @@ impl Config {
             bail!(
                 "waitroom_max_concurrent_requests must be at least 1 and below http_max_concurrent_requests"
             );
+        }
+        if !(1..self.http_max_concurrent_requests).contains(&self.holds_max_concurrent_requests) {
+            bail!("holds_max_concurrent_requests must be at least 1 and below http_max_concurrent_requests");
         }
         if self.http_trust_forwarded_for.is_some() {
             bail!("http_trust_forwarded_for was replaced by http_trusted_proxy_hops (true = 1 hop)");

@@ -260,6 +260,7 @@ pub async fn start(
                         webhook_max_in_flight_per_ip: cfg.webhook_max_in_flight_per_ip,
                         webhook_batch_max: cfg.webhook_batch_max,
                         queue_max_concurrent: cfg.waitroom_max_concurrent_requests,
+                        holds_max_concurrent: cfg.holds_max_concurrent_requests,
                         webhook_timeout: Duration::from_millis(cfg.webhook_timeout_ms),
                         webhook_allowed_networks: cfg.webhook_networks()?,
                         labels: cfg.trace_labels(),

@@ -245,6 +245,67 @@ async fn stalled_webhook_bodies_cannot_take_every_request_slot(_: PgPoolOptions,
     app.stop().await;
 }
 
+/// Admitted buyers whose hold bodies stall take at most `holds_max_concurrent_requests` of
+/// the process's slots: the next hold is 503 `overloaded` at once (counted under the holds
+/// bulkhead), while the seat map, an order's status and `/healthz` are still served.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn stalled_hold_bodies_take_only_the_holds_share_of_the_slots(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    let app = api_only(opts, |c| {
+        c.http_max_concurrent_requests = 8;
+        c.holds_max_concurrent_requests = 3;
+        // The bulkhead itself (one address here; the per-address bound has its own test).
+        c.http_max_in_flight_per_ip = 0;
+        c.http_request_body_timeout_ms = 15_000;
+        c.http_request_timeout_ms = 20_000;
+    })
+    .await;
+    let mut stalled = Vec::new();
+    for _ in 0..3 {
+        let b = app.buyer();
+        let head = format!(
+            "POST /events/{}/holds HTTP/1.1\r\nHost: x\r\nAuthorization: {}\r\nIdempotency-Key: {}\r\n\
+             X-Admission-Token: {}\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{{\"seat_ids\":",
+            app.event,
+            b.bearer(),
+            Uuid::new_v4(),
+            app.admission_token(&b),
+        );
+        let mut s = TcpStream::connect(addr(&app)).await.unwrap();
+        s.write_all(head.as_bytes()).await.unwrap();
+        stalled.push(s);
+    }
+    // Once the three hold the bulkhead, a fourth admitted buyer's hold is shed at once (its
+    // body names no seat, so a hold let through would change nothing: 422).
+    let shed = eventually(Duration::from_secs(10), "a fourth hold is shed", || async {
+        let b = app.buyer();
+        let r = app
+            .http
+            .post(format!("{}/events/{}/holds", app.api, app.event))
+            .header("authorization", b.bearer())
+            .header("idempotency-key", Uuid::new_v4().to_string())
+            .header("x-admission-token", app.admission_token(&b))
+            .json(&serde_json::json!({ "seat_ids": [] }))
+            .send()
+            .await
+            .unwrap();
+        r.status() == 503 && r.headers().contains_key("retry-after") && problem(r).await.1 == "overloaded"
+    });
+    shed.await;
+    let r = app.http.get(format!("{}/events/{}/seats", app.api, app.event)).send().await.unwrap();
+    assert_eq!(r.status(), 200, "the seat map is served");
+    let (status, _) = app.order(&app.buyer(), Uuid::new_v4()).await;
+    assert_eq!(status, 404, "an order's status is served");
+    let r = app.http.get(format!("{}/healthz", app.api)).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(metric(&app, "boxoffice_http_requests_shed_total{bulkhead=\"holds\"}").await >= 1.0);
+    assert_eq!(metric(&app, "boxoffice_http_requests_shed_total{bulkhead=\"process\"}").await, 0.0);
+    drop(stalled);
+    app.stop().await;
+}
+
 /// One client address keeps requests open (bodies that never finish): past
 /// `http_max_in_flight_per_ip` its next buyer request is 429 `too_many_in_flight` at once,
 /// `/healthz` is untouched, and a hold without a valid admission is refused before its body
