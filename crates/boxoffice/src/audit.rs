@@ -306,13 +306,15 @@ pub fn render(r: &AuditReport) -> String {
     }
     rows.push(("dead letters".into(), r.dead_letters.ran().copied()));
     let mut out = String::from("invariant checks\n");
+    // One column for the counts, however long the longest check's name.
+    let width = rows.iter().map(|(name, _)| name.chars().count()).max().unwrap_or(0).max(46);
     for (name, n) in rows {
         let (count, verdict) = match n {
             Some(0) => ("0".to_owned(), "ok"),
             Some(n) => (n.to_string(), "VIOLATION"),
             None => ("-".to_owned(), "not checked"),
         };
-        out.push_str(&format!("  {name:<46} {count:>6}  {verdict}\n"));
+        out.push_str(&format!("  {name:<width$} {count:>6}  {verdict}\n"));
     }
     if let Some(n) = p.map(|p| p.drift_count(DriftKind::UnconfirmedIntentMissingInLedger)).filter(|n| *n > 0)
     {
