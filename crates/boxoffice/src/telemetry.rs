@@ -1,9 +1,10 @@
 //! The process's log subscriber and, when `otlp_endpoint` is set, its OpenTelemetry span
 //! export (design §16).
 //!
-//! Logs go to stderr as before: `BOXOFFICE_LOG` (an `EnvFilter`), else the command's default
-//! filter; JSON lines when `log_format` is `json`, each with the fields of its span and of the
-//! spans around it (`order.id`, `correlation_id`, `causation_id`, `event_id`, `region`,
+//! Logs go to stderr as before, in colour only when stderr is a terminal (a file or a pipe
+//! gets no ANSI escape codes): `BOXOFFICE_LOG` (an `EnvFilter`), else the command's default
+//! filter; JSON lines when `log_format` is `json`, each with the fields of its span and of
+//! the spans around it (`order.id`, `correlation_id`, `causation_id`, `event_id`, `region`,
 //! `purchase_cell` wherever a handler runs for a fact or a request).
 //!
 //! With `otlp_endpoint` set, a `tracing_opentelemetry` layer beside the log layer sends spans
@@ -27,6 +28,7 @@ use opentelemetry::trace::TracerProvider as _;
 use opentelemetry::KeyValue;
 use opentelemetry_otlp::WithExportConfig;
 use opentelemetry_sdk::trace::SdkTracerProvider;
+use std::io::IsTerminal;
 use std::sync::OnceLock;
 use tracing_subscriber::filter::{filter_fn, EnvFilter};
 use tracing_subscriber::layer::SubscriberExt;
@@ -44,7 +46,10 @@ const UNTRACED: [&str; 6] = ["opentelemetry", "tonic", "h2", "hyper", "tower", "
 /// built is reported on stderr and the process runs without export.
 pub fn init(cfg: &Config, default_filter: &str, roles: &[&str]) {
     let filter = EnvFilter::try_from_env("BOXOFFICE_LOG").unwrap_or_else(|_| EnvFilter::new(default_filter));
-    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    // Colours only on a terminal: a file or a pipe gets plain text, no ANSI escape codes.
+    let fmt = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal());
     let fmt = if cfg.log_format == "json" { fmt.json().boxed() } else { fmt.boxed() };
     let otel = match cfg.otlp_endpoint.as_deref().map(|e| provider(cfg, e, roles)) {
         Some(Ok(p)) => {
