@@ -18,7 +18,12 @@
 //!   and any amount or status that contradicts the ledger — is recorded with a
 //!   `PaymentIntentRefreshRequested` command: the payment worker re-fetches the PaymentIntent
 //!   (and its charge) and the saga acts on what the provider says (counted in
-//!   `boxoffice_webhook_claims_verified_total` by reason). A capture claimed while the saga's
+//!   `boxoffice_webhook_claims_verified_total` by reason). One re-fetch per PaymentIntent at a
+//!   time: a claim that finds one asked for less than [`stripe_events::REFETCH_COALESCE_S`] ago
+//!   and not made yet is covered by it and asks nothing ([`Ingested::Coalesced`]; the worker
+//!   asks once more if claims came while its call was under way,
+//!   [`stripe_events::finish_refetch`]), so forged event ids cost no provider call each. A
+//!   capture claimed while the saga's
 //!   capture request is outstanding (order `confirming`) — usually the capture's own webhook,
 //!   milliseconds ahead of the payment worker's record of the answer — is kept as a capture
 //!   claim in the same transaction instead (`capture_outstanding`, [`Ingested::AwaitingCapture`]):
@@ -81,6 +86,10 @@ pub enum Ingested {
     /// It claims news: a re-fetch of the PaymentIntent is queued, and the provider's answer
     /// is what the saga acts on.
     Refresh,
+    /// It claims news about a PaymentIntent whose re-fetch another claim asked for moments
+    /// ago and the payment worker has not made yet: that re-fetch, which asks the provider
+    /// after this claim arrived, covers it ([`stripe_events::ask_refetch`]).
+    Coalesced,
     /// It claims the capture the saga asked for, whose answer the ledger does not record
     /// yet: kept as a capture claim, which the ledger settles half a minute later, asking the
     /// provider only if the capture is still unrecorded then
@@ -101,6 +110,7 @@ impl Ingested {
             Ingested::Duplicate => "duplicate",
             Ingested::Pending => "pending",
             Ingested::Refresh => "refresh",
+            Ingested::Coalesced => "coalesced",
             Ingested::AwaitingCapture => "awaiting_capture",
             Ingested::Stale => "stale",
             Ingested::UnknownOrder => "unknown_order",
@@ -298,6 +308,12 @@ async fn ingest_in(
                             payment_intent_id: pi.to_owned(),
                             dispute_id,
                         },
+                        // One re-fetch per PaymentIntent at a time: a claim that a pending one
+                        // covers asks nothing (with the signing secret, each forged event id
+                        // would otherwise be a provider call).
+                        None if !stripe_events::ask_refetch(tx, pi, order).await? => {
+                            return Ok(Ingested::Coalesced);
+                        }
                         None => PurchaseEvent::PaymentIntentRefreshRequested {
                             order_id: order,
                             payment_intent_id: pi.to_owned(),

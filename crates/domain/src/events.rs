@@ -333,6 +333,11 @@ pub mod refresh_reason {
     /// pending until the row was written (design §10): what they reported is re-derived
     /// from the provider.
     pub const EARLY_WEBHOOK: &str = "early_webhook";
+    /// Webhook claims about the PaymentIntent were counted while a re-fetch of it was under
+    /// way (after the payment worker read the ledger before its call), so that re-fetch may
+    /// predate what they report: the payment worker asks once more
+    /// (`stripe_events::finish_refetch`, migration 0033).
+    pub const CLAIMED_DURING_REFETCH: &str = "claimed_during_refetch";
 }
 
 /// Whether a capture claimed for PaymentIntent `claimed` while the saga's capture was

@@ -256,6 +256,10 @@ pub struct Precheck {
     pub order_amount: Option<(i64, String)>,
     /// The order's hold, the one its PaymentIntent names; `None` without a hold.
     pub hold_id: Option<HoldId>,
+    /// The ledger's time of the read (`statement_timestamp()`), before any provider call the
+    /// command makes: a webhook claim counted before it is covered by a re-fetch that follows
+    /// ([`crate::stripe_events::finish_refetch`]).
+    pub read_at: DateTime<Utc>,
 }
 
 /// The [`Precheck`] of each `(order, event id)` of `commands` for `consumer`, in one
@@ -272,11 +276,13 @@ pub async fn prechecks(
 ) -> Result<Vec<Precheck>, StoreError> {
     let (orders, events): (Vec<Uuid>, Vec<Uuid>) = commands.iter().map(|(o, e)| (o.0, *e)).unzip();
     let rows: Vec<PrecheckRow> = sqlx::query_as(
-        "SELECT EXISTS (SELECT 1 FROM inbox i WHERE i.consumer = $1 AND i.event_id = c.event_id),
-                o.status, h.status,
-                p.payment_intent_id, p.status, p.amount_minor, p.currency, p.amount_captured_minor,
-                p.amount_refunded_minor, p.capture_before, p.last_error_code, p.dispute_id, p.dispute_status,
-                o.amount_minor, o.currency, h.id
+        "SELECT EXISTS (SELECT 1 FROM inbox i WHERE i.consumer = $1 AND i.event_id = c.event_id) AS applied,
+                o.status AS order_status, h.status AS hold_status,
+                p.payment_intent_id, p.status AS payment_status, p.amount_minor, p.currency,
+                p.amount_captured_minor, p.amount_refunded_minor, p.capture_before, p.last_error_code,
+                p.dispute_id, p.dispute_status,
+                o.amount_minor AS order_amount_minor, o.currency AS order_currency, h.id AS hold_id,
+                statement_timestamp() AS read_at
            FROM unnest($2::uuid[], $3::uuid[]) WITH ORDINALITY AS c (order_id, event_id, k)
            LEFT JOIN orders o ON o.id = c.order_id
            LEFT JOIN holds h ON h.order_id = c.order_id
@@ -299,10 +305,10 @@ pub async fn prechecks(
         .into_iter()
         .zip(&orders)
         .map(|(r, order)| {
-            let order_status = r.1.map(OrderStatus::try_from).transpose();
-            let hold_status = r.2.map(HoldStatus::try_from).transpose();
+            let order_status = r.order_status.map(OrderStatus::try_from).transpose();
+            let hold_status = r.hold_status.map(HoldStatus::try_from).transpose();
             Precheck {
-                applied: r.0,
+                applied: r.applied,
                 unknown_status: order_status
                     .as_ref()
                     .err()
@@ -310,35 +316,52 @@ pub async fn prechecks(
                     .map(|e| e.0.clone()),
                 order_status: order_status.ok().flatten(),
                 hold_status: hold_status.ok().flatten(),
-                payment: payment_of(OrderId(*order), (r.3, r.4, r.5, r.6, r.7, r.8, r.9, r.10, r.11, r.12)),
-                order_amount: r.13.zip(r.14),
-                hold_id: r.15.map(HoldId),
+                payment: payment_of(
+                    OrderId(*order),
+                    (
+                        r.payment_intent_id,
+                        r.payment_status,
+                        r.amount_minor,
+                        r.currency,
+                        r.amount_captured_minor,
+                        r.amount_refunded_minor,
+                        r.capture_before,
+                        r.last_error_code,
+                        r.dispute_id,
+                        r.dispute_status,
+                    ),
+                ),
+                order_amount: r.order_amount_minor.zip(r.order_currency),
+                hold_id: r.hold_id.map(HoldId),
+                read_at: r.read_at,
             }
         })
         .collect())
 }
 
-/// Whether the command is in the inbox, the order's and hold's statuses, a
-/// [`MaybePayment`], then the order's amount and currency, and its hold's id (in the
-/// commands' order).
-type PrecheckRow = (
-    bool,
-    Option<String>,
-    Option<String>,
-    Option<String>,
-    Option<String>,
-    Option<i64>,
-    Option<String>,
-    Option<i64>,
-    Option<i64>,
-    Option<DateTime<Utc>>,
-    Option<String>,
-    Option<String>,
-    Option<String>,
-    Option<i64>,
-    Option<String>,
-    Option<Uuid>,
-);
+/// One command's pre-check as read: whether it is in the inbox, the order's and hold's
+/// statuses, the payment row's columns (all `None` without a row, see [`MaybePayment`]), the
+/// order's amount and currency, its hold's id, and the read's time.
+#[derive(sqlx::FromRow)]
+struct PrecheckRow {
+    applied: bool,
+    order_status: Option<String>,
+    hold_status: Option<String>,
+    payment_intent_id: Option<String>,
+    payment_status: Option<String>,
+    amount_minor: Option<i64>,
+    currency: Option<String>,
+    amount_captured_minor: Option<i64>,
+    amount_refunded_minor: Option<i64>,
+    capture_before: Option<DateTime<Utc>>,
+    last_error_code: Option<String>,
+    dispute_id: Option<String>,
+    dispute_status: Option<String>,
+    order_amount_minor: Option<i64>,
+    order_currency: Option<String>,
+    hold_id: Option<Uuid>,
+    read_at: DateTime<Utc>,
+}
 
 /// A payment row's columns read through an outer join (all `None` without a row):
 /// PaymentIntent id, status, amount, currency, captured, refunded, capture deadline, last

@@ -7,6 +7,11 @@
 //! Pending events of a PaymentIntent boxoffice did not create stay pending until
 //! [`prune_unclaimed`] deletes them, with every other event recorded without an order id,
 //! once Stripe can no longer redeliver them.
+//!
+//! It also keeps what webhook claims leave for later: capture claims the ledger settles
+//! ([`settle_capture_claims`]), and the pending re-fetch of each PaymentIntent claims asked
+//! for ([`ask_refetch`], [`finish_refetch`]), so that claims about one PaymentIntent share one
+//! provider call while every claim is still checked by a call made after it arrived.
 
 use crate::{outbox, StoreError, Tx};
 use boxoffice_domain::events::refresh_reason;
@@ -279,6 +284,116 @@ pub async fn settle_capture_claims(
     metrics::counter!("boxoffice_capture_claims_settled_total", "outcome" => "refetch")
         .increment(refetches as u64);
     Ok(SettledClaims { settled, recorded, refetches })
+}
+
+/// How long a re-fetch asked for by a webhook claim covers later claims about its
+/// PaymentIntent, seconds (migration 0033): a claim within this of the ask, before the payment
+/// worker has made it, asks nothing more; one later asks again (the ask may have been
+/// dead-lettered, or the worker may lag this much, and then a second re-fetch is cheap).
+pub const REFETCH_COALESCE_S: i64 = 30;
+
+/// Counts a webhook claim about `payment_intent_id` (of `order`) that asks the provider for
+/// news, in `tx`, in one statement; `true` if its re-fetch must be asked for now (no re-fetch
+/// of this PaymentIntent pending, or the pending one asked more than [`REFETCH_COALESCE_S`]
+/// ago), `false` if the pending re-fetch covers it: that re-fetch reads the provider after
+/// the claim arrived (the claim's time is its statement's, later than its request's
+/// arrival; [`finish_refetch`] asks once more for the claims the re-fetch may have missed).
+/// Counted as `boxoffice_webhook_refetches_coalesced_total` when `false`.
+///
+/// The row's lock is held to `tx`'s commit: a claim waits for one in flight about the same
+/// PaymentIntent (webhook ingress batches one event per order), never for the payment
+/// worker, whose [`finish_refetch`] skips a locked row.
+///
+/// # Errors
+/// The database's.
+pub async fn ask_refetch(
+    tx: &mut Tx<'_>,
+    payment_intent_id: &str,
+    order: OrderId,
+) -> Result<bool, sqlx::Error> {
+    // `asked_at = statement_timestamp()` after the statement is true only of a row this
+    // statement inserted or asked again: another statement's timestamp is earlier.
+    let ask: bool = sqlx::query_scalar(
+        "INSERT INTO payment_intent_refetches AS r (payment_intent_id, order_id, asked_at, last_claim_at)
+         VALUES ($1, $2, statement_timestamp(), statement_timestamp())
+         ON CONFLICT (payment_intent_id) DO UPDATE
+            SET claims = r.claims + 1,
+                last_claim_at = statement_timestamp(),
+                asked_at = CASE WHEN r.asked_at < statement_timestamp() - make_interval(secs => $3::double precision)
+                                THEN statement_timestamp() ELSE r.asked_at END
+         RETURNING asked_at = statement_timestamp()",
+    )
+    .bind(payment_intent_id)
+    .bind(order.0)
+    .bind(REFETCH_COALESCE_S as f64)
+    .fetch_one(&mut **tx)
+    .await?;
+    if !ask {
+        metrics::counter!("boxoffice_webhook_refetches_coalesced_total").increment(1);
+    }
+    Ok(ask)
+}
+
+/// Ends the pending re-fetch of `payment_intent_id` in `tx`, the transaction that records
+/// what the provider said, in one statement: deletes its row if every claim it counts
+/// arrived before `read_at` (the ledger's time when the payment worker read the ledger,
+/// before it asked the provider: those claims are covered). Returns `true` if a claim may
+/// not be covered — one counted at or after `read_at`, or one in flight (its row is locked;
+/// it is skipped, not waited for) — and the caller must ask for one more re-fetch; `false`
+/// when the row is gone or there was none (a re-fetch asked by a sweep, or one a claim asked
+/// again after this one was read).
+///
+/// # Errors
+/// The database's.
+pub async fn finish_refetch(
+    tx: &mut Tx<'_>,
+    payment_intent_id: &str,
+    read_at: chrono::DateTime<chrono::Utc>,
+) -> Result<bool, sqlx::Error> {
+    // The snapshot's row, if any, is either deleted here or reported: a row whose claim
+    // committed after the snapshot fails the re-check of `FOR UPDATE` and stays.
+    let left: bool = sqlx::query_scalar(
+        "WITH gone AS (
+             DELETE FROM payment_intent_refetches WHERE ctid = ANY (ARRAY(
+                 SELECT ctid FROM payment_intent_refetches
+                  WHERE payment_intent_id = $1 AND last_claim_at < $2
+                    FOR UPDATE SKIP LOCKED))
+             RETURNING payment_intent_id)
+         SELECT EXISTS (SELECT 1 FROM payment_intent_refetches r
+                         WHERE r.payment_intent_id = $1
+                           AND NOT EXISTS (SELECT 1 FROM gone))",
+    )
+    .bind(payment_intent_id)
+    .bind(read_at)
+    .fetch_one(&mut **tx)
+    .await?;
+    Ok(left)
+}
+
+/// How long after its last claim a pending re-fetch's row is kept, seconds (an hour): a
+/// re-fetch ends within seconds or is dead-lettered, and a row older than
+/// [`REFETCH_COALESCE_S`] no longer holds back a claim, so this only bounds the table.
+pub const REFETCH_RETENTION_S: i64 = 3_600;
+
+/// Deletes up to `limit` rows of pending re-fetches whose last claim is more than
+/// `retention_s` seconds old (re-fetches that never ended), the oldest first, through
+/// `payment_intent_refetches_claimed_idx` (migration 0033). Returns how many went. The
+/// expiry worker runs it every 10 s with [`REFETCH_RETENTION_S`].
+///
+/// # Errors
+/// The database's.
+pub async fn prune_refetches(pool: &PgPool, retention_s: i64, limit: i64) -> Result<u64, sqlx::Error> {
+    let r = sqlx::query(
+        "DELETE FROM payment_intent_refetches WHERE ctid = ANY (ARRAY(
+            SELECT ctid FROM payment_intent_refetches
+             WHERE last_claim_at < now() - make_interval(secs => $1::double precision)
+             ORDER BY last_claim_at LIMIT $2))",
+    )
+    .bind(retention_s as f64)
+    .bind(limit)
+    .execute(pool)
+    .await?;
+    Ok(r.rows_affected())
 }
 
 /// How long an event recorded without an order id is kept, by default, seconds (7

@@ -4,8 +4,9 @@
 //! query — never an in-process timer. Before a payable hold with no authorization in the
 //! ledger lapses, it asks the provider about the hold's PaymentIntent (rule 3 of
 //! `boxoffice_domain::hold`), so a late webhook never costs a buyer who paid in time. Every
-//! 10 s it also prunes the inbox, idempotency keys and webhook events without an order id
-//! (`boxoffice_store::stripe_events::prune_unclaimed`), releases authorizations near their
+//! 10 s it also prunes the inbox, idempotency keys, webhook events without an order id
+//! (`boxoffice_store::stripe_events::prune_unclaimed`) and the rows of re-fetches that never
+//! ended (`boxoffice_store::stripe_events::prune_refetches`), releases authorizations near their
 //! capture deadline (case C09), resolves early webhooks that missed their payment row's
 //! resolve (`boxoffice_store::stripe_events::resolve_stranded`), and settles capture claims
 //! past their grace (`boxoffice_store::stripe_events::settle_capture_claims`: a re-fetch for
@@ -146,11 +147,14 @@ async fn settle_capture_claims(pool: &PgPool) {
     }
 }
 
-/// Janitor work that rides along the expiry sweep: old inbox rows, expired idempotency keys
-/// and old webhook events without an order id, in bounded batches.
+/// Janitor work that rides along the expiry sweep: old inbox rows, expired idempotency keys,
+/// old webhook events without an order id and the rows of re-fetches that never ended, in
+/// bounded batches.
 async fn prune(pool: &PgPool, settings: &ExpirySettings) -> Result<(), sqlx::Error> {
+    use boxoffice_store::stripe_events;
     boxoffice_store::inbox::prune(pool, settings.inbox_retention_s, 10_000).await?;
     boxoffice_store::inbox::prune_idempotency_keys(pool, 10_000).await?;
-    boxoffice_store::stripe_events::prune_unclaimed(pool, settings.webhook_event_retention_s, 10_000).await?;
+    stripe_events::prune_unclaimed(pool, settings.webhook_event_retention_s, 10_000).await?;
+    stripe_events::prune_refetches(pool, stripe_events::REFETCH_RETENTION_S, 10_000).await?;
     Ok(())
 }

@@ -169,7 +169,9 @@ pub enum Prepared {
     CaptureRefused { payment_intent_id: String, reason: String, intent: Option<PaymentIntent> },
     /// The provider contradicts the claim that asked for a re-fetch (the PaymentIntent does
     /// not exist, or belongs to another order): nothing is acted on; an incident is recorded.
-    Refuted { payment_intent_id: String, why: &'static str },
+    /// `read_at`: a PaymentIntent re-fetch's pre-check time ([`payments::Precheck::read_at`]),
+    /// which ends its pending row; `None` for a dispute's.
+    Refuted { payment_intent_id: String, why: &'static str, read_at: Option<chrono::DateTime<chrono::Utc>> },
     /// A dispute as Stripe reports it now (a refresh), about the order's PaymentIntent.
     ObservedDispute { dispute: boxoffice_payments::Dispute },
     /// A refund went through, now or before (a refund refused because the charge was already
@@ -185,6 +187,9 @@ pub enum Prepared {
         /// While authorized: the charge's capture deadline (`payment_method_details.card.
         /// capture_before`), when Stripe states one.
         capture_before: Option<chrono::DateTime<chrono::Utc>>,
+        /// The pre-check's time ([`payments::Precheck::read_at`]), before the provider was
+        /// asked: claims counted before it are covered ([`stripe_events::finish_refetch`]).
+        read_at: chrono::DateTime<chrono::Utc>,
     },
 }
 
@@ -250,6 +255,7 @@ impl PaymentWorker {
         payment_intent_id: &str,
         reason: &str,
         recorded: Option<payments::PaymentRow>,
+        read_at: chrono::DateTime<chrono::Utc>,
     ) -> Result<Prepared, HandlerError> {
         let g = &*self.gateway;
         // `recorded`: the ledger's payment row, read before the provider is asked (it is
@@ -273,6 +279,7 @@ impl PaymentWorker {
                 return Ok(Prepared::Refuted {
                     payment_intent_id: payment_intent_id.to_owned(),
                     why: "unknown_payment_intent",
+                    read_at: Some(read_at),
                 })
             }
             Err(e) => return Err(stripe_err(e)),
@@ -291,6 +298,7 @@ impl PaymentWorker {
             return Ok(Prepared::Refuted {
                 payment_intent_id: payment_intent_id.to_owned(),
                 why: "payment_intent_of_another_order",
+                read_at: Some(read_at),
             });
         }
         // The charge holds what the PaymentIntent does not: refunds, and the authorization's
@@ -306,7 +314,7 @@ impl PaymentWorker {
             }
             _ => (0, None),
         };
-        Ok(Prepared::Observed { intent: pi, amount_refunded_minor: refunded, capture_before })
+        Ok(Prepared::Observed { intent: pi, amount_refunded_minor: refunded, capture_before, read_at })
     }
 
     /// A re-fetch of dispute `dispute_id`, claimed to be of `order`'s recorded PaymentIntent
@@ -317,7 +325,9 @@ impl PaymentWorker {
         dispute_id: &str,
         recorded: Option<payments::PaymentRow>,
     ) -> Result<Prepared, HandlerError> {
-        let refuted = |why| Ok(Prepared::Refuted { payment_intent_id: payment_intent_id.to_owned(), why });
+        let refuted = |why| {
+            Ok(Prepared::Refuted { payment_intent_id: payment_intent_id.to_owned(), why, read_at: None })
+        };
         let dispute = match self.gateway.retrieve_dispute(dispute_id).await {
             Ok(d) => d,
             Err(e) if e.status() == Some(404) => return refuted("unknown_dispute"),
@@ -534,7 +544,7 @@ impl Handler for PaymentWorker {
                 }
             }
             PurchaseEvent::PaymentIntentRefreshRequested { order_id, payment_intent_id, reason } => {
-                self.refresh_intent(*order_id, payment_intent_id, reason, pre.payment).await
+                self.refresh_intent(*order_id, payment_intent_id, reason, pre.payment, pre.read_at).await
             }
             PurchaseEvent::DisputeRefreshRequested { payment_intent_id, dispute_id, .. } => {
                 self.refresh_dispute(payment_intent_id, dispute_id, pre.payment).await
@@ -631,8 +641,11 @@ impl Handler for PaymentWorker {
             return Ok(facts.iter().map(|e| env.follow(e)).collect());
         }
         match (event, prepared) {
-            (_, Prepared::Refuted { payment_intent_id, why }) => {
+            (_, Prepared::Refuted { payment_intent_id, why, read_at }) => {
                 record_refuted(tx, order_id, &payment_intent_id, why).await?;
+                if let Some(read_at) = read_at {
+                    emit.extend(end_refetch(tx, order_id, &payment_intent_id, read_at).await?);
+                }
             }
             (_, Prepared::Skipped(why)) => {
                 metrics::counter!("boxoffice_payment_commands_skipped_total", "reason" => why).increment(1);
@@ -681,8 +694,8 @@ impl Handler for PaymentWorker {
                 });
             }
             (
-                PurchaseEvent::PaymentIntentRefreshRequested { reason, .. },
-                Prepared::Observed { intent: pi, amount_refunded_minor, capture_before },
+                PurchaseEvent::PaymentIntentRefreshRequested { reason, payment_intent_id, .. },
+                Prepared::Observed { intent: pi, amount_refunded_minor, capture_before, read_at },
             ) => {
                 tracing::info!(order.id = %order_id, payment_intent.status = %pi.status, reason = %reason,
                     "PaymentIntent re-fetched");
@@ -708,6 +721,7 @@ impl Handler for PaymentWorker {
                         .into_iter()
                         .filter(|f| is_news(local.as_ref(), f)),
                 );
+                emit.extend(end_refetch(tx, order_id, payment_intent_id, read_at).await?);
             }
             (
                 PurchaseEvent::DisputeRefreshRequested { payment_intent_id, .. },
@@ -821,6 +835,26 @@ async fn record_refuted(
     )
     .await?;
     Ok(())
+}
+
+/// Ends the pending re-fetch of PaymentIntent `payment_intent_id` (migration 0033) in the
+/// transaction that records what the provider said about it, whose pre-check read the ledger
+/// at `read_at`: one more `PaymentIntentRefreshRequested` (reason
+/// [`refresh_reason::CLAIMED_DURING_REFETCH`]) when webhook claims were counted at or after
+/// that time, which this re-fetch may predate ([`stripe_events::finish_refetch`]).
+async fn end_refetch(
+    tx: &mut Tx<'_>,
+    order_id: OrderId,
+    payment_intent_id: &str,
+    read_at: chrono::DateTime<chrono::Utc>,
+) -> Result<Option<PurchaseEvent>, sqlx::Error> {
+    Ok(stripe_events::finish_refetch(tx, payment_intent_id, read_at).await?.then(|| {
+        PurchaseEvent::PaymentIntentRefreshRequested {
+            order_id,
+            payment_intent_id: payment_intent_id.to_owned(),
+            reason: refresh_reason::CLAIMED_DURING_REFETCH.to_owned(),
+        }
+    }))
 }
 
 /// Locks the hold of `order` unless `locked` says the command's `lock_rows` did.

@@ -244,6 +244,15 @@ async fn every_periodic_sweep_reads_only_what_is_due(_: PgPoolOptions, opts: PgC
            FROM payments p JOIN orders o ON o.id = p.order_id WHERE o.status = 'confirming' LIMIT 3",
     )
     .await;
+    // Pending re-fetches: young ones, and three whose last claim is two hours old.
+    exec(&observer, &format!("INSERT INTO payment_intent_refetches (payment_intent_id, order_id, asked_at, last_claim_at) SELECT 'pi_' || gen_random_uuid(), gen_random_uuid(), now(), now() FROM generate_series(1, {NOT_DUE})")).await;
+    exec(
+        &observer,
+        "INSERT INTO payment_intent_refetches (payment_intent_id, order_id, asked_at, last_claim_at)
+         SELECT 'pi_' || gen_random_uuid(), gen_random_uuid(), now() - interval '2 hours', now() - interval '2 hours'
+           FROM generate_series(1, 3)",
+    )
+    .await;
     exec(&observer, "ANALYZE").await;
 
     let reads = Reads { pool, observer };
@@ -349,6 +358,19 @@ async fn every_periodic_sweep_reads_only_what_is_due(_: PgPoolOptions, opts: PgC
         NOT_DUE,
         "the young claims wait"
     );
+    let (n, read) = reads
+        .measure(&["payment_intent_refetches"], |p| async move {
+            boxoffice_store::stripe_events::prune_refetches(
+                &p,
+                boxoffice_store::stripe_events::REFETCH_RETENTION_S,
+                10_000,
+            )
+            .await
+            .unwrap()
+        })
+        .await;
+    assert_eq!(n, 3);
+    due("stripe_events::prune_refetches", &read, 3);
     // The relay, every 30 s.
     let (n, read) = reads
         .measure(&["outbox"], |p| async move {

@@ -363,7 +363,7 @@ async fn webhook_events_that_wait_commit_together_and_a_failing_one_fails_alone(
     // Now order 5's hold is locked while its event is in flight, and Stripe redelivers the
     // events of orders 0 and 3 and order 2's again, and sends a second claim about order 0:
     // they wait, then commit together, but for the second event of order 0, which goes into
-    // the next transaction.
+    // the next transaction, where the re-fetch the first asked for covers it.
     let (blocker, fifth) = in_flight_behind_a_lock(&app, &ingress, &[orders[5]], evt(5)).await;
     let again = claim("evt_group_0_again", orders[0], "pi_group_0");
     let batch = arrive_while_in_flight(&ingress, vec![evt(3), evt(2), evt(0), again]).await;
@@ -371,7 +371,7 @@ async fn webhook_events_that_wait_commit_together_and_a_failing_one_fails_alone(
     assert_eq!(fifth.await.unwrap().unwrap(), Ingested::Refresh);
     let outcomes: Vec<_> =
         futures::future::join_all(batch).await.into_iter().map(|r| r.unwrap().unwrap()).collect();
-    assert_eq!(outcomes, [Ingested::Refresh, Ingested::Duplicate, Ingested::Refresh, Ingested::Refresh]);
+    assert_eq!(outcomes, [Ingested::Refresh, Ingested::Duplicate, Ingested::Refresh, Ingested::Coalesced]);
     let together = xacts(ids(&[0, 3])).await;
     assert_eq!(together.len(), 2);
     assert_eq!(together[0], together[1], "orders 0 and 3 recorded in one transaction");
@@ -380,13 +380,14 @@ async fn webhook_events_that_wait_commit_together_and_a_failing_one_fails_alone(
     assert_eq!(second.len(), 1);
     assert_ne!(second[0], together[0], "one event per order in a transaction");
     for (i, order) in orders.iter().enumerate() {
-        let want = if i == 0 { 2 } else { 1 };
-        assert_eq!(app.outbox_count("PaymentIntentRefreshRequested", *order).await, want, "order {i}");
+        assert_eq!(app.outbox_count("PaymentIntentRefreshRequested", *order).await, 1, "order {i}");
     }
 
     // An event whose metadata names no order is about order 4 only through its PaymentIntent,
     // and another names order 4 with a stray PaymentIntent: both wait behind one in flight,
-    // and the first is recorded in a transaction of its own, not with the second.
+    // and the first is recorded in a transaction of its own, not with the second (the first
+    // is covered by the re-fetch of its PaymentIntent asked for before; the stray one asks
+    // its own).
     let (blocker, late) = in_flight_behind_a_lock(
         &app,
         &ingress,
@@ -406,13 +407,13 @@ async fn webhook_events_that_wait_commit_together_and_a_failing_one_fails_alone(
     let batch = arrive_while_in_flight(&ingress, vec![unnamed, stray]).await;
     blocker.rollback().await.unwrap();
     late.await.unwrap().unwrap();
-    for outcome in futures::future::join_all(batch).await {
-        assert_eq!(outcome.unwrap().unwrap(), Ingested::Refresh);
-    }
+    let outcomes: Vec<_> =
+        futures::future::join_all(batch).await.into_iter().map(|r| r.unwrap().unwrap()).collect();
+    assert_eq!(outcomes, [Ingested::Coalesced, Ingested::Refresh]);
     let apart = xacts(vec!["evt_group_4_stray".into(), "evt_group_4_unnamed".into()]).await;
     assert_eq!(apart.len(), 2);
     assert_ne!(apart[0], apart[1], "an event named by its PaymentIntent alone has a transaction of its own");
-    assert_eq!(app.outbox_count("PaymentIntentRefreshRequested", orders[4]).await, 3);
+    assert_eq!(app.outbox_count("PaymentIntentRefreshRequested", orders[4]).await, 2);
     // The committer's connection is closed before the test's database is dropped.
     drop(ingress);
     pool.close().await;
@@ -472,4 +473,212 @@ async fn arrive_while_in_flight(
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     handles
+}
+
+/// A `payment_intent.succeeded` claim for `order`'s PaymentIntent `pi`, signed with `secret`,
+/// as Stripe (or whoever holds the secret) would send it.
+fn signed_succeeded(evt: &str, order: Uuid, pi: &str, secret: &str) -> (Vec<u8>, String) {
+    let body = serde_json::to_vec(&json!({
+        "id": evt, "object": "event", "type": "payment_intent.succeeded",
+        "created": chrono::Utc::now().timestamp(), "livemode": false, "api_version": "2024-06-20",
+        "pending_webhooks": 1, "request": null,
+        "data": {"object": {"id": pi, "object": "payment_intent", "status": "succeeded", "amount": 18500,
+                 "amount_received": 18500, "currency": "usd", "capture_method": "manual",
+                 "metadata": {"order_id": order.to_string()}}}
+    }))
+    .unwrap();
+    let sig = boxoffice_payments::webhook::sign(&body, secret, chrono::Utc::now().timestamp());
+    (body, sig)
+}
+
+/// Claims about one PaymentIntent share one re-fetch (migration 0033): of twelve distinct
+/// signed claims that arrive before the payment worker makes the first one's re-fetch, eleven
+/// ask nothing; the worker's re-fetch covers them all and ends the pending re-fetch, so the
+/// next claim asks again. With the signing secret, forged event ids cost no provider call
+/// each.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn claims_about_one_payment_intent_share_one_refetch(_: PgPoolOptions, opts: PgConnectOptions) {
+    let mut app =
+        TestApp::spawn(opts, &[Role::Api, Role::Relay, Role::Saga], VenueSpec::small(1, 1, 4)).await;
+    let seat = app.seats().await[0];
+    let b = app.buyer();
+    // A real PaymentIntent at the provider, recorded for the order, not yet paid.
+    let order = app.hold_order(&b, "k-share", &[seat]).await;
+    use boxoffice_payments::PaymentGateway;
+    let pi = app
+        .stripe()
+        .create_payment_intent(
+            &boxoffice_payments::CreatePaymentIntent {
+                amount_minor: 18500,
+                currency: "usd".into(),
+                metadata: vec![("order_id".into(), order.to_string())],
+            },
+            "share-1",
+        )
+        .await
+        .unwrap();
+    boxoffice_store::payments::insert_created(
+        &app.pool,
+        boxoffice_domain::OrderId(order),
+        &pi.id,
+        pi.client_secret.as_deref(),
+        "requires_payment_method",
+        18500,
+        "usd",
+    )
+    .await
+    .unwrap();
+    let secret = app.cfg.stripe_webhook_secret.expose_secret().to_owned();
+    let url = format!("{}/webhooks/stripe", app.api);
+    let deliver = |evt: String| {
+        let (body, sig) = signed_succeeded(&evt, order, &pi.id, &secret);
+        app.http.post(&url).header("Stripe-Signature", sig).body(body).send()
+    };
+    let claims = "SELECT coalesce(sum(claims), 0)::bigint FROM payment_intent_refetches";
+
+    // Twelve distinct claims, six of them at once: one re-fetch asked, twelve claims counted.
+    let gate = barrier(6);
+    let mut tasks = vec![];
+    for i in 0..6 {
+        let (gate, send) = (gate.clone(), deliver(format!("evt_share_{i}")));
+        tasks.push(tokio::spawn(async move {
+            gate.wait().await;
+            send.await.unwrap().status().as_u16()
+        }));
+    }
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), 200);
+    }
+    for i in 6..12 {
+        assert_eq!(deliver(format!("evt_share_{i}")).await.unwrap().status(), 200);
+    }
+    assert_eq!(app.count("SELECT count(*) FROM stripe_events").await, 12, "every claim is recorded");
+    assert_eq!(app.outbox_count("PaymentIntentRefreshRequested", order).await, 1, "one re-fetch for all");
+    assert_eq!(app.count(claims).await, 12);
+
+    // The buyer pays; the payment worker makes the one re-fetch, which finds the
+    // authorization, and ends the pending re-fetch: no claim came while it ran.
+    app.stripe()
+        .confirm_with_client_secret(
+            &app.cfg.stripe_publishable_key,
+            &pi.id,
+            pi.client_secret.as_deref().unwrap(),
+            "pm_card_visa",
+        )
+        .await
+        .unwrap();
+    app.start_roles(&[Role::Payments]).await;
+    crate::helpers::eventually(Duration::from_secs(30), "the re-fetch reports the authorization", || async {
+        app.outbox_count("PaymentAuthorized", order).await == 1
+    })
+    .await;
+    assert_eq!(
+        app.count("SELECT count(*) FROM payment_intent_refetches").await,
+        0,
+        "in the same transaction"
+    );
+    assert_eq!(
+        app.count(
+            "SELECT count(*) FROM outbox WHERE event_type = 'PaymentIntentRefreshRequested'
+                AND payload->'payload'->>'reason' = 'claimed_during_refetch'"
+        )
+        .await,
+        0
+    );
+
+    // A claim after it asks again: the provider is asked after this claim too.
+    let (body, _) = signed_succeeded("evt_share_after", order, &pi.id, &secret);
+    let mut v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    v["type"] = json!("payment_intent.canceled");
+    v["data"]["object"]["status"] = json!("canceled");
+    let body = serde_json::to_vec(&v).unwrap();
+    let sig = boxoffice_payments::webhook::sign(&body, &secret, chrono::Utc::now().timestamp());
+    assert_eq!(
+        app.http.post(&url).header("Stripe-Signature", sig).body(body).send().await.unwrap().status(),
+        200
+    );
+    assert_eq!(app.outbox_count("PaymentIntentRefreshRequested", order).await, 2);
+    app.stop().await;
+}
+
+/// The rule that ends a pending re-fetch (`stripe_events::finish_refetch`): claims counted
+/// before the payment worker read the ledger (before its provider call) are covered and the
+/// row goes; a claim counted after that read, or one still in flight, makes the worker ask
+/// once more; a pending re-fetch older than `REFETCH_COALESCE_S` no longer holds back a
+/// claim; rows of re-fetches that never ended are pruned an hour after their last claim.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn a_claim_counted_while_a_refetch_runs_asks_for_one_more(pool: sqlx::PgPool) {
+    use boxoffice_store::stripe_events::{ask_refetch, finish_refetch, prune_refetches, REFETCH_RETENTION_S};
+    let order = boxoffice_domain::OrderId(Uuid::new_v4());
+    let claim = |pi: &'static str| {
+        let pool = pool.clone();
+        async move {
+            let mut tx = pool.begin().await.unwrap();
+            let ask = ask_refetch(&mut tx, pi, order).await.unwrap();
+            tx.commit().await.unwrap();
+            ask
+        }
+    };
+    let read = || async {
+        sqlx::query_scalar::<_, chrono::DateTime<chrono::Utc>>("SELECT statement_timestamp()")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    let finish = |pi: &'static str, at| {
+        let pool = pool.clone();
+        async move {
+            let mut tx = pool.begin().await.unwrap();
+            let more = finish_refetch(&mut tx, pi, at).await.unwrap();
+            tx.commit().await.unwrap();
+            more
+        }
+    };
+    let rows = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM payment_intent_refetches")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+
+    // Two claims, then the worker's read: both covered, the row goes.
+    assert!(claim("pi_a").await, "the first claim asks");
+    assert!(!claim("pi_a").await, "the second is covered by the pending re-fetch");
+    assert!(claim("pi_b").await, "another PaymentIntent has its own");
+    let read_at = read().await;
+    assert!(!finish("pi_a", read_at).await);
+    assert_eq!(rows().await, 1, "pi_b's stays");
+    assert!(!finish("pi_missing", read_at).await, "a re-fetch no claim asked for");
+
+    // A claim counted after the worker's read: one more re-fetch, and the row stays for it.
+    assert!(claim("pi_a").await, "after the re-fetch ended, a claim asks again");
+    let read_at = read().await;
+    assert!(!claim("pi_a").await);
+    assert!(finish("pi_a", read_at).await, "the claim after the read is not covered");
+    let read_at = read().await;
+    assert!(!finish("pi_a", read_at).await, "the next re-fetch covers it");
+
+    // A claim in flight (its transaction open) when the re-fetch ends: one more.
+    assert!(claim("pi_a").await);
+    let mut inflight = pool.begin().await.unwrap();
+    assert!(!ask_refetch(&mut inflight, "pi_a", order).await.unwrap());
+    let read_at = read().await;
+    assert!(finish("pi_a", read_at).await, "a locked row is skipped, not waited for, and reported");
+    inflight.commit().await.unwrap();
+
+    // A pending re-fetch asked longer ago than REFETCH_COALESCE_S holds back nothing.
+    sqlx::query("UPDATE payment_intent_refetches SET asked_at = asked_at - interval '31 seconds'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert!(claim("pi_a").await, "an old ask is asked again");
+    assert!(!claim("pi_a").await, "and covers what follows");
+
+    // Rows whose last claim is older than the retention are pruned; younger ones stay.
+    sqlx::query("UPDATE payment_intent_refetches SET last_claim_at = now() - interval '2 hours' WHERE payment_intent_id = 'pi_b'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(prune_refetches(&pool, REFETCH_RETENTION_S, 100).await.unwrap(), 1);
+    assert_eq!(rows().await, 1);
 }
