@@ -48,6 +48,12 @@
 //! buyer's payment window, and a re-fetch that finds the order's current PaymentIntent
 //! authorized protects its live hold until the saga confirms it (one that finds it not
 //! authorized clears a protection a webhook claim set).
+//!
+//! A PaymentIntent re-fetch stands for every webhook claim about that PaymentIntent counted
+//! before its pre-check read the ledger (claims share one pending re-fetch, migration 0033):
+//! the transaction that records what the provider said ends that pending re-fetch, and asks
+//! for one more (`claimed_during_refetch`) when a claim was counted at or after the read, or
+//! is in flight then (`boxoffice_store::stripe_events::finish_refetch`).
 
 use async_trait::async_trait;
 use boxoffice_bus::{Handler, HandlerError};
