@@ -18,9 +18,9 @@
 //!   and any amount or status that contradicts the ledger — is recorded with a
 //!   `PaymentIntentRefreshRequested` command: the payment worker re-fetches the PaymentIntent
 //!   (and its charge) and the saga acts on what the provider says (counted in
-//!   `boxoffice_webhook_claims_verified_total` by reason). One re-fetch per PaymentIntent at a
-//!   time: a claim that finds one asked for less than [`stripe_events::REFETCH_COALESCE_S`] ago
-//!   and not made yet is covered by it and asks nothing ([`Ingested::Coalesced`]; the worker
+//!   `boxoffice_webhook_claims_verified_total` by reason). One re-fetch per PaymentIntent and
+//!   order at a time: a claim that finds one for its order asked for less than
+//!   [`stripe_events::REFETCH_COALESCE_S`] ago and not made yet is covered by it and asks nothing ([`Ingested::Coalesced`]; the worker
 //!   asks once more if claims came while its call was under way,
 //!   [`stripe_events::finish_refetch`]), so forged event ids cost no provider call each. A
 //!   capture claimed while the saga's
@@ -308,8 +308,8 @@ async fn ingest_in(
                             payment_intent_id: pi.to_owned(),
                             dispute_id,
                         },
-                        // One re-fetch per PaymentIntent at a time: a claim that a pending one
-                        // covers asks nothing (with the signing secret, each forged event id
+                        // One re-fetch per PaymentIntent and order at a time: a claim that a
+                        // pending one for its order covers asks nothing (with the signing secret, each forged event id
                         // would otherwise be a provider call).
                         None if !stripe_events::ask_refetch(tx, pi, order).await? => {
                             return Ok(Ingested::Coalesced);

@@ -10,8 +10,9 @@
 //!
 //! It also keeps what webhook claims leave for later: capture claims the ledger settles
 //! ([`settle_capture_claims`]), and the pending re-fetch of each PaymentIntent claims asked
-//! for ([`ask_refetch`], [`finish_refetch`]), so that claims about one PaymentIntent share one
-//! provider call while every claim is still checked by a call made after it arrived.
+//! for, per order they were made for ([`ask_refetch`], [`finish_refetch`]), so that claims
+//! about one PaymentIntent for one order share one provider call while every claim is still
+//! checked by a call made after it arrived, for its own order.
 
 use crate::{outbox, StoreError, Tx};
 use boxoffice_domain::events::refresh_reason;
@@ -292,10 +293,14 @@ pub async fn settle_capture_claims(
 /// dead-lettered, or the worker may lag this much, and then a second re-fetch is cheap).
 pub const REFETCH_COALESCE_S: i64 = 30;
 
-/// Counts a webhook claim about `payment_intent_id` (of `order`) that asks the provider for
-/// news, in `tx`, in one statement; `true` if its re-fetch must be asked for now (no re-fetch
-/// of this PaymentIntent pending, or the pending one asked more than [`REFETCH_COALESCE_S`]
-/// ago), `false` if the pending re-fetch covers it: that re-fetch reads the provider after
+/// Counts a webhook claim about `payment_intent_id` made for `order` (the order its metadata
+/// names, or the one that owns the PaymentIntent) that asks the provider for news, in `tx`, in
+/// one statement; `true` if its re-fetch must be asked for now (no re-fetch of this
+/// PaymentIntent for this order pending, or the pending one asked more than
+/// [`REFETCH_COALESCE_S`] ago), `false` if the pending re-fetch covers it. Only a re-fetch
+/// made for the same order covers a claim (migration 0034): one made for another order, which
+/// a claim naming someone else's PaymentIntent could have asked for, is refuted and would
+/// check nothing for this one. The pending re-fetch covers it: that re-fetch reads the provider after
 /// the claim arrived (the claim's time is its statement's, later than its request's
 /// arrival; [`finish_refetch`] asks once more for the claims the re-fetch may have missed).
 /// Counted as `boxoffice_webhook_refetches_coalesced_total` when `false`.
@@ -316,7 +321,7 @@ pub async fn ask_refetch(
     let ask: bool = sqlx::query_scalar(
         "INSERT INTO payment_intent_refetches AS r (payment_intent_id, order_id, asked_at, last_claim_at)
          VALUES ($1, $2, statement_timestamp(), statement_timestamp())
-         ON CONFLICT (payment_intent_id) DO UPDATE
+         ON CONFLICT (payment_intent_id, order_id) DO UPDATE
             SET claims = r.claims + 1,
                 last_claim_at = statement_timestamp(),
                 asked_at = CASE WHEN r.asked_at < statement_timestamp() - make_interval(secs => $3::double precision)
@@ -334,8 +339,8 @@ pub async fn ask_refetch(
     Ok(ask)
 }
 
-/// Ends the pending re-fetch of `payment_intent_id` in `tx`, the transaction that records
-/// what the provider said, in one statement: deletes its row if every claim it counts
+/// Ends the pending re-fetch of `payment_intent_id` for `order` in `tx`, the transaction that
+/// records what the provider said, in one statement: deletes its row if every claim it counts
 /// arrived before `read_at` (the ledger's time when the payment worker read the ledger,
 /// before it asked the provider: those claims are covered). Returns `true` if a claim may
 /// not be covered — one counted at or after `read_at`, or one in flight (its row is locked;
@@ -348,6 +353,7 @@ pub async fn ask_refetch(
 pub async fn finish_refetch(
     tx: &mut Tx<'_>,
     payment_intent_id: &str,
+    order: OrderId,
     read_at: chrono::DateTime<chrono::Utc>,
 ) -> Result<bool, sqlx::Error> {
     // The snapshot's row, if any, is either deleted here or reported: a row whose claim
@@ -356,15 +362,16 @@ pub async fn finish_refetch(
         "WITH gone AS (
              DELETE FROM payment_intent_refetches WHERE ctid = ANY (ARRAY(
                  SELECT ctid FROM payment_intent_refetches
-                  WHERE payment_intent_id = $1 AND last_claim_at < $2
+                  WHERE payment_intent_id = $1 AND order_id = $3 AND last_claim_at < $2
                     FOR UPDATE SKIP LOCKED))
              RETURNING payment_intent_id)
          SELECT EXISTS (SELECT 1 FROM payment_intent_refetches r
-                         WHERE r.payment_intent_id = $1
+                         WHERE r.payment_intent_id = $1 AND r.order_id = $3
                            AND NOT EXISTS (SELECT 1 FROM gone))",
     )
     .bind(payment_intent_id)
     .bind(read_at)
+    .bind(order.0)
     .fetch_one(&mut **tx)
     .await?;
     Ok(left)

@@ -49,8 +49,9 @@
 //! authorized protects its live hold until the saga confirms it (one that finds it not
 //! authorized clears a protection a webhook claim set).
 //!
-//! A PaymentIntent re-fetch stands for every webhook claim about that PaymentIntent counted
-//! before its pre-check read the ledger (claims share one pending re-fetch, migration 0033):
+//! A PaymentIntent re-fetch stands for every webhook claim about that PaymentIntent, made for
+//! its order, counted before its pre-check read the ledger (such claims share one pending
+//! re-fetch, migrations 0033 and 0034):
 //! the transaction that records what the provider said ends that pending re-fetch, and asks
 //! for one more (`claimed_during_refetch`) when a claim was counted at or after the read, or
 //! is in flight then (`boxoffice_store::stripe_events::finish_refetch`).
@@ -843,8 +844,8 @@ async fn record_refuted(
     Ok(())
 }
 
-/// Ends the pending re-fetch of PaymentIntent `payment_intent_id` (migration 0033) in the
-/// transaction that records what the provider said about it, whose pre-check read the ledger
+/// Ends the pending re-fetch of PaymentIntent `payment_intent_id` for order `order_id`
+/// (migrations 0033, 0034) in the transaction that records what the provider said about it, whose pre-check read the ledger
 /// at `read_at`: one more `PaymentIntentRefreshRequested` (reason
 /// [`refresh_reason::CLAIMED_DURING_REFETCH`]) when webhook claims were counted at or after
 /// that time, which this re-fetch may predate ([`stripe_events::finish_refetch`]).
@@ -854,7 +855,7 @@ async fn end_refetch(
     payment_intent_id: &str,
     read_at: chrono::DateTime<chrono::Utc>,
 ) -> Result<Option<PurchaseEvent>, sqlx::Error> {
-    Ok(stripe_events::finish_refetch(tx, payment_intent_id, read_at).await?.then(|| {
+    Ok(stripe_events::finish_refetch(tx, payment_intent_id, order_id, read_at).await?.then(|| {
         PurchaseEvent::PaymentIntentRefreshRequested {
             order_id,
             payment_intent_id: payment_intent_id.to_owned(),

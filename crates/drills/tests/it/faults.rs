@@ -264,6 +264,25 @@ pub async fn refreshes_applied(pool: &sqlx::PgPool, order: Uuid, reason: &str) -
     .unwrap()
 }
 
+/// Whether every claim about `order`'s PaymentIntent `pi` has been checked with the provider:
+/// no re-fetch of it is pending (`payment_intent_refetches`: the last re-fetch read the ledger
+/// after the last claim was counted), and the payment worker applied every
+/// `PaymentIntentRefreshRequested` of the order.
+pub async fn claims_checked(pool: &sqlx::PgPool, order: Uuid, pi: &str) -> bool {
+    sqlx::query_scalar(
+        "SELECT NOT EXISTS (SELECT 1 FROM payment_intent_refetches WHERE payment_intent_id = $2)
+            AND NOT EXISTS (SELECT 1 FROM outbox o
+                             WHERE o.message_key = $1 AND o.event_type = 'PaymentIntentRefreshRequested'
+                               AND NOT EXISTS (SELECT 1 FROM inbox i
+                                                WHERE i.consumer = 'payments' AND i.event_id = o.id))",
+    )
+    .bind(order.to_string())
+    .bind(pi)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
 /// A webhook that disagrees with the ledger is not acted on: the PaymentIntent is re-fetched
 /// and Stripe's answer decides. A forged-looking "authorized for 1 cent" does not confirm
 /// the order; a "canceled" for a captured payment does not release a sold seat.
@@ -848,8 +867,9 @@ fn forged_claims(order: Uuid, pi: &str, round: &str) -> Vec<serde_json::Value> {
 
 /// C16: forged-but-signed claims of every handled type, for an unpaid order and then for a
 /// ticketed one, change nothing — not the order, not its hold, not its payment row — until the
-/// provider confirms; each is answered 2xx once its re-fetch is durable, and the provider's
-/// answer is what the saga acts on.
+/// provider confirms; each is answered 2xx once its re-fetch is durable (its own, or the
+/// pending one of its PaymentIntent that covers it), and the provider's answer is what the
+/// saga acts on.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn c16_forged_signed_claims_change_nothing_until_the_provider_confirms(
     _: PgPoolOptions,
@@ -889,11 +909,13 @@ async fn c16_forged_signed_claims_change_nothing_until_the_provider_confirms(
     }
     let pool = app.pool.clone();
     let n = claims.len() as i64;
-    eventually(WAIT, "every claim was checked with the provider", || {
-        let pool = pool.clone();
-        async move { refreshes_applied(&pool, order, "webhook_claim").await == n }
-    })
-    .await;
+    let all_checked = || {
+        let (pool, pi) = (pool.clone(), pi.clone());
+        async move { claims_checked(&pool, order, &pi).await }
+    };
+    eventually(WAIT, "every claim was checked with the provider", all_checked).await;
+    let asked = app.outbox_count("PaymentIntentRefreshRequested", order).await;
+    assert!((1..=n).contains(&asked), "claims share pending re-fetches: {asked} for {n} claims");
     assert_eq!(
         ledger(app.pool.clone()).await,
         unpaid,
@@ -920,24 +942,18 @@ async fn c16_forged_signed_claims_change_nothing_until_the_provider_confirms(
     app.await_order(&b, order, WAIT, |v| v["status"] == "ticketed").await;
     app.assert_drained_and_clean().await;
     let ticketed = ledger(app.pool.clone()).await;
-    let checked = |pool: sqlx::PgPool| async move {
-        refreshes_applied(&pool, order, "webhook_claim").await
-            + refreshes_applied(&pool, order, "status_contradicts_ledger").await
-    };
-    let checked_before = checked(app.pool.clone()).await;
+    let asked_before = app.outbox_count("PaymentIntentRefreshRequested", order).await;
 
     // The same lies about the ticketed order: no refund, no cancel, no voided ticket. The
     // ledger already knows the authorization and the capture; the decline and the cancel
-    // contradict it and the refund is news: three re-fetches.
+    // contradict it and the refund is news: three claims to check, one to three re-fetches.
     let claims = forged_claims(order, &pi, "ticketed");
     for claim in &claims {
         deliver(&app, claim).await;
     }
-    eventually(WAIT, "every claim about the ticketed order was checked", || {
-        let pool = pool.clone();
-        async move { checked(pool).await == checked_before + 3 }
-    })
-    .await;
+    eventually(WAIT, "every claim about the ticketed order was checked", all_checked).await;
+    let asked = app.outbox_count("PaymentIntentRefreshRequested", order).await - asked_before;
+    assert!((1..=3).contains(&asked), "{asked} re-fetches for three claims");
     app.assert_drained_and_clean().await;
     assert_eq!(ledger(app.pool.clone()).await, ticketed);
     assert_eq!(app.count("SELECT count(*) FROM tickets WHERE voided_at IS NULL").await, 1);

@@ -604,13 +604,16 @@ async fn claims_about_one_payment_intent_share_one_refetch(_: PgPoolOptions, opt
 /// The rule that ends a pending re-fetch (`stripe_events::finish_refetch`): claims counted
 /// before the payment worker read the ledger (before its provider call) are covered and the
 /// row goes; a claim counted after that read, or one still in flight, makes the worker ask
-/// once more; a pending re-fetch older than `REFETCH_COALESCE_S` no longer holds back a
-/// claim; rows of re-fetches that never ended are pruned an hour after their last claim.
+/// once more; a re-fetch pending for another order covers nothing (a claim can name another
+/// buyer's PaymentIntent under its own order); a pending re-fetch older than
+/// `REFETCH_COALESCE_S` no longer holds back a claim; rows of re-fetches that never ended are
+/// pruned an hour after their last claim.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn a_claim_counted_while_a_refetch_runs_asks_for_one_more(pool: sqlx::PgPool) {
     use boxoffice_store::stripe_events::{ask_refetch, finish_refetch, prune_refetches, REFETCH_RETENTION_S};
     let order = boxoffice_domain::OrderId(Uuid::new_v4());
-    let claim = |pi: &'static str| {
+    let other = boxoffice_domain::OrderId(Uuid::new_v4());
+    let claim_for = |pi: &'static str, order| {
         let pool = pool.clone();
         async move {
             let mut tx = pool.begin().await.unwrap();
@@ -619,21 +622,23 @@ async fn a_claim_counted_while_a_refetch_runs_asks_for_one_more(pool: sqlx::PgPo
             ask
         }
     };
+    let claim = |pi: &'static str| claim_for(pi, order);
     let read = || async {
         sqlx::query_scalar::<_, chrono::DateTime<chrono::Utc>>("SELECT statement_timestamp()")
             .fetch_one(&pool)
             .await
             .unwrap()
     };
-    let finish = |pi: &'static str, at| {
+    let finish_for = |pi: &'static str, order, at| {
         let pool = pool.clone();
         async move {
             let mut tx = pool.begin().await.unwrap();
-            let more = finish_refetch(&mut tx, pi, at).await.unwrap();
+            let more = finish_refetch(&mut tx, pi, order, at).await.unwrap();
             tx.commit().await.unwrap();
             more
         }
     };
+    let finish = |pi: &'static str, at| finish_for(pi, order, at);
     let rows = || async {
         sqlx::query_scalar::<_, i64>("SELECT count(*) FROM payment_intent_refetches")
             .fetch_one(&pool)
@@ -658,6 +663,24 @@ async fn a_claim_counted_while_a_refetch_runs_asks_for_one_more(pool: sqlx::PgPo
     let read_at = read().await;
     assert!(!finish("pi_a", read_at).await, "the next re-fetch covers it");
 
+    // A claim naming the PaymentIntent under another order is not covered by this order's
+    // pending re-fetch, nor does it cover this order's claims; each re-fetch ends its own.
+    assert!(claim_for("pi_c", other).await, "another order's claim asks for its own");
+    assert!(claim("pi_c").await, "the buyer's claim is not covered by a re-fetch for another order");
+    let read_at = read().await;
+    assert!(!finish_for("pi_c", other, read_at).await);
+    assert_eq!(
+        sqlx::query_scalar::<_, uuid::Uuid>(
+            "SELECT order_id FROM payment_intent_refetches WHERE payment_intent_id = 'pi_c'"
+        )
+        .fetch_all(&pool)
+        .await
+        .unwrap(),
+        [order.0],
+        "the other order's re-fetch ends only its own"
+    );
+    assert!(!finish("pi_c", read_at).await);
+
     // A claim in flight (its transaction open) when the re-fetch ends: one more.
     assert!(claim("pi_a").await);
     let mut inflight = pool.begin().await.unwrap();
@@ -681,4 +704,81 @@ async fn a_claim_counted_while_a_refetch_runs_asks_for_one_more(pool: sqlx::PgPo
         .unwrap();
     assert_eq!(prune_refetches(&pool, REFETCH_RETENTION_S, 100).await.unwrap(), 1);
     assert_eq!(rows().await, 1);
+}
+
+/// A claim that names another buyer's PaymentIntent under an order of its sender's (signed
+/// with a leaked secret) asks for a re-fetch for that order, which the provider refutes; it
+/// covers none of the buyer's own claims. The buyer's genuine authorization asks for its own
+/// re-fetch, made for the buyer's order, and the saga acts on it (migration 0034).
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn a_claim_naming_another_orders_payment_intent_covers_none_of_its_claims(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    let mut app =
+        TestApp::spawn(opts, &[Role::Api, Role::Relay, Role::Saga], VenueSpec::small(1, 1, 4)).await;
+    let seats = app.seats().await;
+    let (attacker, buyer) = (app.buyer(), app.buyer());
+    let theirs = app.hold_order(&attacker, "k-attacker", &[seats[0]]).await;
+    let order = app.hold_order(&buyer, "k-buyer", &[seats[1]]).await;
+    use boxoffice_payments::PaymentGateway;
+    let pi = app
+        .stripe()
+        .create_payment_intent(
+            &boxoffice_payments::CreatePaymentIntent {
+                amount_minor: 18500,
+                currency: "usd".into(),
+                metadata: vec![("order_id".into(), order.to_string())],
+            },
+            "cover-1",
+        )
+        .await
+        .unwrap();
+    boxoffice_store::payments::insert_created(
+        &app.pool,
+        boxoffice_domain::OrderId(order),
+        &pi.id,
+        pi.client_secret.as_deref(),
+        "requires_payment_method",
+        18500,
+        "usd",
+    )
+    .await
+    .unwrap();
+    let secret = app.cfg.stripe_webhook_secret.expose_secret().to_owned();
+    let url = format!("{}/webhooks/stripe", app.api);
+    let deliver = |body: Vec<u8>| {
+        let sig = boxoffice_payments::webhook::sign(&body, &secret, chrono::Utc::now().timestamp());
+        app.http.post(&url).header("Stripe-Signature", sig).body(body).send()
+    };
+    // The cover: authorization claims naming the buyer's PaymentIntent under the attacker's
+    // order (checked: a stray authorization is cancelled once confirmed).
+    for i in 0..3 {
+        let r = deliver(event_body(&format!("evt_cover_{i}"), theirs, &pi.id)).await.unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    assert_eq!(app.outbox_count("PaymentIntentRefreshRequested", theirs).await, 1);
+    // The buyer pays; the provider's genuine webhook asks for the buyer's own re-fetch.
+    app.stripe()
+        .confirm_with_client_secret(
+            &app.cfg.stripe_publishable_key,
+            &pi.id,
+            pi.client_secret.as_deref().unwrap(),
+            "pm_card_visa",
+        )
+        .await
+        .unwrap();
+    assert_eq!(deliver(event_body("evt_genuine", order, &pi.id)).await.unwrap().status(), 200);
+    assert_eq!(
+        app.outbox_count("PaymentIntentRefreshRequested", order).await,
+        1,
+        "the buyer's claim is not covered by the re-fetch asked for the attacker's order"
+    );
+    app.start_roles(&[Role::Payments]).await;
+    crate::helpers::eventually(Duration::from_secs(30), "the buyer's authorization is acted on", || async {
+        app.outbox_count("PaymentAuthorized", order).await == 1
+    })
+    .await;
+    assert_eq!(app.outbox_count("PaymentAuthorized", theirs).await, 0);
+    app.stop().await;
 }
