@@ -297,17 +297,18 @@ pub const REFETCH_COALESCE_S: i64 = 30;
 /// names, or the one that owns the PaymentIntent) that asks the provider for news, in `tx`, in
 /// one statement; `true` if its re-fetch must be asked for now (no re-fetch of this
 /// PaymentIntent for this order pending, or the pending one asked more than
-/// [`REFETCH_COALESCE_S`] ago), `false` if the pending re-fetch covers it. Only a re-fetch
-/// made for the same order covers a claim (migration 0034): one made for another order, which
-/// a claim naming someone else's PaymentIntent could have asked for, is refuted and would
-/// check nothing for this one. The pending re-fetch covers it: that re-fetch reads the provider after
-/// the claim arrived (the claim's time is its statement's, later than its request's
-/// arrival; [`finish_refetch`] asks once more for the claims the re-fetch may have missed).
-/// Counted as `boxoffice_webhook_refetches_coalesced_total` when `false`.
+/// [`REFETCH_COALESCE_S`] ago), `false` if the pending re-fetch covers it: that re-fetch
+/// reads the provider after the claim arrived (the claim's time is its statement's, later
+/// than its request's arrival; [`finish_refetch`] asks once more for the claims the re-fetch
+/// may have missed). Counted as `boxoffice_webhook_refetches_coalesced_total` when `false`.
+///
+/// Only a re-fetch made for the same order covers a claim (migration 0034): one made for
+/// another order, which a claim naming someone else's PaymentIntent could have asked for, is
+/// refuted and checks nothing for this one.
 ///
 /// The row's lock is held to `tx`'s commit: a claim waits for one in flight about the same
-/// PaymentIntent (webhook ingress batches one event per order), never for the payment
-/// worker, whose [`finish_refetch`] skips a locked row.
+/// PaymentIntent and order (webhook ingress batches one event per order), never for the
+/// payment worker, whose [`finish_refetch`] skips a locked row.
 ///
 /// # Errors
 /// The database's.
@@ -344,9 +345,10 @@ pub async fn ask_refetch(
 /// arrived before `read_at` (the ledger's time when the payment worker read the ledger,
 /// before it asked the provider: those claims are covered). Returns `true` if a claim may
 /// not be covered — one counted at or after `read_at`, or one in flight (its row is locked;
-/// it is skipped, not waited for) — and the caller must ask for one more re-fetch; `false`
-/// when the row is gone or there was none (a re-fetch asked by a sweep, or one a claim asked
-/// again after this one was read).
+/// it is skipped, not waited for) — and the caller must ask for one more re-fetch (also when
+/// such a claim asked for a re-fetch itself, its pending one having aged past
+/// [`REFETCH_COALESCE_S`]: one re-fetch more than needed); `false` when the row is gone or
+/// there was none (a re-fetch a sweep asked for).
 ///
 /// # Errors
 /// The database's.
