@@ -475,6 +475,39 @@ async fn arrive_while_in_flight(
     handles
 }
 
+/// A real PaymentIntent at the provider for `order` (18,500 minor units, created under
+/// idempotency key `key`), recorded as the order's, not yet paid.
+async fn payable_at_provider(app: &TestApp, order: Uuid, key: &str) -> boxoffice_payments::PaymentIntent {
+    use boxoffice_payments::PaymentGateway;
+    let req = boxoffice_payments::CreatePaymentIntent {
+        amount_minor: 18500,
+        currency: "usd".into(),
+        metadata: vec![("order_id".into(), order.to_string())],
+    };
+    let pi = app.stripe().create_payment_intent(&req, key).await.unwrap();
+    let secret = pi.client_secret.as_deref();
+    let order = boxoffice_domain::OrderId(order);
+    boxoffice_store::payments::insert_created(
+        &app.pool,
+        order,
+        &pi.id,
+        secret,
+        "requires_payment_method",
+        18500,
+        "usd",
+    )
+    .await
+    .unwrap();
+    pi
+}
+
+/// The buyer confirms `pi` with a good card at the provider, as a browser would.
+async fn pay_at_provider(app: &TestApp, pi: &boxoffice_payments::PaymentIntent) {
+    let secret = pi.client_secret.as_deref().unwrap();
+    let key = &app.cfg.stripe_publishable_key;
+    app.stripe().confirm_with_client_secret(key, &pi.id, secret, "pm_card_visa").await.unwrap();
+}
+
 /// A `payment_intent.succeeded` claim for `order`'s PaymentIntent `pi`, signed with `secret`,
 /// as Stripe (or whoever holds the secret) would send it.
 fn signed_succeeded(evt: &str, order: Uuid, pi: &str, secret: &str) -> (Vec<u8>, String) {
@@ -504,30 +537,7 @@ async fn claims_about_one_payment_intent_share_one_refetch(_: PgPoolOptions, opt
     let b = app.buyer();
     // A real PaymentIntent at the provider, recorded for the order, not yet paid.
     let order = app.hold_order(&b, "k-share", &[seat]).await;
-    use boxoffice_payments::PaymentGateway;
-    let pi = app
-        .stripe()
-        .create_payment_intent(
-            &boxoffice_payments::CreatePaymentIntent {
-                amount_minor: 18500,
-                currency: "usd".into(),
-                metadata: vec![("order_id".into(), order.to_string())],
-            },
-            "share-1",
-        )
-        .await
-        .unwrap();
-    boxoffice_store::payments::insert_created(
-        &app.pool,
-        boxoffice_domain::OrderId(order),
-        &pi.id,
-        pi.client_secret.as_deref(),
-        "requires_payment_method",
-        18500,
-        "usd",
-    )
-    .await
-    .unwrap();
+    let pi = payable_at_provider(&app, order, "share-1").await;
     let secret = app.cfg.stripe_webhook_secret.expose_secret().to_owned();
     let url = format!("{}/webhooks/stripe", app.api);
     let deliver = |evt: String| {
@@ -558,15 +568,7 @@ async fn claims_about_one_payment_intent_share_one_refetch(_: PgPoolOptions, opt
 
     // The buyer pays; the payment worker makes the one re-fetch, which finds the
     // authorization, and ends the pending re-fetch: no claim came while it ran.
-    app.stripe()
-        .confirm_with_client_secret(
-            &app.cfg.stripe_publishable_key,
-            &pi.id,
-            pi.client_secret.as_deref().unwrap(),
-            "pm_card_visa",
-        )
-        .await
-        .unwrap();
+    pay_at_provider(&app, &pi).await;
     app.start_roles(&[Role::Payments]).await;
     crate::helpers::eventually(Duration::from_secs(30), "the re-fetch reports the authorization", || async {
         app.outbox_count("PaymentAuthorized", order).await == 1
@@ -721,30 +723,7 @@ async fn a_claim_naming_another_orders_payment_intent_covers_none_of_its_claims(
     let (attacker, buyer) = (app.buyer(), app.buyer());
     let theirs = app.hold_order(&attacker, "k-attacker", &[seats[0]]).await;
     let order = app.hold_order(&buyer, "k-buyer", &[seats[1]]).await;
-    use boxoffice_payments::PaymentGateway;
-    let pi = app
-        .stripe()
-        .create_payment_intent(
-            &boxoffice_payments::CreatePaymentIntent {
-                amount_minor: 18500,
-                currency: "usd".into(),
-                metadata: vec![("order_id".into(), order.to_string())],
-            },
-            "cover-1",
-        )
-        .await
-        .unwrap();
-    boxoffice_store::payments::insert_created(
-        &app.pool,
-        boxoffice_domain::OrderId(order),
-        &pi.id,
-        pi.client_secret.as_deref(),
-        "requires_payment_method",
-        18500,
-        "usd",
-    )
-    .await
-    .unwrap();
+    let pi = payable_at_provider(&app, order, "cover-1").await;
     let secret = app.cfg.stripe_webhook_secret.expose_secret().to_owned();
     let url = format!("{}/webhooks/stripe", app.api);
     let deliver = |body: Vec<u8>| {
@@ -759,15 +738,7 @@ async fn a_claim_naming_another_orders_payment_intent_covers_none_of_its_claims(
     }
     assert_eq!(app.outbox_count("PaymentIntentRefreshRequested", theirs).await, 1);
     // The buyer pays; the provider's genuine webhook asks for the buyer's own re-fetch.
-    app.stripe()
-        .confirm_with_client_secret(
-            &app.cfg.stripe_publishable_key,
-            &pi.id,
-            pi.client_secret.as_deref().unwrap(),
-            "pm_card_visa",
-        )
-        .await
-        .unwrap();
+    pay_at_provider(&app, &pi).await;
     assert_eq!(deliver(event_body("evt_genuine", order, &pi.id)).await.unwrap().status(), 200);
     assert_eq!(
         app.outbox_count("PaymentIntentRefreshRequested", order).await,
