@@ -8,7 +8,8 @@ NISSHI_VERSION="0.8.1"
 TEST_BROKER_ADDR="${BOXOFFICE_TEST_BROKER_ADDR:-127.0.0.1:19092}"
 STATE_DIR="$BOXOFFICE_ROOT/.boxoffice"
 
-log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
+# Bold on a terminal only: a log file gets plain text.
+log() { if [ -t 2 ]; then printf '\033[1m==> %s\033[0m\n' "$*" >&2; else printf '==> %s\n' "$*" >&2; fi; }
 
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 
