@@ -20,11 +20,11 @@
 //!   (and its charge) and the saga acts on what the provider says (counted in
 //!   `boxoffice_webhook_claims_verified_total` by reason). One re-fetch per PaymentIntent and
 //!   order at a time: a claim that finds one for its order asked for less than
-//!   [`stripe_events::REFETCH_COALESCE_S`] ago and not made yet is covered by it and asks nothing ([`Ingested::Coalesced`]; the worker
-//!   asks once more if claims came while its call was under way,
-//!   [`stripe_events::finish_refetch`]), so forged event ids cost no provider call each. A
-//!   capture claimed while the saga's
-//!   capture request is outstanding (order `confirming`) — usually the capture's own webhook,
+//!   [`stripe_events::REFETCH_COALESCE_S`] ago and not made yet is covered by it and asks
+//!   nothing ([`Ingested::Coalesced`]; the worker asks once more if claims came while its call
+//!   was under way, [`stripe_events::finish_refetch`]), so forged event ids about one
+//!   PaymentIntent cost no provider call each (each new PaymentIntent id named still does).
+//!   A capture claimed while the saga's capture request is outstanding (order `confirming`) — usually the capture's own webhook,
 //!   milliseconds ahead of the payment worker's record of the answer — is kept as a capture
 //!   claim in the same transaction instead (`capture_outstanding`, [`Ingested::AwaitingCapture`]):
 //!   the expiry worker's sweep settles it once [`stripe_events::CAPTURE_CLAIM_GRACE_S`] have
