@@ -45,6 +45,22 @@ async fn stalled_webhook(app: &TestApp) -> TcpStream {
     s
 }
 
+/// A connection that sent the head of buyer `b`'s hold request (a new Idempotency-Key, the
+/// admission token if any, `Content-Length: 100`) and the start of its body, and then stalls.
+async fn stalled_hold(app: &TestApp, b: &crate::helpers::Buyer, admission: Option<&str>) -> TcpStream {
+    let head = format!(
+        "POST /events/{}/holds HTTP/1.1\r\nHost: x\r\nAuthorization: {}\r\nIdempotency-Key: {}\r\n{}\
+         Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{{\"seat_ids\":",
+        app.event,
+        b.bearer(),
+        Uuid::new_v4(),
+        admission.map(|a| format!("X-Admission-Token: {a}\r\n")).unwrap_or_default(),
+    );
+    let mut s = TcpStream::connect(addr(app)).await.unwrap();
+    s.write_all(head.as_bytes()).await.unwrap();
+    s
+}
+
 /// Reads from `s` until the peer closes or `limit` passes; the bytes read.
 async fn read_to_close(s: &mut TcpStream, limit: Duration) -> Option<Vec<u8>> {
     let mut got = Vec::new();
@@ -265,17 +281,7 @@ async fn stalled_hold_bodies_take_only_the_holds_share_of_the_slots(
     let mut stalled = Vec::new();
     for _ in 0..3 {
         let b = app.buyer();
-        let head = format!(
-            "POST /events/{}/holds HTTP/1.1\r\nHost: x\r\nAuthorization: {}\r\nIdempotency-Key: {}\r\n\
-             X-Admission-Token: {}\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{{\"seat_ids\":",
-            app.event,
-            b.bearer(),
-            Uuid::new_v4(),
-            app.admission_token(&b),
-        );
-        let mut s = TcpStream::connect(addr(&app)).await.unwrap();
-        s.write_all(head.as_bytes()).await.unwrap();
-        stalled.push(s);
+        stalled.push(stalled_hold(&app, &b, Some(&app.admission_token(&b))).await);
     }
     // Once the three hold the bulkhead, a fourth admitted buyer's hold is shed at once (its
     // body names no seat, so a hold let through would change nothing: 422).
@@ -325,18 +331,8 @@ async fn slow_clients_are_bounded_per_address_and_per_webhook_sender(
     })
     .await;
     let b = app.buyer();
-    let hold_head = |admission: Option<&str>| {
-        format!(
-            "POST /events/{}/holds HTTP/1.1\r\nHost: x\r\nAuthorization: {}\r\nIdempotency-Key: {}\r\n{}Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{{\"seat",
-            app.event,
-            b.bearer(),
-            Uuid::new_v4(),
-            admission.map(|a| format!("X-Admission-Token: {a}\r\n")).unwrap_or_default(),
-        )
-    };
     // No admission: refused at once, the body never sent.
-    let mut s = TcpStream::connect(addr(&app)).await.unwrap();
-    s.write_all(hold_head(None).as_bytes()).await.unwrap();
+    let mut s = stalled_hold(&app, &b, None).await;
     let answer = read_to_close(&mut s, Duration::from_secs(3)).await.expect("answered before the body");
     let text = String::from_utf8_lossy(&answer);
     assert!(text.starts_with("HTTP/1.1 403") && text.contains("admission_token"), "{text}");
@@ -345,9 +341,7 @@ async fn slow_clients_are_bounded_per_address_and_per_webhook_sender(
     let token = app.admission_token(&b);
     let mut stalled = Vec::new();
     for _ in 0..4 {
-        let mut s = TcpStream::connect(addr(&app)).await.unwrap();
-        s.write_all(hold_head(Some(&token)).as_bytes()).await.unwrap();
-        stalled.push(s);
+        stalled.push(stalled_hold(&app, &b, Some(&token)).await);
     }
     let order = format!("{}/orders/{}", app.api, Uuid::new_v4());
     eventually(Duration::from_secs(10), "the fifth request is refused", || async {
