@@ -105,13 +105,18 @@ fn parse_duration(s: &str) -> Option<chrono::Duration> {
 }
 
 /// The kinds of provider/ledger drift, a small closed set. `*_not_in_ledger` kinds have a
-/// fact that closes them; the others need an operator.
+/// fact that closes them, and so does a stray authorization
+/// ([`DriftKind::IntentMissingInLedger`], [`stray_authorization`]); the others need an
+/// operator.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum DriftKind {
     /// The provider has a PaymentIntent naming one of our orders (`metadata.order_id`) that
     /// holds or held money (`requires_capture`, `processing`, `succeeded`) and the ledger has
-    /// no payment row for it (an extra intent, or a lost row). No fact closes it.
+    /// no payment row for it (an extra intent, or a lost row). Closed by `PaymentAuthorized`,
+    /// which the saga answers with a cancel, when the intent is authorized and its order's
+    /// payment row records another PaymentIntent ([`stray_authorization`]); otherwise no fact
+    /// closes it.
     IntentMissingInLedger,
     /// The provider has a PaymentIntent naming one of our orders that never moved money
     /// (`requires_payment_method`, `requires_confirmation`, `requires_action`, `canceled`)
@@ -610,6 +615,22 @@ pub async fn scan(
             }
         }
     }
+    // Intents naming an order whose payment row records another PaymentIntent: strays.
+    let named: Vec<OrderId> = drift
+        .iter()
+        .filter(|d| d.kind == DriftKind::IntentMissingInLedger && d.fact.is_none())
+        .filter_map(|d| d.order_id.map(OrderId))
+        .collect();
+    let recorded: HashMap<Uuid, String> =
+        ledger::get_all(pool, &named).await?.into_iter().map(|p| (p.order_id, p.payment_intent_id)).collect();
+    for d in drift.iter_mut() {
+        let order_records = d.order_id.and_then(|o| recorded.get(&o));
+        if let (Some(i), Some(recorded)) =
+            (intents.iter().find(|i| i.intent.id == d.payment_intent_id), order_records)
+        {
+            stray_authorization(d, i, recorded);
+        }
+    }
     Ok(Scan { window, intents_listed, intents, ledger: ledger_rows, drift })
 }
 
@@ -656,6 +677,36 @@ pub fn lost_order(d: &mut Drift, i: &IntentWithCharge, ledger_epoch: i64, order_
     };
     d.kind = kind;
     d.fact = fact;
+}
+
+/// Gives a drift about an authorized intent with no ledger row
+/// ([`DriftKind::IntentMissingInLedger`]) the fact that closes it when its order's payment row
+/// records another PaymentIntent, `recorded`: a stray authorization, which no purchase attaches
+/// (one PaymentIntent per order). The fact is `PaymentAuthorized` for the stray intent, what a
+/// checked webhook claim would have led to; the saga answers it by cancelling the authorization
+/// (invariant 6). Such a claim may have been left to reconciliation once its order's claims
+/// spent their re-fetch budget (`stripe_events::spend_uncovered_refetch`). A captured stray
+/// stays an operator's (a refund of money captured outside the purchase).
+pub fn stray_authorization(d: &mut Drift, i: &IntentWithCharge, recorded: &str) {
+    let pi = &i.intent;
+    let (DriftKind::IntentMissingInLedger, Some(order), None, PaymentIntentStatus::RequiresCapture) =
+        (d.kind, d.order_id, d.ledger.as_ref(), &pi.status)
+    else {
+        return;
+    };
+    if recorded == pi.id {
+        return;
+    }
+    d.fact = Some(PurchaseEvent::PaymentAuthorized {
+        order_id: OrderId(order),
+        payment_intent_id: pi.id.clone(),
+        amount_capturable_minor: pi.amount_capturable,
+        capture_before: i
+            .charge
+            .as_ref()
+            .and_then(|c| c.capture_before())
+            .and_then(|t| Utc.timestamp_opt(t, 0).single()),
+    });
 }
 
 /// Writes the fact of every fixable drift to the outbox: per PaymentIntent, all its facts
@@ -962,6 +1013,39 @@ mod tests {
         l: Option<&LedgerPayment>,
     ) -> Vec<(DriftKind, Option<&'static str>)> {
         compare(p, l).iter().map(|d| (d.kind, d.fact_name())).collect()
+    }
+
+    #[test]
+    fn only_an_authorized_intent_of_an_order_recording_another_is_a_stray_to_cancel() {
+        let stray = |status: &str, recorded: &str| {
+            let i = intent(status, 100, 0, Some(0));
+            let mut d = compare(Some(&i), None).remove(0);
+            stray_authorization(&mut d, &i, recorded);
+            (d.kind, d.fact)
+        };
+        match stray("requires_capture", "pi_2") {
+            (
+                DriftKind::IntentMissingInLedger,
+                Some(PurchaseEvent::PaymentAuthorized {
+                    payment_intent_id,
+                    order_id,
+                    amount_capturable_minor,
+                    capture_before,
+                }),
+            ) => {
+                assert_eq!(
+                    (payment_intent_id.as_str(), order_id, amount_capturable_minor),
+                    ("pi_1", OrderId(Uuid::nil()), 100)
+                );
+                assert_eq!(capture_before, Utc.timestamp_opt(1_700_000_000, 0).single());
+            }
+            other => panic!("{other:?}"),
+        }
+        // The order's own intent (its row lost), and a captured stray: an operator's.
+        assert_eq!(stray("requires_capture", "pi_1"), (DriftKind::IntentMissingInLedger, None));
+        assert_eq!(stray("succeeded", "pi_2"), (DriftKind::IntentMissingInLedger, None));
+        // An intent that never moved money is a notice, and stays one.
+        assert_eq!(stray("canceled", "pi_2"), (DriftKind::UnconfirmedIntentMissingInLedger, None));
     }
 
     #[test]
