@@ -23,7 +23,13 @@
 //!   [`stripe_events::REFETCH_COALESCE_S`] ago and not made yet is covered by it and asks
 //!   nothing ([`Ingested::Coalesced`]; the worker asks once more if claims came while its call
 //!   was under way, [`stripe_events::finish_refetch`]), so forged event ids about one
-//!   PaymentIntent cost no provider call each (each new PaymentIntent id named still does).
+//!   PaymentIntent cost no provider call each. A claim naming an object the ledger does not
+//!   record for its order — a PaymentIntent that is not the order's current one (or any, before
+//!   the order records one), or a dispute — names one of its own that no pending re-fetch
+//!   covers; such claims ask for their re-fetch within the order's budget
+//!   ([`stripe_events::UNCOVERED_REFETCHES_PER_ORDER`] an hour), and any beyond it are recorded
+//!   and left to reconciliation ([`Ingested::LeftToReconciliation`]), which compares the
+//!   provider's PaymentIntents with the ledger and has the saga cancel a stray authorization.
 //!   A capture claimed while the saga's capture request is outstanding (order `confirming`) — usually the capture's own webhook,
 //!   milliseconds ahead of the payment worker's record of the answer — is kept as a capture
 //!   claim in the same transaction instead (`capture_outstanding`, [`Ingested::AwaitingCapture`]):
@@ -97,6 +103,11 @@ pub enum Ingested {
     AwaitingCapture,
     /// It concerns a PaymentIntent that is not the order's current one: recorded, ignored.
     Stale,
+    /// It names an object the ledger does not record for its order (a PaymentIntent that is
+    /// not the order's, or a dispute) after the order's claims of that kind spent their
+    /// re-fetch budget ([`stripe_events::spend_uncovered_refetch`]): recorded, not re-fetched;
+    /// reconciliation, which reads the provider's PaymentIntents, finds a real one.
+    LeftToReconciliation,
     /// It names an order this ledger does not have (one lost with a fenced region's
     /// unreplicated commits, or another deployment's): recorded, ignored; reconciliation
     /// releases the intent's money ([`boxoffice_store::region`], design §15).
@@ -114,6 +125,7 @@ impl Ingested {
             Ingested::AwaitingCapture => "awaiting_capture",
             Ingested::Stale => "stale",
             Ingested::UnknownOrder => "unknown_order",
+            Ingested::LeftToReconciliation => "left_to_reconciliation",
         }
     }
 }
@@ -277,6 +289,16 @@ async fn ingest_in(
                     outcome = Ingested::Stale;
                 }
                 Verdict::Verify(reason) => {
+                    let current = local.is_some_and(|p| p.payment_intent_id == pi);
+                    let dispute = dispute_id(&event.r#type, object);
+                    // A claim naming an object the ledger does not record for the order (a
+                    // PaymentIntent that is not its current one, or a dispute) names one of its
+                    // own, which no pending re-fetch covers: the order's budget bounds them.
+                    if (!current || dispute.is_some())
+                        && !stripe_events::spend_uncovered_refetch(tx, order).await?
+                    {
+                        return Ok(Ingested::LeftToReconciliation);
+                    }
                     if reason != UNVERIFIED_CLAIM && reason != CAPTURE_OUTSTANDING {
                         tracing::warn!(stripe.event_id = %event.id, stripe.event_type = %event.r#type, order.id = %order,
                             reason, "webhook contradicts the ledger: asking the provider");
@@ -295,14 +317,13 @@ async fn ingest_in(
                         return Ok(Ingested::AwaitingCapture);
                     }
                     outcome = Ingested::Refresh;
-                    let current = local.is_some_and(|p| p.payment_intent_id == pi);
                     if event.r#type == AUTHORIZATION && current && reason == UNVERIFIED_CLAIM {
                         // Case C19: reported while the hold is live, so our lag (the re-fetch,
                         // the saga) must not cost the buyer the seats. The re-fetch confirms
                         // the claim or clears the protection.
                         holds::protect_authorized(tx, order, policy, None).await?;
                     }
-                    let fact = match dispute_id(&event.r#type, object) {
+                    let fact = match dispute {
                         Some(dispute_id) => PurchaseEvent::DisputeRefreshRequested {
                             order_id: order,
                             payment_intent_id: pi.to_owned(),

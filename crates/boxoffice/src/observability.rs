@@ -73,6 +73,7 @@ const SIGNALS: &[(&str, &[&str])] = &[
             "BoxofficePaymentIncidents",
             "BoxofficePaymentCommandsRefused",
             "BoxofficeStripeWebhooksRejected",
+            "BoxofficeWebhookClaimsLeftToReconciliation",
         ],
     ),
     (

@@ -12,7 +12,10 @@
 //! ([`settle_capture_claims`]), and the pending re-fetch of each PaymentIntent claims asked
 //! for, per order they were made for ([`ask_refetch`], [`finish_refetch`]), so that claims
 //! about one PaymentIntent for one order share one provider call while every claim is still
-//! checked by a call made after it arrived, for its own order.
+//! checked by a call made after it arrived, for its own order; and each order's budget of
+//! re-fetches for claims no pending re-fetch can cover ([`spend_uncovered_refetch`]: claims
+//! naming a PaymentIntent that is not the order's, and dispute claims), so that claims naming
+//! a new object id each cost a bounded number of provider calls per order.
 
 use crate::{outbox, StoreError, Tx};
 use boxoffice_domain::events::refresh_reason;
@@ -399,6 +402,75 @@ pub async fn prune_refetches(pool: &PgPool, retention_s: i64, limit: i64) -> Res
              ORDER BY last_claim_at LIMIT $2))",
     )
     .bind(retention_s as f64)
+    .bind(limit)
+    .execute(pool)
+    .await?;
+    Ok(r.rows_affected())
+}
+
+/// How many re-fetches one order's webhook claims may ask for, per
+/// [`UNCOVERED_REFETCH_WINDOW_S`], when no pending re-fetch can cover them (migration 0035):
+/// an authorization claim naming a PaymentIntent that is not the order's recorded one (or
+/// claimed before the order records one), and a dispute claim. A genuine order has none of
+/// these or one or two (an authorization of a PaymentIntent a fenced region's writer
+/// created; a dispute opened and closed).
+pub const UNCOVERED_REFETCHES_PER_ORDER: i32 = 4;
+
+/// The window of [`UNCOVERED_REFETCHES_PER_ORDER`], seconds (an hour), from the first claim
+/// that spent the budget.
+pub const UNCOVERED_REFETCH_WINDOW_S: i64 = 3_600;
+
+/// Spends one of `order`'s uncovered re-fetches ([`UNCOVERED_REFETCHES_PER_ORDER`]) in `tx`,
+/// in one statement: `true` if the claim may ask for its re-fetch, `false` if the order has
+/// asked for that many in the current window ([`UNCOVERED_REFETCH_WINDOW_S`], begun by the
+/// first of them; a claim after the window begins a new one). A claim refused here is
+/// recorded without a re-fetch and left to reconciliation, which compares the provider's
+/// PaymentIntents with the ledger whatever the claims said (`boxoffice reconcile`). The
+/// first refusal of a window is logged as a warning; every one is counted in
+/// `boxoffice_stripe_webhooks_total{outcome="left_to_reconciliation"}`.
+///
+/// The row's lock is held to `tx`'s commit: claims about one order are counted one at a time
+/// (webhook ingress batches one event per order).
+///
+/// # Errors
+/// The database's.
+pub async fn spend_uncovered_refetch(tx: &mut Tx<'_>, order: OrderId) -> Result<bool, sqlx::Error> {
+    let asked: i32 = sqlx::query_scalar(
+        "INSERT INTO order_refetch_budget AS b (order_id, window_started_at, asked)
+         VALUES ($1, statement_timestamp(), 1)
+         ON CONFLICT (order_id) DO UPDATE
+            SET window_started_at = CASE WHEN b.window_started_at < statement_timestamp() - make_interval(secs => $2::double precision)
+                                         THEN statement_timestamp() ELSE b.window_started_at END,
+                asked = CASE WHEN b.window_started_at < statement_timestamp() - make_interval(secs => $2::double precision)
+                             THEN 1 ELSE b.asked + 1 END
+         RETURNING asked",
+    )
+    .bind(order.0)
+    .bind(UNCOVERED_REFETCH_WINDOW_S as f64)
+    .fetch_one(&mut **tx)
+    .await?;
+    if asked == UNCOVERED_REFETCHES_PER_ORDER + 1 {
+        tracing::warn!(order.id = %order, budget = UNCOVERED_REFETCHES_PER_ORDER, window_s = UNCOVERED_REFETCH_WINDOW_S,
+            "webhook claims about objects the ledger does not record for this order spent its re-fetch budget: further ones are left to reconciliation");
+    }
+    Ok(asked <= UNCOVERED_REFETCHES_PER_ORDER)
+}
+
+/// Deletes up to `limit` rows of [`spend_uncovered_refetch`]'s budgets whose window began more
+/// than `window_s` seconds ago (they no longer limit anything), the oldest first, through
+/// `order_refetch_budget_window_idx` (migration 0035). Returns how many went. The expiry
+/// worker runs it every 10 s with [`UNCOVERED_REFETCH_WINDOW_S`].
+///
+/// # Errors
+/// The database's.
+pub async fn prune_refetch_budgets(pool: &PgPool, window_s: i64, limit: i64) -> Result<u64, sqlx::Error> {
+    let r = sqlx::query(
+        "DELETE FROM order_refetch_budget WHERE ctid = ANY (ARRAY(
+            SELECT ctid FROM order_refetch_budget
+             WHERE window_started_at < now() - make_interval(secs => $1::double precision)
+             ORDER BY window_started_at LIMIT $2))",
+    )
+    .bind(window_s as f64)
     .bind(limit)
     .execute(pool)
     .await?;

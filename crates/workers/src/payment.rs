@@ -335,14 +335,17 @@ impl PaymentWorker {
         let refuted = |why| {
             Ok(Prepared::Refuted { payment_intent_id: payment_intent_id.to_owned(), why, read_at: None })
         };
+        // Only a dispute of the PaymentIntent the ledger records for the order is acted on:
+        // a claim naming another is refuted without a call.
+        if recorded.as_ref().is_none_or(|p| p.payment_intent_id != payment_intent_id) {
+            return refuted("dispute_of_another_payment");
+        }
         let dispute = match self.gateway.retrieve_dispute(dispute_id).await {
             Ok(d) => d,
             Err(e) if e.status() == Some(404) => return refuted("unknown_dispute"),
             Err(e) => return Err(stripe_err(e)),
         };
-        let ours = dispute.payment_intent.as_deref() == Some(payment_intent_id)
-            && recorded.is_some_and(|p| p.payment_intent_id == payment_intent_id);
-        if !ours {
+        if dispute.payment_intent.as_deref() != Some(payment_intent_id) {
             return refuted("dispute_of_another_payment");
         }
         Ok(Prepared::ObservedDispute { dispute })

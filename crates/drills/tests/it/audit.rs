@@ -277,6 +277,96 @@ async fn altered_rows_are_fixed_and_deleted_rows_need_an_operator(_: PgPoolOptio
     app.stop().await;
 }
 
+/// A stray authorization — a PaymentIntent authorized at the provider naming an order whose
+/// payment row records another — whose webhook was left to reconciliation, the order's
+/// claims about objects it does not record having spent their re-fetch budget on forgeries:
+/// nothing cancels it until reconcile, which names `PaymentAuthorized` as the fact that closes
+/// it and writes nothing without `--fix`; with `--fix` the saga cancels it at the provider
+/// (invariant 6), and the order's own purchase goes on.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn a_stray_authorization_left_to_reconciliation_is_cancelled_through_the_saga(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    use secrecy::ExposeSecret;
+    let app = TestApp::spawn(opts, &Role::ALL, VenueSpec::small(1, 1, 4)).await;
+    let seat = app.seats().await[0];
+    let (b, order) = hold(&app, seat, "stray").await;
+    app.await_order(&b, order, WAIT, |v| v["status"] == "payment_required").await;
+    // Forged authorization claims, each naming a new PaymentIntent under the order, spend its
+    // budget.
+    let secret = app.cfg.stripe_webhook_secret.expose_secret().to_owned();
+    for i in 0..boxoffice_store::stripe_events::UNCOVERED_REFETCHES_PER_ORDER {
+        let body = serde_json::to_vec(&serde_json::json!({
+            "id": format!("evt_forged_{i}"), "object": "event", "type": "payment_intent.amount_capturable_updated",
+            "created": chrono::Utc::now().timestamp(), "livemode": false, "api_version": "2024-06-20",
+            "pending_webhooks": 1, "request": null,
+            "data": {"object": {"id": format!("pi_forged_{i}"), "object": "payment_intent", "status": "requires_capture",
+                     "amount": 18500, "amount_capturable": 18500, "amount_received": 0, "currency": "usd",
+                     "capture_method": "manual", "metadata": {"order_id": order.to_string()}}}
+        }))
+        .unwrap();
+        let sig = boxoffice_payments::webhook::sign(&body, &secret, chrono::Utc::now().timestamp());
+        let r = app
+            .http
+            .post(format!("{}/webhooks/stripe", app.api))
+            .header("Stripe-Signature", sig)
+            .body(body)
+            .send();
+        assert_eq!(r.await.unwrap().status(), 200);
+    }
+    // A real stray authorization: its genuine webhook is recorded and left to reconciliation.
+    let stray = app.authorize_at_provider(order, 18_500, "stray-auth").await;
+    let pool = app.pool.clone();
+    eventually(WAIT, "the stray authorization's webhook recorded", || {
+        let (pool, stray) = (pool.clone(), stray.clone());
+        async move {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM stripe_events
+                  WHERE payment_intent_id = $1 AND type = 'payment_intent.amount_capturable_updated'",
+            )
+            .bind(stray)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+                == 1
+        }
+    })
+    .await;
+    drained(&app).await;
+    assert_eq!(app.sim.payment_intent(&stray).unwrap()["status"], "requires_capture", "nobody checked it");
+
+    let dry = run_reconcile(&app, false).await;
+    let named: Vec<_> = dry
+        .drift
+        .iter()
+        .filter(|d| d.payment_intent_id == stray)
+        .map(|d| (d.kind, d.order_id, d.fact_name(), d.fixed))
+        .collect();
+    assert_eq!(
+        named,
+        [(DriftKind::IntentMissingInLedger, Some(order), Some("PaymentAuthorized"), false)],
+        "{}",
+        reconcile::render(&dry)
+    );
+    assert_eq!(app.outbox_count("PaymentAuthorized", order).await, 0, "a dry run writes nothing");
+    let fixed = run_reconcile(&app, true).await;
+    assert_eq!(fixed.facts_emitted, 1, "{}", reconcile::render(&fixed));
+    let sim = &app.sim;
+    eventually(WAIT, "the saga cancelled the stray authorization", || async {
+        sim.payment_intent(&stray).unwrap()["status"] == "canceled"
+    })
+    .await;
+
+    // The buyer's own purchase goes on, and nothing is left that holds money.
+    app.pay(&b, order, "pm_card_visa").await.expect("authorized");
+    app.await_order(&b, order, WAIT, |v| v["status"] == "ticketed").await;
+    settle(&app).await;
+    let again = run_reconcile(&app, false).await;
+    assert!(again.drift.iter().all(|d| !d.kind.is_violation()), "{}", reconcile::render(&again));
+    app.stop().await;
+}
+
 /// An authorization past its capture deadline that nobody captured or released: the ledger
 /// check sees it while the ledger says `requires_capture`; the provider check still sees it
 /// after the ledger was (wrongly) marked canceled, because the money is still held at the

@@ -253,6 +253,14 @@ async fn every_periodic_sweep_reads_only_what_is_due(_: PgPoolOptions, opts: PgC
            FROM generate_series(1, 3)",
     )
     .await;
+    // Orders' re-fetch budgets: young ones, and three whose window began two hours ago.
+    exec(&observer, &format!("INSERT INTO order_refetch_budget (order_id, window_started_at, asked) SELECT gen_random_uuid(), now(), 1 FROM generate_series(1, {NOT_DUE})")).await;
+    exec(
+        &observer,
+        "INSERT INTO order_refetch_budget (order_id, window_started_at, asked)
+         SELECT gen_random_uuid(), now() - interval '2 hours', 4 FROM generate_series(1, 3)",
+    )
+    .await;
     exec(&observer, "ANALYZE").await;
 
     let reads = Reads { pool, observer };
@@ -371,6 +379,19 @@ async fn every_periodic_sweep_reads_only_what_is_due(_: PgPoolOptions, opts: PgC
         .await;
     assert_eq!(n, 3);
     due("stripe_events::prune_refetches", &read, 3);
+    let (n, read) = reads
+        .measure(&["order_refetch_budget"], |p| async move {
+            boxoffice_store::stripe_events::prune_refetch_budgets(
+                &p,
+                boxoffice_store::stripe_events::UNCOVERED_REFETCH_WINDOW_S,
+                10_000,
+            )
+            .await
+            .unwrap()
+        })
+        .await;
+    assert_eq!(n, 3);
+    due("stripe_events::prune_refetch_budgets", &read, 3);
     // The relay, every 30 s.
     let (n, read) = reads
         .measure(&["outbox"], |p| async move {

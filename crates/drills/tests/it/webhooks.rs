@@ -753,3 +753,108 @@ async fn a_claim_naming_another_orders_payment_intent_covers_none_of_its_claims(
     assert_eq!(app.outbox_count("PaymentAuthorized", theirs).await, 0);
     app.stop().await;
 }
+
+/// Claims naming an object the ledger does not record for their order (a PaymentIntent that
+/// is not the order's, a dispute) each name one of their own, which no pending re-fetch
+/// covers: per order, [`UNCOVERED_REFETCHES_PER_ORDER`] of them an hour ask for a re-fetch,
+/// and the rest are recorded and left to reconciliation (migration 0035). The order's own
+/// PaymentIntent is still checked whatever the budget says, another order's budget is its
+/// own, a window that ended begins a new one, and budgets whose window ended are pruned.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn claims_naming_new_objects_spend_their_orders_refetch_budget(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    use boxoffice_api::webhooks::{Ingested, Ingress};
+    use boxoffice_store::stripe_events::{
+        prune_refetch_budgets, UNCOVERED_REFETCHES_PER_ORDER, UNCOVERED_REFETCH_WINDOW_S,
+    };
+    let budget = UNCOVERED_REFETCHES_PER_ORDER as usize;
+    let mut app =
+        TestApp::spawn(opts, &[Role::Api, Role::Relay, Role::Saga], VenueSpec::small(1, 1, 4)).await;
+    let seats = app.seats().await;
+    let (b, other_buyer) = (app.buyer(), app.buyer());
+    let order = app.hold_order(&b, "k-budget", &[seats[0]]).await;
+    let other = app.hold_order(&other_buyer, "k-budget-other", &[seats[1]]).await;
+    let pi = payable_at_provider(&app, order, "budget-1").await;
+    let ingress = Ingress::start(app.pool.clone(), app.cfg.hold_policy(), 32, Duration::from_secs(30));
+    let refetches = |o: Uuid| {
+        let app = &app;
+        async move {
+            app.outbox_count("PaymentIntentRefreshRequested", o).await
+                + app.outbox_count("DisputeRefreshRequested", o).await
+        }
+    };
+
+    // Authorization claims each naming a new PaymentIntent under the order: the budget's
+    // worth ask for a re-fetch (each a provider call), the rest are left to reconciliation.
+    let mut outcomes = Vec::new();
+    for i in 0..budget + 6 {
+        outcomes.push(
+            ingress.ingest(claim(&format!("evt_stray_{i}"), order, &format!("pi_stray_{i}"))).await.unwrap(),
+        );
+    }
+    let mut expected = vec![Ingested::Refresh; budget];
+    expected.extend([Ingested::LeftToReconciliation; 6]);
+    assert_eq!(outcomes, expected);
+    assert_eq!(refetches(order).await, budget as i64);
+    assert_eq!(
+        app.count("SELECT count(*) FROM stripe_events").await,
+        budget as i64 + 6,
+        "every claim is recorded"
+    );
+    assert_eq!(
+        app.count("SELECT count(*) FROM payment_intent_refetches").await,
+        budget as i64,
+        "none pending for the rest"
+    );
+    // A dispute claim is one of a kind too.
+    let dispute: boxoffice_payments::webhook::Event = serde_json::from_value(json!({
+        "id": "evt_dispute_1", "object": "event", "type": "charge.dispute.created",
+        "created": chrono::Utc::now().timestamp(), "livemode": false, "api_version": "2024-06-20",
+        "pending_webhooks": 1, "request": null,
+        "data": {"object": {"id": "dp_forged", "object": "dispute", "payment_intent": pi.id, "status": "needs_response",
+                 "amount": 18500, "currency": "usd", "metadata": {"order_id": order.to_string()}}}
+    }))
+    .unwrap();
+    assert_eq!(ingress.ingest(dispute).await.unwrap(), Ingested::LeftToReconciliation);
+    // Another order's budget is its own.
+    assert_eq!(
+        ingress.ingest(claim("evt_other_stray", other, "pi_other_stray")).await.unwrap(),
+        Ingested::Refresh
+    );
+
+    // The buyer pays: the genuine claim about the order's own PaymentIntent is checked and
+    // acted on, whatever the order's budget says.
+    pay_at_provider(&app, &pi).await;
+    assert_eq!(ingress.ingest(claim("evt_genuine", order, &pi.id)).await.unwrap(), Ingested::Refresh);
+    app.start_roles(&[Role::Payments]).await;
+    crate::helpers::eventually(Duration::from_secs(30), "the buyer's authorization is acted on", || async {
+        app.outbox_count("PaymentAuthorized", order).await == 1
+    })
+    .await;
+
+    // A window that ended begins a new one; budgets whose window ended are pruned.
+    let age = format!("now() - make_interval(secs => {})", UNCOVERED_REFETCH_WINDOW_S + 60);
+    sqlx::query(&format!("UPDATE order_refetch_budget SET window_started_at = {age} WHERE order_id = $1"))
+        .bind(order)
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        ingress.ingest(claim("evt_stray_later", order, "pi_stray_later")).await.unwrap(),
+        Ingested::Refresh
+    );
+    sqlx::query(&format!("UPDATE order_refetch_budget SET window_started_at = {age} WHERE order_id = $1"))
+        .bind(other)
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(prune_refetch_budgets(&app.pool, UNCOVERED_REFETCH_WINDOW_S, 100).await.unwrap(), 1);
+    assert_eq!(
+        app.count(&format!("SELECT count(*) FROM order_refetch_budget WHERE order_id = '{order}'")).await,
+        1,
+        "a budget in its window stays"
+    );
+    app.stop().await;
+}
