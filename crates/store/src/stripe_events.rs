@@ -408,12 +408,14 @@ pub async fn prune_refetches(pool: &PgPool, retention_s: i64, limit: i64) -> Res
     Ok(r.rows_affected())
 }
 
-/// How many re-fetches one order's webhook claims may ask for, per
-/// [`UNCOVERED_REFETCH_WINDOW_S`], when no pending re-fetch can cover them (migration 0035):
-/// an authorization claim naming a PaymentIntent that is not the order's recorded one (or
-/// claimed before the order records one), and a dispute claim. A genuine order has none of
-/// these or one or two (an authorization of a PaymentIntent a fenced region's writer
-/// created; a dispute opened and closed).
+/// How many of one order's webhook claims that no pending re-fetch of the order's own
+/// PaymentIntent can cover may ask for a re-fetch, per [`UNCOVERED_REFETCH_WINDOW_S`]
+/// (migration 0035): authorization claims naming a PaymentIntent that is not the order's
+/// recorded one (or claimed before the order records one), and dispute claims. Each such claim
+/// spends one, also one whose re-fetch is then covered by a pending re-fetch of the same
+/// PaymentIntent ([`ask_refetch`]). A genuine order has none of these or one or two (an
+/// authorization of a PaymentIntent a fenced region's writer created; a dispute opened and
+/// closed).
 pub const UNCOVERED_REFETCHES_PER_ORDER: i32 = 4;
 
 /// The window of [`UNCOVERED_REFETCHES_PER_ORDER`], seconds (an hour), from the first claim
