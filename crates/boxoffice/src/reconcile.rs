@@ -334,19 +334,7 @@ pub fn compare(p: Option<&IntentWithCharge>, l: Option<&LedgerPayment>) -> Vec<D
     match pi.status {
         PaymentIntentStatus::RequiresCapture => {
             if pending(&row.status) {
-                out.push(drift(
-                    DriftKind::AuthorizationNotInLedger,
-                    Some(PurchaseEvent::PaymentAuthorized {
-                        order_id: order,
-                        payment_intent_id: pi.id.clone(),
-                        amount_capturable_minor: pi.amount_capturable,
-                        capture_before: p
-                            .charge
-                            .as_ref()
-                            .and_then(|c| c.capture_before())
-                            .and_then(|t| Utc.timestamp_opt(t, 0).single()),
-                    }),
-                ));
+                out.push(drift(DriftKind::AuthorizationNotInLedger, Some(authorized(order, p))));
             } else if row.status != PaymentIntentStatus::RequiresCapture {
                 disagrees = true;
             }
@@ -697,16 +685,22 @@ pub fn stray_authorization(d: &mut Drift, i: &IntentWithCharge, recorded: &str) 
     if recorded == pi.id {
         return;
     }
-    d.fact = Some(PurchaseEvent::PaymentAuthorized {
-        order_id: OrderId(order),
-        payment_intent_id: pi.id.clone(),
-        amount_capturable_minor: pi.amount_capturable,
+    d.fact = Some(authorized(OrderId(order), i));
+}
+
+/// `PaymentAuthorized` for `order` as the provider reports intent `i`: its capturable amount
+/// and its charge's capture deadline.
+fn authorized(order: OrderId, i: &IntentWithCharge) -> PurchaseEvent {
+    PurchaseEvent::PaymentAuthorized {
+        order_id: order,
+        payment_intent_id: i.intent.id.clone(),
+        amount_capturable_minor: i.intent.amount_capturable,
         capture_before: i
             .charge
             .as_ref()
             .and_then(|c| c.capture_before())
             .and_then(|t| Utc.timestamp_opt(t, 0).single()),
-    });
+    }
 }
 
 /// Writes the fact of every fixable drift to the outbox: per PaymentIntent, all its facts

@@ -288,14 +288,12 @@ async fn a_stray_authorization_left_to_reconciliation_is_cancelled_through_the_s
     _: PgPoolOptions,
     opts: PgConnectOptions,
 ) {
-    use secrecy::ExposeSecret;
     let app = TestApp::spawn(opts, &Role::ALL, VenueSpec::small(1, 1, 4)).await;
     let seat = app.seats().await[0];
     let (b, order) = hold(&app, seat, "stray").await;
     app.await_order(&b, order, WAIT, |v| v["status"] == "payment_required").await;
     // Forged authorization claims, each naming a new PaymentIntent under the order, spend its
     // budget.
-    let secret = app.cfg.stripe_webhook_secret.expose_secret().to_owned();
     for i in 0..boxoffice_store::stripe_events::UNCOVERED_REFETCHES_PER_ORDER {
         let body = serde_json::to_vec(&serde_json::json!({
             "id": format!("evt_forged_{i}"), "object": "event", "type": "payment_intent.amount_capturable_updated",
@@ -306,14 +304,7 @@ async fn a_stray_authorization_left_to_reconciliation_is_cancelled_through_the_s
                      "capture_method": "manual", "metadata": {"order_id": order.to_string()}}}
         }))
         .unwrap();
-        let sig = boxoffice_payments::webhook::sign(&body, &secret, chrono::Utc::now().timestamp());
-        let r = app
-            .http
-            .post(format!("{}/webhooks/stripe", app.api))
-            .header("Stripe-Signature", sig)
-            .body(body)
-            .send();
-        assert_eq!(r.await.unwrap().status(), 200);
+        assert_eq!(app.deliver_webhook(body).await, 200);
     }
     // A real stray authorization: its genuine webhook is recorded and left to reconciliation.
     let stray = app.authorize_at_provider(order, 18_500, "stray-auth").await;

@@ -197,17 +197,7 @@ async fn c05_capture_after_release_is_refunded(_: PgPoolOptions, opts: PgConnect
                  "metadata": {"order_id": order.to_string()}}}
     }))
     .unwrap();
-    let secret = secrecy::ExposeSecret::expose_secret(&app.cfg.stripe_webhook_secret).to_owned();
-    let sig = boxoffice_payments::webhook::sign(&body, &secret, chrono::Utc::now().timestamp());
-    let r = app
-        .http
-        .post(format!("{}/webhooks/stripe", app.api))
-        .header("Stripe-Signature", sig)
-        .body(body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
+    assert_eq!(app.deliver_webhook(body).await, 200);
     assert_eq!(app.outbox_count("PaymentIntentRefreshRequested", order).await, 1);
     assert_eq!(app.outbox_count("PaymentCaptured", order).await, 0, "a claim is not a fact");
     // The provider confirms the capture (what the re-fetch reports).

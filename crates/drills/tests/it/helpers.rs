@@ -248,6 +248,22 @@ impl TestApp {
             .await
     }
 
+    /// Posts webhook `body` to the app's `/webhooks/stripe`, signed now with the app's signing
+    /// secret as Stripe (or whoever holds the secret) would; the answer's status.
+    pub async fn deliver_webhook(&self, body: Vec<u8>) -> reqwest::StatusCode {
+        let secret = secrecy::ExposeSecret::expose_secret(&self.cfg.stripe_webhook_secret).to_owned();
+        let sig = boxoffice_payments::webhook::sign(&body, &secret, chrono::Utc::now().timestamp());
+        self.http
+            .post(format!("{}/webhooks/stripe", self.api))
+            .header("Stripe-Signature", sig)
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .unwrap()
+            .status()
+    }
+
     /// A Stripe client of the app's configuration (the in-process simulator, the secret key),
     /// with a 10 s timeout.
     pub fn stripe(&self) -> boxoffice_payments::StripeClient {

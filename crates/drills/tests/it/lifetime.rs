@@ -7,7 +7,6 @@
 use crate::helpers::{eventually, problem, Buyer, TestApp};
 use boxoffice::runtime::Role;
 use boxoffice_store::venue::VenueSpec;
-use secrecy::ExposeSecret;
 use serde_json::json;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use std::time::Duration;
@@ -210,18 +209,7 @@ async fn c19_a_refuted_authorization_claim_protects_nothing(_: PgPoolOptions, op
                  "metadata": {"order_id": order.to_string()}}}
     }))
     .unwrap();
-    let secret = app.cfg.stripe_webhook_secret.expose_secret().to_owned();
-    let sig = boxoffice_payments::webhook::sign(&body, &secret, chrono::Utc::now().timestamp());
-    let r = app
-        .http
-        .post(format!("{}/webhooks/stripe", app.api))
-        .header("Stripe-Signature", sig)
-        .header("content-type", "application/json")
-        .body(body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
+    assert_eq!(app.deliver_webhook(body).await, 200);
     let pool = app.pool.clone();
     eventually(WAIT, "the refuted claim's hold expired", || {
         let pool = pool.clone();
