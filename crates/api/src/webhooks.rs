@@ -142,8 +142,9 @@ pub enum IngestError {
     /// A ledger row contradicted its own rules (an unknown status); nothing was committed.
     #[error(transparent)]
     Ledger(StoreError),
-    /// A signed event whose ids no Stripe object has (longer than [`MAX_ID_LEN`] bytes, or with
-    /// a NUL byte): nothing is written.
+    /// A signed event whose ids no Stripe object has (empty, longer than [`MAX_ID_LEN`] bytes,
+    /// or with a character other than an ASCII letter, digit or underscore; an event type may
+    /// also have dots): nothing is written.
     #[error("malformed Stripe event: {0}")]
     Malformed(&'static str),
     /// The event's committer is gone (the process is stopping) or its batch panicked: nothing
@@ -163,18 +164,29 @@ fn store_error(e: StoreError) -> IngestError {
 /// Stripe's are far shorter; a longer one is not Stripe's.
 pub const MAX_ID_LEN: usize = 255;
 
-fn well_formed(s: &str) -> bool {
-    s.len() <= MAX_ID_LEN && !s.contains('\0')
+/// A Stripe object id: 1 to [`MAX_ID_LEN`] ASCII letters, digits and underscores (`pi_3Mt…`,
+/// `evt_…`, `dp_…`). Anything else is not Stripe's, and some of it is not a path segment
+/// either (`.` and `..` would turn a retrieve into a list call).
+fn well_formed_id(s: &str) -> bool {
+    !s.is_empty() && s.len() <= MAX_ID_LEN && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+}
+
+/// A Stripe event type: 1 to [`MAX_ID_LEN`] ASCII letters, digits, underscores and dots
+/// (`payment_intent.succeeded`).
+fn well_formed_type(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= MAX_ID_LEN
+        && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'.')
 }
 
 /// Refuses a signed event whose ids no Stripe object has, before anything is written.
 fn check_ids(event: &Event) -> Result<(), IngestError> {
     let object = &event.data.object;
-    if !well_formed(&event.id) || !well_formed(&event.r#type) {
+    if !well_formed_id(&event.id) || !well_formed_type(&event.r#type) {
         return Err(IngestError::Malformed("event id or type"));
     }
-    if payment_intent_id(&event.r#type, object).is_some_and(|p| !well_formed(&p))
-        || dispute_id(&event.r#type, object).is_some_and(|d| !well_formed(&d))
+    if payment_intent_id(&event.r#type, object).is_some_and(|p| !well_formed_id(&p))
+        || dispute_id(&event.r#type, object).is_some_and(|d| !well_formed_id(&d))
     {
         return Err(IngestError::Malformed("object id"));
     }
@@ -852,6 +864,41 @@ mod tests {
             last_error_code: None,
             dispute_id: None,
             dispute_status: None,
+        }
+    }
+
+    #[test]
+    fn only_stripe_shaped_ids_pass() {
+        let event = |id: &str, ty: &str, object_id: &str| -> Event {
+            let object = if ty.starts_with("charge.dispute.") {
+                serde_json::json!({ "id": object_id, "object": "dispute", "payment_intent": "pi_1" })
+            } else {
+                serde_json::json!({ "id": object_id, "object": "payment_intent" })
+            };
+            serde_json::from_value(serde_json::json!({
+                "id": id, "object": "event", "type": ty, "created": 1, "livemode": false,
+                "data": { "object": object }
+            }))
+            .unwrap()
+        };
+        let auth = "payment_intent.amount_capturable_updated";
+        for ok in [event("evt_1A2b", auth, "pi_3Mt_x9"), event("evt_1", "charge.dispute.created", "dp_1")] {
+            assert!(check_ids(&ok).is_ok());
+        }
+        let long = "p".repeat(MAX_ID_LEN + 1);
+        // `.` and `..` would drop out of the request path and make a retrieve a list call.
+        for bad_object in
+            ["", " ", ".", "..", "pi_1/..", "pi_1?expand[]=x", "pi\u{0}1", long.as_str(), "pi_é"]
+        {
+            assert!(check_ids(&event("evt_1", auth, bad_object)).is_err(), "{bad_object:?}");
+            assert!(
+                check_ids(&event("evt_1", "charge.dispute.created", bad_object)).is_err(),
+                "{bad_object:?}"
+            );
+            assert!(check_ids(&event(bad_object, auth, "pi_1")).is_err(), "{bad_object:?}");
+        }
+        for bad_type in ["", "payment_intent/succeeded", "payment intent.succeeded"] {
+            assert!(check_ids(&event("evt_1", bad_type, "pi_1")).is_err(), "{bad_type:?}");
         }
     }
 

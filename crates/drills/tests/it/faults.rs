@@ -843,8 +843,14 @@ fn forged_claims(order: Uuid, pi: &str, round: &str) -> Vec<serde_json::Value> {
     ]
     .into_iter()
     .map(|(kind, status, capturable)| {
-        let mut e =
-            pi_event(&format!("evt_forged_{round}_{kind}"), kind, pi, status, capturable, Some(order));
+        let mut e = pi_event(
+            &format!("evt_forged_{round}_{}", kind.replace('.', "_")),
+            kind,
+            pi,
+            status,
+            capturable,
+            Some(order),
+        );
         if kind == "payment_intent.succeeded" {
             e["data"]["object"]["amount_received"] = 18_500.into();
         }
