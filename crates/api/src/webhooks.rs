@@ -333,7 +333,7 @@ async fn ingest_in(
                         // Case C19: reported while the hold is live, so our lag (the re-fetch,
                         // the saga) must not cost the buyer the seats. The re-fetch confirms
                         // the claim or clears the protection.
-                        holds::protect_authorized(tx, order, policy, None).await?;
+                        holds::protect_authorized(tx, order, policy, holds::Report::Claim).await?;
                     }
                     let fact = match dispute {
                         Some(dispute_id) => PurchaseEvent::DisputeRefreshRequested {

@@ -15,10 +15,14 @@
 //! 2. **An authorization reported in time.** When the provider reports an authorization of
 //!    the order's current PaymentIntent (a webhook, or a re-fetch) while the hold is live,
 //!    the hold is protected until the saga settles it: `authorized_until ← min(now +
-//!    settle, capture_before − margin)`. A hold is lapsed only when both `expires_at` and
-//!    `authorized_until` are past, so neither the expiry worker nor a competing hold takes
-//!    its seats while the saga catches up. A claim the provider refutes clears the
-//!    protection. Invariant 2 is unchanged: the saga confirms only an active hold that has
+//!    settle, capture_before − margin)`; for a webhook claim, which is not checked yet, `now`
+//!    is the first claim no re-fetch has refuted since, so repeated claims extend nothing. A
+//!    hold is lapsed only when both `expires_at` and `authorized_until` are past, so neither
+//!    the expiry worker nor a competing hold takes its seats while the saga catches up. A
+//!    claim the provider refutes clears the protection — unless a claim about the
+//!    PaymentIntent came while that re-fetch's call was under way (an authorization of a
+//!    buyer who paid meanwhile, say): then the protection, and rule 3's wait, stand until the
+//!    re-fetch asked once more has spoken. Invariant 2 is unchanged: the saga confirms only an active hold that has
 //!    not lapsed by this rule, with an authorization it has verified.
 //! 3. **The provider is asked before a payable hold lapses.** A webhook may be late (the
 //!    provider retries for days) or starved by our own load, so the ledger's silence is not

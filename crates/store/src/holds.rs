@@ -1352,29 +1352,51 @@ pub(crate) fn open_payment_window(order: &str, window: &str, ceiling: &str, chec
     )
 }
 
-/// Rule 2 of [`boxoffice_domain::hold`]: the provider reported an authorization of `order`'s
-/// current PaymentIntent now. If the hold is active and not lapsed, it is protected until
-/// now + `policy.settle`, or the capture deadline less [`HoldPolicy::CAPTURE_MARGIN`] when
-/// that is sooner, and the first report time is kept. Returns whether the hold is protected.
-/// Locks the hold row (callers that also lock the order lock the hold first).
+/// Who reports an authorization to [`protect_authorized`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Report {
+    /// A webhook claim, not checked yet: the protection runs from the first report no re-fetch
+    /// has refuted since, so claims repeated while their re-fetches run extend nothing.
+    Claim,
+    /// The provider, asked by a re-fetch: the protection runs from now, and ends before the
+    /// authorization's capture deadline (`capture_before`, when known).
+    Provider {
+        /// Stripe's capture deadline for the authorization.
+        capture_before: Option<DateTime<Utc>>,
+    },
+}
+
+/// Rule 2 of [`boxoffice_domain::hold`]: an authorization of `order`'s current PaymentIntent
+/// is reported now. If the hold is active and not lapsed, it is protected until `policy.settle`
+/// after the report — for a [`Report::Claim`] the first one not refuted since
+/// (`authorization_reported_at`, kept), for a [`Report::Provider`] now — or the capture
+/// deadline less [`HoldPolicy::CAPTURE_MARGIN`] when that is sooner; a protection is never
+/// shortened here. Returns whether the hold is protected. Locks the hold row (callers that
+/// also lock the order lock the hold first).
 pub async fn protect_authorized(
     tx: &mut Tx<'_>,
     order: OrderId,
     policy: &HoldPolicy,
-    capture_before: Option<DateTime<Utc>>,
+    report: Report,
 ) -> Result<bool, sqlx::Error> {
     let margin = chrono::Duration::from_std(HoldPolicy::CAPTURE_MARGIN).unwrap_or_default();
-    let bound = capture_before.map(|c| c - margin);
+    let (claim, bound) = match report {
+        Report::Claim => (true, None),
+        Report::Provider { capture_before } => (false, capture_before.map(|c| c - margin)),
+    };
     let sql = format!(
         "UPDATE holds SET authorization_reported_at = COALESCE(authorization_reported_at, clock_timestamp()),
                 authorized_until = GREATEST(authorized_until,
-                    LEAST(clock_timestamp() + make_interval(secs => $2), COALESCE($3, 'infinity'::timestamptz)))
+                    LEAST(CASE WHEN $4 THEN COALESCE(authorization_reported_at, clock_timestamp())
+                               ELSE clock_timestamp() END + make_interval(secs => $2),
+                          COALESCE($3, 'infinity'::timestamptz)))
           WHERE order_id = $1 AND status = 'active' AND NOT {LAPSED}"
     );
     let r = sqlx::query(&sql)
         .bind(order.0)
         .bind(policy.settle.as_secs_f64())
         .bind(bound)
+        .bind(claim)
         .execute(&mut **tx)
         .await?;
     Ok(r.rows_affected() == 1)

@@ -24,6 +24,10 @@ pub struct Faults {
     /// Added to every `/v1` request, in milliseconds, after the idempotency key is claimed
     /// (so concurrent retries with the same key see `idempotency_key_in_use`).
     pub latency_ms: u64,
+    /// Added to every read-only `/v1` request (a retrieve or a list) after it looked the
+    /// ledger up and before its answer is sent, in milliseconds: the answer describes the state
+    /// as it was when read, as a slow network on the way back makes it.
+    pub answer_delay_ms: u64,
     /// Wait before delivering each webhook batch, in milliseconds.
     pub webhook_delay_ms: u64,
     /// Extra copies of every event delivered (same `evt_` id): 2 means each arrives 3 times.

@@ -111,6 +111,10 @@ pub struct SimStats {
     pub refunds: u64,
     /// Requests answered from the idempotency store.
     pub idempotent_replays: u64,
+    /// Read-only `/v1` requests (a retrieve or a list) that looked the ledger up, counted when
+    /// they did, before any [`Faults::answer_delay_ms`].
+    #[serde(default)]
+    pub reads: u64,
     /// Events created (each is delivered once plus `webhook_duplicates` times).
     pub events_emitted: u64,
     /// HTTP POSTs to the webhook endpoint, retries and duplicates included.
@@ -145,6 +149,7 @@ struct Shared {
     /// Test-clock offset from wall-clock time, seconds.
     clock_offset_s: AtomicI64,
     idempotent_replays: AtomicU64,
+    reads: AtomicU64,
     /// `/v1` requests in progress, and the most there ever were.
     in_flight: AtomicU64,
     peak_in_flight: AtomicU64,
@@ -191,6 +196,7 @@ impl StripeSim {
                 webhook_events: cfg.webhook_events,
                 clock_offset_s: AtomicI64::new(0),
                 idempotent_replays: AtomicU64::new(0),
+                reads: AtomicU64::new(0),
                 in_flight: AtomicU64::new(0),
                 peak_in_flight: AtomicU64::new(0),
                 hangup: CancellationToken::new(),
@@ -297,6 +303,7 @@ impl StripeSim {
             authorizations_expired: c.authorizations_expired,
             refunds: c.refunds,
             idempotent_replays: self.shared.idempotent_replays.load(Ordering::Relaxed),
+            reads: self.shared.reads.load(Ordering::Relaxed),
             events_emitted: c.events_emitted,
             webhook_deliveries_attempted: hooks.attempted.load(Ordering::Relaxed),
             webhook_deliveries_succeeded: hooks.succeeded.load(Ordering::Relaxed),
@@ -351,5 +358,9 @@ impl StripeSim {
 
     fn count_replay(&self) {
         self.shared.idempotent_replays.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn count_read(&self) {
+        self.shared.reads.fetch_add(1, Ordering::Relaxed);
     }
 }

@@ -276,7 +276,13 @@ where
         tokio::time::sleep(Duration::from_millis(latency_ms)).await;
     }
     let ctx = Ctx { caller, params, now: sim.now(), request_id, idempotency_key: None };
-    match sim.with_ledger(ctx.now, |st| op(st, &ctx)) {
+    let result = sim.with_ledger(ctx.now, |st| op(st, &ctx));
+    sim.count_read();
+    let answer_delay_ms = sim.with_fault_state(|f| f.faults.answer_delay_ms);
+    if answer_delay_ms > 0 {
+        tokio::time::sleep(Duration::from_millis(answer_delay_ms)).await;
+    }
+    match result {
         Ok(v) => respond(
             StatusCode::OK,
             serde_json::to_vec(&v).expect("JSON values serialize").into(),

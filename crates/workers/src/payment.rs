@@ -47,7 +47,9 @@
 //! same transaction as what the provider said: recording a new PaymentIntent opens the
 //! buyer's payment window, and a re-fetch that finds the order's current PaymentIntent
 //! authorized protects its live hold until the saga confirms it (one that finds it not
-//! authorized clears a protection a webhook claim set).
+//! authorized clears a protection a webhook claim set, and ends the hold's provider check,
+//! unless a claim was counted since its read: the buyer may have paid during the call, so
+//! the protection stands until the re-fetch it asks once more has spoken).
 //!
 //! A PaymentIntent re-fetch stands for every webhook claim about that PaymentIntent, made for
 //! its order, counted before its pre-check read the ledger (such claims share one pending
@@ -710,15 +712,29 @@ impl Handler for PaymentWorker {
                 tracing::info!(order.id = %order_id, payment_intent.status = %pi.status, reason = %reason,
                     "PaymentIntent re-fetched");
                 metrics::counter!("boxoffice_payment_intent_refreshes_total").increment(1);
+                // Claims counted since this re-fetch read the ledger (before its call) may report
+                // what its answer predates: they get one more re-fetch.
+                let once_more = end_refetch(tx, order_id, payment_intent_id, read_at).await?;
                 let local = rows.payment_or_read(tx, order_id).await?;
                 if local.as_ref().is_some_and(|p| p.payment_intent_id == pi.id) {
                     // Case C19: the provider's word on the order's current PaymentIntent
                     // decides whether its live hold waits for the saga.
                     match pi.status {
                         PaymentIntentStatus::RequiresCapture => {
-                            holds::protect_authorized(tx, order_id, &self.policy, capture_before).await?;
+                            holds::protect_authorized(
+                                tx,
+                                order_id,
+                                &self.policy,
+                                holds::Report::Provider { capture_before },
+                            )
+                            .await?;
                         }
                         PaymentIntentStatus::Succeeded => {}
+                        // Not authorized when the provider was read, but an authorization
+                        // claimed since may be newer than this answer (the buyer paid during
+                        // the call): its protection stands until the re-fetch asked once more
+                        // has spoken.
+                        _ if once_more.is_some() => {}
                         _ => {
                             holds::clear_protection(tx, order_id).await?;
                             // Rule 3: not authorized, so a hold waiting for this answer lapses.
@@ -731,7 +747,7 @@ impl Handler for PaymentWorker {
                         .into_iter()
                         .filter(|f| is_news(local.as_ref(), f)),
                 );
-                emit.extend(end_refetch(tx, order_id, payment_intent_id, read_at).await?);
+                emit.extend(once_more);
             }
             (
                 PurchaseEvent::DisputeRefreshRequested { payment_intent_id, .. },

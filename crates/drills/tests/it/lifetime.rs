@@ -297,6 +297,114 @@ async fn c19_a_silent_authorization_is_found_before_the_hold_lapses(
     app.stop().await;
 }
 
+/// Rule 2 against a slow provider: the hold's own provider check (rule 3) reads its
+/// PaymentIntent unpaid, and while that answer is on its way back (3 s) the buyer pays and the
+/// authorization webhook protects the hold. The older answer, recorded after the claim, must
+/// neither clear the protection nor end the provider check: the re-fetch asked once more finds
+/// the authorization, and the buyer is ticketed.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn c19_an_answer_older_than_an_authorization_claim_leaves_the_hold_protected(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    use boxoffice_stripe_sim::Faults;
+    let app = TestApp::spawn_with(opts, &Role::ALL, VenueSpec::small(1, 1, 4), |c| {
+        c.hold_ttl_ms = 1_000;
+        c.payment_window_ms = Some(1_500);
+        c.hold_provider_check_ms = 600_000;
+    })
+    .await;
+    let s = app.seats().await;
+    let b = app.buyer();
+    let order = held(&app, &b, s[0], "slow-answer").await;
+    app.await_order(&b, order, WAIT, |v| v.get("client_secret").is_some()).await;
+    let reads = app.sim.stats().reads;
+    app.sim.set_faults(Faults { answer_delay_ms: 3_000, ..Faults::default() });
+    let sim = &app.sim;
+    eventually(WAIT, "the hold's provider check read the PaymentIntent", || async {
+        sim.stats().reads > reads
+    })
+    .await;
+    app.sim.set_faults(Faults::default());
+    app.pay(&b, order, "pm_card_visa").await.expect("authorized at the provider");
+
+    app.await_order(&b, order, WAIT, |v| v["status"] == "ticketed").await;
+    let asked: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM outbox WHERE event_type = 'PaymentIntentRefreshRequested'
+            AND payload->'payload'->>'reason' = $1 AND message_key = $2",
+    )
+    .bind(boxoffice_store::holds::PROVIDER_CHECK_REASON)
+    .bind(order.to_string())
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(asked, 1, "the slow answer was the hold's provider check");
+    let o = outcomes(&app).await;
+    assert_eq!(o.lost_after_authorization, 0, "{o:?}");
+    app.assert_drained_and_clean().await;
+    app.stop().await;
+}
+
+/// Waits until the database clock is past `t` by more than 10 ms.
+async fn clock_past(pool: &sqlx::PgPool, t: chrono::DateTime<chrono::Utc>) {
+    eventually(WAIT, "the database clock moved on", || async {
+        sqlx::query_scalar::<_, bool>("SELECT clock_timestamp() > $1 + interval '10 ms'")
+            .bind(t)
+            .fetch_one(pool)
+            .await
+            .unwrap()
+    })
+    .await;
+}
+
+/// Rule 2's clock for a webhook claim: a claim repeated later extends no protection (it counts
+/// from the first claim no re-fetch has refuted), the provider's own report counts from now,
+/// and once a re-fetch refuted the claim, the next claim starts afresh.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn c19_repeated_authorization_claims_extend_no_protection(_: PgPoolOptions, opts: PgConnectOptions) {
+    use boxoffice_store::holds::{self, Report};
+    let app = TestApp::spawn(opts, &[Role::Api], VenueSpec::small(1, 1, 4)).await;
+    let seat = app.seats().await[0];
+    let b = app.buyer();
+    let order = held(&app, &b, seat, "claims").await;
+    let policy = app.cfg.hold_policy();
+    let protect = |report: Report| {
+        let (pool, policy) = (app.pool.clone(), policy);
+        async move {
+            let mut tx = pool.begin().await.unwrap();
+            assert!(holds::protect_authorized(&mut tx, boxoffice_domain::OrderId(order), &policy, report)
+                .await
+                .unwrap());
+            tx.commit().await.unwrap();
+        }
+    };
+    let until = || async {
+        sqlx::query_scalar::<_, chrono::DateTime<chrono::Utc>>(
+            "SELECT authorized_until FROM holds WHERE order_id = $1",
+        )
+        .bind(order)
+        .fetch_one(&app.pool)
+        .await
+        .unwrap()
+    };
+    protect(Report::Claim).await;
+    let first = until().await;
+    clock_past(&app.pool, first - chrono::Duration::from_std(policy.settle).unwrap()).await;
+    protect(Report::Claim).await;
+    assert_eq!(until().await, first, "a repeated claim extends nothing");
+    protect(Report::Provider { capture_before: None }).await;
+    let confirmed = until().await;
+    assert!(confirmed > first, "the provider's report counts from now");
+
+    let mut tx = app.pool.begin().await.unwrap();
+    assert!(holds::clear_protection(&mut tx, boxoffice_domain::OrderId(order)).await.unwrap());
+    tx.commit().await.unwrap();
+    clock_past(&app.pool, confirmed - chrono::Duration::from_std(policy.settle).unwrap()).await;
+    protect(Report::Claim).await;
+    assert!(until().await > confirmed, "a claim after a refutation starts afresh");
+    app.stop().await;
+}
+
 /// An abandoned hold's order is final (`expired`) before its PaymentIntent is canceled: the
 /// cancel is a fact the payment worker acts on, calling the provider and then recording the
 /// answer. With the payment worker down, the drain that every drill and the bench run before
