@@ -878,7 +878,13 @@ pub fn render(r: &Report) -> String {
                 p.amount_received,
                 p.amount_refunded.map_or_else(|| "?".to_owned(), |n| n.to_string())
             ),
-            None => "no such PaymentIntent".to_owned(),
+            // A dispute's drift compares the dispute, not the PaymentIntent.
+            None => match &d.fact {
+                Some(PurchaseEvent::PaymentDisputed { dispute_id, status, .. }) => {
+                    format!("dispute {dispute_id} {status}")
+                }
+                _ => "no such PaymentIntent".to_owned(),
+            },
         };
         let ledger = match &d.ledger {
             Some(l) => format!(
