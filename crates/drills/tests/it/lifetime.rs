@@ -79,6 +79,30 @@ async fn outcomes(app: &TestApp) -> boxoffice_store::outcomes::Outcomes {
         .unwrap()
 }
 
+/// Every role, a 1 s TTL, a 1.5 s payment window and a provider check that waits up to
+/// 10 min: a payable hold reaches its end in seconds, and rule 3's answer ends the wait.
+async fn with_provider_check(opts: PgConnectOptions) -> TestApp {
+    TestApp::spawn_with(opts, &Role::ALL, VenueSpec::small(1, 1, 4), |c| {
+        c.hold_ttl_ms = 1_000;
+        c.payment_window_ms = Some(1_500);
+        c.hold_provider_check_ms = 600_000;
+    })
+    .await
+}
+
+/// The provider checks (rule 3's re-fetches) asked for `orders`.
+async fn provider_checks(app: &TestApp, orders: &[Uuid]) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM outbox WHERE event_type = 'PaymentIntentRefreshRequested'
+            AND payload->'payload'->>'reason' = $1 AND message_key = ANY($2)",
+    )
+    .bind(boxoffice_store::holds::PROVIDER_CHECK_REASON)
+    .bind(orders.iter().map(Uuid::to_string).collect::<Vec<_>>())
+    .fetch_one(&app.pool)
+    .await
+    .unwrap()
+}
+
 /// Rule 1: the PaymentIntent recorded pushes the hold's end to at least the payment window
 /// (4 s here, with a 1 s TTL); the buyer pays after the TTL has long passed and is ticketed.
 /// A buyer who walks away still loses the hold, when the window ends.
@@ -264,12 +288,7 @@ async fn c19_a_silent_authorization_is_found_before_the_hold_lapses(
     _: PgPoolOptions,
     opts: PgConnectOptions,
 ) {
-    let app = TestApp::spawn_with(opts, &Role::ALL, VenueSpec::small(1, 1, 4), |c| {
-        c.hold_ttl_ms = 1_000;
-        c.payment_window_ms = Some(1_500);
-        c.hold_provider_check_ms = 600_000;
-    })
-    .await;
+    let app = with_provider_check(opts).await;
     app.sim.set_webhook_url(None);
     let s = app.seats().await;
     let (payer, paid, walked) = payer_and_walker(&app, &s).await;
@@ -277,16 +296,7 @@ async fn c19_a_silent_authorization_is_found_before_the_hold_lapses(
 
     app.await_order(&payer, paid, WAIT, |v| v["status"] == "ticketed").await;
     await_hold_status(&app, walked, "expired", "the abandoned hold lapsed with the provider's answer").await;
-    let asked: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM outbox WHERE event_type = 'PaymentIntentRefreshRequested'
-            AND payload->'payload'->>'reason' = $1 AND message_key = ANY($2)",
-    )
-    .bind(boxoffice_store::holds::PROVIDER_CHECK_REASON)
-    .bind(vec![paid.to_string(), walked.to_string()])
-    .fetch_one(&app.pool)
-    .await
-    .unwrap();
-    assert_eq!(asked, 2, "one provider check per hold at its end");
+    assert_eq!(provider_checks(&app, &[paid, walked]).await, 2, "one provider check per hold at its end");
     let o = outcomes(&app).await;
     assert_eq!(
         (o.lost_after_authorization, o.expired_abandoned, o.expired_never_payable),
@@ -308,12 +318,7 @@ async fn c19_an_answer_older_than_an_authorization_claim_leaves_the_hold_protect
     opts: PgConnectOptions,
 ) {
     use boxoffice_stripe_sim::Faults;
-    let app = TestApp::spawn_with(opts, &Role::ALL, VenueSpec::small(1, 1, 4), |c| {
-        c.hold_ttl_ms = 1_000;
-        c.payment_window_ms = Some(1_500);
-        c.hold_provider_check_ms = 600_000;
-    })
-    .await;
+    let app = with_provider_check(opts).await;
     let s = app.seats().await;
     let b = app.buyer();
     let order = held(&app, &b, s[0], "slow-answer").await;
@@ -329,16 +334,7 @@ async fn c19_an_answer_older_than_an_authorization_claim_leaves_the_hold_protect
     app.pay(&b, order, "pm_card_visa").await.expect("authorized at the provider");
 
     app.await_order(&b, order, WAIT, |v| v["status"] == "ticketed").await;
-    let asked: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM outbox WHERE event_type = 'PaymentIntentRefreshRequested'
-            AND payload->'payload'->>'reason' = $1 AND message_key = $2",
-    )
-    .bind(boxoffice_store::holds::PROVIDER_CHECK_REASON)
-    .bind(order.to_string())
-    .fetch_one(&app.pool)
-    .await
-    .unwrap();
-    assert_eq!(asked, 1, "the slow answer was the hold's provider check");
+    assert_eq!(provider_checks(&app, &[order]).await, 1, "the slow answer was the hold's provider check");
     let o = outcomes(&app).await;
     assert_eq!(o.lost_after_authorization, 0, "{o:?}");
     app.assert_drained_and_clean().await;
