@@ -453,7 +453,7 @@ pub async fn spend_uncovered_refetch(tx: &mut Tx<'_>, order: OrderId) -> Result<
     .await?;
     if asked == UNCOVERED_REFETCHES_PER_ORDER + 1 {
         tracing::warn!(order.id = %order, budget = UNCOVERED_REFETCHES_PER_ORDER, window_s = UNCOVERED_REFETCH_WINDOW_S,
-            "webhook claims about objects the ledger does not record for this order spent its re-fetch budget: further ones are left to reconciliation");
+            "webhook claims about objects the ledger does not record for this order spent its re-fetch budget: this one and the rest of the window are left to reconciliation");
     }
     Ok(asked <= UNCOVERED_REFETCHES_PER_ORDER)
 }
