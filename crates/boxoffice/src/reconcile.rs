@@ -593,6 +593,15 @@ pub async fn scan(
         drift.extend(compare(None, ledger_rows.get(id)));
     }
     let epoch = boxoffice_store::region::record(pool).await?.epoch;
+    // The payment rows of the orders intents without a row name: a stray is an intent of an
+    // order that records another.
+    let named: Vec<OrderId> = drift
+        .iter()
+        .filter(|d| d.kind == DriftKind::IntentMissingInLedger)
+        .filter_map(|d| d.order_id.map(OrderId))
+        .collect();
+    let recorded: HashMap<Uuid, String> =
+        ledger::get_all(pool, &named).await?.into_iter().map(|p| (p.order_id, p.payment_intent_id)).collect();
     for d in drift.iter_mut() {
         if let Some(i) = intents.iter().find(|i| i.intent.id == d.payment_intent_id) {
             // Only an intent naming this ledger's cell can be this ledger's lost order.
@@ -601,22 +610,9 @@ pub async fn scan(
             if own {
                 lost_order(d, i, epoch, open);
             }
-        }
-    }
-    // Intents naming an order whose payment row records another PaymentIntent: strays.
-    let named: Vec<OrderId> = drift
-        .iter()
-        .filter(|d| d.kind == DriftKind::IntentMissingInLedger && d.fact.is_none())
-        .filter_map(|d| d.order_id.map(OrderId))
-        .collect();
-    let recorded: HashMap<Uuid, String> =
-        ledger::get_all(pool, &named).await?.into_iter().map(|p| (p.order_id, p.payment_intent_id)).collect();
-    for d in drift.iter_mut() {
-        let order_records = d.order_id.and_then(|o| recorded.get(&o));
-        if let (Some(i), Some(recorded)) =
-            (intents.iter().find(|i| i.intent.id == d.payment_intent_id), order_records)
-        {
-            stray_authorization(d, i, recorded);
+            if let Some(recorded) = d.order_id.and_then(|o| recorded.get(&o)) {
+                stray_authorization(d, i, recorded);
+            }
         }
     }
     Ok(Scan { window, intents_listed, intents, ledger: ledger_rows, drift })
