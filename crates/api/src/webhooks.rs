@@ -23,7 +23,13 @@
 //!   [`stripe_events::REFETCH_COALESCE_S`] ago and not made yet is covered by it and asks
 //!   nothing ([`Ingested::Coalesced`]; the worker asks once more if claims came while its call
 //!   was under way, [`stripe_events::finish_refetch`]), so forged event ids about one
-//!   PaymentIntent cost no provider call each. A claim naming an object the ledger does not
+//!   PaymentIntent cost no provider call each; and the claims about one PaymentIntent and
+//!   order ask for at most [`stripe_events::REFETCHES_PER_PAYMENT_INTENT`] re-fetches an hour
+//!   (the worker's follow-ups have a budget of their own,
+//!   [`stripe_events::FOLLOW_UPS_PER_PAYMENT_INTENT`]), so neither a claim sent each time a
+//!   re-fetch ends nor a steady stream keeps provider calls going: a claim past the budget is
+//!   recorded and left ([`Ingested::LeftToReconciliation`]; an authorization claim still
+//!   protects the live hold, whose provider check is not budgeted). A claim naming an object the ledger does not
 //!   record for its order — a PaymentIntent that is not the order's current one (or any, before
 //!   the order records one), or a dispute — names one of its own that no pending re-fetch
 //!   covers; such claims ask for their re-fetch within the order's budget
@@ -103,10 +109,15 @@ pub enum Ingested {
     AwaitingCapture,
     /// It concerns a PaymentIntent that is not the order's current one: recorded, ignored.
     Stale,
-    /// It names an object the ledger does not record for its order (a PaymentIntent that is
-    /// not the order's, or a dispute) after the order's claims of that kind spent their
-    /// re-fetch budget ([`stripe_events::spend_uncovered_refetch`]): recorded, not re-fetched;
-    /// reconciliation, which reads the provider's PaymentIntents, finds a real one.
+    /// Its re-fetch would be over budget: it names an object the ledger does not record for
+    /// its order (a PaymentIntent that is not the order's, or a dispute) after the order's
+    /// claims of that kind spent their budget ([`stripe_events::spend_uncovered_refetch`]), or
+    /// it is about the order's own PaymentIntent after the claims about it asked for
+    /// [`stripe_events::REFETCHES_PER_PAYMENT_INTENT`] re-fetches this hour
+    /// ([`stripe_events::RefetchAsk::OverBudget`]). Recorded, not re-fetched: an authorization
+    /// claim still protects the order's live hold, whose provider check (not budgeted) reads
+    /// the provider before it lapses; reconciliation, which reads the provider's
+    /// PaymentIntents, finds the rest.
     LeftToReconciliation,
     /// It names an order this ledger does not have (one lost with a fenced region's
     /// unreplicated commits, or another deployment's): recorded, ignored; reconciliation
@@ -332,7 +343,9 @@ async fn ingest_in(
                     if event.r#type == AUTHORIZATION && current && reason == UNVERIFIED_CLAIM {
                         // Case C19: reported while the hold is live, so our lag (the re-fetch,
                         // the saga) must not cost the buyer the seats. The re-fetch confirms
-                        // the claim or clears the protection.
+                        // the claim or clears the protection; past the claims' re-fetch budget
+                        // the hold's provider check does (the protection counts from the
+                        // first claim no re-fetch refuted, so repeating one extends nothing).
                         holds::protect_authorized(tx, order, policy, holds::Report::Claim).await?;
                     }
                     let fact = match dispute {
@@ -341,16 +354,20 @@ async fn ingest_in(
                             payment_intent_id: pi.to_owned(),
                             dispute_id,
                         },
-                        // One re-fetch per PaymentIntent and order at a time: a claim that a
-                        // pending one for its order covers asks nothing (with the signing secret, each forged event id
-                        // would otherwise be a provider call).
-                        None if !stripe_events::ask_refetch(tx, pi, order).await? => {
-                            return Ok(Ingested::Coalesced);
-                        }
-                        None => PurchaseEvent::PaymentIntentRefreshRequested {
-                            order_id: order,
-                            payment_intent_id: pi.to_owned(),
-                            reason: reason.to_owned(),
+                        // One re-fetch per PaymentIntent and order at a time, and a bounded number
+                        // an hour: a claim that a pending one for its order covers asks nothing,
+                        // and one past the budget is left (with the signing secret, each forged
+                        // event id would otherwise be a provider call).
+                        None => match stripe_events::ask_refetch(tx, pi, order).await? {
+                            stripe_events::RefetchAsk::Coalesced => return Ok(Ingested::Coalesced),
+                            stripe_events::RefetchAsk::OverBudget => {
+                                return Ok(Ingested::LeftToReconciliation);
+                            }
+                            stripe_events::RefetchAsk::Ask => PurchaseEvent::PaymentIntentRefreshRequested {
+                                order_id: order,
+                                payment_intent_id: pi.to_owned(),
+                                reason: reason.to_owned(),
+                            },
                         },
                     };
                     next.facts.push(outbox::Traced::here(Envelope::new(

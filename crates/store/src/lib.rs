@@ -21,9 +21,10 @@
 //! A statement a worker repeats on a timer reads what is due through an index, never the
 //! whole table, however large the table has grown: the expiry worker's sweeps of lapsed holds
 //! (`holds::expire_due`, `holds::check_lapsing`, every 250 ms) and its prunes of the inbox,
-//! of expired idempotency keys, of webhook events without an order id, of re-fetches that
-//! never ended (`stripe_events::prune_refetches`) and of orders' re-fetch budgets whose
-//! window ended (`stripe_events::prune_refetch_budgets`), and its settling
+//! of expired idempotency keys, of webhook events without an order id, of re-fetches whose
+//! last claim is an hour old (`stripe_events::prune_refetches`) and of re-fetch budgets whose
+//! window ended (`stripe_events::prune_refetch_budgets`, `stripe_events::prune_follow_ups`),
+//! and its settling
 //! of capture claims (`stripe_events::settle_capture_claims`; every 10 s), the
 //! relay's moves of published outbox rows and its prunes of the order history (every 30 s),
 //! and the release controller's hold signals that count what is due (`signals`). Each states

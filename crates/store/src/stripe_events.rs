@@ -11,11 +11,15 @@
 //! It also keeps what webhook claims leave for later: capture claims the ledger settles
 //! ([`settle_capture_claims`]), and the pending re-fetch of each PaymentIntent claims asked
 //! for, per order they were made for ([`ask_refetch`], [`finish_refetch`]), so that claims
-//! about one PaymentIntent for one order share one provider call while every claim is still
-//! checked by a call made after it arrived, for its own order; and each order's budget of
-//! re-fetches for claims no pending re-fetch can cover ([`spend_uncovered_refetch`]: claims
-//! naming a PaymentIntent that is not the order's, and dispute claims), so that claims naming
-//! a new object id each cost a bounded number of provider calls per order.
+//! about one PaymentIntent for one order share one provider call while each is still checked
+//! by a call made after it arrived, for its own order — within a budget per PaymentIntent and
+//! order ([`REFETCHES_PER_PAYMENT_INTENT`] asks, [`FOLLOW_UPS_PER_PAYMENT_INTENT`] follow-ups
+//! an hour, [`spend_follow_up`]), beyond which claims are left to the hold's provider check
+//! and to reconciliation, so that a stream of claims costs a bounded number of provider calls;
+//! and each order's budget of re-fetches for claims no pending re-fetch can cover
+//! ([`spend_uncovered_refetch`]: claims naming a PaymentIntent that is not the order's, and
+//! dispute claims), so that claims naming a new object id each cost a bounded number of
+//! provider calls per order.
 
 use crate::{outbox, StoreError, Tx};
 use boxoffice_domain::events::refresh_reason;
@@ -296,14 +300,49 @@ pub async fn settle_capture_claims(
 /// dead-lettered, or the worker may lag this much, and then a second re-fetch is cheap).
 pub const REFETCH_COALESCE_S: i64 = 30;
 
+/// How many re-fetches webhook claims about one PaymentIntent, made for one order, may ask for
+/// per [`REFETCH_BUDGET_WINDOW_S`] (migration 0036). A genuine purchase asks one (its
+/// authorization's claim), a card declined a few times one per decline; a claim that would ask
+/// one more is recorded and left ([`RefetchAsk::OverBudget`]). The payment worker's follow-ups
+/// have a budget of their own ([`FOLLOW_UPS_PER_PAYMENT_INTENT`]).
+pub const REFETCHES_PER_PAYMENT_INTENT: i32 = 8;
+
+/// How many follow-up re-fetches ([`finish_refetch`]: claims counted while a re-fetch's call
+/// was under way) the payment worker may ask for one PaymentIntent and order per
+/// [`REFETCH_BUDGET_WINDOW_S`] (migration 0036, [`spend_follow_up`]). A genuine purchase needs
+/// one only when its authorization's webhook arrives during the hold's provider check.
+pub const FOLLOW_UPS_PER_PAYMENT_INTENT: i32 = 4;
+
+/// The window of [`REFETCHES_PER_PAYMENT_INTENT`] and [`FOLLOW_UPS_PER_PAYMENT_INTENT`],
+/// seconds (an hour), from the first re-fetch that spent the budget.
+pub const REFETCH_BUDGET_WINDOW_S: i64 = 3_600;
+
+/// What a webhook claim about a PaymentIntent did with its re-fetch ([`ask_refetch`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RefetchAsk {
+    /// No re-fetch of the PaymentIntent for the order is pending (or the pending one was asked
+    /// more than [`REFETCH_COALESCE_S`] ago): the claim must ask for one now.
+    Ask,
+    /// The pending re-fetch covers the claim: it reads the provider after the claim arrived
+    /// ([`finish_refetch`] asks once more for the claims it may have missed).
+    Coalesced,
+    /// A re-fetch would be due, but the claims about this PaymentIntent and order asked for
+    /// [`REFETCHES_PER_PAYMENT_INTENT`] in the current window: nothing is asked. An
+    /// authorization claim still protects its order's live hold, whose provider check is not
+    /// budgeted; reconciliation compares the provider's PaymentIntents with the ledger.
+    OverBudget,
+}
+
 /// Counts a webhook claim about `payment_intent_id` made for `order` (the order its metadata
 /// names, or the one that owns the PaymentIntent) that asks the provider for news, in `tx`, in
-/// one statement; `true` if its re-fetch must be asked for now (no re-fetch of this
-/// PaymentIntent for this order pending, or the pending one asked more than
-/// [`REFETCH_COALESCE_S`] ago), `false` if the pending re-fetch covers it: that re-fetch
-/// reads the provider after the claim arrived (the claim's time is its statement's, later
-/// than its request's arrival; [`finish_refetch`] asks once more for the claims the re-fetch
-/// may have missed). Counted as `boxoffice_webhook_refetches_coalesced_total` when `false`.
+/// one statement, and says whether it asks for a re-fetch ([`RefetchAsk`]): it asks when no
+/// re-fetch of this PaymentIntent for this order is pending (none was asked, the last one was
+/// made, or the pending one was asked more than [`REFETCH_COALESCE_S`] ago) and the claims'
+/// budget allows ([`REFETCHES_PER_PAYMENT_INTENT`] per [`REFETCH_BUDGET_WINDOW_S`], from the
+/// first ask of the window); a pending re-fetch covers it otherwise: that re-fetch reads the
+/// provider after the claim arrived (the claim's time is its statement's, later than its
+/// request's arrival; [`finish_refetch`] asks once more for the claims the re-fetch may have
+/// missed). Counted as `boxoffice_webhook_refetches_coalesced_total` when coalesced.
 ///
 /// Only a re-fetch made for the same order covers a claim (migration 0034): one made for
 /// another order, which a claim naming someone else's PaymentIntent could have asked for, is
@@ -319,39 +358,64 @@ pub async fn ask_refetch(
     tx: &mut Tx<'_>,
     payment_intent_id: &str,
     order: OrderId,
-) -> Result<bool, sqlx::Error> {
+) -> Result<RefetchAsk, sqlx::Error> {
     // `asked_at = statement_timestamp()` after the statement is true only of a row this
-    // statement inserted or asked again: another statement's timestamp is earlier.
-    let ask: bool = sqlx::query_scalar(
-        "INSERT INTO payment_intent_refetches AS r (payment_intent_id, order_id, asked_at, last_claim_at)
-         VALUES ($1, $2, statement_timestamp(), statement_timestamp())
+    // statement inserted or asked again: another statement's timestamp is earlier. A made
+    // re-fetch's row has `asked_at` = '-infinity' (`finish_refetch`): asked long ago.
+    let (asked, covered): (bool, bool) = sqlx::query_as(
+        "INSERT INTO payment_intent_refetches AS r
+                (payment_intent_id, order_id, asked_at, last_claim_at, window_started_at, asks)
+         VALUES ($1, $2, statement_timestamp(), statement_timestamp(), statement_timestamp(), 1)
          ON CONFLICT (payment_intent_id, order_id) DO UPDATE
             SET claims = r.claims + 1,
                 last_claim_at = statement_timestamp(),
-                asked_at = CASE WHEN r.asked_at < statement_timestamp() - make_interval(secs => $3::double precision)
-                                THEN statement_timestamp() ELSE r.asked_at END
-         RETURNING asked_at = statement_timestamp()",
+                window_started_at = CASE WHEN r.window_started_at < statement_timestamp() - make_interval(secs => $4::double precision)
+                                         THEN statement_timestamp() ELSE r.window_started_at END,
+                asks = CASE WHEN r.asked_at >= statement_timestamp() - make_interval(secs => $3::double precision)
+                                 AND r.window_started_at < statement_timestamp() - make_interval(secs => $4::double precision)
+                            THEN 0
+                            WHEN r.asked_at >= statement_timestamp() - make_interval(secs => $3::double precision)
+                            THEN r.asks
+                            WHEN r.window_started_at < statement_timestamp() - make_interval(secs => $4::double precision)
+                            THEN 1
+                            WHEN r.asks < $5 THEN r.asks + 1
+                            ELSE r.asks END,
+                asked_at = CASE WHEN r.asked_at >= statement_timestamp() - make_interval(secs => $3::double precision)
+                                THEN r.asked_at
+                                WHEN r.window_started_at < statement_timestamp() - make_interval(secs => $4::double precision)
+                                     OR r.asks < $5
+                                THEN statement_timestamp()
+                                ELSE r.asked_at END
+         RETURNING asked_at = statement_timestamp(),
+                   asked_at >= statement_timestamp() - make_interval(secs => $3::double precision)",
     )
     .bind(payment_intent_id)
     .bind(order.0)
     .bind(REFETCH_COALESCE_S as f64)
+    .bind(REFETCH_BUDGET_WINDOW_S as f64)
+    .bind(REFETCHES_PER_PAYMENT_INTENT)
     .fetch_one(&mut **tx)
     .await?;
-    if !ask {
+    Ok(if asked {
+        RefetchAsk::Ask
+    } else if covered {
         metrics::counter!("boxoffice_webhook_refetches_coalesced_total").increment(1);
-    }
-    Ok(ask)
+        RefetchAsk::Coalesced
+    } else {
+        RefetchAsk::OverBudget
+    })
 }
 
 /// Ends the pending re-fetch of `payment_intent_id` for `order` in `tx`, the transaction that
-/// records what the provider said, in one statement: deletes its row if every claim it counts
-/// arrived before `read_at` (the ledger's time when the payment worker read the ledger,
-/// before it asked the provider: those claims are covered). Returns `true` if a claim may
-/// not be covered — one counted at or after `read_at`, or one in flight (its row is locked;
-/// it is skipped, not waited for) — and the caller must ask for one more re-fetch (also when
-/// such a claim asked for a re-fetch itself, its pending one having aged past
-/// [`REFETCH_COALESCE_S`]: one re-fetch more than needed); `false` when the row is gone or
-/// there was none (a re-fetch a sweep asked for).
+/// records what the provider said, in one statement: marks it made (its row stays, with the
+/// claims' budget, [`REFETCHES_PER_PAYMENT_INTENT`]) if every claim it counts arrived before
+/// `read_at` (the ledger's time when the payment worker read the ledger, before it asked the
+/// provider: those claims are covered). Returns `true` if a claim may not be covered — one
+/// counted at or after `read_at`, or one in flight (its row is locked; it is skipped, not
+/// waited for) — and the caller must ask for one more re-fetch within its own budget
+/// ([`spend_follow_up`]; also when such a claim asked for a re-fetch itself, its pending one
+/// having aged past [`REFETCH_COALESCE_S`]: one re-fetch more than needed); `false` when no
+/// re-fetch is pending (one the hold's provider check or a sweep asked for).
 ///
 /// # Errors
 /// The database's.
@@ -361,18 +425,19 @@ pub async fn finish_refetch(
     order: OrderId,
     read_at: chrono::DateTime<chrono::Utc>,
 ) -> Result<bool, sqlx::Error> {
-    // The snapshot's row, if any, is either deleted here or reported: a row whose claim
-    // committed after the snapshot fails the re-check of `FOR UPDATE` and stays.
+    // The snapshot's pending row, if any, is either marked made here or reported: a row whose
+    // claim committed after the snapshot fails the re-check of `FOR UPDATE` and stays.
     let left: bool = sqlx::query_scalar(
-        "WITH gone AS (
-             DELETE FROM payment_intent_refetches WHERE ctid = ANY (ARRAY(
+        "WITH made AS (
+             UPDATE payment_intent_refetches SET asked_at = '-infinity' WHERE ctid = ANY (ARRAY(
                  SELECT ctid FROM payment_intent_refetches
                   WHERE payment_intent_id = $1 AND order_id = $3 AND last_claim_at < $2
+                    AND asked_at > '-infinity'
                     FOR UPDATE SKIP LOCKED))
              RETURNING payment_intent_id)
          SELECT EXISTS (SELECT 1 FROM payment_intent_refetches r
-                         WHERE r.payment_intent_id = $1 AND r.order_id = $3
-                           AND NOT EXISTS (SELECT 1 FROM gone))",
+                         WHERE r.payment_intent_id = $1 AND r.order_id = $3 AND r.asked_at > '-infinity'
+                           AND NOT EXISTS (SELECT 1 FROM made))",
     )
     .bind(payment_intent_id)
     .bind(read_at)
@@ -382,13 +447,78 @@ pub async fn finish_refetch(
     Ok(left)
 }
 
-/// How long after its last claim a pending re-fetch's row is kept, seconds (an hour): a
-/// re-fetch ends within seconds or is dead-lettered, and a row older than
-/// [`REFETCH_COALESCE_S`] no longer holds back a claim, so this only bounds the table.
+/// Spends one of the follow-up re-fetches of `payment_intent_id` for `order`
+/// ([`FOLLOW_UPS_PER_PAYMENT_INTENT`] per [`REFETCH_BUDGET_WINDOW_S`]) in `tx`, the payment
+/// worker's, in one statement: `true` if the follow-up [`finish_refetch`] called for may be
+/// asked, `false` if that many were asked in the current window. Its table is written by the
+/// payment worker alone (one transaction per order at a time), so it never waits for a
+/// claim's lock. A refused follow-up leaves the pending re-fetch as it is: claims in the next
+/// [`REFETCH_COALESCE_S`] are counted as covered, and the first after that asks again within
+/// the claims' budget. The first refusal of a window is logged as a warning; every one is
+/// counted in `boxoffice_refetch_follow_ups_refused_total`.
+///
+/// # Errors
+/// The database's.
+pub async fn spend_follow_up(
+    tx: &mut Tx<'_>,
+    payment_intent_id: &str,
+    order: OrderId,
+) -> Result<bool, sqlx::Error> {
+    let made: i32 = sqlx::query_scalar(
+        "INSERT INTO payment_intent_follow_ups AS f (payment_intent_id, order_id, window_started_at, made)
+         VALUES ($1, $2, statement_timestamp(), 1)
+         ON CONFLICT (payment_intent_id, order_id) DO UPDATE
+            SET window_started_at = CASE WHEN f.window_started_at < statement_timestamp() - make_interval(secs => $3::double precision)
+                                         THEN statement_timestamp() ELSE f.window_started_at END,
+                made = CASE WHEN f.window_started_at < statement_timestamp() - make_interval(secs => $3::double precision)
+                            THEN 1 ELSE f.made + 1 END
+         RETURNING made",
+    )
+    .bind(payment_intent_id)
+    .bind(order.0)
+    .bind(REFETCH_BUDGET_WINDOW_S as f64)
+    .fetch_one(&mut **tx)
+    .await?;
+    if made > FOLLOW_UPS_PER_PAYMENT_INTENT {
+        metrics::counter!("boxoffice_refetch_follow_ups_refused_total").increment(1);
+    }
+    if made == FOLLOW_UPS_PER_PAYMENT_INTENT + 1 {
+        tracing::warn!(order.id = %order, payment_intent.id = %payment_intent_id, budget = FOLLOW_UPS_PER_PAYMENT_INTENT,
+            window_s = REFETCH_BUDGET_WINDOW_S,
+            "webhook claims kept arriving during this PaymentIntent's re-fetches: no more follow-up re-fetches this window; the claims are left to the hold's provider check and to reconciliation");
+    }
+    Ok(made <= FOLLOW_UPS_PER_PAYMENT_INTENT)
+}
+
+/// Deletes up to `limit` rows of [`spend_follow_up`]'s budgets whose window began more than
+/// `window_s` seconds ago, the oldest first, through `payment_intent_follow_ups_window_idx`
+/// (migration 0036). Returns how many went. The expiry worker runs it every 10 s with
+/// [`REFETCH_BUDGET_WINDOW_S`].
+///
+/// # Errors
+/// The database's.
+pub async fn prune_follow_ups(pool: &PgPool, window_s: i64, limit: i64) -> Result<u64, sqlx::Error> {
+    let r = sqlx::query(
+        "DELETE FROM payment_intent_follow_ups WHERE ctid = ANY (ARRAY(
+            SELECT ctid FROM payment_intent_follow_ups
+             WHERE window_started_at < now() - make_interval(secs => $1::double precision)
+             ORDER BY window_started_at LIMIT $2))",
+    )
+    .bind(window_s as f64)
+    .bind(limit)
+    .execute(pool)
+    .await?;
+    Ok(r.rows_affected())
+}
+
+/// How long after its last claim a re-fetch's row is kept, seconds (an hour): made or
+/// dead-lettered, a row older than [`REFETCH_COALESCE_S`] no longer holds back a claim, and
+/// its budget's window ([`REFETCH_BUDGET_WINDOW_S`], which began at or before its last claim)
+/// has ended, so this only bounds the table.
 pub const REFETCH_RETENTION_S: i64 = 3_600;
 
-/// Deletes up to `limit` rows of pending re-fetches whose last claim is more than
-/// `retention_s` seconds old (re-fetches that never ended), the oldest first, through
+/// Deletes up to `limit` rows of re-fetches whose last claim is more than `retention_s`
+/// seconds old (made, or never ended), the oldest first, through
 /// `payment_intent_refetches_claimed_idx` (migration 0033). Returns how many went. The
 /// expiry worker runs it every 10 s with [`REFETCH_RETENTION_S`].
 ///

@@ -5,9 +5,10 @@
 //! ledger lapses, it asks the provider about the hold's PaymentIntent (rule 3 of
 //! `boxoffice_domain::hold`), so a late webhook never costs a buyer who paid in time. Every
 //! 10 s it also prunes the inbox, idempotency keys, webhook events without an order id
-//! (`boxoffice_store::stripe_events::prune_unclaimed`), the rows of re-fetches that never
-//! ended (`boxoffice_store::stripe_events::prune_refetches`) and the orders' re-fetch budgets
-//! whose window ended (`boxoffice_store::stripe_events::prune_refetch_budgets`), releases authorizations near their
+//! (`boxoffice_store::stripe_events::prune_unclaimed`), the rows of re-fetches whose last
+//! claim is an hour old (`boxoffice_store::stripe_events::prune_refetches`) and the re-fetch
+//! budgets whose window ended (`boxoffice_store::stripe_events::prune_refetch_budgets`,
+//! `prune_follow_ups`), releases authorizations near their
 //! capture deadline (case C09), resolves early webhooks that missed their payment row's
 //! resolve (`boxoffice_store::stripe_events::resolve_stranded`), and settles capture claims
 //! past their grace (`boxoffice_store::stripe_events::settle_capture_claims`: a re-fetch for
@@ -158,5 +159,6 @@ async fn prune(pool: &PgPool, settings: &ExpirySettings) -> Result<(), sqlx::Err
     stripe_events::prune_unclaimed(pool, settings.webhook_event_retention_s, 10_000).await?;
     stripe_events::prune_refetches(pool, stripe_events::REFETCH_RETENTION_S, 10_000).await?;
     stripe_events::prune_refetch_budgets(pool, stripe_events::UNCOVERED_REFETCH_WINDOW_S, 10_000).await?;
+    stripe_events::prune_follow_ups(pool, stripe_events::REFETCH_BUDGET_WINDOW_S, 10_000).await?;
     Ok(())
 }

@@ -49,14 +49,17 @@
 //! authorized protects its live hold until the saga confirms it (one that finds it not
 //! authorized clears a protection a webhook claim set, and ends the hold's provider check,
 //! unless a claim was counted since its read: the buyer may have paid during the call, so
-//! the protection stands until the re-fetch it asks once more has spoken).
+//! the protection stands until the re-fetch it asks once more has spoken, or, with the
+//! follow-ups' budget spent, until the hold's provider check has).
 //!
 //! A PaymentIntent re-fetch stands for every webhook claim about that PaymentIntent, made for
 //! its order, counted before its pre-check read the ledger (such claims share one pending
 //! re-fetch, migrations 0033 and 0034):
 //! the transaction that records what the provider said ends that pending re-fetch, and asks
 //! for one more (`claimed_during_refetch`) when a claim was counted at or after the read, or
-//! is in flight then (`boxoffice_store::stripe_events::finish_refetch`).
+//! is in flight then (`boxoffice_store::stripe_events::finish_refetch`), within a budget of
+//! follow-ups per PaymentIntent and order (`stripe_events::spend_follow_up`); past it, those
+//! claims are left to the hold's provider check and to reconciliation.
 
 use async_trait::async_trait;
 use boxoffice_bus::{Handler, HandlerError};
@@ -656,7 +659,7 @@ impl Handler for PaymentWorker {
             (_, Prepared::Refuted { payment_intent_id, why, read_at }) => {
                 record_refuted(tx, order_id, &payment_intent_id, why).await?;
                 if let Some(read_at) = read_at {
-                    emit.extend(end_refetch(tx, order_id, &payment_intent_id, read_at).await?);
+                    emit.extend(end_refetch(tx, order_id, &payment_intent_id, read_at).await?.follow_up());
                 }
             }
             (_, Prepared::Skipped(why)) => {
@@ -713,8 +716,8 @@ impl Handler for PaymentWorker {
                     "PaymentIntent re-fetched");
                 metrics::counter!("boxoffice_payment_intent_refreshes_total").increment(1);
                 // Claims counted since this re-fetch read the ledger (before its call) may report
-                // what its answer predates: they get one more re-fetch.
-                let once_more = end_refetch(tx, order_id, payment_intent_id, read_at).await?;
+                // what its answer predates: they get one more re-fetch, within its budget.
+                let ended = end_refetch(tx, order_id, payment_intent_id, read_at).await?;
                 let local = rows.payment_or_read(tx, order_id).await?;
                 if local.as_ref().is_some_and(|p| p.payment_intent_id == pi.id) {
                     // Case C19: the provider's word on the order's current PaymentIntent
@@ -730,16 +733,24 @@ impl Handler for PaymentWorker {
                             .await?;
                         }
                         PaymentIntentStatus::Succeeded => {}
-                        // Not authorized when the provider was read, but an authorization
-                        // claimed since may be newer than this answer (the buyer paid during
-                        // the call): its protection stands until the re-fetch asked once more
-                        // has spoken.
-                        _ if once_more.is_some() => {}
-                        _ => {
-                            holds::clear_protection(tx, order_id).await?;
-                            // Rule 3: not authorized, so a hold waiting for this answer lapses.
-                            holds::end_provider_check(tx, order_id).await?;
-                        }
+                        _ => match ended {
+                            // Not authorized when the provider was read, but an authorization
+                            // claimed since may be newer than this answer (the buyer paid
+                            // during the call): its protection, and rule 3's wait, stand until
+                            // the re-fetch asked once more has spoken.
+                            Ended::FollowUp(_) => {}
+                            // Such claims, past the follow-ups' budget: no re-fetch will speak,
+                            // so a protection stands as it is (it counts from the first claim:
+                            // the claims extend nothing) and rule 3's wait ends with it.
+                            Ended::ClaimsLeft => {
+                                holds::end_provider_check(tx, order_id).await?;
+                            }
+                            Ended::Covered => {
+                                holds::clear_protection(tx, order_id).await?;
+                                // Rule 3: not authorized, so a hold waiting for this answer lapses.
+                                holds::end_provider_check(tx, order_id).await?;
+                            }
+                        },
                     }
                 }
                 emit.extend(
@@ -747,7 +758,7 @@ impl Handler for PaymentWorker {
                         .into_iter()
                         .filter(|f| is_news(local.as_ref(), f)),
                 );
-                emit.extend(once_more);
+                emit.extend(ended.follow_up());
             }
             (
                 PurchaseEvent::DisputeRefreshRequested { payment_intent_id, .. },
@@ -863,23 +874,51 @@ async fn record_refuted(
     Ok(())
 }
 
+/// How a re-fetch ended its pending re-fetch ([`end_refetch`]).
+enum Ended {
+    /// Every claim it stands for arrived before its read (or none is pending).
+    Covered,
+    /// Claims were counted at or after its read: one more re-fetch is asked
+    /// ([`refresh_reason::CLAIMED_DURING_REFETCH`]).
+    FollowUp(PurchaseEvent),
+    /// Claims were counted at or after its read, but the follow-ups' budget
+    /// ([`stripe_events::FOLLOW_UPS_PER_PAYMENT_INTENT`]) is spent: they are left to the
+    /// hold's provider check and to reconciliation.
+    ClaimsLeft,
+}
+
+impl Ended {
+    /// The follow-up re-fetch to emit, if any.
+    fn follow_up(self) -> Option<PurchaseEvent> {
+        match self {
+            Ended::FollowUp(e) => Some(e),
+            Ended::Covered | Ended::ClaimsLeft => None,
+        }
+    }
+}
+
 /// Ends the pending re-fetch of PaymentIntent `payment_intent_id` for order `order_id`
-/// (migrations 0033, 0034) in the transaction that records what the provider said about it, whose pre-check read the ledger
-/// at `read_at`: one more `PaymentIntentRefreshRequested` (reason
-/// [`refresh_reason::CLAIMED_DURING_REFETCH`]) when webhook claims were counted at or after
-/// that time, which this re-fetch may predate ([`stripe_events::finish_refetch`]).
+/// (migrations 0033, 0034, 0036) in the transaction that records what the provider said about
+/// it, whose pre-check read the ledger at `read_at`: when webhook claims were counted at or
+/// after that time, which this re-fetch may predate ([`stripe_events::finish_refetch`]), one
+/// more `PaymentIntentRefreshRequested` (reason [`refresh_reason::CLAIMED_DURING_REFETCH`])
+/// within the follow-ups' budget ([`stripe_events::spend_follow_up`]), else none.
 async fn end_refetch(
     tx: &mut Tx<'_>,
     order_id: OrderId,
     payment_intent_id: &str,
     read_at: chrono::DateTime<chrono::Utc>,
-) -> Result<Option<PurchaseEvent>, sqlx::Error> {
-    Ok(stripe_events::finish_refetch(tx, payment_intent_id, order_id, read_at).await?.then(|| {
-        PurchaseEvent::PaymentIntentRefreshRequested {
-            order_id,
-            payment_intent_id: payment_intent_id.to_owned(),
-            reason: refresh_reason::CLAIMED_DURING_REFETCH.to_owned(),
-        }
+) -> Result<Ended, sqlx::Error> {
+    if !stripe_events::finish_refetch(tx, payment_intent_id, order_id, read_at).await? {
+        return Ok(Ended::Covered);
+    }
+    if !stripe_events::spend_follow_up(tx, payment_intent_id, order_id).await? {
+        return Ok(Ended::ClaimsLeft);
+    }
+    Ok(Ended::FollowUp(PurchaseEvent::PaymentIntentRefreshRequested {
+        order_id,
+        payment_intent_id: payment_intent_id.to_owned(),
+        reason: refresh_reason::CLAIMED_DURING_REFETCH.to_owned(),
     }))
 }
 

@@ -266,11 +266,11 @@ pub async fn refreshes_applied(pool: &sqlx::PgPool, order: Uuid, reason: &str) -
 
 /// Whether every claim about `order`'s PaymentIntent `pi` has been checked with the provider:
 /// no re-fetch of it is pending (`payment_intent_refetches`: the last re-fetch read the ledger
-/// after the last claim was counted), and the payment worker applied every
+/// after the last claim was counted, and marked the row made), and the payment worker applied every
 /// `PaymentIntentRefreshRequested` of the order.
 pub async fn claims_checked(pool: &sqlx::PgPool, order: Uuid, pi: &str) -> bool {
     sqlx::query_scalar(
-        "SELECT NOT EXISTS (SELECT 1 FROM payment_intent_refetches WHERE payment_intent_id = $2)
+        "SELECT NOT EXISTS (SELECT 1 FROM payment_intent_refetches WHERE payment_intent_id = $2 AND asked_at > '-infinity')
             AND NOT EXISTS (SELECT 1 FROM outbox o
                              WHERE o.message_key = $1 AND o.event_type = 'PaymentIntentRefreshRequested'
                                AND NOT EXISTS (SELECT 1 FROM inbox i

@@ -261,6 +261,14 @@ async fn every_periodic_sweep_reads_only_what_is_due(_: PgPoolOptions, opts: PgC
          SELECT gen_random_uuid(), now() - interval '2 hours', 4 FROM generate_series(1, 3)",
     )
     .await;
+    // Follow-up budgets: young ones, and three whose window began two hours ago.
+    exec(&observer, &format!("INSERT INTO payment_intent_follow_ups (payment_intent_id, order_id, window_started_at, made) SELECT 'pi_' || gen_random_uuid(), gen_random_uuid(), now(), 1 FROM generate_series(1, {NOT_DUE})")).await;
+    exec(
+        &observer,
+        "INSERT INTO payment_intent_follow_ups (payment_intent_id, order_id, window_started_at, made)
+         SELECT 'pi_' || gen_random_uuid(), gen_random_uuid(), now() - interval '2 hours', 4 FROM generate_series(1, 3)",
+    )
+    .await;
     exec(&observer, "ANALYZE").await;
 
     let reads = Reads { pool, observer };
@@ -392,6 +400,19 @@ async fn every_periodic_sweep_reads_only_what_is_due(_: PgPoolOptions, opts: PgC
         .await;
     assert_eq!(n, 3);
     due("stripe_events::prune_refetch_budgets", &read, 3);
+    let (n, read) = reads
+        .measure(&["payment_intent_follow_ups"], |p| async move {
+            boxoffice_store::stripe_events::prune_follow_ups(
+                &p,
+                boxoffice_store::stripe_events::REFETCH_BUDGET_WINDOW_S,
+                10_000,
+            )
+            .await
+            .unwrap()
+        })
+        .await;
+    assert_eq!(n, 3);
+    due("stripe_events::prune_follow_ups", &read, 3);
     // The relay, every 30 s.
     let (n, read) = reads
         .measure(&["outbox"], |p| async move {

@@ -575,7 +575,7 @@ async fn claims_about_one_payment_intent_share_one_refetch(_: PgPoolOptions, opt
     })
     .await;
     assert_eq!(
-        app.count("SELECT count(*) FROM payment_intent_refetches").await,
+        app.count("SELECT count(*) FROM payment_intent_refetches WHERE asked_at > '-infinity'").await,
         0,
         "in the same transaction"
     );
@@ -605,14 +605,22 @@ async fn claims_about_one_payment_intent_share_one_refetch(_: PgPoolOptions, opt
 
 /// The rule that ends a pending re-fetch (`stripe_events::finish_refetch`): claims counted
 /// before the payment worker read the ledger (before its provider call) are covered and the
-/// row goes; a claim counted after that read, or one still in flight, makes the worker ask
-/// once more; a re-fetch pending for another order covers nothing (a claim can name another
-/// buyer's PaymentIntent under its own order); a pending re-fetch older than
-/// `REFETCH_COALESCE_S` no longer holds back a claim; rows of re-fetches that never ended are
-/// pruned an hour after their last claim.
+/// re-fetch is marked made; a claim counted after that read, or one still in flight, makes the
+/// worker ask once more; a re-fetch pending for another order covers nothing (a claim can name
+/// another buyer's PaymentIntent under its own order); a pending re-fetch older than
+/// `REFETCH_COALESCE_S` no longer holds back a claim; the claims about one PaymentIntent and
+/// order ask for at most `REFETCHES_PER_PAYMENT_INTENT` re-fetches a window, the worker's
+/// follow-ups at most `FOLLOW_UPS_PER_PAYMENT_INTENT` (migration 0036), and a window that
+/// ended begins a new one; rows are pruned an hour after their last claim, follow-up budgets
+/// when their window ended.
 #[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
 async fn a_claim_counted_while_a_refetch_runs_asks_for_one_more(pool: sqlx::PgPool) {
-    use boxoffice_store::stripe_events::{ask_refetch, finish_refetch, prune_refetches, REFETCH_RETENTION_S};
+    use boxoffice_store::stripe_events::{
+        ask_refetch, finish_refetch, prune_follow_ups, prune_refetches, spend_follow_up,
+        RefetchAsk::{Ask, Coalesced, OverBudget},
+        FOLLOW_UPS_PER_PAYMENT_INTENT, REFETCHES_PER_PAYMENT_INTENT, REFETCH_BUDGET_WINDOW_S,
+        REFETCH_RETENTION_S,
+    };
     let order = boxoffice_domain::OrderId(Uuid::new_v4());
     let other = boxoffice_domain::OrderId(Uuid::new_v4());
     let claim_for = |pi: &'static str, order| {
@@ -641,39 +649,48 @@ async fn a_claim_counted_while_a_refetch_runs_asks_for_one_more(pool: sqlx::PgPo
         }
     };
     let finish = |pi: &'static str, at| finish_for(pi, order, at);
-    let rows = || async {
-        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM payment_intent_refetches")
-            .fetch_one(&pool)
-            .await
-            .unwrap()
+    let pending = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM payment_intent_refetches WHERE asked_at > '-infinity'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    };
+    let age = |sql: &'static str| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query(sql).execute(&pool).await.unwrap();
+        }
     };
 
-    // Two claims, then the worker's read: both covered, the row goes.
-    assert!(claim("pi_a").await, "the first claim asks");
-    assert!(!claim("pi_a").await, "the second is covered by the pending re-fetch");
-    assert!(claim("pi_b").await, "another PaymentIntent has its own");
+    // Two claims, then the worker's read: both covered, the re-fetch is made.
+    assert_eq!(claim("pi_a").await, Ask, "the first claim asks");
+    assert_eq!(claim("pi_a").await, Coalesced, "the second is covered by the pending re-fetch");
+    assert_eq!(claim("pi_b").await, Ask, "another PaymentIntent has its own");
     let read_at = read().await;
     assert!(!finish("pi_a", read_at).await);
-    assert_eq!(rows().await, 1, "pi_b's stays");
+    assert_eq!(pending().await, 1, "pi_b's is still pending");
     assert!(!finish("pi_missing", read_at).await, "a re-fetch no claim asked for");
+    assert!(!finish("pi_a", read().await).await, "a re-fetch made is not pending");
 
-    // A claim counted after the worker's read: one more re-fetch, and the row stays for it.
-    assert!(claim("pi_a").await, "after the re-fetch ended, a claim asks again");
+    // A claim counted after the worker's read: one more re-fetch, and the row stays pending.
+    assert_eq!(claim("pi_a").await, Ask, "after the re-fetch was made, a claim asks again");
     let read_at = read().await;
-    assert!(!claim("pi_a").await);
+    assert_eq!(claim("pi_a").await, Coalesced);
     assert!(finish("pi_a", read_at).await, "the claim after the read is not covered");
     let read_at = read().await;
     assert!(!finish("pi_a", read_at).await, "the next re-fetch covers it");
 
     // A claim naming the PaymentIntent under another order is not covered by this order's
     // pending re-fetch, nor does it cover this order's claims; each re-fetch ends its own.
-    assert!(claim_for("pi_c", other).await, "another order's claim asks for its own");
-    assert!(claim("pi_c").await, "the buyer's claim is not covered by a re-fetch for another order");
+    assert_eq!(claim_for("pi_c", other).await, Ask, "another order's claim asks for its own");
+    assert_eq!(claim("pi_c").await, Ask, "the buyer's claim is not covered by a re-fetch for another order");
     let read_at = read().await;
     assert!(!finish_for("pi_c", other, read_at).await);
     assert_eq!(
         sqlx::query_scalar::<_, uuid::Uuid>(
-            "SELECT order_id FROM payment_intent_refetches WHERE payment_intent_id = 'pi_c'"
+            "SELECT order_id FROM payment_intent_refetches WHERE payment_intent_id = 'pi_c' AND asked_at > '-infinity'"
         )
         .fetch_all(&pool)
         .await
@@ -684,28 +701,77 @@ async fn a_claim_counted_while_a_refetch_runs_asks_for_one_more(pool: sqlx::PgPo
     assert!(!finish("pi_c", read_at).await);
 
     // A claim in flight (its transaction open) when the re-fetch ends: one more.
-    assert!(claim("pi_a").await);
+    assert_eq!(claim("pi_a").await, Ask);
     let mut inflight = pool.begin().await.unwrap();
-    assert!(!ask_refetch(&mut inflight, "pi_a", order).await.unwrap());
+    assert_eq!(ask_refetch(&mut inflight, "pi_a", order).await.unwrap(), Coalesced);
     let read_at = read().await;
     assert!(finish("pi_a", read_at).await, "a locked row is skipped, not waited for, and reported");
     inflight.commit().await.unwrap();
 
     // A pending re-fetch asked longer ago than REFETCH_COALESCE_S holds back nothing.
-    sqlx::query("UPDATE payment_intent_refetches SET asked_at = asked_at - interval '31 seconds'")
-        .execute(&pool)
-        .await
-        .unwrap();
-    assert!(claim("pi_a").await, "an old ask is asked again");
-    assert!(!claim("pi_a").await, "and covers what follows");
+    age("UPDATE payment_intent_refetches SET asked_at = asked_at - interval '31 seconds'").await;
+    assert_eq!(claim("pi_a").await, Ask, "an old ask is asked again");
+    assert_eq!(claim("pi_a").await, Coalesced, "and covers what follows");
+
+    // The claims' budget: pi_a has asked 4 of its re-fetches (pi_d none); claims sent each
+    // time a re-fetch ended ask for the rest, and then for none.
+    let asked: i32 = sqlx::query_scalar(
+        "SELECT asks FROM payment_intent_refetches WHERE payment_intent_id = 'pi_a' AND order_id = $1",
+    )
+    .bind(order.0)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(asked, 4);
+    for _ in asked..REFETCHES_PER_PAYMENT_INTENT {
+        assert!(!finish("pi_a", read().await).await);
+        assert_eq!(claim("pi_a").await, Ask);
+    }
+    assert!(!finish("pi_a", read().await).await);
+    assert_eq!(claim("pi_a").await, OverBudget, "past the budget, a claim asks nothing");
+    assert_eq!(pending().await, 1, "and leaves nothing pending (pi_b's still is)");
+    assert_eq!(claim_for("pi_a", other).await, Ask, "another order's claims have their own budget");
+    // A window that ended begins a new one.
+    age("UPDATE payment_intent_refetches SET window_started_at = window_started_at - interval '1 hour'")
+        .await;
+    assert_eq!(claim("pi_a").await, Ask, "a new window");
+
+    // The follow-ups' budget, the payment worker's own.
+    let follow_up = |pi: &'static str| {
+        let pool = pool.clone();
+        async move {
+            let mut tx = pool.begin().await.unwrap();
+            let ok = spend_follow_up(&mut tx, pi, order).await.unwrap();
+            tx.commit().await.unwrap();
+            ok
+        }
+    };
+    for _ in 0..FOLLOW_UPS_PER_PAYMENT_INTENT {
+        assert!(follow_up("pi_a").await);
+    }
+    assert!(!follow_up("pi_a").await, "past the follow-ups' budget");
+    assert!(follow_up("pi_b").await, "another PaymentIntent's are its own");
+    age("UPDATE payment_intent_follow_ups SET window_started_at = window_started_at - interval '1 hour'")
+        .await;
+    assert!(follow_up("pi_a").await, "a new window");
+    assert_eq!(
+        prune_follow_ups(&pool, REFETCH_BUDGET_WINDOW_S, 100).await.unwrap(),
+        1,
+        "pi_b's window ended"
+    );
 
     // Rows whose last claim is older than the retention are pruned; younger ones stay.
-    sqlx::query("UPDATE payment_intent_refetches SET last_claim_at = now() - interval '2 hours' WHERE payment_intent_id = 'pi_b'")
-        .execute(&pool)
-        .await
-        .unwrap();
+    let rows: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM payment_intent_refetches").fetch_one(&pool).await.unwrap();
+    age("UPDATE payment_intent_refetches SET last_claim_at = now() - interval '2 hours' WHERE payment_intent_id = 'pi_b'").await;
     assert_eq!(prune_refetches(&pool, REFETCH_RETENTION_S, 100).await.unwrap(), 1);
-    assert_eq!(rows().await, 1);
+    assert_eq!(
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM payment_intent_refetches")
+            .fetch_one(&pool)
+            .await
+            .unwrap(),
+        rows - 1
+    );
 }
 
 /// A claim that names another buyer's PaymentIntent under an order of its sender's (signed
@@ -856,5 +922,85 @@ async fn claims_naming_new_objects_spend_their_orders_refetch_budget(
         1,
         "a budget in its window stays"
     );
+    app.stop().await;
+}
+
+/// Claims about an order's own PaymentIntent, forged with the signing secret, cost a bounded
+/// number of re-fetches however they are sent (migration 0036): a steady stream that keeps
+/// arriving while each re-fetch runs gets the first claim's re-fetch and
+/// [`FOLLOW_UPS_PER_PAYMENT_INTENT`] follow-ups, then none; claims sent each time a re-fetch
+/// has been made ask for the rest of [`REFETCHES_PER_PAYMENT_INTENT`], then none. Every claim
+/// is answered 200, the flooded order is not authorized by them, and another buyer's purchase
+/// meanwhile is ticketed.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn a_stream_of_claims_about_an_orders_own_payment_intent_costs_a_bounded_number_of_refetches(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    use boxoffice_store::stripe_events::{FOLLOW_UPS_PER_PAYMENT_INTENT, REFETCHES_PER_PAYMENT_INTENT};
+    use boxoffice_stripe_sim::Faults;
+    let app = TestApp::spawn(opts, &Role::ALL, VenueSpec::small(1, 1, 4)).await;
+    let seats = app.seats().await;
+    let (victim, other) = (app.buyer(), app.buyer());
+    let order = app.hold_order(&victim, "k-flooded", &[seats[0]]).await;
+    let v =
+        app.await_order(&victim, order, Duration::from_secs(30), |v| v.get("client_secret").is_some()).await;
+    let pi = v["payment_intent_id"].as_str().unwrap().to_owned();
+    let refetches = || app.outbox_count("PaymentIntentRefreshRequested", order);
+    let spent = format!(
+        "SELECT coalesce(max(made), 0)::bigint FROM payment_intent_follow_ups WHERE order_id = '{order}'"
+    );
+    let follow_ups_spent = || app.count(&spent);
+
+    // A steady stream: each re-fetch's call takes at least 100 ms, and claims keep arriving
+    // meanwhile, until the payment worker has refused a follow-up.
+    app.sim.set_faults(Faults { answer_delay_ms: 100, ..Faults::default() });
+    let mut sent = 0;
+    while follow_ups_spent().await <= i64::from(FOLLOW_UPS_PER_PAYMENT_INTENT) {
+        assert!(sent < 5_000, "the follow-ups never ran out");
+        assert_eq!(app.deliver_webhook(event_body(&format!("evt_stream_{sent}"), order, &pi)).await, 200);
+        sent += 1;
+    }
+    app.sim.set_faults(Faults::default());
+    assert_eq!(
+        refetches().await,
+        1 + i64::from(FOLLOW_UPS_PER_PAYMENT_INTENT),
+        "the first claim's re-fetch and the follow-ups' budget, of {sent} claims"
+    );
+
+    // Claims sent each time a re-fetch has been made (here: marked made) ask for the rest of
+    // the claims' budget, then for none.
+    for i in 0..REFETCHES_PER_PAYMENT_INTENT + 3 {
+        sqlx::query("UPDATE payment_intent_refetches SET asked_at = '-infinity' WHERE order_id = $1")
+            .bind(order)
+            .execute(&app.pool)
+            .await
+            .unwrap();
+        assert_eq!(app.deliver_webhook(event_body(&format!("evt_after_{i}"), order, &pi)).await, 200);
+    }
+    assert_eq!(
+        refetches().await,
+        i64::from(REFETCHES_PER_PAYMENT_INTENT + FOLLOW_UPS_PER_PAYMENT_INTENT),
+        "the claims' budget and the follow-ups'"
+    );
+
+    // Another buyer's purchase goes through meanwhile; the flooded order is not authorized.
+    let theirs = app.hold_order(&other, "k-other", &[seats[1]]).await;
+    app.pay(&other, theirs, "pm_card_visa").await.expect("authorized at the provider");
+    app.await_order(&other, theirs, Duration::from_secs(30), |v| v["status"] == "ticketed").await;
+    let unmade = format!(
+        "SELECT count(*) FROM outbox o WHERE o.message_key = '{order}' AND o.event_type = 'PaymentIntentRefreshRequested'
+            AND NOT EXISTS (SELECT 1 FROM inbox i WHERE i.consumer = 'payments' AND i.event_id = o.id)"
+    );
+    crate::helpers::eventually(Duration::from_secs(30), "every re-fetch asked was made", || async {
+        app.count(&unmade).await == 0
+    })
+    .await;
+    assert_eq!(
+        refetches().await,
+        i64::from(REFETCHES_PER_PAYMENT_INTENT + FOLLOW_UPS_PER_PAYMENT_INTENT),
+        "and no follow-up after them"
+    );
+    assert_eq!(app.outbox_count("PaymentAuthorized", order).await, 0);
     app.stop().await;
 }
