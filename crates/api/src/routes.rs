@@ -136,6 +136,10 @@ pub fn router(state: AppState) -> Router {
             )
         })
         .layer(DefaultBodyLimit::max(limit))
+        // A declared `Content-Length` over the limit is refused at once (413, made
+        // problem+json by the edge), before a byte of the body is read: otherwise the request
+        // holds its slot and bulkhead until the body passes the limit or a timeout answers 503.
+        .layer(tower_http::limit::RequestBodyLimitLayer::new(limit))
         .layer(
             tower_http::trace::TraceLayer::new_for_http()
                 .make_span_with(crate::spans::RequestSpan::new(&state.settings.labels))

@@ -732,3 +732,48 @@ async fn revocation_check_fails_closed_on_a_redis_error(_: PgPoolOptions, opts: 
     assert_eq!(app.count("SELECT count(*) FROM orders").await, 0);
     app.stop().await;
 }
+
+/// A request that declares a body over `max_body_bytes` is answered 413 `body_too_large` at
+/// once, on every route that takes a body, before any of it is sent: it neither waits for the
+/// body (a slot held until a timeout's 503) nor reads it.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn a_declared_body_over_the_limit_is_refused_before_it_is_read(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    let app = api_only(opts, |c| {
+        c.http_request_timeout_ms = 30_000;
+        c.http_request_body_timeout_ms = 30_000;
+    })
+    .await;
+    let b = app.buyer();
+    for (path, auth) in [
+        ("/webhooks/stripe".to_owned(), String::new()),
+        (
+            format!("/events/{}/holds", app.event),
+            format!("Authorization: {}\r\nIdempotency-Key: k\r\n", b.bearer()),
+        ),
+    ] {
+        let mut s = TcpStream::connect(addr(&app)).await.unwrap();
+        s.write_all(
+            format!(
+                "POST {path} HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\nContent-Length: 10000000\r\n\r\n"
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+        let mut answer = vec![0u8; 4096];
+        let n = tokio::time::timeout(Duration::from_secs(20), s.read(&mut answer))
+            .await
+            .expect("answered before the body was sent")
+            .unwrap();
+        let text = String::from_utf8_lossy(&answer[..n]).to_lowercase();
+        assert!(text.starts_with("http/1.1 413"), "{path}: {text}");
+        assert!(
+            text.contains("application/problem+json") && text.contains("body_too_large"),
+            "{path}: {text}"
+        );
+    }
+    app.stop().await;
+}
