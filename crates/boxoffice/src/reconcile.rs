@@ -119,11 +119,12 @@ pub enum DriftKind {
     /// closes it.
     IntentMissingInLedger,
     /// The provider has a PaymentIntent naming one of our orders that never moved money
-    /// (`requires_payment_method`, `requires_confirmation`, `requires_action`, `canceled`)
-    /// and the ledger has no payment row for it: the payment worker created it and crashed
-    /// before recording it, and the order ended meanwhile. Its client secret was never stored,
-    /// so no buyer can confirm it: reported, but not an invariant violation. No fact closes
-    /// it; cancel it at the provider to tidy up.
+    /// (`requires_payment_method`, `requires_confirmation`, `requires_action`) and the
+    /// ledger has no payment row for it: the payment worker created it and crashed before
+    /// recording it, and the order ended meanwhile. Its client secret was never stored, so no
+    /// buyer can confirm it: reported, but not an invariant violation. No fact closes it;
+    /// cancel it at the provider to tidy up (a `canceled` PaymentIntent the ledger does not
+    /// record is no drift: a stray the saga cancelled, or one tidied up).
     UnconfirmedIntentMissingInLedger,
     /// The ledger has a payment row whose PaymentIntent the provider does not know (404).
     /// No fact closes it.
@@ -311,6 +312,9 @@ pub fn compare(p: Option<&IntentWithCharge>, l: Option<&LedgerPayment>) -> Vec<D
     };
     let (Some(p), Some(l)) = (p, l) else {
         let kind = match p {
+            // Holds no money and nobody can pay it: nothing to close or to tidy up (a stray
+            // the saga cancelled, an unrecorded one an operator cancelled).
+            Some(p) if p.intent.status == PaymentIntentStatus::Canceled => return vec![],
             Some(p)
                 if matches!(
                     p.intent.status,
@@ -1040,8 +1044,13 @@ mod tests {
         // The order's own intent (its row lost), and a captured stray: an operator's.
         assert_eq!(stray("requires_capture", "pi_1"), (DriftKind::IntentMissingInLedger, None));
         assert_eq!(stray("succeeded", "pi_2"), (DriftKind::IntentMissingInLedger, None));
-        // An intent that never moved money is a notice, and stays one.
-        assert_eq!(stray("canceled", "pi_2"), (DriftKind::UnconfirmedIntentMissingInLedger, None));
+        // An intent that never moved money is a notice, and stays one; once cancelled (the
+        // saga's answer to a stray), it is no drift.
+        assert_eq!(
+            stray("requires_payment_method", "pi_2"),
+            (DriftKind::UnconfirmedIntentMissingInLedger, None)
+        );
+        assert!(compare(Some(&intent("canceled", 100, 0, Some(0))), None).is_empty());
     }
 
     #[test]
@@ -1149,10 +1158,9 @@ mod tests {
         assert_eq!(kinds(Some(&p), None), [(IntentMissingInLedger, None)]);
         let p = intent("requires_capture", 100, 0, Some(0));
         assert_eq!(kinds(Some(&p), None), [(IntentMissingInLedger, None)]);
-        for status in ["requires_payment_method", "canceled"] {
-            let p = intent(status, 100, 0, Some(0));
-            assert_eq!(kinds(Some(&p), None), [(UnconfirmedIntentMissingInLedger, None)]);
-        }
+        let p = intent("requires_payment_method", 100, 0, Some(0));
+        assert_eq!(kinds(Some(&p), None), [(UnconfirmedIntentMissingInLedger, None)]);
+        assert_eq!(kinds(Some(&intent("canceled", 100, 0, Some(0))), None), []);
         assert!(!UnconfirmedIntentMissingInLedger.is_violation() && IntentMissingInLedger.is_violation());
         let l = row("succeeded", 100, 100, 0);
         assert_eq!(kinds(None, Some(&l)), [(PaymentMissingAtProvider, None)]);
