@@ -1484,7 +1484,7 @@ impl Config {
         let webhook = self.stripe_webhook_secret.expose_secret();
         if DEV_WEBHOOK_SECRETS.contains(&webhook) {
             let problem = if prod && live_api {
-                format!("{builtin}, with {base}: anyone could sign webhooks that move orders")
+                format!("{builtin}, with {base}: anyone could sign webhook claims, each costing a recorded event and, within each order's budget, a provider call")
             } else {
                 builtin.into()
             };
