@@ -115,9 +115,10 @@ pub enum Ingested {
     /// it is about the order's own PaymentIntent after the claims about it asked for
     /// [`stripe_events::REFETCHES_PER_PAYMENT_INTENT`] re-fetches this hour
     /// ([`stripe_events::RefetchAsk::OverBudget`]). Recorded, not re-fetched: an authorization
-    /// claim still protects the order's live hold, whose provider check (not budgeted) reads
-    /// the provider before it lapses; reconciliation, which reads the provider's
-    /// PaymentIntents, finds the rest.
+    /// claim still protects the order's live hold (counted from the first claim no re-fetch
+    /// refuted), whose provider check, asked once as it reaches its end, is not budgeted; the
+    /// hold's expiry cancels an authorization nobody confirmed, and reconciliation, which
+    /// reads the provider's PaymentIntents, finds the rest.
     LeftToReconciliation,
     /// It names an order this ledger does not have (one lost with a fenced region's
     /// unreplicated commits, or another deployment's): recorded, ignored; reconciliation

@@ -50,7 +50,7 @@
 //! authorized clears a protection a webhook claim set, and ends the hold's provider check,
 //! unless a claim was counted since its read: the buyer may have paid during the call, so
 //! the protection stands until the re-fetch it asks once more has spoken, or, with the
-//! follow-ups' budget spent, until the hold's provider check has).
+//! follow-ups' budget spent, until it runs out, and rule 3's wait ends with it).
 //!
 //! A PaymentIntent re-fetch stands for every webhook claim about that PaymentIntent, made for
 //! its order, counted before its pre-check read the ledger (such claims share one pending
