@@ -498,12 +498,24 @@ pub async fn spend_follow_up(
 /// # Errors
 /// The database's.
 pub async fn prune_follow_ups(pool: &PgPool, window_s: i64, limit: i64) -> Result<u64, sqlx::Error> {
-    let r = sqlx::query(
-        "DELETE FROM payment_intent_follow_ups WHERE ctid = ANY (ARRAY(
-            SELECT ctid FROM payment_intent_follow_ups
+    prune_ended_windows(pool, "payment_intent_follow_ups", window_s, limit).await
+}
+
+/// The prune of a budget table whose rows carry the start of their window
+/// (`window_started_at`, indexed): deletes up to `limit` rows whose window began more than
+/// `window_s` seconds ago, the oldest first. `table` is one of this module's budget tables.
+async fn prune_ended_windows(
+    pool: &PgPool,
+    table: &'static str,
+    window_s: i64,
+    limit: i64,
+) -> Result<u64, sqlx::Error> {
+    let r = sqlx::query(&format!(
+        "DELETE FROM {table} WHERE ctid = ANY (ARRAY(
+            SELECT ctid FROM {table}
              WHERE window_started_at < now() - make_interval(secs => $1::double precision)
-             ORDER BY window_started_at LIMIT $2))",
-    )
+             ORDER BY window_started_at LIMIT $2))"
+    ))
     .bind(window_s as f64)
     .bind(limit)
     .execute(pool)
@@ -596,17 +608,7 @@ pub async fn spend_uncovered_refetch(tx: &mut Tx<'_>, order: OrderId) -> Result<
 /// # Errors
 /// The database's.
 pub async fn prune_refetch_budgets(pool: &PgPool, window_s: i64, limit: i64) -> Result<u64, sqlx::Error> {
-    let r = sqlx::query(
-        "DELETE FROM order_refetch_budget WHERE ctid = ANY (ARRAY(
-            SELECT ctid FROM order_refetch_budget
-             WHERE window_started_at < now() - make_interval(secs => $1::double precision)
-             ORDER BY window_started_at LIMIT $2))",
-    )
-    .bind(window_s as f64)
-    .bind(limit)
-    .execute(pool)
-    .await?;
-    Ok(r.rows_affected())
+    prune_ended_windows(pool, "order_refetch_budget", window_s, limit).await
 }
 
 /// How long an event recorded without an order id is kept, by default, seconds (7
