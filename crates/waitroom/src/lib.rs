@@ -588,7 +588,7 @@ impl Waitroom {
                 match &res {
                     Ok(_) => tracing::info!(redis.op = op, "waiting room: redis reachable again"),
                     Err(e) => {
-                        tracing::warn!(redis.op = op, error = %e, "waiting room: redis unreachable; queue calls answer 503, revocation checks ask the ledger")
+                        tracing::warn!(redis.op = op, error = %e, "waiting room: redis unreachable; queue calls answer 503, the other routes' rate buckets fall back to this process's own limiter, revocation checks ask the ledger")
                     }
                 }
             }
