@@ -28,8 +28,8 @@
 //!   (the worker's follow-ups have a budget of their own,
 //!   [`stripe_events::FOLLOW_UPS_PER_PAYMENT_INTENT`]), so neither a claim sent each time a
 //!   re-fetch ends nor a steady stream keeps provider calls going: a claim past the budget is
-//!   recorded and left ([`Ingested::LeftToReconciliation`]; an authorization claim still
-//!   protects the live hold, whose provider check is not budgeted). A claim naming an object the ledger does not
+//!   recorded and left ([`Ingested::LeftToReconciliation`]) and protects nothing: the
+//!   hold's provider check, not budgeted, finds an authorization it reports at the hold's end. A claim naming an object the ledger does not
 //!   record for its order — a PaymentIntent that is not the order's current one (or any, before
 //!   the order records one), or a dispute — names one of its own that no pending re-fetch
 //!   covers; such claims ask for their re-fetch within the order's budget
@@ -114,9 +114,9 @@ pub enum Ingested {
     /// claims of that kind spent their budget ([`stripe_events::spend_uncovered_refetch`]), or
     /// it is about the order's own PaymentIntent after the claims about it asked for
     /// [`stripe_events::REFETCHES_PER_PAYMENT_INTENT`] re-fetches this hour
-    /// ([`stripe_events::RefetchAsk::OverBudget`]). Recorded, not re-fetched: an authorization
-    /// claim still protects the order's live hold (counted from the first claim no re-fetch
-    /// refuted), whose provider check, asked once as it reaches its end, is not budgeted; the
+    /// ([`stripe_events::RefetchAsk::OverBudget`]). Recorded, not re-fetched, and it protects
+    /// nothing (no re-fetch will check it): an authorization it reports is found by the
+    /// hold's provider check, asked once as the hold reaches its end and not budgeted; the
     /// hold's expiry cancels an authorization nobody confirmed, and reconciliation, which
     /// reads the provider's PaymentIntents, finds the rest.
     LeftToReconciliation,
@@ -341,12 +341,23 @@ async fn ingest_in(
                         return Ok(Ingested::AwaitingCapture);
                     }
                     outcome = Ingested::Refresh;
+                    // One re-fetch per PaymentIntent and order at a time, and a bounded number
+                    // an hour: a claim that a pending one for its order covers asks nothing,
+                    // and one past the budget is left (with the signing secret, each forged
+                    // event id would otherwise be a provider call).
+                    let ask = match dispute {
+                        Some(_) => stripe_events::RefetchAsk::Ask,
+                        None => stripe_events::ask_refetch(tx, pi, order).await?,
+                    };
+                    if ask == stripe_events::RefetchAsk::OverBudget {
+                        // No re-fetch will check it, so it protects nothing: an authorization
+                        // it reports is found by the hold's provider check at the hold's end.
+                        return Ok(Ingested::LeftToReconciliation);
+                    }
                     if event.r#type == AUTHORIZATION && current && reason == UNVERIFIED_CLAIM {
                         // Case C19: reported while the hold is live, so our lag (the re-fetch,
-                        // the saga) must not cost the buyer the seats. The re-fetch confirms
-                        // the claim or clears the protection; past the claims' re-fetch budget
-                        // the hold's provider check does (the protection counts from the
-                        // first claim no re-fetch refuted, so repeating one extends nothing).
+                        // the saga) must not cost the buyer the seats. The re-fetch, asked or
+                        // pending, confirms the claim or clears the protection.
                         holds::protect_authorized(tx, order, policy, holds::Report::Claim).await?;
                     }
                     let fact = match dispute {
@@ -355,20 +366,13 @@ async fn ingest_in(
                             payment_intent_id: pi.to_owned(),
                             dispute_id,
                         },
-                        // One re-fetch per PaymentIntent and order at a time, and a bounded number
-                        // an hour: a claim that a pending one for its order covers asks nothing,
-                        // and one past the budget is left (with the signing secret, each forged
-                        // event id would otherwise be a provider call).
-                        None => match stripe_events::ask_refetch(tx, pi, order).await? {
-                            stripe_events::RefetchAsk::Coalesced => return Ok(Ingested::Coalesced),
-                            stripe_events::RefetchAsk::OverBudget => {
-                                return Ok(Ingested::LeftToReconciliation);
-                            }
-                            stripe_events::RefetchAsk::Ask => PurchaseEvent::PaymentIntentRefreshRequested {
-                                order_id: order,
-                                payment_intent_id: pi.to_owned(),
-                                reason: reason.to_owned(),
-                            },
+                        None if ask == stripe_events::RefetchAsk::Coalesced => {
+                            return Ok(Ingested::Coalesced)
+                        }
+                        None => PurchaseEvent::PaymentIntentRefreshRequested {
+                            order_id: order,
+                            payment_intent_id: pi.to_owned(),
+                            reason: reason.to_owned(),
                         },
                     };
                     next.facts.push(outbox::Traced::here(Envelope::new(

@@ -22,8 +22,9 @@
 //!    claim the provider refutes clears the protection — unless a claim about the
 //!    PaymentIntent came while that re-fetch's call was under way (an authorization of a
 //!    buyer who paid meanwhile, say): then the protection, and rule 3's wait, stand until the
-//!    re-fetch asked once more has spoken (with that PaymentIntent's follow-up re-fetches
-//!    spent, until they run out: both are bounded). Invariant 2 is unchanged: the saga confirms only an active hold that has
+//!    re-fetch asked once more has spoken. A claim no re-fetch will check (past the
+//!    PaymentIntent's re-fetch budgets) protects nothing: the hold reaches its end, and rule
+//!    3 asks. Invariant 2 is unchanged: the saga confirms only an active hold that has
 //!    not lapsed by this rule, with an authorization it has verified.
 //! 3. **The provider is asked before a payable hold lapses.** A webhook may be late (the
 //!    provider retries for days) or starved by our own load, so the ledger's silence is not

@@ -1310,17 +1310,13 @@ pub const PROVIDER_CHECK_REASON: &str = "hold_lapsing";
 
 /// Rule 3's answer: the provider's word on `order`'s PaymentIntent is not an authorization,
 /// so a wait for it that [`check_lapsing`] started ends now (the hold then lapses by its other
-/// ends) — or, while a webhook claim's protection stands ([`protect_authorized`], which the
-/// caller keeps when claims came during its call that no follow-up re-fetch will check), when
-/// that protection ends, never later than it would have. A wait no check was asked for is
-/// left alone: the buyer may still pay. Returns whether a wait was shortened.
+/// ends). A wait no check was asked for is left alone: the buyer may still pay. Returns
+/// whether a wait ended.
 pub async fn end_provider_check(tx: &mut Tx<'_>, order: OrderId) -> Result<bool, sqlx::Error> {
     let r = sqlx::query(
-        "UPDATE holds SET provider_check_until = LEAST(provider_check_until,
-                              GREATEST(clock_timestamp(), coalesce(authorized_until, clock_timestamp())))
+        "UPDATE holds SET provider_check_until = clock_timestamp()
           WHERE order_id = $1 AND provider_check_requested_at IS NOT NULL
-            AND provider_check_until > clock_timestamp()
-            AND provider_check_until > coalesce(authorized_until, clock_timestamp())",
+            AND provider_check_until > clock_timestamp()",
     )
     .bind(order.0)
     .execute(&mut **tx)

@@ -327,9 +327,9 @@ pub enum RefetchAsk {
     /// ([`finish_refetch`] asks once more for the claims it may have missed).
     Coalesced,
     /// A re-fetch would be due, but the claims about this PaymentIntent and order asked for
-    /// [`REFETCHES_PER_PAYMENT_INTENT`] in the current window: nothing is asked. An
-    /// authorization claim still protects its order's live hold, whose provider check is not
-    /// budgeted; reconciliation compares the provider's PaymentIntents with the ledger.
+    /// [`REFETCHES_PER_PAYMENT_INTENT`] in the current window: nothing is asked, and the
+    /// claim protects nothing: the hold's provider check, not budgeted, finds an authorization
+    /// at the hold's end; reconciliation compares the provider's PaymentIntents with the ledger.
     OverBudget,
 }
 
@@ -452,9 +452,9 @@ pub async fn finish_refetch(
 /// worker's, in one statement: `true` if the follow-up [`finish_refetch`] called for may be
 /// asked, `false` if that many were asked in the current window. Its table is written by the
 /// payment worker alone (one transaction per order at a time), so it never waits for a
-/// claim's lock. A refused follow-up leaves the pending re-fetch as it is: claims in the next
-/// [`REFETCH_COALESCE_S`] are counted as covered, and the first after that asks again within
-/// the claims' budget. The first refusal of a window is logged as a warning; every one is
+/// claim's lock. After a refusal the caller ends the pending re-fetch
+/// ([`drop_pending_refetch`]): claims after it ask again within the claims' budget. The first
+/// refusal of a window is logged as a warning; every one is
 /// counted in `boxoffice_refetch_follow_ups_refused_total`.
 ///
 /// # Errors
@@ -488,6 +488,34 @@ pub async fn spend_follow_up(
             "webhook claims kept arriving during this PaymentIntent's re-fetches: no more follow-up re-fetches this window; the claims are left to the hold's provider check and to reconciliation");
     }
     Ok(made <= FOLLOW_UPS_PER_PAYMENT_INTENT)
+}
+
+/// Marks the pending re-fetch of `payment_intent_id` for `order` made without making it, in
+/// `tx`, the payment worker's, in one statement, after [`spend_follow_up`] refused the
+/// follow-up [`finish_refetch`] called for: no re-fetch is pending any more, so a later claim
+/// asks within the claims' budget ([`REFETCHES_PER_PAYMENT_INTENT`]) or is left, rather than
+/// being counted as covered by a re-fetch that will not come. A row locked by a claim in
+/// flight is skipped, not waited for (as [`finish_refetch`] does); that claim is then covered
+/// by nothing until the pending ask ages past [`REFETCH_COALESCE_S`].
+///
+/// # Errors
+/// The database's.
+pub async fn drop_pending_refetch(
+    tx: &mut Tx<'_>,
+    payment_intent_id: &str,
+    order: OrderId,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "UPDATE payment_intent_refetches SET asked_at = '-infinity' WHERE ctid = ANY (ARRAY(
+             SELECT ctid FROM payment_intent_refetches
+              WHERE payment_intent_id = $1 AND order_id = $2 AND asked_at > '-infinity'
+                FOR UPDATE SKIP LOCKED))",
+    )
+    .bind(payment_intent_id)
+    .bind(order.0)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
 }
 
 /// Deletes up to `limit` rows of [`spend_follow_up`]'s budgets whose window began more than

@@ -49,8 +49,8 @@
 //! authorized protects its live hold until the saga confirms it (one that finds it not
 //! authorized clears a protection a webhook claim set, and ends the hold's provider check,
 //! unless a claim was counted since its read: the buyer may have paid during the call, so
-//! the protection stands until the re-fetch it asks once more has spoken, or, with the
-//! follow-ups' budget spent, until it runs out, and rule 3's wait ends with it).
+//! the protection stands until the re-fetch it asks once more has spoken; with the
+//! follow-ups' budget spent, no re-fetch will, and the claims protect nothing).
 //!
 //! A PaymentIntent re-fetch stands for every webhook claim about that PaymentIntent, made for
 //! its order, counted before its pre-check read the ledger (such claims share one pending
@@ -733,24 +733,19 @@ impl Handler for PaymentWorker {
                             .await?;
                         }
                         PaymentIntentStatus::Succeeded => {}
-                        _ => match ended {
-                            // Not authorized when the provider was read, but an authorization
-                            // claimed since may be newer than this answer (the buyer paid
-                            // during the call): its protection, and rule 3's wait, stand until
-                            // the re-fetch asked once more has spoken.
-                            Ended::FollowUp(_) => {}
-                            // Such claims, past the follow-ups' budget: no re-fetch will speak,
-                            // so a protection stands as it is (it counts from the first claim:
-                            // the claims extend nothing) and rule 3's wait ends with it.
-                            Ended::ClaimsLeft => {
-                                holds::end_provider_check(tx, order_id).await?;
-                            }
-                            Ended::Covered => {
-                                holds::clear_protection(tx, order_id).await?;
-                                // Rule 3: not authorized, so a hold waiting for this answer lapses.
-                                holds::end_provider_check(tx, order_id).await?;
-                            }
-                        },
+                        // Not authorized when the provider was read, but an authorization
+                        // claimed since may be newer than this answer (the buyer paid during
+                        // the call): its protection, and rule 3's wait, stand until the
+                        // re-fetch asked once more has spoken.
+                        _ if matches!(ended, Ended::FollowUp(_)) => {}
+                        // Every claim covered by this answer; or claims past the follow-ups'
+                        // budget, which no re-fetch will check, so they protect nothing (as a
+                        // claim past the claims' budget does not).
+                        _ => {
+                            holds::clear_protection(tx, order_id).await?;
+                            // Rule 3: not authorized, so a hold waiting for this answer lapses.
+                            holds::end_provider_check(tx, order_id).await?;
+                        }
                     }
                 }
                 emit.extend(
@@ -882,8 +877,9 @@ enum Ended {
     /// ([`refresh_reason::CLAIMED_DURING_REFETCH`]).
     FollowUp(PurchaseEvent),
     /// Claims were counted at or after its read, but the follow-ups' budget
-    /// ([`stripe_events::FOLLOW_UPS_PER_PAYMENT_INTENT`]) is spent: they are left to the
-    /// hold's provider check and to reconciliation.
+    /// ([`stripe_events::FOLLOW_UPS_PER_PAYMENT_INTENT`]) is spent: no re-fetch will check
+    /// them, so they protect nothing (an authorization among them is found by the hold's
+    /// provider check at its end, or by reconciliation).
     ClaimsLeft,
 }
 
@@ -913,6 +909,9 @@ async fn end_refetch(
         return Ok(Ended::Covered);
     }
     if !stripe_events::spend_follow_up(tx, payment_intent_id, order_id).await? {
+        // Nothing pending any more: a later claim asks within the claims' budget, or is left
+        // and protects nothing, instead of counting on a re-fetch that will not come.
+        stripe_events::drop_pending_refetch(tx, payment_intent_id, order_id).await?;
         return Ok(Ended::ClaimsLeft);
     }
     Ok(Ended::FollowUp(PurchaseEvent::PaymentIntentRefreshRequested {

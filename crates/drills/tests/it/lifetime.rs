@@ -574,3 +574,55 @@ async fn an_audit_before_a_cancel_is_committed_sees_drift_the_drain_waits_out(
     assert_eq!((after.total(), after.exit_code()), (0, 0), "{}", audit::render(&after));
     app.stop().await;
 }
+
+/// A buyer whose PaymentIntent's claims already spent their re-fetch budget (eight declined
+/// cards in the hour, or forged claims) pays: the authorization's webhook asks no re-fetch and
+/// so protects nothing, and the hold's own provider check (rule 3, not budgeted) finds the
+/// authorization at the hold's end; the buyer is ticketed. A claim no re-fetch will check
+/// must not protect the hold: that would also keep the hold from its provider check, and
+/// the buyer's seats would lapse, unverified, when the protection ran out.
+#[sqlx::test(migrator = "boxoffice_store::MIGRATOR")]
+async fn c19_a_buyer_past_the_claims_budget_is_found_by_the_provider_check(
+    _: PgPoolOptions,
+    opts: PgConnectOptions,
+) {
+    let app = TestApp::spawn_with(opts, &Role::ALL, VenueSpec::small(1, 1, 4), |c| {
+        c.hold_ttl_ms = 1_000;
+        c.payment_window_ms = Some(4_000);
+        c.hold_provider_check_ms = 600_000;
+    })
+    .await;
+    let s = app.seats().await;
+    let b = app.buyer();
+    let order = held(&app, &b, s[0], "past-budget").await;
+    let v = app.await_order(&b, order, WAIT, |v| v.get("client_secret").is_some()).await;
+    let pi = v["payment_intent_id"].as_str().unwrap().to_owned();
+    // The claims about this PaymentIntent asked for their whole budget this hour, the last
+    // re-fetch made.
+    sqlx::query(
+        "INSERT INTO payment_intent_refetches (payment_intent_id, order_id, asked_at, last_claim_at, window_started_at, asks)
+         VALUES ($1, $2, '-infinity', now(), now(), $3)",
+    )
+    .bind(&pi)
+    .bind(order)
+    .bind(boxoffice_store::stripe_events::REFETCHES_PER_PAYMENT_INTENT)
+    .execute(&app.pool)
+    .await
+    .unwrap();
+    app.pay(&b, order, "pm_card_visa").await.expect("authorized at the provider");
+
+    app.await_order(&b, order, WAIT, |v| v["status"] == "ticketed").await;
+    assert_eq!(provider_checks(&app, &[order]).await, 1, "found by the hold's provider check");
+    assert_eq!(
+        app.count(&format!(
+            "SELECT count(*) FROM outbox WHERE message_key = '{order}' AND event_type = 'PaymentIntentRefreshRequested'"
+        ))
+        .await,
+        1,
+        "the authorization's webhook asked no re-fetch"
+    );
+    let o = outcomes(&app).await;
+    assert_eq!(o.lost_after_authorization, 0, "{o:?}");
+    app.assert_drained_and_clean().await;
+    app.stop().await;
+}
