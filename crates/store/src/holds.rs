@@ -947,11 +947,18 @@ pub async fn lock_all_for_orders(tx: &mut Tx<'_>, orders: &[OrderId]) -> Result<
             .fetch_all(&mut **tx)
             .await;
     }
-    let ids: Vec<Uuid> = orders.iter().map(|o| o.0).collect();
-    sqlx::query_scalar("SELECT order_id FROM holds WHERE order_id = ANY($1) ORDER BY order_id FOR UPDATE")
-        .bind(&ids)
-        .fetch_all(&mut **tx)
-        .await
+    // Each key looked up and locked on its own, in the array's (ascending) order: see "Lookups
+    // by keys" in the crate's documentation.
+    let mut ids: Vec<Uuid> = orders.iter().map(|o| o.0).collect();
+    ids.sort();
+    ids.dedup();
+    sqlx::query_scalar(
+        "SELECT h.order_id FROM unnest($1::uuid[]) AS k(order_id)
+          CROSS JOIN LATERAL (SELECT order_id FROM holds WHERE order_id = k.order_id FOR UPDATE) h",
+    )
+    .bind(&ids)
+    .fetch_all(&mut **tx)
+    .await
 }
 
 /// Locks the hold of `order` (`FOR UPDATE`); first step of every saga transition (lock order
@@ -988,16 +995,21 @@ pub async fn lock_all_with_orders(
     tx: &mut Tx<'_>,
     orders: &[OrderId],
 ) -> Result<Vec<(HoldRow, crate::orders::OrderRow)>, StoreError> {
-    // Row marks are taken row by row in the sorted output (the locking clause runs after
-    // ORDER BY), and within a row in the order `FOR UPDATE OF` names them: hold, then order.
+    // Row marks are taken order by order in ascending order id (the array form looks each key
+    // up and locks it on its own, in the sorted array's order: see "Lookups by keys" in the
+    // crate's documentation), and within an order in the order `FOR UPDATE OF` names them:
+    // hold, then order.
     // `lapsed` is computed outside the locking query, from each row as locked: a later row's
     // test is not made before the lock waits of the rows before it, and no row's before its
     // own lock wait.
-    // The statement for a given selection, built at compile time (no formatting per call).
+    // The statement for a given selection (optionally inside an opening and a closing part),
+    // built at compile time (no formatting per call).
     macro_rules! locking {
-        ($selection:literal) => {
+        ($selection:literal $(, $open:literal, $close:literal)?) => {
             concat!(
-                "WITH locked AS MATERIALIZED (
+                "WITH locked AS MATERIALIZED (",
+                $($open,)?
+                "
                     SELECT h.id, h.order_id, h.status, h.expires_at, h.authorized_until, h.payable_by,
                            h.provider_check_until, o.user_id, o.event_id, o.status AS order_status,
                            o.amount_minor, o.currency, o.correlation_id
@@ -1005,7 +1017,9 @@ pub async fn lock_all_with_orders(
                      WHERE ",
                 $selection,
                 "
-                       FOR UPDATE OF h, o)
+                       FOR UPDATE OF h, o",
+                $($close,)?
+                ")
                  SELECT id, order_id, status, expires_at, ",
                 hold_end!(""),
                 " < clock_timestamp() AS lapsed,
@@ -1016,15 +1030,20 @@ pub async fn lock_all_with_orders(
     }
     let rows: Vec<LockedPair> = match orders {
         [] => return Ok(Vec::new()),
-        // One order (a fact processed alone, a run of one): a plain key lookup, cheaper than
-        // the array form (its bitmap scan and sort).
+        // One order (a fact processed alone, a run of one): a plain key lookup.
         [order] => sqlx::query_as(locking!("h.order_id = $1")).bind(order.0).fetch_all(&mut **tx).await?,
         _ => {
-            let ids: Vec<Uuid> = orders.iter().map(|o| o.0).collect();
-            sqlx::query_as(locking!("h.order_id = ANY($1) ORDER BY h.order_id"))
-                .bind(&ids)
-                .fetch_all(&mut **tx)
-                .await?
+            let mut ids: Vec<Uuid> = orders.iter().map(|o| o.0).collect();
+            ids.sort();
+            ids.dedup();
+            sqlx::query_as(locking!(
+                "h.order_id = k.order_id",
+                "SELECT l.* FROM unnest($1::uuid[]) AS k(order_id) CROSS JOIN LATERAL (",
+                ") l"
+            ))
+            .bind(&ids)
+            .fetch_all(&mut **tx)
+            .await?
         }
     };
     let corrupt = |e: boxoffice_domain::status::UnknownStatus| StoreError::Corrupt(e.to_string());

@@ -40,6 +40,24 @@
 //! order passes through in seconds, and locks only the holds of those it takes. The
 //! integration test `sweeps::every_periodic_sweep_reads_only_what_is_due` counts the rows
 //! each one reads beside thousands that are not due.
+//!
+//! # Lookups by keys
+//!
+//! The purchase path's statements that read the rows of an array of keys (a consumer's batch,
+//! a run of facts, the status streams' read: `payments::prechecks`, `payments::get_all`,
+//! `orders::views`, `outbox::not_committed`, `holds::lock_all_for_orders`,
+//! `holds::lock_all_with_orders`) look each key up on its own: `unnest` of the keys, then a
+//! `LATERAL` subquery per table that a `LIMIT` (or a row lock) keeps PostgreSQL from flattening
+//! into a join, so the plan is an index lookup per key whatever the planner thinks of the
+//! table. Every session keeps one generic plan per statement (`db_plan_cache_mode`) until the
+//! table's statistics change; PostgreSQL plans an array parameter as ten keys, and ten keys
+//! joined to a table of a few thousand rows cost less by a hash join over the whole table, a
+//! plan that then reads every row at every size until the next `ANALYZE`. A statement about one
+//! order names its key (`stripe_events::finish_refetch` names the re-fetch's key beside the
+//! `ctid` it found, for the same reason). The integration test
+//! `sweeps::lookups_by_keys_read_only_their_keys_whatever_size_the_plan_saw` plans each on a
+//! ledger of a thousand rows a table and counts what it reads once five thousand more were
+//! added.
 
 pub mod audit;
 pub mod cells;

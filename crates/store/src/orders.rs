@@ -269,11 +269,14 @@ struct TicketRow {
     voided_at: Option<DateTime<Utc>>,
 }
 
-/// The order view's columns, from `orders o` joined to its hold `h` and payment `p`, with
-/// the seats and tickets aggregated; one place for `GET /orders/{id}` and the status streams.
+/// The order view's columns, from `orders o` (the `FROM` item given, then the filter given)
+/// joined to its hold `h` and payment `p`, with the seats and tickets aggregated; one place
+/// for `GET /orders/{id}` and the status streams. Each joined row is read by its key
+/// (`LATERAL … LIMIT 1`, see "Lookups by keys" in the crate's documentation).
 macro_rules! view_select {
-    () => {
-        "SELECT o.id, o.user_id, o.event_id, o.status, o.failure_reason, o.amount_minor, o.currency,
+    ($orders:literal, $filter:literal) => {
+        concat!(
+            r#"SELECT o.id, o.user_id, o.event_id, o.status, o.failure_reason, o.amount_minor, o.currency,
                 o.created_at, o.updated_at, h.id AS hold_id, h.status AS hold_status,
                 h.expires_at AS hold_expires_at, p.payment_intent_id, p.client_secret,
                 p.status AS payment_status,
@@ -284,16 +287,20 @@ macro_rules! view_select {
                                                             'issued_at', t.issued_at, 'voided_at', t.voided_at)
                                           ORDER BY s.label)
                             FROM tickets t JOIN seats s ON s.id = t.seat_id WHERE t.order_id = o.id), '[]') AS tickets
-           FROM orders o
-           LEFT JOIN holds h ON h.order_id = o.id
-           LEFT JOIN payments p ON p.order_id = o.id"
+           FROM "#,
+        $orders,
+        r#"
+           LEFT JOIN LATERAL (SELECT * FROM holds h WHERE h.order_id = o.id LIMIT 1) h ON true
+           LEFT JOIN LATERAL (SELECT * FROM payments p WHERE p.order_id = o.id LIMIT 1) p ON true "#,
+            $filter
+        )
     };
 }
 
 /// Reads the order for its owner in one statement; `None` when it does not exist *or*
 /// belongs to someone else (the API answers 404 for both, so order ids cannot be probed).
 pub async fn view(pool: &PgPool, id: OrderId, owner: UserId) -> Result<Option<OrderView>, StoreError> {
-    let row: Option<ViewRow> = sqlx::query_as(concat!(view_select!(), " WHERE o.id = $1 AND o.user_id = $2"))
+    let row: Option<ViewRow> = sqlx::query_as(view_select!("orders o", "WHERE o.id = $1 AND o.user_id = $2"))
         .bind(id.0)
         .bind(owner.0)
         .fetch_optional(pool)
@@ -319,9 +326,10 @@ pub async fn views(
 ) -> Result<Vec<(OrderId, UserId, Result<OrderView, StoreError>)>, sqlx::Error> {
     use sqlx::{FromRow, Row};
     let (orders, users): (Vec<Uuid>, Vec<Uuid>) = pairs.iter().map(|(o, u)| (o.0, u.0)).unzip();
-    let rows = sqlx::query(concat!(
-        view_select!(),
-        " JOIN unnest($1::uuid[], $2::uuid[]) AS w(order_id, user_id) ON o.id = w.order_id AND o.user_id = w.user_id"
+    let rows = sqlx::query(view_select!(
+        "unnest($1::uuid[], $2::uuid[]) AS w(order_id, user_id)
+           CROSS JOIN LATERAL (SELECT * FROM orders o WHERE o.id = w.order_id AND o.user_id = w.user_id LIMIT 1) o",
+        ""
     ))
     .bind(&orders)
     .bind(&users)

@@ -84,12 +84,12 @@ pub async fn not_committed<'e>(
     let payloads: Vec<&serde_json::Value> = facts.iter().map(|f| &f.payload).collect();
     sqlx::query_scalar(
         "SELECT t.id FROM unnest($1::uuid[], $2::text[], $3::uuid[], $4::jsonb[]) AS t(id, event_type, order_id, payload)
-          WHERE NOT EXISTS (SELECT 1 FROM outbox o
-                             WHERE o.id = t.id AND o.event_type = t.event_type
-                               AND o.message_key = t.order_id::text AND o.payload->'payload' = t.payload)
-            AND NOT EXISTS (SELECT 1 FROM order_history h
-                             WHERE h.event_id = t.id AND h.event_type = t.event_type
-                               AND h.order_id = t.order_id AND h.payload->'payload' = t.payload)",
+          WHERE (SELECT 1 FROM outbox o
+                  WHERE o.id = t.id AND o.event_type = t.event_type
+                    AND o.message_key = t.order_id::text AND o.payload->'payload' = t.payload LIMIT 1) IS NULL
+            AND (SELECT 1 FROM order_history h
+                  WHERE h.event_id = t.id AND h.event_type = t.event_type
+                    AND h.order_id = t.order_id AND h.payload->'payload' = t.payload LIMIT 1) IS NULL",
     )
     .bind(ids)
     .bind(types)

@@ -129,9 +129,10 @@ pub async fn get_all<'e, E: Executor<'e, Database = Postgres>>(
     }
     let ids: Vec<Uuid> = orders.iter().map(|o| o.0).collect();
     sqlx::query_as(
-        "SELECT order_id, payment_intent_id, status, amount_minor, currency, amount_captured_minor,
-                amount_refunded_minor, capture_before, last_error_code, dispute_id, dispute_status
-           FROM payments WHERE order_id = ANY($1)",
+        "SELECT p.order_id, p.payment_intent_id, p.status, p.amount_minor, p.currency, p.amount_captured_minor,
+                p.amount_refunded_minor, p.capture_before, p.last_error_code, p.dispute_id, p.dispute_status
+           FROM unnest($1::uuid[]) AS k(order_id)
+          CROSS JOIN LATERAL (SELECT * FROM payments p WHERE p.order_id = k.order_id LIMIT 1) p",
     )
     .bind(&ids)
     .fetch_all(ex)
@@ -276,7 +277,7 @@ pub async fn prechecks(
 ) -> Result<Vec<Precheck>, StoreError> {
     let (orders, events): (Vec<Uuid>, Vec<Uuid>) = commands.iter().map(|(o, e)| (o.0, *e)).unzip();
     let rows: Vec<PrecheckRow> = sqlx::query_as(
-        "SELECT EXISTS (SELECT 1 FROM inbox i WHERE i.consumer = $1 AND i.event_id = c.event_id) AS applied,
+        "SELECT i.applied IS NOT NULL AS applied,
                 o.status AS order_status, h.status AS hold_status,
                 p.payment_intent_id, p.status AS payment_status, p.amount_minor, p.currency,
                 p.amount_captured_minor, p.amount_refunded_minor, p.capture_before, p.last_error_code,
@@ -284,9 +285,11 @@ pub async fn prechecks(
                 o.amount_minor AS order_amount_minor, o.currency AS order_currency, h.id AS hold_id,
                 statement_timestamp() AS read_at
            FROM unnest($2::uuid[], $3::uuid[]) WITH ORDINALITY AS c (order_id, event_id, k)
-           LEFT JOIN orders o ON o.id = c.order_id
-           LEFT JOIN holds h ON h.order_id = c.order_id
-           LEFT JOIN payments p ON p.order_id = c.order_id
+           LEFT JOIN LATERAL (SELECT true AS applied FROM inbox i
+                               WHERE i.consumer = $1 AND i.event_id = c.event_id LIMIT 1) i ON true
+           LEFT JOIN LATERAL (SELECT * FROM orders o WHERE o.id = c.order_id LIMIT 1) o ON true
+           LEFT JOIN LATERAL (SELECT * FROM holds h WHERE h.order_id = c.order_id LIMIT 1) h ON true
+           LEFT JOIN LATERAL (SELECT * FROM payments p WHERE p.order_id = c.order_id LIMIT 1) p ON true
           ORDER BY c.k",
     )
     .bind(consumer)

@@ -429,7 +429,8 @@ pub async fn finish_refetch(
     // claim committed after the snapshot fails the re-check of `FOR UPDATE` and stays.
     let left: bool = sqlx::query_scalar(
         "WITH made AS (
-             UPDATE payment_intent_refetches SET asked_at = '-infinity' WHERE ctid = ANY (ARRAY(
+             UPDATE payment_intent_refetches SET asked_at = '-infinity'
+              WHERE payment_intent_id = $1 AND order_id = $3 AND ctid = ANY (ARRAY(
                  SELECT ctid FROM payment_intent_refetches
                   WHERE payment_intent_id = $1 AND order_id = $3 AND last_claim_at < $2
                     AND asked_at > '-infinity'
@@ -506,7 +507,8 @@ pub async fn drop_pending_refetch(
     order: OrderId,
 ) -> Result<(), sqlx::Error> {
     sqlx::query(
-        "UPDATE payment_intent_refetches SET asked_at = '-infinity' WHERE ctid = ANY (ARRAY(
+        "UPDATE payment_intent_refetches SET asked_at = '-infinity'
+          WHERE payment_intent_id = $1 AND order_id = $2 AND ctid = ANY (ARRAY(
              SELECT ctid FROM payment_intent_refetches
               WHERE payment_intent_id = $1 AND order_id = $2 AND asked_at > '-infinity'
                 FOR UPDATE SKIP LOCKED))",
