@@ -941,7 +941,7 @@ pub async fn lock_all_for_orders(tx: &mut Tx<'_>, orders: &[OrderId]) -> Result<
         return Ok(Vec::new());
     }
     if let [order] = orders {
-        // One order: a plain key lookup, cheaper than the array form (its bitmap scan and sort).
+        // One order: a plain key lookup.
         return sqlx::query_scalar("SELECT order_id FROM holds WHERE order_id = $1 FOR UPDATE")
             .bind(order.0)
             .fetch_all(&mut **tx)
@@ -953,8 +953,9 @@ pub async fn lock_all_for_orders(tx: &mut Tx<'_>, orders: &[OrderId]) -> Result<
     ids.sort();
     ids.dedup();
     sqlx::query_scalar(
-        "SELECT h.order_id FROM unnest($1::uuid[]) AS k(order_id)
-          CROSS JOIN LATERAL (SELECT order_id FROM holds WHERE order_id = k.order_id FOR UPDATE) h",
+        "SELECT h.order_id FROM unnest($1::uuid[]) WITH ORDINALITY AS k(order_id, n)
+          CROSS JOIN LATERAL (SELECT order_id FROM holds WHERE order_id = k.order_id FOR UPDATE) h
+          ORDER BY k.n",
     )
     .bind(&ids)
     .fetch_all(&mut **tx)
@@ -1038,8 +1039,8 @@ pub async fn lock_all_with_orders(
             ids.dedup();
             sqlx::query_as(locking!(
                 "h.order_id = k.order_id",
-                "SELECT l.* FROM unnest($1::uuid[]) AS k(order_id) CROSS JOIN LATERAL (",
-                ") l"
+                "SELECT l.* FROM unnest($1::uuid[]) WITH ORDINALITY AS k(order_id, n) CROSS JOIN LATERAL (",
+                ") l ORDER BY k.n"
             ))
             .bind(&ids)
             .fetch_all(&mut **tx)
@@ -1304,7 +1305,9 @@ pub async fn check_lapsing(pool: &PgPool, limit: i64) -> Result<usize, StoreErro
     }
     let rows: Vec<(Uuid, Uuid, String)> = sqlx::query_as(
         "SELECT o.id, o.correlation_id, p.payment_intent_id
-           FROM orders o JOIN payments p ON p.order_id = o.id WHERE o.id = ANY($1)",
+           FROM unnest($1::uuid[]) AS k(order_id)
+          CROSS JOIN LATERAL (SELECT id, correlation_id FROM orders WHERE id = k.order_id LIMIT 1) o
+          CROSS JOIN LATERAL (SELECT payment_intent_id FROM payments WHERE order_id = k.order_id LIMIT 1) p",
     )
     .bind(&due)
     .fetch_all(&mut *tx)

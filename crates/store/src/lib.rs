@@ -44,20 +44,22 @@
 //! # Lookups by keys
 //!
 //! The purchase path's statements that read the rows of an array of keys (a consumer's batch,
-//! a run of facts, the status streams' read: `payments::prechecks`, `payments::get_all`,
-//! `orders::views`, `outbox::not_committed`, `holds::lock_all_for_orders`,
-//! `holds::lock_all_with_orders`) look each key up on its own: `unnest` of the keys, then a
-//! `LATERAL` subquery per table that a `LIMIT` (or a row lock) keeps PostgreSQL from flattening
-//! into a join, so the plan is an index lookup per key whatever the planner thinks of the
-//! table. Every session keeps one generic plan per statement (`db_plan_cache_mode`) until the
-//! table's statistics change; PostgreSQL plans an array parameter as ten keys, and ten keys
-//! joined to a table of a few thousand rows cost less by a hash join over the whole table, a
-//! plan that then reads every row at every size until the next `ANALYZE`. A statement about one
-//! order names its key (`stripe_events::finish_refetch` names the re-fetch's key beside the
-//! `ctid` it found, for the same reason). The integration test
-//! `sweeps::lookups_by_keys_read_only_their_keys_whatever_size_the_plan_saw` plans each on a
-//! ledger of a thousand rows a table and counts what it reads once five thousand more were
-//! added.
+//! a run of facts, the status streams' read, the provider check's sweep:
+//! `payments::prechecks`, `payments::get_all`, `orders::views`, `outbox::not_committed`,
+//! `holds::lock_all_for_orders`, `holds::lock_all_with_orders`, `holds::check_lapsing`) look
+//! each key up on its own: `unnest` of the keys, then per table a `LATERAL` subquery that a
+//! `LIMIT` (or a row lock) keeps PostgreSQL from flattening into a join, or a scalar subquery
+//! (`outbox::not_committed`), evaluated once per key, by its index once the table holds more
+//! than a few pages. Every session keeps one generic plan per statement
+//! (`db_plan_cache_mode`) until the table's statistics change; PostgreSQL plans an array
+//! parameter as ten keys, and ten keys joined to a table of a few thousand rows cost less by a
+//! hash join over the whole table, a plan that then reads every row at every size until the
+//! next `ANALYZE`. A statement about one re-fetch names its key beside the `ctid` it found
+//! (`stripe_events::finish_refetch`, `stripe_events::drop_pending_refetch`), for the same
+//! reason. The integration test
+//! `sweeps::lookups_by_keys_read_only_their_keys_whatever_size_the_plan_saw` plans each of the
+//! consumers' and the re-fetches' statements on a ledger of a thousand rows a table and counts
+//! what it reads once five thousand more were added.
 
 pub mod audit;
 pub mod cells;

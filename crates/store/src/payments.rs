@@ -127,7 +127,9 @@ pub async fn get_all<'e, E: Executor<'e, Database = Postgres>>(
     if orders.is_empty() {
         return Ok(Vec::new());
     }
-    let ids: Vec<Uuid> = orders.iter().map(|o| o.0).collect();
+    let mut ids: Vec<Uuid> = orders.iter().map(|o| o.0).collect();
+    ids.sort();
+    ids.dedup();
     sqlx::query_as(
         "SELECT p.order_id, p.payment_intent_id, p.status, p.amount_minor, p.currency, p.amount_captured_minor,
                 p.amount_refunded_minor, p.capture_before, p.last_error_code, p.dispute_id, p.dispute_status
