@@ -56,10 +56,14 @@
 //! hash join over the whole table, a plan that then reads every row at every size until the
 //! next `ANALYZE`. A statement about one re-fetch names its key beside the `ctid` it found
 //! (`stripe_events::finish_refetch`, `stripe_events::drop_pending_refetch`), for the same
-//! reason. The integration test
-//! `sweeps::lookups_by_keys_read_only_their_keys_whatever_size_the_plan_saw` plans each of the
-//! consumers' and the re-fetches' statements on a ledger of a thousand rows a table and counts
-//! what it reads once five thousand more were added.
+//! reason. A table whose statistics say it is empty is planned whole even for one key (a
+//! page reads faster whole than through an index), so `venue::seed` analyzes the tables an
+//! onsale fills only once they hold rows: one never analyzed is planned as ten pages at least.
+//! The integration tests `sweeps::lookups_by_keys_read_only_their_keys_whatever_size_the_plan_saw`
+//! and `sweeps::lookups_by_keys_planned_on_a_new_ledger_read_only_their_keys` plan each of the
+//! consumers' and the re-fetches' statements on a ledger of a thousand rows a table, and on a
+//! new ledger (a venue just seeded and three orders), and count what each reads once five
+//! thousand rows more were added to every table it reads by key.
 
 pub mod audit;
 pub mod cells;
