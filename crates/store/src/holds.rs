@@ -1025,7 +1025,7 @@ pub async fn lock_all_with_orders(
                 hold_end!(""),
                 " < clock_timestamp() AS lapsed,
                         user_id, event_id, order_status, amount_minor, currency, correlation_id
-                   FROM locked"
+                   FROM locked ORDER BY order_id"
             )
         };
     }

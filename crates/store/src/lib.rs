@@ -49,21 +49,22 @@
 //! `holds::lock_all_for_orders`, `holds::lock_all_with_orders`, `holds::check_lapsing`) look
 //! each key up on its own: `unnest` of the keys, then per table a `LATERAL` subquery that a
 //! `LIMIT` (or a row lock) keeps PostgreSQL from flattening into a join, or a scalar subquery
-//! (`outbox::not_committed`), evaluated once per key, by its index once the table holds more
-//! than a few pages. Every session keeps one generic plan per statement
+//! (`outbox::not_committed`), evaluated once per key, by its index unless the plan was made
+//! while the table's statistics said it was a page or so (below). Every session keeps one generic plan per statement
 //! (`db_plan_cache_mode`) until the table's statistics change; PostgreSQL plans an array
 //! parameter as ten keys, and ten keys joined to a table of a few thousand rows cost less by a
 //! hash join over the whole table, a plan that then reads every row at every size until the
 //! next `ANALYZE`. A statement about one re-fetch names its key beside the `ctid` it found
 //! (`stripe_events::finish_refetch`, `stripe_events::drop_pending_refetch`), for the same
-//! reason. A table whose statistics say it is empty is planned whole even for one key (a
-//! page reads faster whole than through an index), so `venue::seed` analyzes the tables an
-//! onsale fills only once they hold rows: one never analyzed is planned as ten pages at least.
-//! The integration tests `sweeps::lookups_by_keys_read_only_their_keys_whatever_size_the_plan_saw`
-//! and `sweeps::lookups_by_keys_planned_on_a_new_ledger_read_only_their_keys` plan each of the
-//! consumers' and the re-fetches' statements on a ledger of a thousand rows a table, and on a
-//! new ledger (a venue just seeded and three orders), and count what each reads once five
-//! thousand rows more were added to every table it reads by key.
+//! reason. A session that plans a lookup of a table whose statistics say it is empty, while
+//! it is a page or so, reads it whole even for one key, so `venue::seed` and the bench analyze
+//! the tables an onsale fills only once they hold rows ([`analyze_filled`]). The integration
+//! tests `sweeps::lookups_by_keys_read_only_their_keys_whatever_size_the_plan_saw` and
+//! `sweeps::lookups_by_keys_planned_on_a_new_ledger_read_only_their_keys` plan the consumers'
+//! and the re-fetches' statements above (not `holds::check_lapsing`) on a ledger of a thousand
+//! rows a table, and on a new ledger (a venue just seeded and three orders), and count what
+//! each reads of orders, holds, payments, the inbox, the outbox, the order history and the
+//! re-fetches once five thousand rows more were added to each.
 
 pub mod audit;
 pub mod cells;
@@ -177,6 +178,28 @@ pub async fn migrate(options: PgConnectOptions) -> Result<Vec<String>, sqlx::mig
 
 /// A transaction on the ledger.
 pub type Tx<'a> = sqlx::Transaction<'a, sqlx::Postgres>;
+
+/// `ANALYZE`s each of `tables` that holds a row and leaves an empty one as it is ("Lookups by
+/// keys" above): an empty table analyzed is recorded as empty, and a session that plans a
+/// lookup of it while it is a page or so reads it whole even for one key, a plan it keeps
+/// while the table fills, until the next `ANALYZE`. A table never analyzed is planned as ten
+/// pages at least (PostgreSQL 14 and later), where one key is cheaper by its index. `tables`
+/// are names of this crate's tables (not quoted). Returns the tables analyzed.
+///
+/// # Errors
+/// The database's.
+pub async fn analyze_filled(pool: &PgPool, tables: &[&str]) -> Result<Vec<String>, sqlx::Error> {
+    let mut analyzed = Vec::new();
+    for table in tables {
+        let filled: bool =
+            sqlx::query_scalar(&format!("SELECT EXISTS (SELECT 1 FROM {table})")).fetch_one(pool).await?;
+        if filled {
+            sqlx::query(&format!("ANALYZE {table}")).execute(pool).await?;
+            analyzed.push((*table).to_owned());
+        }
+    }
+    Ok(analyzed)
+}
 
 /// A round trip to the database (readiness probes).
 pub async fn ping(pool: &PgPool) -> bool {

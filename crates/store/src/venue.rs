@@ -159,18 +159,9 @@ pub async fn seed(
     tx.commit().await?;
     // Fresh statistics before an onsale: without them the planner may join a whole new
     // venue's seats by hash instead of by key. The tables an onsale fills only once they hold
-    // rows: an empty table analyzed is recorded as empty, and every session would then plan
-    // its key lookups of it as sequential scans (a table of a page reads faster whole) and
-    // keep those plans while the onsale fills it, until the next ANALYZE; a table never
-    // analyzed is planned as ten pages at least, by key.
+    // rows ([`crate::analyze_filled`]).
     sqlx::query("ANALYZE seats").execute(pool).await?;
-    for table in ["hold_seats", "holds", "orders", "tickets"] {
-        let filled: bool =
-            sqlx::query_scalar(&format!("SELECT EXISTS (SELECT 1 FROM {table})")).fetch_one(pool).await?;
-        if filled {
-            sqlx::query(&format!("ANALYZE {table}")).execute(pool).await?;
-        }
-    }
+    crate::analyze_filled(pool, &["hold_seats", "holds", "orders", "tickets"]).await?;
     Ok((event, count))
 }
 
