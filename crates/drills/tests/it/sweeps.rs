@@ -116,6 +116,23 @@ async fn hold(pool: &PgPool, event: EventId, seat: Uuid) -> OrderId {
     holds::reserve(pool, &req).await.unwrap().receipt().order_id
 }
 
+/// A new buyer's hold of `seat` whose PaymentIntent `pi` is recorded (the buyer may pay).
+async fn payable_hold(pool: &PgPool, event: EventId, seat: Uuid, pi: &str) -> OrderId {
+    let order = hold(pool, event, seat).await;
+    boxoffice_store::payments::insert_created(
+        pool,
+        order,
+        pi,
+        Some("secret"),
+        "requires_payment_method",
+        1,
+        "usd",
+    )
+    .await
+    .unwrap();
+    order
+}
+
 /// Each sweep, beside `NOT_DUE` rows of its table that it must leave alone (and, where a
 /// partial index leaves rows out, as many more of those), acts on exactly the due rows and
 /// reads at most those and `SLACK` more.
@@ -141,19 +158,8 @@ async fn every_periodic_sweep_reads_only_what_is_due(_: PgPoolOptions, opts: PgC
     let mut waiting = Vec::new();
     let mut waiting_pis = Vec::new();
     for s in &seats[3..5] {
-        let order = hold(&observer, event, *s).await;
         let pi = format!("pi_sweep_{}", Uuid::new_v4().simple());
-        boxoffice_store::payments::insert_created(
-            &observer,
-            order,
-            &pi,
-            Some("secret"),
-            "requires_payment_method",
-            1,
-            "usd",
-        )
-        .await
-        .unwrap();
+        let order = payable_hold(&observer, event, *s, &pi).await;
         waiting.push(order.0);
         waiting_pis.push(pi);
     }
@@ -536,19 +542,8 @@ async fn lookups_read_only_their_keys(opts: PgConnectOptions, planned: i64) {
     // The keys: orders with a hold, a payment and a pending re-fetch each.
     let mut keys = Vec::new();
     for (i, s) in seats[..LOOKED_UP as usize].iter().enumerate() {
-        let order = hold(&reads.observer, event, *s).await;
         let pi = format!("pi_lookup_{i}");
-        payments::insert_created(
-            &reads.observer,
-            order,
-            &pi,
-            Some("secret"),
-            "requires_payment_method",
-            1,
-            "usd",
-        )
-        .await
-        .unwrap();
+        let order = payable_hold(&reads.observer, event, *s, &pi).await;
         let user: Uuid = sqlx::query_scalar("SELECT user_id FROM orders WHERE id = $1")
             .bind(order.0)
             .fetch_one(&reads.observer)
