@@ -1040,7 +1040,7 @@ pub async fn lock_all_with_orders(
             sqlx::query_as(locking!(
                 "h.order_id = k.order_id",
                 "SELECT l.* FROM unnest($1::uuid[]) WITH ORDINALITY AS k(order_id, n) CROSS JOIN LATERAL (",
-                ") l ORDER BY k.n"
+                ") l"
             ))
             .bind(&ids)
             .fetch_all(&mut **tx)

@@ -50,8 +50,9 @@
 //! each key up on its own: `unnest` of the keys, then per table a `LATERAL` subquery that a
 //! `LIMIT` (or a row lock) keeps PostgreSQL from flattening into a join, or a scalar subquery
 //! (`outbox::not_committed`), evaluated once per key, by its index unless the plan was made
-//! while the table's statistics said it was a page or so (below). Every session keeps one generic plan per statement
-//! (`db_plan_cache_mode`) until the table's statistics change; PostgreSQL plans an array
+//! while the table's statistics said it was a page or so (below). Every session keeps one
+//! generic plan per statement (`db_plan_cache_mode`) until the table's statistics change;
+//! PostgreSQL plans an array
 //! parameter as ten keys, and ten keys joined to a table of a few thousand rows cost less by a
 //! hash join over the whole table, a plan that then reads every row at every size until the
 //! next `ANALYZE`. A statement about one re-fetch names its key beside the `ctid` it found

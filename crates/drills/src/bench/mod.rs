@@ -282,9 +282,24 @@ impl BenchDb {
 /// The tables the purchase path writes, every one of them, which the bench keeps vacuumed and
 /// analyzed when the server's autovacuum is off ([`Autovacuum`]): a table left out keeps the
 /// plans each session made for it when it was empty, as no deployment does.
-pub const PURCHASE_TABLES: &str = "orders, holds, hold_seats, payments, tickets, outbox, inbox, idempotency_keys, \
-     stripe_events, payment_intent_refetches, payment_intent_follow_ups, order_refetch_budget, capture_claims, \
-     order_transitions, order_history, incidents";
+pub const PURCHASE_TABLES: &[&str] = &[
+    "orders",
+    "holds",
+    "hold_seats",
+    "payments",
+    "tickets",
+    "outbox",
+    "inbox",
+    "idempotency_keys",
+    "stripe_events",
+    "payment_intent_refetches",
+    "payment_intent_follow_ups",
+    "order_refetch_budget",
+    "capture_claims",
+    "order_transitions",
+    "order_history",
+    "incidents",
+];
 
 /// What autovacuum would do for the bench's database while a phase runs, on a server whose
 /// autovacuum is off: `VACUUM (ANALYZE)` of [`PURCHASE_TABLES`] every 5 s, in a task of its
@@ -307,8 +322,9 @@ impl Autovacuum {
         let task = tokio::spawn(async move {
             loop {
                 tokio::select! { _ = token.cancelled() => break, _ = tokio::time::sleep(std::time::Duration::from_secs(5)) => {} }
-                if let Err(e) =
-                    sqlx::query(&format!("VACUUM (ANALYZE) {PURCHASE_TABLES}")).execute(&pool).await
+                if let Err(e) = sqlx::query(&format!("VACUUM (ANALYZE) {}", PURCHASE_TABLES.join(", ")))
+                    .execute(&pool)
+                    .await
                 {
                     tracing::warn!(error = %e, "VACUUM (ANALYZE) failed");
                 }

@@ -242,8 +242,7 @@ async fn run_on(cfg: &Config, args: &BenchArgs, db: &BenchDb, pool: &PgPool) -> 
         // Fresh statistics for each level, and while it runs as autovacuum would keep them
         // (the tables grow by thousands of holds per level; it may be off).
         // Only those that hold rows (`analyze_filled`): the first level's are empty.
-        let tables: Vec<&str> = super::PURCHASE_TABLES.split(',').map(str::trim).collect();
-        boxoffice_store::analyze_filled(pool, &tables).await?;
+        boxoffice_store::analyze_filled(pool, super::PURCHASE_TABLES).await?;
         let autovacuum = super::Autovacuum::start(pool).await;
         let wal_before = wal_position(pool).await;
         let level = hold_level(pool, db.opts.clone(), event, deck.clone(), n, args).await;
